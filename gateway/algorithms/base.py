@@ -1,0 +1,73 @@
+"""The protocol every limiter algorithm implements, and the one decision value they all return.
+
+Algorithms are pure: ``decide`` takes the key's current state (``None`` for a key never seen or
+expired) and ``now_us`` and returns a decision plus the state to commit. Nothing is mutated, so a
+caller holding several limits can check them all and then commit only if every one admits the
+request (nginx's multi-zone rule), and the Redis Lua scripts can mirror the same arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+S = TypeVar("S")
+
+US_PER_S = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What one limit says about one request; feeds response headers, metrics and the dashboard.
+
+    ``allowed`` false means reject. When allowed, ``delay_s`` > 0 means the request must wait that
+    long before it is forwarded (traffic shaping). ``retry_after_s`` is how long a rejected client
+    should wait before a retry can succeed (0 when allowed). ``limit`` and ``remaining`` are in
+    requests (cost units) for the current window or bucket; ``reset_s`` is how long until the
+    limit's state has fully recovered (quota back to ``limit``).
+    """
+
+    allowed: bool
+    delay_s: float
+    retry_after_s: float
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+class Algorithm(Protocol, Generic[S]):
+    """One rate-limit algorithm with frozen parameters; per-key state is passed in and out."""
+
+    @property
+    def name(self) -> str:
+        """Short algorithm name as written in policy files (``leaky_bucket``, ``token_bucket`` ...)."""
+        ...
+
+    def decide(self, state: S | None, now_us: int, cost: int = 1) -> tuple[Decision, S | None]:
+        """Decide one request of ``cost`` units at ``now_us``.
+
+        Returns the decision and the state to commit if the request goes ahead. On reject the
+        returned state is the input state unchanged (a rejected request is charged nothing).
+        """
+        ...
+
+    def is_idle(self, state: S, now_us: int) -> bool:
+        """True when the state has decayed to what a fresh key would have, so it may be dropped."""
+        ...
+
+    def refund(self, state: S, now_us: int, cost: int = 1) -> S:
+        """Give back ``cost`` units charged by an admitted request that never went ahead.
+
+        Used when a queued client disconnects before its delay ends. Algorithms that cannot
+        refund exactly (a sliding window cannot tell which request to forget) return the state
+        unchanged or the closest safe approximation; a refund never lets a key over its limit.
+        """
+        ...
+
+    def rescale(self, state: S, previous: Algorithm[S], now_us: int) -> S | None:
+        """Carry a key's state over a policy reload that changed this limit's parameters.
+
+        ``previous`` is the algorithm the state was made under. Usage is rescaled proportionally
+        (a bucket 40% full stays 40% full); ``None`` means start the key afresh.
+        """
+        ...

@@ -1,0 +1,41 @@
+"""The one clock the gateway reads, injected so tests can drive time by hand.
+
+Limiter algorithms never read a clock: callers pass ``now_us`` (integer microseconds), which is
+exact enough for nginx's millisecond arithmetic and Guava's microsecond arithmetic alike.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now_us(self) -> int:
+        """Monotonic time in integer microseconds."""
+        ...
+
+
+class MonotonicClock:
+    __slots__ = ()
+
+    def now_us(self) -> int:
+        return time.monotonic_ns() // 1000
+
+
+class FakeClock:
+    """A clock that moves only when told to; for tests."""
+
+    __slots__ = ("_now_us",)
+
+    def __init__(self, start_us: int = 1_000_000_000) -> None:
+        self._now_us = start_us
+
+    def now_us(self) -> int:
+        return self._now_us
+
+    def advance(self, seconds: float = 0.0, *, us: int = 0) -> None:
+        self._now_us += round(seconds * 1_000_000) + us
+
+    def set(self, now_us: int) -> None:
+        self._now_us = now_us

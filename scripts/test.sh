@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs everything the tests need (system packages included) and runs them.
+# This is the README's test command; .ci/run calls it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+need=()
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v wrk >/dev/null 2>&1 || need+=(wrk)
+if [ ${#need[@]} -gt 0 ]; then
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+fi
+
+PY=${PYTHON:-python3}
+$PY -m pip install -q --disable-pip-version-check -e ".[test,speed]"
+
+$PY -m ruff check gateway tests bench
+set +e
+$PY -m pytest -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" = "5" ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$rc"
