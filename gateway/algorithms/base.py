@@ -40,7 +40,7 @@ class Algorithm(Protocol, Generic[S]):
 
     @property
     def name(self) -> str:
-        """Short algorithm name as written in policy files (``leaky_bucket``, ``token_bucket`` ...)."""
+        """Algorithm name as written in policy files (``leaky_bucket``, ``token_bucket``...)."""
         ...
 
     def decide(self, state: S | None, now_us: int, cost: int = 1) -> tuple[Decision, S | None]:

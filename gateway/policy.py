@@ -1,0 +1,226 @@
+"""The policy file schema: pydantic models are its single source (``gateway schema`` exports it).
+
+Models are frozen and reject unknown keys, so a loaded policy is an immutable snapshot that a reload
+swaps whole. Cross-references (a route naming an upstream) are checked in ``policy_loader``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from gateway.units import parse_duration, parse_size
+
+
+def _duration(value: Any) -> float:
+    if isinstance(value, str | int | float) and not isinstance(value, bool):
+        return parse_duration(value)
+    raise ValueError(f"invalid duration {value!r}: expected Go syntax like '500ms', '10s', '1m'")
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        return parse_size(value)
+    raise ValueError(f"invalid size {value!r}: expected bytes or nginx syntax like '64k', '10m'")
+
+
+Duration = Annotated[
+    float,
+    BeforeValidator(_duration),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": r"^(\d+(\.\d+)?(ms|us|µs|s|m|h))+$|^0$"},
+                {"type": "number", "minimum": 0},
+            ],
+            "description": "Go-style duration ('500ms', '10s', '1m30s') or seconds",
+        }
+    ),
+]
+Size = Annotated[
+    int,
+    BeforeValidator(_size),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": r"^\d+[kKmMgG]?$"},
+                {"type": "integer", "minimum": 0},
+            ],
+            "description": "bytes, or nginx-style size ('64k', '10m', '1g')",
+        }
+    ),
+]
+
+_HOST_PORT_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
+_UPSTREAM_URL_RE = re.compile(
+    r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+)(:\d{1,5})?(/[^\s?#]*)?$"
+)
+_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+KNOWN_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
+)
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``'127.0.0.1:8080'`` / ``'[::1]:8080'`` -> host and port; raises ValueError."""
+    match = _HOST_PORT_RE.match(text.strip())
+    if match is None:
+        raise ValueError(f"invalid listen address {text!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
+    host, port = match.group(1), int(match.group(2))
+    if port > 65535:
+        raise ValueError(f"invalid listen address {text!r}: port out of range")
+    return host.strip("[]"), port
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Model):
+    """The client-facing listener and its protections against slow or abusive clients."""
+
+    listen: str = Field("0.0.0.0:8080", description="HOST:PORT of the proxy listener")
+    admin_listen: str = Field(
+        "127.0.0.1:9090", description="HOST:PORT of the admin listener (/healthz, /readyz, ...)"
+    )
+    workers: int = Field(1, ge=1, le=64, description="processes sharing the listener")
+    trusted_proxies: tuple[str, ...] = Field(
+        (), description="CIDRs whose forwarding headers are believed (nginx set_real_ip_from)"
+    )
+    client_ip_header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for"
+    header_timeout: Duration = Field(10.0, description="deadline to receive a request's headers")
+    keepalive_timeout: Duration = Field(75.0, description="idle time before a client is closed")
+    max_connections: int = Field(10000, ge=1, description="open client connections per worker")
+    max_body_size: Size = Field(
+        100 * 1024 * 1024, description="largest request body; 0 means unlimited"
+    )
+    max_header_size: Size = Field(8190, ge=256, description="longest request line or header")
+    max_headers: int = Field(100, ge=1)
+    shutdown_timeout: Duration = Field(
+        30.0, description="on SIGTERM, how long in-flight requests may take to finish"
+    )
+    access_log: bool = False
+
+    @field_validator("listen", "admin_listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        split_host_port(value)
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_cidrs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"invalid CIDR {cidr!r} in trusted_proxies") from None
+        return value
+
+
+class Upstream(_Model):
+    """A backend the gateway forwards to, with its own pool and timeouts."""
+
+    url: str = Field(
+        description="http://host:port[/base-path], https://..., or 'builtin:demo' for the "
+        "demo backend the gateway starts itself"
+    )
+    connect_timeout: Duration = 5.0
+    read_timeout: Duration = 60.0
+    max_connections: int = Field(256, ge=1, description="open connections to this upstream")
+    max_idle: int = Field(64, ge=0, description="idle keep-alive connections kept")
+    idle_timeout: Duration = 60.0
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if value == "builtin:demo":
+            return value
+        if not _UPSTREAM_URL_RE.match(value):
+            raise ValueError(
+                f"invalid upstream url {value!r}: expected http://host[:port][/path] "
+                "or 'builtin:demo'"
+            )
+        return value
+
+
+class RouteMatch(_Model):
+    """What a request must look like for a route to take it; every given field must match."""
+
+    host: str | None = Field(
+        None, description="exact host, or '*.example.com' for any subdomain (port ignored)"
+    )
+    path_prefix: str | None = None
+    path: str | None = Field(None, description="exact path")
+    path_regex: str | None = Field(None, description="Python regex matched from the start")
+    methods: tuple[str, ...] | None = None
+
+    @field_validator("path_prefix", "path")
+    @classmethod
+    def _check_path(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError(f"path {value!r} must start with '/'")
+        return value
+
+    @field_validator("path_regex")
+    @classmethod
+    def _check_regex(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"invalid path_regex {value!r}: {exc}") from None
+        return value
+
+    @field_validator("methods")
+    @classmethod
+    def _check_methods(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        upper = tuple(m.upper() for m in value)
+        for method in upper:
+            if not re.match(r"^[A-Z]+$", method):
+                raise ValueError(f"invalid method {method!r}")
+        return upper
+
+    @model_validator(mode="after")
+    def _one_path_rule(self) -> RouteMatch:
+        given = [f for f in ("path_prefix", "path", "path_regex") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of path_prefix, path, path_regex (got {given})")
+        return self
+
+
+class Route(_Model):
+    """Requests matching ``match`` go to ``upstream``; routes are tried in file order."""
+
+    name: str = Field(pattern=_NAME_RE)
+    match: RouteMatch = RouteMatch()
+    upstream: str
+
+
+class Policy(_Model):
+    """A whole policy file."""
+
+    version: Literal[1] = 1
+    server: ServerSettings = ServerSettings()
+    upstreams: dict[str, Upstream] = Field(default_factory=dict)
+    routes: tuple[Route, ...] = ()
+
+
+def policy_json_schema() -> dict[str, Any]:
+    schema = Policy.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "Gateway policy file"
+    return schema

@@ -1,0 +1,228 @@
+"""Load a policy file into a validated ``Policy`` snapshot, or fail with file, line and reason.
+
+YAML is composed into nodes first so every key and list item keeps its line; pydantic's error
+locations are then mapped back to the deepest line known for that path. Duplicate keys, which
+PyYAML would silently let the last one win, are errors here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from gateway.policy import Policy
+
+Loc = tuple[str | int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyProblem:
+    line: int | None
+    path: str
+    reason: str
+
+
+class PolicyError(Exception):
+    """An invalid policy file; ``str()`` gives one ``file:line: path: reason`` line per problem."""
+
+    def __init__(self, file: str, problems: Iterable[PolicyProblem]) -> None:
+        self.file = file
+        self.problems = tuple(problems)
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        lines = []
+        for problem in self.problems:
+            where = f"{self.file}:{problem.line}" if problem.line is not None else self.file
+            what = f"{problem.path}: {problem.reason}" if problem.path else problem.reason
+            lines.append(f"{where}: {what}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedPolicy:
+    """A validated policy and where it came from."""
+
+    policy: Policy
+    source: str
+    sha256: str
+
+
+def format_loc(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+class _LineMapBuilder:
+    """Builds plain Python data from YAML nodes, recording each path's line (1-based)."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.lines: dict[Loc, int] = {}
+
+    def build(self, node: yaml.Node, loc: Loc) -> Any:
+        self.lines.setdefault(loc, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            result: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise PolicyError(
+                        self.file,
+                        [
+                            PolicyProblem(
+                                key_node.start_mark.line + 1,
+                                format_loc(loc),
+                                "mapping keys must be plain scalars",
+                            )
+                        ],
+                    )
+                key = yaml.safe_load(yaml.serialize(key_node))
+                if key in result:
+                    raise PolicyError(
+                        self.file,
+                        [
+                            PolicyProblem(
+                                key_node.start_mark.line + 1,
+                                format_loc((*loc, key)),
+                                "duplicate key",
+                            )
+                        ],
+                    )
+                child = (*loc, key)
+                self.lines[child] = key_node.start_mark.line + 1
+                result[key] = self.build(value_node, child)
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, (*loc, i)) for i, item in enumerate(node.value)]
+        return yaml.safe_load(yaml.serialize(node))
+
+
+def _line_for(lines: dict[Loc, int], loc: Loc) -> int | None:
+    for end in range(len(loc), -1, -1):
+        line = lines.get(tuple(loc[:end]))
+        if line is not None:
+            return line
+    return None
+
+
+def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else None
+        reason = f"invalid YAML: {exc.problem or exc.context}"
+        raise PolicyError(file, [PolicyProblem(line, "", reason)]) from None
+    except yaml.YAMLError as exc:
+        raise PolicyError(file, [PolicyProblem(None, "", f"invalid YAML: {exc}")]) from None
+    if node is None:
+        return {}, {}
+    builder = _LineMapBuilder(file)
+    return builder.build(node, ()), builder.lines
+
+
+def _parse_toml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        line = getattr(exc, "lineno", None)
+        raise PolicyError(file, [PolicyProblem(line, "", f"invalid TOML: {exc}")]) from None
+    return data, _toml_key_lines(text)
+
+
+def _toml_key_lines(text: str) -> dict[Loc, int]:
+    """Best-effort lines for TOML: tables and their keys (tomllib keeps no positions)."""
+    lines: dict[Loc, int] = {}
+    table: Loc = ()
+    counters: dict[Loc, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if stripped.startswith("[["):
+            name = tuple(stripped.strip("[]").strip().split("."))
+            index = counters.get(name, 0)
+            counters[name] = index + 1
+            table = (*name, index)
+            lines.setdefault(table, number)
+        elif stripped.startswith("["):
+            table = tuple(stripped.strip("[]").strip().split("."))
+            lines.setdefault(table, number)
+        elif "=" in stripped and not stripped.startswith("#"):
+            key = stripped.split("=", 1)[0].strip().strip('"')
+            lines.setdefault((*table, *key.split(".")), number)
+    return lines
+
+
+def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
+    problems: list[tuple[Loc, str]] = []
+    for i, route in enumerate(policy.routes):
+        if route.upstream not in policy.upstreams:
+            known = ", ".join(sorted(policy.upstreams)) or "none defined"
+            problems.append(
+                (("routes", i, "upstream"), f"unknown upstream {route.upstream!r} (known: {known})")
+            )
+    seen: dict[str, int] = {}
+    for i, route in enumerate(policy.routes):
+        if route.name in seen:
+            problems.append(
+                (
+                    ("routes", i, "name"),
+                    f"duplicate route name {route.name!r} (first at routes[{seen[route.name]}])",
+                )
+            )
+        seen.setdefault(route.name, i)
+    return problems
+
+
+def parse_policy(text: str, file: str = "<policy>") -> LoadedPolicy:
+    """Validate policy text; the format follows the file's extension (``.toml`` or YAML)."""
+    if file.endswith(".toml"):
+        data, lines = _parse_toml(text, file)
+    else:
+        data, lines = _parse_yaml(text, file)
+    if not isinstance(data, dict):
+        raise PolicyError(file, [PolicyProblem(1, "", "the policy file must be a mapping")])
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors(include_url=False):
+            loc = tuple(error["loc"])
+            reason = error["msg"]
+            if reason.startswith("Value error, "):
+                reason = reason[len("Value error, ") :]
+            problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
+        raise PolicyError(file, problems) from None
+    ref_problems = _check_references(policy)
+    if ref_problems:
+        raise PolicyError(
+            file,
+            [
+                PolicyProblem(_line_for(lines, loc), format_loc(loc), reason)
+                for loc, reason in ref_problems
+            ],
+        )
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return LoadedPolicy(policy=policy, source=file, sha256=digest)
+
+
+def load_policy(path: str | Path) -> LoadedPolicy:
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(file, [PolicyProblem(None, "", f"cannot read: {exc.strerror}")]) from None
+    except UnicodeDecodeError:
+        raise PolicyError(file, [PolicyProblem(None, "", "not valid UTF-8")]) from None
+    return parse_policy(text, file)

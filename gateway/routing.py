@@ -1,0 +1,86 @@
+"""Route matching: the first route (in file order) whose host, path and method rules all match."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.policy import Route
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledRoute:
+    """A route with its match rules pre-compiled for the hot path."""
+
+    route: Route
+    host_exact: str | None
+    host_suffix: str | None
+    path_exact: str | None
+    path_prefix: str | None
+    path_regex: re.Pattern[str] | None
+    methods: frozenset[str] | None
+
+    def matches(self, host: str, path: str, method: str) -> bool:
+        if self.methods is not None and method not in self.methods:
+            return False
+        if self.host_exact is not None and host != self.host_exact:
+            return False
+        if self.host_suffix is not None and not (
+            host.endswith(self.host_suffix) and len(host) > len(self.host_suffix)
+        ):
+            return False
+        if self.path_exact is not None:
+            return path == self.path_exact
+        if self.path_prefix is not None:
+            return path.startswith(self.path_prefix)
+        if self.path_regex is not None:
+            return self.path_regex.match(path) is not None
+        return True
+
+
+def _compile(route: Route) -> CompiledRoute:
+    match = route.match
+    host_exact = host_suffix = None
+    if match.host is not None:
+        host = match.host.lower()
+        if host.startswith("*."):
+            host_suffix = host[1:]
+        else:
+            host_exact = host
+    return CompiledRoute(
+        route=route,
+        host_exact=host_exact,
+        host_suffix=host_suffix,
+        path_exact=match.path,
+        path_prefix=match.path_prefix,
+        path_regex=re.compile(match.path_regex) if match.path_regex is not None else None,
+        methods=frozenset(match.methods) if match.methods is not None else None,
+    )
+
+
+def normalise_host(host_header: str | None) -> str:
+    """Lower-case host without port, as routes compare it ('[::1]:80' -> '[::1]')."""
+    if not host_header:
+        return ""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        return host[: end + 1] if end != -1 else host
+    colon = host.rfind(":")
+    return host[:colon] if colon != -1 else host
+
+
+class RouteTable:
+    """Routes tried in order; ``match`` returns the first that takes the request, or None."""
+
+    __slots__ = ("_routes",)
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self._routes = tuple(_compile(r) for r in routes)
+
+    def match(self, host: str, path: str, method: str) -> Route | None:
+        for compiled in self._routes:
+            if compiled.matches(host, path, method):
+                return compiled.route
+        return None
