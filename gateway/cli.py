@@ -1,0 +1,170 @@
+"""Command line: ``gateway run``, ``gateway check FILE`` (like ``nginx -t``), ``gateway schema``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from gateway import __version__
+from gateway.policy import Policy, Route, Upstream, policy_json_schema
+from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
+
+log = logging.getLogger("gateway")
+
+ENV_CONFIG = "GATEWAY_CONFIG"
+
+
+def _policy_for_upstream(url: str) -> LoadedPolicy:
+    """``gateway run --upstream URL``: everything proxied to one backend, no limits."""
+    policy = Policy(
+        upstreams={"default": Upstream(url=url)},
+        routes=(Route(name="default", upstream="default"),),
+    )
+    return LoadedPolicy(policy=policy, source=f"--upstream {url}", sha256="0" * 64)
+
+
+def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
+    if args.upstream and args.config:
+        raise SystemExit("gateway: give either --config or --upstream, not both")
+    if args.upstream:
+        try:
+            Upstream(url=args.upstream)
+        except ValueError as exc:
+            raise SystemExit(f"gateway: --upstream: {exc}") from None
+        return _policy_for_upstream(args.upstream)
+    config = args.config or os.environ.get(ENV_CONFIG)
+    if not config:
+        raise SystemExit(
+            "gateway: no policy: use --config FILE (or GATEWAY_CONFIG), or --upstream URL"
+        )
+    try:
+        return load_policy(config)
+    except PolicyError as exc:
+        raise SystemExit(f"gateway: invalid policy:\n{exc}") from None
+
+
+def _worker_main(
+    loaded: LoadedPolicy, listen: str | None, admin: str | None, worker_id: int, reuse_port: bool
+) -> None:
+    from gateway.serve import run_event_loop, serve
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM drains
+    run_event_loop(
+        lambda: serve(
+            loaded, listen=listen, admin_listen=admin, reuse_port=reuse_port, worker_id=worker_id
+        )
+    )
+
+
+def _supervise(loaded: LoadedPolicy, workers: int, listen: str | None, admin: str | None) -> int:
+    """Run ``workers`` processes on one port (SO_REUSEPORT); restart any that die."""
+    ctx = multiprocessing.get_context("fork")
+    stopping = False
+
+    def start(worker_id: int) -> multiprocessing.process.BaseProcess:
+        proc = ctx.Process(
+            target=_worker_main,
+            args=(loaded, listen, admin, worker_id, True),
+            name=f"gateway-worker-{worker_id}",
+        )
+        proc.start()
+        return proc
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    procs = {i: start(i) for i in range(workers)}
+    log.info("supervisor pid %d started %d workers", os.getpid(), workers)
+    while not stopping:
+        time.sleep(0.2)
+        for worker_id, proc in list(procs.items()):
+            if not proc.is_alive() and not stopping:
+                log.error("worker %d exited with %s; restarting", worker_id, proc.exitcode)
+                time.sleep(0.5)
+                procs[worker_id] = start(worker_id)
+    for proc in procs.values():
+        if proc.pid is not None and proc.is_alive():
+            os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + loaded.policy.server.shutdown_timeout + 5
+    for proc in procs.values():
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gateway.serve import check_aiohttp
+
+    check_aiohttp()
+    loaded = _load_for_run(args)
+    workers = args.workers or loaded.policy.server.workers
+    if workers == 1:
+        _worker_main(loaded, args.listen, args.admin_listen, 0, False)
+        return 0
+    return _supervise(loaded, workers, args.listen, args.admin_listen)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    failed = False
+    for file in args.files:
+        try:
+            loaded = load_policy(file)
+        except PolicyError as exc:
+            print(exc, file=sys.stderr)
+            failed = True
+        else:
+            print(f"{file}: ok (sha256 {loaded.sha256[:12]})")
+    return 1 if failed else 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(policy_json_schema(), indent=2, ensure_ascii=False))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("GATEWAY_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the gateway")
+    run.add_argument("--config", "-c", help="policy file (YAML, or TOML by extension)")
+    run.add_argument("--upstream", help="proxy everything to this URL, no limits (no policy file)")
+    run.add_argument("--listen", help="HOST:PORT for the proxy, overriding the policy file")
+    run.add_argument("--admin-listen", help="HOST:PORT for the admin listener")
+    run.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
+    run.set_defaults(func=cmd_run)
+
+    check = sub.add_parser("check", help="validate policy files, like nginx -t")
+    check.add_argument("files", nargs="+")
+    check.set_defaults(func=cmd_check)
+
+    schema = sub.add_parser("schema", help="print the policy file JSON Schema")
+    schema.set_defaults(func=cmd_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""A small backend the gateway can start itself, so a fresh install has something to proxy to."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+
+async def _index(request: web.Request) -> web.Response:
+    return web.json_response(
+        {
+            "service": "gateway demo upstream",
+            "path": request.path_qs,
+            "method": request.method,
+            "x_forwarded_for": request.headers.get("X-Forwarded-For"),
+            "time": time.time(),
+        }
+    )
+
+
+async def _echo(request: web.Request) -> web.Response:
+    body = await request.read()
+    return web.json_response(
+        {
+            "method": request.method,
+            "path": request.path_qs,
+            "headers": dict(request.headers),
+            "body_bytes": len(body),
+        }
+    )
+
+
+async def _slow(request: web.Request) -> web.Response:
+    delay_ms = min(int(request.query.get("ms", "500")), 30_000)
+    await asyncio.sleep(delay_ms / 1000)
+    return web.json_response({"slept_ms": delay_ms})
+
+
+def make_demo_app() -> web.Application:
+    app = web.Application()
+    app.router.add_route("*", "/echo{tail:.*}", _echo)
+    app.router.add_get("/slow", _slow)
+    app.router.add_route("*", "/{tail:.*}", _index)
+    return app
+
+
+async def start_demo_upstream() -> tuple[web.AppRunner, tuple[str, int]]:
+    """Start the demo backend on a free loopback port; returns its runner and address."""
+    runner = web.AppRunner(make_demo_app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, ("127.0.0.1", port)

@@ -1,0 +1,186 @@
+"""The request handler: check, route, resolve the client, forward, stream the answer back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from aiohttp.web_request import BaseRequest
+from multidict import CIMultiDict
+
+from gateway.forwarding import (
+    BadRequest,
+    ForwardedFor,
+    build_request_head,
+    check_request,
+    response_headers,
+)
+from gateway.responses import error_response
+from gateway.routing import normalise_host
+from gateway.server import GatewayProtocol
+from gateway.upstream_client import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+
+if TYPE_CHECKING:
+    from gateway.runtime import Runtime, UpstreamTarget
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ProxyHandler:
+    """Holds the current runtime snapshot; a reload swaps ``runtime`` in one assignment."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def __call__(self, request: BaseRequest) -> web.StreamResponse:
+        protocol = request.protocol
+        if isinstance(protocol, GatewayProtocol):
+            protocol.request_started()
+        try:
+            return await self._handle(request, self.runtime)
+        finally:
+            if isinstance(protocol, GatewayProtocol):
+                protocol.request_finished()
+
+    async def _handle(self, request: BaseRequest, runtime: Runtime) -> web.StreamResponse:
+        try:
+            framing = check_request(request.raw_headers, request.version)
+        except BadRequest as exc:
+            return error_response(exc.status, exc.reason, close=True)
+        method = request.method
+        if method == "CONNECT":
+            return error_response(405, "CONNECT is not supported", close=True)
+        target = request.raw_path
+        if not target.startswith("/"):
+            if target == "*" and method == "OPTIONS":
+                pass
+            elif "://" in target:
+                # absolute-form (RFC 9112 3.2.2): forward the origin-form part.
+                rest = target.split("://", 1)[1]
+                slash = rest.find("/")
+                target = rest[slash:] if slash != -1 else "/"
+            else:
+                return error_response(400, "invalid request target", close=True)
+
+        host_header = request.headers.get("Host")
+        route = runtime.routes.match(normalise_host(host_header), request.path, method)
+        if route is None:
+            return error_response(404, "no route matches this request")
+        upstream = runtime.upstreams[route.upstream]
+
+        transport = request.transport
+        peername = transport.get_extra_info("peername") if transport is not None else None
+        peer_ip = peername[0] if peername else "0.0.0.0"
+        resolver = runtime.client_ip
+        trusted_peer = resolver.is_trusted(peer_ip)
+        # The client IP keys every per-IP limit (policy engine); resolved here once.
+        request["client_ip"] = (
+            resolver.resolve(peer_ip, request.headers.getall(resolver.header_name, ()))
+            if trusted_peer
+            else peer_ip
+        )
+
+        max_body = runtime.settings.max_body_size
+        if max_body and framing.content_length is not None and framing.content_length > max_body:
+            return error_response(413, "request body too large", close=True)
+
+        if framing.expect_continue and transport is not None:
+            transport.write(_CONTINUE)
+
+        head = build_request_head(
+            method,
+            upstream.base_path + target if upstream.base_path else target,
+            request.raw_headers,
+            framing,
+            ForwardedFor(
+                peer_ip=peer_ip,
+                proto="https" if request.secure else "http",
+                host=host_header,
+                trust_incoming=trusted_peer,
+            ),
+            runtime.via,
+        )
+        return await self._forward(
+            request, upstream, head, framing.chunked, framing.has_body, max_body
+        )
+
+    async def _forward(
+        self,
+        request: BaseRequest,
+        upstream: UpstreamTarget,
+        head: bytes,
+        chunked: bool,
+        has_body: bool,
+        max_body: int,
+    ) -> web.StreamResponse:
+        body = _stream_body(request, max_body) if has_body else None
+        is_head = request.method == "HEAD"
+        try:
+            response = await upstream.pool.request(
+                head, body, body_chunked=chunked, expect_no_body=is_head
+            )
+        except BodyTooLarge:
+            return error_response(413, "request body too large", close=True)
+        except UpstreamConnectError:
+            return error_response(502, "upstream connection failed")
+        except UpstreamTimeout:
+            return error_response(504, "upstream timed out")
+        except UpstreamError:
+            return error_response(502, "upstream error")
+
+        try:
+            headers = CIMultiDict(response_headers(response.headers, self.runtime.via))
+            reason = response.reason.decode("latin-1") or None
+            status = response.status
+            if response.body_complete and not is_head:
+                body = response.body_bytes()
+                response.release()
+                if status in _NO_BODY_STATUS:
+                    return web.Response(status=status, reason=reason, headers=headers)
+                return web.Response(status=status, reason=reason, headers=headers, body=body)
+            stream = web.StreamResponse(status=status, reason=reason, headers=headers)
+            if response.content_length is not None and status not in _NO_BODY_STATUS:
+                stream.content_length = response.content_length
+            await stream.prepare(request)
+            if is_head or status in _NO_BODY_STATUS:
+                response.release()
+                return stream
+            read_chunk = response.read_chunk
+            write = stream.write
+            try:
+                while chunk := await read_chunk():
+                    await write(chunk)
+            except UpstreamError:
+                # Headers are gone already: the only honest signal left is to cut the
+                # connection, so the client sees a truncated body rather than a short one.
+                if request.transport is not None:
+                    request.transport.close()
+                raise ConnectionResetError("upstream body truncated") from None
+            await stream.write_eof()
+            response.release()
+            return stream
+        finally:
+            response.close()
+
+
+async def _stream_body(request: BaseRequest, max_body: int) -> AsyncIterator[bytes]:
+    received = 0
+    content = request.content
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            return
+        received += len(chunk)
+        if max_body and received > max_body:
+            raise BodyTooLarge
+        yield chunk

@@ -1,0 +1,34 @@
+"""The gateway's own short JSON answers (404, 413, 502, 504 ...): no stack traces, ever."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+_TITLES = {
+    400: "bad_request",
+    403: "forbidden",
+    404: "no_route",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    417: "expectation_failed",
+    429: "too_many_requests",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+
+
+def error_response(
+    status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None
+) -> web.Response:
+    body = json.dumps(
+        {"status": status, "error": _TITLES.get(status, "error"), "message": message}
+    ).encode()
+    response = web.Response(
+        status=status, body=body, content_type="application/json", headers=headers
+    )
+    if close:
+        response.force_close()
+    return response

@@ -1,0 +1,97 @@
+"""A runtime snapshot: everything a request needs, built from one validated policy.
+
+The proxy handler reads ``handler.runtime`` once per request, so a reload that assigns a new
+snapshot never serves a request under a half-applied policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway import __version__
+from gateway.client_ip import ClientIPResolver
+from gateway.policy import ServerSettings, Upstream
+from gateway.policy_loader import LoadedPolicy
+from gateway.routing import RouteTable
+from gateway.upstream_client import UpstreamPool
+
+
+@dataclass(slots=True)
+class UpstreamTarget:
+    """One configured upstream: its connection pool and the path prefix its URL carries."""
+
+    name: str
+    config: Upstream
+    pool: UpstreamPool
+    base_path: str
+
+
+@dataclass(slots=True)
+class Runtime:
+    loaded: LoadedPolicy
+    routes: RouteTable
+    upstreams: dict[str, UpstreamTarget]
+    client_ip: ClientIPResolver
+    settings: ServerSettings
+    via: bytes = b"1.1 gateway"
+    loaded_at: float = field(default_factory=time.time)
+
+    async def close(self) -> None:
+        for target in self.upstreams.values():
+            await target.pool.close()
+
+
+def make_pool(config: Upstream, demo_address: tuple[str, int] | None) -> tuple[UpstreamPool, str]:
+    if config.url == "builtin:demo":
+        if demo_address is None:
+            raise RuntimeError("the built-in demo upstream is not running")
+        host, port = demo_address
+        base_path = ""
+        ssl_context = None
+    else:
+        parts = urlsplit(config.url)
+        host = parts.hostname or "127.0.0.1"
+        secure = parts.scheme == "https"
+        port = parts.port or (443 if secure else 80)
+        base_path = parts.path.rstrip("/")
+        ssl_context = None
+        if secure:
+            import ssl
+
+            ssl_context = ssl.create_default_context()
+    pool = UpstreamPool(
+        host,
+        port,
+        max_connections=config.max_connections,
+        max_idle=config.max_idle,
+        idle_timeout_s=config.idle_timeout,
+        connect_timeout_s=config.connect_timeout,
+        read_timeout_s=config.read_timeout,
+        ssl=ssl_context,
+        server_hostname=host if ssl_context is not None else None,
+    )
+    return pool, base_path
+
+
+def build_runtime(loaded: LoadedPolicy, demo_address: tuple[str, int] | None = None) -> Runtime:
+    policy = loaded.policy
+    upstreams = {}
+    for name, config in policy.upstreams.items():
+        pool, base_path = make_pool(config, demo_address)
+        upstreams[name] = UpstreamTarget(name, config, pool, base_path)
+    return Runtime(
+        loaded=loaded,
+        routes=RouteTable(policy.routes),
+        upstreams=upstreams,
+        client_ip=ClientIPResolver(
+            policy.server.trusted_proxies, header=policy.server.client_ip_header
+        ),
+        settings=policy.server,
+        via=f"1.1 gateway/{__version__}".encode(),
+    )
+
+
+def uses_demo(loaded: LoadedPolicy) -> bool:
+    return any(u.url == "builtin:demo" for u in loaded.policy.upstreams.values())

@@ -1,0 +1,171 @@
+"""Process lifecycle: start the listeners, serve until SIGTERM/SIGINT, then drain gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from gateway.admin import AdminState, make_admin_app
+from gateway.demo_upstream import start_demo_upstream
+from gateway.policy import split_host_port
+from gateway.policy_loader import LoadedPolicy
+from gateway.proxy import ProxyHandler
+from gateway.runtime import build_runtime, uses_demo
+from gateway.server import GatewayServer
+
+log = logging.getLogger("gateway")
+
+MIN_AIOHTTP = (3, 14, 5)
+
+
+def check_aiohttp() -> None:
+    """Refuse versions with known request-smuggling bugs, and the pure-Python parser."""
+    version = tuple(int(p) for p in aiohttp.__version__.split(".")[:3] if p.isdigit())
+    if version < MIN_AIOHTTP:
+        raise SystemExit(
+            f"gateway: aiohttp {aiohttp.__version__} is too old; "
+            f"{'.'.join(map(str, MIN_AIOHTTP))} or later is required (request-smuggling fixes)"
+        )
+    from aiohttp import web_protocol
+
+    if web_protocol.HttpRequestParser.__module__ != "aiohttp._http_parser":
+        raise SystemExit(
+            "gateway: aiohttp is using its pure-Python HTTP parser "
+            "(AIOHTTP_NO_EXTENSIONS set, or the C extension is missing); refusing to start"
+        )
+
+
+class Gateway:
+    """One worker's listeners and runtime; tests start it in process, the CLI per worker."""
+
+    def __init__(
+        self,
+        loaded: LoadedPolicy,
+        *,
+        listen: str | None = None,
+        admin_listen: str | None = None,
+        reuse_port: bool = False,
+        worker_id: int = 0,
+    ) -> None:
+        settings = loaded.policy.server
+        self.loaded = loaded
+        self.listen = split_host_port(listen or settings.listen)
+        self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
+        self.reuse_port = reuse_port
+        self.worker_id = worker_id
+        self._demo_runner: web.AppRunner | None = None
+        self._proxy_runner: web.ServerRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self.handler: ProxyHandler | None = None
+        self.admin_state: AdminState | None = None
+        self.server: GatewayServer | None = None
+        self.proxy_port = 0
+        self.admin_port = 0
+
+    async def start(self) -> None:
+        settings = self.loaded.policy.server
+        demo_address = None
+        if uses_demo(self.loaded):
+            self._demo_runner, demo_address = await start_demo_upstream()
+        runtime = build_runtime(self.loaded, demo_address)
+        self.handler = ProxyHandler(runtime)
+        self.server = GatewayServer(
+            self.handler,
+            header_timeout=settings.header_timeout,
+            max_connections=settings.max_connections,
+            keepalive_timeout=settings.keepalive_timeout,
+            max_line_size=settings.max_header_size,
+            max_field_size=settings.max_header_size,
+            max_headers=settings.max_headers,
+            auto_decompress=False,
+            access_log=logging.getLogger("gateway.access") if settings.access_log else None,
+        )
+        self._proxy_runner = web.ServerRunner(
+            self.server, shutdown_timeout=settings.shutdown_timeout
+        )
+        await self._proxy_runner.setup()
+        host, port = self.listen
+        site = web.TCPSite(
+            self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
+        )
+        await site.start()
+        self.proxy_port = self._proxy_runner.addresses[0][1]
+
+        self.admin_state = AdminState(handler=self.handler, worker_id=self.worker_id)
+        self._admin_runner = web.AppRunner(make_admin_app(self.admin_state), access_log=None)
+        await self._admin_runner.setup()
+        admin_host, admin_port = self.admin_listen
+        admin_site = web.TCPSite(
+            self._admin_runner, admin_host, admin_port, reuse_port=self.reuse_port or None
+        )
+        await admin_site.start()
+        self.admin_port = self._admin_runner.addresses[0][1]
+        self.admin_state.ready = True
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish within the shutdown deadline."""
+        if self.admin_state is not None:
+            self.admin_state.ready = False
+        if self._proxy_runner is not None:
+            await self._proxy_runner.cleanup()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+        if self.handler is not None:
+            await self.handler.runtime.close()
+        if self._demo_runner is not None:
+            await self._demo_runner.cleanup()
+
+
+async def serve(
+    loaded: LoadedPolicy,
+    *,
+    listen: str | None = None,
+    admin_listen: str | None = None,
+    reuse_port: bool = False,
+    worker_id: int = 0,
+    on_started: Callable[[Gateway], None] | None = None,
+) -> None:
+    gateway = Gateway(
+        loaded,
+        listen=listen,
+        admin_listen=admin_listen,
+        reuse_port=reuse_port,
+        worker_id=worker_id,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await gateway.start()
+    log.info(
+        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s",
+        worker_id,
+        gateway.listen[0],
+        gateway.proxy_port,
+        gateway.admin_listen[0],
+        gateway.admin_port,
+        loaded.source,
+        loaded.sha256[:12],
+    )
+    if on_started is not None:
+        on_started(gateway)
+    try:
+        await stop.wait()
+    finally:
+        log.info("worker %d shutting down", worker_id)
+        await gateway.stop()
+
+
+def run_event_loop(main: Callable[[], object]) -> None:
+    """Run a coroutine factory on uvloop when installed, else asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())  # type: ignore[arg-type]
+    else:
+        uvloop.run(main())  # type: ignore[arg-type]

@@ -1,0 +1,102 @@
+"""The client-facing HTTP/1.1 listener: aiohttp's low-level server with the protections it lacks.
+
+aiohttp's ``web.Server`` gives us its C request parser and response writer; this module adds a
+deadline for receiving a request's headers (so a slow client cannot hold a connection by trickling
+bytes), and a cap on open connections per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+_BUSY_BODY = b'{"status": 503, "error": "service_unavailable", "message": "too many connections"}'
+_TOO_MANY_CONNECTIONS = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
+
+
+class GatewayProtocol(RequestHandler):
+    """One client connection; arms a header deadline whenever it waits for a request."""
+
+    def __init__(self, manager: GatewayServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._gw_server = manager
+        self._awaiting_request = True
+        self._header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self._gw_server
+        server.open_connections += 1
+        super().connection_made(transport)
+        if server.open_connections > server.max_connections:
+            server.refused_connections += 1
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(_TOO_MANY_CONNECTIONS)
+            self.force_close()
+            transport.close()
+            return
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._gw_server.open_connections -= 1
+        self._cancel_header_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_request and self._header_deadline is None:
+            self._arm_header_deadline()
+        super().data_received(data)
+
+    def request_started(self) -> None:
+        """Called by the proxy handler once a request's headers are in: the deadline is met."""
+        self._awaiting_request = False
+        self._cancel_header_deadline()
+
+    def request_finished(self) -> None:
+        """The next bytes on this connection begin a new request, under a new deadline."""
+        self._awaiting_request = True
+
+    def _arm_header_deadline(self) -> None:
+        self._header_deadline = self._loop.call_later(
+            self._gw_server.header_timeout, self._header_deadline_passed
+        )
+
+    def _cancel_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        if self._awaiting_request and self.transport is not None:
+            self._gw_server.header_timeouts += 1
+            self.force_close()
+            self.transport.close()
+
+
+class GatewayServer(web.Server):
+    """``web.Server`` that builds ``GatewayProtocol`` connections."""
+
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        header_timeout: float,
+        max_connections: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, handler_cancellation=True, **kwargs)
+        self._protocol_kwargs = kwargs
+        self.header_timeout = header_timeout
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.refused_connections = 0
+        self.header_timeouts = 0
+
+    def __call__(self) -> GatewayProtocol:
+        return GatewayProtocol(self, loop=self._loop, **self._protocol_kwargs)

@@ -1,0 +1,125 @@
+"""Policy files: valid ones load; each invalid fixture fails with its exact file:line: reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.policy_loader import PolicyError, load_policy, parse_policy
+
+FIXTURES = Path(__file__).parent / "fixtures"
+INVALID = FIXTURES / "invalid"
+
+# file -> the one line `gateway check` must print (path relative to tests/fixtures/invalid).
+EXPECTED_ERRORS = {
+    "bad_duration.yaml": "bad_duration.yaml:3: server.header_timeout: invalid duration '10x': "
+    "expected Go syntax like '500ms', '10s', '1m30s'",
+    "bad_listen.yaml": "bad_listen.yaml:2: server.listen: invalid listen address 'localhost': "
+    "expected HOST:PORT, e.g. 0.0.0.0:8080",
+    "bad_size.yaml": "bad_size.yaml:2: server.max_body_size: invalid size '10q': "
+    "expected bytes or nginx syntax like '64k', '10m'",
+    "bad_cidr.yaml": "bad_cidr.yaml:2: server.trusted_proxies: invalid CIDR '300.1.2.3/8' "
+    "in trusted_proxies",
+    "zero_workers.yaml": "zero_workers.yaml:2: server.workers: "
+    "Input should be greater than or equal to 1",
+    "bad_upstream_url.yaml": "bad_upstream_url.yaml:3: upstreams.backend.url: invalid upstream "
+    "url 'ftp://example': expected http://host[:port][/path] or 'builtin:demo'",
+    "unknown_upstream.yaml": "unknown_upstream.yaml:6: routes[0].upstream: unknown upstream "
+    "'missing' (known: backend)",
+    "duplicate_route.yaml": "duplicate_route.yaml:7: routes[1].name: duplicate route name 'api' "
+    "(first at routes[0])",
+    "two_path_rules.yaml": "two_path_rules.yaml:7: routes[0].match: give at most one of "
+    "path_prefix, path, path_regex (got ['path_prefix', 'path'])",
+    "bad_regex.yaml": "bad_regex.yaml:8: routes[0].match.path_regex: invalid path_regex '/a(': "
+    "missing ), unterminated subpattern at position 2",
+    "relative_path.yaml": "relative_path.yaml:8: routes[0].match.path_prefix: path 'api' must "
+    "start with '/'",
+    "unknown_key.yaml": "unknown_key.yaml:7: routes[0].colour: Extra inputs are not permitted",
+    "duplicate_key.yaml": "duplicate_key.yaml:3: server.listen: duplicate key",
+    "yaml_syntax.yaml": "yaml_syntax.yaml:3: invalid YAML: expected ',' or ']', but got "
+    "'<stream end>'",
+    "not_a_mapping.yaml": "not_a_mapping.yaml:1: the policy file must be a mapping",
+    "bad_version.yaml": "bad_version.yaml:1: version: Input should be 1",
+    "missing_url.yaml": "missing_url.yaml:2: upstreams.backend.url: Field required",
+    "bad_workers.toml": "bad_workers.toml:3: server.workers: Input should be a valid integer, "
+    "unable to parse string as an integer",
+}
+
+
+def test_every_invalid_fixture_has_an_expectation() -> None:
+    assert sorted(p.name for p in INVALID.iterdir()) == sorted(EXPECTED_ERRORS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ERRORS))
+def test_invalid_fixture_exact_message(name: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy(INVALID / name)
+    assert str(info.value) == f"{INVALID / name}:{EXPECTED_ERRORS[name].split(':', 1)[1]}"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "valid").iterdir()))
+def test_valid_fixtures_load(name: str) -> None:
+    loaded = load_policy(FIXTURES / "valid" / name)
+    assert len(loaded.sha256) == 64
+    assert loaded.policy.routes
+
+
+def test_toml_values_are_parsed_like_yaml() -> None:
+    policy = load_policy(FIXTURES / "valid" / "minimal.toml").policy
+    assert policy.upstreams["backend"].read_timeout == 5.0
+    assert policy.routes[0].match.methods == ("GET", "POST")
+    assert policy.server.trusted_proxies == ("10.0.0.0/8",)
+
+
+def test_several_problems_are_all_reported() -> None:
+    text = "server:\n  workers: 0\n  listen: nowhere\n"
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    lines = str(info.value).splitlines()
+    assert lines == [
+        "p.yaml:3: server.listen: invalid listen address 'nowhere': "
+        "expected HOST:PORT, e.g. 0.0.0.0:8080",
+        "p.yaml:2: server.workers: Input should be greater than or equal to 1",
+    ] or lines == [
+        "p.yaml:2: server.workers: Input should be greater than or equal to 1",
+        "p.yaml:3: server.listen: invalid listen address 'nowhere': "
+        "expected HOST:PORT, e.g. 0.0.0.0:8080",
+    ]
+
+
+def test_policy_is_frozen() -> None:
+    policy = load_policy(FIXTURES / "valid" / "default.yaml").policy
+    with pytest.raises(ValueError):
+        policy.server.workers = 3  # type: ignore[misc]
+
+
+def _gateway(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_check_valid_exits_zero() -> None:
+    result = _gateway("check", str(FIXTURES / "valid" / "default.yaml"))
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+
+
+def test_cli_check_invalid_exits_one_with_file_line_reason() -> None:
+    path = INVALID / "unknown_upstream.yaml"
+    result = _gateway("check", str(path))
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip()
+        == f"{path}:{EXPECTED_ERRORS['unknown_upstream.yaml'].split(':', 1)[1]}"
+    )
+
+
+def test_cli_schema_matches_committed_file() -> None:
+    result = _gateway("schema")
+    assert result.returncode == 0
+    committed = (Path(__file__).parent.parent / "policies" / "policy.schema.json").read_text()
+    assert result.stdout == committed, "run `gateway schema > policies/policy.schema.json`"
