@@ -1,0 +1,99 @@
+"""Static checks of the Dockerfile, docker-compose.yml, README and CI script.
+
+No Docker engine runs on our build machines, so these files are parsed rather than built.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+from gateway.policy import split_host_port
+from gateway.policy_loader import load_policy
+
+ROOT = Path(__file__).parent.parent
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, rest = line.partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def _final_stage() -> list[tuple[str, str]]:
+    instructions = _dockerfile_instructions()
+    last_from = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    return instructions[last_from:]
+
+
+def test_dockerfile_uses_slim_python_base() -> None:
+    base = _final_stage()[0][1]
+    assert re.match(r"python:3\.1[1-9]-slim", base), base
+
+
+def test_dockerfile_runs_as_non_root_user() -> None:
+    users = [rest for k, rest in _final_stage() if k == "USER"]
+    assert users, "no USER in the final stage"
+    assert users[-1] not in {"root", "0", "0:0"}
+
+
+def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
+    stage = dict(_final_stage())
+    entrypoint = json.loads(stage["ENTRYPOINT"])
+    assert entrypoint[:2] == ["gateway", "run"]
+    json.loads(stage["CMD"])
+    healthcheck = stage["HEALTHCHECK"]
+    cmd = healthcheck.split(" CMD ", 1)[1]
+    probe = json.loads(cmd)
+    assert any("/readyz" in part for part in probe)
+    assert "9090" in " ".join(probe)
+
+
+def test_dockerfile_exposes_the_ports_it_listens_on() -> None:
+    stage = _final_stage()
+    exposed = {p for k, rest in stage if k == "EXPOSE" for p in rest.split()}
+    cmd = json.loads(dict(stage)["CMD"])
+    listen = split_host_port(cmd[cmd.index("--listen") + 1])[1]
+    admin = split_host_port(cmd[cmd.index("--admin-listen") + 1])[1]
+    assert {str(listen), str(admin)} <= exposed
+
+
+def test_compose_services_match_the_policy() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"gateway", "redis", "backend"} <= set(services)
+    gateway = services["gateway"]
+    config_path = gateway["command"][gateway["command"].index("--config") + 1]
+    mount_src, mount_dst = gateway["volumes"][0].split(":")[:2]
+    assert config_path.startswith(mount_dst)
+    policy_file = ROOT / mount_src / config_path[len(mount_dst) :].lstrip("/")
+    policy = load_policy(policy_file).policy
+
+    published = {int(p.split(":")[1]) for p in gateway["ports"]}
+    assert split_host_port(policy.server.listen)[1] in published
+    assert split_host_port(policy.server.admin_listen)[1] in published
+    for upstream in policy.upstreams.values():
+        parts = urlsplit(upstream.url)
+        assert parts.hostname in services, f"{parts.hostname} is not a compose service"
+        service = services[parts.hostname]
+        assert str(parts.port) in [str(p).split(":")[-1] for p in service.get("expose", [])]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in readme
+    assert "scripts/test.sh" in ci
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    for package in ("nginx", "redis-server"):
+        assert package in script
