@@ -24,7 +24,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Request headers the gateway sets or re-frames itself.
-_REQUEST_REPLACED = HOP_BY_HOP | {b"content-length", b"expect"}
+_REQUEST_REPLACED = HOP_BY_HOP | {b"content-length", b"expect", b"x-real-ip"}
 _RESPONSE_REPLACED = HOP_BY_HOP | {b"content-length"}
 
 _BAD_VALUE_RE = re.compile(rb"[\x00\r\n]")
@@ -127,6 +127,7 @@ class ForwardedFor:
     """The forwarding facts the gateway adds to an upstream request."""
 
     peer_ip: str
+    client_ip: str
     proto: str
     host: str | None
     trust_incoming: bool
@@ -172,6 +173,7 @@ def build_request_head(
         append(b"X-Forwarded-Proto: " + fwd.proto.encode("latin-1") + b"\r\n")
     if not host_in and fwd.host:
         append(b"X-Forwarded-Host: " + fwd.host.encode("latin-1") + b"\r\n")
+    append(b"X-Real-IP: " + fwd.client_ip.encode("latin-1") + b"\r\n")
     append(b"Via: " + (via_in + b", " + via if via_in else via) + b"\r\n")
     if framing.chunked:
         append(b"Transfer-Encoding: chunked\r\n")

@@ -84,7 +84,7 @@ class ProxyHandler:
         resolver = runtime.client_ip
         trusted_peer = resolver.is_trusted(peer_ip)
         # The client IP keys every per-IP limit (policy engine); resolved here once.
-        request["client_ip"] = (
+        client_ip = (
             resolver.resolve(peer_ip, request.headers.getall(resolver.header_name, ()))
             if trusted_peer
             else peer_ip
@@ -104,6 +104,7 @@ class ProxyHandler:
             framing,
             ForwardedFor(
                 peer_ip=peer_ip,
+                client_ip=client_ip,
                 proto="https" if request.secure else "http",
                 host=host_header,
                 trust_incoming=trusted_peer,

@@ -1,0 +1,113 @@
+"""Shared fixtures: a recording upstream (a real aiohttp server) and an in-process gateway."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.policy_loader import LoadedPolicy, parse_policy
+from gateway.serve import Gateway
+
+
+@dataclass
+class RecordedRequest:
+    method: str
+    raw_path: str
+    raw_headers: list[tuple[bytes, bytes]]
+    body: bytes
+    peer: str
+
+
+Reply = Callable[[web.BaseRequest, RecordedRequest], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class RecordingUpstream:
+    """A real upstream server that records what reaches it; tests swap ``handler`` freely."""
+
+    server: TestServer
+    requests: list[RecordedRequest] = field(default_factory=list)
+    reply: Reply | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+
+async def _default_reply(request: web.BaseRequest, recorded: RecordedRequest) -> web.StreamResponse:
+    return web.Response(text=f"ok {recorded.method} {recorded.raw_path}")
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    holder: dict[str, RecordingUpstream] = {}
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        rec = holder["u"]
+        body = await request.read() if request.can_read_body else b""
+        peer = request.transport.get_extra_info("peername")[0] if request.transport else ""
+        recorded = RecordedRequest(
+            request.method, request.raw_path, list(request.raw_headers), body, peer
+        )
+        rec.requests.append(recorded)
+        reply = rec.reply or _default_reply
+        return await reply(request, recorded)
+
+    server = TestServer(web.Server(handle, auto_decompress=False), host="127.0.0.1")
+    await server.start_server()
+    rec = RecordingUpstream(server)
+    holder["u"] = rec
+    yield rec
+    await server.close()
+
+
+def policy_for(upstream_url: str, extra: str = "", server: str = "") -> str:
+    """A policy text with one upstream ``backend`` and a catch-all route."""
+    return (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        + server
+        + f"upstreams:\n  backend:\n    url: {upstream_url}\n    connect_timeout: 2s\n"
+        "    read_timeout: 5s\n"
+        "routes:\n  - name: all\n    upstream: backend\n" + extra
+    )
+
+
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.proxy_port}"
+
+    @property
+    def port(self) -> int:
+        return self.gateway.proxy_port
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.admin_port}"
+
+
+GatewayFactory = Callable[..., Awaitable[RunningGateway]]
+
+
+@pytest.fixture
+async def start_gateway() -> AsyncIterator[GatewayFactory]:
+    started: list[Gateway] = []
+
+    async def start(policy: str | LoadedPolicy, **kwargs: Any) -> RunningGateway:
+        loaded = parse_policy(policy, "test.yaml") if isinstance(policy, str) else policy
+        gateway = Gateway(loaded, **kwargs)
+        await gateway.start()
+        started.append(gateway)
+        return RunningGateway(gateway)
+
+    yield start
+    for gateway in reversed(started):
+        await gateway.stop()

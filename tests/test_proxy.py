@@ -1,0 +1,407 @@
+"""End-to-end forwarding through the real gateway to real upstream servers, over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+
+import aiohttp
+from aiohttp import web
+
+from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
+from tests.rawhttp import exchange, split_head, status_of
+
+
+def _values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    return [v for n, v in headers if n.lower() == name.lower()]
+
+
+async def test_raw_path_and_query_forwarded_byte_for_byte(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    target = b"/a%2Fb/./c;m=1?x=%20y&x=2&b=%E2%82%AC&c=+&d=%7e&&e"
+    response = await exchange(
+        gw.port, b"GET " + target + b" HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+    )
+    assert status_of(response) == 200
+    assert upstream.requests[0].raw_path.encode() == target
+
+
+async def test_repeated_headers_kept_in_order(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    await exchange(
+        gw.port,
+        b"GET / HTTP/1.1\r\nHost: h\r\nX-Multi: 1\r\nX-Other: a\r\nX-Multi: 2\r\n"
+        b"x-multi: 3\r\nConnection: close\r\n\r\n",
+    )
+    headers = upstream.requests[0].raw_headers
+    assert _values(headers, b"x-multi") == [b"1", b"2", b"3"]
+    names = [n.lower() for n, _ in headers]
+    assert names.index(b"x-multi") < names.index(b"x-other")
+
+
+async def test_hop_by_hop_request_headers_dropped(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    await exchange(
+        gw.port,
+        b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close, X-Secret\r\nX-Secret: s\r\n"
+        b"Keep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTE: trailers\r\n"
+        b"Trailer: X-T\r\nUpgrade: websocket\r\nX-Kept: yes\r\n\r\n",
+    )
+    names = {n.lower() for n, _ in upstream.requests[0].raw_headers}
+    for dropped in (b"x-secret", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+                    b"upgrade", b"transfer-encoding"):
+        assert dropped not in names, dropped
+    assert b"x-kept" in names
+
+
+async def test_hop_by_hop_response_headers_dropped(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        return web.Response(
+            text="x",
+            headers={
+                "Connection": "X-Resp-Hop",
+                "X-Resp-Hop": "1",
+                "Keep-Alive": "timeout=1",
+                "Proxy-Connection": "close",
+                "Trailer": "X-T",
+                "Upgrade": "h2c",
+                "X-Resp-Kept": "yes",
+            },
+        )
+
+    upstream.reply = reply
+    gw = await start_gateway(policy_for(upstream.url))
+    async with aiohttp.ClientSession() as session, session.get(gw.url + "/") as resp:
+        assert resp.status == 200
+        for dropped in ("X-Resp-Hop", "Keep-Alive", "Proxy-Connection", "Trailer", "Upgrade"):
+            assert dropped not in resp.headers, dropped
+        assert resp.headers["X-Resp-Kept"] == "yes"
+        assert "1.1 gateway" in resp.headers["Via"]
+
+
+async def test_forwarding_headers_added(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    await exchange(
+        gw.port,
+        b"GET / HTTP/1.1\r\nHost: shop.example:8080\r\nX-Forwarded-For: 1.2.3.4\r\n"
+        b"X-Forwarded-Proto: https\r\nX-Real-IP: 6.6.6.6\r\nVia: 1.0 edge\r\n"
+        b"Connection: close\r\n\r\n",
+    )
+    headers = upstream.requests[0].raw_headers
+    assert _values(headers, b"x-forwarded-for") == [b"1.2.3.4, 127.0.0.1"]
+    # The peer is not a trusted proxy: its claims about proto and client IP are replaced.
+    assert _values(headers, b"x-forwarded-proto") == [b"http"]
+    assert _values(headers, b"x-forwarded-host") == [b"shop.example:8080"]
+    assert _values(headers, b"x-real-ip") == [b"127.0.0.1"]
+    via = _values(headers, b"via")
+    assert len(via) == 1 and via[0].startswith(b"1.0 edge, 1.1 gateway")
+
+
+async def test_xff_from_untrusted_peer_is_ignored(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(
+        policy_for(upstream.url, server="  trusted_proxies: [10.0.0.0/8]\n")
+    )
+    await exchange(
+        gw.port,
+        b"GET / HTTP/1.1\r\nHost: h\r\nX-Forwarded-For: 9.9.9.9\r\nConnection: close\r\n\r\n",
+    )
+    assert _values(upstream.requests[0].raw_headers, b"x-real-ip") == [b"127.0.0.1"]
+
+
+async def test_xff_chain_through_two_trusted_proxies(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(
+        policy_for(upstream.url, server="  trusted_proxies: [127.0.0.1/32, 10.0.0.0/8]\n")
+    )
+    await exchange(
+        gw.port,
+        b"GET / HTTP/1.1\r\nHost: h\r\nX-Forwarded-For: 6.6.6.6, 9.9.9.9\r\n"
+        b"X-Forwarded-For: 10.1.2.3\r\nX-Forwarded-Proto: https\r\nConnection: close\r\n\r\n",
+    )
+    headers = upstream.requests[0].raw_headers
+    # 127.0.0.1 (peer) and 10.1.2.3 are trusted; 9.9.9.9 is the right-most untrusted hop.
+    assert _values(headers, b"x-real-ip") == [b"9.9.9.9"]
+    assert _values(headers, b"x-forwarded-proto") == [b"https"]
+    assert _values(headers, b"x-forwarded-for") == [b"6.6.6.6, 9.9.9.9, 10.1.2.3, 127.0.0.1"]
+
+
+async def test_unmatched_request_gets_json_404(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        f"upstreams:\n  backend:\n    url: {upstream.url}\n"
+        "routes:\n  - name: api\n    upstream: backend\n    match:\n      path_prefix: /api/\n"
+        "      methods: [GET]\n"
+    )
+    gw = await start_gateway(policy)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/other") as resp:
+            assert resp.status == 404
+            assert resp.content_type == "application/json"
+            assert (await resp.json())["status"] == 404
+        async with session.post(gw.url + "/api/x") as resp:
+            assert resp.status == 404
+        async with session.get(gw.url + "/api/x") as resp:
+            assert resp.status == 200
+    assert [r.raw_path for r in upstream.requests] == ["/api/x"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_connection_refused_gives_502(start_gateway: GatewayFactory) -> None:
+    gw = await start_gateway(policy_for(f"http://127.0.0.1:{_closed_port()}"))
+    async with aiohttp.ClientSession() as session, session.get(gw.url + "/") as resp:
+        assert resp.status == 502
+        body = await resp.json()
+        assert body["status"] == 502
+        assert "Traceback" not in json.dumps(body)
+
+
+async def test_read_timeout_gives_504(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        await asyncio.sleep(3)
+        return web.Response(text="late")
+
+    upstream.reply = reply
+    policy = policy_for(upstream.url).replace("read_timeout: 5s", "read_timeout: 300ms")
+    gw = await start_gateway(policy)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with aiohttp.ClientSession() as session, session.get(gw.url + "/") as resp:
+        assert resp.status == 504
+        assert (await resp.json())["status"] == 504
+    assert loop.time() - started < 2.5
+
+
+async def test_head_keeps_length_and_sends_no_body(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        return web.Response(body=b"x" * 1234)
+
+    upstream.reply = reply
+    gw = await start_gateway(policy_for(upstream.url))
+    response = await exchange(
+        gw.port,
+        b"HEAD /h HTTP/1.1\r\nHost: h\r\n\r\n"
+        b"GET /g HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+    )
+    first, _, rest = response.partition(b"\r\n\r\n")
+    assert status_of(first) == 200
+    assert b"Content-Length: 1234" in first
+    # The next response starts right after the HEAD response's head: no body was sent.
+    assert status_of(rest) == 200
+    assert rest.endswith(b"x" * 1234)
+
+
+async def test_204_and_304_have_no_body(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        status = int(rec.raw_path.strip("/"))
+        return web.Response(status=status, headers={"ETag": '"v1"'})
+
+    upstream.reply = reply
+    gw = await start_gateway(policy_for(upstream.url))
+    response = await exchange(
+        gw.port,
+        b"GET /204 HTTP/1.1\r\nHost: h\r\n\r\nGET /304 HTTP/1.1\r\nHost: h\r\n\r\n"
+        b"GET /200 HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+    )
+    parts = response.split(b"HTTP/1.1 ")
+    assert [p[:3] for p in parts[1:]] == [b"204", b"304", b"200"]
+    assert parts[1].endswith(b"\r\n\r\n") and parts[2].endswith(b"\r\n\r\n")
+
+
+async def test_chunked_upload_and_download(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        stream = web.StreamResponse()
+        stream.enable_chunked_encoding()
+        await stream.prepare(request)
+        for i in range(50):
+            await stream.write(b"%05d" % i * 100)
+        await stream.write_eof()
+        return stream
+
+    upstream.reply = reply
+    gw = await start_gateway(policy_for(upstream.url))
+
+    async def body() -> object:
+        for i in range(20):
+            yield bytes([65 + i]) * 1000
+
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(gw.url + "/up", data=body()) as resp,
+    ):
+        assert resp.status == 200
+        assert resp.headers.get("Transfer-Encoding") == "chunked"
+        assert await resp.read() == b"".join(b"%05d" % i * 100 for i in range(50))
+    assert upstream.requests[0].body == b"".join(bytes([65 + i]) * 1000 for i in range(20))
+    assert _values(upstream.requests[0].raw_headers, b"transfer-encoding") == [b"chunked"]
+
+
+async def test_bytes_pass_unchanged_no_decompression(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    compressed = gzip.compress(b"hello " * 1000)
+
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        return web.Response(body=compressed, headers={"Content-Encoding": "gzip"})
+
+    upstream.reply = reply
+    gw = await start_gateway(policy_for(upstream.url))
+    async with (
+        aiohttp.ClientSession(auto_decompress=False) as session,
+        session.post(
+            gw.url + "/", data=compressed, headers={"Content-Encoding": "gzip"}
+        ) as resp,
+    ):
+        assert await resp.read() == compressed
+        assert resp.headers["Content-Encoding"] == "gzip"
+    assert upstream.requests[0].body == compressed
+
+
+async def test_body_over_limit_gets_413_and_never_reaches_upstream(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url, server="  max_body_size: 1k\n"))
+    declared = await exchange(
+        gw.port, b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000
+    )
+    assert status_of(declared) == 413
+    chunked = await exchange(
+        gw.port,
+        b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"400\r\n" + b"x" * 1024 + b"\r\n" + b"400\r\n" + b"x" * 1024 + b"\r\n0\r\n\r\n",
+    )
+    assert status_of(chunked) == 413
+    assert all(len(r.body) <= 1024 for r in upstream.requests)
+    assert not any(len(r.body) > 1024 for r in upstream.requests)
+
+
+async def test_expect_100_continue_answered_by_gateway(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url, server="  max_body_size: 1k\n"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(
+        b"POST /up HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    )
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert status_of(final) == 200
+    writer.close()
+    assert upstream.requests[0].body == b"hello"
+    assert not _values(upstream.requests[0].raw_headers, b"expect")
+
+    # Too large: refused before the client sends its body, no 100 Continue.
+    too_big = await exchange(
+        gw.port,
+        b"POST /up HTTP/1.1\r\nHost: h\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n",
+    )
+    assert status_of(too_big) == 413
+    assert b"100 Continue" not in too_big
+    assert len(upstream.requests) == 1
+
+
+async def test_client_disconnect_cancels_upstream_request(start_gateway: GatewayFactory) -> None:
+    closed = asyncio.Event()
+    got_request = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        got_request.set()
+        await reader.read()  # returns b"" when the gateway closes its upstream connection
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_gateway(policy_for(f"http://127.0.0.1:{port}"))
+        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: h\r\n\r\n")
+        await asyncio.wait_for(got_request.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(closed.wait(), 2)
+    finally:
+        server.close()
+
+
+async def test_keepalive_reuses_upstream_connections(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(20):
+            async with session.get(gw.url + "/") as resp:
+                await resp.read()
+    peers = {(r.peer) for r in upstream.requests}
+    assert len(upstream.requests) == 20
+    assert peers == {"127.0.0.1"}
+
+
+async def test_admin_health_and_policy(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.admin_url + "/healthz") as resp:
+            assert resp.status == 200
+        async with session.get(gw.admin_url + "/readyz") as resp:
+            assert resp.status == 200
+        async with session.get(gw.admin_url + "/policy") as resp:
+            body = await resp.json()
+            assert len(body["sha256"]) == 64
+            assert body["policy"]["routes"][0]["name"] == "all"
+
+
+async def test_truncated_upstream_body_is_not_passed_off_as_complete(
+    start_gateway: GatewayFactory,
+) -> None:
+    async def truncating(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 70000)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(truncating, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_gateway(policy_for(f"http://127.0.0.1:{port}"))
+        response = await exchange(gw.port, b"GET / HTTP/1.1\r\nHost: h\r\n\r\n", read_for=5)
+        headers, body = split_head(response)
+        if status_of(response) == 200:
+            declared = int(_values(headers, b"content-length")[0])
+            assert len(body) < declared  # the client can tell: connection closed short
+        else:
+            assert status_of(response) == 502
+    finally:
+        server.close()
