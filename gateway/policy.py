@@ -15,12 +15,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 
-from gateway.units import parse_duration, parse_size
+from gateway.units import Rate, parse_duration, parse_rate, parse_size
 
 
 def _duration(value: Any) -> float:
@@ -59,6 +60,24 @@ Size = Annotated[
             ],
             "description": "bytes, or nginx-style size ('64k', '10m', '1g')",
         }
+    ),
+]
+
+
+def _rate(value: Any) -> Rate:
+    if isinstance(value, Rate):
+        return value
+    if isinstance(value, str):
+        return parse_rate(value)
+    raise ValueError(f"invalid rate {value!r}: expected nginx syntax like '10r/s' or '30r/m'")
+
+
+RateField = Annotated[
+    Rate,
+    BeforeValidator(_rate),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema(
+        {"type": "string", "pattern": r"^\d+r/[sm]$", "description": "nginx-style rate: '10r/s'"}
     ),
 ]
 
@@ -210,6 +229,126 @@ class Route(_Model):
     upstream: str
 
 
+_KEY_PART_RE = re.compile(
+    r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+    r"|query:[^\s&=]+|const:\S+)$"
+)
+
+
+class LimitMatch(RouteMatch):
+    """Which requests a limit applies to: routes by name and/or request rules; empty = all."""
+
+    routes: tuple[str, ...] | None = Field(None, description="route names this limit covers")
+
+
+class _LimitBase(_Model):
+    key: tuple[str, ...] = Field(
+        ("client_ip",),
+        description="parts joined into the key: client_ip, header:NAME, query:NAME, route, "
+        "method, global, const:TEXT",
+    )
+    on_missing_key: Literal["skip", "client_ip"] = Field(
+        "skip",
+        description="when a header/query key part is absent: skip the limit, or use "
+        "the client IP in its place",
+    )
+    match: LimitMatch = LimitMatch()
+    dry_run: bool = Field(False, description="count would-delay/would-reject, never enforce")
+    status: int = Field(429, ge=400, le=599, description="status for rejected requests")
+    max_delay: Duration = Field(
+        30.0, description="a request that would wait longer is rejected at once"
+    )
+    max_queue: int = Field(1000, ge=0, description="requests waiting on this limit at most")
+    max_keys: int = Field(100_000, ge=1, description="tracked keys; least recently used evicted")
+    cost: int = Field(1, ge=1, description="units each request consumes")
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("key needs at least one part")
+        for part in value:
+            if not _KEY_PART_RE.match(part):
+                raise ValueError(
+                    f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
+                    "route, method, global or const:TEXT"
+                )
+        return value
+
+
+class LeakyBucketLimit(_LimitBase):
+    """nginx ``limit_req``: ``rate``, ``burst``, and ``nodelay`` or ``delay=N``."""
+
+    algorithm: Literal["leaky_bucket"]
+    rate: RateField
+    burst: int = Field(0, ge=0)
+    nodelay: bool = False
+    delay: int | None = Field(None, ge=0, description="requests served without delay (nginx)")
+
+    @model_validator(mode="after")
+    def _delay_or_nodelay(self) -> LeakyBucketLimit:
+        if self.nodelay and self.delay is not None:
+            raise ValueError("give nodelay or delay, not both")
+        if self.delay is not None and self.delay > self.burst:
+            raise ValueError(f"delay ({self.delay}) cannot exceed burst ({self.burst})")
+        return self
+
+
+class WindowLimit(_LimitBase):
+    """At most ``limit`` requests per ``window`` (fixed, sliding counter, or exact sliding log)."""
+
+    algorithm: Literal["fixed_window", "sliding_window", "sliding_log"]
+    limit: int = Field(ge=1)
+    window: Duration
+
+    @field_validator("window")
+    @classmethod
+    def _positive_window(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("window must be longer than 0")
+        return value
+
+
+class TokenBucketLimit(_LimitBase):
+    """``rate`` refill with ``burst`` capacity; ``queue`` waits for tokens (Guava semantics)."""
+
+    algorithm: Literal["token_bucket"]
+    rate: RateField
+    burst: int = Field(1, ge=1, description="bucket capacity in tokens")
+    mode: Literal["reject", "queue"] = "reject"
+    warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
+
+
+Limit = Annotated[
+    LeakyBucketLimit | WindowLimit | TokenBucketLimit, Field(discriminator="algorithm")
+]
+
+
+class RateLimitHeaders(_Model):
+    """Which rate-limit headers responses carry (on 2xx as well as on rejections)."""
+
+    ietf: bool = Field(True, description="RateLimit-Policy and RateLimit (IETF httpapi draft)")
+    x_ratelimit: bool = Field(False, description="X-RateLimit-Limit/-Remaining/-Reset")
+    retry_after: bool = True
+
+
+class Access(_Model):
+    """Allowed clients bypass every limit; denied clients get 403."""
+
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _check_cidrs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"invalid CIDR {cidr!r}") from None
+        return value
+
+
 class Policy(_Model):
     """A whole policy file."""
 
@@ -217,6 +356,10 @@ class Policy(_Model):
     server: ServerSettings = ServerSettings()
     upstreams: dict[str, Upstream] = Field(default_factory=dict)
     routes: tuple[Route, ...] = ()
+    limits: dict[str, Limit] = Field(default_factory=dict)
+    headers: RateLimitHeaders = RateLimitHeaders()
+    access: Access = Access()
+    ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
 
 
 def policy_json_schema() -> dict[str, Any]:

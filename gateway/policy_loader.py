@@ -109,6 +109,26 @@ class _LineMapBuilder:
         return yaml.safe_load(yaml.serialize(node))
 
 
+def _data_loc(data: Any, loc: Loc) -> Loc:
+    """Drop the parts pydantic adds that are not in the file (union tags such as the algorithm).
+
+    The last part may name a missing field, so it is kept when it cannot be followed.
+    """
+    out: list[str | int] = []
+    node = data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+            out.append(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+            out.append(part)
+        elif i == len(loc) - 1 and not (isinstance(node, dict) and part in node.values()):
+            out.append(part)
+        # else: a tag pydantic inserted for a tagged union; not part of the file's structure.
+    return tuple(out)
+
+
 def _line_for(lines: dict[Loc, int], loc: Loc) -> int | None:
     for end in range(len(loc), -1, -1):
         line = lines.get(tuple(loc[:end]))
@@ -198,7 +218,7 @@ def parse_policy(text: str, file: str = "<policy>") -> LoadedPolicy:
     except ValidationError as exc:
         problems = []
         for error in exc.errors(include_url=False):
-            loc = tuple(error["loc"])
+            loc = _data_loc(data, tuple(error["loc"]))
             reason = error["msg"]
             if reason.startswith("Value error, "):
                 reason = reason[len("Value error, ") :]

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from gateway.policy_loader import LoadedPolicy, parse_policy
 from gateway.serve import Gateway
@@ -30,13 +29,14 @@ Reply = Callable[[web.BaseRequest, RecordedRequest], Awaitable[web.StreamRespons
 class RecordingUpstream:
     """A real upstream server that records what reaches it; tests swap ``handler`` freely."""
 
-    server: TestServer
+    runner: web.ServerRunner
+    port: int
     requests: list[RecordedRequest] = field(default_factory=list)
     reply: Reply | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.port}"
+        return f"http://127.0.0.1:{self.port}"
 
 
 async def _default_reply(request: web.BaseRequest, recorded: RecordedRequest) -> web.StreamResponse:
@@ -58,12 +58,13 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
         reply = rec.reply or _default_reply
         return await reply(request, recorded)
 
-    server = TestServer(web.Server(handle, auto_decompress=False), host="127.0.0.1")
-    await server.start_server()
-    rec = RecordingUpstream(server)
+    runner = web.ServerRunner(web.Server(handle, auto_decompress=False), shutdown_timeout=1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    rec = RecordingUpstream(runner, runner.addresses[0][1])
     holder["u"] = rec
     yield rec
-    await server.close()
+    await runner.cleanup()
 
 
 def policy_for(upstream_url: str, extra: str = "", server: str = "") -> str:

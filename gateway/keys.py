@@ -1,0 +1,89 @@
+"""Limit keys: which bucket a request falls in, built from the parts a policy names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from multidict import CIMultiDictProxy, MultiDictProxy
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """What key parts are read from; computed once per request."""
+
+    client_key: str  # the client IP, IPv6 grouped by prefix
+    route: str
+    method: str
+    headers: CIMultiDictProxy[str]
+    query: Callable[[], MultiDictProxy[str]]
+
+
+Part = Callable[[RequestFacts], str | None]
+
+
+def _header(name: str) -> Part:
+    def read(facts: RequestFacts) -> str | None:
+        return facts.headers.get(name)
+
+    return read
+
+
+def _query(name: str) -> Part:
+    def read(facts: RequestFacts) -> str | None:
+        return facts.query().get(name)
+
+    return read
+
+
+def _const(text: str) -> Part:
+    def read(facts: RequestFacts) -> str | None:
+        return text
+
+    return read
+
+
+_FIXED: Mapping[str, Part] = {
+    "client_ip": lambda f: f.client_key,
+    "route": lambda f: f.route,
+    "method": lambda f: f.method,
+    "global": lambda f: "",
+}
+
+
+def _part(spec: str) -> Part:
+    if spec in _FIXED:
+        return _FIXED[spec]
+    kind, _, arg = spec.partition(":")
+    if kind == "header":
+        return _header(arg)
+    if kind == "query":
+        return _query(arg)
+    if kind == "const":
+        return _const(arg)
+    raise ValueError(f"unknown key part {spec!r}")
+
+
+class KeyBuilder:
+    """Joins a limit's key parts; ``None`` means the limit does not apply (missing part, skip)."""
+
+    __slots__ = ("_fallback_to_ip", "_parts", "_single_client_ip", "spec")
+
+    def __init__(self, spec: tuple[str, ...], on_missing_key: str = "skip") -> None:
+        self.spec = spec
+        self._parts = tuple(_part(p) for p in spec)
+        self._fallback_to_ip = on_missing_key == "client_ip"
+        self._single_client_ip = spec == ("client_ip",)
+
+    def build(self, facts: RequestFacts) -> str | None:
+        if self._single_client_ip:
+            return facts.client_key
+        values = []
+        for part in self._parts:
+            value = part(facts)
+            if value is None:
+                if not self._fallback_to_ip:
+                    return None
+                value = facts.client_key
+            values.append(value)
+        return values[0] if len(values) == 1 else "\x1f".join(values)
