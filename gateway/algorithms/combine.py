@@ -1,0 +1,94 @@
+"""Several limits on one request, combined the way nginx combines several ``limit_req``.
+
+``ngx_http_limit_req_handler`` looks every zone up before charging any: zones 0..n-2 are only
+looked up (their nodes are pinned, their excess is not written), the last zone is charged
+during its lookup, and only when no zone rejects does ``ngx_http_limit_req_account`` go back
+and charge the others (recomputing each excess at the same cached millisecond, so with the same
+result). So:
+
+* a request rejected by any limit is charged to none: the zones looked up before the rejecting
+  one keep their excess and last time (nginx leaves at most a fresh node behind, which behaves
+  exactly like no node), and the zones after it are never looked up;
+* an admitted request is charged to every limit;
+* the delay is the longest of the per-zone delays, each computed from that zone's own excess,
+  ``delay=`` threshold and rate (a ``nodelay`` zone contributes nothing); on a tie nginx reports
+  the later zone, which only matters for its log line.
+
+Algorithms are pure, so this evaluates every limit (nginx stops at the first rejection) to give
+a Retry-After good for all rejecting limits; the states to commit are the same either way.
+Each item must hold a distinct state (nginx refuses the same zone twice in one location).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from gateway.algorithms.base import Algorithm, Decision
+
+
+class CombinedDecision(NamedTuple):
+    """The verdict of all limits on one request and the states to commit for it.
+
+    A NamedTuple, not a frozen dataclass: it is built on every request and a frozen dataclass
+    costs several times more to construct.
+
+    ``states[i]`` is what to store for limit ``i``: the new state when the request is allowed,
+    the input state unchanged when any limit rejected it. ``delay_s`` is the longest delay and
+    ``delayed_by`` the limit imposing it (``None`` when no delay); ``rejected_by`` lists every
+    limit that rejects, in order (nginx names only the first); ``retry_after_s`` is the longest
+    retry-after among them, 0 when allowed.
+    """
+
+    allowed: bool
+    delay_s: float
+    retry_after_s: float
+    rejected_by: tuple[int, ...]
+    delayed_by: int | None
+    decisions: tuple[Decision, ...]
+    states: tuple[Any, ...]
+
+
+def decide_all(
+    items: Sequence[tuple[Algorithm[Any], Any]], now_us: int, cost: int = 1
+) -> CombinedDecision:
+    """Check every ``(algorithm, state)`` at ``now_us``; commit all or nothing (nginx's rule)."""
+    if len(items) == 1:
+        algorithm, state = items[0]
+        decision, new_state = algorithm.decide(state, now_us, cost)
+        if decision.allowed:
+            delayed = 0 if decision.delay_s > 0.0 else None
+            return CombinedDecision(
+                True, decision.delay_s, 0.0, (), delayed, (decision,), (new_state,)
+            )
+        return CombinedDecision(
+            False, 0.0, decision.retry_after_s, (0,), None, (decision,), (state,)
+        )
+    decisions: list[Decision] = []
+    new_states: list[Any] = []
+    rejected_by: list[int] = []
+    for algorithm, state in items:
+        decision, new_state = algorithm.decide(state, now_us, cost)
+        if not decision.allowed:
+            rejected_by.append(len(decisions))
+        decisions.append(decision)
+        new_states.append(new_state)
+    if rejected_by:
+        retry_after_s = max([decisions[index].retry_after_s for index in rejected_by])
+        return CombinedDecision(
+            False,
+            0.0,
+            retry_after_s,
+            tuple(rejected_by),
+            None,
+            tuple(decisions),
+            tuple([state for _, state in items]),
+        )
+    delay_s = 0.0
+    delayed_by = None
+    for index, decision in enumerate(decisions):
+        # ">=": on equal delays the later limit is named, as nginx's account loop does.
+        if decision.delay_s >= delay_s and decision.delay_s > 0.0:
+            delay_s = decision.delay_s
+            delayed_by = index
+    return CombinedDecision(True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states))
