@@ -1,0 +1,651 @@
+"""Side-by-side proxy benchmark on loopback: direct upstream, nginx, naive aiohttp, gateway.
+
+One command starts a fast upstream and every proxy in front of it, loads each with
+``wrk`` in interleaved rounds (so the noise of a shared machine hits all targets
+alike), and prints the medians as a Markdown table with the gateway/naive and
+gateway/nginx ratios. Everything it starts runs in its own process group and is
+killed on exit, Ctrl-C or error. See bench/README.md.
+
+    python bench/bench_proxy.py --duration 10 --repeats 3 --connections 64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import grp
+import http.client
+import json
+import os
+import pwd
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+from upstream import BODY  # noqa: E402  (the body every target must return)
+
+NGINX = "/usr/sbin/nginx"
+WRK = "wrk"
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 8.0
+WRK_GRACE_S = 30.0  # wrk's own -d plus this; wrk that overruns is killed
+
+UPSTREAM = "upstream"
+NGINX_TARGET = "nginx"
+NAIVE = "naive"
+GATEWAY_1W = "gateway-1w"
+GATEWAY_2W = "gateway-2w"
+ALL_TARGETS = (UPSTREAM, NGINX_TARGET, NAIVE, GATEWAY_1W, GATEWAY_2W)
+RATIO_PAIRS = (
+    (GATEWAY_1W, NAIVE),
+    (GATEWAY_1W, NGINX_TARGET),
+    (GATEWAY_2W, NAIVE),
+    (GATEWAY_2W, NGINX_TARGET),
+)
+
+
+class StartError(Exception):
+    """A target did not come up; the message says why (with its log's tail)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CpuPlan:
+    """Which CPUs (``taskset -c`` lists) each role runs on; empty means unpinned."""
+
+    single_proxy: str = ""
+    multi_proxy: str = ""
+    upstream: str = ""
+    wrk: str = ""
+
+    @classmethod
+    def for_mode(cls, mode: str) -> CpuPlan:
+        cpus = sorted(os.sched_getaffinity(0))
+        if mode == "none" or len(cpus) < 2:
+            return cls()
+        # "split": the proxy under test gets a core of its own; wrk and the upstream
+        # share the other one. The 2-worker gateway needs both cores.
+        first, second = str(cpus[0]), str(cpus[1])
+        return cls(
+            single_proxy=first,
+            multi_proxy=f"{first},{second}",
+            upstream=second,
+            wrk=second,
+        )
+
+
+def pinned(cpus: str, argv: Sequence[str]) -> list[str]:
+    return ["taskset", "-c", cpus, *argv] if cpus else list(argv)
+
+
+def free_port() -> int:
+    """A port the kernel considers free now; callers retry if they lose the race."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Processes:
+    """Every process the harness starts, each in its own session so its children die too."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._running: list[tuple[subprocess.Popen[bytes], TextIO]] = []
+
+    def start(self, name: str, argv: Sequence[str], cwd: Path | None = None) -> Started:
+        log_path = self.log_dir / f"{name}.log"
+        log_file = log_path.open("a")
+        log_file.write(f"$ {shlex.join(argv)}\n")
+        log_file.flush()
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        self._running.append((proc, log_file))
+        return Started(name=name, proc=proc, log_path=log_path)
+
+    def stop(self, started: Started) -> None:
+        for entry in list(self._running):
+            if entry[0] is started.proc:
+                self._stop_one(*entry)
+                self._running.remove(entry)
+
+    def stop_all(self) -> None:
+        while self._running:
+            self._stop_one(*self._running.pop())
+
+    @staticmethod
+    def _stop_one(proc: subprocess.Popen[bytes], log_file: TextIO) -> None:
+        """SIGTERM the process group (graceful), SIGKILL whatever is left after a bound."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(STOP_TIMEOUT_S)
+        # The group may outlive its leader (forked workers): always sweep it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(STOP_TIMEOUT_S)
+        log_file.close()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Started:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def last_log_line(self) -> str:
+        """The line that usually says why a process died (an exception's last line)."""
+        tail = [line for line in self.log_tail().splitlines() if line.strip()]
+        return tail[-1].strip() if tail else "(no output)"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunningTarget:
+    name: str
+    url: str
+    started: Started
+    note: str
+
+
+def http_get(port: int, path: str, timeout_s: float) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def wait_ready(started: Started, checks: Sequence[Callable[[], bool]], timeout_s: float) -> None:
+    """Poll until every check passes, the process dies, or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(checks)
+    while pending:
+        if started.proc.poll() is not None:
+            raise StartError(
+                f"{started.name} exited with {started.proc.returncode}: "
+                f"{started.last_log_line()}\n{started.log_tail()}"
+            )
+        if time.monotonic() > deadline:
+            raise StartError(
+                f"{started.name} not ready after {timeout_s:.0f}s: "
+                f"{started.last_log_line()}\n{started.log_tail()}"
+            )
+        try:
+            if pending[0]():
+                pending.pop(0)
+                continue
+        except OSError:
+            pass
+        time.sleep(0.1)
+
+
+def serves_body(port: int) -> Callable[[], bool]:
+    """Readiness that also proves the proxy chain works: the upstream's exact body."""
+
+    def check() -> bool:
+        status, body = http_get(port, "/bench?ready=1", 2.0)
+        if status == 200 and body != BODY:
+            raise StartError(f"port {port} answered 200 with an unexpected body: {body[:80]!r}")
+        return status == 200
+
+    return check
+
+
+def healthz(port: int) -> Callable[[], bool]:
+    def check() -> bool:
+        return http_get(port, "/healthz", 2.0)[0] == 200
+
+    return check
+
+
+def start_with_retries(start: Callable[[], RunningTarget], attempts: int = 3) -> RunningTarget:
+    """Free ports are picked before the process binds them; retry if another test took one."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except StartError:
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def nginx_config(prefix: Path, port: int, upstream_port: int) -> str:
+    user = ""
+    if os.geteuid() == 0:
+        # As root nginx would switch its worker to "nobody"; keep it the current user.
+        user = f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};"
+    return f"""\
+# Generated by bench/bench_proxy.py: a plain reverse proxy, one worker (like one gateway worker).
+{user}
+daemon off;
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{
+    worker_connections 4096;
+}}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    upstream backend {{
+        server {HOST}:{upstream_port};
+        keepalive 64;
+    }}
+    server {{
+        listen {HOST}:{port};
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}
+}}
+"""
+
+
+class Harness:
+    """Starts the targets; each ``start_*`` returns a target that answered with the body."""
+
+    def __init__(self, procs: Processes, work_dir: Path, plan: CpuPlan, upstream_impl: str):
+        self.procs = procs
+        self.work_dir = work_dir
+        self.plan = plan
+        self.upstream_impl = upstream_impl
+        self.upstream_port = 0
+
+    def start_upstream(self) -> RunningTarget:
+        port = free_port()
+        argv = [sys.executable, str(BENCH_DIR / "upstream.py"), "--port", str(port)]
+        argv += ["--impl", self.upstream_impl]
+        started = self.procs.start(UPSTREAM, pinned(self.plan.upstream, argv))
+        self._ready_or_stop(started, [serves_body(port)])
+        self.upstream_port = port
+        note = f"bench/upstream.py --impl {self.upstream_impl}, uvloop, 1 process"
+        return RunningTarget(UPSTREAM, f"http://{HOST}:{port}/", started, note)
+
+    def start_nginx(self) -> RunningTarget:
+        port = free_port()
+        prefix = self.work_dir / f"nginx-{port}"
+        prefix.mkdir()
+        conf = prefix / "nginx.conf"
+        conf.write_text(nginx_config(prefix, port, self.upstream_port))
+        argv = [NGINX, "-p", f"{prefix}/", "-c", str(conf), "-e", str(prefix / "error.log")]
+        started = self.procs.start(NGINX_TARGET, pinned(self.plan.single_proxy, argv))
+        self._ready_or_stop(started, [serves_body(port)])
+        note = "nginx worker_processes 1, upstream keepalive 64, access_log off"
+        return RunningTarget(NGINX_TARGET, f"http://{HOST}:{port}/", started, note)
+
+    def start_naive(self) -> RunningTarget:
+        port = free_port()
+        argv = [sys.executable, str(BENCH_DIR / "naive_proxy.py"), "--port", str(port)]
+        argv += ["--upstream", f"http://{HOST}:{self.upstream_port}"]
+        started = self.procs.start(NAIVE, pinned(self.plan.single_proxy, argv))
+        self._ready_or_stop(started, [serves_body(port)])
+        note = "bench/naive_proxy.py: web.Application + shared ClientSession, asyncio loop"
+        return RunningTarget(NAIVE, f"http://{HOST}:{port}/", started, note)
+
+    def start_gateway(self, workers: int) -> RunningTarget:
+        name = GATEWAY_1W if workers == 1 else GATEWAY_2W
+        port, admin_port = free_port(), free_port()
+        argv = [sys.executable, "-m", "gateway", "run"]
+        argv += ["--upstream", f"http://{HOST}:{self.upstream_port}"]
+        argv += ["--listen", f"{HOST}:{port}", "--admin-listen", f"{HOST}:{admin_port}"]
+        argv += ["--workers", str(workers)]
+        cpus = self.plan.single_proxy if workers == 1 else self.plan.multi_proxy
+        started = self.procs.start(name, pinned(cpus, argv), cwd=REPO_ROOT)
+        self._ready_or_stop(started, [healthz(admin_port), serves_body(port)])
+        note = f"python -m gateway run --upstream ... --workers {workers}"
+        return RunningTarget(name, f"http://{HOST}:{port}/", started, note)
+
+    def _ready_or_stop(self, started: Started, checks: Sequence[Callable[[], bool]]) -> None:
+        try:
+            wait_ready(started, checks, READY_TIMEOUT_S)
+        except BaseException:
+            self.procs.stop(started)
+            raise
+
+
+# --- wrk -----------------------------------------------------------------------------
+
+_UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
+_RPS_RE = re.compile(r"^Requests/sec:\s+([\d.]+)", re.MULTILINE)
+_PCT_RE = re.compile(r"^\s+(50|99)(?:\.0+)?%\s+([\d.]+)(us|ms|s|m|h)\s*$", re.MULTILINE)
+_TOTAL_RE = re.compile(r"^\s+(\d+) requests in ", re.MULTILINE)
+_SOCKET_RE = re.compile(
+    r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", re.MULTILINE
+)
+_NON2XX_RE = re.compile(r"Non-2xx or 3xx responses: (\d+)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WrkResult:
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    requests: int
+    non_2xx: int
+    connect_errors: int
+    read_errors: int
+    write_errors: int
+    timeouts: int
+
+
+def parse_wrk(output: str) -> WrkResult:
+    """Read wrk 4.x ``--latency`` output; refuse output that lacks what we report."""
+    rps = _RPS_RE.search(output)
+    total = _TOTAL_RE.search(output)
+    percentiles = {
+        pct: float(value) * _UNIT_MS[unit] for pct, value, unit in _PCT_RE.findall(output)
+    }
+    if rps is None or total is None or set(percentiles) != {"50", "99"}:
+        raise ValueError(f"unrecognised wrk output:\n{output}")
+    socket_errors = _SOCKET_RE.search(output)
+    connect, read, write, timeout = (
+        (int(g) for g in socket_errors.groups()) if socket_errors else (0, 0, 0, 0)
+    )
+    non_2xx = _NON2XX_RE.search(output)
+    return WrkResult(
+        requests_per_s=float(rps.group(1)),
+        p50_ms=percentiles["50"],
+        p99_ms=percentiles["99"],
+        requests=int(total.group(1)),
+        non_2xx=int(non_2xx.group(1)) if non_2xx else 0,
+        connect_errors=connect,
+        read_errors=read,
+        write_errors=write,
+        timeouts=timeout,
+    )
+
+
+def run_wrk(url: str, connections: int, duration_s: float, threads: int, cpus: str) -> WrkResult:
+    argv = [WRK, f"-t{threads}", f"-c{connections}", f"-d{duration_s:g}s", "--latency", url]
+    completed = subprocess.run(
+        pinned(cpus, argv),
+        capture_output=True,
+        text=True,
+        timeout=duration_s + WRK_GRACE_S,
+        check=False,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"wrk failed ({completed.returncode}): {completed.stderr.strip()}")
+    return parse_wrk(completed.stdout)
+
+
+# --- results -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Summary:
+    target: str
+    connections: int
+    runs: int
+    requests_per_s: float  # medians over the rounds
+    requests_per_s_min: float
+    requests_per_s_max: float
+    p50_ms: float
+    p99_ms: float
+    failed_requests: int  # non-2xx + timeouts + connect/write errors, summed over rounds
+
+
+def summarise(target: str, connections: int, results: Sequence[WrkResult]) -> Summary:
+    rates = [r.requests_per_s for r in results]
+    return Summary(
+        target=target,
+        connections=connections,
+        runs=len(results),
+        requests_per_s=statistics.median(rates),
+        requests_per_s_min=min(rates),
+        requests_per_s_max=max(rates),
+        p50_ms=statistics.median(r.p50_ms for r in results),
+        p99_ms=statistics.median(r.p99_ms for r in results),
+        failed_requests=sum(
+            r.non_2xx + r.timeouts + r.connect_errors + r.write_errors for r in results
+        ),
+    )
+
+
+def ratios(summaries: Sequence[Summary]) -> dict[str, dict[str, float | None]]:
+    """Median req/s of the gateway over each peer, per connection count."""
+    by_key = {(s.target, s.connections): s.requests_per_s for s in summaries}
+    table: dict[str, dict[str, float | None]] = {}
+    for connections in sorted({s.connections for s in summaries}):
+        row: dict[str, float | None] = {}
+        for numerator, denominator in RATIO_PAIRS:
+            top = by_key.get((numerator, connections))
+            bottom = by_key.get((denominator, connections))
+            row[f"{numerator}/{denominator}"] = top / bottom if top and bottom else None
+        table[str(connections)] = row
+    return table
+
+
+def markdown(summaries: Sequence[Summary], ratio_table: dict[str, dict[str, float | None]]) -> str:
+    lines = [
+        "| target | conns | req/s (median) | req/s min-max | p50 ms | p99 ms | runs | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s.target} | {s.connections} | {s.requests_per_s:,.0f} "
+            f"| {s.requests_per_s_min:,.0f}-{s.requests_per_s_max:,.0f} "
+            f"| {s.p50_ms:.2f} | {s.p99_ms:.2f} | {s.runs} | {s.failed_requests} |"
+        )
+    pairs = [f"{a}/{b}" for a, b in RATIO_PAIRS]
+    lines += ["", "| conns | " + " | ".join(pairs) + " |", "|---:|" + "---:|" * len(pairs)]
+    for connections, row in ratio_table.items():
+        cells = [f"{row[p]:.2f}x" if row[p] is not None else "n/a" for p in pairs]
+        lines.append(f"| {connections} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tool_version(argv: Sequence[str]) -> str:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unavailable ({exc})"
+    text = (done.stdout + done.stderr).strip()
+    return text.splitlines()[0] if text else ""
+
+
+# --- main ----------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--connections", default="64,256", help="comma list of wrk -c values")
+    parser.add_argument("--threads", type=int, default=2, help="wrk -t")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load")
+    parser.add_argument(
+        "--targets", default=",".join(ALL_TARGETS), help=f"comma list from {','.join(ALL_TARGETS)}"
+    )
+    parser.add_argument(
+        "--pin",
+        choices=("split", "none"),
+        default="split",
+        help="split: proxy on CPU 0, wrk and upstream on CPU 1 (see README); none: no taskset",
+    )
+    parser.add_argument("--upstream-impl", choices=("httptools", "aiohttp"), default="httptools")
+    parser.add_argument("--json", type=Path, help="write all runs and the summary here")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the temp dir of logs")
+    args = parser.parse_args(argv)
+    args.connections = [int(c) for c in args.connections.split(",") if c]
+    args.targets = [t for t in args.targets.split(",") if t]
+    unknown = set(args.targets) - set(ALL_TARGETS)
+    if unknown:
+        parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
+    if args.repeats < 1 or args.duration <= 0 or not args.connections:
+        parser.error("--repeats >= 1, --duration > 0 and at least one connection count")
+    return args
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def harness_dirs(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"logs kept in {path}", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    for tool in (NGINX, WRK, "taskset"):
+        if shutil.which(tool) is None:
+            log(f"bench: {tool} not found (apt-get install nginx wrk util-linux)")
+            return 2
+    # SIGTERM and SIGHUP unwind like Ctrl-C so the finally blocks stop every process; SIGINT
+    # too, explicitly, since a shell's background job starts with SIGINT ignored.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_keyboard_interrupt)
+    plan = CpuPlan.for_mode(args.pin)
+    n_runs = len(args.targets) * len(args.connections) * args.repeats
+    bound_s = n_runs * (args.duration + 1) + len(args.targets) * (args.warmup + READY_TIMEOUT_S)
+    log(f"bench: {n_runs} wrk runs of {args.duration:g}s; at most ~{bound_s / 60:.0f} min")
+    meta: dict[str, Any] = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "pin": args.pin,
+        "cpu_plan": dataclasses.asdict(plan),
+        "loadavg_before": os.getloadavg(),
+        "duration_s": args.duration,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "upstream_impl": args.upstream_impl,
+        "versions": {
+            "python": sys.version.split()[0],
+            "nginx": tool_version([NGINX, "-v"]),
+            "wrk": tool_version([WRK, "-v"]),
+        },
+    }
+    raw: list[dict[str, Any]] = []
+    results: dict[tuple[str, int], list[WrkResult]] = {}
+    skipped: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    with harness_dirs(args.keep_logs) as work_dir:
+        procs = Processes(work_dir)
+        try:
+            harness = Harness(procs, work_dir, plan, args.upstream_impl)
+            upstream = start_with_retries(harness.start_upstream)
+            starters: dict[str, Callable[[], RunningTarget]] = {
+                NGINX_TARGET: harness.start_nginx,
+                NAIVE: harness.start_naive,
+                GATEWAY_1W: lambda: harness.start_gateway(1),
+                GATEWAY_2W: lambda: harness.start_gateway(2),
+            }
+            running: list[RunningTarget] = []
+            for name in args.targets:
+                if name == UPSTREAM:
+                    running.append(upstream)
+                    continue
+                try:
+                    running.append(start_with_retries(starters[name]))
+                except StartError as exc:
+                    skipped[name] = str(exc)
+                    log(f"bench: SKIPPING {name}: {exc}")
+            notes = {t.name: t.note for t in running}
+            if args.warmup > 0:
+                for target in running:
+                    log(f"bench: warm-up {target.name}")
+                    run_wrk(target.url, max(args.connections), args.warmup, args.threads, plan.wrk)
+            for round_no in range(1, args.repeats + 1):
+                for connections in args.connections:
+                    for target in running:
+                        if target.started.proc.poll() is not None:
+                            raise RuntimeError(f"{target.name} died:\n{target.started.log_tail()}")
+                        result = run_wrk(
+                            target.url, connections, args.duration, args.threads, plan.wrk
+                        )
+                        log(
+                            f"bench: round {round_no} {target.name:<11} c={connections:<4} "
+                            f"{result.requests_per_s:>9,.0f} req/s  p50 {result.p50_ms:.2f} ms"
+                            f"  p99 {result.p99_ms:.2f} ms"
+                        )
+                        results.setdefault((target.name, connections), []).append(result)
+                        raw.append(
+                            {
+                                "round": round_no,
+                                "target": target.name,
+                                "connections": connections,
+                                "loadavg_1m_after": os.getloadavg()[0],
+                                **dataclasses.asdict(result),
+                            }
+                        )
+        except KeyboardInterrupt:
+            log("bench: interrupted; stopping everything")
+            return 130
+        finally:
+            procs.stop_all()
+            if args.keep_logs:
+                harness_logs = sorted(p.name for p in work_dir.glob("*.log"))
+                log(f"bench: logs {', '.join(harness_logs)}")
+    meta["loadavg_after"] = os.getloadavg()
+    summaries = [summarise(name, conns, runs) for (name, conns), runs in results.items()]
+    ratio_table = ratios(summaries)
+    print(markdown(summaries, ratio_table))
+    for name, reason in skipped.items():
+        print(f"\n{name} skipped: {reason.splitlines()[0]}")
+    if args.json:
+        document = {
+            "meta": meta,
+            "targets": notes,
+            "skipped": skipped,
+            "summary": [dataclasses.asdict(s) for s in summaries],
+            "ratios": ratio_table,
+            "runs": raw,
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        log(f"bench: wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
