@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from gateway.client_ip import client_key
+from gateway.engine import Check
+from gateway.keys import RequestFacts
+from gateway.routing import normalise_host
 
 if TYPE_CHECKING:
     from gateway.proxy import ProxyHandler
+    from gateway.reload import PolicyReloader
 
 
 @dataclass(slots=True)
@@ -18,6 +26,7 @@ class AdminState:
     handler: ProxyHandler
     ready: bool = False
     worker_id: int = 0
+    reloader: PolicyReloader | None = None
 
 
 ADMIN_STATE = web.AppKey("admin_state", AdminState)
@@ -35,15 +44,107 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def _policy(request: web.Request) -> web.Response:
-    runtime = request.app[ADMIN_STATE].handler.runtime
+    state = request.app[ADMIN_STATE]
+    runtime = state.handler.runtime
+    reload_status = None
+    if state.reloader is not None:
+        status = state.reloader.status
+        reload_status = {
+            "succeeded": status.succeeded,
+            "failed": status.failed,
+            "last_result": status.last_result,
+            "last_error": status.last_error,
+            "last_success_at": status.last_success_at,
+        }
     return web.json_response(
         {
             "source": runtime.loaded.source,
             "sha256": runtime.loaded.sha256,
             "loaded_at": runtime.loaded_at,
+            "worker": state.worker_id,
+            "store": runtime.engine.store.name,
+            "reload": reload_status,
             "policy": runtime.loaded.policy.model_dump(mode="json"),
         }
     )
+
+
+async def _reload(request: web.Request) -> web.Response:
+    reloader = request.app[ADMIN_STATE].reloader
+    if reloader is None:
+        return web.json_response({"error": "the gateway runs without a policy file"}, status=409)
+    result = await reloader.reload()
+    body = {"result": result, "error": reloader.status.last_error}
+    return web.json_response(body, status=200 if result != "failed" else 422)
+
+
+async def _explain(request: web.Request) -> web.Response:
+    """Which limits a request would meet and what each would say, consuming nothing.
+
+    Query: ``method``, ``path`` (may carry a query string), ``host``, ``client_ip`` and any
+    number of ``header=Name: value``.
+    """
+    runtime = request.app[ADMIN_STATE].handler.runtime
+    query = request.query
+    method = query.get("method", "GET").upper()
+    target = query.get("path", "/")
+    client_ip = query.get("client_ip", "127.0.0.1")
+    host = normalise_host(query.get("host", ""))
+    headers: CIMultiDict[str] = CIMultiDict()
+    for item in query.getall("header", []):
+        name, _, value = item.partition(":")
+        headers.add(name.strip(), value.strip())
+    url = URL(target if target.startswith("/") else "/" + target)
+    path = url.path
+    route = runtime.routes.match(host, path, method)
+    engine = runtime.engine
+    result: dict[str, Any] = {
+        "request": {"method": method, "path": target, "host": host, "client_ip": client_ip},
+        "route": route.name if route is not None else None,
+        "policy_sha256": runtime.loaded.sha256,
+    }
+    if route is None:
+        result["limits"] = []
+        return web.json_response(result)
+    if engine.deny and engine.deny.contains(client_ip):
+        result["access"] = "deny"
+    elif engine.allow and engine.allow.contains(client_ip):
+        result["access"] = "allow"
+    facts = RequestFacts(
+        client_key(client_ip, engine.ipv6_prefix),
+        route.name,
+        method,
+        CIMultiDictProxy(headers),
+        lambda: url.query,
+    )
+    limits = []
+    for limit in engine.limits:
+        entry: dict[str, Any] = {
+            "name": limit.name,
+            "algorithm": limit.spec.algorithm,
+            "dry_run": limit.spec.dry_run,
+            "applies": limit.applies(route, host, path, method),
+        }
+        if entry["applies"]:
+            key = limit.keys.build(facts)
+            entry["key"] = key
+            if key is None:
+                entry["skipped"] = "a key part is missing (on_missing_key: skip)"
+            else:
+                verdict = await engine.store.decide((Check(limit, key),), commit=False)
+                decision = verdict.decisions[0]
+                entry["next_request"] = {
+                    "allowed": decision.allowed,
+                    "delay_s": decision.delay_s,
+                    "retry_after_s": decision.retry_after_s,
+                    "limit": decision.limit,
+                    "remaining": decision.remaining,
+                    "reset_s": decision.reset_s,
+                }
+                entry["tracked_keys"] = engine.store.tracked_keys(limit.name)
+        limits.append(entry)
+    result["limits"] = limits
+    return web.json_response(result)
 
 
 def make_admin_app(state: AdminState) -> web.Application:
@@ -52,4 +153,6 @@ def make_admin_app(state: AdminState) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/policy", _policy)
+    app.router.add_post("/reload", _reload)
+    app.router.add_get("/explain", _explain)
     return app

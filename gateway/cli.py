@@ -51,19 +51,34 @@ def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
 
 
 def _worker_main(
-    loaded: LoadedPolicy, listen: str | None, admin: str | None, worker_id: int, reuse_port: bool
+    loaded: LoadedPolicy,
+    listen: str | None,
+    admin: str | None,
+    worker_id: int,
+    reuse_port: bool,
+    policy_path: str | None,
 ) -> None:
     from gateway.serve import run_event_loop, serve
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; SIGTERM drains
     run_event_loop(
         lambda: serve(
-            loaded, listen=listen, admin_listen=admin, reuse_port=reuse_port, worker_id=worker_id
+            loaded,
+            listen=listen,
+            admin_listen=admin,
+            reuse_port=reuse_port,
+            worker_id=worker_id,
+            policy_path=policy_path,
         )
     )
 
 
-def _supervise(loaded: LoadedPolicy, workers: int, listen: str | None, admin: str | None) -> int:
+def _supervise(
+    loaded: LoadedPolicy,
+    workers: int,
+    listen: str | None,
+    admin: str | None,
+    policy_path: str | None,
+) -> int:
     """Run ``workers`` processes on one port (SO_REUSEPORT); restart any that die."""
     ctx = multiprocessing.get_context("fork")
     stopping = False
@@ -71,7 +86,7 @@ def _supervise(loaded: LoadedPolicy, workers: int, listen: str | None, admin: st
     def start(worker_id: int) -> multiprocessing.process.BaseProcess:
         proc = ctx.Process(
             target=_worker_main,
-            args=(loaded, listen, admin, worker_id, True),
+            args=(loaded, listen, admin, worker_id, True, policy_path),
             name=f"gateway-worker-{worker_id}",
         )
         proc.start()
@@ -109,10 +124,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_aiohttp()
     loaded = _load_for_run(args)
     workers = args.workers or loaded.policy.server.workers
+    policy_path = None if args.upstream else (args.config or os.environ.get(ENV_CONFIG))
     if workers == 1:
-        _worker_main(loaded, args.listen, args.admin_listen, 0, False)
+        _worker_main(loaded, args.listen, args.admin_listen, 0, False, policy_path)
         return 0
-    return _supervise(loaded, workers, args.listen, args.admin_listen)
+    return _supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -260,7 +260,6 @@ class _LimitBase(_Model):
     )
     max_queue: int = Field(1000, ge=0, description="requests waiting on this limit at most")
     max_keys: int = Field(100_000, ge=1, description="tracked keys; least recently used evicted")
-    cost: int = Field(1, ge=1, description="units each request consumes")
 
     @field_validator("key")
     @classmethod

@@ -117,10 +117,10 @@ def _data_loc(data: Any, loc: Loc) -> Loc:
     out: list[str | int] = []
     node = data
     for i, part in enumerate(loc):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-            out.append(part)
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+        followable = (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and part < len(node)
+        )
+        if followable:
             node = node[part]
             out.append(part)
         elif i == len(loc) - 1 and not (isinstance(node, dict) and part in node.values()):

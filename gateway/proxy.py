@@ -9,14 +9,17 @@ from aiohttp import web
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
+from gateway.client_ip import client_key
 from gateway.forwarding import (
     BadRequest,
     ForwardedFor,
+    RequestFraming,
     build_request_head,
     check_request,
     response_headers,
 )
-from gateway.responses import error_response
+from gateway.keys import RequestFacts
+from gateway.responses import error_response, rate_limited_response
 from gateway.routing import normalise_host
 from gateway.server import GatewayProtocol
 from gateway.upstream_client import (
@@ -46,9 +49,12 @@ class ProxyHandler:
         protocol = request.protocol
         if isinstance(protocol, GatewayProtocol):
             protocol.request_started()
+        runtime = self.runtime
+        runtime.inflight += 1
         try:
-            return await self._handle(request, self.runtime)
+            return await self._handle(request, runtime)
         finally:
+            runtime.request_done()
             if isinstance(protocol, GatewayProtocol):
                 protocol.request_finished()
 
@@ -73,7 +79,8 @@ class ProxyHandler:
                 return error_response(400, "invalid request target", close=True)
 
         host_header = request.headers.get("Host")
-        route = runtime.routes.match(normalise_host(host_header), request.path, method)
+        host = normalise_host(host_header)
+        route = runtime.routes.match(host, request.path, method)
         if route is None:
             return error_response(404, "no route matches this request")
         upstream = runtime.upstreams[route.upstream]
@@ -89,6 +96,34 @@ class ProxyHandler:
             if trusted_peer
             else peer_ip
         )
+
+        limit_headers: list[tuple[str, str]] | None = None
+        engine = runtime.engine
+        if engine.active:
+            facts = RequestFacts(
+                client_key(client_ip, engine.ipv6_prefix),
+                route.name,
+                method,
+                request.headers,
+                lambda: request.query,
+            )
+            outcome = await engine.evaluate(facts, route, host, request.path, client_ip)
+            if outcome.status:
+                # An unread body would be drained for up to lingering_time: close instead.
+                if outcome.rejected_by is None:
+                    return error_response(outcome.status, outcome.reason, close=framing.has_body)
+                return rate_limited_response(
+                    outcome.status,
+                    outcome.rejected_by,
+                    outcome.reason,
+                    outcome.retry_after_s,
+                    outcome.headers,
+                    close=framing.has_body,
+                )
+            if outcome.delay_s > 0.0:
+                await engine.wait(outcome)
+            if outcome.headers:
+                limit_headers = outcome.headers
 
         max_body = runtime.settings.max_body_size
         if max_body and framing.content_length is not None and framing.content_length > max_body:
@@ -112,7 +147,7 @@ class ProxyHandler:
             runtime.via,
         )
         return await self._forward(
-            request, upstream, head, framing.chunked, framing.has_body, max_body
+            request, upstream, head, framing, max_body, runtime.via, limit_headers
         )
 
     async def _forward(
@@ -120,11 +155,13 @@ class ProxyHandler:
         request: BaseRequest,
         upstream: UpstreamTarget,
         head: bytes,
-        chunked: bool,
-        has_body: bool,
+        framing: RequestFraming,
         max_body: int,
+        via: bytes,
+        limit_headers: list[tuple[str, str]] | None,
     ) -> web.StreamResponse:
-        body = _stream_body(request, max_body) if has_body else None
+        body = _stream_body(request, max_body) if framing.has_body else None
+        chunked = framing.chunked
         is_head = request.method == "HEAD"
         try:
             response = await upstream.pool.request(
@@ -140,7 +177,9 @@ class ProxyHandler:
             return error_response(502, "upstream error")
 
         try:
-            headers = CIMultiDict(response_headers(response.headers, self.runtime.via))
+            headers = CIMultiDict(response_headers(response.headers, via))
+            if limit_headers:
+                headers.extend(limit_headers)
             reason = response.reason.decode("latin-1") or None
             status = response.status
             if response.body_complete and not is_head:

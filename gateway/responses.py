@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 _TITLES = {
     400: "bad_request",
@@ -29,6 +30,36 @@ def error_response(
     response = web.Response(
         status=status, body=body, content_type="application/json", headers=headers
     )
+    if close:
+        response.force_close()
+    return response
+
+
+_PROBLEM_TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
+
+
+def rate_limited_response(
+    status: int,
+    limit: str,
+    detail: str,
+    retry_after_s: float,
+    headers: list[tuple[str, str]],
+    *,
+    close: bool = False,
+) -> web.Response:
+    """RFC 9457 problem details naming the limit, with Retry-After and rate-limit headers."""
+    body = json.dumps(
+        {
+            "type": "about:blank",
+            "title": _PROBLEM_TITLES.get(status, "Rate Limited"),
+            "status": status,
+            "detail": detail,
+            "limit": limit,
+            "retry_after_s": round(retry_after_s, 3),
+        }
+    ).encode()
+    response = web.Response(status=status, body=body, headers=CIMultiDict(headers))
+    response.content_type = "application/problem+json"
     if close:
         response.force_close()
     return response

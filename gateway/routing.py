@@ -6,14 +6,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.policy import Route
+from gateway.policy import Route, RouteMatch
 
 
 @dataclass(frozen=True, slots=True)
-class CompiledRoute:
-    """A route with its match rules pre-compiled for the hot path."""
+class CompiledMatch:
+    """Match rules (host, path, methods) pre-compiled for the hot path."""
 
-    route: Route
     host_exact: str | None
     host_suffix: str | None
     path_exact: str | None
@@ -39,8 +38,7 @@ class CompiledRoute:
         return True
 
 
-def _compile(route: Route) -> CompiledRoute:
-    match = route.match
+def compile_match(match: RouteMatch) -> CompiledMatch:
     host_exact = host_suffix = None
     if match.host is not None:
         host = match.host.lower()
@@ -48,8 +46,7 @@ def _compile(route: Route) -> CompiledRoute:
             host_suffix = host[1:]
         else:
             host_exact = host
-    return CompiledRoute(
-        route=route,
+    return CompiledMatch(
         host_exact=host_exact,
         host_suffix=host_suffix,
         path_exact=match.path,
@@ -77,10 +74,10 @@ class RouteTable:
     __slots__ = ("_routes",)
 
     def __init__(self, routes: Sequence[Route]) -> None:
-        self._routes = tuple(_compile(r) for r in routes)
+        self._routes = tuple((compile_match(r.match), r) for r in routes)
 
     def match(self, host: str, path: str, method: str) -> Route | None:
-        for compiled in self._routes:
+        for compiled, route in self._routes:
             if compiled.matches(host, path, method):
-                return compiled.route
+                return route
         return None

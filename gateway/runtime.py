@@ -6,15 +6,19 @@ snapshot never serves a request under a half-applied policy.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway import __version__
+from gateway.algorithms.registry import build_algorithm
 from gateway.client_ip import ClientIPResolver
+from gateway.engine import LimitEngine
 from gateway.policy import ServerSettings, Upstream
 from gateway.policy_loader import LoadedPolicy
 from gateway.routing import RouteTable
+from gateway.store import LimitStore
 from gateway.upstream_client import UpstreamPool
 
 
@@ -35,12 +39,28 @@ class Runtime:
     upstreams: dict[str, UpstreamTarget]
     client_ip: ClientIPResolver
     settings: ServerSettings
+    engine: LimitEngine
     via: bytes = b"1.1 gateway"
     loaded_at: float = field(default_factory=time.time)
+    inflight: int = 0
+    _idle_waiter: asyncio.Future[None] | None = None
 
-    async def close(self) -> None:
-        for target in self.upstreams.values():
-            await target.pool.close()
+    def request_done(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0 and self._idle_waiter is not None and not self._idle_waiter.done():
+            self._idle_waiter.set_result(None)
+
+    async def idle(self) -> None:
+        """Wait until no request is being served under this runtime."""
+        if self.inflight > 0:
+            self._idle_waiter = asyncio.get_running_loop().create_future()
+            await self._idle_waiter
+
+    async def close(self, keep: set[str] | None = None) -> None:
+        """Close the upstream pools, except those a newer runtime took over (``keep``)."""
+        for name, target in self.upstreams.items():
+            if keep is None or name not in keep:
+                await target.pool.close()
 
 
 def make_pool(config: Upstream, demo_address: tuple[str, int] | None) -> tuple[UpstreamPool, str]:
@@ -75,10 +95,28 @@ def make_pool(config: Upstream, demo_address: tuple[str, int] | None) -> tuple[U
     return pool, base_path
 
 
-def build_runtime(loaded: LoadedPolicy, demo_address: tuple[str, int] | None = None) -> Runtime:
+def build_runtime(
+    loaded: LoadedPolicy,
+    store: LimitStore,
+    demo_address: tuple[str, int] | None = None,
+    previous: Runtime | None = None,
+) -> Runtime:
+    """Build a snapshot; with ``previous``, unchanged upstream pools and limit state carry over.
+
+    Raises ``ValueError`` for what validation could not see (an algorithm refusing its
+    parameters), before anything is changed.
+    """
     policy = loaded.policy
+    engine = LimitEngine(
+        policy, store, build_algorithm, previous=previous.engine if previous else None
+    )
+    store.configure(engine.limits, previous.engine.limits if previous else ())
     upstreams = {}
     for name, config in policy.upstreams.items():
+        old = previous.upstreams.get(name) if previous else None
+        if old is not None and old.config == config:
+            upstreams[name] = old
+            continue
         pool, base_path = make_pool(config, demo_address)
         upstreams[name] = UpstreamTarget(name, config, pool, base_path)
     return Runtime(
@@ -89,6 +127,7 @@ def build_runtime(loaded: LoadedPolicy, demo_address: tuple[str, int] | None = N
             policy.server.trusted_proxies, header=policy.server.client_ip_header
         ),
         settings=policy.server,
+        engine=engine,
         via=f"1.1 gateway/{__version__}".encode(),
     )
 

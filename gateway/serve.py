@@ -11,12 +11,15 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admin import AdminState, make_admin_app
+from gateway.clock import Clock
 from gateway.demo_upstream import start_demo_upstream
 from gateway.policy import split_host_port
 from gateway.policy_loader import LoadedPolicy
 from gateway.proxy import ProxyHandler
-from gateway.runtime import build_runtime, uses_demo
+from gateway.reload import PolicyReloader
+from gateway.runtime import Runtime, build_runtime, uses_demo
 from gateway.server import GatewayServer
+from gateway.store import LimitStore, MemoryStore
 
 log = logging.getLogger("gateway")
 
@@ -51,9 +54,16 @@ class Gateway:
         admin_listen: str | None = None,
         reuse_port: bool = False,
         worker_id: int = 0,
+        clock: Clock | None = None,
+        store: LimitStore | None = None,
+        policy_path: str | None = None,
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
+        self.store: LimitStore = store or MemoryStore(clock)
+        self.reloader = PolicyReloader(self, policy_path) if policy_path else None
+        self._demo_address: tuple[str, int] | None = None
+        self._retired: list[Runtime] = []
         self.listen = split_host_port(listen or settings.listen)
         self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
         self.reuse_port = reuse_port
@@ -69,10 +79,9 @@ class Gateway:
 
     async def start(self) -> None:
         settings = self.loaded.policy.server
-        demo_address = None
         if uses_demo(self.loaded):
-            self._demo_runner, demo_address = await start_demo_upstream()
-        runtime = build_runtime(self.loaded, demo_address)
+            self._demo_runner, self._demo_address = await start_demo_upstream()
+        runtime = build_runtime(self.loaded, self.store, self._demo_address)
         self.handler = ProxyHandler(runtime)
         self.server = GatewayServer(
             self.handler,
@@ -96,7 +105,9 @@ class Gateway:
         await site.start()
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
-        self.admin_state = AdminState(handler=self.handler, worker_id=self.worker_id)
+        self.admin_state = AdminState(
+            handler=self.handler, worker_id=self.worker_id, reloader=self.reloader
+        )
         self._admin_runner = web.AppRunner(make_admin_app(self.admin_state), access_log=None)
         await self._admin_runner.setup()
         admin_host, admin_port = self.admin_listen
@@ -106,6 +117,30 @@ class Gateway:
         await admin_site.start()
         self.admin_port = self._admin_runner.addresses[0][1]
         self.admin_state.ready = True
+
+    def apply(self, loaded: LoadedPolicy) -> None:
+        """Swap in a new policy; raises (and changes nothing) if it cannot be built.
+
+        Requests in flight finish under the runtime they started with; its upstream pools that
+        the new runtime does not share are closed once those requests are done.
+        """
+        assert self.handler is not None
+        if uses_demo(loaded) and self._demo_address is None:
+            raise ValueError("builtin:demo can only be used if the gateway started with it")
+        previous = self.handler.runtime
+        runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
+        self.handler.runtime = runtime
+        self.loaded = loaded
+        kept = {name for name, t in runtime.upstreams.items() if previous.upstreams.get(name) is t}
+        asyncio.get_running_loop().create_task(self._retire(previous, kept))
+
+    async def _retire(self, runtime: Runtime, kept: set[str]) -> None:
+        self._retired.append(runtime)
+        try:
+            await runtime.idle()
+            await runtime.close(keep=kept)
+        finally:
+            self._retired.remove(runtime)
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish within the shutdown deadline."""
@@ -117,6 +152,9 @@ class Gateway:
             await self._admin_runner.cleanup()
         if self.handler is not None:
             await self.handler.runtime.close()
+        for runtime in list(self._retired):
+            await runtime.close()
+        await self.store.close()
         if self._demo_runner is not None:
             await self._demo_runner.cleanup()
 
@@ -129,6 +167,7 @@ async def serve(
     reuse_port: bool = False,
     worker_id: int = 0,
     on_started: Callable[[Gateway], None] | None = None,
+    policy_path: str | None = None,
 ) -> None:
     gateway = Gateway(
         loaded,
@@ -136,12 +175,20 @@ async def serve(
         admin_listen=admin_listen,
         reuse_port=reuse_port,
         worker_id=worker_id,
+        policy_path=policy_path,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await gateway.start()
+    tasks: list[asyncio.Task[object]] = []
+    reloader = gateway.reloader
+    if reloader is not None:
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: tasks.append(loop.create_task(reloader.reload()))
+        )
+        tasks.append(loop.create_task(reloader.watch(stop)))
     log.info(
         "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s",
         worker_id,
@@ -158,6 +205,8 @@ async def serve(
         await stop.wait()
     finally:
         log.info("worker %d shutting down", worker_id)
+        for task in tasks:
+            task.cancel()
         await gateway.stop()
 
 

@@ -1,0 +1,300 @@
+"""The policy engine: which limits apply to a request, under which keys, and what to do about it.
+
+Every applicable enforced limit is decided in one atomic store call (check all, then commit all or
+nothing: nginx's multi-zone rule); dry-run limits are decided in a second call whose verdict is
+only counted. A delayed request waits in a bounded queue per limit; one that would wait too long,
+or find the queue full, is rejected at once and its charge given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.combine import CombinedDecision
+from gateway.keys import KeyBuilder, RequestFacts
+from gateway.policy import Access, Limit, LimitMatch, Policy, RateLimitHeaders, Route
+from gateway.routing import CompiledMatch, compile_match
+from gateway.store import LimitStore
+
+AlgorithmFactory = Callable[[Any], Algorithm[Any]]
+
+
+@dataclass(slots=True)
+class LimitCounters:
+    """Per-limit figures that outlive a reload while the limit keeps its name."""
+
+    allowed: int = 0
+    delayed: int = 0
+    rejected: int = 0
+    dry_run_delayed: int = 0
+    dry_run_rejected: int = 0
+    waiting: int = 0
+
+
+@dataclass(slots=True)
+class CompiledLimit:
+    """A limit from the policy, ready for the hot path."""
+
+    name: str
+    spec: Limit
+    algorithm: Algorithm[Any]
+    keys: KeyBuilder
+    match: CompiledMatch | None
+    routes: frozenset[str] | None
+    window_s: float
+    counters: LimitCounters
+
+    def applies(self, route: Route, host: str, path: str, method: str) -> bool:
+        if self.routes is not None and route.name not in self.routes:
+            return False
+        return self.match is None or self.match.matches(host, path, method)
+
+    @property
+    def identity(self) -> tuple[str, tuple[str, ...], str]:
+        """What must stay the same for a reload to keep this limit's state."""
+        return (self.spec.algorithm, self.spec.key, self.spec.on_missing_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    limit: CompiledLimit
+    key: str
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the engine says about one request; the proxy turns it into a response."""
+
+    status: int = 0  # 0: go ahead (after ``delay_s``); otherwise reject with this status
+    delay_s: float = 0.0
+    retry_after_s: float = 0.0
+    rejected_by: str | None = None
+    reason: str = ""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    checks: Sequence[Check] = ()
+    verdict: CombinedDecision | None = None
+
+
+ALLOW = Outcome()
+
+
+def _window_s(spec: Limit) -> float:
+    """The window advertised in ``RateLimit-Policy`` (``w``): how long the quota takes to refill."""
+    if spec.algorithm in ("fixed_window", "sliding_window", "sliding_log"):
+        return float(spec.window)  # type: ignore[union-attr]
+    rate = spec.rate  # type: ignore[union-attr]
+    quota = spec.burst + 1 if spec.algorithm == "leaky_bucket" else spec.burst  # type: ignore[union-attr]
+    return quota / rate.per_second
+
+
+def _compile_limit_match(match: LimitMatch) -> CompiledMatch | None:
+    if (
+        match.host is None
+        and match.path is None
+        and match.path_prefix is None
+        and match.path_regex is None
+        and match.methods is None
+    ):
+        return None
+    return compile_match(match)
+
+
+class Networks:
+    """A CIDR list with a fast membership test for the common 'no list' case."""
+
+    __slots__ = ("_networks",)
+
+    def __init__(self, cidrs: Sequence[str]) -> None:
+        self._networks = tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
+
+    def __bool__(self) -> bool:
+        return bool(self._networks)
+
+    def contains(self, ip: str) -> bool:
+        try:
+            address = ipaddress.ip_address(ip)
+        except ValueError:
+            return False
+        return any(address in network for network in self._networks)
+
+
+class LimitEngine:
+    """All limits of one policy snapshot, bound to the store that holds their state."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        store: LimitStore,
+        build_algorithm: AlgorithmFactory,
+        previous: LimitEngine | None = None,
+    ) -> None:
+        self.store = store
+        self.headers_config: RateLimitHeaders = policy.headers
+        access: Access = policy.access
+        self.allow = Networks(access.allow)
+        self.deny = Networks(access.deny)
+        old = {limit.name: limit for limit in previous.limits} if previous else {}
+        limits = []
+        for name, spec in policy.limits.items():
+            kept = old.get(name)
+            limits.append(
+                CompiledLimit(
+                    name=name,
+                    spec=spec,
+                    algorithm=build_algorithm(spec),
+                    keys=KeyBuilder(spec.key, spec.on_missing_key),
+                    match=_compile_limit_match(spec.match),
+                    routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
+                    window_s=_window_s(spec),
+                    counters=kept.counters if kept is not None else LimitCounters(),
+                )
+            )
+        self.limits: tuple[CompiledLimit, ...] = tuple(limits)
+        self.ipv6_prefix = policy.ipv6_prefix
+        # False when there is nothing to evaluate, so the proxy skips the engine entirely.
+        self.active = bool(limits) or bool(self.allow) or bool(self.deny)
+
+    def checks_for(
+        self, facts: RequestFacts, route: Route, host: str, path: str
+    ) -> tuple[list[Check], list[Check]]:
+        """The (enforced, dry-run) checks that apply to a request."""
+        enforced: list[Check] = []
+        dry: list[Check] = []
+        method = facts.method
+        for limit in self.limits:
+            if not limit.applies(route, host, path, method):
+                continue
+            key = limit.keys.build(facts)
+            if key is None:
+                continue
+            (dry if limit.spec.dry_run else enforced).append(Check(limit, key))
+        return enforced, dry
+
+    async def evaluate(
+        self, facts: RequestFacts, route: Route, host: str, path: str, client_ip: str
+    ) -> Outcome:
+        if self.deny and self.deny.contains(client_ip):
+            return Outcome(status=403, reason="client address is denied")
+        if self.allow and self.allow.contains(client_ip):
+            return ALLOW
+        enforced, dry = self.checks_for(facts, route, host, path)
+        if dry:
+            await self._dry_run(dry)
+        if not enforced:
+            return ALLOW
+        verdict = await self.store.decide(enforced)
+        if not verdict.allowed:
+            first = enforced[verdict.rejected_by[0]]
+            for index in verdict.rejected_by:
+                enforced[index].limit.counters.rejected += 1
+            return Outcome(
+                status=first.limit.spec.status,
+                retry_after_s=verdict.retry_after_s,
+                rejected_by=first.limit.name,
+                reason=f"rate limit {first.limit.name!r} exceeded",
+                headers=self._headers(enforced, verdict.decisions, verdict.retry_after_s),
+                checks=enforced,
+                verdict=verdict,
+            )
+        delay_s = verdict.delay_s
+        if delay_s > 0.0:
+            over = self._queue_refusal(enforced, verdict)
+            if over is not None:
+                await self.store.refund(enforced)
+                limit = over.limit
+                limit.counters.rejected += 1
+                retry = max(delay_s, 0.001)
+                return Outcome(
+                    status=limit.spec.status,
+                    retry_after_s=retry,
+                    rejected_by=limit.name,
+                    reason=f"rate limit {limit.name!r} queue is full",
+                    headers=self._headers(enforced, verdict.decisions, retry),
+                    checks=enforced,
+                    verdict=verdict,
+                )
+        for index, check in enumerate(enforced):
+            if verdict.decisions[index].delay_s > 0.0:
+                check.limit.counters.delayed += 1
+            else:
+                check.limit.counters.allowed += 1
+        return Outcome(
+            delay_s=delay_s,
+            headers=self._headers(enforced, verdict.decisions, 0.0),
+            checks=enforced,
+            verdict=verdict,
+        )
+
+    def _queue_refusal(self, enforced: Sequence[Check], verdict: CombinedDecision) -> Check | None:
+        """The limit whose queue bounds this delay would break, if any."""
+        for index, check in enumerate(enforced):
+            delay = verdict.decisions[index].delay_s
+            if delay <= 0.0:
+                continue
+            spec = check.limit.spec
+            if delay > spec.max_delay or check.limit.counters.waiting >= spec.max_queue:
+                return check
+        return None
+
+    async def wait(self, outcome: Outcome) -> None:
+        """Hold a delayed request for its delay; a client that leaves gets its charge back."""
+        delaying = [
+            check
+            for index, check in enumerate(outcome.checks)
+            if outcome.verdict is not None and outcome.verdict.decisions[index].delay_s > 0.0
+        ]
+        for check in delaying:
+            check.limit.counters.waiting += 1
+        try:
+            await asyncio.sleep(outcome.delay_s)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.store.refund(outcome.checks))
+            raise
+        finally:
+            for check in delaying:
+                check.limit.counters.waiting -= 1
+
+    async def _dry_run(self, dry: list[Check]) -> None:
+        verdicts = await self.store.decide_each(dry)
+        for check, verdict in zip(dry, verdicts, strict=True):
+            decision = verdict.decisions[0]
+            counters = check.limit.counters
+            if not decision.allowed:
+                counters.dry_run_rejected += 1
+            elif decision.delay_s > 0.0:
+                counters.dry_run_delayed += 1
+            else:
+                counters.allowed += 1
+
+    def _headers(
+        self, checks: Sequence[Check], decisions: Sequence[Decision], retry_after_s: float
+    ) -> list[tuple[str, str]]:
+        config = self.headers_config
+        headers: list[tuple[str, str]] = []
+        if retry_after_s > 0.0 and config.retry_after:
+            headers.append(("Retry-After", str(max(1, math.ceil(retry_after_s)))))
+        if config.ietf:
+            policy_items = []
+            state_items = []
+            for check, decision in zip(checks, decisions, strict=True):
+                name = check.limit.name
+                policy_items.append(
+                    f'"{name}";q={decision.limit};w={max(1, math.ceil(check.limit.window_s))}'
+                )
+                state_items.append(
+                    f'"{name}";r={max(0, decision.remaining)};t={math.ceil(decision.reset_s)}'
+                )
+            headers.append(("RateLimit-Policy", ", ".join(policy_items)))
+            headers.append(("RateLimit", ", ".join(state_items)))
+        if config.x_ratelimit:
+            tightest = min(decisions, key=lambda d: d.remaining)
+            headers.append(("X-RateLimit-Limit", str(tightest.limit)))
+            headers.append(("X-RateLimit-Remaining", str(max(0, tightest.remaining))))
+            headers.append(("X-RateLimit-Reset", str(math.ceil(tightest.reset_s))))
+        return headers

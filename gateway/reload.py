@@ -1,0 +1,80 @@
+"""Live policy reload: on file change (watched by directory, so rename-replace by editors and
+Kubernetes config maps is seen) and on SIGHUP. A new policy is validated in full and built before
+it is swapped in; an invalid one is logged and counted, and the running policy stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import watchfiles
+
+from gateway.policy_loader import PolicyError, load_policy
+
+if TYPE_CHECKING:
+    from gateway.serve import Gateway
+
+log = logging.getLogger("gateway.reload")
+
+
+@dataclass(slots=True)
+class ReloadStatus:
+    succeeded: int = 0
+    failed: int = 0
+    unchanged: int = 0
+    last_result: str = "none"
+    last_error: str | None = None
+    last_success_at: float | None = None
+    last_attempt_at: float | None = None
+
+
+class PolicyReloader:
+    """Reloads one policy file into one gateway."""
+
+    def __init__(self, gateway: Gateway, path: str | Path) -> None:
+        self.gateway = gateway
+        self.path = Path(path)
+        self.status = ReloadStatus(last_success_at=time.time())
+        self._lock = asyncio.Lock()
+
+    async def reload(self) -> str:
+        """Try to load the file now; returns 'ok', 'unchanged' or 'failed'."""
+        async with self._lock:
+            self.status.last_attempt_at = time.time()
+            try:
+                loaded = load_policy(self.path)
+                if loaded.sha256 == self.gateway.loaded.sha256:
+                    self.status.unchanged += 1
+                    return "unchanged"
+                self.gateway.apply(loaded)
+            except (PolicyError, ValueError) as exc:
+                self.status.failed += 1
+                self.status.last_result = "failed"
+                self.status.last_error = str(exc)
+                log.error("policy reload failed, keeping the running policy:\n%s", exc)
+                return "failed"
+            self.status.succeeded += 1
+            self.status.last_result = "ok"
+            self.status.last_error = None
+            self.status.last_success_at = time.time()
+            log.info("policy reloaded from %s (sha256 %s)", self.path, loaded.sha256[:12])
+            return "ok"
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Reload whenever the file's directory changes; runs until ``stop`` is set."""
+        directory = self.path.resolve().parent
+        async for _changes in watchfiles.awatch(
+            directory,
+            watch_filter=None,
+            stop_event=stop,
+            debounce=200,
+            step=50,
+            recursive=False,
+        ):
+            # Compare content, not names: a config map swaps a symlinked directory.
+            await self.reload()

@@ -1,0 +1,242 @@
+"""Rate limiting end to end: the real gateway, a real upstream, real clients, an injected clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from gateway.clock import FakeClock
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+
+
+def limited_policy(upstream_url: str, limits: str, extra: str = "") -> str:
+    return policy_for(upstream_url) + "limits:\n" + limits + extra
+
+
+async def _get(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    async with session.get(url, headers=headers) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_leaky_bucket_nodelay_rejects_beyond_burst_with_headers(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 2\n"
+        "    nodelay: true\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    async with aiohttp.ClientSession() as session:
+        results = [await _get(session, gw.url + "/") for _ in range(4)]
+        # rate 1r/s, burst 2, no time passing: 1 + 2 admitted, the 4th rejected.
+        assert [status for status, _, _ in results] == [200, 200, 200, 429]
+        _, ok_headers, _ = results[0]
+        assert ok_headers["RateLimit-Policy"] == '"per_ip";q=3;w=3'
+        assert ok_headers["RateLimit"].startswith('"per_ip";r=2;')
+        _, headers, body = results[3]
+        assert headers["Content-Type"] == "application/problem+json"
+        assert headers["Retry-After"] == "1"
+        assert headers["RateLimit"].startswith('"per_ip";r=0;')
+        problem = json.loads(body)
+        assert problem["status"] == 429 and problem["limit"] == "per_ip"
+        assert len(upstream.requests) == 3
+
+        clock.advance(1.0)
+        assert (await _get(session, gw.url + "/"))[0] == 200
+        assert (await _get(session, gw.url + "/"))[0] == 429
+
+
+async def test_rejected_request_consumes_from_no_limit(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        "  per_client:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 3\n"
+        "    nodelay: true\n    key: ['header:X-Client']\n"
+        "  global:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n"
+        "    nodelay: true\n    key: [global]\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    async with aiohttp.ClientSession() as session:
+        # Client b spends the global allowance (2 requests); client a is then refused by it.
+        for _ in range(2):
+            assert (await _get(session, gw.url + "/", {"X-Client": "b"}))[0] == 200
+        for _ in range(5):
+            assert (await _get(session, gw.url + "/", {"X-Client": "a"}))[0] == 429
+        async with session.get(
+            gw.admin_url + "/explain",
+            params={"path": "/", "header": "X-Client: a"},
+        ) as resp:
+            explained = await resp.json()
+    per_client = next(x for x in explained["limits"] if x["name"] == "per_client")
+    # None of a's five rejected requests was charged to its own per-client bucket.
+    assert per_client["next_request"]["remaining"] == 3
+    assert per_client["key"] == "a"
+
+
+async def test_dry_run_limit_counts_but_never_enforces(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        "  real:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 5\n    nodelay: true\n"
+        "  candidate:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n"
+        "    nodelay: true\n    dry_run: true\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    async with aiohttp.ClientSession() as session:
+        statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(8)]
+    assert statuses == [200] * 6 + [429] * 2
+    engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
+    candidate = next(x for x in engine.limits if x.name == "candidate")
+    # The candidate (burst 1) would have let 2 through: the other 6 would have been rejected.
+    assert candidate.counters.dry_run_rejected == 6
+    real = next(x for x in engine.limits if x.name == "real")
+    assert real.counters.rejected == 2
+
+
+async def test_shaping_delays_then_forwards(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy = limited_policy(
+        upstream.url,
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 10r/s\n    burst: 10\n",
+    )
+    gw = await start_gateway(policy)
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session:
+        started = loop.time()
+        results = await asyncio.gather(*[_get(session, gw.url + "/") for _ in range(4)])
+        elapsed = loop.time() - started
+    assert [r[0] for r in results] == [200] * 4
+    # nginx without nodelay: the 2nd..4th requests wait 100, 200 and 300 ms.
+    assert elapsed >= 0.28
+
+
+async def test_queue_bounds_reject_at_once(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy = limited_policy(
+        upstream.url,
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 2r/s\n    burst: 20\n"
+        "    max_queue: 2\n    max_delay: 10s\n",
+    )
+    gw = await start_gateway(policy)
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session:
+
+        async def timed() -> tuple[int, float]:
+            started = loop.time()
+            status = (await _get(session, gw.url + "/"))[0]
+            return status, loop.time() - started
+
+        first = await timed()  # served at once, the bucket is empty
+        assert first[0] == 200
+        results = await asyncio.gather(*[timed() for _ in range(4)])
+    statuses = sorted(s for s, _ in results)
+    assert statuses == [200, 200, 429, 429]
+    # The two over the queue bound were refused at once, not held.
+    assert all(t < 0.3 for s, t in results if s == 429)
+
+
+async def test_max_delay_rejects_instead_of_waiting(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 10\n"
+        "    max_delay: 5s\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    async with aiohttp.ClientSession() as session:
+        first = await _get(session, gw.url + "/")
+        second = await _get(session, gw.url + "/")
+    assert first[0] == 200
+    # The second would wait 60 s: over max_delay, so it is rejected at once.
+    assert second[0] == 429
+    assert int(second[1]["Retry-After"]) >= 5
+
+
+async def test_client_leaving_the_queue_gets_its_charge_back(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 5\n"
+        "    max_delay: 30s\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
+    shaped = engine.limits[0]
+    async with aiohttp.ClientSession() as session:
+        assert (await _get(session, gw.url + "/"))[0] == 200
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n")
+        for _ in range(100):
+            if shaped.counters.waiting == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert shaped.counters.waiting == 1
+        writer.close()
+        for _ in range(100):
+            if shaped.counters.waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert shaped.counters.waiting == 0
+        async with session.get(gw.admin_url + "/explain", params={"path": "/"}) as resp:
+            explained = await resp.json()
+    # One request admitted and served, the queued one refunded: 4 of burst 5 left.
+    assert explained["limits"][0]["next_request"]["remaining"] == 4
+    assert [r.raw_path for r in upstream.requests] == ["/"]
+    del reader
+
+
+async def test_access_lists(upstream: RecordingUpstream, start_gateway: GatewayFactory) -> None:
+    policy = limited_policy(
+        upstream.url,
+        "  tight:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n",
+        "access:\n  allow: [127.0.0.0/8]\n",
+    )
+    gw = await start_gateway(policy)
+    async with aiohttp.ClientSession() as session:
+        statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(5)]
+    assert statuses == [200] * 5  # allowed clients bypass every limit
+
+    denied = await start_gateway(policy_for(upstream.url) + "access:\n  deny: [127.0.0.1/32]\n")
+    async with aiohttp.ClientSession() as session:
+        assert (await _get(session, denied.url + "/"))[0] == 403
+
+
+async def test_missing_key_part_skips_or_falls_back(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        "  by_key_skip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n"
+        "    key: ['header:X-API-Key']\n"
+        "    match: {path_prefix: /skip}\n"
+        "  by_key_ip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n"
+        "    key: ['header:X-API-Key']\n    on_missing_key: client_ip\n"
+        "    match: {path_prefix: /fallback}\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    async with aiohttp.ClientSession() as session:
+        skip = [(await _get(session, gw.url + "/skip"))[0] for _ in range(3)]
+        fallback = [(await _get(session, gw.url + "/fallback"))[0] for _ in range(3)]
+        keyed = [
+            (await _get(session, gw.url + "/skip", {"X-API-Key": "k1"}))[0] for _ in range(2)
+        ]
+    assert skip == [200, 200, 200]
+    assert fallback == [200, 429, 429]
+    assert keyed == [200, 429]
