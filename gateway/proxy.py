@@ -87,15 +87,15 @@ class ProxyHandler:
 
         transport = request.transport
         peername = transport.get_extra_info("peername") if transport is not None else None
-        peer_ip = peername[0] if peername else "0.0.0.0"
+        peer: str | None = peername[0] if peername else None
         resolver = runtime.client_ip
-        trusted_peer = resolver.is_trusted(peer_ip)
-        # The client IP keys every per-IP limit (policy engine); resolved here once.
-        client_ip = (
-            resolver.resolve(peer_ip, request.headers.getall(resolver.header_name, ()))
-            if trusted_peer
-            else peer_ip
+        trusted_peer = resolver.is_trusted(peer)
+        # The client IP keys every per-IP limit. resolve() also normalises the peer itself
+        # (IPv4-mapped IPv6, zone ids), so it runs for untrusted peers too, headers unread.
+        client_ip = resolver.resolve(
+            peer, request.headers.getall(resolver.header_name, ()) if trusted_peer else ()
         )
+        peer_ip = peer if peer is not None else client_ip
 
         limit_headers: list[tuple[str, str]] | None = None
         engine = runtime.engine

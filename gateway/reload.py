@@ -41,6 +41,9 @@ class PolicyReloader:
         self.path = Path(path)
         self.status = ReloadStatus(last_success_at=time.time())
         self._lock = asyncio.Lock()
+        # The file as it was when the running policy was read: a later change is caught even
+        # if it happened before the watcher got going.
+        self._seen = self._file_signature()
 
     async def reload(self) -> str:
         """Try to load the file now; returns 'ok', 'unchanged' or 'failed'."""
@@ -65,16 +68,31 @@ class PolicyReloader:
             log.info("policy reloaded from %s (sha256 %s)", self.path, loaded.sha256[:12])
             return "ok"
 
-    async def watch(self, stop: asyncio.Event) -> None:
-        """Reload whenever the file's directory changes; runs until ``stop`` is set."""
+    def _file_signature(self) -> tuple[int, int, int] | None:
+        try:
+            stat = self.path.stat()  # follows symlinks: a config map swaps the target
+        except OSError:
+            return None
+        return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+
+    async def watch(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
+        """Reload whenever the file's directory changes; runs until ``stop`` is set.
+
+        Directory events catch rename-replace edits; a stat check every ``poll_s`` catches what
+        events miss (a change made while the watcher was starting, filesystems without inotify).
+        """
         directory = self.path.resolve().parent
-        async for _changes in watchfiles.awatch(
+        async for changes in watchfiles.awatch(
             directory,
             watch_filter=None,
             stop_event=stop,
             debounce=200,
             step=50,
             recursive=False,
+            rust_timeout=round(poll_s * 1000),
+            yield_on_timeout=True,
         ):
-            # Compare content, not names: a config map swaps a symlinked directory.
-            await self.reload()
+            current = self._file_signature()
+            if changes or current != self._seen:
+                self._seen = current
+                await self.reload()

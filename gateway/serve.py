@@ -63,6 +63,8 @@ class Gateway:
         self.store: LimitStore = store or MemoryStore(clock)
         self.reloader = PolicyReloader(self, policy_path) if policy_path else None
         self._demo_address: tuple[str, int] | None = None
+        self._watch_stop = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
         self.listen = split_host_port(listen or settings.listen)
         self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
@@ -116,6 +118,10 @@ class Gateway:
         )
         await admin_site.start()
         self.admin_port = self._admin_runner.addresses[0][1]
+        if self.reloader is not None:
+            self._watcher = asyncio.get_running_loop().create_task(
+                self.reloader.watch(self._watch_stop)
+            )
         self.admin_state.ready = True
 
     def apply(self, loaded: LoadedPolicy) -> None:
@@ -146,6 +152,9 @@ class Gateway:
         """Stop accepting, let in-flight requests finish within the shutdown deadline."""
         if self.admin_state is not None:
             self.admin_state.ready = False
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._proxy_runner is not None:
             await self._proxy_runner.cleanup()
         if self._admin_runner is not None:
@@ -182,13 +191,17 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await gateway.start()
-    tasks: list[asyncio.Task[object]] = []
+    tasks: set[asyncio.Task[str]] = set()
     reloader = gateway.reloader
     if reloader is not None:
-        loop.add_signal_handler(
-            signal.SIGHUP, lambda: tasks.append(loop.create_task(reloader.reload()))
-        )
-        tasks.append(loop.create_task(reloader.watch(stop)))
+
+        def on_sighup() -> None:
+            task = loop.create_task(reloader.reload())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+
     log.info(
         "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s",
         worker_id,
@@ -205,7 +218,7 @@ async def serve(
         await stop.wait()
     finally:
         log.info("worker %d shutting down", worker_id)
-        for task in tasks:
+        for task in list(tasks):
             task.cancel()
         await gateway.stop()
 

@@ -1,0 +1,155 @@
+"""Live reload: a bad edit never replaces a good policy; a good one swaps in, losing nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import aiohttp
+
+from gateway.clock import FakeClock
+from gateway.policy_loader import load_policy
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+
+LIMIT = (
+    "limits:\n  per_ip:\n    algorithm: leaky_bucket\n    rate: {rate}\n    burst: {burst}\n"
+    "    nodelay: true\n"
+)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace by rename, as editors and Kubernetes config maps do."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+async def _status(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def _wait_for(predicate: object, seconds: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not predicate():  # type: ignore[operator]
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_invalid_edit_keeps_running_policy_and_reports_exact_error(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=1))
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    sha_before = gw.gateway.loaded.sha256
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+
+    write_atomically(
+        path, policy_for(upstream.url) + LIMIT.format(rate="fast", burst=1)
+    )
+    await _wait_for(lambda: reloader.status.failed == 1)
+    assert reloader.status.last_error == (
+        f"{path}:15: limits.per_ip.rate: invalid rate 'fast': "
+        "expected nginx syntax like '10r/s' or '30r/m'"
+    )
+    assert gw.gateway.loaded.sha256 == sha_before
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.admin_url + "/readyz") as resp:
+            assert resp.status == 200
+        async with session.get(gw.admin_url + "/policy") as resp:
+            body = await resp.json()
+            assert body["sha256"] == sha_before
+            assert body["reload"]["last_result"] == "failed"
+        # The old limit (burst 1) is still enforced.
+        assert [await _status(session, gw.url + "/") for _ in range(3)] == [200, 200, 429]
+
+
+async def test_valid_edit_swaps_policy_and_keeps_state_of_unchanged_limits(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    clock = FakeClock()
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=2))
+    gw = await start_gateway(load_policy(path), policy_path=str(path), clock=clock)
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    async with aiohttp.ClientSession() as session:
+        assert [await _status(session, gw.url + "/") for _ in range(4)] == [200, 200, 200, 429]
+
+        # An unrelated change (a new route): the per_ip limit keeps its exhausted state.
+        write_atomically(
+            path,
+            policy_for(upstream.url, extra="  - name: other\n    upstream: backend\n")
+            + LIMIT.format(rate="1r/m", burst=2),
+        )
+        await _wait_for(lambda: reloader.status.succeeded == 1)
+        assert await _status(session, gw.url + "/") == 429
+
+        # Doubling burst rescales usage proportionally: a full bucket of 3 becomes 6 of 6.
+        write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=5))
+        await _wait_for(lambda: reloader.status.succeeded == 2)
+        assert await _status(session, gw.url + "/") == 429
+
+        # Removing the limit frees its state and stops limiting.
+        write_atomically(path, policy_for(upstream.url))
+        await _wait_for(lambda: reloader.status.succeeded == 3)
+        assert [await _status(session, gw.url + "/") for _ in range(3)] == [200, 200, 200]
+        assert gw.gateway.store.tracked_keys("per_ip") == 0
+
+
+async def test_admin_reload_endpoint(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url))
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    # Write in place (no rename) and ask for the reload explicitly, as SIGHUP would.
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert (await resp.json())["result"] == "unchanged"
+        path.write_text("routes: [")
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 422
+            assert (await resp.json())["error"].startswith(f"{path}:1: invalid YAML")
+
+
+async def test_reload_under_load_loses_no_request(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    generous = LIMIT.format(rate="10000r/s", burst=100000)
+    path.write_text(policy_for(upstream.url) + generous)
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    statuses: list[int] = []
+    errors: list[BaseException] = []
+    stop = asyncio.Event()
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for _ in range(2000):  # bounded
+            if stop.is_set():
+                return
+            try:
+                statuses.append(await _status(session, gw.url + "/"))
+            except aiohttp.ClientError as exc:
+                errors.append(exc)
+
+    async with aiohttp.ClientSession() as session:
+        clients = [asyncio.create_task(client(session)) for _ in range(8)]
+        for i in range(6):
+            await asyncio.sleep(0.15)
+            route = f"  - name: r{i}\n    upstream: backend\n    match: {{path: /r{i}}}\n"
+            write_atomically(path, policy_for(upstream.url, extra=route) + generous)
+            await _wait_for(lambda i=i: reloader.status.succeeded == i + 1)
+        stop.set()
+        await asyncio.gather(*clients)
+    assert errors == []
+    assert statuses and set(statuses) == {200}
+    assert reloader.status.failed == 0
