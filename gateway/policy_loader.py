@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from gateway.algorithms.registry import build_algorithm
 from gateway.policy import Policy
 
 Loc = tuple[str | int, ...]
@@ -185,6 +186,7 @@ def _toml_key_lines(text: str) -> dict[Loc, int]:
 
 
 def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
+    """What the schema alone cannot see: names that must exist, parameters an algorithm refuses."""
     problems: list[tuple[Loc, str]] = []
     for i, route in enumerate(policy.routes):
         if route.upstream not in policy.upstreams:
@@ -192,6 +194,17 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
             problems.append(
                 (("routes", i, "upstream"), f"unknown upstream {route.upstream!r} (known: {known})")
             )
+    route_names = {route.name for route in policy.routes}
+    for name, limit in policy.limits.items():
+        for route_name in limit.match.routes or ():
+            if route_name not in route_names:
+                problems.append(
+                    (("limits", name, "match", "routes"), f"unknown route {route_name!r}")
+                )
+        try:
+            build_algorithm(limit)
+        except ValueError as exc:
+            problems.append((("limits", name), str(exc)))
     seen: dict[str, int] = {}
     for i, route in enumerate(policy.routes):
         if route.name in seen:

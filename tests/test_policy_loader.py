@@ -46,6 +46,23 @@ EXPECTED_ERRORS = {
     "missing_url.yaml": "missing_url.yaml:2: upstreams.backend.url: Field required",
     "bad_workers.toml": "bad_workers.toml:3: server.workers: Input should be a valid integer, "
     "unable to parse string as an integer",
+    "limit_delay_over_burst.yaml": "limit_delay_over_burst.yaml:8: limits.per_ip: delay (5) "
+    "cannot exceed burst (2)",
+    "limit_delay_and_nodelay.yaml": "limit_delay_and_nodelay.yaml:8: limits.per_ip: give "
+    "nodelay or delay, not both",
+    "limit_bad_rate.yaml": "limit_bad_rate.yaml:10: limits.per_ip.rate: invalid rate '10r/h': "
+    "expected nginx syntax like '10r/s' or '30r/m'",
+    "limit_unknown_algorithm.yaml": "limit_unknown_algorithm.yaml:8: limits.per_ip: Input tag "
+    "'leaky' found using 'algorithm' does not match any of the expected tags: 'leaky_bucket', "
+    "'fixed_window', 'sliding_window', 'sliding_log', 'token_bucket'",
+    "limit_zero_window.yaml": "limit_zero_window.yaml:11: limits.per_ip.window: window must be "
+    "longer than 0",
+    "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
+    "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global or "
+    "const:TEXT",
+    "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
+    "unknown route 'nope'",
+    "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: Field required",
 }
 
 
