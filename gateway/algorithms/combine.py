@@ -7,12 +7,18 @@ and charge the others (recomputing each excess at the same cached millisecond, s
 result). So:
 
 * a request rejected by any limit is charged to none: the zones looked up before the rejecting
-  one keep their excess and last time (nginx leaves at most a fresh node behind, which behaves
-  exactly like no node), and the zones after it are never looked up;
+  one keep their excess and last time, and the zones after it are never looked up. For a key
+  new to an earlier zone nginx leaves a node with excess 0 and last 0 behind, which acts as no
+  node at all;
 * an admitted request is charged to every limit;
 * the delay is the longest of the per-zone delays, each computed from that zone's own excess,
   ``delay=`` threshold and rate (a ``nodelay`` zone contributes nothing); on a tie nginx reports
   the later zone, which only matters for its log line.
+
+One quirk is not reproduced: a key new to a zone other than the last is charged by the account
+step from that ``last = 0``, giving ``max(0, 1000 - rate_milli * now_ms // 1000)`` instead of 0.
+With nginx's clock (``CLOCK_MONOTONIC``, so time since boot) that is 0 once the host has been up
+``1e6 / rate_milli`` ms: one second at 1r/s, 62.5 s at 1r/m; so it only shows right after boot.
 
 Algorithms are pure, so this evaluates every limit (nginx stops at the first rejection) to give
 a Retry-After good for all rejecting limits; the states to commit are the same either way.

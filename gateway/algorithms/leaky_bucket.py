@@ -1,7 +1,8 @@
 """Leaky bucket with nginx ``limit_req`` semantics, bit for bit.
 
-This is the arithmetic of ``src/http/modules/ngx_http_limit_req_module.c`` (nginx 1.15.7 and
-later, checked against 1.22.1), in the same integer units:
+This is the arithmetic of ``src/http/modules/ngx_http_limit_req_module.c`` as of nginx 1.15.7
+(which added ``delay=``), checked against the Debian 1.22.1 binary by the differential test, in
+the same integer units:
 
 * ``rate_milli``: the zone's rate in milli-requests per second, ``requests * 1000 // period_s``
   (so ``7r/m`` is 116, not 116.67: nginx truncates, and so do we).
@@ -248,8 +249,8 @@ class LeakyBucket:
         return max(now_ms - drained_ms, 0)
 
     def _used_milli(self, state: int, now_ms: int) -> int:
-        """Capacity in use at ``now_ms`` in milli-requests: 1000 + the excess a request would
-        leave, minus that request (so 0 means fresh)."""
+        """The excess a one-unit request at ``now_ms`` would leave, which is also the capacity in
+        use, out of ``(burst + 1) * 1000``: 0 for a key as good as new, full at the limit."""
         excess_prev, last_ms = state >> _LAST_BITS, state & _LAST_MASK
         ms = now_ms - last_ms
         if ms < 0:
