@@ -448,6 +448,8 @@ class _Connection(asyncio.Protocol):
 
     async def _wait_upstream(self) -> None:
         """Wait for the upstream to send or drain something, at most the read timeout."""
+        if self._transport is None:
+            raise UpstreamClosed("the upstream connection is closed")
         self._arm(self._loop.time() + self._pool._read_timeout_s)
         waiter = self._loop.create_future()
         self._waiter = waiter
@@ -502,10 +504,11 @@ class _Connection(asyncio.Protocol):
         if resp._complete and resp.keep_alive and self._reusable and self._exc is None:
             self._served += 1
             self._pool._put_idle(self)
-        elif resp._complete:
+        elif resp._complete and not transport.get_write_buffer_size():
             self._reusable = False
             transport.close()
         else:
+            # Mid-body, or request bytes still queued (close() would wait to send them).
             self._abandon()
 
     # -- one timer per connection, for both the read and the idle timeout -------------------------
