@@ -30,6 +30,10 @@ assert len(BODY) == 100
 _HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n"
 RESPONSE_KEEPALIVE = _HEAD + b"\r\n" + BODY
 RESPONSE_CLOSE = _HEAD + b"Connection: close\r\n\r\n" + BODY
+# Both servers call listen() themselves, with a default backlog of 100-128: too short when a
+# proxy opens connections beyond its keep-alive pool (nginx `keepalive 64` at 256 clients), where
+# an overflowing accept queue drops SYNs and the kernel retries after 1 s (p99 of exactly ~1 s).
+BACKLOG = 4096
 RESPONSE_BAD = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -86,11 +90,10 @@ async def serve(impl: str, host: str, port: int, ready: Callable[[int], None]) -
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(4096)
     sock.setblocking(False)
     cleanup: Callable[[], Awaitable[None]]
     if impl == "httptools":
-        server = await loop.create_server(_FixedResponseProtocol, sock=sock)
+        server = await loop.create_server(_FixedResponseProtocol, sock=sock, backlog=BACKLOG)
 
         async def cleanup() -> None:
             server.close()
@@ -100,7 +103,7 @@ async def serve(impl: str, host: str, port: int, ready: Callable[[int], None]) -
         low_level = web.Server(_aiohttp_handler, access_log=None)
         runner = web.ServerRunner(low_level, handle_signals=False)
         await runner.setup()
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, backlog=BACKLOG)
         await site.start()
         cleanup = runner.cleanup
     ready(sock.getsockname()[1])
