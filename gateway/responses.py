@@ -7,6 +7,8 @@ import json
 from aiohttp import web
 from multidict import CIMultiDict
 
+SERVER = "gateway"
+
 _TITLES = {
     400: "bad_request",
     403: "forbidden",
@@ -28,7 +30,10 @@ def error_response(
         {"status": status, "error": _TITLES.get(status, "error"), "message": message}
     ).encode()
     response = web.Response(
-        status=status, body=body, content_type="application/json", headers=headers
+        status=status,
+        body=body,
+        content_type="application/json",
+        headers={"Server": SERVER, **(headers or {})},
     )
     if close:
         response.force_close()
@@ -59,6 +64,7 @@ def rate_limited_response(
         }
     ).encode()
     response = web.Response(status=status, body=body, headers=CIMultiDict(headers))
+    response.headers["Server"] = SERVER
     response.content_type = "application/problem+json"
     if close:
         response.force_close()

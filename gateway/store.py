@@ -11,24 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.algorithms.combine import CombinedDecision, decide_all
 from gateway.clock import Clock, MonotonicClock
-
-try:  # the bounded LRU table lands in its own module; until then a plain dict stands in
-    from gateway.keyed_state import KeyedState  # type: ignore[import-not-found,unused-ignore]
-except ImportError:  # pragma: no cover
-
-    class KeyedState(dict):  # type: ignore[no-redef,type-arg]
-        def __init__(self, max_keys: int, algorithm: object) -> None:
-            super().__init__()
-
-        def put(self, key: str, state: object, now_us: int) -> None:
-            self[key] = state
-
-        def resize(self, max_keys: int) -> None:
-            pass
-
-        def rescale(self, new: Any, old: Any, now_us: int) -> None:
-            for key, state in list(self.items()):
-                self[key] = new.rescale(state, old, now_us)
+from gateway.keyed_state import KeyedState
 
 if TYPE_CHECKING:
     from gateway.engine import Check, CompiledLimit
