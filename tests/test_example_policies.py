@@ -1,0 +1,113 @@
+"""The policy files shipped in policies/, run end to end through the real gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+
+from gateway.clock import FakeClock
+from gateway.policy_loader import parse_policy
+from tests.conftest import GatewayFactory, RecordingUpstream
+
+POLICIES = Path(__file__).parent.parent / "policies"
+
+
+def _local(name: str, upstream_url: str | None = None) -> str:
+    text = (POLICIES / name).read_text()
+    text = text.replace("listen: 127.0.0.1:8080", "listen: 127.0.0.1:0")
+    text = text.replace("admin_listen: 127.0.0.1:9090", "admin_listen: 127.0.0.1:0")
+    if upstream_url is not None:
+        text = text.replace("http://127.0.0.1:8000", upstream_url)
+    return text
+
+
+async def test_default_policy_runs_on_its_demo_backend(start_gateway: GatewayFactory) -> None:
+    gw = await start_gateway(_local("default.yaml"), clock=FakeClock())
+    async with aiohttp.ClientSession() as session:
+        statuses = []
+        for _ in range(12):
+            async with session.get(gw.url + "/api/hello") as resp:
+                statuses.append(resp.status)
+                if resp.status == 200:
+                    assert (await resp.json())["service"] == "gateway demo upstream"
+    # per_ip: 5r/s burst 10 nodelay, no time passing: 11 served, then rejected.
+    assert statuses == [200] * 11 + [429]
+
+
+async def test_layered_policy_login_window(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    gw = await start_gateway(_local("layered.yaml", upstream.url), clock=clock)
+    async with aiohttp.ClientSession() as session:
+        statuses = []
+        for _ in range(7):
+            async with session.post(gw.url + "/api/login", data=b"u=p") as resp:
+                statuses.append(resp.status)
+                last = resp
+        assert statuses == [200] * 5 + [429] * 2
+        assert '"login";r=0' in last.headers["RateLimit"]
+        # Other API routes are not under the login limit.
+        async with session.get(gw.url + "/api/items") as resp:
+            assert resp.status == 200
+        # A minute and a bit later the login window has slid past all five.
+        clock.advance(121)
+        async with session.post(gw.url + "/api/login", data=b"u=p") as resp:
+            assert resp.status == 200
+
+
+async def test_layered_policy_per_ip_shapes_then_rejects(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(_local("layered.yaml", upstream.url), clock=FakeClock())
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session:
+
+        async def timed() -> tuple[int, float]:
+            started = loop.time()
+            async with session.get(gw.url + "/static/x") as resp:
+                await resp.read()
+                return resp.status, loop.time() - started
+
+        first = [await timed() for _ in range(11)]
+        # rate 10r/s burst 20 delay 10: the first 1 + 10 go at once, the next 10 are delayed
+        # 100, 200, ... 1000 ms (the clock stands still), the 22nd is rejected.
+        assert all(status == 200 and t < 0.09 for status, t in first)
+        delayed = await asyncio.gather(*[timed() for _ in range(10)])
+        assert sorted(status for status, _ in delayed) == [200] * 10
+        assert max(t for _, t in delayed) >= 0.95
+        status, _ = await timed()
+        assert status == 429
+
+
+async def test_layered_policy_explain_shows_every_stacked_limit(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(_local("layered.yaml", upstream.url), clock=FakeClock())
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            gw.admin_url + "/explain",
+            params={"method": "POST", "path": "/api/login?x=1", "client_ip": "203.0.113.9"},
+        ) as resp,
+    ):
+        explained = await resp.json()
+    assert explained["route"] == "login"
+    applies = {x["name"]: (x["applies"], x.get("key")) for x in explained["limits"]}
+    assert applies == {
+        "per_ip": (True, "203.0.113.9"),
+        "login": (True, "203.0.113.9"),
+        "api": (True, "203.0.113.9"),
+        "global": (True, ""),
+    }
+    global_limit = next(x for x in explained["limits"] if x["name"] == "global")
+    assert global_limit["next_request"]["limit"] == 2000
+    # Explaining consumed nothing.
+    assert all(x["tracked_keys"] == 0 for x in explained["limits"])
+
+
+def test_every_shipped_policy_is_valid() -> None:
+    for path in POLICIES.glob("*.yaml"):
+        parse_policy(path.read_text(), str(path))
