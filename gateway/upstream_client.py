@@ -201,9 +201,9 @@ class _Connection(asyncio.Protocol):
         "_writing_paused",
     )
 
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
-        self._loop = pool._loop
+        self._loop = loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._parser_spent = False
@@ -593,7 +593,8 @@ class UpstreamPool:
             raise ValueError("max_response_head_bytes must be at least 1024")
         if server_hostname is not None and ssl is None:
             raise ValueError("server_hostname needs an ssl context")
-        self._loop = asyncio.get_running_loop()
+        # Bound on first use, so a pool can be built before the loop runs (config checks).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._host = host
         self._port = port
         self._max_connections = max_connections
@@ -675,9 +676,12 @@ class UpstreamPool:
 
     async def _acquire(self, *, fresh: bool) -> _Connection:
         """A connection that is not idle in the pool: waits for a slot, then connects."""
-        deadline = self._loop.time() + self._connect_timeout_s
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._connect_timeout_s
         while self._open >= self._max_connections:
-            conn = await self._wait_turn(deadline)
+            conn = await self._wait_turn(loop, deadline)
             if conn is None:
                 break  # handed a slot
             if conn._transport is None:
@@ -691,10 +695,12 @@ class UpstreamPool:
             break
         else:
             self._open += 1
-        return await self._connect(deadline)
+        return await self._connect(loop, deadline)
 
-    async def _wait_turn(self, deadline: float) -> _Connection | None:
-        waiter: asyncio.Future[_Connection | None] = self._loop.create_future()
+    async def _wait_turn(
+        self, loop: asyncio.AbstractEventLoop, deadline: float
+    ) -> _Connection | None:
+        waiter: asyncio.Future[_Connection | None] = loop.create_future()
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout_at(deadline):
@@ -715,14 +721,14 @@ class UpstreamPool:
                 ) from None
             raise
 
-    async def _connect(self, deadline: float) -> _Connection:
+    async def _connect(self, loop: asyncio.AbstractEventLoop, deadline: float) -> _Connection:
         """Open a connection in a slot already taken; the slot is given back on failure."""
         try:
             if self._closed:
                 raise UpstreamClosed("the upstream pool is closed")
             async with asyncio.timeout_at(deadline):
-                _, conn = await self._loop.create_connection(
-                    lambda: _Connection(self),
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, loop),
                     self._host,
                     self._port,
                     ssl=self._ssl,
@@ -758,20 +764,21 @@ class UpstreamPool:
 
     def _put_idle(self, conn: _Connection) -> None:
         """A clean connection is free: to the longest waiter, else onto the idle stack."""
+        if conn._transport is None:
+            return  # lost meanwhile; its slot went on when it closed
         waiters = self._waiters
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_result(conn)
                 return
-        assert conn._transport is not None
         if self._closed or len(self._idle) >= self._max_idle:
             conn._reusable = False
             conn._transport.close()
             return
         conn._in_idle = True
         self._idle.append(conn)
-        conn._arm(self._loop.time() + self._idle_timeout_s)
+        conn._arm(conn._loop.time() + self._idle_timeout_s)
 
     def _expire_idle(self, conn: _Connection) -> None:
         if conn._in_idle:

@@ -283,12 +283,15 @@ class RawUpstream:
             writer.close()
             self._tasks.discard(task)
 
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
+    async def close_tasks(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self.close_tasks()
         await self._server.wait_closed()
 
 
@@ -521,6 +524,25 @@ async def test_close_refuses_new_requests(
     assert pool.open_connections == 0
     with pytest.raises(UpstreamClosed):
         await pool.request(get("/hello"))
+
+
+def test_pool_can_be_built_before_the_event_loop_runs() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        pool = UpstreamPool("127.0.0.1", listener.getsockname()[1])
+
+        async def use() -> bytes:
+            up = RawUpstream(replying(OK_RESPONSE))
+            server = await asyncio.start_server(up._handle, sock=listener)
+            try:
+                return await _fetch(pool)
+            finally:
+                await pool.close()
+                server.close()
+                await up.close_tasks()
+
+        assert asyncio.run(use()) == b"hello"
 
 
 # -- bodies both ways -----------------------------------------------------------------------------
@@ -1252,6 +1274,77 @@ async def test_trailers_are_not_headers(
     assert response.headers == [(b"Transfer-Encoding", b"chunked")]
     response.release()
     assert pool.idle_connections == 1
+
+
+# -- uvloop, which the gateway runs on --------------------------------------------------------
+
+
+def test_core_behaviour_under_uvloop() -> None:
+    """uvloop's transports differ from asyncio's (types, buffering, pause/resume): run the
+    main paths on it too."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> None:
+        app = _app()
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        hostile = await RawUpstream(replying(HOSTILE_HEADS["Content-Length then chunked"])).start()
+        assert server.port is not None
+        pool = UpstreamPool("127.0.0.1", server.port, read_timeout_s=0.3)
+        try:
+            for _ in range(5):
+                assert await _fetch(pool, "/hello") == HELLO
+            assert await _fetch(pool, "/chunked") == b"".join(PIECES)
+            response = await pool.request(head_of("HEAD", "/sized/10"), expect_no_body=True)
+            assert response.content_length == 10 and response.body_bytes() == b""
+            response.release()
+
+            async def body() -> AsyncIterator[bytes]:
+                for index in range(4):
+                    yield _block(index)
+
+            head = head_of("POST", "/echo", b"Transfer-Encoding: chunked\r\n")
+            response = await pool.request(head, body(), body_chunked=True)
+            assert header(response, b"X-Len") == str(4 * MIB).encode()
+            response.close()
+            assert app[REC].connections == 1
+
+            tracemalloc.start()
+            try:
+                baseline = tracemalloc.get_traced_memory()[0]
+                response = await pool.request(get("/stream/32"))
+                await asyncio.sleep(0.2)  # reading must pause meanwhile
+                received = 0
+                while chunk := await response.read_chunk():
+                    received += len(chunk)
+                peak_growth = tracemalloc.get_traced_memory()[1] - baseline
+            finally:
+                tracemalloc.stop()
+            response.release()
+            assert received == 32 * MIB
+            assert peak_growth < 8 * MIB, f"peak grew by {peak_growth / MIB:.1f} MiB"
+
+            with pytest.raises(UpstreamTimeout):
+                await pool.request(get("/slow-head?delay=5"))
+            task = asyncio.create_task(pool.request(get("/hang")))
+            await app[REC].hang_started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(app[REC].hang_cancelled.wait(), 3)
+
+            hostile_pool = UpstreamPool("127.0.0.1", hostile.port)
+            with pytest.raises(UpstreamProtocolError):
+                await _fetch(hostile_pool)
+            await until(lambda: hostile_pool.open_connections == 0)
+            await hostile_pool.close()
+        finally:
+            await pool.close()
+            await hostile.close()
+            await server.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
 
 
 # -- TLS ------------------------------------------------------------------------------------------
