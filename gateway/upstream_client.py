@@ -182,6 +182,7 @@ class _Connection(asyncio.Protocol):
         "_exc",
         "_expect_no_body",
         "_head_bytes",
+        "_head_raw_bytes",
         "_in_idle",
         "_interim",
         "_loop",
@@ -213,6 +214,7 @@ class _Connection(asyncio.Protocol):
         self._expect_no_body = False
         self._interim = False
         self._head_bytes = 0
+        self._head_raw_bytes = 0
         self._received = False
         self._reusable = True
         self._served = 0
@@ -243,10 +245,10 @@ class _Connection(asyncio.Protocol):
             self._parse_failed(exc)
             return
         if not resp._head_done:
-            # A head still incomplete: count raw bytes too, so one trickled over many reads
-            # (a single endless header line, say) hits the limit as well.
-            self._head_bytes += len(data)
-            if self._head_bytes > self._pool._max_head_bytes:
+            # Still no end of head: all of these bytes were head, so a head trickled over many
+            # reads (one endless header line, say) hits the limit before it is ever complete.
+            self._head_raw_bytes += len(data)
+            if self._head_raw_bytes > self._pool._max_head_bytes:
                 self._fail(UpstreamProtocolError("response head too large"))
             return
         if resp._buffered > _PAUSE_READING_BYTES and not resp._complete:
@@ -388,6 +390,7 @@ class _Connection(asyncio.Protocol):
         self._resp = resp
         self._expect_no_body = expect_no_body
         self._head_bytes = 0
+        self._head_raw_bytes = 0
         self._received = False
         try:
             if body is None:

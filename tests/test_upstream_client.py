@@ -1222,6 +1222,15 @@ async def test_endless_header_line_hits_the_head_limit(
     await until(lambda: pool.open_connections == 0)
 
 
+async def test_head_under_the_limit_in_pieces_is_accepted(
+    raw_upstream: Callable[[Script], Awaitable[RawUpstream]], make_pool: PoolFactory
+) -> None:
+    wire = b"HTTP/1.1 200 OK\r\nX-Filler: " + b"f" * 48_000 + b"\r\nContent-Length: 2\r\n\r\nok"
+    up = await raw_upstream(replying(wire[:24_000], wire[24_000:], pause_s=0.02))
+    pool = make_pool(up.port, max_response_head_bytes=64 * 1024)
+    assert await _fetch(pool) == b"ok"
+
+
 async def test_close_before_the_head_ends(
     raw_upstream: Callable[[Script], Awaitable[RawUpstream]], make_pool: PoolFactory
 ) -> None:
