@@ -216,7 +216,7 @@ def _app() -> web.Application:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[AiohttpUpstream]:
+async def aio_upstream() -> AsyncIterator[AiohttpUpstream]:
     app = _app()
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
@@ -350,9 +350,9 @@ OK_RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
 
 
 async def test_sequential_requests_reuse_one_connection(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     for _ in range(20):
         response = await pool.request(get("/hello"), None, body_chunked=False)
         assert response.status == 200
@@ -363,7 +363,7 @@ async def test_sequential_requests_reuse_one_connection(
         assert response.body_complete
         assert response.body_bytes() == HELLO
         response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
     assert pool.open_connections == 1
     assert pool.idle_connections == 1
 
@@ -392,9 +392,9 @@ async def test_headers_raw_in_order_with_repeats(
 
 
 async def test_concurrency_bounded_by_max_connections(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, max_connections=4)
+    pool = make_pool(aio_upstream.port, max_connections=4)
 
     async def one(index: int) -> bytes:
         response = await pool.request(get(f"/slow-head?delay=0.02&tag={index}"))
@@ -404,15 +404,15 @@ async def test_concurrency_bounded_by_max_connections(
 
     bodies = await asyncio.gather(*(one(index) for index in range(24)))
     assert bodies == [str(index).encode() for index in range(24)]
-    assert upstream.rec.connections == 4
-    assert upstream.rec.peak_in_flight == 4
+    assert aio_upstream.rec.connections == 4
+    assert aio_upstream.rec.peak_in_flight == 4
     assert pool.open_connections == 4
 
 
 async def test_waiters_are_served_in_arrival_order(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, max_connections=1)
+    pool = make_pool(aio_upstream.port, max_connections=1)
 
     async def one(tag: str, delay: float) -> None:
         response = await pool.request(get(f"/slow-head?delay={delay}&tag={tag}"))
@@ -424,15 +424,15 @@ async def test_waiters_are_served_in_arrival_order(
         await asyncio.sleep(0.01)
         tasks.append(asyncio.create_task(one(tag, 0)))
     await asyncio.gather(*tasks)
-    tags = [path.rsplit("=", 1)[1] for path in upstream.rec.paths]
+    tags = [path.rsplit("=", 1)[1] for path in aio_upstream.rec.paths]
     assert tags == list("abcde")
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
 async def test_idle_connections_are_reused_last_in_first_out(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     responses = await asyncio.gather(
         *(pool.request(get("/slow-head?delay=0.05")) for _ in range(3))
     )
@@ -447,9 +447,9 @@ async def test_idle_connections_are_reused_last_in_first_out(
 
 
 async def test_idle_connections_close_after_idle_timeout(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, idle_timeout_s=0.2)
+    pool = make_pool(aio_upstream.port, idle_timeout_s=0.2)
     response = await pool.request(get("/hello"))
     response.release()
     assert pool.idle_connections == 1
@@ -459,25 +459,25 @@ async def test_idle_connections_close_after_idle_timeout(
     response = await pool.request(get("/hello"))
     assert response.body_bytes() == HELLO
     response.release()
-    assert upstream.rec.connections == 2
+    assert aio_upstream.rec.connections == 2
 
 
 async def test_idle_timeout_does_not_cut_a_busy_connection(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, idle_timeout_s=0.1, read_timeout_s=5)
+    pool = make_pool(aio_upstream.port, idle_timeout_s=0.1, read_timeout_s=5)
     response = await pool.request(get("/hello"))
     response.release()
     response = await pool.request(get("/slow-head?delay=0.3&tag=x"))
     assert response.body_bytes() == b"x"
     response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
 async def test_at_most_max_idle_connections_are_kept(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, max_idle=1)
+    pool = make_pool(aio_upstream.port, max_idle=1)
     responses = await asyncio.gather(
         *(pool.request(get("/slow-head?delay=0.05")) for _ in range(3))
     )
@@ -488,9 +488,9 @@ async def test_at_most_max_idle_connections_are_kept(
 
 
 async def test_partly_read_response_discards_its_connection(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     response = await pool.request(get("/stream/4"))
     assert not response.body_complete
     assert await response.read_chunk()
@@ -499,25 +499,25 @@ async def test_partly_read_response_discards_its_connection(
     response = await pool.request(get("/hello"))
     assert response.body_bytes() == HELLO
     response.release()
-    assert upstream.rec.connections == 2
+    assert aio_upstream.rec.connections == 2
 
 
 async def test_connection_close_response_is_not_reused(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     for _ in range(2):
         response = await pool.request(get("/close"))
         assert not response.keep_alive
         assert await read_all(response) == HELLO
         response.release()
-    assert upstream.rec.connections == 2
+    assert aio_upstream.rec.connections == 2
 
 
 async def test_close_refuses_new_requests(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     response = await pool.request(get("/hello"))
     response.release()
     await pool.close()
@@ -548,19 +548,21 @@ def test_pool_can_be_built_before_the_event_loop_runs() -> None:
 # -- bodies both ways -----------------------------------------------------------------------------
 
 
-async def test_chunked_download(upstream: AiohttpUpstream, make_pool: PoolFactory) -> None:
-    pool = make_pool(upstream.port)
+async def test_chunked_download(aio_upstream: AiohttpUpstream, make_pool: PoolFactory) -> None:
+    pool = make_pool(aio_upstream.port)
     for _ in range(2):
         response = await pool.request(get("/chunked"))
         assert response.chunked
         assert response.content_length is None
         assert await read_all(response) == b"".join(PIECES)
         response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
-async def test_chunked_upload_streamed(upstream: AiohttpUpstream, make_pool: PoolFactory) -> None:
-    pool = make_pool(upstream.port)
+async def test_chunked_upload_streamed(
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
+) -> None:
+    pool = make_pool(aio_upstream.port)
     pieces = [b"x" * 1000, b"", b"y" * 70_000, b"z"]
 
     async def body() -> AsyncIterator[bytes]:
@@ -573,14 +575,14 @@ async def test_chunked_upload_streamed(upstream: AiohttpUpstream, make_pool: Poo
         assert header(response, b"X-Request-Chunked") == b"True"
         assert await read_all(response) == b"".join(pieces)
         response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
 @pytest.mark.parametrize("size", [0, 10, 200_000])
 async def test_bytes_body_chunked_and_sized(
-    upstream: AiohttpUpstream, make_pool: PoolFactory, size: int
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory, size: int
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     payload = bytes(range(256)) * (size // 256) + b"q" * (size % 256)
     chunked = head_of("POST", "/echo", b"Transfer-Encoding: chunked\r\n")
     response = await pool.request(chunked, payload, body_chunked=True)
@@ -591,13 +593,13 @@ async def test_bytes_body_chunked_and_sized(
     assert header(response, b"X-Len") == str(size).encode()
     assert await read_all(response) == payload
     response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
 async def test_streamed_upload_with_content_length(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
 
     async def body() -> AsyncIterator[bytes]:
         for index in range(8):
@@ -611,9 +613,9 @@ async def test_streamed_upload_with_content_length(
 
 
 async def test_200_mib_download_through_a_slow_reader_keeps_memory_bounded(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     expected_crc = 0
     for index in range(200):
         expected_crc = zlib.crc32(_block(index), expected_crc)
@@ -713,7 +715,7 @@ async def test_upstream_answering_before_the_body_is_sent_stops_the_upload(
 
 
 async def test_body_iterator_error_propagates_and_cuts_the_connection(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
     class ClientWentAway(Exception):
         pass
@@ -722,7 +724,7 @@ async def test_body_iterator_error_propagates_and_cuts_the_connection(
         yield b"partial"
         raise ClientWentAway
 
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     head = head_of("POST", "/echo", b"Transfer-Encoding: chunked\r\n")
     with pytest.raises(ClientWentAway):
         await pool.request(head, body(), body_chunked=True)
@@ -733,9 +735,9 @@ async def test_body_iterator_error_propagates_and_cuts_the_connection(
 
 
 async def test_head_response_has_no_body_and_connection_is_reused(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     response = await pool.request(head_of("HEAD", "/sized/5000"), expect_no_body=True)
     assert response.status == 200
     assert response.content_length == 5000
@@ -745,7 +747,7 @@ async def test_head_response_has_no_body_and_connection_is_reused(
     response = await pool.request(get("/sized/7"))
     assert response.body_bytes() == b"aaaaaaa"
     response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
 async def test_head_response_followed_by_a_body_is_not_reused(
@@ -767,16 +769,16 @@ async def test_head_response_followed_by_a_body_is_not_reused(
 
 @pytest.mark.parametrize("code", [204, 304])
 async def test_no_body_statuses(
-    upstream: AiohttpUpstream, make_pool: PoolFactory, code: int
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory, code: int
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     for _ in range(2):
         response = await pool.request(get(f"/status/{code}"))
         assert response.status == code
         assert response.body_complete
         assert response.body_bytes() == b""
         response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
 async def test_304_with_content_length_has_no_body(
@@ -794,9 +796,9 @@ async def test_304_with_content_length_has_no_body(
 
 
 async def test_expect_100_continue_from_aiohttp_is_skipped(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     head = head_of("POST", "/echo", b"Expect: 100-continue\r\nContent-Length: 4\r\n")
     response = await pool.request(head, b"data")
     assert response.status == 200
@@ -898,11 +900,11 @@ async def test_connect_timeout(make_pool: PoolFactory) -> None:
 
 
 async def test_waiting_for_a_free_connection_counts_against_connect_timeout(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, max_connections=1, connect_timeout_s=0.3)
+    pool = make_pool(aio_upstream.port, max_connections=1, connect_timeout_s=0.3)
     busy = asyncio.create_task(pool.request(get("/hang")))
-    await upstream.rec.hang_started.wait()
+    await aio_upstream.rec.hang_started.wait()
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout):
         await pool.request(get("/hello"))
@@ -916,9 +918,9 @@ async def test_waiting_for_a_free_connection_counts_against_connect_timeout(
 
 
 async def test_read_timeout_waiting_for_the_head(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, read_timeout_s=0.3)
+    pool = make_pool(aio_upstream.port, read_timeout_s=0.3)
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout):
         await pool.request(get("/slow-head?delay=5"))
@@ -927,9 +929,9 @@ async def test_read_timeout_waiting_for_the_head(
 
 
 async def test_read_timeout_between_body_chunks(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, read_timeout_s=0.3)
+    pool = make_pool(aio_upstream.port, read_timeout_s=0.3)
     response = await pool.request(get("/slow-body?delay=5"))
     assert await response.read_chunk() == b"12345"
     with pytest.raises(UpstreamTimeout):
@@ -939,9 +941,9 @@ async def test_read_timeout_between_body_chunks(
 
 
 async def test_a_slow_consumer_is_not_a_read_timeout(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, read_timeout_s=0.2)
+    pool = make_pool(aio_upstream.port, read_timeout_s=0.2)
     response = await pool.request(get("/stream/1"))
     await asyncio.sleep(0.5)  # the body sits buffered; the upstream did its part
     assert len(await read_all(response)) == MIB
@@ -950,22 +952,22 @@ async def test_a_slow_consumer_is_not_a_read_timeout(
 
 
 async def test_cancelling_the_request_closes_the_upstream_connection(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     task = asyncio.create_task(pool.request(get("/hang")))
-    await upstream.rec.hang_started.wait()
+    await aio_upstream.rec.hang_started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.wait_for(upstream.rec.hang_cancelled.wait(), 3)
+    await asyncio.wait_for(aio_upstream.rec.hang_cancelled.wait(), 3)
     await until(lambda: pool.open_connections == 0)
 
 
 async def test_cancelling_a_body_read_closes_the_upstream_connection(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port)
+    pool = make_pool(aio_upstream.port)
     response = await pool.request(get("/slow-body?delay=5"))
     assert await response.read_chunk() == b"12345"
     reading = asyncio.create_task(response.read_chunk())
@@ -979,9 +981,9 @@ async def test_cancelling_a_body_read_closes_the_upstream_connection(
 
 
 async def test_cancelling_a_queued_request_gives_its_turn_away(
-    upstream: AiohttpUpstream, make_pool: PoolFactory
+    aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
-    pool = make_pool(upstream.port, max_connections=1)
+    pool = make_pool(aio_upstream.port, max_connections=1)
     first = await pool.request(get("/hello"))
     queued = asyncio.create_task(pool.request(get("/hello")))
     await asyncio.sleep(0.05)
@@ -992,7 +994,7 @@ async def test_cancelling_a_queued_request_gives_its_turn_away(
     response = await pool.request(get("/hello"))
     assert response.body_bytes() == HELLO
     response.release()
-    assert upstream.rec.connections == 1
+    assert aio_upstream.rec.connections == 1
 
 
 # -- stale pooled connections ---------------------------------------------------------------------
