@@ -124,6 +124,7 @@ async def _explain(request: web.Request) -> web.Response:
             "algorithm": limit.spec.algorithm,
             "dry_run": limit.spec.dry_run,
             "applies": limit.applies(route, host, path, method),
+            "waiting": limit.counters.waiting,
         }
         if entry["applies"]:
             key = limit.keys.build(facts)

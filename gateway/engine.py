@@ -12,11 +12,12 @@ import asyncio
 import ipaddress
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.base import Algorithm
 from gateway.algorithms.combine import CombinedDecision
+from gateway.delay_queue import DelayQueue, ShuttingDown
 from gateway.keys import KeyBuilder, RequestFacts
 from gateway.policy import Access, Limit, LimitMatch, Policy, RateLimitHeaders, Route
 from gateway.routing import CompiledMatch, compile_match
@@ -76,7 +77,6 @@ class Outcome:
     retry_after_s: float = 0.0
     rejected_by: str | None = None
     reason: str = ""
-    headers: list[tuple[str, str]] = field(default_factory=list)
     checks: Sequence[Check] = ()
     verdict: CombinedDecision | None = None
 
@@ -156,6 +156,7 @@ class LimitEngine:
                 )
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits)
+        self.queue = DelayQueue()
         self.ipv6_prefix = policy.ipv6_prefix
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.
         self.active = bool(limits) or bool(self.allow) or bool(self.deny)
@@ -198,7 +199,6 @@ class LimitEngine:
                 retry_after_s=verdict.retry_after_s,
                 rejected_by=first.limit.name,
                 reason=f"rate limit {first.limit.name!r} exceeded",
-                headers=self._headers(enforced, verdict.decisions, verdict.retry_after_s),
                 checks=enforced,
                 verdict=verdict,
             )
@@ -215,7 +215,6 @@ class LimitEngine:
                     retry_after_s=retry,
                     rejected_by=limit.name,
                     reason=f"rate limit {limit.name!r} queue is full",
-                    headers=self._headers(enforced, verdict.decisions, retry),
                     checks=enforced,
                     verdict=verdict,
                 )
@@ -226,7 +225,6 @@ class LimitEngine:
                 check.limit.counters.allowed += 1
         return Outcome(
             delay_s=delay_s,
-            headers=self._headers(enforced, verdict.decisions, 0.0),
             checks=enforced,
             verdict=verdict,
         )
@@ -243,17 +241,25 @@ class LimitEngine:
         return None
 
     async def wait(self, outcome: Outcome) -> None:
-        """Hold a delayed request for its delay; a client that leaves gets its charge back."""
-        delaying = [
-            check
-            for index, check in enumerate(outcome.checks)
-            if outcome.verdict is not None and outcome.verdict.decisions[index].delay_s > 0.0
-        ]
+        """Hold a delayed request for its delay; a client that leaves gets its charge back.
+
+        Raises ``ShuttingDown`` (charge given back too) if the gateway stops first.
+        """
+        verdict = outcome.verdict
+        delaying = (
+            tuple(
+                check
+                for check, decision in zip(outcome.checks, verdict.decisions, strict=True)
+                if decision.delay_s > 0.0
+            )
+            if verdict is not None
+            else ()
+        )
         for check in delaying:
             check.limit.counters.waiting += 1
         try:
-            await asyncio.sleep(outcome.delay_s)
-        except asyncio.CancelledError:
+            await self.queue.wait(outcome.delay_s)
+        except (asyncio.CancelledError, ShuttingDown):
             await asyncio.shield(self.store.refund(outcome.checks))
             raise
         finally:
@@ -272,9 +278,17 @@ class LimitEngine:
             else:
                 counters.allowed += 1
 
-    def _headers(
-        self, checks: Sequence[Check], decisions: Sequence[Decision], retry_after_s: float
-    ) -> list[tuple[str, str]]:
+    def headers(self, outcome: Outcome) -> list[tuple[str, str]]:
+        """The rate-limit response headers for an outcome.
+
+        Built on demand, not with the outcome: a request waiting in the queue should not hold
+        its header strings while it waits.
+        """
+        if outcome.verdict is None:
+            return []
+        checks = outcome.checks
+        decisions = outcome.verdict.decisions
+        retry_after_s = outcome.retry_after_s if outcome.status else 0.0
         config = self.headers_config
         headers: list[tuple[str, str]] = []
         if retry_after_s > 0.0 and config.retry_after:

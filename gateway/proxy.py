@@ -10,6 +10,7 @@ from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
 from gateway.client_ip import client_key
+from gateway.delay_queue import ShuttingDown
 from gateway.forwarding import (
     BadRequest,
     ForwardedFor,
@@ -117,13 +118,21 @@ class ProxyHandler:
                     outcome.rejected_by,
                     outcome.reason,
                     outcome.retry_after_s,
-                    outcome.headers,
+                    engine.headers(outcome),
                     close=framing.has_body,
                 )
             if outcome.delay_s > 0.0:
-                await engine.wait(outcome)
-            if outcome.headers:
-                limit_headers = outcome.headers
+                try:
+                    await engine.wait(outcome)
+                except ShuttingDown:
+                    return error_response(
+                        503,
+                        "the gateway is shutting down",
+                        close=True,
+                        headers={"Retry-After": "1"},
+                    )
+            if outcome.verdict is not None:
+                limit_headers = engine.headers(outcome)
 
         max_body = runtime.settings.max_body_size
         if max_body and framing.content_length is not None and framing.content_length > max_body:

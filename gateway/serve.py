@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
 
@@ -155,6 +156,14 @@ class Gateway:
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.cancel()
+        if self.handler is not None:
+            # Queued requests that could not be served before the deadline get 503 now, rather
+            # than being cut off when it passes.
+            deadline = asyncio.get_running_loop().time() + max(
+                self.loaded.policy.server.shutdown_timeout - 0.5, 0.0
+            )
+            for runtime in (self.handler.runtime, *self._retired):
+                runtime.engine.queue.release_after(deadline)
         if self._proxy_runner is not None:
             await self._proxy_runner.cleanup()
         if self._admin_runner is not None:
@@ -224,8 +233,10 @@ async def serve(
 
 
 def run_event_loop(main: Callable[[], object]) -> None:
-    """Run a coroutine factory on uvloop when installed, else asyncio's default loop."""
+    """Run a coroutine factory on uvloop when installed (unless ``GATEWAY_LOOP=asyncio``)."""
     try:
+        if os.environ.get("GATEWAY_LOOP", "uvloop") == "asyncio":
+            raise ImportError("asyncio loop requested")
         import uvloop
     except ImportError:
         asyncio.run(main())  # type: ignore[arg-type]

@@ -1,0 +1,82 @@
+"""The shaping queue: ordering, shutdown release, and what 10,000 waiting requests cost."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.delay_queue import DelayQueue, ShuttingDown
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.rawhttp import exchange, status_of
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+
+
+async def test_waiters_wake_in_due_order_and_not_early() -> None:
+    queue = DelayQueue()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    woke: list[tuple[str, float]] = []
+
+    async def waiter(name: str, delay: float) -> None:
+        await queue.wait(delay)
+        woke.append((name, loop.time() - started))
+
+    await asyncio.gather(waiter("c", 0.3), waiter("a", 0.1), waiter("b", 0.2))
+    assert [name for name, _ in woke] == ["a", "b", "c"]
+    for (_, elapsed), due in zip(woke, (0.1, 0.2, 0.3), strict=True):
+        assert elapsed >= due - 0.002
+    assert len(queue) == 0
+
+
+async def test_cancelled_waiters_leave_and_are_compacted() -> None:
+    queue = DelayQueue()
+    tasks = [asyncio.create_task(queue.wait(60)) for _ in range(200)]
+    await asyncio.sleep(0)
+    for task in tasks[:150]:
+        task.cancel()
+    await asyncio.gather(*tasks[:150], return_exceptions=True)
+    assert len(queue) == 50
+    assert len(queue._heap) < 200  # compacted once most entries were dead
+    queue.release_after(0.0)
+    results = await asyncio.gather(*tasks[150:], return_exceptions=True)
+    assert all(isinstance(r, ShuttingDown) for r in results)
+
+
+async def test_shutdown_answers_queued_requests_with_503(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy = policy_for(upstream.url, server="  shutdown_timeout: 2s\n") + (
+        "limits:\n  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 10\n"
+        "    max_delay: 1h\n"
+    )
+    gw = await start_gateway(policy)
+    first = await exchange(gw.port, b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+    assert status_of(first) == 200
+    queued = asyncio.create_task(
+        exchange(gw.port, b"GET /q HTTP/1.1\r\nHost: h\r\n\r\n", read_for=10)
+    )
+    limit = gw.gateway.handler.runtime.engine.limits[0]  # type: ignore[union-attr]
+    for _ in range(200):
+        if limit.counters.waiting:
+            break
+        await asyncio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await gw.gateway.stop()
+    response = await queued
+    assert status_of(response) == 503
+    assert loop.time() - started < 1.5
+    assert [r.raw_path for r in upstream.requests] == ["/"]
+
+
+@pytest.mark.slow
+async def test_ten_thousand_waiting_requests_stay_under_100_mib() -> None:
+    from queue_memory import measure  # bench/queue_memory.py
+
+    result = await measure(10_000)
+    assert result["waiting_in_queue"] >= 9_999
+    assert result["growth_mib"] < 100, result
