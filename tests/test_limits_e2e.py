@@ -240,3 +240,32 @@ async def test_missing_key_part_skips_or_falls_back(
     assert skip == [200, 200, 200]
     assert fallback == [200, 429, 429]
     assert keyed == [200, 429]
+
+
+async def test_throttled_upload_is_refused_before_its_body_is_sent(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy = limited_policy(
+        upstream.url,
+        "  uploads:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n",
+    )
+    gw = await start_gateway(policy, clock=FakeClock())
+    head = (
+        b"PUT /file HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(head)
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+    )
+    writer.write(b"hello")
+    assert b" 200 " in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(head)
+    answer = await asyncio.wait_for(reader.read(), 5)  # the gateway closes after the 429
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 429 ")
+    assert b"100 Continue" not in answer
+    assert [r.body for r in upstream.requests] == [b"hello"]
