@@ -1,0 +1,608 @@
+"""Connection and process lifecycle: header deadline, connection cap, idle timeout, SIGTERM.
+
+The per-connection protections run on an in-process gateway; everything about processes (signals,
+exit codes, ``--workers``, the CLI) starts ``python -m gateway`` as a real subprocess on free
+loopback ports, in front of a real aiohttp upstream served by the test's own event loop. Every
+wait is bounded; every subprocess (and any worker it forked) is killed in a finalizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import RawTestServer
+
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.rawhttp import status_of
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A port nobody listens on right now (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_for(condition: Callable[[], bool], what: str, within_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {within_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def read_until_closed(reader: asyncio.StreamReader, within_s: float) -> tuple[bytes, bool]:
+    """Read until the peer closes (True) or ``within_s`` passes (False)."""
+    chunks: list[bytes] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while (remaining := deadline - loop.time()) > 0:
+        try:
+            chunk = await asyncio.wait_for(reader.read(65536), remaining)
+        except TimeoutError:
+            break
+        except ConnectionResetError:
+            return b"".join(chunks), True
+        if not chunk:
+            return b"".join(chunks), True
+        chunks.append(chunk)
+    return b"".join(chunks), False
+
+
+async def read_response(reader: asyncio.StreamReader) -> bytes:
+    """One response with a ``Content-Length`` body, read exactly (the connection stays usable)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return head + await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+async def get_ok(url: str) -> str:
+    async with (
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        session.get(url) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        return await resp.text()
+
+
+# -- slow clients and the header deadline -------------------------------------------------------
+
+
+async def test_slow_clients_cut_at_header_deadline_while_others_are_served(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url, server="  header_timeout: 1s\n"))
+    loop = asyncio.get_running_loop()
+
+    async def slowloris() -> float | None:
+        """Trickle header bytes 100 ms apart, never finishing: seconds until the gateway cuts."""
+        started = loop.time()
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        trickle = b"GET /slow HTTP/1.1\r\nHost: h\r\nX-Padding: " + b"a" * 100
+        try:
+            for byte in trickle:
+                writer.write(bytes([byte]))
+                try:
+                    data = await asyncio.wait_for(reader.read(65536), 0.1)
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    data = b""
+                assert data == b"", f"a slow client got an answer: {data!r}"
+                return loop.time() - started
+            return None  # the whole trickle went through: never cut
+        finally:
+            writer.close()
+
+    async def normal_clients() -> int:
+        """Well-behaved requests on fresh connections, spread over the slow clients' lifetime."""
+        served = 0
+        async with aiohttp.ClientSession(
+            timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
+        ) as session:
+            for i in range(30):
+                async with session.get(f"{gw.url}/normal/{i}") as resp:
+                    assert resp.status == 200
+                    served += 1
+                await asyncio.sleep(0.05)
+        return served
+
+    slow = asyncio.gather(*(slowloris() for _ in range(5)))
+    served = await normal_clients()
+    for cut_after_s in await slow:
+        # Deadline 1 s from connect; timers, scheduling and the 100 ms trickle add some slack.
+        assert cut_after_s is not None and 0.8 <= cut_after_s <= 2.5, cut_after_s
+    assert served == 30
+    assert sorted(r.raw_path for r in upstream.requests) == sorted(
+        f"/normal/{i}" for i in range(30)
+    )
+    server = gw.gateway.server
+    assert server is not None
+    assert server.header_timeouts >= 5
+
+
+async def test_silent_connection_closed_at_header_deadline(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(
+        policy_for(upstream.url, server="  header_timeout: 1s\n  keepalive_timeout: 60s\n")
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        data, closed = await read_until_closed(reader, 5.0)
+    finally:
+        writer.close()
+    assert closed and data == b""
+    assert 0.8 <= loop.time() - started <= 2.5
+
+
+async def test_header_deadline_applies_to_each_request_on_a_keepalive_connection(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """After one good request, a second one trickled too slowly is cut at the deadline."""
+    gw = await start_gateway(
+        policy_for(upstream.url, server="  header_timeout: 1s\n  keepalive_timeout: 60s\n")
+    )
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(b"GET /first HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert status_of(await read_response(reader)) == 200
+        # Idle for a while first: only the new request's bytes start its deadline.
+        await asyncio.sleep(1.2)
+        writer.write(b"GET /second HTTP/1.1\r\n")
+        started = loop.time()
+        cut = False
+        for _ in range(40):
+            try:
+                data = await asyncio.wait_for(reader.read(65536), 0.1)
+            except TimeoutError:
+                writer.write(b"X")
+                continue
+            except ConnectionResetError:
+                cut = True
+                break
+            assert data == b"", data
+            cut = True
+            break
+        assert cut
+        assert 0.8 <= loop.time() - started <= 2.5
+    finally:
+        writer.close()
+    assert [r.raw_path for r in upstream.requests] == ["/first"]
+
+
+# -- connection cap and idle keep-alive ---------------------------------------------------------
+
+
+async def test_connection_cap_refuses_extra_connections_with_503(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    cap = 4
+    gw = await start_gateway(
+        policy_for(upstream.url, server=f"  max_connections: {cap}\n  header_timeout: 30s\n")
+    )
+    server = gw.gateway.server
+    assert server is not None
+    idle = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(cap)]
+    try:
+        await wait_for(lambda: server.open_connections == cap, "the idle connections to register")
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            try:
+                data, closed = await read_until_closed(reader, 5.0)
+            finally:
+                writer.close()
+            assert status_of(data) == 503, data
+            assert b"Connection: close" in data
+            assert closed
+        # The idle connections under the cap were left alone.
+        assert all(not reader.at_eof() for reader, _ in idle)
+        for _, writer in idle[:2]:
+            writer.close()
+        await wait_for(lambda: server.open_connections == cap - 2, "two connections to close")
+        assert await get_ok(gw.url + "/after") == "ok GET /after"
+        # A connection under the cap still works too.
+        reader, writer = idle[2]
+        writer.write(b"GET /idle-one HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert status_of(await read_response(reader)) == 200
+    finally:
+        for _, writer in idle:
+            writer.close()
+    assert [r.raw_path for r in upstream.requests] == ["/after", "/idle-one"]
+
+
+async def test_idle_keepalive_connection_is_closed_after_timeout(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(
+        policy_for(upstream.url, server="  keepalive_timeout: 1s\n  header_timeout: 30s\n")
+    )
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        # Busy for longer than the idle timeout: requests 200 ms apart keep it open.
+        for i in range(8):
+            writer.write(b"GET /busy/%d HTTP/1.1\r\nHost: h\r\n\r\n" % i)
+            assert status_of(await read_response(reader)) == 200
+            await asyncio.sleep(0.2)
+        idle_since = loop.time()
+        data, closed = await read_until_closed(reader, 5.0)
+    finally:
+        writer.close()
+    assert closed and data == b""
+    assert 0.7 <= loop.time() - idle_since <= 4.0
+    assert len(upstream.requests) == 8
+
+
+# -- real processes -----------------------------------------------------------------------------
+
+
+@dataclass
+class SlowUpstream:
+    """A real upstream that answers after ``delay_s`` (taken from the path: /delay/<seconds>)."""
+
+    port: int = 0
+    arrived: list[str] = field(default_factory=list)
+    peers: list[int] = field(default_factory=list)
+    answered: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+async def slow_upstream() -> AsyncIterator[SlowUpstream]:
+    upstream = SlowUpstream()
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        upstream.arrived.append(request.raw_path)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        upstream.peers.append(int(peer[1]) if peer else 0)
+        parts = request.path.split("/")
+        if len(parts) >= 3 and parts[1] == "delay":
+            await asyncio.sleep(float(parts[2]))
+        upstream.answered.append(request.raw_path)
+        return web.Response(text=f"done {request.raw_path}")
+
+    server = RawTestServer(handle, host="127.0.0.1")
+    await server.start_server()
+    assert server.port is not None
+    upstream.port = server.port
+    yield upstream
+    await server.close()
+
+
+@dataclass
+class GatewayProcess:
+    proc: asyncio.subprocess.Process
+    port: int
+    admin_port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Field 4 is the parent pid; the command name in parentheses may contain spaces.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _tcp_sockets() -> dict[int, tuple[int, str]]:
+    """Socket inode -> (local port, state hex) for every IPv4 TCP socket on the machine."""
+    table = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        cols = line.split()
+        table[int(cols[9])] = (int(cols[1].split(":")[1], 16), cols[3])
+    return table
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+_TCP_LISTEN = "0A"
+_TCP_ESTABLISHED = "01"
+
+
+@pytest.fixture
+async def gateway_process(
+    tmp_path: Path,
+) -> AsyncIterator[Callable[..., Awaitable[GatewayProcess]]]:
+    started: list[GatewayProcess] = []
+
+    async def start(
+        *args: str,
+        policy: str | None = None,
+        env: dict[str, str] | None = None,
+        wait_ready: bool = True,
+    ) -> GatewayProcess:
+        port, admin_port = free_port(), free_port()
+        cmd = [sys.executable, "-m", "gateway", "run"]
+        if policy is not None:
+            policy_file = tmp_path / f"policy-{len(started)}.yaml"
+            policy_file.write_text(policy.format(port=port, admin_port=admin_port))
+            cmd += ["--config", str(policy_file)]
+        else:
+            cmd += ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"]
+        cmd += list(args)
+        log_path = tmp_path / f"gateway-{len(started)}.log"
+        with log_path.open("wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                cwd=REPO_ROOT,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
+        running = GatewayProcess(proc, port, admin_port, log_path)
+        started.append(running)
+        if wait_ready:
+            await _wait_ready(running)
+        return running
+
+    yield start
+    for running in started:
+        if running.proc.returncode is None:
+            for child in _children(running.proc.pid):
+                os.kill(child, signal.SIGKILL)
+            running.proc.kill()
+            await running.proc.wait()
+
+
+async def _wait_ready(running: GatewayProcess, within_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while loop.time() < deadline:
+            if running.proc.returncode is not None:
+                raise AssertionError(f"gateway exited early:\n{running.log()}")
+            try:
+                async with session.get(running.admin_url + "/readyz") as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"gateway not ready within {within_s}s:\n{running.log()}")
+
+
+async def _exit_code(running: GatewayProcess, within_s: float) -> int:
+    try:
+        return await asyncio.wait_for(running.proc.wait(), within_s)
+    except TimeoutError:
+        raise AssertionError(
+            f"gateway still running {within_s}s after SIGTERM:\n{running.log()}"
+        ) from None
+
+
+def _policy_file(upstream_url: str, server: str = "") -> str:
+    """A policy template; ``{port}`` and ``{admin_port}`` are filled in with free ports."""
+    return (
+        "server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        + server
+        + f"upstreams:\n  backend:\n    url: {upstream_url}\n    read_timeout: 60s\n"
+        "routes:\n  - name: all\n    upstream: backend\n"
+    )
+
+
+async def _can_connect(port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
+    except (ConnectionRefusedError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+async def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(
+    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+) -> None:
+    gw = await gateway_process(
+        policy=_policy_file(slow_upstream.url, server="  shutdown_timeout: 10s\n")
+    )
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(
+        timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
+    ) as session:
+
+        async def fetch(i: int) -> tuple[int, str]:
+            async with session.get(f"{gw.url}/delay/1.5/{i}") as resp:
+                return resp.status, await resp.text()
+
+        in_flight = [asyncio.create_task(fetch(i)) for i in range(4)]
+        await wait_for(lambda: len(slow_upstream.arrived) == 4, "4 requests at the upstream")
+        gw.proc.send_signal(signal.SIGTERM)
+        signalled_at = loop.time()
+
+        # New connections are refused while the old ones are still being answered.
+        refused_at = None
+        while loop.time() - signalled_at < 1.2:
+            if not await _can_connect(gw.port):
+                refused_at = loop.time()
+                break
+            await asyncio.sleep(0.02)
+        assert refused_at is not None, "the gateway still accepted connections after SIGTERM"
+        assert not any(task.done() for task in in_flight), "refusal only came after the answers"
+
+        results = await asyncio.gather(*in_flight)
+    assert results == [(200, f"done /delay/1.5/{i}") for i in range(4)]
+    assert await _exit_code(gw, 10.0 + 5.0) == 0
+    assert loop.time() - signalled_at < 10.0
+
+
+async def test_sigterm_cuts_requests_longer_than_shutdown_timeout(
+    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+) -> None:
+    gw = await gateway_process(
+        policy=_policy_file(slow_upstream.url, server="  shutdown_timeout: 1s\n")
+    )
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+
+        async def fetch() -> int | str:
+            try:
+                async with session.get(f"{gw.url}/delay/30/too-long") as resp:
+                    await resp.read()
+                    return resp.status
+            except aiohttp.ClientError as exc:
+                return type(exc).__name__
+
+        request = asyncio.create_task(fetch())
+        await wait_for(lambda: len(slow_upstream.arrived) == 1, "the request at the upstream")
+        gw.proc.send_signal(signal.SIGTERM)
+        signalled_at = loop.time()
+        assert await _exit_code(gw, 8.0) == 0
+        exited_after = loop.time() - signalled_at
+        outcome = await asyncio.wait_for(request, 5)
+    # Cut at about the 1 s deadline, long before the upstream's 30 s answer.
+    assert 0.5 <= exited_after <= 6.0, exited_after
+    assert outcome != 200
+    assert slow_upstream.answered == []
+
+
+async def test_two_workers_share_one_port_and_stop_on_sigterm(
+    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+) -> None:
+    gw = await gateway_process(
+        "--workers", "2", policy=_policy_file(slow_upstream.url, server="  shutdown_timeout: 2s\n")
+    )
+    loop = asyncio.get_running_loop()
+    # Both workers must be up, not only the first one to answer /readyz.
+    workers: list[int] = []
+
+    def two_listening_workers() -> bool:
+        workers[:] = []
+        sockets = _tcp_sockets()
+        for pid in _children(gw.proc.pid):
+            try:
+                inodes = _socket_inodes(pid)
+            except OSError:
+                continue
+            if any(sockets.get(i) == (gw.port, _TCP_LISTEN) for i in inodes):
+                workers.append(pid)
+        return len(workers) == 2
+
+    await wait_for(two_listening_workers, "two worker processes listening on the port", 20.0)
+
+    # Fresh connections are spread over both (SO_REUSEPORT hashes each connection).
+    async with aiohttp.ClientSession(
+        timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
+    ) as session:
+        for i in range(40):
+            async with session.get(f"{gw.url}/n/{i}") as resp:
+                assert resp.status == 200
+    # Which worker forwarded each request: the one owning the upstream connection it came on.
+    sockets = _tcp_sockets()
+    served_by = set()
+    for pid in workers:
+        local_ports = {
+            sockets[i][0]
+            for i in _socket_inodes(pid)
+            if i in sockets and sockets[i][1] == _TCP_ESTABLISHED
+        }
+        if local_ports & set(slow_upstream.peers):
+            served_by.add(pid)
+    assert served_by == set(workers)
+
+    gw.proc.send_signal(signal.SIGTERM)
+    signalled_at = loop.time()
+    assert await _exit_code(gw, 2.0 + 8.0) == 0
+    await wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", 5.0)
+    assert loop.time() - signalled_at < 10.0
+    assert not await _can_connect(gw.port)
+
+
+async def test_run_with_upstream_url_and_no_policy_file(
+    upstream: RecordingUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+) -> None:
+    gw = await gateway_process("--upstream", upstream.url)
+    assert await get_ok(gw.url + "/any/path?q=1") == "ok GET /any/path?q=1"
+    async with (
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        session.post(gw.url + "/upload", data=b"payload") as resp,
+    ):
+        assert resp.status == 200
+    assert [(r.method, r.raw_path, r.body) for r in upstream.requests] == [
+        ("GET", "/any/path?q=1", b""),
+        ("POST", "/upload", b"payload"),
+    ]
+    gw.proc.send_signal(signal.SIGTERM)
+    assert await _exit_code(gw, 10.0) == 0
+
+
+async def test_refuses_to_start_on_pure_python_parser(
+    upstream: RecordingUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+) -> None:
+    gw = await gateway_process(
+        "--upstream", upstream.url, env={"AIOHTTP_NO_EXTENSIONS": "1"}, wait_ready=False
+    )
+    code = await asyncio.wait_for(gw.proc.wait(), 20)
+    assert code != 0
+    log = gw.log()
+    assert "pure-Python HTTP parser" in log, log
+    assert "Traceback" not in log
+    assert not await _can_connect(gw.port)
