@@ -1,0 +1,78 @@
+"""Admin routes: ``/metrics`` for Prometheus, ``/dashboard`` (a static page and its vendored chart
+library) and its live feed ``/dashboard/events`` (server-sent events: the last 15 minutes at
+once, then a point a second)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
+from gateway.observability.observer import Observability, dashboard_state
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static" / "dashboard"
+
+OBSERVABILITY = web.AppKey("observability", Observability)
+
+
+def _observability(request: web.Request) -> Observability:
+    return request.app[OBSERVABILITY]
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    obs = _observability(request)
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    body = encoder(obs.registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = content_type
+    return response
+
+
+async def _dashboard_redirect(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPFound("/dashboard/")
+
+
+async def _dashboard_page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def _state(request: web.Request) -> web.Response:
+    """The whole gateway now, and the history the page would draw: for scripts and tests."""
+    obs = _observability(request)
+    snapshot = obs.gateway_snapshot()
+    return web.json_response(
+        {"state": dashboard_state(snapshot), "history": list(obs.timeline.points)}
+    )
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    obs = _observability(request)
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # a proxy in front must not hold the stream back
+        }
+    )
+    await response.prepare(request)
+    queue = obs.subscribe()
+    try:
+        await response.write(obs.initial_message())
+        while (message := await queue.get()) is not None:
+            await response.write(message)
+    except ConnectionResetError:
+        pass  # the page was closed
+    finally:
+        obs.unsubscribe(queue)
+    return response
+
+
+def add_routes(app: web.Application, obs: Observability) -> None:
+    app[OBSERVABILITY] = obs
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/dashboard", _dashboard_redirect)
+    app.router.add_get("/dashboard/", _dashboard_page)
+    app.router.add_get("/dashboard/state", _state)
+    app.router.add_get("/dashboard/events", _events)
+    app.router.add_static("/dashboard/static/", STATIC_DIR, follow_symlinks=False)

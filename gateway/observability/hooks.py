@@ -1,0 +1,44 @@
+"""What the proxy handler leaves on a request for the observer to read once it is answered.
+
+The proxy learns a request's route, client and limiter outcome at different points; rather than
+thread a record through every return path, it writes each fact into the request's own storage
+(one dict write each, typed ``RequestKey``\\ s) and the observer wrapped around the handler reads
+them when the handler returns. This module imports nothing from the proxy, so the proxy can
+import it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from aiohttp import web
+
+from gateway.engine import Outcome
+from gateway.upstream_client import (
+    UpstreamClosed,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+
+ROUTE_NAME: Final = web.RequestKey("route", str)
+CLIENT_IP: Final = web.RequestKey("client_ip", str)
+LIMIT_OUTCOME: Final = web.RequestKey("limit_outcome", Outcome)
+UPSTREAM_ERROR: Final = web.RequestKey("upstream_error", str)
+
+# The bounded set of reasons the ``reason`` label of upstream errors takes.
+UPSTREAM_ERROR_REASONS: Final = ("connect", "timeout", "reset", "protocol", "other")
+
+
+def upstream_error_reason(exc: UpstreamError) -> str:
+    """The metric label for an upstream failure (a ``_StaleConnection`` is a reset too)."""
+    if isinstance(exc, UpstreamConnectError):
+        return "connect"
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    if isinstance(exc, UpstreamClosed):
+        return "reset"
+    if isinstance(exc, UpstreamProtocolError):
+        return "protocol"
+    return "other"

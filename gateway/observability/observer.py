@@ -1,0 +1,197 @@
+"""One worker's observability: the handler wrapper, the once-a-second tick, the admin routes.
+
+The tick, on every whole second of wall time, publishes this worker's snapshot for the others;
+a quarter second later (when every worker has published) it adds them all up, appends a point to
+the dashboard's history and sends it to open dashboards. Scrapes add up afresh, with this
+worker's own figures read live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client.registry import CollectorRegistry
+
+from gateway.observability.prometheus import make_registry
+from gateway.observability.shared import SnapshotDirectory, default_shared_dir
+from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
+from gateway.observability.timeline import Timeline
+from gateway.observability.worker import ObservedHandler, WorkerMetrics
+
+if TYPE_CHECKING:
+    from gateway.proxy import ProxyHandler
+    from gateway.serve import Gateway
+
+log = logging.getLogger("gateway.observability")
+
+TICK_S = 1.0
+GATHER_DELAY_S = 0.25  # after the second boundary: every worker has published by then
+SUBSCRIBER_BACKLOG = 30  # messages kept for a dashboard that reads slowly; older ones dropped
+
+_UNSET: Any = object()
+
+
+class Observability:
+    """Everything a worker adds for ``/metrics`` and ``/dashboard``.
+
+    ``shared_dir``: where workers exchange snapshots; by default ``$GATEWAY_METRICS_DIR``, or a
+    per-supervisor directory when the gateway runs several workers (``reuse_port``), or none.
+    """
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        *,
+        shared_dir: Path | None = _UNSET,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.gateway = gateway
+        self.metrics = WorkerMetrics(gateway)
+        self.wall_clock = wall_clock
+        if shared_dir is _UNSET:
+            shared_dir = default_shared_dir(gateway.reuse_port)
+        self.directory = (
+            SnapshotDirectory(shared_dir, gateway.worker_id) if shared_dir is not None else None
+        )
+        self._base: WorkerSnapshot | None = (
+            self.directory.previous() if self.directory is not None else None
+        )
+        self.registry: CollectorRegistry = make_registry(self.gateway_snapshot)
+        self.timeline = Timeline()
+        self.latest: GatewaySnapshot | None = None
+        self._subscribers: set[asyncio.Queue[bytes | None]] = set()
+
+    # -- hooks for serve.py ------------------------------------------------------------------
+
+    def wrap(self, handler: ProxyHandler) -> ObservedHandler:
+        """The proxy handler, counted: give this to the server in the handler's place."""
+        return ObservedHandler(handler, self.metrics)
+
+    def install(self, admin_app: web.Application) -> None:
+        """Add ``/metrics`` and ``/dashboard`` to the admin app; the tick runs with the app."""
+        from gateway.observability.dashboard import add_routes
+
+        add_routes(admin_app, self)
+        admin_app.cleanup_ctx.append(self._lifetime)
+        admin_app.on_shutdown.append(self._close_streams)
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def worker_snapshot(self) -> WorkerSnapshot:
+        """This worker's figures now, counting those of the worker it replaced (if any)."""
+        snapshot = self.metrics.snapshot(self.wall_clock())
+        return snapshot.with_base(self._base) if self._base is not None else snapshot
+
+    def gateway_snapshot(self) -> GatewaySnapshot:
+        """Every worker's figures added up; this worker's read now."""
+        own = self.worker_snapshot()
+        others = self.directory.others() if self.directory is not None else []
+        return merge([own, *others], own.at)
+
+    # -- the tick ----------------------------------------------------------------------------
+
+    async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(self._run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if self.directory is not None:
+            self._publish()  # the last figures, for the totals and for a successor
+
+    async def _run(self) -> None:
+        while True:
+            now = self.wall_clock()
+            await asyncio.sleep(TICK_S - now % TICK_S)
+            try:
+                self.metrics.rotate(self.wall_clock())
+                if self.directory is not None:
+                    self._publish()
+                    await asyncio.sleep(GATHER_DELAY_S)
+                self._gather()
+            except Exception:  # one bad tick must not stop the next
+                log.exception("observability tick failed")
+
+    def _publish(self) -> None:
+        assert self.directory is not None
+        self.directory.publish(self.worker_snapshot())
+
+    def _gather(self) -> None:
+        snapshot = self.gateway_snapshot()
+        self.latest = snapshot
+        point = self.timeline.add(snapshot)
+        if point is None or not self._subscribers:
+            return
+        message = sse_message("point", {"point": point, "state": dashboard_state(snapshot)})
+        for queue in self._subscribers:
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(message)
+
+    # -- dashboard streams -------------------------------------------------------------------
+
+    def subscribe(self) -> asyncio.Queue[bytes | None]:
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(SUBSCRIBER_BACKLOG)
+        self._subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[bytes | None]) -> None:
+        self._subscribers.discard(queue)
+
+    async def _close_streams(self, app: web.Application) -> None:
+        """End every event stream, so shutdown need not wait out its timeout for them."""
+        for queue in self._subscribers:
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(None)
+
+    def initial_message(self) -> bytes:
+        snapshot = self.latest or self.gateway_snapshot()
+        return sse_message(
+            "init", {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
+        )
+
+
+def sse_message(event: str, data: object) -> bytes:
+    """One server-sent event (a JSON body has no newlines, so one ``data:`` line)."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
+    """Totals and status for the dashboard's numbers and tables."""
+    reload = snapshot.reload
+    return {
+        "at": snapshot.at,
+        "workers": snapshot.workers,
+        "worker_ids": list(snapshot.worker_ids),
+        "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
+        "reload": reload.model_dump() if reload is not None else None,
+        "store": {
+            "name": snapshot.store_name,
+            "state": snapshot.store.state,
+            "states": snapshot.store_states,
+            "calls": snapshot.store.calls,
+            "errors": snapshot.store.errors,
+        },
+        "requests": sum(n for *_, n in snapshot.requests),
+        "limits": {
+            name: {
+                "algorithm": limit.algorithm,
+                "dry_run": limit.dry_run,
+                **limit.decisions(),
+                "waiting": limit.waiting,
+                "tracked_keys": limit.tracked_keys,
+                "evictions": limit.evictions,
+                "top_keys": [h.model_dump() for h in snapshot.top_keys.get(name, ())],
+            }
+            for name, limit in snapshot.limits.items()
+        },
+    }

@@ -1,0 +1,209 @@
+"""``/metrics``: a prometheus-client collector that turns the whole-gateway snapshot into metric
+families at scrape time, in a registry of the app's own (not the process-global one).
+
+Labels come from configuration names (route, limit, store) and bounded sets (method folded to a
+known list or ``OTHER``, status class, decision result, error reason); never client addresses,
+paths or keys: the top-keys view lives on the dashboard only.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gateway import __version__
+from gateway.observability.hooks import UPSTREAM_ERROR_REASONS
+from gateway.observability.snapshot import DECISION_RESULTS, GatewaySnapshot, HistogramData
+from gateway.observability.stats import (
+    QUEUE_WAIT_BUCKETS,
+    REQUEST_DURATION_BUCKETS,
+    STORE_LATENCY_BUCKETS,
+    STORE_STATES,
+)
+
+RELOAD_RESULTS = ("ok", "failed", "unchanged")
+
+
+def _buckets(histogram: HistogramData, bounds: tuple[float, ...]) -> list[tuple[str, float]]:
+    cumulative = 0
+    out: list[tuple[str, float]] = []
+    for bound, count in zip((*bounds, float("inf")), histogram.counts, strict=True):
+        cumulative += count
+        out.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    return out
+
+
+class GatewayCollector(Collector):
+    """Reads a fresh whole-gateway snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], GatewaySnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # names are dynamic only in labels; no need to collect at registration
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        info = GaugeMetricFamily(
+            "gateway_build_info",
+            "Gateway version and Python it runs on; always 1.",
+            labels=["version", "python"],
+        )
+        info.add_metric([__version__, platform.python_version()], 1)
+        yield info
+        workers = GaugeMetricFamily(
+            "gateway_workers", "Worker processes whose figures are in this scrape."
+        )
+        workers.add_metric([], snap.workers)
+        yield workers
+
+        requests = CounterMetricFamily(
+            "gateway_requests",
+            "Requests answered, by route, method and status class.",
+            labels=["route", "method", "status"],
+        )
+        for route, method, status_class, count in snap.requests:
+            requests.add_metric([route, method, f"{status_class}xx"], count)
+        yield requests
+        duration = HistogramMetricFamily(
+            "gateway_request_duration_seconds",
+            "Time from a request's headers to its response, queueing included, by route.",
+            labels=["route"],
+        )
+        for route, histogram in sorted(snap.durations.items()):
+            duration.add_metric(
+                [route], _buckets(histogram, REQUEST_DURATION_BUCKETS), histogram.total
+            )
+        yield duration
+        upstream_errors = CounterMetricFamily(
+            "gateway_upstream_errors",
+            f"Failed upstream exchanges by route and reason ({', '.join(UPSTREAM_ERROR_REASONS)}).",
+            labels=["route", "reason"],
+        )
+        for route, reason, count in snap.upstream_errors:
+            upstream_errors.add_metric([route, reason], count)
+        yield upstream_errors
+
+        yield from self._limits(snap)
+        yield from self._store(snap)
+        yield from self._policy(snap)
+
+        open_connections = GaugeMetricFamily(
+            "gateway_open_connections", "Client connections open now."
+        )
+        open_connections.add_metric([], snap.connections_open)
+        yield open_connections
+        refused = CounterMetricFamily(
+            "gateway_refused_connections",
+            "Client connections refused because a worker had max_connections open.",
+        )
+        refused.add_metric([], snap.connections_refused)
+        yield refused
+        header_timeouts = CounterMetricFamily(
+            "gateway_header_timeouts", "Client connections closed for sending headers too slowly."
+        )
+        header_timeouts.add_metric([], snap.header_timeouts)
+        yield header_timeouts
+
+    def _limits(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        decisions = CounterMetricFamily(
+            "gateway_limit_decisions",
+            "Limiter decisions by limit and result; dry-run limits count would-be outcomes.",
+            labels=["limit", "result"],
+        )
+        wait = HistogramMetricFamily(
+            "gateway_limit_queue_wait_seconds",
+            "How long delayed requests waited in a limit's queue.",
+            labels=["limit"],
+        )
+        depth = GaugeMetricFamily(
+            "gateway_limit_queue_depth",
+            "Requests waiting in a limit's queue now.",
+            labels=["limit"],
+        )
+        tracked = GaugeMetricFamily(
+            "gateway_limit_tracked_keys", "Keys a limit holds state for.", labels=["limit"]
+        )
+        evictions = CounterMetricFamily(
+            "gateway_limit_evictions",
+            "Keys dropped from a full limit table while their state still mattered.",
+            labels=["limit"],
+        )
+        dry_run = GaugeMetricFamily(
+            "gateway_limit_dry_run", "1 for a dry-run (never enforced) limit.", labels=["limit"]
+        )
+        for name, limit in sorted(snap.limits.items()):
+            for result in DECISION_RESULTS:
+                decisions.add_metric([name, result], getattr(limit, result))
+            wait.add_metric([name], _buckets(limit.wait, QUEUE_WAIT_BUCKETS), limit.wait.total)
+            depth.add_metric([name], limit.waiting)
+            tracked.add_metric([name], limit.tracked_keys)
+            evictions.add_metric([name], limit.evictions)
+            dry_run.add_metric([name], 1 if limit.dry_run else 0)
+        yield from (decisions, wait, depth, tracked, evictions, dry_run)
+
+    def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        store = snap.store
+        labels = [store.name]
+        calls = CounterMetricFamily(
+            "gateway_store_calls", "Calls to the limit store.", labels=["store"]
+        )
+        calls.add_metric(labels, store.calls)
+        errors = CounterMetricFamily(
+            "gateway_store_errors", "Failed calls to the limit store.", labels=["store"]
+        )
+        errors.add_metric(labels, store.errors)
+        latency = HistogramMetricFamily(
+            "gateway_store_call_duration_seconds",
+            "Latency of calls to the limit store.",
+            labels=["store"],
+        )
+        latency.add_metric(
+            labels, _buckets(store.latency, STORE_LATENCY_BUCKETS), store.latency.total
+        )
+        state = GaugeMetricFamily(
+            "gateway_store_state",
+            "Workers in each store state (ok, fallback to local limits, circuit open/half-open).",
+            labels=["store", "state"],
+        )
+        for name in STORE_STATES:
+            state.add_metric([store.name, name], snap.store_states.get(name, 0))
+        yield from (calls, errors, latency, state)
+
+    def _policy(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "gateway_policy_info",
+            "The active policy's sha256 (12 hex digits); workers running it.",
+            labels=["sha256"],
+        )
+        for sha in snap.policy_sha256:
+            info.add_metric([sha[:12]], 1)
+        yield info
+        reloads = CounterMetricFamily(
+            "gateway_policy_reloads", "Policy reload attempts by result.", labels=["result"]
+        )
+        last_success = GaugeMetricFamily(
+            "gateway_policy_last_reload_success_timestamp_seconds",
+            "When the policy was last loaded successfully (start-up counts), Unix time.",
+        )
+        reload = snap.reload
+        counts = (reload.succeeded, reload.failed, reload.unchanged) if reload else (0, 0, 0)
+        for result, count in zip(RELOAD_RESULTS, counts, strict=True):
+            reloads.add_metric([result], count)
+        if reload is not None and reload.last_success_at is not None:
+            last_success.add_metric([], reload.last_success_at)
+        yield from (reloads, last_success)
+
+
+def make_registry(snapshot: Callable[[], GatewaySnapshot]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(snapshot))
+    return registry

@@ -1,0 +1,81 @@
+"""Where workers leave their snapshots for each other: one JSON file per worker in a directory.
+
+Whichever worker answers ``/metrics`` or streams the dashboard adds up every file (its own
+figures read live), so a scrape sees the whole gateway whatever worker the kernel picked.
+A file is replaced with a rename, so a reader sees a whole snapshot, old or new, never half of
+one. A worker that restarts under the same id starts from its predecessor's counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from gateway.observability.snapshot import WorkerSnapshot
+
+log = logging.getLogger("gateway.observability")
+
+ENV_METRICS_DIR = "GATEWAY_METRICS_DIR"
+
+
+def default_shared_dir(reuse_port: bool) -> Path | None:
+    """``$GATEWAY_METRICS_DIR``, or for a worker of ``--workers N`` a directory named after the
+    supervisor (the parent of every worker); ``None`` for a lone process."""
+    configured = os.environ.get(ENV_METRICS_DIR)
+    if configured:
+        return Path(configured)
+    if not reuse_port:
+        return None
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"gateway-metrics-{os.getppid()}"
+
+
+class SnapshotDirectory:
+    __slots__ = ("_own", "path", "worker_id")
+
+    def __init__(self, path: Path, worker_id: int) -> None:
+        self.path = path
+        self.worker_id = worker_id
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._own = path / f"worker-{worker_id}.json"
+
+    def previous(self) -> WorkerSnapshot | None:
+        """The last snapshot a worker with our id left, if any (we restarted)."""
+        return _read(self._own)
+
+    def publish(self, snapshot: WorkerSnapshot) -> None:
+        data = snapshot.model_dump_json().encode()
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".worker-{self.worker_id}.")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            os.replace(tmp, self._own)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def others(self) -> list[WorkerSnapshot]:
+        """Every other worker's latest snapshot."""
+        snapshots = []
+        for file in sorted(self.path.glob("worker-*.json")):
+            if file == self._own:
+                continue
+            snapshot = _read(file)
+            if snapshot is not None:
+                snapshots.append(snapshot)
+        return snapshots
+
+
+def _read(file: Path) -> WorkerSnapshot | None:
+    try:
+        return WorkerSnapshot.model_validate_json(file.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValidationError) as exc:
+        # Another build's format, or a damaged file: leave it out rather than fail a scrape.
+        log.warning("ignoring metrics snapshot %s: %s", file, exc)
+        return None

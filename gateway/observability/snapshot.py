@@ -1,0 +1,336 @@
+"""One worker's figures at one instant, and their sum over all workers.
+
+A snapshot is what a worker publishes for the others once a second (as JSON, through a shared
+directory) and what ``/metrics`` and the dashboard are built from. Counters only grow (a worker
+that restarts picks up its predecessor's totals), so their sum over workers is a Prometheus
+counter; gauges (queue depth, tracked keys, open connections) are summed over live workers only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict
+
+from gateway.observability.stats import (
+    QUEUE_WAIT_BUCKETS,
+    REQUEST_DURATION_BUCKETS,
+    STORE_LATENCY_BUCKETS,
+    Histogram,
+)
+
+# Results of the ``gateway_limit_decisions_total`` counter, in ``LimitCounters`` field order.
+DECISION_RESULTS = ("allowed", "delayed", "rejected", "dry_run_delayed", "dry_run_rejected")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HistogramData(_Model):
+    """Non-cumulative bucket counts (the last is +Inf) and the sum of observations."""
+
+    counts: tuple[int, ...]
+    total: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Self:
+        return cls(counts=(0,) * (len(bounds) + 1))
+
+    @classmethod
+    def of(cls, histogram: Histogram) -> Self:
+        return cls(counts=tuple(histogram.counts), total=histogram.total)
+
+    def plus(self, other: HistogramData) -> HistogramData:
+        if len(other.counts) != len(self.counts):
+            return self  # another build's buckets: not addable, keep ours
+        return HistogramData(
+            counts=tuple(a + b for a, b in zip(self.counts, other.counts, strict=True)),
+            total=self.total + other.total,
+        )
+
+    def minus(self, other: HistogramData) -> HistogramData:
+        if len(other.counts) != len(self.counts):
+            return self
+        return HistogramData(
+            counts=tuple(max(0, a - b) for a, b in zip(self.counts, other.counts, strict=True)),
+            total=max(0.0, self.total - other.total),
+        )
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def quantile(self, q: float, bounds: tuple[float, ...]) -> float | None:
+        """Prometheus ``histogram_quantile``: linear within the bucket; ``None`` if empty.
+
+        A quantile in the +Inf bucket answers the highest finite bound, as Prometheus does.
+        """
+        total = self.count
+        if total == 0:
+            return None
+        rank = q * total
+        seen = 0
+        for index, count in enumerate(self.counts):
+            if seen + count >= rank and count > 0:
+                if index == len(bounds):
+                    return bounds[-1]
+                lower = bounds[index - 1] if index > 0 else 0.0
+                return lower + (bounds[index] - lower) * (rank - seen) / count
+            seen += count
+        return bounds[-1]
+
+
+class LimitData(_Model):
+    algorithm: str
+    dry_run: bool
+    allowed: int = 0
+    delayed: int = 0
+    rejected: int = 0
+    dry_run_delayed: int = 0
+    dry_run_rejected: int = 0
+    evictions: int = 0
+    waiting: int = 0  # gauge
+    tracked_keys: int = 0  # gauge
+    wait: HistogramData = HistogramData.empty(QUEUE_WAIT_BUCKETS)
+
+    def decisions(self) -> dict[str, int]:
+        return {result: getattr(self, result) for result in DECISION_RESULTS}
+
+
+class StoreData(_Model):
+    name: str
+    state: str = "ok"
+    calls: int = 0
+    errors: int = 0
+    latency: HistogramData = HistogramData.empty(STORE_LATENCY_BUCKETS)
+
+
+class ReloadData(_Model):
+    succeeded: int = 0
+    failed: int = 0
+    unchanged: int = 0
+    last_result: str = "none"
+    last_error: str | None = None
+    last_success_at: float | None = None
+    last_attempt_at: float | None = None
+
+
+class HitterData(_Model):
+    key: str
+    count: int
+    error: int
+
+
+class WorkerSnapshot(_Model):
+    worker: int
+    pid: int
+    at: float  # wall-clock time the figures were read
+    started_at: float
+    policy_sha256: str
+    policy_source: str
+    # (route, method, status class, count)
+    requests: tuple[tuple[str, str, int, int], ...] = ()
+    durations: dict[str, HistogramData] = {}
+    # (route, reason, count)
+    upstream_errors: tuple[tuple[str, str, int], ...] = ()
+    limits: dict[str, LimitData] = {}
+    top_keys: dict[str, tuple[HitterData, ...]] = {}
+    store: StoreData
+    reload: ReloadData | None = None
+    connections_open: int = 0  # gauge
+    connections_refused: int = 0
+    header_timeouts: int = 0
+
+    def with_base(self, base: WorkerSnapshot) -> WorkerSnapshot:
+        """These figures plus a previous incarnation's counters (gauges are ours alone)."""
+        requests = Counter({(r, m, s): n for r, m, s, n in base.requests})
+        requests.update({(r, m, s): n for r, m, s, n in self.requests})
+        errors = Counter({(r, reason): n for r, reason, n in base.upstream_errors})
+        errors.update({(r, reason): n for r, reason, n in self.upstream_errors})
+        durations = dict(base.durations)
+        for route, histogram in self.durations.items():
+            old = durations.get(route)
+            durations[route] = old.plus(histogram) if old is not None else histogram
+        limits = {}
+        for name, limit in self.limits.items():
+            old_limit = base.limits.get(name)
+            limits[name] = _add_limit_counters(limit, old_limit) if old_limit else limit
+        store = self.store
+        if base.store.name == store.name:
+            store = store.model_copy(
+                update={
+                    "calls": store.calls + base.store.calls,
+                    "errors": store.errors + base.store.errors,
+                    "latency": store.latency.plus(base.store.latency),
+                }
+            )
+        return self.model_copy(
+            update={
+                "requests": tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
+                "upstream_errors": tuple((r, x, n) for (r, x), n in sorted(errors.items())),
+                "durations": durations,
+                "limits": limits,
+                "store": store,
+                "connections_refused": self.connections_refused + base.connections_refused,
+                "header_timeouts": self.header_timeouts + base.header_timeouts,
+            }
+        )
+
+
+def _add_limit_counters(limit: LimitData, base: LimitData) -> LimitData:
+    update: dict[str, object] = {
+        result: getattr(limit, result) + getattr(base, result) for result in DECISION_RESULTS
+    }
+    update["evictions"] = limit.evictions + base.evictions
+    update["wait"] = limit.wait.plus(base.wait)
+    return limit.model_copy(update=update)
+
+
+class GatewaySnapshot(_Model):
+    """The whole gateway: every worker's snapshot added up."""
+
+    at: float
+    workers: int  # workers whose snapshot is fresh
+    worker_ids: tuple[int, ...]
+    policy_sha256: tuple[str, ...]  # more than one only while a reload is spreading
+    policy_source: str
+    requests: tuple[tuple[str, str, int, int], ...]
+    durations: dict[str, HistogramData]
+    upstream_errors: tuple[tuple[str, str, int], ...]
+    limits: dict[str, LimitData]
+    top_keys: dict[str, tuple[HitterData, ...]]
+    store_name: str
+    # state -> workers in it
+    store_states: dict[str, int]
+    store: StoreData
+    reload: ReloadData | None
+    connections_open: int
+    connections_refused: int
+    header_timeouts: int
+
+
+def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> GatewaySnapshot:
+    """Add up counters of every snapshot, gauges of those read in the last ``fresh_s``.
+
+    A worker that died keeps its counters in the sum (as prometheus-client's multiprocess mode
+    keeps a dead process's counters), so the gateway's counters never go down.
+    """
+    if not snapshots:
+        raise ValueError("no snapshot to merge")
+    newest = max(snapshots, key=lambda s: s.at)
+    live = [s for s in snapshots if now - s.at <= fresh_s] or [newest]
+    live_ids = {id(s) for s in live}
+    requests: Counter[tuple[str, str, int]] = Counter()
+    errors: Counter[tuple[str, str]] = Counter()
+    durations: dict[str, HistogramData] = {}
+    limits: dict[str, LimitData] = {}
+    hitters: dict[str, Counter[str]] = {}
+    hitter_errors: dict[str, Counter[str]] = {}
+    store = StoreData(name=newest.store.name)
+    for snap in snapshots:
+        requests.update({(r, m, s): n for r, m, s, n in snap.requests})
+        errors.update({(r, reason): n for r, reason, n in snap.upstream_errors})
+        for route, histogram in snap.durations.items():
+            old = durations.get(route)
+            durations[route] = old.plus(histogram) if old is not None else histogram
+        for name, limit in snap.limits.items():
+            if id(snap) in live_ids:
+                gauges = {"waiting": limit.waiting, "tracked_keys": limit.tracked_keys}
+            else:
+                gauges = {"waiting": 0, "tracked_keys": 0}
+            counted = limit.model_copy(update=gauges)
+            old_limit = limits.get(name)
+            if old_limit is None:
+                limits[name] = counted
+            else:
+                summed = _add_limit_counters(counted, old_limit)
+                limits[name] = summed.model_copy(
+                    update={
+                        "waiting": old_limit.waiting + counted.waiting,
+                        "tracked_keys": old_limit.tracked_keys + counted.tracked_keys,
+                    }
+                )
+        for name, top in snap.top_keys.items():
+            if id(snap) not in live_ids:
+                continue
+            counts = hitters.setdefault(name, Counter())
+            errs = hitter_errors.setdefault(name, Counter())
+            for hitter in top:
+                counts[hitter.key] += hitter.count
+                errs[hitter.key] += hitter.error
+        if snap.store.name == store.name:
+            store = store.model_copy(
+                update={
+                    "calls": store.calls + snap.store.calls,
+                    "errors": store.errors + snap.store.errors,
+                    "latency": store.latency.plus(snap.store.latency),
+                }
+            )
+    # Limits a reload removed linger in older snapshots: show those the newest policy has.
+    limits = {name: limits[name] for name in newest.limits if name in limits}
+    top_keys = {
+        name: tuple(
+            HitterData(key=key, count=count, error=hitter_errors[name][key])
+            for key, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:20]
+        )
+        for name, counts in hitters.items()
+        if name in limits
+    }
+    states = Counter(s.store.state for s in live)
+    reloads = [s.reload for s in live if s.reload is not None]
+    return GatewaySnapshot(
+        at=now,
+        workers=len(live),
+        worker_ids=tuple(sorted(s.worker for s in live)),
+        policy_sha256=tuple(sorted({s.policy_sha256 for s in live})),
+        policy_source=newest.policy_source,
+        requests=tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
+        durations=durations,
+        upstream_errors=tuple((r, x, n) for (r, x), n in sorted(errors.items())),
+        limits=limits,
+        top_keys=top_keys,
+        store_name=store.name,
+        store_states=dict(states),
+        store=store.model_copy(update={"state": _worst_state(states)}),
+        reload=_merge_reloads(reloads),
+        connections_open=sum(s.connections_open for s in live),
+        connections_refused=sum(s.connections_refused for s in snapshots),
+        header_timeouts=sum(s.header_timeouts for s in snapshots),
+    )
+
+
+def _worst_state(states: Counter[str]) -> str:
+    for state in ("open", "half_open", "fallback"):
+        if states.get(state):
+            return state
+    return "ok"
+
+
+def _merge_reloads(reloads: list[ReloadData]) -> ReloadData | None:
+    """Every worker watches the same file: the gateway reloaded as often as its busiest
+    worker did, and its last result is the latest attempt's."""
+    if not reloads:
+        return None
+    latest = max(reloads, key=lambda r: r.last_attempt_at or 0.0)
+    successes = [r.last_success_at for r in reloads if r.last_success_at is not None]
+    return latest.model_copy(
+        update={
+            "succeeded": max(r.succeeded for r in reloads),
+            "failed": max(r.failed for r in reloads),
+            "unchanged": max(r.unchanged for r in reloads),
+            "last_success_at": max(successes) if successes else None,
+        }
+    )
+
+
+__all__ = [
+    "DECISION_RESULTS",
+    "REQUEST_DURATION_BUCKETS",
+    "GatewaySnapshot",
+    "HistogramData",
+    "LimitData",
+    "WorkerSnapshot",
+    "merge",
+]

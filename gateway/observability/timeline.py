@@ -1,0 +1,83 @@
+"""The dashboard's history: one point a second for the last 15 minutes, kept server-side so a page
+opened now shows the past quarter hour at once. Each point holds per-second rates computed from
+two consecutive whole-gateway snapshots, and the queue-wait quantiles of the last minute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from gateway.observability.snapshot import (
+    DECISION_RESULTS,
+    GatewaySnapshot,
+    HistogramData,
+)
+from gateway.observability.stats import QUEUE_WAIT_BUCKETS
+
+HISTORY_POINTS = 15 * 60
+WAIT_QUANTILE_WINDOW = 60  # points (seconds) the p50/p99 queue wait is taken over
+
+
+def rejection_ratio(limit_rates: dict[str, float], dry_run: bool) -> float | None:
+    """Rejected (would-reject for a dry-run limit) over all decisions; ``None`` with no traffic.
+
+    The same arithmetic as the Grafana panel's PromQL (``contrib/grafana``).
+    """
+    if dry_run:
+        refused = limit_rates["dry_run_rejected"]
+        total = limit_rates["allowed"] + limit_rates["dry_run_delayed"] + refused
+    else:
+        refused = limit_rates["rejected"]
+        total = limit_rates["allowed"] + limit_rates["delayed"] + refused
+    return refused / total if total > 0 else None
+
+
+class Timeline:
+    __slots__ = ("_previous", "_waits", "points")
+
+    def __init__(self, max_points: int = HISTORY_POINTS) -> None:
+        self.points: deque[dict[str, Any]] = deque(maxlen=max_points)
+        self._previous: GatewaySnapshot | None = None
+        # each point's wait histograms, for the quantiles over the last minute
+        self._waits: deque[dict[str, HistogramData]] = deque(maxlen=WAIT_QUANTILE_WINDOW + 1)
+
+    def add(self, snapshot: GatewaySnapshot) -> dict[str, Any] | None:
+        """Add the point between the previous snapshot and this one; the first only primes."""
+        previous = self._previous
+        self._previous = snapshot
+        self._waits.append({name: limit.wait for name, limit in snapshot.limits.items()})
+        if previous is None:
+            return None
+        elapsed = snapshot.at - previous.at
+        if elapsed <= 0:
+            return None
+        oldest_waits = self._waits[0]
+        limits: dict[str, Any] = {}
+        for name, limit in snapshot.limits.items():
+            before = previous.limits.get(name)
+            rates = {
+                result: max(0, getattr(limit, result) - (getattr(before, result) if before else 0))
+                / elapsed
+                for result in DECISION_RESULTS
+            }
+            recent = limit.wait
+            old_wait = oldest_waits.get(name)
+            if old_wait is not None:
+                recent = recent.minus(old_wait)
+            limits[name] = {
+                **{result: round(rate, 3) for result, rate in rates.items()},
+                "ratio": rejection_ratio(rates, limit.dry_run),
+                "waiting": limit.waiting,
+                "wait_p50": recent.quantile(0.5, QUEUE_WAIT_BUCKETS),
+                "wait_p99": recent.quantile(0.99, QUEUE_WAIT_BUCKETS),
+            }
+        requests_now = sum(n for *_, n in snapshot.requests)
+        requests_before = sum(n for *_, n in previous.requests)
+        point = {
+            "t": round(snapshot.at, 3),
+            "requests": round(max(0, requests_now - requests_before) / elapsed, 3),
+            "limits": limits,
+        }
+        self.points.append(point)
+        return point

@@ -1,0 +1,309 @@
+"""This worker's figures: the hot-path counters, and a snapshot of everything countable.
+
+``ObservedHandler`` wraps the proxy handler: per request it reads what the proxy left on the
+request (``hooks``), increments a few dict entries, and, only when the access log is on, writes
+the request's log line. Everything else (limit decisions, queue depth, tracked keys, connection
+counts, reload status) is already counted by the objects that own it and is read only when a
+snapshot is taken, once a second and per scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from aiohttp.web_request import BaseRequest
+
+from gateway.observability.hooks import CLIENT_IP, LIMIT_OUTCOME, ROUTE_NAME, UPSTREAM_ERROR
+from gateway.observability.sketch import RecentTopKeys
+from gateway.observability.snapshot import (
+    HistogramData,
+    HitterData,
+    LimitData,
+    ReloadData,
+    StoreData,
+    WorkerSnapshot,
+)
+from gateway.observability.stats import (
+    QUEUE_WAIT_BUCKETS,
+    UNMATCHED_ROUTE,
+    QueueWaits,
+    RequestStats,
+    StoreStats,
+)
+from gateway.store import MemoryStore
+
+if TYPE_CHECKING:
+    from gateway.engine import Outcome
+    from gateway.proxy import ProxyHandler
+    from gateway.runtime import Runtime
+    from gateway.serve import Gateway
+
+access_log = logging.getLogger("gateway.access")
+
+# Keys kept per limit by the heavy-hitters sketch, and how many the dashboard shows.
+TOP_KEYS_CAPACITY = 64
+TOP_KEYS_SHOWN = 20
+TOP_KEYS_PERIOD_S = 60.0
+
+
+class _RunningTotals:
+    """Totals of counters that can start again from zero (a limit a reload re-created, a
+    key table rebuilt), kept growing by adding each source's increase since it was last read."""
+
+    __slots__ = ("_last", "_totals")
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[object, tuple[int, ...]]] = {}
+        self._totals: dict[str, list[int]] = {}
+
+    def read(self, name: str, source: object, values: tuple[int, ...]) -> tuple[int, ...]:
+        last = self._last.get(name)
+        totals = self._totals.setdefault(name, [0] * len(values))
+        previous = last[1] if last is not None and last[0] is source else (0,) * len(values)
+        for index, (value, before) in enumerate(zip(values, previous, strict=True)):
+            totals[index] += max(0, value - before)
+        self._last[name] = (source, values)
+        return tuple(totals)
+
+
+class WorkerMetrics:
+    """What this worker counted, and what it reads from the gateway at snapshot time."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.started_at = time.time()
+        self.requests = RequestStats()
+        self.queue_waits = QueueWaits()
+        self.top_keys: dict[str, RecentTopKeys] = {}
+        self._decisions = _RunningTotals()
+        self._evictions = _RunningTotals()
+
+    def note_limited(self, outcome: Outcome) -> None:
+        """Count the keys a rejected request was refused under, for the top-keys view."""
+        verdict = outcome.verdict
+        checks = outcome.checks
+        if verdict is not None and not verdict.allowed:
+            refused = [checks[index] for index in verdict.rejected_by]
+        else:  # refused by a full queue: the verdict allowed it
+            refused = [c for c in checks if c.limit.name == outcome.rejected_by]
+        for check in refused:
+            sketch = self.top_keys.get(check.limit.name)
+            if sketch is None:
+                sketch = self.top_keys[check.limit.name] = RecentTopKeys(
+                    TOP_KEYS_CAPACITY, TOP_KEYS_PERIOD_S
+                )
+            sketch.offer(check.key)
+
+    def note_waited(self, outcome: Outcome, waited_s: float) -> None:
+        verdict = outcome.verdict
+        if verdict is None:
+            return
+        for check, decision in zip(outcome.checks, verdict.decisions, strict=False):
+            if decision.delay_s > 0.0:
+                self.queue_waits.observe(check.limit.name, waited_s)
+
+    def rotate(self, now: float) -> None:
+        for sketch in self.top_keys.values():
+            sketch.rotate(now)
+
+    def snapshot(self, now: float) -> WorkerSnapshot:
+        gateway = self.gateway
+        handler = gateway.handler
+        store = gateway.store
+        limits: dict[str, LimitData] = {}
+        top_keys: dict[str, tuple[HitterData, ...]] = {}
+        sha256 = gateway.loaded.sha256
+        source = gateway.loaded.source
+        if handler is not None:
+            runtime = handler.runtime
+            sha256 = runtime.loaded.sha256
+            source = runtime.loaded.source
+            for limit in runtime.engine.limits:
+                name = limit.name
+                counters = limit.counters
+                decided = self._decisions.read(
+                    name,
+                    counters,
+                    (
+                        counters.allowed,
+                        counters.delayed,
+                        counters.rejected,
+                        counters.dry_run_delayed,
+                        counters.dry_run_rejected,
+                    ),
+                )
+                wait = self.queue_waits.by_limit.get(name)
+                limits[name] = LimitData(
+                    algorithm=limit.spec.algorithm,
+                    dry_run=limit.spec.dry_run,
+                    allowed=decided[0],
+                    delayed=decided[1],
+                    rejected=decided[2],
+                    dry_run_delayed=decided[3],
+                    dry_run_rejected=decided[4],
+                    evictions=self._read_evictions(name),
+                    waiting=counters.waiting,
+                    tracked_keys=store.tracked_keys(name),
+                    wait=HistogramData.of(wait)
+                    if wait is not None
+                    else HistogramData.empty(QUEUE_WAIT_BUCKETS),
+                )
+                sketch = self.top_keys.get(name)
+                if sketch is not None:
+                    top_keys[name] = tuple(
+                        HitterData(key=h.key, count=h.count, error=h.error)
+                        for h in sketch.top(TOP_KEYS_SHOWN)
+                    )
+        stats = getattr(store, "stats", None)
+        store_data = StoreData(name=store.name)
+        if isinstance(stats, StoreStats):
+            store_data = StoreData(
+                name=store.name,
+                state=stats.state,
+                calls=stats.calls,
+                errors=stats.errors,
+                latency=HistogramData.of(stats.latency),
+            )
+        reload = None
+        if gateway.reloader is not None:
+            status = gateway.reloader.status
+            reload = ReloadData(
+                succeeded=status.succeeded,
+                failed=status.failed,
+                unchanged=status.unchanged,
+                last_result=status.last_result,
+                last_error=status.last_error,
+                last_success_at=status.last_success_at,
+                last_attempt_at=status.last_attempt_at,
+            )
+        server = gateway.server
+        return WorkerSnapshot(
+            worker=gateway.worker_id,
+            pid=os.getpid(),
+            at=now,
+            started_at=self.started_at,
+            policy_sha256=sha256,
+            policy_source=source,
+            requests=tuple(
+                (route, method, status_class, count)
+                for (route, method, status_class), count in self.requests.requests.items()
+            ),
+            durations={route: HistogramData.of(h) for route, h in self.requests.durations.items()},
+            upstream_errors=tuple(
+                (route, reason, count)
+                for (route, reason), count in self.requests.upstream_errors.items()
+            ),
+            limits=limits,
+            top_keys=top_keys,
+            store=store_data,
+            reload=reload,
+            connections_open=server.open_connections if server is not None else 0,
+            connections_refused=server.refused_connections if server is not None else 0,
+            header_timeouts=server.header_timeouts if server is not None else 0,
+        )
+
+    def _read_evictions(self, name: str) -> int:
+        store = self.gateway.store
+        if isinstance(store, MemoryStore):
+            table = store.tables.get(name)
+            if table is None:
+                return self._evictions.read(name, None, (0,))[0]
+            return self._evictions.read(name, table, (table.evictions,))[0]
+        evictions = getattr(store, "evictions", None)
+        if callable(evictions):
+            return self._evictions.read(name, store, (int(evictions(name)),))[0]
+        return 0
+
+
+class ObservedHandler:
+    """The proxy handler, timed and counted; the server calls this in its place."""
+
+    __slots__ = ("_metrics", "_proxy")
+
+    def __init__(self, proxy: ProxyHandler, metrics: WorkerMetrics) -> None:
+        self._proxy = proxy
+        self._metrics = metrics
+
+    async def __call__(self, request: BaseRequest) -> web.StreamResponse:
+        started = perf_counter()
+        status = 500
+        try:
+            response = await self._proxy(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
+            raise
+        finally:
+            self._finished(request, status, perf_counter() - started)
+
+    def _finished(self, request: BaseRequest, status: int, duration_s: float) -> None:
+        metrics = self._metrics
+        runtime = self._proxy.runtime
+        route = request.get(ROUTE_NAME, UNMATCHED_ROUTE)
+        metrics.requests.record(route, request.method, status, duration_s)
+        outcome = request.get(LIMIT_OUTCOME) if runtime.engine.active else None
+        if outcome is not None:
+            if outcome.rejected_by is not None:
+                metrics.note_limited(outcome)
+            elif outcome.delay_s > 0.0 and not outcome.status:
+                metrics.note_waited(outcome, min(outcome.delay_s, duration_s))
+        upstream_error = request.get(UPSTREAM_ERROR) if status >= 500 else None
+        if upstream_error is not None:
+            metrics.requests.upstream_error(route, upstream_error)
+        if runtime.settings.access_log:
+            _log_access(request, status, duration_s, route, outcome, upstream_error, runtime)
+
+
+def limit_result(outcome: Outcome | None) -> str:
+    """The limiter's word on a request, for the access log."""
+    if outcome is None:
+        return "none"
+    if outcome.status:
+        return "rejected" if outcome.rejected_by is not None else "denied"
+    return "delayed" if outcome.delay_s > 0.0 else "allowed"
+
+
+def _log_access(
+    request: BaseRequest,
+    status: int,
+    duration_s: float,
+    route: str,
+    outcome: Outcome | None,
+    upstream_error: str | None,
+    runtime: Runtime,
+) -> None:
+    peer = request.remote or "-"
+    fields: dict[str, Any] = {
+        "client": request.get(CLIENT_IP, peer),
+        "method": request.method,
+        "path": request.raw_path,
+        "status": status,
+        "duration_ms": round(duration_s * 1000, 3),
+        "route": route,
+        "limit": limit_result(outcome),
+        "limit_name": outcome.rejected_by if outcome is not None else None,
+        "delay_ms": round(outcome.delay_s * 1000, 3) if outcome is not None else 0.0,
+        "upstream_error": upstream_error,
+    }
+    # The format lives in the policy (server.access_log_format) once the schema has it.
+    if getattr(runtime.settings, "access_log_format", "text") == "json":
+        access_log.info(json.dumps(fields, separators=(",", ":")))
+    else:
+        access_log.info(" ".join(f"{k}={_logfmt(v)}" for k, v in fields.items()))
+
+
+def _logfmt(value: object) -> str:
+    if value is None:
+        return "-"
+    text = str(value)
+    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
+        return json.dumps(text)
+    return text
