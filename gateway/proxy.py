@@ -112,15 +112,17 @@ class ProxyHandler:
             if outcome.status:
                 # An unread body would be drained for up to lingering_time: close instead.
                 if outcome.rejected_by is None:
-                    return error_response(outcome.status, outcome.reason, close=framing.has_body)
-                return rate_limited_response(
-                    outcome.status,
-                    outcome.rejected_by,
-                    outcome.reason,
-                    outcome.retry_after_s,
-                    engine.headers(outcome),
-                    close=framing.has_body,
-                )
+                    refusal = error_response(outcome.status, outcome.reason, close=framing.has_body)
+                else:
+                    refusal = rate_limited_response(
+                        outcome.status,
+                        outcome.rejected_by,
+                        outcome.reason,
+                        outcome.retry_after_s,
+                        engine.headers(outcome),
+                        close=framing.has_body,
+                    )
+                return await _refuse(request, refusal, framing)
             if outcome.delay_s > 0.0:
                 try:
                     await engine.wait(outcome)
@@ -136,7 +138,9 @@ class ProxyHandler:
 
         max_body = runtime.settings.max_body_size
         if max_body and framing.content_length is not None and framing.content_length > max_body:
-            return error_response(413, "request body too large", close=True)
+            return await _refuse(
+                request, error_response(413, "request body too large", close=True), framing
+            )
 
         if framing.expect_continue and transport is not None:
             transport.write(_CONTINUE)
@@ -220,6 +224,18 @@ class ProxyHandler:
             return stream
         finally:
             response.close()
+
+
+async def _refuse(
+    request: BaseRequest, response: web.Response, framing: RequestFraming
+) -> web.Response:
+    """Answer before the body is read. A client waiting for ``100 Continue`` will send no body,
+    so the connection is closed right after the answer instead of lingering for one."""
+    if framing.expect_continue and request.transport is not None:
+        await response.prepare(request)
+        await response.write_eof()
+        request.transport.close()
+    return response
 
 
 async def _stream_body(request: BaseRequest, max_body: int) -> AsyncIterator[bytes]:
