@@ -9,6 +9,7 @@ wait is bounded; every subprocess (and any worker it forked) is killed in a fina
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -30,6 +31,12 @@ CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def assert_no_errors_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Cutting a connection is routine: it must not raise in a loop callback or log errors."""
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 def free_port() -> int:
@@ -90,7 +97,7 @@ async def get_ok(url: str) -> str:
 
 
 async def test_slow_clients_cut_at_header_deadline_while_others_are_served(
-    upstream: RecordingUpstream, start_gateway: GatewayFactory
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     gw = await start_gateway(policy_for(upstream.url, server="  header_timeout: 1s\n"))
     loop = asyncio.get_running_loop()
@@ -140,10 +147,11 @@ async def test_slow_clients_cut_at_header_deadline_while_others_are_served(
     server = gw.gateway.server
     assert server is not None
     assert server.header_timeouts >= 5
+    assert_no_errors_logged(caplog)
 
 
 async def test_silent_connection_closed_at_header_deadline(
-    upstream: RecordingUpstream, start_gateway: GatewayFactory
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     gw = await start_gateway(
         policy_for(upstream.url, server="  header_timeout: 1s\n  keepalive_timeout: 60s\n")
@@ -157,10 +165,11 @@ async def test_silent_connection_closed_at_header_deadline(
         writer.close()
     assert closed and data == b""
     assert 0.8 <= loop.time() - started <= 2.5
+    assert_no_errors_logged(caplog)
 
 
 async def test_header_deadline_applies_to_each_request_on_a_keepalive_connection(
-    upstream: RecordingUpstream, start_gateway: GatewayFactory
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """After one good request, a second one trickled too slowly is cut at the deadline."""
     gw = await start_gateway(
@@ -193,6 +202,7 @@ async def test_header_deadline_applies_to_each_request_on_a_keepalive_connection
     finally:
         writer.close()
     assert [r.raw_path for r in upstream.requests] == ["/first"]
+    assert_no_errors_logged(caplog)
 
 
 # -- connection cap and idle keep-alive ---------------------------------------------------------
