@@ -30,6 +30,10 @@ _RESPONSE_REPLACED = HOP_BY_HOP | {b"content-length"}
 _BAD_VALUE_RE = re.compile(rb"[\x00\r\n]")
 _TOKEN_RE = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _DIGITS_RE = re.compile(rb"^[0-9]{1,18}$")
+# RFC 9110 Host: uri-host [":" port]. A reg-name's comma is refused too: "a, b" reads as a list.
+_HOST_RE = re.compile(rb"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~%!$&'()*+;=]+)(:[0-9]{0,5})?$")
+# Headers a Connection header may not remove: the request would change meaning upstream.
+_NOT_HOP_BY_HOP = frozenset({b"host"})
 
 RawHeaders = Sequence[tuple[bytes, bytes]]
 
@@ -86,6 +90,8 @@ def check_request(raw_headers: RawHeaders, version: tuple[int, int]) -> RequestF
             transfer_encoding = value.strip()
         elif lname == b"host":
             hosts += 1
+            if _HOST_RE.match(value.strip()) is None:
+                raise BadRequest(400, "invalid Host")
         elif lname == b"expect":
             expect = value.strip().lower()
     if hosts > 1:
@@ -119,7 +125,7 @@ def connection_tokens(raw_headers: RawHeaders) -> frozenset[bytes]:
         if len(name) == 10 and name.lower() == b"connection":
             tokens.update(t.strip().lower() for t in value.split(b","))
     tokens.discard(b"")
-    return frozenset(tokens)
+    return frozenset(tokens - _NOT_HOP_BY_HOP)
 
 
 @dataclass(frozen=True, slots=True)

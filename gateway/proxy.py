@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
@@ -21,7 +22,7 @@ from gateway.forwarding import (
 )
 from gateway.keys import RequestFacts
 from gateway.responses import error_response, rate_limited_response
-from gateway.routing import normalise_host
+from gateway.routing import normalise_host, routing_path
 from gateway.server import GatewayProtocol
 from gateway.upstream_client import (
     UpstreamConnectError,
@@ -40,6 +41,10 @@ class BodyTooLarge(Exception):
     pass
 
 
+class BodyBroken(Exception):
+    """The client's body went bad while streaming (bad chunking, trailers); aiohttp said why."""
+
+
 class ProxyHandler:
     """Holds the current runtime snapshot; a reload swaps ``runtime`` in one assignment."""
 
@@ -49,7 +54,7 @@ class ProxyHandler:
     async def __call__(self, request: BaseRequest) -> web.StreamResponse:
         protocol = request.protocol
         if isinstance(protocol, GatewayProtocol):
-            protocol.request_started()
+            protocol.request_started(request.content)
         runtime = self.runtime
         runtime.inflight += 1
         try:
@@ -68,20 +73,23 @@ class ProxyHandler:
         if method == "CONNECT":
             return error_response(405, "CONNECT is not supported", close=True)
         target = request.raw_path
+        host_header = request.headers.get("Host")
         if not target.startswith("/"):
             if target == "*" and method == "OPTIONS":
                 pass
             elif "://" in target:
-                # absolute-form (RFC 9112 3.2.2): forward the origin-form part.
-                rest = target.split("://", 1)[1]
-                slash = rest.find("/")
-                target = rest[slash:] if slash != -1 else "/"
+                # absolute-form (RFC 9112 3.2.2): forward the origin-form part, and refuse an
+                # authority that disagrees with Host (two parsers would pick different ones).
+                authority, slash, rest = target.split("://", 1)[1].partition("/")
+                if "@" in authority or authority.lower() != (host_header or "").lower():
+                    return error_response(400, "request target disagrees with Host", close=True)
+                target = slash + rest if slash else "/"
             else:
                 return error_response(400, "invalid request target", close=True)
 
-        host_header = request.headers.get("Host")
         host = normalise_host(host_header)
-        route = runtime.routes.match(host, request.path, method)
+        path = routing_path(target)
+        route = runtime.routes.match(host, path, method)
         if route is None:
             return error_response(404, "no route matches this request")
         upstream = runtime.upstreams[route.upstream]
@@ -108,7 +116,7 @@ class ProxyHandler:
                 request.headers,
                 lambda: request.query,
             )
-            outcome = await engine.evaluate(facts, route, host, request.path, client_ip)
+            outcome = await engine.evaluate(facts, route, host, path, client_ip)
             if outcome.status:
                 # An unread body would be drained for up to lingering_time: close instead.
                 if outcome.rejected_by is None:
@@ -182,6 +190,9 @@ class ProxyHandler:
             )
         except BodyTooLarge:
             return error_response(413, "request body too large", close=True)
+        except BodyBroken:
+            # The upstream connection was cut mid-body, so the upstream never sees it end.
+            return error_response(400, "malformed request body", close=True)
         except UpstreamConnectError:
             return error_response(502, "upstream connection failed")
         except UpstreamTimeout:
@@ -242,7 +253,10 @@ async def _stream_body(request: BaseRequest, max_body: int) -> AsyncIterator[byt
     received = 0
     content = request.content
     while True:
-        chunk = await content.readany()
+        try:
+            chunk = await content.readany()
+        except RequestPayloadError as exc:
+            raise BodyBroken(str(exc)) from None
         if not chunk:
             return
         received += len(chunk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from gateway.policy import Route, RouteMatch
 
@@ -54,6 +55,35 @@ def compile_match(match: RouteMatch) -> CompiledMatch:
         path_regex=re.compile(match.path_regex) if match.path_regex is not None else None,
         methods=frozenset(match.methods) if match.methods is not None else None,
     )
+
+
+def routing_path(raw_path: str) -> str:
+    """The path routes and limits match on: percent-decoded, dot segments resolved.
+
+    The upstream gets the target exactly as sent, and an upstream resolves ``/public/../admin``
+    (or ``/public/%2e%2e%2fadmin``) to ``/admin``; matching the raw text instead would let a
+    client reach, and be limited as, a route it does not really ask for.
+    """
+    path = raw_path.split("?", 1)[0]
+    if "%" in path:
+        path = unquote(path, errors="surrogateescape")
+    if "/." not in path:
+        return path
+    return _remove_dot_segments(path)
+
+
+def _remove_dot_segments(path: str) -> str:
+    """RFC 3986 section 5.2.4, for an absolute path."""
+    output: list[str] = []
+    segments = path.split("/")
+    for segment in segments[1:]:
+        if segment == "..":
+            if output:
+                output.pop()
+        elif segment != ".":
+            output.append(segment)
+    trailing = "/" if segments[-1] in (".", "..") else ""
+    return "/" + "/".join(output) + trailing
 
 
 def normalise_host(host_header: str | None) -> str:

@@ -12,7 +12,8 @@ from collections import deque
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 _BUSY_BODY = b'{"status": 503, "error": "service_unavailable", "message": "too many connections"}'
 _TOO_MANY_CONNECTIONS = (
@@ -35,13 +36,14 @@ class _MessageQueue(list[Any]):
 class GatewayProtocol(RequestHandler):
     """One client connection; arms a header deadline whenever it waits for a request."""
 
-    __slots__ = ("_awaiting_request", "_gw_server", "_header_deadline")
+    __slots__ = ("_awaiting_request", "_body", "_gw_server", "_header_deadline")
 
     def __init__(self, manager: GatewayServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         if type(self._messages) is deque and not self._messages:
             self._messages = _MessageQueue()  # type: ignore[assignment]
         self._gw_server = manager
+        self._body: StreamReader | None = None
         self._awaiting_request = True
         self._header_deadline: asyncio.TimerHandle | None = None
 
@@ -66,10 +68,19 @@ class GatewayProtocol(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._awaiting_request and self._header_deadline is None:
             self._arm_header_deadline()
+        queued = len(self._messages)
         super().data_received(data)
+        body = self._body
+        if body is not None and len(self._messages) > queued and not body.is_eof():
+            message = self._messages[-1][0]
+            if isinstance(message, _ErrInfo):
+                # aiohttp queues a parse error met inside a body as a next "request" and
+                # leaves the body being read waiting forever; fail that read instead.
+                body.set_exception(RequestPayloadError(message.message))
 
-    def request_started(self) -> None:
+    def request_started(self, body: StreamReader | None = None) -> None:
         """Called by the proxy handler once a request's headers are in: the deadline is met."""
+        self._body = body
         self._awaiting_request = False
         self._cancel_header_deadline()
         # aiohttp's idle timer has nothing to do while a request is served (it re-arms it after
@@ -80,6 +91,7 @@ class GatewayProtocol(RequestHandler):
 
     def request_finished(self) -> None:
         """The next bytes on this connection begin a new request, under a new deadline."""
+        self._body = None
         self._awaiting_request = True
 
     def _arm_header_deadline(self) -> None:
