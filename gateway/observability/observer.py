@@ -99,6 +99,8 @@ class Observability:
     # -- the tick ----------------------------------------------------------------------------
 
     async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        # The history starts from the figures at start-up, so the first second is drawn too.
+        self.timeline.add(self.gateway_snapshot())
         task = asyncio.get_running_loop().create_task(self._run())
         yield
         task.cancel()

@@ -1,0 +1,542 @@
+"""Metrics: the heavy-hitters sketch, histogram arithmetic, cross-worker sums, and ``/metrics`` of
+a real gateway (in process, and ``--workers 2`` as a real subprocess) under real traffic.
+
+Expected figures come from the limits' own definitions (an nginx bucket of rate r and burst b
+admits b + 1 at one instant), never from running the implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.clock import FakeClock
+from gateway.observability.sketch import RecentTopKeys, SpaceSaving
+from gateway.observability.snapshot import (
+    HistogramData,
+    LimitData,
+    StoreData,
+    WorkerSnapshot,
+    merge,
+)
+from gateway.observability.stats import QUEUE_WAIT_BUCKETS, RequestStats
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+# -- helpers shared with test_dashboard and test_prometheus ---------------------------------------
+
+
+def parse_metrics(text: str) -> Samples:
+    """Every sample of a Prometheus text exposition: (name, labels) -> value."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+async def scrape(session: aiohttp.ClientSession, admin_url: str) -> tuple[Samples, str]:
+    async with session.get(admin_url + "/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    return parse_metrics(text), text
+
+
+async def get_status(session: aiohttp.ClientSession, url: str, **kwargs: object) -> int:
+    async with session.get(url, **kwargs) as resp:  # type: ignore[arg-type]
+        await resp.read()
+        return resp.status
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def limited_policy(upstream_url: str, limits: str, server: str = "") -> str:
+    return policy_for(upstream_url, server=server) + "limits:\n" + limits
+
+
+PER_IP_BURST_4 = (
+    "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 4\n    nodelay: true\n"
+)
+
+
+# -- the space-saving sketch ----------------------------------------------------------------------
+
+
+def test_sketch_counts_exactly_while_under_capacity() -> None:
+    sketch = SpaceSaving(8)
+    stream = ["a"] * 5 + ["b"] * 3 + ["c"]
+    for key in stream:
+        sketch.offer(key)
+    assert [(h.key, h.count, h.error) for h in sketch.top(3)] == [
+        ("a", 5, 0),
+        ("b", 3, 0),
+        ("c", 1, 0),
+    ]
+
+
+def test_sketch_keeps_heavy_hitters_and_fixed_memory_under_a_flood_of_addresses() -> None:
+    sketch = SpaceSaving(32)
+    attackers = [f"198.51.100.{i}" for i in range(3)]
+    for i in range(60_000):
+        sketch.offer(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")  # each address once
+        if i % 20 == 0:
+            for attacker in attackers:  # 3000 each: more than n / capacity = 69000 / 32
+                sketch.offer(attacker)
+    assert len(sketch) == 32
+    top = sketch.top(3)
+    assert {h.key for h in top} == set(attackers)
+    for hitter in top:
+        assert hitter.count - hitter.error <= 3000 <= hitter.count
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    stream=st.lists(st.integers(min_value=0, max_value=40), max_size=400),
+    capacity=st.integers(min_value=1, max_value=12),
+)
+def test_sketch_bounds_hold_for_any_stream(stream: list[int], capacity: int) -> None:
+    sketch = SpaceSaving(capacity)
+    for item in stream:
+        sketch.offer(str(item))
+    true = Counter(str(item) for item in stream)
+    table = {h.key: h for h in sketch.top(capacity)}
+    assert len(table) <= capacity
+    assert sum(h.count for h in table.values()) == len(stream)  # space-saving invariant
+    for key, hitter in table.items():
+        assert hitter.count - hitter.error <= true[key] <= hitter.count
+    # Every key seen more than n / capacity times is guaranteed to be tracked.
+    for key, count in true.items():
+        if count > len(stream) / capacity:
+            assert key in table
+
+
+def test_recent_top_keys_forget_what_is_two_periods_old() -> None:
+    top = RecentTopKeys(capacity=8, period_s=60.0)
+    top.rotate(1000.0)
+    top.offer("old")
+    top.rotate(1061.0)  # "old" is now in the previous generation: still shown
+    top.offer("new")
+    assert {h.key for h in top.top(5)} == {"old", "new"}
+    top.rotate(1122.0)
+    assert {h.key for h in top.top(5)} == {"new"}
+    top.rotate(1183.0)
+    assert top.top(5) == []
+
+
+# -- histogram arithmetic and folding -----------------------------------------------------------
+
+
+def test_histogram_quantile_interpolates_like_prometheus() -> None:
+    # Buckets le=0.001: 0, le=0.005: 10, le=0.01: 10 (cumulative 0, 10, 20, then nothing).
+    counts = [0] * (len(QUEUE_WAIT_BUCKETS) + 1)
+    counts[1] = 10
+    counts[2] = 10
+    histogram = HistogramData(counts=tuple(counts), total=0.1)
+    # rank 10 of 20 ends the second bucket exactly: its upper bound.
+    assert histogram.quantile(0.5, QUEUE_WAIT_BUCKETS) == pytest.approx(0.005)
+    # rank 15: halfway through (0.005, 0.01].
+    assert histogram.quantile(0.75, QUEUE_WAIT_BUCKETS) == pytest.approx(0.0075)
+    assert HistogramData.empty(QUEUE_WAIT_BUCKETS).quantile(0.5, QUEUE_WAIT_BUCKETS) is None
+
+
+def test_methods_are_folded_and_status_kept_as_a_class() -> None:
+    stats = RequestStats()
+    for method in ("GET", "PROPFIND", "get", "BREW"):
+        stats.record("api", method, 201, 0.01)
+    stats.record("api", "GET", 404, 0.01)
+    assert stats.requests == {("api", "GET", 2): 1, ("api", "OTHER", 2): 3, ("api", "GET", 4): 1}
+
+
+# -- adding up workers ---------------------------------------------------------------------------
+
+
+def _worker(worker: int, at: float, allowed: int, waiting: int, requests: int) -> WorkerSnapshot:
+    return WorkerSnapshot(
+        worker=worker,
+        pid=1000 + worker,
+        at=at,
+        started_at=0.0,
+        policy_sha256="ab" * 32,
+        policy_source="p.yaml",
+        requests=(("all", "GET", 2, requests),),
+        limits={
+            "per_ip": LimitData(
+                algorithm="leaky_bucket", dry_run=False, allowed=allowed, waiting=waiting
+            )
+        },
+        store=StoreData(name="memory"),
+    )
+
+
+def test_merge_sums_counters_of_all_workers_and_gauges_of_live_ones() -> None:
+    now = 10_000.0
+    live = _worker(0, now - 0.5, allowed=7, waiting=2, requests=10)
+    dead = _worker(1, now - 60.0, allowed=5, waiting=3, requests=4)
+    total = merge([live, dead], now)
+    assert total.workers == 1 and total.worker_ids == (0,)
+    assert total.limits["per_ip"].allowed == 12  # a dead worker's counts stay in the sum
+    assert total.limits["per_ip"].waiting == 2  # its queue does not
+    assert total.requests == (("all", "GET", 2, 14),)
+
+
+def test_a_restarted_worker_continues_from_its_predecessors_counters() -> None:
+    before = _worker(0, 100.0, allowed=40, waiting=5, requests=50)
+    fresh = _worker(0, 200.0, allowed=3, waiting=1, requests=4)
+    continued = fresh.with_base(before)
+    assert continued.limits["per_ip"].allowed == 43
+    assert continued.limits["per_ip"].waiting == 1
+    assert continued.requests == (("all", "GET", 2, 54),)
+
+
+# -- /metrics of a real gateway ------------------------------------------------------------------
+
+
+async def test_metrics_count_requests_and_decisions_as_the_limit_implies(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    shadow = (
+        "  shadow:\n    algorithm: fixed_window\n    limit: 6\n    window: 1h\n    dry_run: true\n"
+    )
+    gw = await start_gateway(limited_policy(upstream.url, PER_IP_BURST_4 + shadow), clock=clock)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        statuses = [await get_status(session, gw.url + f"/item/{i}") for i in range(12)]
+        samples, text = await scrape(session, gw.admin_url)
+    # rate 1r/m, burst 4, clock frozen: 5 admitted, 7 rejected.
+    assert statuses == [200] * 5 + [429] * 7
+    assert value(samples, "gateway_requests_total", route="all", method="GET", status="2xx") == 5
+    assert value(samples, "gateway_requests_total", route="all", method="GET", status="4xx") == 7
+    assert value(samples, "gateway_limit_decisions_total", limit="per_ip", result="allowed") == 5
+    assert value(samples, "gateway_limit_decisions_total", limit="per_ip", result="rejected") == 7
+    assert value(samples, "gateway_limit_decisions_total", limit="per_ip", result="delayed") == 0
+    # The dry-run limit saw all 12 (it is decided before the enforced one): 6 fit its window.
+    assert value(samples, "gateway_limit_decisions_total", limit="shadow", result="allowed") == 6
+    assert (
+        value(samples, "gateway_limit_decisions_total", limit="shadow", result="dry_run_rejected")
+        == 6
+    )
+    assert value(samples, "gateway_limit_dry_run", limit="shadow") == 1
+    assert value(samples, "gateway_limit_tracked_keys", limit="per_ip") == 1
+    assert value(samples, "gateway_request_duration_seconds_count", route="all") == 12
+    assert value(samples, "gateway_workers") == 1
+    assert value(samples, "gateway_store_calls_total", store="memory") > 0
+    assert value(samples, "gateway_store_state", store="memory", state="ok") == 1
+    # Labels never carry paths, addresses or keys.
+    assert "/item/" not in text and "127.0.0.1" not in text
+
+
+async def test_unknown_methods_fold_to_other_and_unrouted_requests_have_their_own_route(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        f"upstreams:\n  backend:\n    url: {upstream.url}\n"
+        "routes:\n  - name: api\n    match: {path_prefix: /api/}\n    upstream: backend\n"
+    )
+    gw = await start_gateway(policy)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for method in ("GET", "PROPFIND", "PURGE"):
+            async with session.request(method, gw.url + "/api/x") as resp:
+                await resp.read()
+        assert await get_status(session, gw.url + "/elsewhere") == 404
+        samples, text = await scrape(session, gw.admin_url)
+    assert value(samples, "gateway_requests_total", route="api", method="GET", status="2xx") == 1
+    assert value(samples, "gateway_requests_total", route="api", method="OTHER", status="2xx") == 2
+    assert (
+        value(samples, "gateway_requests_total", route="_unmatched", method="GET", status="4xx")
+        == 1
+    )
+    assert "PURGE" not in text and "PROPFIND" not in text
+
+
+async def test_queue_depth_and_wait_of_delayed_requests(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    # rate 10r/s, burst 5, no nodelay: at one instant the 2nd request waits 100 ms, the 3rd
+    # 200 ms, the 4th 300 ms (nginx delays each excess request by excess / rate).
+    limits = "  smooth:\n    algorithm: leaky_bucket\n    rate: 10r/s\n    burst: 5\n"
+    gw = await start_gateway(limited_policy(upstream.url, limits), clock=clock)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        first = await get_status(session, gw.url + "/")
+        waiting = [asyncio.create_task(get_status(session, gw.url + "/")) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        during, _ = await scrape(session, gw.admin_url)
+        statuses = await asyncio.gather(*waiting)
+        after, _ = await scrape(session, gw.admin_url)
+    assert first == 200 and statuses == [200, 200, 200]
+    assert value(during, "gateway_limit_queue_depth", limit="smooth") == 3
+    assert value(after, "gateway_limit_queue_depth", limit="smooth") == 0
+    assert value(after, "gateway_limit_decisions_total", limit="smooth", result="delayed") == 3
+    assert value(after, "gateway_limit_queue_wait_seconds_count", limit="smooth") == 3
+    assert value(after, "gateway_limit_queue_wait_seconds_sum", limit="smooth") == pytest.approx(
+        0.6, abs=0.03
+    )
+    # 100 ms is in (0.05, 0.1], 200 ms in (0.1, 0.25], 300 ms in (0.25, 0.5].
+    assert value(after, "gateway_limit_queue_wait_seconds_bucket", limit="smooth", le="0.05") == 0
+    assert value(after, "gateway_limit_queue_wait_seconds_bucket", limit="smooth", le="0.25") == 2
+    assert value(after, "gateway_limit_queue_wait_seconds_bucket", limit="smooth", le="0.5") == 3
+
+
+async def test_upstream_errors_are_counted_by_reason(start_gateway: GatewayFactory) -> None:
+    async def hang(request: web.BaseRequest) -> web.StreamResponse:
+        await asyncio.sleep(30)
+        return web.Response()
+
+    async def reset(request: web.BaseRequest) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.abort()  # mid-exchange: no response byte
+        await asyncio.sleep(1)
+        return web.Response()
+
+    runners = []
+    ports = {}
+    for name, handler in (("hang", hang), ("reset", reset)):
+        runner = web.ServerRunner(web.Server(handler), shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        ports[name] = runner.addresses[0][1]
+    closed_port = free_port()
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        "upstreams:\n"
+        f"  down:\n    url: http://127.0.0.1:{closed_port}\n    connect_timeout: 2s\n"
+        f"  slow:\n    url: http://127.0.0.1:{ports['hang']}\n    read_timeout: 200ms\n"
+        f"  flaky:\n    url: http://127.0.0.1:{ports['reset']}\n"
+        "routes:\n"
+        "  - name: down\n    match: {path_prefix: /down}\n    upstream: down\n"
+        "  - name: slow\n    match: {path_prefix: /slow}\n    upstream: slow\n"
+        "  - name: flaky\n    match: {path_prefix: /flaky}\n    upstream: flaky\n"
+    )
+    try:
+        gw = await start_gateway(policy)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            assert await get_status(session, gw.url + "/down") == 502
+            assert await get_status(session, gw.url + "/slow") == 504
+            assert await get_status(session, gw.url + "/flaky") == 502
+            samples, _ = await scrape(session, gw.admin_url)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert value(samples, "gateway_upstream_errors_total", route="down", reason="connect") == 1
+    assert value(samples, "gateway_upstream_errors_total", route="slow", reason="timeout") == 1
+    assert value(samples, "gateway_upstream_errors_total", route="flaky", reason="reset") == 1
+    assert value(samples, "gateway_requests_total", route="slow", method="GET", status="5xx") == 1
+
+
+async def test_reloads_are_counted_by_result(upstream: RecordingUpstream, tmp_path: Path) -> None:
+    from gateway.policy_loader import load_policy
+    from gateway.serve import Gateway
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(limited_policy(upstream.url, PER_IP_BURST_4))
+    gateway = Gateway(load_policy(path), policy_path=str(path))
+    await gateway.start()
+    admin = f"http://127.0.0.1:{gateway.admin_port}"
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            before, _ = await scrape(session, admin)
+            path.write_text(limited_policy(upstream.url, PER_IP_BURST_4.replace("4", "6")))
+            async with session.post(admin + "/reload") as resp:
+                # the file watcher may have reloaded it first
+                assert (await resp.json())["result"] in ("ok", "unchanged")
+            path.write_text("limits: [not, a, mapping]\n")
+            async with session.post(admin + "/reload") as resp:
+                assert resp.status == 422
+            after, text = await scrape(session, admin)
+    finally:
+        await gateway.stop()
+    assert value(after, "gateway_policy_reloads_total", result="ok") == 1
+    assert value(after, "gateway_policy_reloads_total", result="failed") >= 1
+    assert value(after, "gateway_policy_last_reload_success_timestamp_seconds") > value(
+        before, "gateway_policy_last_reload_success_timestamp_seconds"
+    )
+    assert f'gateway_policy_info{{sha256="{gateway.loaded.sha256[:12]}"}} 1.0' in text
+
+
+async def test_access_log_line_carries_the_limiter_outcome(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        PER_IP_BURST_4.replace("burst: 4", "burst: 0"),
+        server="  access_log: true\n  access_log_format: json\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            assert await get_status(session, gw.url + "/a?x=1") == 200
+            assert await get_status(session, gw.url + "/b") == 429
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [(line["path"], line["status"], line["limit"]) for line in lines] == [
+        ("/a?x=1", 200, "allowed"),
+        ("/b", 429, "rejected"),
+    ]
+    assert lines[1]["limit_name"] == "per_ip" and lines[1]["client"] == "127.0.0.1"
+    assert lines[0]["route"] == "all" and lines[0]["duration_ms"] >= 0
+
+
+# -- several workers ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def two_workers(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> AsyncIterator[tuple[str, str, Callable[[], list[int]]]]:
+    """``gateway run --workers 2`` as a subprocess; yields proxy URL, admin URL, worker pids."""
+    port, admin_port = free_port(), free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        f"upstreams:\n  backend:\n    url: {upstream.url}\n"
+        "routes:\n  - name: all\n    upstream: backend\n"
+    )
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "2",
+            cwd=REPO_ROOT,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={**os.environ, "GATEWAY_METRICS_DIR": str(tmp_path / "metrics")},
+        )  # fmt: skip
+
+    def workers() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                fields = stat.rsplit(")", 1)[1].split()
+                if int(fields[1]) == proc.pid and fields[0] != "Z":
+                    pids.append(int(entry))
+        return pids
+
+    try:
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", workers
+    finally:
+        for pid in workers():
+            os.kill(pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def _scrape_until(
+    session: aiohttp.ClientSession,
+    admin_url: str,
+    condition: Callable[[Samples], bool],
+    within_s: float = 10.0,
+) -> Samples:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    samples: Samples = {}
+    while loop.time() < deadline:
+        try:
+            samples, _ = await scrape(session, admin_url)
+        except (aiohttp.ClientError, AssertionError):
+            samples = {}
+        if samples and condition(samples):
+            return samples
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no scrape met the condition within {within_s}s: {samples}")
+
+
+def published_pids(metrics_dir: Path) -> set[int]:
+    """The pids of the workers whose snapshot files are in the shared directory."""
+    pids = set()
+    for file in metrics_dir.glob("worker-*.json"):
+        try:
+            pids.add(json.loads(file.read_text())["pid"])
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+async def _wait_for(condition: Callable[[], bool], what: str, within_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {within_s}s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+def _ok_requests(samples: Samples) -> float:
+    return samples.get(
+        (
+            "gateway_requests_total",
+            frozenset({("route", "all"), ("method", "GET"), ("status", "2xx")}),
+        ),
+        0.0,
+    )
+
+
+@pytest.mark.slow
+async def test_every_scrape_sees_the_whole_gateway_across_workers_and_restarts(
+    two_workers: tuple[str, str, Callable[[], list[int]]], tmp_path: Path
+) -> None:
+    proxy_url, admin_url, workers = two_workers
+    metrics_dir = tmp_path / "metrics"
+    requests = 200
+    # A new connection per request and per scrape, so the kernel spreads them over both workers.
+    new_connections = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=new_connections) as session:
+        await _scrape_until(session, admin_url, lambda s: value(s, "gateway_workers") == 2, 20)
+        for i in range(requests):
+            assert await get_status(session, proxy_url + f"/r{i}") == 200
+        # Each scrape lands on either worker; every one must see all requests.
+        for _ in range(6):
+            samples = await _scrape_until(
+                session, admin_url, lambda s: _ok_requests(s) == requests, 5
+            )
+            assert value(samples, "gateway_workers") == 2
+        # A worker killed outright is restarted, and its predecessor's counts stay in the sum.
+        await asyncio.sleep(1.5)  # both have published their final figures (once a second)
+        victim = workers()[0]
+        os.kill(victim, signal.SIGKILL)
+
+        def replaced() -> bool:
+            pids = set(workers())
+            return victim not in pids and len(pids) == 2 and published_pids(metrics_dir) == pids
+
+        await _wait_for(replaced, "the killed worker to be replaced and publish", 20)
+        for _ in range(6):
+            samples = await _scrape_until(session, admin_url, lambda s: True, 5)
+            assert _ok_requests(samples) == requests
