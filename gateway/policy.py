@@ -129,7 +129,10 @@ class ServerSettings(_Model):
     shutdown_timeout: Duration = Field(
         30.0, description="on SIGTERM, how long in-flight requests may take to finish"
     )
-    access_log: bool = False
+    access_log: bool = Field(False, description="one line per request on logger gateway.access")
+    access_log_format: Literal["text", "json"] = Field(
+        "text", description="access log lines as key=value text or as JSON objects"
+    )
 
     @field_validator("listen", "admin_listen")
     @classmethod

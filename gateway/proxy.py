@@ -21,6 +21,13 @@ from gateway.forwarding import (
     response_headers,
 )
 from gateway.keys import RequestFacts
+from gateway.observability.hooks import (
+    CLIENT_IP,
+    LIMIT_OUTCOME,
+    ROUTE_NAME,
+    UPSTREAM_ERROR,
+    upstream_error_reason,
+)
 from gateway.responses import error_response, rate_limited_response
 from gateway.routing import normalise_host, routing_path
 from gateway.server import GatewayProtocol
@@ -92,6 +99,7 @@ class ProxyHandler:
         route = runtime.routes.match(host, path, method)
         if route is None:
             return error_response(404, "no route matches this request")
+        request[ROUTE_NAME] = route.name
         upstream = runtime.upstreams[route.upstream]
 
         transport = request.transport
@@ -105,6 +113,7 @@ class ProxyHandler:
             peer, request.headers.getall(resolver.header_name, ()) if trusted_peer else ()
         )
         peer_ip = peer if peer is not None else client_ip
+        request[CLIENT_IP] = client_ip
 
         limit_headers: list[tuple[str, str]] | None = None
         engine = runtime.engine
@@ -117,6 +126,7 @@ class ProxyHandler:
                 lambda: request.query,
             )
             outcome = await engine.evaluate(facts, route, host, path, client_ip)
+            request[LIMIT_OUTCOME] = outcome
             if outcome.status:
                 # An unread body would be drained for up to lingering_time: close instead.
                 if outcome.rejected_by is None:
@@ -193,11 +203,14 @@ class ProxyHandler:
         except BodyBroken:
             # The upstream connection was cut mid-body, so the upstream never sees it end.
             return error_response(400, "malformed request body", close=True)
-        except UpstreamConnectError:
+        except UpstreamConnectError as exc:
+            request[UPSTREAM_ERROR] = upstream_error_reason(exc)
             return error_response(502, "upstream connection failed")
-        except UpstreamTimeout:
+        except UpstreamTimeout as exc:
+            request[UPSTREAM_ERROR] = upstream_error_reason(exc)
             return error_response(504, "upstream timed out")
-        except UpstreamError:
+        except UpstreamError as exc:
+            request[UPSTREAM_ERROR] = upstream_error_reason(exc)
             return error_response(502, "upstream error")
 
         try:
@@ -224,7 +237,8 @@ class ProxyHandler:
             try:
                 while chunk := await read_chunk():
                     await write(chunk)
-            except UpstreamError:
+            except UpstreamError as exc:
+                request[UPSTREAM_ERROR] = upstream_error_reason(exc)
                 # Headers are gone already: the only honest signal left is to cut the
                 # connection, so the client sees a truncated body rather than a short one.
                 if request.transport is not None:

@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.admin import AdminState, make_admin_app
 from gateway.clock import Clock
 from gateway.demo_upstream import start_demo_upstream
+from gateway.observability.observer import Observability
 from gateway.policy import split_host_port
 from gateway.policy_loader import LoadedPolicy
 from gateway.proxy import ProxyHandler
@@ -79,6 +80,7 @@ class Gateway:
         self.server: GatewayServer | None = None
         self.proxy_port = 0
         self.admin_port = 0
+        self.observability = Observability(self)
 
     async def start(self) -> None:
         settings = self.loaded.policy.server
@@ -87,7 +89,7 @@ class Gateway:
         runtime = build_runtime(self.loaded, self.store, self._demo_address)
         self.handler = ProxyHandler(runtime)
         self.server = GatewayServer(
-            self.handler,
+            self.observability.wrap(self.handler),
             header_timeout=settings.header_timeout,
             max_connections=settings.max_connections,
             keepalive_timeout=settings.keepalive_timeout,
@@ -95,7 +97,7 @@ class Gateway:
             max_field_size=settings.max_header_size,
             max_headers=settings.max_headers,
             auto_decompress=False,
-            access_log=logging.getLogger("gateway.access") if settings.access_log else None,
+            access_log=None,  # the observability wrapper writes the access log line
         )
         self._proxy_runner = web.ServerRunner(
             self.server, shutdown_timeout=settings.shutdown_timeout
@@ -111,7 +113,9 @@ class Gateway:
         self.admin_state = AdminState(
             handler=self.handler, worker_id=self.worker_id, reloader=self.reloader
         )
-        self._admin_runner = web.AppRunner(make_admin_app(self.admin_state), access_log=None)
+        admin_app = make_admin_app(self.admin_state)
+        self.observability.install(admin_app)
+        self._admin_runner = web.AppRunner(admin_app, access_log=None)
         await self._admin_runner.setup()
         admin_host, admin_port = self.admin_listen
         admin_site = web.TCPSite(

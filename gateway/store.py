@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gateway.algorithms.combine import CombinedDecision, decide_all
 from gateway.clock import Clock, MonotonicClock
 from gateway.keyed_state import KeyedState
+from gateway.observability.stats import StoreStats
 
 if TYPE_CHECKING:
     from gateway.engine import Check, CompiledLimit
@@ -49,6 +50,7 @@ class MemoryStore:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or MonotonicClock()
         self.tables: dict[str, KeyedState[Any]] = {}
+        self.stats = StoreStats()  # calls only: in-process calls take microseconds
 
     def _table(self, limit: CompiledLimit) -> KeyedState[Any]:
         table = self.tables.get(limit.name)
@@ -58,6 +60,7 @@ class MemoryStore:
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         now_us = self.clock.now_us()
+        self.stats.calls += 1
         tables = [self._table(check.limit) for check in checks]
         verdict = decide_all(
             [
