@@ -440,21 +440,45 @@ def summarise(target: str, connections: int, results: Sequence[WrkResult]) -> Su
     )
 
 
-def ratios(summaries: Sequence[Summary]) -> dict[str, dict[str, float | None]]:
-    """Median req/s of the gateway over each peer, per connection count."""
-    by_key = {(s.target, s.connections): s.requests_per_s for s in summaries}
-    table: dict[str, dict[str, float | None]] = {}
-    for connections in sorted({s.connections for s in summaries}):
-        row: dict[str, float | None] = {}
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ratio:
+    """Gateway req/s over a peer's: of the medians, and within each round (same noise)."""
+
+    of_medians: float
+    per_round: tuple[float, ...]
+
+    def cell(self) -> str:
+        low, high = min(self.per_round), max(self.per_round)
+        return f"{self.of_medians:.2f}x ({low:.2f}-{high:.2f})"
+
+
+RatioTable = dict[int, dict[str, Ratio | None]]
+
+
+def ratios(results: dict[tuple[str, int], list[WrkResult]]) -> RatioTable:
+    """Ratios per connection count. Rounds are paired by index: every target ran in each."""
+    table: RatioTable = {}
+    for connections in sorted({c for _, c in results}):
+        row: dict[str, Ratio | None] = {}
         for numerator, denominator in RATIO_PAIRS:
-            top = by_key.get((numerator, connections))
-            bottom = by_key.get((denominator, connections))
-            row[f"{numerator}/{denominator}"] = top / bottom if top and bottom else None
-        table[str(connections)] = row
+            top = results.get((numerator, connections))
+            bottom = results.get((denominator, connections))
+            ratio = None
+            if top and bottom:
+                ratio = Ratio(
+                    of_medians=statistics.median(r.requests_per_s for r in top)
+                    / statistics.median(r.requests_per_s for r in bottom),
+                    per_round=tuple(
+                        t.requests_per_s / b.requests_per_s
+                        for t, b in zip(top, bottom, strict=True)
+                    ),
+                )
+            row[f"{numerator}/{denominator}"] = ratio
+        table[connections] = row
     return table
 
 
-def markdown(summaries: Sequence[Summary], ratio_table: dict[str, dict[str, float | None]]) -> str:
+def markdown(summaries: Sequence[Summary], ratio_table: RatioTable) -> str:
     lines = [
         "| target | conns | req/s (median) | req/s min-max | p50 ms | p99 ms | runs | failed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -466,9 +490,15 @@ def markdown(summaries: Sequence[Summary], ratio_table: dict[str, dict[str, floa
             f"| {s.p50_ms:.2f} | {s.p99_ms:.2f} | {s.runs} | {s.failed_requests} |"
         )
     pairs = [f"{a}/{b}" for a, b in RATIO_PAIRS]
-    lines += ["", "| conns | " + " | ".join(pairs) + " |", "|---:|" + "---:|" * len(pairs)]
+    lines += [
+        "",
+        "Ratios of median req/s (in brackets: the range of the same ratio within each round)",
+        "",
+        "| conns | " + " | ".join(pairs) + " |",
+        "|---:|" + "---:|" * len(pairs),
+    ]
     for connections, row in ratio_table.items():
-        cells = [f"{row[p]:.2f}x" if row[p] is not None else "n/a" for p in pairs]
+        cells = [ratio.cell() if ratio else "n/a" for ratio in (row[p] for p in pairs)]
         lines.append(f"| {connections} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -497,9 +527,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--pin",
-        choices=("split", "none"),
-        default="split",
-        help="split: proxy on CPU 0, wrk and upstream on CPU 1 (see README); none: no taskset",
+        choices=("none", "split"),
+        default="none",
+        help="none: no taskset (default); split: proxy on CPU 0, wrk and upstream on CPU 1",
     )
     parser.add_argument("--upstream-impl", choices=("httptools", "aiohttp"), default="httptools")
     parser.add_argument("--json", type=Path, help="write all runs and the summary here")
@@ -629,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"bench: logs {', '.join(harness_logs)}")
     meta["loadavg_after"] = os.getloadavg()
     summaries = [summarise(name, conns, runs) for (name, conns), runs in results.items()]
-    ratio_table = ratios(summaries)
+    ratio_table = ratios(results)
     print(markdown(summaries, ratio_table))
     for name, reason in skipped.items():
         print(f"\n{name} skipped: {reason.splitlines()[0]}")
@@ -639,7 +669,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "targets": notes,
             "skipped": skipped,
             "summary": [dataclasses.asdict(s) for s in summaries],
-            "ratios": ratio_table,
+            "ratios": {
+                str(connections): {
+                    pair: dataclasses.asdict(ratio) if ratio else None
+                    for pair, ratio in row.items()
+                }
+                for connections, row in ratio_table.items()
+            },
             "runs": raw,
         }
         args.json.write_text(json.dumps(document, indent=2) + "\n")
