@@ -181,7 +181,7 @@ class GatewayCollector(Collector):
     def _policy(self, snap: GatewaySnapshot) -> Iterator[Metric]:
         info = GaugeMetricFamily(
             "gateway_policy_info",
-            "The active policy's sha256 (12 hex digits); workers running it.",
+            "The active policy's sha256 (12 hex digits); always 1.",
             labels=["sha256"],
         )
         for sha in snap.policy_sha256:
@@ -200,6 +200,8 @@ class GatewayCollector(Collector):
             reloads.add_metric([result], count)
         if reload is not None and reload.last_success_at is not None:
             last_success.add_metric([], reload.last_success_at)
+        else:  # no policy file to reload: the policy was loaded when the gateway started
+            last_success.add_metric([], snap.policy_loaded_at)
         yield from (reloads, last_success)
 
 

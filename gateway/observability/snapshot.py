@@ -130,6 +130,7 @@ class WorkerSnapshot(_Model):
     started_at: float
     policy_sha256: str
     policy_source: str
+    policy_loaded_at: float = 0.0  # when the running policy was built (start-up or reload)
     # (route, method, status class, count)
     requests: tuple[tuple[str, str, int, int], ...] = ()
     durations: dict[str, HistogramData] = {}
@@ -196,6 +197,7 @@ class GatewaySnapshot(_Model):
     worker_ids: tuple[int, ...]
     policy_sha256: tuple[str, ...]  # more than one only while a reload is spreading
     policy_source: str
+    policy_loaded_at: float
     requests: tuple[tuple[str, str, int, int], ...]
     durations: dict[str, HistogramData]
     upstream_errors: tuple[tuple[str, str, int], ...]
@@ -286,6 +288,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         worker_ids=tuple(sorted(s.worker for s in live)),
         policy_sha256=tuple(sorted({s.policy_sha256 for s in live})),
         policy_source=newest.policy_source,
+        policy_loaded_at=max(s.policy_loaded_at for s in live),
         requests=tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
         durations=durations,
         upstream_errors=tuple((r, x, n) for (r, x), n in sorted(errors.items())),

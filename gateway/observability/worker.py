@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from gateway.observability.hooks import CLIENT_IP, LIMIT_OUTCOME, ROUTE_NAME, UPSTREAM_ERROR
+from gateway.observability.hooks import (
+    CLIENT_IP,
+    LIMIT_OUTCOME,
+    ROUTE_NAME,
+    UPSTREAM_ERROR,
+    UPSTREAM_ERROR_REASONS,
+)
 from gateway.observability.sketch import RecentTopKeys
 from gateway.observability.snapshot import (
     HistogramData,
@@ -121,10 +127,22 @@ class WorkerMetrics:
         top_keys: dict[str, tuple[HitterData, ...]] = {}
         sha256 = gateway.loaded.sha256
         source = gateway.loaded.source
+        loaded_at = self.started_at
+        # Every (route, reason) pair from the start, so a dashboard query finds the series.
+        upstream_errors = dict.fromkeys(
+            (
+                (route.name, reason)
+                for route in gateway.loaded.policy.routes
+                for reason in UPSTREAM_ERROR_REASONS
+            ),
+            0,
+        )
+        upstream_errors.update(self.requests.upstream_errors)
         if handler is not None:
             runtime = handler.runtime
             sha256 = runtime.loaded.sha256
             source = runtime.loaded.source
+            loaded_at = runtime.loaded_at
             for limit in runtime.engine.limits:
                 name = limit.name
                 counters = limit.counters
@@ -197,9 +215,9 @@ class WorkerMetrics:
             ),
             durations={route: HistogramData.of(h) for route, h in self.requests.durations.items()},
             upstream_errors=tuple(
-                (route, reason, count)
-                for (route, reason), count in self.requests.upstream_errors.items()
+                (route, reason, count) for (route, reason), count in upstream_errors.items()
             ),
+            policy_loaded_at=loaded_at,
             limits=limits,
             top_keys=top_keys,
             store=store_data,
