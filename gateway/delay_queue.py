@@ -29,8 +29,12 @@ class DelayQueue:
     def __len__(self) -> int:
         return self._live
 
-    async def wait(self, delay_s: float) -> None:
-        """Wait ``delay_s``; raises ``ShuttingDown`` if released early by ``release_after``."""
+    def enter(self, delay_s: float) -> asyncio.Future[None]:
+        """A future that completes after ``delay_s`` (or fails with ``ShuttingDown``).
+
+        The caller awaits it and then calls ``leave()``, whatever happened: no coroutine of
+        the queue's own sits on each waiting request's stack.
+        """
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         due = loop.time() + delay_s
@@ -38,13 +42,20 @@ class DelayQueue:
         if self._timer is None or due < self._timer_due:
             self._schedule(loop, due)
         self._live += 1
+        return waiter
+
+    def leave(self) -> None:
+        self._live -= 1
+        # Waiters that left early stay in the heap until due; drop them in bulk.
+        if len(self._heap) > 2 * self._live + 64:
+            self._compact()
+
+    async def wait(self, delay_s: float) -> None:
+        """Wait ``delay_s``; raises ``ShuttingDown`` if released early by ``release_after``."""
         try:
-            await waiter
+            await self.enter(delay_s)
         finally:
-            self._live -= 1
-            # Waiters that left early stay in the heap until due; drop them in bulk.
-            if len(self._heap) > 2 * self._live + 64:
-                self._compact()
+            self.leave()
 
     def release_after(self, deadline: float) -> int:
         """Release with ``ShuttingDown`` every waiter due after loop time ``deadline``."""

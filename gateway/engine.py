@@ -257,12 +257,14 @@ class LimitEngine:
         )
         for check in delaying:
             check.limit.counters.waiting += 1
+        queue = self.queue
         try:
-            await self.queue.wait(outcome.delay_s)
+            await queue.enter(outcome.delay_s)
         except (asyncio.CancelledError, ShuttingDown):
             await asyncio.shield(self.store.refund(outcome.checks))
             raise
         finally:
+            queue.leave()
             for check in delaying:
                 check.limit.counters.waiting -= 1
 

@@ -120,6 +120,9 @@ class ServerSettings(_Model):
     client_ip_header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for"
     header_timeout: Duration = Field(10.0, description="deadline to receive a request's headers")
     keepalive_timeout: Duration = Field(75.0, description="idle time before a client is closed")
+    body_timeout: Duration = Field(
+        60.0, description="longest pause between two reads of a request body (408 after)"
+    )
     max_connections: int = Field(10000, ge=1, description="open client connections per worker")
     max_body_size: Size = Field(
         100 * 1024 * 1024, description="largest request body; 0 means unlimited"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,10 @@ _NO_BODY_STATUS = frozenset({204, 304})
 
 class BodyTooLarge(Exception):
     pass
+
+
+class BodyTimeout(Exception):
+    """The client stopped sending its body (nginx's client_body_timeout)."""
 
 
 class BodyBroken(Exception):
@@ -128,7 +133,8 @@ class ProxyHandler:
             outcome = await engine.evaluate(facts, route, host, path, client_ip)
             request[LIMIT_OUTCOME] = outcome
             if outcome.status:
-                # An unread body would be drained for up to lingering_time: close instead.
+                # Marked to close: aiohttp still reads an unread body for up to its
+                # lingering time (so the client sees this answer), then closes.
                 if outcome.rejected_by is None:
                     refusal = error_response(outcome.status, outcome.reason, close=framing.has_body)
                 else:
@@ -178,7 +184,14 @@ class ProxyHandler:
             runtime.via,
         )
         return await self._forward(
-            request, upstream, head, framing, max_body, runtime.via, limit_headers
+            request,
+            upstream,
+            head,
+            framing,
+            max_body,
+            runtime.settings.body_timeout,
+            runtime.via,
+            limit_headers,
         )
 
     async def _forward(
@@ -188,10 +201,11 @@ class ProxyHandler:
         head: bytes,
         framing: RequestFraming,
         max_body: int,
+        body_timeout: float,
         via: bytes,
         limit_headers: list[tuple[str, str]] | None,
     ) -> web.StreamResponse:
-        body = _stream_body(request, max_body) if framing.has_body else None
+        body = _stream_body(request, max_body, body_timeout) if framing.has_body else None
         chunked = framing.chunked
         is_head = request.method == "HEAD"
         try:
@@ -200,9 +214,17 @@ class ProxyHandler:
             )
         except BodyTooLarge:
             return error_response(413, "request body too large", close=True)
+        except BodyTimeout:
+            # The client stopped sending: nothing to linger for.
+            return await _answer_and_close(
+                request, error_response(408, "request body timed out", close=True)
+            )
         except BodyBroken:
-            # The upstream connection was cut mid-body, so the upstream never sees it end.
-            return error_response(400, "malformed request body", close=True)
+            # The upstream connection was cut mid-body, so the upstream never sees it end;
+            # the rest of what this client sends is not worth reading.
+            return await _answer_and_close(
+                request, error_response(400, "malformed request body", close=True)
+            )
         except UpstreamConnectError as exc:
             request[UPSTREAM_ERROR] = upstream_error_reason(exc)
             return error_response(502, "upstream connection failed")
@@ -256,21 +278,34 @@ async def _refuse(
 ) -> web.Response:
     """Answer before the body is read. A client waiting for ``100 Continue`` will send no body,
     so the connection is closed right after the answer instead of lingering for one."""
-    if framing.expect_continue and request.transport is not None:
+    if framing.expect_continue:
+        return await _answer_and_close(request, response)
+    return response
+
+
+async def _answer_and_close(request: BaseRequest, response: web.Response) -> web.Response:
+    """Send ``response`` and close at once, skipping aiohttp's lingering read of the body."""
+    if request.transport is not None:
         await response.prepare(request)
         await response.write_eof()
         request.transport.close()
     return response
 
 
-async def _stream_body(request: BaseRequest, max_body: int) -> AsyncIterator[bytes]:
+async def _stream_body(
+    request: BaseRequest, max_body: int, body_timeout: float
+) -> AsyncIterator[bytes]:
     received = 0
     content = request.content
     while True:
         try:
-            chunk = await content.readany()
+            # The deadline is for each read: a slow but steady upload is fine.
+            async with asyncio.timeout(body_timeout or None):
+                chunk = await content.readany()
         except RequestPayloadError as exc:
             raise BodyBroken(str(exc)) from None
+        except TimeoutError:
+            raise BodyTimeout from None
         if not chunk:
             return
         received += len(chunk)

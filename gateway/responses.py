@@ -13,6 +13,7 @@ _TITLES = {
     400: "bad_request",
     403: "forbidden",
     404: "no_route",
+    408: "request_timeout",
     405: "method_not_allowed",
     413: "payload_too_large",
     417: "expectation_failed",

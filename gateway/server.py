@@ -108,8 +108,7 @@ class GatewayProtocol(RequestHandler):
         self._header_deadline = None
         if self._awaiting_request and self.transport is not None:
             self._gw_server.header_timeouts += 1
-            self.force_close()
-            self.transport.close()
+            self.force_close()  # closes the transport too
 
 
 class GatewayServer(web.Server):

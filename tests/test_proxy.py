@@ -405,3 +405,35 @@ async def test_truncated_upstream_body_is_not_passed_off_as_complete(
             assert status_of(response) == 502
     finally:
         server.close()
+
+
+async def test_stalled_body_gets_408_and_the_upstream_is_cut(
+    start_gateway: GatewayFactory,
+) -> None:
+    upstream_closed = asyncio.Event()
+
+    async def reading(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        while await reader.read(65536):
+            pass
+        upstream_closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(reading, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_gateway(
+            policy_for(f"http://127.0.0.1:{port}", server="  body_timeout: 500ms\n")
+        )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        response = await exchange(
+            gw.port,
+            b"POST /up HTTP/1.1\r\nHost: h\r\nContent-Length: 100\r\n\r\n" + b"x",
+            read_for=5,
+        )
+        assert status_of(response) == 408
+        assert loop.time() - started < 3
+        await asyncio.wait_for(upstream_closed.wait(), 2)
+    finally:
+        server.close()
