@@ -19,7 +19,16 @@ from gateway.algorithms.base import Algorithm
 from gateway.algorithms.combine import CombinedDecision
 from gateway.delay_queue import DelayQueue, ShuttingDown
 from gateway.keys import KeyBuilder, RequestFacts
-from gateway.policy import Access, Limit, LimitMatch, Policy, RateLimitHeaders, Route
+from gateway.policy import (
+    Access,
+    LeakyBucketLimit,
+    Limit,
+    LimitMatch,
+    Policy,
+    RateLimitHeaders,
+    Route,
+    WindowLimit,
+)
 from gateway.routing import CompiledMatch, compile_match
 from gateway.store import LimitStore
 
@@ -86,11 +95,10 @@ ALLOW = Outcome()
 
 def _window_s(spec: Limit) -> float:
     """The window advertised in ``RateLimit-Policy`` (``w``): how long the quota takes to refill."""
-    if spec.algorithm in ("fixed_window", "sliding_window", "sliding_log"):
-        return float(spec.window)  # type: ignore[union-attr]
-    rate = spec.rate  # type: ignore[union-attr]
-    quota = spec.burst + 1 if spec.algorithm == "leaky_bucket" else spec.burst  # type: ignore[union-attr]
-    return quota / rate.per_second
+    if isinstance(spec, WindowLimit):
+        return float(spec.window)
+    quota = spec.burst + 1 if isinstance(spec, LeakyBucketLimit) else spec.burst
+    return quota / spec.rate.per_second
 
 
 def _compile_limit_match(match: LimitMatch) -> CompiledMatch | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from multidict import CIMultiDictProxy, MultiDictProxy
+from multidict import CIMultiDictProxy, MultiMapping
 
 
 @dataclass(slots=True)
@@ -16,7 +16,7 @@ class RequestFacts:
     route: str
     method: str
     headers: CIMultiDictProxy[str]
-    query: Callable[[], MultiDictProxy[str]]
+    query: Callable[[], MultiMapping[str]]
 
 
 Part = Callable[[RequestFacts], str | None]

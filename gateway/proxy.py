@@ -242,11 +242,11 @@ class ProxyHandler:
             reason = response.reason.decode("latin-1") or None
             status = response.status
             if response.body_complete and not is_head:
-                body = response.body_bytes()
+                whole = response.body_bytes()
                 response.release()
                 if status in _NO_BODY_STATUS:
                     return web.Response(status=status, reason=reason, headers=headers)
-                return web.Response(status=status, reason=reason, headers=headers, body=body)
+                return web.Response(status=status, reason=reason, headers=headers, body=whole)
             stream = web.StreamResponse(status=status, reason=reason, headers=headers)
             if response.content_length is not None and status not in _NO_BODY_STATUS:
                 stream.content_length = response.content_length

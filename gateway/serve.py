@@ -36,9 +36,9 @@ def check_aiohttp() -> None:
             f"gateway: aiohttp {aiohttp.__version__} is too old; "
             f"{'.'.join(map(str, MIN_AIOHTTP))} or later is required (request-smuggling fixes)"
         )
-    from aiohttp import web_protocol
+    from aiohttp import http_parser
 
-    if web_protocol.HttpRequestParser.__module__ != "aiohttp._http_parser":
+    if http_parser.HttpRequestParser.__module__ != "aiohttp._http_parser":
         raise SystemExit(
             "gateway: aiohttp is using its pure-Python HTTP parser "
             "(AIOHTTP_NO_EXTENSIONS set, or the C extension is missing); refusing to start"
