@@ -19,6 +19,7 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check -e ".[test,speed]"
 
 $PY -m ruff check gateway tests bench
+$PY -m mypy gateway
 set +e
 $PY -m pytest -p no:cacheprovider "$@"
 rc=$?
