@@ -118,6 +118,13 @@ def _supervise(
     return 0
 
 
+def _shared_store(loaded: LoadedPolicy) -> bool:
+    """Whether limit state is shared between processes (the Redis store)."""
+    store = getattr(loaded.policy, "store", None)
+    url = os.environ.get("GATEWAY_STORE_URL") or (store.url if store is not None else "memory")
+    return url != "memory"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from gateway.serve import check_aiohttp
 
@@ -125,6 +132,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = _load_for_run(args)
     workers = args.workers or loaded.policy.server.workers
     policy_path = None if args.upstream else (args.config or os.environ.get(ENV_CONFIG))
+    if workers > 1 and loaded.policy.limits and not _shared_store(loaded):
+        # Each worker would hold its own copy of every limit, and a client's keep-alive
+        # connection stays on one worker: dividing the limits by N would be wrong per client.
+        raise SystemExit(
+            f"gateway: {workers} workers with in-process limit state would enforce every limit "
+            "once per worker; use a shared store (Redis) or run one worker"
+        )
     if workers == 1:
         _worker_main(loaded, args.listen, args.admin_listen, 0, False, policy_path)
         return 0
