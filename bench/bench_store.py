@@ -1,0 +1,377 @@
+"""In-process store vs Redis store, same run: requests/s and p99 through the gateway with the
+three example limits stacked (per-client leaky bucket, per-client sliding window, global token
+bucket), and the Redis round trips each request cost.
+
+    python bench/bench_store.py --duration 10 --repeats 3 --connections 64
+
+Every target is one gateway worker with the same policy in front of the same upstream, loaded
+by ``wrk`` in interleaved rounds (see bench/README.md for the method and the CPU plan). The
+limits are set high enough that every request is admitted, so each target does the full work
+of a request: decide all three limits, forward, answer. Targets:
+
+* ``memory``: the in-process store;
+* ``redis``: ``RedisStore`` on one ``redis-server``;
+* ``redis-cluster``: ``RedisStore`` on a 3-master Redis Cluster (with ``--cluster``).
+
+``serve`` is the launcher the harness runs for each target (the CLI cannot select a store yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(REPO_ROOT))
+
+import bench_proxy as bp  # noqa: E402  (the shared harness: processes, wrk, readiness)
+
+MEMORY = "memory"
+REDIS = "redis"
+REDIS_CLUSTER = "redis-cluster"
+STATS_RE = re.compile(r"^STORE_STATS (.*)$", re.MULTILINE)
+
+POLICY = """\
+version: 1
+server:
+  listen: 127.0.0.1:0
+  admin_listen: 127.0.0.1:0
+upstreams:
+  backend:
+    url: http://127.0.0.1:{upstream_port}
+routes:
+  - name: api
+    upstream: backend
+limits:
+  # The layered example's three limits (policies/layered.yaml), rates raised so that the
+  # benchmark's single client is never limited: every request pays for all three decisions.
+  per_ip:
+    algorithm: leaky_bucket
+    rate: 1000000r/s
+    burst: 1000000
+    nodelay: true
+    key: [client_ip]
+  api:
+    algorithm: sliding_window
+    limit: 1000000
+    window: 1s
+    key: [client_ip]
+  global:
+    algorithm: token_bucket
+    rate: 1000000r/s
+    burst: 1000000
+    key: [global]
+"""
+
+
+# --- the launcher -------------------------------------------------------------------------------
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from gateway.policy_loader import load_policy
+    from gateway.serve import Gateway
+    from gateway.store import LimitStore, MemoryStore
+
+    loaded = load_policy(args.policy)
+    store: LimitStore
+    if args.store == "memory":
+        store = MemoryStore()
+    else:
+        from gateway.redis_store import RedisStore
+
+        store = RedisStore(args.store, key_prefix=args.key_prefix, max_in_flight=args.in_flight)
+    gateway = Gateway(loaded, listen=args.listen, admin_listen=args.admin_listen, store=store)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await gateway.start()
+    try:
+        await stop.wait()
+    finally:
+        stats = getattr(store, "stats", None)
+        if stats is not None:
+            breaker = store.breaker  # type: ignore[attr-defined]
+            counters = {
+                **dataclasses.asdict(stats),
+                "round_trips": store.round_trips,  # type: ignore[attr-defined]
+                "circuit_transitions": breaker.transitions,
+            }
+            print("STORE_STATS " + json.dumps(counters), flush=True)
+        await gateway.stop()
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench_store.py serve")
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--store", required=True, help="memory or a redis URL")
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--admin-listen", required=True)
+    parser.add_argument("--key-prefix", default="bench:")
+    parser.add_argument("--in-flight", type=int, default=4)
+    args = parser.parse_args(argv)
+    from gateway.serve import run_event_loop
+
+    profile_to = os.environ.get("BENCH_STORE_PROFILE")
+    if not profile_to:
+        run_event_loop(lambda: serve(args))
+        return 0
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run_event_loop(lambda: serve(args))
+    finally:
+        profiler.disable()
+        profiler.dump_stats(f"{profile_to}.{args.store.partition(':')[0]}")
+    return 0
+
+
+# --- the harness --------------------------------------------------------------------------------
+
+
+def start_redis(procs: bp.Processes, work_dir: Path, cpus: str) -> tuple[bp.Started, int]:
+    port = bp.free_port()
+    argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(work_dir)]
+    started = procs.start(f"redis-{port}", bp.pinned(cpus, argv))
+    return started, port
+
+
+def start_cluster(procs: bp.Processes, work_dir: Path, cpus: str) -> int:
+    """Three cluster-enabled redis-servers joined by ``redis-cli --cluster create``."""
+    import subprocess
+    import time
+
+    ports = []
+    for index in range(3):
+        node_dir = work_dir / f"cluster-node{index}"
+        node_dir.mkdir()
+        port, bus_port = bp.free_port(), bp.free_port()
+        argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled", "yes"]
+        argv += ["--cluster-port", str(bus_port), "--cluster-config-file", "nodes.conf"]
+        procs.start(f"cluster-node{index}", bp.pinned(cpus, argv))
+        ports.append(port)
+    deadline = time.monotonic() + 10
+    while not all(_redis_ping(port) for port in ports):
+        if time.monotonic() > deadline:
+            raise bp.StartError("cluster nodes did not answer PING within 10 s")
+        time.sleep(0.05)
+    create = ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports]]
+    create += ["--cluster-replicas", "0", "--cluster-yes"]
+    subprocess.run(create, capture_output=True, check=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        infos = [
+            subprocess.run(
+                ["redis-cli", "-p", str(p), "CLUSTER", "INFO"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout
+            for p in ports
+        ]
+        if all("cluster_state:ok" in info for info in infos):
+            return ports[0]
+        time.sleep(0.1)
+    raise bp.StartError("cluster did not reach cluster_state:ok within 30 s")
+
+
+def _redis_ping(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_gateway(
+    procs: bp.Processes, name: str, policy: Path, store_url: str, cpus: str, in_flight: int
+) -> bp.RunningTarget:
+    port, admin_port = bp.free_port(), bp.free_port()
+    argv = [sys.executable, str(Path(__file__).resolve()), "serve", "--policy", str(policy)]
+    argv += ["--store", store_url, "--listen", f"127.0.0.1:{port}"]
+    argv += ["--admin-listen", f"127.0.0.1:{admin_port}", "--in-flight", str(in_flight)]
+    started = procs.start(name, bp.pinned(cpus, argv), cwd=REPO_ROOT)
+    try:
+        bp.wait_ready(started, [bp.healthz(admin_port), bp.serves_body(port)], bp.READY_TIMEOUT_S)
+    except BaseException:
+        procs.stop(started)
+        raise
+    return bp.RunningTarget(name, f"http://127.0.0.1:{port}/", started, shlex.join(argv[2:]))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def store_stats(target: bp.RunningTarget) -> dict[str, Any] | None:
+    """The store counters the launcher prints when it is stopped."""
+    found = STATS_RE.findall(target.started.log_path.read_text(errors="replace"))
+    return json.loads(found[-1]) if found else None
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--connections", default="64", help="comma list of wrk -c values")
+    parser.add_argument("--threads", type=int, default=2, help="wrk -t")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load")
+    parser.add_argument("--cluster", action="store_true", help="also a 3-master Redis Cluster")
+    parser.add_argument("--in-flight", type=int, default=4, help="RedisStore max_in_flight")
+    parser.add_argument("--pin", choices=("split", "none"), default="split")
+    parser.add_argument("--json", type=Path, help="write all runs and the summary here")
+    args = parser.parse_args(argv)
+    args.connections = [int(c) for c in args.connections.split(",") if c]
+    if args.repeats < 1 or args.duration <= 0 or not args.connections:
+        parser.error("--repeats >= 1, --duration > 0 and at least one connection count")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
+    args = parse_args(argv)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, bp._raise_keyboard_interrupt)
+    # The gateway under test gets a core of its own; wrk, the upstream and Redis share the other.
+    plan = bp.CpuPlan.for_mode(args.pin)
+    loadavg_before = os.getloadavg()
+    results: dict[tuple[str, int], list[bp.WrkResult]] = {}
+    cpu_per_request: dict[tuple[str, int], list[float]] = {}
+    stats: dict[str, dict[str, Any] | None] = {}
+    requests: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
+        work_dir = Path(tmp)
+        procs = bp.Processes(work_dir)
+        try:
+            harness = bp.Harness(procs, work_dir, plan, "httptools")
+            bp.start_with_retries(harness.start_upstream)
+            policy = work_dir / "policy.yaml"
+            policy.write_text(POLICY.format(upstream_port=harness.upstream_port))
+            _, redis_port = start_redis(procs, work_dir, plan.upstream)
+            starters: dict[str, Callable[[], bp.RunningTarget]] = {
+                MEMORY: lambda: start_gateway(
+                    procs, MEMORY, policy, "memory", plan.single_proxy, args.in_flight
+                ),
+                REDIS: lambda: start_gateway(
+                    procs,
+                    REDIS,
+                    policy,
+                    f"redis://127.0.0.1:{redis_port}",
+                    plan.single_proxy,
+                    args.in_flight,
+                ),
+            }
+            if args.cluster:
+                cluster_port = start_cluster(procs, work_dir, plan.upstream)
+                starters[REDIS_CLUSTER] = lambda: start_gateway(
+                    procs,
+                    REDIS_CLUSTER,
+                    policy,
+                    f"redis+cluster://127.0.0.1:{cluster_port}",
+                    plan.single_proxy,
+                    args.in_flight,
+                )
+            running = [bp.start_with_retries(start) for start in starters.values()]
+            if args.warmup > 0:
+                for target in running:
+                    bp.log(f"bench: warm-up {target.name}")
+                    warm = bp.run_wrk(
+                        target.url, max(args.connections), args.warmup, args.threads, plan.wrk
+                    )
+                    requests[target.name] = warm.requests
+            for round_no in range(1, args.repeats + 1):
+                for connections in args.connections:
+                    for target in running:
+                        cpu_before = cpu_seconds(target.started.proc.pid)
+                        result = bp.run_wrk(
+                            target.url, connections, args.duration, args.threads, plan.wrk
+                        )
+                        cpu_us = (cpu_seconds(target.started.proc.pid) - cpu_before) * 1e6
+                        cpu_per_request.setdefault((target.name, connections), []).append(
+                            cpu_us / max(result.requests, 1)
+                        )
+                        bp.log(
+                            f"bench: round {round_no} {target.name:<13} c={connections:<4} "
+                            f"{result.requests_per_s:>9,.0f} req/s  p99 {result.p99_ms:.2f} ms"
+                            f"  CPU {cpu_per_request[(target.name, connections)][-1]:.0f} us/req"
+                            f"  non-2xx {result.non_2xx}"
+                        )
+                        results.setdefault((target.name, connections), []).append(result)
+                        requests[target.name] = requests.get(target.name, 0) + result.requests
+            for target in running:
+                procs.stop(target.started)
+                stats[target.name] = store_stats(target)
+        except KeyboardInterrupt:
+            bp.log("bench: interrupted; stopping everything")
+            return 130
+        finally:
+            procs.stop_all()
+    summaries = [bp.summarise(name, conns, runs) for (name, conns), runs in results.items()]
+    lines = [
+        "| store | conns | req/s (median) | req/s min-max | p50 ms | p99 ms | vs memory "
+        "| gateway CPU us / request | script calls / request | round trips / request "
+        "| decided locally | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    memory_rps = {s.connections: s.requests_per_s for s in summaries if s.target == MEMORY}
+    document: dict[str, Any] = {"summary": [], "command": shlex.join([sys.executable, *sys.argv])}
+    for s in summaries:
+        ratio = s.requests_per_s / memory_rps[s.connections] if memory_rps.get(s.connections) else 0
+        cpu_us = statistics.median(cpu_per_request[(s.target, s.connections)])
+        counters = stats.get(s.target)
+        # Counters cover warm-up too (and a few readiness probes): divide by all wrk served.
+        served = requests.get(s.target, 0)
+        calls = rts = local = "-"
+        if counters and served:
+            calls = f"{counters['calls'] / served:.3f}"
+            rts = f"{counters['round_trips'] / served:.3f}"
+            local = str(counters["local_decisions"])
+        lines.append(
+            f"| {s.target} | {s.connections} | {s.requests_per_s:,.0f} "
+            f"| {s.requests_per_s_min:,.0f}-{s.requests_per_s_max:,.0f} | {s.p50_ms:.2f} "
+            f"| {s.p99_ms:.2f} | {ratio:.2f} | {cpu_us:.0f} | {calls} | {rts} | {local} "
+            f"| {s.failed_requests} |"
+        )
+        document["summary"].append(
+            {**dataclasses.asdict(s), "vs_memory": ratio, "cpu_us_per_request": cpu_us}
+        )
+    document["store_stats"] = stats
+    document["wrk_requests"] = requests
+    document["loadavg"] = {"before": loadavg_before, "after": os.getloadavg()}
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    with contextlib.suppress(Exception):
+        bp.log(f"bench: load average before {loadavg_before}, after {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

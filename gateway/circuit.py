@@ -1,0 +1,120 @@
+"""A circuit breaker, so a dead Redis does not add its timeout to every request.
+
+Closed: calls go through; ``failure_threshold`` failures in a row open the circuit. Open: calls
+are refused at once (the caller falls back) until ``reset_timeout_s`` has passed. Then one call
+is let through as a probe (half-open) while the others keep falling back: success closes the
+circuit; failure opens it again for twice as long, up to ``max_reset_timeout_s``. Every
+transition is logged and counted; ``state`` and the counters are plain attributes for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final, Literal
+
+from gateway.clock import Clock, MonotonicClock
+
+log = logging.getLogger("gateway.circuit")
+
+State = Literal["closed", "open", "half_open"]
+CLOSED: Final = "closed"
+OPEN: Final = "open"
+HALF_OPEN: Final = "half_open"
+
+
+class CircuitBreaker:
+    """Closed / open / half-open with one probe at a time and exponential back-off."""
+
+    __slots__ = (
+        "_clock",
+        "_consecutive_failures",
+        "_open_for_us",
+        "_retry_at_us",
+        "failure_threshold",
+        "failures",
+        "max_reset_timeout_s",
+        "name",
+        "opened",
+        "probes",
+        "reset_timeout_s",
+        "short_circuited",
+        "state",
+        "transitions",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        failure_threshold: int = 3,
+        reset_timeout_s: float = 0.5,
+        max_reset_timeout_s: float = 4.0,
+        clock: Clock | None = None,
+    ) -> None:
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be at least 1, got {failure_threshold!r}")
+        if not 0 < reset_timeout_s <= max_reset_timeout_s:
+            raise ValueError(
+                "need 0 < reset_timeout_s <= max_reset_timeout_s, got "
+                f"{reset_timeout_s!r} and {max_reset_timeout_s!r}"
+            )
+        self.name = name
+        self.failure_threshold = failure_threshold
+        self.reset_timeout_s = reset_timeout_s
+        self.max_reset_timeout_s = max_reset_timeout_s
+        self._clock: Clock = clock or MonotonicClock()
+        self.state: State = CLOSED
+        self._consecutive_failures = 0
+        self._open_for_us = round(reset_timeout_s * 1e6)
+        self._retry_at_us = 0
+        self.failures = 0  # calls that failed, in any state
+        self.opened = 0  # closed or half-open -> open
+        self.probes = 0  # calls let through while half-open
+        self.short_circuited = 0  # calls refused while open or while a probe was out
+        self.transitions: dict[str, int] = {}  # "closed->open": count
+
+    def allow(self) -> bool:
+        """True if the caller may try the protected call now (and must report how it went)."""
+        state = self.state
+        if state == CLOSED:
+            return True
+        if state == OPEN and self._clock.now_us() >= self._retry_at_us:
+            self._move(HALF_OPEN, "probing")
+            self.probes += 1
+            return True
+        self.short_circuited += 1
+        return False
+
+    def success(self) -> None:
+        self._consecutive_failures = 0
+        if self.state != CLOSED:
+            self._open_for_us = round(self.reset_timeout_s * 1e6)
+            self._move(CLOSED, "probe succeeded")
+
+    def failure(self, reason: str) -> None:
+        self.failures += 1
+        self._consecutive_failures += 1
+        if self.state == HALF_OPEN:
+            self._open_for_us = min(self._open_for_us * 2, round(self.max_reset_timeout_s * 1e6))
+            self._open(f"probe failed: {reason}")
+        elif self.state == CLOSED and self._consecutive_failures >= self.failure_threshold:
+            self._open(f"{self._consecutive_failures} failures in a row, last: {reason}")
+
+    @property
+    def retry_in_s(self) -> float:
+        """How long until the next probe (0 unless open)."""
+        if self.state != OPEN:
+            return 0.0
+        return max(self._retry_at_us - self._clock.now_us(), 0) / 1e6
+
+    def _open(self, reason: str) -> None:
+        self._retry_at_us = self._clock.now_us() + self._open_for_us
+        self.opened += 1
+        self._move(OPEN, f"{reason}; next probe in {self._open_for_us / 1e6:g} s")
+
+    def _move(self, state: State, reason: str) -> None:
+        transition = f"{self.state}->{state}"
+        self.transitions[transition] = self.transitions.get(transition, 0) + 1
+        level = logging.INFO if state != OPEN else logging.WARNING
+        log.log(level, "%s circuit %s (%s)", self.name, transition, reason)
+        self.state = state

@@ -1,0 +1,23 @@
+-- Shared by every algorithm below: the whole file set is sent to Redis as ONE script
+-- (gateway/redis_store.py joins prelude, the algorithms and decide.lua, in that order).
+--
+-- Lua numbers are IEEE doubles: every integer here stays below 2^53 (the Python side refuses
+-- parameters that could leave that range), so the arithmetic is the Python algorithms'
+-- integer arithmetic, exactly. Python's a // b is floor(a / b) for such integers.
+local floor = math.floor
+local INF = math.huge
+local unpack_state = struct.unpack
+local pack_state = struct.pack
+
+-- Python's -(-a // b): a / b rounded up.
+local function ceil_div(a, b)
+  return -floor(-a / b)
+end
+
+-- Each algorithm: ALG[code] = {decide = f(p, raw, now_us, cost), refund = f(p, raw, now_us, cost)}.
+-- p is the limit's parameter string (its code letter, then little-endian doubles); raw is the
+-- key's stored state (nil for a key never seen or expired).
+-- decide returns: allowed (1/0), new state (nil: nothing to write), microseconds until the
+-- new state is idle, then four integers the Python side turns into a Decision.
+-- refund returns: new state (nil: unchanged), microseconds until it is idle.
+local ALG = {}

@@ -1,0 +1,253 @@
+"""Real Redis for tests: ``redis-server`` processes on free loopback ports, and a real 3-master
+Redis Cluster built with ``redis-cli --cluster create``; all torn down at the end.
+
+Import the fixtures into a test module (``from tests.redis_harness import redis_server, ...``).
+Session-scoped servers are shared: tests keep apart by giving each store its own key prefix.
+Tests that stop, pause or restart Redis start their own with ``redis_factory``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+START_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now (another process may still take it: callers retry)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _ping(port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
+    done = subprocess.run(
+        [REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"redis-cli {' '.join(args)} failed: {done.stderr or done.stdout}")
+    return done.stdout
+
+
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1; no persistence; can be stopped, paused, restarted."""
+
+    def __init__(self, work_dir: Path, *, cluster: bool = False) -> None:
+        self.work_dir = work_dir
+        self.cluster = cluster
+        self.port = 0
+        self.bus_port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = work_dir / "redis.log"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _argv(self) -> list[str]:
+        argv = [
+            REDIS_SERVER,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.work_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.log_path),
+        ]
+        if self.cluster:
+            argv += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(self.work_dir / "nodes.conf"),
+                "--cluster-node-timeout",
+                "3000",
+                "--cluster-port",
+                str(self.bus_port),
+            ]
+        return argv
+
+    def start(self, *, same_port: bool = False) -> None:
+        """Start on fresh free ports (retried if another process takes one first), or on the
+        ports used before (``same_port``: a restart clients must find again)."""
+        attempts = 1 if same_port else 3
+        for _ in range(attempts):
+            if not same_port:
+                self.port = free_port()
+                self.bus_port = free_port() if self.cluster else 0
+            self.process = subprocess.Popen(
+                self._argv(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    break
+                if _ping(self.port):
+                    return
+                time.sleep(0.02)
+            self._reap()
+        raise RuntimeError(
+            f"redis-server did not start on 127.0.0.1:{self.port}: {self.log_tail()}"
+        )
+
+    def log_tail(self) -> str:
+        try:
+            return " | ".join(self.log_path.read_text().splitlines()[-5:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop the server at once (SIGKILL: a crash, nothing flushed)."""
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+        self._reap()
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open and nothing answers."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start(same_port=True)
+
+    def _reap(self) -> None:
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+            self.process = None
+
+
+class RedisClusterHarness:
+    """A real Redis Cluster: three masters, no replicas, all 16384 slots covered."""
+
+    def __init__(self, work_dir: Path, masters: int = 3) -> None:
+        self.nodes = []
+        for index in range(masters):
+            node_dir = work_dir / f"node{index}"
+            node_dir.mkdir()
+            self.nodes.append(RedisServer(node_dir, cluster=True))
+
+    @property
+    def url(self) -> str:
+        """The store URL: one node; the client discovers the others."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        _cli(
+            self.nodes[0].port,
+            "--cluster",
+            "create",
+            *[f"127.0.0.1:{node.port}" for node in self.nodes],
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+            timeout_s=60,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in _cli(n.port, "CLUSTER", "INFO") for n in self.nodes):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Redis Cluster did not reach cluster_state:ok within 30 s")
+
+    def keys_per_node(self, pattern: str = "*") -> list[int]:
+        """How many keys matching ``pattern`` each master holds."""
+        counts = []
+        for node in self.nodes:
+            with redis.Redis(host="127.0.0.1", port=node.port) as client:
+                counts.append(sum(1 for _ in client.scan_iter(match=pattern, count=1000)))
+        return counts
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+class RedisFactory:
+    """Starts private servers for tests that stop or pause them; stops them all at the end."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.started: list[RedisServer] = []
+
+    def start(self) -> RedisServer:
+        server = RedisServer(Path(tempfile.mkdtemp(prefix="redis-", dir=self.base)))
+        server.start()
+        self.started.append(server)
+        return server
+
+    def stop_all(self) -> None:
+        for server in self.started:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterHarness]:
+    cluster = RedisClusterHarness(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_factory(tmp_path: Path) -> Iterator[RedisFactory]:
+    factory = RedisFactory(tmp_path)
+    yield factory
+    factory.stop_all()

@@ -1,0 +1,718 @@
+"""The Redis store against real Redis (one server, and a real 3-master cluster).
+
+The behaviour tests run over every store: the in-process ``MemoryStore``, ``RedisStore`` with
+its own client on one server and on the cluster, and ``RedisStore`` on redis-py's pipelines.
+Each drives the store with a fake clock (the scripts take ``now`` as an argument) and compares
+every decision, and for Redis every stored state, with the pure Python algorithms computing
+the same requests at the same instants: that is what proves the Lua mirrors.
+
+Then what only Redis has: atomicity between replicas (with a naive read-then-write store that
+the same test catches over-admitting), Redis ``TIME`` for replicas whose clocks disagree, key
+expiry, hash tags in the cluster, and failure: a stopped or frozen Redis, the three
+``on_failure`` modes and the circuit breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+import redis.cluster
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.algorithms.base import Algorithm
+from gateway.algorithms.combine import CombinedDecision, decide_all
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.leaky_bucket import LeakyBucket
+from gateway.algorithms.sliding_log import SlidingLog
+from gateway.algorithms.sliding_window import SlidingWindow
+from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
+from gateway.circuit import CircuitBreaker
+from gateway.clock import FakeClock
+from gateway.engine import Check, CompiledLimit, LimitCounters
+from gateway.keys import KeyBuilder
+from gateway.policy import LeakyBucketLimit
+from gateway.redis_store import (
+    RedisStore,
+    StoreUnavailableError,
+    codec_for,
+    divided,
+    parse_store_url,
+)
+from gateway.store import LimitStore, MemoryStore
+from tests import redis_harness
+from tests.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
+
+# The harness's fixtures, made visible to pytest in this module.
+redis_server = redis_harness.redis_server
+redis_cluster = redis_harness.redis_cluster
+redis_factory = redis_harness.redis_factory
+
+# An epoch-sized start, like Redis TIME: the Lua arithmetic must stay exact at this magnitude.
+T0_US = 1_763_000_000_000_000
+STORE_KINDS = ("memory", "redis", "redis-py", "cluster")
+_prefixes = itertools.count()
+
+
+def compiled(
+    name: str, algorithm: Algorithm[Any], key: tuple[str, ...] = ("client_ip",)
+) -> CompiledLimit:
+    """A limit as the engine compiles it. The stores read only the name, the algorithm and the
+    spec's key parts and ``max_keys``, so one stand-in spec serves every algorithm."""
+    spec = LeakyBucketLimit(algorithm="leaky_bucket", rate="1r/s", key=key)
+    return CompiledLimit(name, spec, algorithm, KeyBuilder(key), None, None, 1.0, LimitCounters())
+
+
+@dataclass
+class Backend:
+    """One kind of store, and (for Redis) a plain client to look at what it wrote."""
+
+    kind: str
+    url: str | None
+    inspect: redis.Redis | redis.cluster.RedisCluster | None
+
+    def make(self, fake_clock: FakeClock | None = None, **options: Any) -> LimitStore:
+        """A new store; for Redis, on keys of its own, reading ``fake_clock`` instead of TIME."""
+        if self.kind == "memory":
+            return MemoryStore(fake_clock)
+        assert self.url is not None
+        options.setdefault("key_prefix", f"t{next(_prefixes)}:")
+        # Tests of behaviour, not of timeouts: a busy shared machine must not turn them into
+        # fallback decisions (the failure tests set their own).
+        options.setdefault("timeout_s", 2.0)
+        options.setdefault("client", "redis-py" if self.kind == "redis-py" else "thin")
+        options.setdefault("time_source", fake_clock)
+        return RedisStore(self.url, **options)
+
+    def raw_state(self, store: LimitStore, check: Check) -> bytes | None:
+        assert isinstance(store, RedisStore) and self.inspect is not None
+        raw: bytes | None = self.inspect.get(store.redis_key(check))
+        return raw
+
+
+def _backend(kind: str, request: pytest.FixtureRequest) -> Backend:
+    if kind == "memory":
+        return Backend(kind, None, None)
+    if kind == "cluster":
+        cluster: RedisClusterHarness = request.getfixturevalue("redis_cluster")
+        plain = f"redis://127.0.0.1:{cluster.nodes[0].port}"
+        return Backend(kind, cluster.url, redis.cluster.RedisCluster.from_url(plain))
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return Backend(kind, server.url, redis.Redis.from_url(server.url))
+
+
+@pytest.fixture(params=STORE_KINDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    made = _backend(request.param, request)
+    yield made
+    if made.inspect is not None:
+        made.inspect.close()
+
+
+@pytest.fixture(params=[k for k in STORE_KINDS if k != "memory"])
+def redis_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    made = _backend(request.param, request)
+    yield made
+    if made.inspect is not None:
+        made.inspect.close()
+
+
+def verdict_of(verdict: CombinedDecision) -> CombinedDecision:
+    """A verdict without the states (the Redis store keeps those in Redis)."""
+    return verdict._replace(states=())
+
+
+# --- the same decisions as the Python algorithms ---------------------------------------------
+
+ALGORITHMS: dict[str, Any] = {
+    "leaky nodelay": lambda: LeakyBucket(5, 1, 3, None),
+    "leaky delay=2": lambda: LeakyBucket(10, 1, 6, 2),
+    "leaky shaping r/m": lambda: LeakyBucket(7, 60, 4, 0),
+    "leaky burst 0": lambda: LeakyBucket(3, 1, 0, 0),
+    "fixed window": lambda: FixedWindow(4, 1.0),
+    "fixed window 0.25s": lambda: FixedWindow(3, 0.25),
+    "sliding window": lambda: SlidingWindow(5, 1.0),
+    "sliding window 7/0.3s": lambda: SlidingWindow(7, 0.3),
+    "sliding log": lambda: SlidingLog(4, 1.0),
+    "sliding log 2/0.2s": lambda: SlidingLog(2, 0.2),
+    # 7r/s and 999r/s: several ticks per microsecond, whose absolute count passes 2**53.
+    "token bucket": lambda: TokenBucket(7, 1, 3),
+    "token bucket queue": lambda: TokenBucket(999, 1, 5, mode="queue", max_delay_s=0.01),
+    "token bucket queue r/m": lambda: TokenBucket(30, 60, 2, mode="queue"),
+    "warm-up": lambda: WarmingUpTokenBucket(5, 1, 2.0),
+    "warm-up queue": lambda: WarmingUpTokenBucket(7, 1, 1.5, mode="queue", max_delay_s=0.5),
+}
+
+steps_us = st.one_of(
+    st.just(0),
+    st.integers(0, 3_000),
+    st.integers(0, 400_000),
+    st.integers(0, 5_000_000),
+    st.integers(-100_000, 0),  # the clock steps back a little
+    st.just(-61_000_000),  # and far: nginx treats more than 60 s back as 1 ms forward
+)
+operations = st.lists(
+    st.tuples(
+        steps_us,
+        st.sampled_from(["decide", "decide", "decide", "peek", "refund"]),
+        st.sampled_from(["a", "b"]),
+    ),
+    min_size=1,
+    max_size=40,
+)
+stacks = st.lists(st.sampled_from(sorted(ALGORITHMS)), min_size=1, max_size=3, unique=True)
+
+
+async def run_against_python(
+    backend: Backend, stack: list[str], ops: list[tuple[int, str, str]]
+) -> None:
+    """Apply ``ops`` to a store and to the pure algorithms; every verdict (and for Redis every
+    stored state) must be the same."""
+    if backend.kind == "memory":
+        # It drops idle keys, which no request can tell from kept ones while time goes forward
+        # (its clock is monotonic). Under a test clock Redis keeps every key 10 minutes, so
+        # for Redis the clock also steps back.
+        ops = [(max(step_us, 0), op, key) for step_us, op, key in ops]
+    clock = FakeClock(T0_US)
+    limits = [compiled(f"l{i}", ALGORITHMS[name]()) for i, name in enumerate(stack)]
+    store = backend.make(clock)
+    store.configure(limits, ())
+    reference: dict[tuple[int, str], Any] = {}
+    try:
+        for step_us, op, key in ops:
+            clock.advance(us=step_us)
+            now_us = clock.now_us()
+            checks = [Check(limit, key) for limit in limits]
+            if op == "refund":
+                await store.refund(checks)
+                for i, limit in enumerate(limits):
+                    state = reference.get((i, key))
+                    if state is not None:
+                        reference[(i, key)] = limit.algorithm.refund(state, now_us)
+            else:
+                got = await store.decide(checks, commit=op == "decide")
+                items = [
+                    (limit.algorithm, reference.get((i, key))) for i, limit in enumerate(limits)
+                ]
+                want = decide_all(items, now_us)
+                assert verdict_of(got) == verdict_of(want), (op, now_us - T0_US)
+                if op == "decide" and want.allowed:
+                    for i, state in enumerate(want.states):
+                        reference[(i, key)] = state
+            if isinstance(store, RedisStore):
+                for i, check in enumerate(checks):
+                    raw = backend.raw_state(store, check)
+                    state = reference.get((i, key))
+                    if raw is None:
+                        assert state is None
+                    else:
+                        assert store.plan(check.limit).codec.decode_state(raw) == state
+        if isinstance(store, RedisStore):
+            assert store.stats.local_decisions == 0 and store.stats.failed_calls == 0
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(stack=stacks, ops=operations)
+def test_decisions_and_states_match_the_python_algorithms(
+    kind: str, request: pytest.FixtureRequest, stack: list[str], ops: list[tuple[int, str, str]]
+) -> None:
+    backend = _backend(kind, request)
+    try:
+        asyncio.run(run_against_python(backend, stack, ops))
+    finally:
+        if backend.inspect is not None:
+            backend.inspect.close()
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=operations)
+def test_each_lua_mirror_matches_its_python_algorithm(
+    name: str, request: pytest.FixtureRequest, ops: list[tuple[int, str, str]]
+) -> None:
+    """One algorithm at a time (on one server: the mirror does not depend on the client), so
+    that every branch of every script is reached."""
+    backend = _backend("redis", request)
+    try:
+        asyncio.run(run_against_python(backend, [name], ops))
+    finally:
+        if backend.inspect is not None:
+            backend.inspect.close()
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+async def test_each_algorithm_through_a_burst_and_recovery(backend: Backend, name: str) -> None:
+    """Every algorithm over a fixed script: a burst at one instant, then time passing, then a
+    refund; the same as the Python algorithm at every step (the property test's worked case)."""
+    ops = [(0, "decide", "a")] * 8 + [(50_000, "decide", "a"), (0, "refund", "a")]
+    ops += [(300_000, "peek", "a"), (0, "decide", "a"), (2_000_000, "decide", "a")]
+    ops += [(-30_000, "decide", "a"), (0, "decide", "b")]
+    # Saturated, then walking through window edges: a request every 37 ms for 2.2 s, then
+    # every 213 ms, some given back.
+    ops += [(37_000, "decide", "a")] * 60
+    ops += [(213_000, op, "a") for op in ("decide", "decide", "refund", "peek") * 5]
+    await run_against_python(backend, [name], ops)
+
+
+async def test_a_request_rejected_by_one_limit_is_charged_to_none(backend: Backend) -> None:
+    clock = FakeClock(T0_US)
+    per_client = compiled("per_client", LeakyBucket(1, 60, 3, None))
+    site = compiled("site", FixedWindow(2, 60.0), key=("global",))
+    store = backend.make(clock)
+    store.configure([per_client, site], ())
+    try:
+        for client in ("b", "b"):  # b spends the site's two
+            assert (await store.decide([Check(per_client, client), Check(site, "")])).allowed
+        for _ in range(5):
+            verdict = await store.decide([Check(per_client, "a"), Check(site, "")])
+            assert not verdict.allowed and verdict.rejected_by == (1,)
+        # a's own bucket was charged nothing: its next request would find all 4 there.
+        alone = await store.decide([Check(per_client, "a")], commit=False)
+        assert alone.decisions[0].remaining == 3
+    finally:
+        await store.close()
+
+
+async def test_explain_peeks_without_charging(backend: Backend) -> None:
+    clock = FakeClock(T0_US)
+    limit = compiled("only", FixedWindow(2, 10.0))
+    store = backend.make(clock)
+    store.configure([limit], ())
+    try:
+        for _ in range(5):
+            peek = await store.decide([Check(limit, "k")], commit=False)
+            assert peek.allowed and peek.decisions[0].remaining == 1
+        assert [(await store.decide([Check(limit, "k")])).allowed for _ in range(3)] == [
+            True,
+            True,
+            False,
+        ]
+    finally:
+        await store.close()
+
+
+# --- what only a shared store has -------------------------------------------------------------
+
+
+class NaiveRedisStore:
+    """Read, decide in Python, write back: what a store without a script does. Two requests
+    that read before either writes both see the old state; the atomicity test must catch it."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        import redis.asyncio
+
+        self.client = redis.asyncio.Redis.from_url(url, max_connections=200)
+        self.prefix = prefix
+
+    async def decide(self, limit: CompiledLimit, key: str, now_us: int) -> bool:
+        name = f"{self.prefix}{limit.name}:{key}"
+        raw = await self.client.get(name)
+        state = int(raw) if raw is not None else None
+        decision, new_state = limit.algorithm.decide(state, now_us)
+        if decision.allowed:
+            await self.client.set(name, str(new_state))
+        return decision.allowed
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def test_replicas_hammering_one_key_never_over_admit(redis_backend: Backend) -> None:
+    """Four replicas (stores with their own connections), 400 requests at once, one key, a
+    limit of 50 per window: exactly 50 admitted. The naive store on the same Redis admits more,
+    which shows this test would see a race."""
+    limit = compiled("hot", FixedWindow(50, 3600.0), key=("global",))
+    prefix = f"hot{next(_prefixes)}:"
+    stores = [redis_backend.make(key_prefix=prefix, max_in_flight=4) for _ in range(4)]
+    try:
+        for store in stores:
+            store.configure([limit], ())
+        verdicts = await asyncio.gather(
+            *[stores[i % 4].decide([Check(limit, "")]) for i in range(400)]
+        )
+        assert sum(v.allowed for v in verdicts) == 50
+        assert all(isinstance(s, RedisStore) and s.stats.failed_calls == 0 for s in stores)
+    finally:
+        for store in stores:
+            await store.close()
+    assert redis_backend.url is not None
+    if redis_backend.kind == "cluster":
+        return  # the naive store is a single-server client
+    naive_prefix = f"naive{next(_prefixes)}:"
+    naive = [NaiveRedisStore(redis_backend.url, naive_prefix) for _ in range(4)]
+    try:
+        now_us = time.time_ns() // 1000
+        admitted = await asyncio.gather(
+            *[naive[i % 4].decide(limit, "", now_us) for i in range(400)]
+        )
+        assert sum(admitted) > 50
+    finally:
+        for store in naive:
+            await store.close()
+
+
+async def test_replicas_with_skewed_clocks_enforce_one_limit(redis_backend: Backend) -> None:
+    """Two replicas whose own clocks are two minutes apart share one bucket, because the scripts
+    read Redis TIME. Had each used its own clock, the one ahead would find two more tokens."""
+    limit = compiled("skew", TokenBucket(1, 60, 5))  # 5 at once, then 1 a minute
+    behind, ahead = FakeClock(T0_US), FakeClock(T0_US + 120_000_000)
+    shared_keys, own_keys = f"skew{next(_prefixes)}:", f"skew{next(_prefixes)}:"
+    stores = [
+        redis_backend.make(clock=behind, key_prefix=shared_keys),
+        redis_backend.make(clock=ahead, key_prefix=shared_keys),
+    ]
+    skewed = [
+        redis_backend.make(behind, key_prefix=own_keys),
+        redis_backend.make(ahead, key_prefix=own_keys),
+    ]
+    try:
+        for store in (*stores, *skewed):
+            store.configure([limit], ())
+        shared = [(await stores[i % 2].decide([Check(limit, "c")])).allowed for i in range(10)]
+        assert shared == [True] * 5 + [False] * 5
+        # The same traffic with each replica on its own clock: one limit no more.
+        local = [(await skewed[i % 2].decide([Check(limit, "c")])).allowed for i in range(10)]
+        assert sum(local) == 6
+    finally:
+        for store in (*stores, *skewed):
+            await store.close()
+
+
+async def test_idle_keys_expire_and_carry_prefix_and_limit(redis_backend: Backend) -> None:
+    """With Redis TIME, a key lives until its state is as good as new: 100 ms for one request
+    on a 10r/s bucket."""
+    limit = compiled("ttl", LeakyBucket(10, 1, 0, None))
+    store = redis_backend.make(time_source=None, key_prefix="ttltest:")
+    assert isinstance(store, RedisStore) and redis_backend.inspect is not None
+    store.configure([limit], ())
+    try:
+        assert (await store.decide([Check(limit, "10.0.0.1")])).allowed
+        assert not (await store.decide([Check(limit, "10.0.0.1")], commit=False)).allowed
+        key = store.redis_key(Check(limit, "10.0.0.1"))
+        assert key.startswith("ttltest:{10.0.0.1}ttl:") and key.endswith(":10.0.0.1")
+        ttl_ms = redis_backend.inspect.pttl(key)
+        assert 0 < ttl_ms <= 102
+        for _ in range(40):  # expiry is Redis's job: poll it, bounded
+            if not redis_backend.inspect.exists(key):
+                break
+            await asyncio.sleep(0.05)
+        assert not redis_backend.inspect.exists(key)
+        assert (await store.decide([Check(limit, "10.0.0.1")], commit=False)).allowed
+    finally:
+        await store.close()
+
+
+async def test_a_changed_limit_starts_afresh_an_unchanged_one_keeps_its_keys(
+    redis_backend: Backend,
+) -> None:
+    clock = FakeClock(T0_US)
+    before = compiled("lim", FixedWindow(3, 60.0))
+    store = redis_backend.make(clock)
+    assert isinstance(store, RedisStore)
+    store.configure([before], ())
+    try:
+        for _ in range(3):
+            await store.decide([Check(before, "k")])
+        same = compiled("lim", FixedWindow(3, 60.0))
+        store.configure([same], [before])
+        assert store.redis_key(Check(same, "k")) == store.redis_key(Check(before, "k"))
+        assert not (await store.decide([Check(same, "k")])).allowed
+        changed = compiled("lim", FixedWindow(4, 60.0))
+        store.configure([changed], [same])
+        assert store.redis_key(Check(changed, "k")) != store.redis_key(Check(same, "k"))
+        assert (await store.decide([Check(changed, "k")])).decisions[0].remaining == 3
+        # A request still in flight under the old policy finds the old limit's keys.
+        assert not (await store.decide([Check(same, "k")])).allowed
+    finally:
+        await store.close()
+
+
+async def test_script_flushed_from_redis_is_loaded_again(redis_backend: Backend) -> None:
+    limit = compiled("ns", FixedWindow(5, 60.0))
+    store = redis_backend.make(FakeClock(T0_US))
+    assert isinstance(store, RedisStore) and redis_backend.inspect is not None
+    store.configure([limit], ())
+    try:
+        assert (await store.decide([Check(limit, "k")])).allowed
+        recoveries = store.stats.recoveries
+        redis_backend.inspect.script_flush()  # on every master of a cluster
+        assert (await store.decide([Check(limit, "k")])).decisions[0].remaining == 3
+        assert store.stats.recoveries == recoveries + 1
+    finally:
+        await store.close()
+
+
+async def test_cluster_keys_of_a_request_share_a_slot_and_clients_spread(
+    redis_cluster: RedisClusterHarness,
+) -> None:
+    """Limits that all key on the client: each client's keys in one slot, clients spread over
+    the three masters. A global limit stacked on them: every key has the same tag (one node)."""
+    per_ip = compiled("per_ip", LeakyBucket(1, 60, 10, None))  # keys live a minute
+    api = compiled("api", SlidingWindow(100, 60.0), key=("client_ip", "route"))
+    prefix = f"spread{next(_prefixes)}:"
+    store = RedisStore(redis_cluster.url, key_prefix=prefix)
+    plain = redis.cluster.RedisCluster.from_url(f"redis://127.0.0.1:{redis_cluster.nodes[0].port}")
+    try:
+        store.configure([per_ip, api], ())
+        for n in range(60):
+            ip = f"10.1.{n // 250}.{n % 250}"
+            checks = [Check(per_ip, ip), Check(api, f"{ip}\x1fapi")]
+            assert (await store.decide(checks)).allowed
+            slots = {plain.keyslot(store.redis_key(check)) for check in checks}
+            assert len(slots) == 1
+        added = redis_cluster.keys_per_node(prefix + "*")
+        assert sum(added) == 120 and all(n > 0 for n in added)
+
+        site = compiled("site", FixedWindow(10_000, 60.0), key=("global",))
+        store.configure([per_ip, api, site], [per_ip, api])
+        tags = set()
+        for n in range(20):
+            ip = f"10.2.0.{n}"
+            checks = [Check(per_ip, ip), Check(api, f"{ip}\x1fapi"), Check(site, "")]
+            assert (await store.decide(checks)).allowed
+            tags |= {store.redis_key(check).partition("}")[0] for check in checks}
+        assert len(tags) == 1
+        assert store.stats.failed_calls == 0
+    finally:
+        plain.close()
+        await store.close()
+
+
+# --- when Redis fails -----------------------------------------------------------------------------
+
+
+def fast_breaker() -> CircuitBreaker:
+    return CircuitBreaker("test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4)
+
+
+async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
+    redis_factory: RedisFactory,
+) -> None:
+    server = redis_factory.start()
+    # Three replicas share 9 per window; alone, each enforces a third.
+    limit = compiled("shared", FixedWindow(9, 3600.0))
+    store = RedisStore(server.url, replicas=3, timeout_s=0.05, breaker=fast_breaker())
+    store.configure([limit], ())
+    loop = asyncio.get_running_loop()
+    try:
+        assert (await store.decide([Check(limit, "k")])).decisions[0].remaining == 8
+        server.stop()
+        started = loop.time()
+        first = await store.decide([Check(limit, "k")])
+        assert loop.time() - started < 0.5  # connection refused: no need to wait at all
+        assert first.allowed and first.decisions[0].limit == 3  # 9 / 3 replicas
+        verdicts = [await store.decide([Check(limit, "k")]) for _ in range(4)]
+        assert [v.allowed for v in verdicts] == [True, True, False, False]
+        assert store.breaker.state == "open"
+        assert store.stats.local_decisions == 5
+        failed = store.stats.failed_calls
+        await store.decide([Check(limit, "k")])
+        assert store.stats.failed_calls == failed  # open: Redis not even tried
+
+        server.start(same_port=True)
+        deadline = loop.time() + 5.0
+        while loop.time() < deadline:
+            verdict = await store.decide([Check(limit, "k")])
+            if store.breaker.state == "closed":
+                break
+            await asyncio.sleep(0.05)
+        assert store.breaker.state == "closed"
+        # Back on Redis: a restarted, empty Redis, whose limit is 9 again.
+        assert verdict.decisions[0].limit == 9
+        assert store.breaker.transitions["open->half_open"] >= 1
+        assert store.breaker.transitions["half_open->closed"] == 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("client", ["thin", "redis-py"])
+async def test_frozen_redis_costs_one_timeout_then_the_circuit_opens(
+    redis_factory: RedisFactory, client: str
+) -> None:
+    """SIGSTOP: connections stay open and nothing answers. The first requests wait one timeout
+    (not redis-py's default 5 s), the circuit opens, the rest do not wait at all."""
+    server = redis_factory.start()
+    limit = compiled("frozen", FixedWindow(100, 3600.0))
+    store = RedisStore(server.url, timeout_s=0.05, client=client, breaker=fast_breaker())  # type: ignore[arg-type]
+    store.configure([limit], ())
+    loop = asyncio.get_running_loop()
+    try:
+        assert (await store.decide([Check(limit, "k")])).allowed
+        server.pause()
+        started = loop.time()
+        verdicts = await asyncio.gather(*[store.decide([Check(limit, "k")]) for _ in range(20)])
+        assert loop.time() - started < 0.5
+        assert all(v.allowed for v in verdicts)
+        assert store.breaker.state == "open"
+        started = loop.time()
+        await store.decide([Check(limit, "k")])
+        assert loop.time() - started < 0.03
+        server.resume()
+        deadline = loop.time() + 5.0
+        while store.breaker.state != "closed" and loop.time() < deadline:
+            await store.decide([Check(limit, "k")])
+            await asyncio.sleep(0.05)
+        assert store.breaker.state == "closed"
+        # The state written before the freeze is still there: Redis decides again.
+        assert (await store.decide([Check(limit, "k")])).decisions[0].remaining < 99
+    finally:
+        server.resume()
+        await store.close()
+
+
+async def test_allow_mode_fails_open_and_deny_mode_fails_closed(
+    redis_factory: RedisFactory,
+) -> None:
+    server = redis_factory.start()
+    limit = compiled("modes", LeakyBucket(1, 60, 0, None))
+    allow = RedisStore(server.url, on_failure="allow", breaker=fast_breaker())
+    deny = RedisStore(server.url, on_failure="deny", breaker=fast_breaker())
+    try:
+        for store in (allow, deny):
+            store.configure([limit], ())
+        server.stop()
+        for _ in range(5):
+            verdict = await allow.decide([Check(limit, "k")])
+            assert verdict.allowed and verdict.decisions[0].limit == 1
+        assert allow.stats.allowed_open == 5
+        for _ in range(3):
+            with pytest.raises(StoreUnavailableError) as caught:
+                await deny.decide([Check(limit, "k")])
+            assert caught.value.retry_after_s > 0
+        assert deny.stats.denied_closed == 3 and deny.breaker.state == "open"
+        # Dry-run limits are never enforced: decided locally whatever the mode.
+        (dry,) = await deny.decide_each([Check(limit, "k")])
+        assert dry.allowed
+        await deny.refund([Check(limit, "k")])  # never raises
+    finally:
+        await allow.close()
+        await deny.close()
+
+
+def test_breaker_opens_probes_backs_off_and_closes(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock(0)
+    breaker = CircuitBreaker(
+        "redis", failure_threshold=3, reset_timeout_s=1.0, max_reset_timeout_s=3.0, clock=clock
+    )
+    caplog.set_level(logging.INFO, logger="gateway.circuit")
+    for _ in range(2):
+        assert breaker.allow()
+        breaker.failure("timeout")
+    assert breaker.state == "closed"
+    breaker.success()  # a success resets the count
+    for _ in range(3):
+        assert breaker.allow()
+        breaker.failure("timeout")
+    assert breaker.state == "open" and breaker.retry_in_s == 1.0
+    assert not breaker.allow() and breaker.short_circuited == 1
+    clock.advance(1.0)
+    assert breaker.allow() and breaker.state == "half_open"
+    assert not breaker.allow()  # one probe at a time
+    breaker.failure("refused")
+    assert breaker.state == "open" and breaker.retry_in_s == 2.0  # backed off
+    clock.advance(2.0)
+    assert breaker.allow()
+    breaker.failure("refused")
+    assert breaker.retry_in_s == 3.0  # capped
+    clock.advance(3.0)
+    assert breaker.allow()
+    breaker.success()
+    assert breaker.state == "closed" and breaker.allow()
+    assert breaker.transitions == {
+        "closed->open": 1,
+        "open->half_open": 3,
+        "half_open->open": 2,
+        "half_open->closed": 1,
+    }
+    assert breaker.opened == 3 and breaker.probes == 3 and breaker.failures == 7
+    messages = [r.getMessage() for r in caplog.records if r.name == "gateway.circuit"]
+    assert len(messages) == 7
+    assert messages[0].startswith("redis circuit closed->open (3 failures in a row")
+
+
+# --- configuration checks ---------------------------------------------------------------------
+
+
+def test_each_limit_divided_between_replicas_is_never_more_lenient() -> None:
+    assert divided(LeakyBucket(10, 1, 20, 10), 2) == LeakyBucket(5, 1, 10, 5)
+    # 10r/s over 3: 200r/m (3.33 r/s), burst 20 -> 6, delay 10 -> 3
+    assert divided(LeakyBucket(10, 1, 20, 10), 3) == LeakyBucket(200, 60, 6, 3)
+    assert divided(LeakyBucket(1, 60, 5, None), 4) == LeakyBucket(1, 60, 1, None)
+    assert divided(SlidingWindow(600, 60.0), 4) == SlidingWindow(150, 60.0)
+    assert divided(FixedWindow(5, 1.0), 10) == FixedWindow(1, 1.0)
+    assert divided(SlidingLog(9, 2.0), 2) == SlidingLog(4, 2.0)
+    assert divided(TokenBucket(1000, 1, 2000), 3) == TokenBucket(1000, 3, 666)
+    bucket = divided(TokenBucket(1000, 1, 2000), 3)
+    assert isinstance(bucket, TokenBucket) and bucket.tokens(None, 0) == 666
+    assert divided(WarmingUpTokenBucket(6, 1, 2.0), 2) == WarmingUpTokenBucket(6, 2, 2.0)
+    limit = LeakyBucket(5, 1, 3, None)
+    assert divided(limit, 1) is limit
+
+
+def test_limits_whose_arithmetic_would_not_be_exact_in_lua_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"too large for the Redis store.*2\*\*53"):
+        codec_for(SlidingWindow(10**9, 3600.0))
+    with pytest.raises(ValueError, match="too large for the Redis store"):
+        codec_for(TokenBucket(999_983, 1, 10**10))
+    codec_for(SlidingWindow(10**6, 3600.0))  # a million an hour is fine
+
+
+def test_store_urls_and_options_are_checked() -> None:
+    assert parse_store_url("redis://h:1/2") == ("redis://h:1/2", False)
+    assert parse_store_url("rediss+cluster://h:1") == ("rediss://h:1", True)
+    with pytest.raises(ValueError, match="invalid store url 'memcached://h'"):
+        parse_store_url("memcached://h")
+    with pytest.raises(ValueError, match="on_failure must be local, allow or deny"):
+        RedisStore("redis://127.0.0.1:1", on_failure="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="key_prefix must not contain braces"):
+        RedisStore("redis://127.0.0.1:1", key_prefix="{gw}")
+
+
+async def test_tracked_keys_counts_the_local_fallback(redis_factory: RedisFactory) -> None:
+    """tracked_keys reports keys held in this process; Redis keys expire on their own."""
+    server = redis_factory.start()
+    limit = compiled("tk", FixedWindow(5, 60.0))
+    store = RedisStore(server.url, breaker=fast_breaker())
+    store.configure([limit], ())
+    try:
+        await store.decide([Check(limit, "a")])
+        assert store.tracked_keys("tk") == 0
+        server.stop()
+        await store.decide([Check(limit, "a")])
+        await store.decide([Check(limit, "b")])
+        assert store.tracked_keys("tk") == 2
+    finally:
+        await store.close()
+
+
+def test_state_codecs_read_back_what_the_python_algorithm_holds() -> None:
+    """The codecs' view of a stored value, on values written by hand."""
+    leaky = LeakyBucket(5, 1, 3, None)
+    assert codec_for(leaky).decode_state(struct.pack("<dd", 2000, 123_456)) == (
+        2000 << 44 | 123_456
+    )
+    log = SlidingLog(3, 1.0)
+    packed = struct.pack("<ddd", T0_US, T0_US + 1, T0_US + 2)
+    assert codec_for(log).decode_state(packed) == struct.pack("=3q", T0_US, T0_US + 1, T0_US + 2)
+    bucket = TokenBucket(7, 1, 3)  # 7 ticks per microsecond
+    assert codec_for(bucket).decode_state(struct.pack("<dd", T0_US, 5)) == T0_US * 7 + 5
