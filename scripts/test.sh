@@ -10,6 +10,8 @@ need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v wrk >/dev/null 2>&1 || need+=(wrk)
+[ -x /usr/bin/chromium ] || need+=(chromium)            # dashboard tests (headless)
+[ -x /usr/bin/prometheus ] || need+=(prometheus)        # PromQL of the Grafana dashboard
 if [ ${#need[@]} -gt 0 ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
