@@ -106,9 +106,11 @@ class SlidingLog:
             retry_after_s = _INF if cost > limit else (times[blocking] - horizon_us) / 1e6
             reset_s = max(newest_us + window_us - now_us, 0) / 1e6
             return Decision(False, 0.0, retry_after_s, limit, limit - in_window, reset_s), state
-        keep_from = bisect_right(times, horizon_us)
-        if blocking >= keep_from:
-            keep_from = blocking + 1
+        # Keep at most limit - cost entries, and none that has left the window (searched for
+        # only when the oldest kept one has).
+        keep_from = blocking + 1 if blocking >= 0 else 0
+        if keep_from < count and times[keep_from] <= horizon_us:
+            keep_from = bisect_right(times, horizon_us, keep_from)
         stamp_us = now_us if now_us > newest_us else newest_us
         kept = count - keep_from
         return (
