@@ -195,12 +195,12 @@ class TokenBucket:
             if max_delay_s is not None:
                 max_delay = rate.us_to_ticks(_max_delay_us(max_delay_s))
             if wait > max_delay:
-                return self._rejection(state, now, tat, wait - max_delay), state
+                return self._rejection(now, tat, wait - max_delay), state
             delay_s = wait / rate.ticks_per_s if wait > 0 else 0.0
         else:
             if tat_new > now:
                 retry = tat_new - now if cost <= self.capacity else _INF
-                return self._rejection(state, now, tat, retry), state
+                return self._rejection(now, tat, retry), state
             delay_s = 0.0
         return (
             Decision(
@@ -214,7 +214,7 @@ class TokenBucket:
             tat_new,
         )
 
-    def _rejection(self, state: int | None, now: int, tat: int, retry_ticks: float) -> Decision:
+    def _rejection(self, now: int, tat: int, retry_ticks: float) -> Decision:
         rate = self._rate
         return Decision(
             False,
