@@ -18,6 +18,14 @@
   const fmtInt = (n) => (n === null || n === undefined ? "—" : Number(n).toLocaleString("en"));
   const fmtSeconds = (s) =>
     s === null || s === undefined ? "—" : s < 1 ? (s * 1000).toFixed(s < 0.01 ? 1 : 0) + " ms" : s.toFixed(2) + " s";
+  const fmtWait = (p50, p99) =>
+    p50 === null || p50 === undefined
+      ? "—"
+      : p99 < 1
+        ? (p50 * 1000).toFixed(p50 < 0.01 ? 1 : 0) + " / " + fmtSeconds(p99)
+        : fmtSeconds(p50) + " / " + fmtSeconds(p99);
+  const clock = uPlot.fmtDate("{HH}:{mm}:{ss}");
+  const timeAxis = { values: (u, splits) => splits.map((v) => clock(new Date(v * 1000))) };
   const fmtPercent = (r) => (r === null || r === undefined ? "—" : (r * 100).toFixed(1) + "%");
 
   function chartWidth(el) {
@@ -52,7 +60,7 @@
           { label: dry ? "would delay/s" : "delayed/s", stroke: COLORS.delayed, width: 1.5, dash: dash_ },
           { label: dry ? "would reject/s" : "rejected/s", stroke: COLORS.rejected, width: 2, dash: dash_ },
         ],
-        axes: [{}, { size: 50 }],
+        axes: [timeAxis, { size: 50 }],
       },
       [[], [], [], []],
       ratesEl
@@ -72,7 +80,7 @@
             value: (u, v) => fmtPercent(v),
           },
         ],
-        axes: [{}, { size: 50, values: (u, ticks) => ticks.map((t) => Math.round(t * 100) + "%") }],
+        axes: [timeAxis, { size: 50, values: (u, ticks) => ticks.map((t) => Math.round(t * 100) + "%") }],
       },
       [[], []],
       ratioEl
@@ -153,7 +161,7 @@
     setField(node, "rejected-rate", last ? fmt(dryRun ? last.dry_run_rejected : last.rejected, 1) : "—");
     setField(node, "ratio", fmtPercent(recentRatio(name, dryRun)));
     setField(node, "waiting", fmtInt(info.waiting));
-    setField(node, "wait", last ? fmtSeconds(last.wait_p50) + " / " + fmtSeconds(last.wait_p99) : "—");
+    setField(node, "wait", last ? fmtWait(last.wait_p50, last.wait_p99) : "—");
     setField(node, "allowed-total", fmtInt(info.allowed));
     setField(node, "delayed-total", fmtInt(dryRun ? info.dry_run_delayed : info.delayed));
     setField(node, "rejected-total", fmtInt(dryRun ? info.dry_run_rejected : info.rejected));
@@ -164,7 +172,9 @@
     tbody.replaceChildren(
       ...info.top_keys.map((hitter) => {
         const row = document.createElement("tr");
-        for (const text of [hitter.key, fmtInt(hitter.count), fmtInt(hitter.error)]) {
+        // Key parts are joined by U+001F; a key of constant parts only ([global]) is empty.
+        const key = hitter.key ? hitter.key.split("\u001f").join(" · ") : "(all clients)";
+        for (const text of [key, fmtInt(hitter.count), fmtInt(hitter.error)]) {
           const cell = document.createElement("td");
           cell.textContent = text;
           row.appendChild(cell);
@@ -172,7 +182,10 @@
         return row;
       })
     );
-    node.querySelector(".top .none").hidden = info.top_keys.length > 0;
+    const none = node.querySelector(".top .none");
+    none.hidden = info.top_keys.length > 0;
+    // The engine counts a dry-run limit's verdicts but does not say which keys they were for.
+    none.textContent = dryRun ? "not tracked for dry-run limits" : "no key limited lately";
 
     const s = seriesFor(name, dryRun);
     view.rates.setData([s.x, s.allowed, s.delayed, s.rejected]);
