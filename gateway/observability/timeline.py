@@ -76,6 +76,7 @@ class Timeline:
         requests_before = sum(n for *_, n in previous.requests)
         point = {
             "t": round(snapshot.at, 3),
+            "dt": round(elapsed, 3),  # the rates are over the ``dt`` seconds before ``t``
             "requests": round(max(0, requests_now - requests_before) / elapsed, 3),
             "limits": limits,
         }
