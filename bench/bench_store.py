@@ -10,7 +10,8 @@ limits are set high enough that every request is admitted, so each target does t
 of a request: decide all three limits, forward, answer. Targets:
 
 * ``memory``: the in-process store;
-* ``redis``: ``RedisStore`` on one ``redis-server``;
+* ``redis``: ``RedisStore`` on one ``redis-server``, with its own pipelined hiredis client;
+* ``redis-py``: the same with redis-py's asyncio pipelines instead (to compare);
 * ``redis-cluster``: ``RedisStore`` on a 3-master Redis Cluster (with ``--cluster``).
 
 ``serve`` is the launcher the harness runs for each target (the CLI cannot select a store yet).
@@ -43,6 +44,7 @@ import bench_proxy as bp  # noqa: E402  (the shared harness: processes, wrk, rea
 
 MEMORY = "memory"
 REDIS = "redis"
+REDIS_PY = "redis-py"
 REDIS_CLUSTER = "redis-cluster"
 STATS_RE = re.compile(r"^STORE_STATS (.*)$", re.MULTILINE)
 
@@ -84,6 +86,7 @@ limits:
 
 async def serve(args: argparse.Namespace) -> None:
     from gateway.policy_loader import load_policy
+    from gateway.redis_store import RedisStore
     from gateway.serve import Gateway
     from gateway.store import LimitStore, MemoryStore
 
@@ -92,9 +95,12 @@ async def serve(args: argparse.Namespace) -> None:
     if args.store == "memory":
         store = MemoryStore()
     else:
-        from gateway.redis_store import RedisStore
-
-        store = RedisStore(args.store, key_prefix=args.key_prefix, max_in_flight=args.in_flight)
+        store = RedisStore(
+            args.store,
+            key_prefix=args.key_prefix,
+            max_in_flight=args.in_flight,
+            client=args.client,
+        )
     gateway = Gateway(loaded, listen=args.listen, admin_listen=args.admin_listen, store=store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -104,13 +110,11 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
-        stats = getattr(store, "stats", None)
-        if stats is not None:
-            breaker = store.breaker  # type: ignore[attr-defined]
+        if isinstance(store, RedisStore):
             counters = {
-                **dataclasses.asdict(stats),
-                "round_trips": store.round_trips,  # type: ignore[attr-defined]
-                "circuit_transitions": breaker.transitions,
+                **dataclasses.asdict(store.counters),
+                "round_trips": store.round_trips,
+                "circuit_transitions": store.breaker.transitions,
             }
             print("STORE_STATS " + json.dumps(counters), flush=True)
         await gateway.stop()
@@ -123,7 +127,8 @@ def serve_main(argv: Sequence[str]) -> int:
     parser.add_argument("--listen", required=True)
     parser.add_argument("--admin-listen", required=True)
     parser.add_argument("--key-prefix", default="bench:")
-    parser.add_argument("--in-flight", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=2)
+    parser.add_argument("--client", choices=("thin", "redis-py"), default="thin")
     args = parser.parse_args(argv)
     from gateway.serve import run_event_loop
 
@@ -207,12 +212,19 @@ def _redis_ping(port: int) -> bool:
 
 
 def start_gateway(
-    procs: bp.Processes, name: str, policy: Path, store_url: str, cpus: str, in_flight: int
+    procs: bp.Processes,
+    name: str,
+    policy: Path,
+    store_url: str,
+    cpus: str,
+    in_flight: int,
+    client: str = "thin",
 ) -> bp.RunningTarget:
     port, admin_port = bp.free_port(), bp.free_port()
     argv = [sys.executable, str(Path(__file__).resolve()), "serve", "--policy", str(policy)]
     argv += ["--store", store_url, "--listen", f"127.0.0.1:{port}"]
     argv += ["--admin-listen", f"127.0.0.1:{admin_port}", "--in-flight", str(in_flight)]
+    argv += ["--client", client]
     started = procs.start(name, bp.pinned(cpus, argv), cwd=REPO_ROOT)
     try:
         bp.wait_ready(started, [bp.healthz(admin_port), bp.serves_body(port)], bp.READY_TIMEOUT_S)
@@ -242,11 +254,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="wrk -t")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of unmeasured load")
     parser.add_argument("--cluster", action="store_true", help="also a 3-master Redis Cluster")
-    parser.add_argument("--in-flight", type=int, default=4, help="RedisStore max_in_flight")
+    parser.add_argument("--in-flight", type=int, default=2, help="RedisStore max_in_flight")
+    parser.add_argument(
+        "--targets",
+        default=f"{MEMORY},{REDIS},{REDIS_PY}",
+        help=f"comma list from {MEMORY},{REDIS},{REDIS_PY} (--cluster adds {REDIS_CLUSTER})",
+    )
     parser.add_argument("--pin", choices=("split", "none"), default="split")
     parser.add_argument("--json", type=Path, help="write all runs and the summary here")
     args = parser.parse_args(argv)
     args.connections = [int(c) for c in args.connections.split(",") if c]
+    args.targets = [t for t in args.targets.split(",") if t]
     if args.repeats < 1 or args.duration <= 0 or not args.connections:
         parser.error("--repeats >= 1, --duration > 0 and at least one connection count")
     return args
@@ -287,7 +305,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     plan.single_proxy,
                     args.in_flight,
                 ),
+                REDIS_PY: lambda: start_gateway(
+                    procs,
+                    REDIS_PY,
+                    policy,
+                    f"redis://127.0.0.1:{redis_port}",
+                    plan.single_proxy,
+                    args.in_flight,
+                    client="redis-py",
+                ),
             }
+            starters = {name: start for name, start in starters.items() if name in args.targets}
             if args.cluster:
                 cluster_port = start_cluster(procs, work_dir, plan.upstream)
                 starters[REDIS_CLUSTER] = lambda: start_gateway(

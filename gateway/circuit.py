@@ -10,6 +10,7 @@ transition is logged and counted; ``state`` and the counters are plain attribute
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Final, Literal
 
 from gateway.clock import Clock, MonotonicClock
@@ -34,6 +35,7 @@ class CircuitBreaker:
         "failures",
         "max_reset_timeout_s",
         "name",
+        "on_transition",
         "opened",
         "probes",
         "reset_timeout_s",
@@ -50,7 +52,9 @@ class CircuitBreaker:
         reset_timeout_s: float = 0.5,
         max_reset_timeout_s: float = 4.0,
         clock: Clock | None = None,
+        on_transition: Callable[[State], None] | None = None,
     ) -> None:
+        """``on_transition`` is told each new state (after it is logged)."""
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be at least 1, got {failure_threshold!r}")
         if not 0 < reset_timeout_s <= max_reset_timeout_s:
@@ -59,6 +63,7 @@ class CircuitBreaker:
                 f"{reset_timeout_s!r} and {max_reset_timeout_s!r}"
             )
         self.name = name
+        self.on_transition = on_transition
         self.failure_threshold = failure_threshold
         self.reset_timeout_s = reset_timeout_s
         self.max_reset_timeout_s = max_reset_timeout_s
@@ -118,3 +123,5 @@ class CircuitBreaker:
         level = logging.INFO if state != OPEN else logging.WARNING
         log.log(level, "%s circuit %s (%s)", self.name, transition, reason)
         self.state = state
+        if self.on_transition is not None:
+            self.on_transition(state)

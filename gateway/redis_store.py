@@ -53,6 +53,7 @@ from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
 from gateway.circuit import CircuitBreaker
 from gateway.clock import Clock, MonotonicClock
+from gateway.observability.stats import StoreStats
 from gateway.store import MemoryStore
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ _EXACT_LIMIT: Final = 2**53
 # An overridden clock (tests) has nothing to do with the clock Redis expires keys by.
 _OVERRIDE_MIN_TTL_MS: Final = 600_000
 _MAX_RECOVERIES: Final = 3
+# Arguments this long are a limit's parameters (a letter and two or more doubles), never a
+# time (16 digits): their RESP encoding is kept.
+_CACHED_ARG_BYTES: Final = 17
 _LUA_FILES: Final = (
     "prelude.lua",
     "leaky_bucket.lua",
@@ -713,6 +717,7 @@ class ThinClient:
                 raise ValueError(f"a Redis Cluster has only database 0, got {url!r}")
             self.handshake.append(_command(b"SELECT", db.encode()))
         self._head = b"*%%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode()
+        self._encoded: dict[bytes, bytes] = {}
         self._nodes: dict[str, _Node] = {}
         self._seed = self._node(parts.hostname or "127.0.0.1", parts.port or 6379)
         # Slot -> node, from CLUSTER SLOTS; until known, calls go to the seed node, whose MOVED
@@ -728,10 +733,17 @@ class ThinClient:
         return node
 
     def submit(self, keys: Sequence[bytes], argv: Sequence[bytes]) -> asyncio.Future[Any]:
-        args = (b"%d" % len(keys), *keys, *argv)
-        payload = (self._head % (len(args) + 2)) + b"".join(
-            [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
-        )
+        encoded = self._encoded
+        parts = [self._head % (len(keys) + len(argv) + 3), b"$1\r\n%d\r\n" % len(keys)]
+        parts += [b"$%d\r\n%s\r\n" % (len(key), key) for key in keys]
+        for arg in argv:
+            bulk = encoded.get(arg)
+            if bulk is None:
+                bulk = b"$%d\r\n%s\r\n" % (len(arg), arg)
+                if len(arg) >= _CACHED_ARG_BYTES:  # a limit's parameters: few, reused
+                    encoded[arg] = bulk
+            parts.append(bulk)
+        payload = b"".join(parts)
         if not self.cluster or self._slots is None:
             return self._seed.submit(payload)
         node = self._slots[key_slot(keys[0])]
@@ -805,8 +817,9 @@ class ThinClient:
 
 
 @dataclass(slots=True)
-class RedisStoreStats:
-    """Counters for the metrics engineer; round trips per request = round_trips / calls."""
+class RedisStoreCounters:
+    """What the store did, beyond ``stats``; round trips per script call are
+    ``store.round_trips / counters.calls``."""
 
     calls: int = 0  # script calls (one per request, one per dry-run limit, refunds)
     failed_calls: int = 0  # calls that timed out or failed
@@ -875,7 +888,10 @@ class RedisStore:
         self.time_source = time_source
         self.clock: Clock = clock or MonotonicClock()
         self.breaker = breaker or CircuitBreaker("redis store", clock=self.clock)
-        self.stats = RedisStoreStats()
+        self.breaker.on_transition = self._circuit_moved
+        # For the metrics: calls, errors, call latency, and the circuit's state.
+        self.stats = StoreStats()
+        self.counters = RedisStoreCounters()
         self.local = MemoryStore(self.clock)
         self._min_ttl = b"%d" % _OVERRIDE_MIN_TTL_MS if time_source is not None else b"0"
         self.script = load_script()
@@ -901,7 +917,7 @@ class RedisStore:
 
     @property
     def round_trips(self) -> int:
-        """Pipelines sent to Redis; per request, ``round_trips / stats.calls``."""
+        """Pipelines sent to Redis; per script call, ``round_trips / counters.calls``."""
         return self.client.round_trips
 
     # -- configuration --
@@ -998,7 +1014,7 @@ class RedisStore:
             else:
                 self.breaker.success()
                 return
-        self.stats.local_decisions += 1
+        self.counters.local_decisions += 1
         await self.local.refund([self._local_check(check) for check in checks])
 
     def tracked_keys(self, limit_name: str) -> int:
@@ -1021,7 +1037,9 @@ class RedisStore:
         time_source = self.time_source
         now = b"" if time_source is None else b"%d" % time_source.now_us()
         argv = [mode, now, b"1", self._min_ttl, *[plan.codec.params for plan in plans]]
-        self.stats.calls += 1
+        self.counters.calls += 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         reply = await self.client.submit(keys, argv)
         # A new cluster client may meet MOVED, then NOSCRIPT on the right node: a few rounds.
         for _ in range(_MAX_RECOVERIES):
@@ -1029,16 +1047,22 @@ class RedisStore:
                 break
             if not await self.client.recover(reply):
                 raise reply
-            self.stats.recoveries += 1
+            self.counters.recoveries += 1
             reply = await self.client.submit(keys, argv)
         if isinstance(reply, Exception):
             raise reply
+        self.stats.observe(loop.time() - started)
         result: list[int] = reply
         return result
 
     def _failed(self, exc: BaseException) -> None:
-        self.stats.failed_calls += 1
+        self.counters.failed_calls += 1
+        self.stats.error()
         self.breaker.failure(_describe(exc))
+
+    def _circuit_moved(self, state: str) -> None:
+        # The breaker has logged it; the metrics' names for its states.
+        self.stats.state = "ok" if state == "closed" else state
 
     # -- when Redis cannot decide --
 
@@ -1046,7 +1070,7 @@ class RedisStore:
         return dataclasses.replace(check, limit=self.plan(check.limit).local)
 
     async def _local_decide(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
-        self.stats.local_decisions += 1
+        self.counters.local_decisions += 1
         return await self.local.decide(
             [self._local_check(check) for check in checks], commit=commit
         )
@@ -1058,13 +1082,13 @@ class RedisStore:
         if mode == "local":
             return await self._local_decide(checks, commit)
         if mode == "allow":
-            self.stats.allowed_open += 1
+            self.counters.allowed_open += 1
             decisions = tuple(
                 Decision(True, 0.0, 0.0, limit, limit, 0.0)
                 for limit in (self.plan(check.limit).codec.nominal_limit for check in checks)
             )
             return CombinedDecision(True, 0.0, 0.0, (), None, decisions, (None,) * len(checks))
-        self.stats.denied_closed += 1
+        self.counters.denied_closed += 1
         retry_after_s = max(self.breaker.retry_in_s, self.timeout_s)
         raise StoreUnavailableError(f"rate-limit store unavailable: {reason}", retry_after_s)
 
@@ -1098,14 +1122,31 @@ def _describe(exc: BaseException) -> str:
 
 def _combine(codecs: Sequence[Codec], reply: Sequence[int]) -> CombinedDecision:
     """The combined verdict from the script's reply, as ``decide_all`` builds it."""
-    decisions = tuple(
-        codec.decision(*reply[5 * i + 1 : 5 * i + 6]) for i, codec in enumerate(codecs)
-    )
+    if len(codecs) == 1:
+        decision = codecs[0].decision(reply[1], reply[2], reply[3], reply[4], reply[5])
+        if decision.allowed:
+            delayed = 0 if decision.delay_s > 0.0 else None
+            return CombinedDecision(True, decision.delay_s, 0.0, (), delayed, (decision,), (None,))
+        return CombinedDecision(
+            False, 0.0, decision.retry_after_s, (0,), None, (decision,), (None,)
+        )
+    decisions = []
+    rejected_by = []
+    base = 1
+    for index, codec in enumerate(codecs):
+        decision = codec.decision(
+            reply[base], reply[base + 1], reply[base + 2], reply[base + 3], reply[base + 4]
+        )
+        base += 5
+        if not decision.allowed:
+            rejected_by.append(index)
+        decisions.append(decision)
     states = (None,) * len(decisions)
-    rejected_by = tuple(i for i, decision in enumerate(decisions) if not decision.allowed)
     if rejected_by:
-        retry_after_s = max(decisions[i].retry_after_s for i in rejected_by)
-        return CombinedDecision(False, 0.0, retry_after_s, rejected_by, None, decisions, states)
+        retry_after_s = max([decisions[i].retry_after_s for i in rejected_by])
+        return CombinedDecision(
+            False, 0.0, retry_after_s, tuple(rejected_by), None, tuple(decisions), states
+        )
     delay_s = 0.0
     delayed_by = None
     for index, decision in enumerate(decisions):
@@ -1113,4 +1154,4 @@ def _combine(codecs: Sequence[Codec], reply: Sequence[int]) -> CombinedDecision:
         if decision.delay_s >= delay_s and decision.delay_s > 0.0:
             delay_s = decision.delay_s
             delayed_by = index
-    return CombinedDecision(True, delay_s, 0.0, (), delayed_by, decisions, states)
+    return CombinedDecision(True, delay_s, 0.0, (), delayed_by, tuple(decisions), states)

@@ -106,7 +106,7 @@ async def _serve(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
-        counters = {**dataclasses.asdict(store.stats), "round_trips": store.round_trips}
+        counters = {**dataclasses.asdict(store.counters), "round_trips": store.round_trips}
         counters["circuit_transitions"] = store.breaker.transitions
         print(STATS_PREFIX + json.dumps(counters), flush=True)
         await gateway.stop()

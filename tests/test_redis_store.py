@@ -221,7 +221,7 @@ async def run_against_python(
                     else:
                         assert store.plan(check.limit).codec.decode_state(raw) == state
         if isinstance(store, RedisStore):
-            assert store.stats.local_decisions == 0 and store.stats.failed_calls == 0
+            assert store.counters.local_decisions == 0 and store.counters.failed_calls == 0
     finally:
         await store.close()
 
@@ -355,7 +355,7 @@ async def test_replicas_hammering_one_key_never_over_admit(redis_backend: Backen
             *[stores[i % 4].decide([Check(limit, "")]) for i in range(400)]
         )
         assert sum(v.allowed for v in verdicts) == 50
-        assert all(isinstance(s, RedisStore) and s.stats.failed_calls == 0 for s in stores)
+        assert all(isinstance(s, RedisStore) and s.counters.failed_calls == 0 for s in stores)
     finally:
         for store in stores:
             await store.close()
@@ -458,10 +458,10 @@ async def test_script_flushed_from_redis_is_loaded_again(redis_backend: Backend)
     store.configure([limit], ())
     try:
         assert (await store.decide([Check(limit, "k")])).allowed
-        recoveries = store.stats.recoveries
+        recoveries = store.counters.recoveries
         redis_backend.inspect.script_flush()  # on every master of a cluster
         assert (await store.decide([Check(limit, "k")])).decisions[0].remaining == 3
-        assert store.stats.recoveries == recoveries + 1
+        assert store.counters.recoveries == recoveries + 1
     finally:
         await store.close()
 
@@ -496,7 +496,7 @@ async def test_cluster_keys_of_a_request_share_a_slot_and_clients_spread(
             assert (await store.decide(checks)).allowed
             tags |= {store.redis_key(check).partition("}")[0] for check in checks}
         assert len(tags) == 1
-        assert store.stats.failed_calls == 0
+        assert store.counters.failed_calls == 0
     finally:
         plain.close()
         await store.close()
@@ -528,10 +528,12 @@ async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
         verdicts = [await store.decide([Check(limit, "k")]) for _ in range(4)]
         assert [v.allowed for v in verdicts] == [True, True, False, False]
         assert store.breaker.state == "open"
-        assert store.stats.local_decisions == 5
-        failed = store.stats.failed_calls
+        # What the metrics read: the state, failed calls, and successful calls timed.
+        assert store.stats.state == "open" and store.stats.errors == 2 and store.stats.calls == 1
+        assert store.counters.local_decisions == 5
+        failed = store.counters.failed_calls
         await store.decide([Check(limit, "k")])
-        assert store.stats.failed_calls == failed  # open: Redis not even tried
+        assert store.counters.failed_calls == failed  # open: Redis not even tried
 
         server.start(same_port=True)
         deadline = loop.time() + 5.0
@@ -540,7 +542,7 @@ async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
             if store.breaker.state == "closed":
                 break
             await asyncio.sleep(0.05)
-        assert store.breaker.state == "closed"
+        assert store.breaker.state == "closed" and store.stats.state == "ok"
         # Back on Redis: a restarted, empty Redis, whose limit is 9 again.
         assert verdict.decisions[0].limit == 9
         assert store.breaker.transitions["open->half_open"] >= 1
@@ -598,12 +600,12 @@ async def test_allow_mode_fails_open_and_deny_mode_fails_closed(
         for _ in range(5):
             verdict = await allow.decide([Check(limit, "k")])
             assert verdict.allowed and verdict.decisions[0].limit == 1
-        assert allow.stats.allowed_open == 5
+        assert allow.counters.allowed_open == 5
         for _ in range(3):
             with pytest.raises(StoreUnavailableError) as caught:
                 await deny.decide([Check(limit, "k")])
             assert caught.value.retry_after_s > 0
-        assert deny.stats.denied_closed == 3 and deny.breaker.state == "open"
+        assert deny.counters.denied_closed == 3 and deny.breaker.state == "open"
         # Dry-run limits are never enforced: decided locally whatever the mode.
         (dry,) = await deny.decide_each([Check(limit, "k")])
         assert dry.allowed
@@ -804,13 +806,13 @@ async def test_redis_stopped_under_load_no_5xx_fallback_then_back(
     assert outage and max(s.latency_s for s in outage) < 0.5  # no request waits on Redis
     assert store.breaker.transitions["closed->open"] >= 1
     assert store.breaker.state == "closed"  # back on Redis
-    decided_locally = store.stats.local_decisions if on_failure == "local" else 0
-    fail_open = store.stats.allowed_open if on_failure == "allow" else 0
+    decided_locally = store.counters.local_decisions if on_failure == "local" else 0
+    fail_open = store.counters.allowed_open if on_failure == "allow" else 0
     assert decided_locally + fail_open >= len(outage) // 2
-    calls_before = store.stats.calls
+    calls_before = store.counters.calls
     async with aiohttp.ClientSession() as session, session.get(gw.url + "/") as response:
         assert response.status == 200
-    assert store.stats.calls == calls_before + 1 and store.breaker.state == "closed"
+    assert store.counters.calls == calls_before + 1 and store.breaker.state == "closed"
 
 
 @pytest.mark.xfail(

@@ -2,30 +2,32 @@
 -- Parameters: limit, window_us.
 -- State: window_index, count.
 -- Reply: allowed, 0, retry_after_us (-1: never), remaining, reset_us.
-ALG['F'] = {
-  decide = function(p, raw, now_us, cost)
-    local limit, window_us = unpack_state('<dd', p, 2)
-    local index = floor(now_us / window_us)
-    local count = 0
-    if raw then
-      local state_index, state_count = unpack_state('<dd', raw)
-      if state_index >= index then -- this window, or a newer one the clock stepped back from
-        index = state_index
-        count = state_count
+MAKE['F'] = function()
+  return {
+    decide = function(p, raw, now_us, cost)
+      local limit, window_us = unpack_state('<dd', p, 2)
+      local index = floor(now_us / window_us)
+      local count = 0
+      if raw then
+        local state_index, state_count = unpack_state('<dd', raw)
+        if state_index >= index then -- this window, or a newer one the clock stepped back from
+          index = state_index
+          count = state_count
+        end
       end
-    end
-    local reset_us = (index + 1) * window_us - now_us
-    count = count + cost
-    if count > limit then
-      local retry_us = reset_us
-      if cost > limit then retry_us = -1 end
-      return 0, nil, 0, 0, retry_us, limit - count + cost, reset_us
-    end
-    return 1, pack_state('<dd', index, count), reset_us, 0, 0, limit - count, reset_us
-  end,
+      local reset_us = (index + 1) * window_us - now_us
+      count = count + cost
+      if count > limit then
+        local retry_us = reset_us
+        if cost > limit then retry_us = -1 end
+        return 0, nil, 0, 0, retry_us, limit - count + cost, reset_us
+      end
+      return 1, pack_state('<dd', index, count), reset_us, 0, 0, limit - count, reset_us
+    end,
 
-  -- Without the time the request was charged, the window algorithms give nothing back.
-  refund = function(p, raw, now_us, cost)
-    return nil, 0
-  end,
-}
+    -- Without the time the request was charged, the window algorithms give nothing back.
+    refund = function(p, raw, now_us, cost)
+      return nil, 0
+    end,
+  }
+end

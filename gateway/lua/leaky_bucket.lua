@@ -2,60 +2,62 @@
 -- Parameters: rate_milli, burst_milli, delay_milli (inf: nodelay).
 -- State: excess_milli, last_ms.
 -- Reply: allowed, delay_ms, retry_after_us (-1: never), remaining, reset_us.
-local function lb_recovered_ms(last_ms, excess, rate)
-  -- Full recovery (what a new key would see) once excess + 1000 has drained.
-  return last_ms + ceil_div((excess + 1000) * 1000, rate)
-end
+MAKE['L'] = function()
+  local function lb_recovered_ms(last_ms, excess, rate)
+    -- Full recovery (what a new key would see) once excess + 1000 has drained.
+    return last_ms + ceil_div((excess + 1000) * 1000, rate)
+  end
 
-ALG['L'] = {
-  decide = function(p, raw, now_us, cost)
-    local rate, burst, delay = unpack_state('<ddd', p, 2)
-    local now_ms = floor(now_us / 1000)
-    local excess, last_ms
-    local prev_excess, prev_last
-    if raw then
-      prev_excess, prev_last = unpack_state('<dd', raw)
-      last_ms = prev_last
-      local ms = now_ms - last_ms
-      if ms < 0 then
-        if ms < -60000 then ms = 1 else ms = 0 end
+  return {
+    decide = function(p, raw, now_us, cost)
+      local rate, burst, delay = unpack_state('<ddd', p, 2)
+      local now_ms = floor(now_us / 1000)
+      local excess, last_ms
+      local prev_excess, prev_last
+      if raw then
+        prev_excess, prev_last = unpack_state('<dd', raw)
+        last_ms = prev_last
+        local ms = now_ms - last_ms
+        if ms < 0 then
+          if ms < -60000 then ms = 1 else ms = 0 end
+        end
+        excess = prev_excess - floor(rate * ms / 1000) + 1000
+        if excess < 0 then excess = 0 end
+        if ms ~= 0 then last_ms = now_ms end
+      else
+        excess = 0
+        last_ms = now_ms
       end
-      excess = prev_excess - floor(rate * ms / 1000) + 1000
+      excess = excess + (cost - 1) * 1000
+      if excess > burst then
+        if not raw or (cost - 1) * 1000 > burst then
+          return 0, nil, 0, 0, -1, 0, 0
+        end
+        local needed = prev_excess + cost * 1000 - burst
+        local admit_us = (prev_last + ceil_div(needed * 1000, rate)) * 1000
+        local recovered_us = lb_recovered_ms(prev_last, prev_excess, rate) * 1000
+        local retry_us = admit_us - now_us
+        if retry_us < 0 then retry_us = 0 end
+        local reset_us = recovered_us - now_us
+        if reset_us < 0 then reset_us = 0 end
+        return 0, nil, 0, 0, retry_us, 0, reset_us
+      end
+      local delay_ms = 0
+      if excess > delay then
+        delay_ms = floor((excess - delay) * 1000 / rate)
+      end
+      local recovered_ms = lb_recovered_ms(last_ms, excess, rate)
+      local reset_us = recovered_ms * 1000 - now_us
+      return 1, pack_state('<dd', excess, last_ms), recovered_ms * 1000 - now_us,
+        delay_ms, 0, floor((burst - excess) / 1000), reset_us
+    end,
+
+    refund = function(p, raw, now_us, cost)
+      local rate = unpack_state('<d', p, 2)
+      local excess, last_ms = unpack_state('<dd', raw)
+      excess = excess - cost * 1000
       if excess < 0 then excess = 0 end
-      if ms ~= 0 then last_ms = now_ms end
-    else
-      excess = 0
-      last_ms = now_ms
-    end
-    excess = excess + (cost - 1) * 1000
-    if excess > burst then
-      if not raw or (cost - 1) * 1000 > burst then
-        return 0, nil, 0, 0, -1, 0, 0
-      end
-      local needed = prev_excess + cost * 1000 - burst
-      local admit_us = (prev_last + ceil_div(needed * 1000, rate)) * 1000
-      local recovered_us = lb_recovered_ms(prev_last, prev_excess, rate) * 1000
-      local retry_us = admit_us - now_us
-      if retry_us < 0 then retry_us = 0 end
-      local reset_us = recovered_us - now_us
-      if reset_us < 0 then reset_us = 0 end
-      return 0, nil, 0, 0, retry_us, 0, reset_us
-    end
-    local delay_ms = 0
-    if excess > delay then
-      delay_ms = floor((excess - delay) * 1000 / rate)
-    end
-    local recovered_ms = lb_recovered_ms(last_ms, excess, rate)
-    local reset_us = recovered_ms * 1000 - now_us
-    return 1, pack_state('<dd', excess, last_ms), recovered_ms * 1000 - now_us,
-      delay_ms, 0, floor((burst - excess) / 1000), reset_us
-  end,
-
-  refund = function(p, raw, now_us, cost)
-    local rate = unpack_state('<d', p, 2)
-    local excess, last_ms = unpack_state('<dd', raw)
-    excess = excess - cost * 1000
-    if excess < 0 then excess = 0 end
-    return pack_state('<dd', excess, last_ms), lb_recovered_ms(last_ms, excess, rate) * 1000 - now_us
-  end,
-}
+      return pack_state('<dd', excess, last_ms), lb_recovered_ms(last_ms, excess, rate) * 1000 - now_us
+    end,
+  }
+end

@@ -3,54 +3,56 @@
 -- State: the admission time of every unit admitted in the last window, oldest first, one
 -- little-endian double each (exact: times are integers below 2^53).
 -- Reply: allowed, 0, retry_after_us (-1: never), remaining, reset_us.
-local function sl_time(raw, i) -- entry i, counting from 0
-  return (unpack_state('<d', raw, i * 8 + 1))
-end
-
-local function sl_bisect_right(raw, count, x) -- how many entries are <= x
-  local lo, hi = 0, count
-  while lo < hi do
-    local mid = floor((lo + hi) / 2)
-    if x < sl_time(raw, mid) then hi = mid else lo = mid + 1 end
+MAKE['G'] = function()
+  local function sl_time(raw, i) -- entry i, counting from 0
+    return (unpack_state('<d', raw, i * 8 + 1))
   end
-  return lo
-end
 
-ALG['G'] = {
-  decide = function(p, raw, now_us, cost)
-    local limit, window_us = unpack_state('<dd', p, 2)
-    local horizon_us = now_us - window_us -- entries at or before this have left the window
-    if not raw or #raw == 0 then
-      if cost > limit then
-        return 0, nil, 0, 0, -1, limit, 0
+  local function sl_bisect_right(raw, count, x) -- how many entries are <= x
+    local lo, hi = 0, count
+    while lo < hi do
+      local mid = floor((lo + hi) / 2)
+      if x < sl_time(raw, mid) then hi = mid else lo = mid + 1 end
+    end
+    return lo
+  end
+
+  return {
+    decide = function(p, raw, now_us, cost)
+      local limit, window_us = unpack_state('<dd', p, 2)
+      local horizon_us = now_us - window_us -- entries at or before this have left the window
+      if not raw or #raw == 0 then
+        if cost > limit then
+          return 0, nil, 0, 0, -1, limit, 0
+        end
+        return 1, string.rep(pack_state('<d', now_us), cost), window_us,
+          0, 0, limit - cost, window_us
       end
-      return 1, string.rep(pack_state('<d', now_us), cost), window_us,
-        0, 0, limit - cost, window_us
-    end
-    local count = #raw / 8
-    local newest_us = sl_time(raw, count - 1)
-    -- The entry that must have left the window for `cost` more units to fit.
-    local blocking = count - (limit - cost) - 1
-    if cost > limit or (blocking >= 0 and sl_time(raw, blocking) > horizon_us) then
-      local in_window = count - sl_bisect_right(raw, count, horizon_us)
-      local retry_us = -1
-      if cost <= limit then retry_us = sl_time(raw, blocking) - horizon_us end
-      local reset_us = newest_us + window_us - now_us
-      if reset_us < 0 then reset_us = 0 end
-      return 0, nil, 0, 0, retry_us, limit - in_window, reset_us
-    end
-    local keep_from = sl_bisect_right(raw, count, horizon_us)
-    if blocking >= keep_from then keep_from = blocking + 1 end
-    local stamp_us = newest_us
-    if now_us > newest_us then stamp_us = now_us end
-    local kept = count - keep_from
-    local reset_us = stamp_us + window_us - now_us
-    return 1, string.sub(raw, keep_from * 8 + 1) .. string.rep(pack_state('<d', stamp_us), cost),
-      reset_us, 0, 0, limit - kept - cost, reset_us
-  end,
+      local count = #raw / 8
+      local newest_us = sl_time(raw, count - 1)
+      -- The entry that must have left the window for `cost` more units to fit.
+      local blocking = count - (limit - cost) - 1
+      if cost > limit or (blocking >= 0 and sl_time(raw, blocking) > horizon_us) then
+        local in_window = count - sl_bisect_right(raw, count, horizon_us)
+        local retry_us = -1
+        if cost <= limit then retry_us = sl_time(raw, blocking) - horizon_us end
+        local reset_us = newest_us + window_us - now_us
+        if reset_us < 0 then reset_us = 0 end
+        return 0, nil, 0, 0, retry_us, limit - in_window, reset_us
+      end
+      local keep_from = sl_bisect_right(raw, count, horizon_us)
+      if blocking >= keep_from then keep_from = blocking + 1 end
+      local stamp_us = newest_us
+      if now_us > newest_us then stamp_us = now_us end
+      local kept = count - keep_from
+      local reset_us = stamp_us + window_us - now_us
+      return 1, string.sub(raw, keep_from * 8 + 1) .. string.rep(pack_state('<d', stamp_us), cost),
+        reset_us, 0, 0, limit - kept - cost, reset_us
+    end,
 
-  -- Without the time the request was charged, the window algorithms give nothing back.
-  refund = function(p, raw, now_us, cost)
-    return nil, 0
-  end,
-}
+    -- Without the time the request was charged, the window algorithms give nothing back.
+    refund = function(p, raw, now_us, cost)
+      return nil, 0
+    end,
+  }
+end

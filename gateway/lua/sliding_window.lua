@@ -2,60 +2,62 @@
 -- Parameters: limit, window_us.
 -- State: window_index, previous, current.
 -- Reply: allowed, 0, retry_after_us (-1: never), remaining, reset_us.
-local function sw_counts_at(raw, index)
-  if not raw then return index, 0, 0 end
-  local state_index, previous, current = unpack_state('<ddd', raw)
-  if state_index >= index then -- this window, or a newer one the clock stepped back from
-    return state_index, previous, current
-  end
-  if state_index == index - 1 then return index, current, 0 end
-  return index, 0, 0
-end
-
-ALG['S'] = {
-  decide = function(p, raw, now_us, cost)
-    local limit, window_us = unpack_state('<dd', p, 2)
-    local index, previous, current = sw_counts_at(raw, floor(now_us / window_us))
-    local start_us = index * window_us
-    local elapsed_us = now_us - start_us
-    if elapsed_us < 0 then elapsed_us = 0 end
-    -- The previous window's count, weighted by the share of it still inside the sliding
-    -- window, rounded down.
-    local weighted = floor(previous * (window_us - elapsed_us) / window_us)
-    local used = weighted + current + cost
-    if used > limit then
-      local remaining = limit - weighted - current
-      if remaining < 0 then remaining = 0 end
-      local recovered_us = start_us + window_us
-      if current > 0 then recovered_us = recovered_us + window_us end
-      local reset_us = recovered_us - now_us
-      if reset_us < 0 then reset_us = 0 end
-      if cost > limit then
-        return 0, nil, 0, 0, -1, remaining, reset_us
-      end
-      local admit_us
-      local room = limit - cost - current
-      if room >= 0 then
-        -- Later in this window, once previous * weight_us // window_us <= room.
-        admit_us = start_us + window_us - floor(((room + 1) * window_us - 1) / previous)
-      else
-        -- Next window, where the current count becomes the previous one.
-        local weight_max_us = floor(((limit - cost + 1) * window_us - 1) / current)
-        if weight_max_us > window_us then weight_max_us = window_us end
-        admit_us = start_us + 2 * window_us - weight_max_us
-      end
-      local retry_us = admit_us - now_us
-      if retry_us < 1 then retry_us = 1 end
-      return 0, nil, 0, 0, retry_us, remaining, reset_us
+MAKE['S'] = function()
+  local function sw_counts_at(raw, index)
+    if not raw then return index, 0, 0 end
+    local state_index, previous, current = unpack_state('<ddd', raw)
+    if state_index >= index then -- this window, or a newer one the clock stepped back from
+      return state_index, previous, current
     end
-    current = current + cost
-    local reset_us = start_us + 2 * window_us - now_us
-    return 1, pack_state('<ddd', index, previous, current), reset_us,
-      0, 0, limit - used, reset_us
-  end,
+    if state_index == index - 1 then return index, current, 0 end
+    return index, 0, 0
+  end
 
-  -- Without the time the request was charged, the window algorithms give nothing back.
-  refund = function(p, raw, now_us, cost)
-    return nil, 0
-  end,
-}
+  return {
+    decide = function(p, raw, now_us, cost)
+      local limit, window_us = unpack_state('<dd', p, 2)
+      local index, previous, current = sw_counts_at(raw, floor(now_us / window_us))
+      local start_us = index * window_us
+      local elapsed_us = now_us - start_us
+      if elapsed_us < 0 then elapsed_us = 0 end
+      -- The previous window's count, weighted by the share of it still inside the sliding
+      -- window, rounded down.
+      local weighted = floor(previous * (window_us - elapsed_us) / window_us)
+      local used = weighted + current + cost
+      if used > limit then
+        local remaining = limit - weighted - current
+        if remaining < 0 then remaining = 0 end
+        local recovered_us = start_us + window_us
+        if current > 0 then recovered_us = recovered_us + window_us end
+        local reset_us = recovered_us - now_us
+        if reset_us < 0 then reset_us = 0 end
+        if cost > limit then
+          return 0, nil, 0, 0, -1, remaining, reset_us
+        end
+        local admit_us
+        local room = limit - cost - current
+        if room >= 0 then
+          -- Later in this window, once previous * weight_us // window_us <= room.
+          admit_us = start_us + window_us - floor(((room + 1) * window_us - 1) / previous)
+        else
+          -- Next window, where the current count becomes the previous one.
+          local weight_max_us = floor(((limit - cost + 1) * window_us - 1) / current)
+          if weight_max_us > window_us then weight_max_us = window_us end
+          admit_us = start_us + 2 * window_us - weight_max_us
+        end
+        local retry_us = admit_us - now_us
+        if retry_us < 1 then retry_us = 1 end
+        return 0, nil, 0, 0, retry_us, remaining, reset_us
+      end
+      current = current + cost
+      local reset_us = start_us + 2 * window_us - now_us
+      return 1, pack_state('<ddd', index, previous, current), reset_us,
+        0, 0, limit - used, reset_us
+    end,
+
+    -- Without the time the request was charged, the window algorithms give nothing back.
+    refund = function(p, raw, now_us, cost)
+      return nil, 0
+    end,
+  }
+end

@@ -20,124 +20,128 @@ end
 -- capacity, max_delay_ticks (inf: unbounded).
 -- State: TAT as (us, frac).
 -- Reply: allowed, delay_ticks, retry_ticks (-1: never), remaining, reset_ticks.
-local function tb_tat(raw, now_us, tpu, max_credit)
-  local tat = -max_credit -- resync: credit beyond a full bucket is lost
-  if raw then
-    local us, frac = unpack_state('<dd', raw)
-    local rel = tb_relative(us, frac, now_us, tpu, max_credit)
-    if rel and rel > tat then tat = rel end
-  end
-  return tat
-end
-
-local function tb_remaining(tat, interval)
-  if tat < 0 then return floor(-tat / interval) end
-  return 0
-end
-
-ALG['T'] = {
-  decide = function(p, raw, now_us, cost)
-    local tpu, interval, max_credit, queue, capacity, max_delay =
-      unpack_state('<dddddd', p, 2)
-    local tat = tb_tat(raw, now_us, tpu, max_credit)
-    local tat_new = tat + cost * interval
-    local delay = 0
-    if queue == 1 then
-      if tat > max_delay then
-        return 0, nil, 0, 0, tat - max_delay, tb_remaining(tat, interval), tat + max_credit
-      end
-      if tat > 0 then delay = tat end
-    elseif tat_new > 0 then
-      local retry = tat_new
-      if cost > capacity then retry = -1 end
-      return 0, nil, 0, 0, retry, tb_remaining(tat, interval), tat + max_credit
+MAKE['T'] = function()
+  local function tb_tat(raw, now_us, tpu, max_credit)
+    local tat = -max_credit -- resync: credit beyond a full bucket is lost
+    if raw then
+      local us, frac = unpack_state('<dd', raw)
+      local rel = tb_relative(us, frac, now_us, tpu, max_credit)
+      if rel and rel > tat then tat = rel end
     end
-    return 1, pack_state('<dd', tb_absolute(now_us, tat_new, tpu)), (tat_new + max_credit) / tpu,
-      delay, 0, tb_remaining(tat_new, interval), tat_new + max_credit
-  end,
+    return tat
+  end
 
-  refund = function(p, raw, now_us, cost)
-    local tpu, interval, max_credit = unpack_state('<ddd', p, 2)
-    local tat = tb_tat(raw, now_us, tpu, max_credit) - cost * interval
-    if tat < -max_credit then tat = -max_credit end
-    return pack_state('<dd', tb_absolute(now_us, tat, tpu)), (tat + max_credit) / tpu
-  end,
-}
+  local function tb_remaining(tat, interval)
+    if tat < 0 then return floor(-tat / interval) end
+    return 0
+  end
+
+  return {
+    decide = function(p, raw, now_us, cost)
+      local tpu, interval, max_credit, queue, capacity, max_delay =
+        unpack_state('<dddddd', p, 2)
+      local tat = tb_tat(raw, now_us, tpu, max_credit)
+      local tat_new = tat + cost * interval
+      local delay = 0
+      if queue == 1 then
+        if tat > max_delay then
+          return 0, nil, 0, 0, tat - max_delay, tb_remaining(tat, interval), tat + max_credit
+        end
+        if tat > 0 then delay = tat end
+      elseif tat_new > 0 then
+        local retry = tat_new
+        if cost > capacity then retry = -1 end
+        return 0, nil, 0, 0, retry, tb_remaining(tat, interval), tat + max_credit
+      end
+      return 1, pack_state('<dd', tb_absolute(now_us, tat_new, tpu)), (tat_new + max_credit) / tpu,
+        delay, 0, tb_remaining(tat_new, interval), tat_new + max_credit
+    end,
+
+    refund = function(p, raw, now_us, cost)
+      local tpu, interval, max_credit = unpack_state('<ddd', p, 2)
+      local tat = tb_tat(raw, now_us, tpu, max_credit) - cost * interval
+      if tat < -max_credit then tat = -max_credit end
+      return pack_state('<dd', tb_absolute(now_us, tat, tpu)), (tat + max_credit) / tpu
+    end,
+  }
+end
 
 -- Token bucket with warm-up (SmoothWarmingUp, coldFactor 3), starting cold.
 -- Parameters: ticks_per_us, interval_ticks, warmup_ticks, max_delay_ticks (inf: unbounded),
 -- then Guava's doubles: stable_interval_us, threshold_permits, slope.
 -- State: next free time as (us, frac), credit ticks (stored permits * interval).
 -- Reply: allowed, delay_ticks, retry_ticks, remaining, reset_ticks.
-local function wu_permits_to_time(permits, stable, slope)
-  return stable + permits * slope
-end
-
--- Guava's storedPermitsToWaitTime, in the same double operations and order as the Python.
-local function wu_wait_us(stored, take, stable, threshold, slope)
-  local above = stored - threshold
-  local micros = 0
-  if above > 0.0 then
-    local above_take = math.min(above, take)
-    local length = wu_permits_to_time(above, stable, slope)
-      + wu_permits_to_time(above - above_take, stable, slope)
-    micros = floor(above_take * length / 2.0)
-    take = take - above_take
+MAKE['W'] = function()
+  local function wu_permits_to_time(permits, stable, slope)
+    return stable + permits * slope
   end
-  return micros + floor(stable * take)
-end
 
--- Guava's resync: idle time becomes stored permits, up to cold. Returns next free (relative
--- to now) and credit.
-local function wu_resync(raw, now_us, tpu, warmup)
-  if not raw then return 0, warmup end
-  local us, frac, credit = unpack_state('<ddd', raw)
-  local next_free = tb_relative(us, frac, now_us, tpu, warmup)
-  if not next_free then return 0, warmup end
-  if next_free < 0 then
-    credit = credit - next_free
-    if credit > warmup then credit = warmup end
-    next_free = 0
-  end
-  return next_free, credit
-end
-
-ALG['W'] = {
-  decide = function(p, raw, now_us, cost)
-    local tpu, interval, warmup, max_delay, stable, threshold, slope =
-      unpack_state('<ddddddd', p, 2)
-    local next_free, credit = wu_resync(raw, now_us, tpu, warmup)
-    local wait = next_free
-    if wait > max_delay then
-      return 0, nil, 0, 0, wait - max_delay, 0, next_free + warmup - credit
+  -- Guava's storedPermitsToWaitTime, in the same double operations and order as the Python.
+  local function wu_wait_us(stored, take, stable, threshold, slope)
+    local above = stored - threshold
+    local micros = 0
+    if above > 0.0 then
+      local above_take = math.min(above, take)
+      local length = wu_permits_to_time(above, stable, slope)
+        + wu_permits_to_time(above - above_take, stable, slope)
+      micros = floor(above_take * length / 2.0)
+      take = take - above_take
     end
-    -- reserveEarliestAvailable: stored permits first, at their warm-up price, then fresh ones.
-    local required = cost * interval
-    local spend = credit
-    if credit >= required then spend = required end
-    next_free = next_free
-      + wu_wait_us(credit / interval, spend / interval, stable, threshold, slope) * tpu
-      + required - spend
-    credit = credit - spend
-    local delay = 0
-    if wait > 0 then delay = wait end
-    local remaining = 0
-    if next_free <= 0 then remaining = 1 end
-    local nf_us, nf_frac = tb_absolute(now_us, next_free, tpu)
-    local reset = next_free + warmup - credit
-    return 1, pack_state('<ddd', nf_us, nf_frac, credit), reset / tpu,
-      delay, 0, remaining, reset
-  end,
+    return micros + floor(stable * take)
+  end
 
-  -- Pull the next free time back by cost intervals, never before now; coldness stays.
-  refund = function(p, raw, now_us, cost)
-    local tpu, interval, warmup = unpack_state('<ddd', p, 2)
+  -- Guava's resync: idle time becomes stored permits, up to cold. Returns next free (relative
+  -- to now) and credit.
+  local function wu_resync(raw, now_us, tpu, warmup)
+    if not raw then return 0, warmup end
     local us, frac, credit = unpack_state('<ddd', raw)
     local next_free = tb_relative(us, frac, now_us, tpu, warmup)
-    if not next_free or next_free <= 0 then return nil, 0 end
-    next_free = next_free - cost * interval
-    if next_free < 0 then next_free = 0 end
-    local nf_us, nf_frac = tb_absolute(now_us, next_free, tpu)
-    return pack_state('<ddd', nf_us, nf_frac, credit), (next_free + warmup - credit) / tpu
-  end,
-}
+    if not next_free then return 0, warmup end
+    if next_free < 0 then
+      credit = credit - next_free
+      if credit > warmup then credit = warmup end
+      next_free = 0
+    end
+    return next_free, credit
+  end
+
+  return {
+    decide = function(p, raw, now_us, cost)
+      local tpu, interval, warmup, max_delay, stable, threshold, slope =
+        unpack_state('<ddddddd', p, 2)
+      local next_free, credit = wu_resync(raw, now_us, tpu, warmup)
+      local wait = next_free
+      if wait > max_delay then
+        return 0, nil, 0, 0, wait - max_delay, 0, next_free + warmup - credit
+      end
+      -- reserveEarliestAvailable: stored permits first, at their warm-up price, then fresh ones.
+      local required = cost * interval
+      local spend = credit
+      if credit >= required then spend = required end
+      next_free = next_free
+        + wu_wait_us(credit / interval, spend / interval, stable, threshold, slope) * tpu
+        + required - spend
+      credit = credit - spend
+      local delay = 0
+      if wait > 0 then delay = wait end
+      local remaining = 0
+      if next_free <= 0 then remaining = 1 end
+      local nf_us, nf_frac = tb_absolute(now_us, next_free, tpu)
+      local reset = next_free + warmup - credit
+      return 1, pack_state('<ddd', nf_us, nf_frac, credit), reset / tpu,
+        delay, 0, remaining, reset
+    end,
+
+    -- Pull the next free time back by cost intervals, never before now; coldness stays.
+    refund = function(p, raw, now_us, cost)
+      local tpu, interval, warmup = unpack_state('<ddd', p, 2)
+      local us, frac, credit = unpack_state('<ddd', raw)
+      local next_free = tb_relative(us, frac, now_us, tpu, warmup)
+      if not next_free or next_free <= 0 then return nil, 0 end
+      next_free = next_free - cost * interval
+      if next_free < 0 then next_free = 0 end
+      local nf_us, nf_frac = tb_absolute(now_us, next_free, tpu)
+      return pack_state('<ddd', nf_us, nf_frac, credit), (next_free + warmup - credit) / tpu
+    end,
+  }
+end
