@@ -8,6 +8,7 @@ one. A worker that restarts under the same id starts from its predecessor's coun
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -20,6 +21,7 @@ from gateway.observability.snapshot import WorkerSnapshot
 log = logging.getLogger("gateway.observability")
 
 ENV_METRICS_DIR = "GATEWAY_METRICS_DIR"
+DIR_PREFIX = "gateway-metrics-"
 
 
 def default_shared_dir(reuse_port: bool) -> Path | None:
@@ -31,7 +33,21 @@ def default_shared_dir(reuse_port: bool) -> Path | None:
     if not reuse_port:
         return None
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"gateway-metrics-{os.getppid()}"
+    _remove_dirs_of_gone_supervisors(base)
+    return base / f"{DIR_PREFIX}{os.getppid()}"
+
+
+def _remove_dirs_of_gone_supervisors(base: Path) -> None:
+    """Directories left by gateways that have exited (a supervisor cannot clean up after a
+    SIGKILL); a directory whose supervisor still runs is another gateway's, and is kept."""
+    for directory in base.glob(f"{DIR_PREFIX}*"):
+        pid = directory.name.removeprefix(DIR_PREFIX)
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for file in directory.iterdir():
+            file.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 class SnapshotDirectory:

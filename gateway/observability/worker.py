@@ -311,8 +311,7 @@ def _log_access(
         "delay_ms": round(outcome.delay_s * 1000, 3) if outcome is not None else 0.0,
         "upstream_error": upstream_error,
     }
-    # The format lives in the policy (server.access_log_format) once the schema has it.
-    if getattr(runtime.settings, "access_log_format", "text") == "json":
+    if runtime.settings.access_log_format == "json":
         access_log.info(json.dumps(fields, separators=(",", ":")))
     else:
         access_log.info(" ".join(f"{k}={_logfmt(v)}" for k, v in fields.items()))
