@@ -164,7 +164,12 @@ class Upstream(_Model):
     connect_timeout: Duration = 5.0
     read_timeout: Duration = 60.0
     max_connections: int = Field(256, ge=1, description="open connections to this upstream")
-    max_idle: int = Field(64, ge=0, description="idle keep-alive connections kept")
+    max_idle: int | None = Field(
+        None,
+        ge=0,
+        description="idle keep-alive connections kept (default: max_connections; fewer makes "
+        "the pool close and reopen connections under load)",
+    )
     idle_timeout: Duration = 60.0
 
     @field_validator("url")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
@@ -19,6 +19,7 @@ from gateway.forwarding import (
     RequestFraming,
     build_request_head,
     check_request,
+    response_head,
     response_headers,
 )
 from gateway.keys import RequestFacts
@@ -29,7 +30,12 @@ from gateway.observability.hooks import (
     UPSTREAM_ERROR,
     upstream_error_reason,
 )
-from gateway.responses import error_response, rate_limited_response
+from gateway.responses import (
+    HttpDate,
+    PreparedResponse,
+    error_response,
+    rate_limited_response,
+)
 from gateway.routing import normalise_host, routing_path
 from gateway.server import GatewayProtocol
 from gateway.upstream_client import (
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
     from gateway.runtime import Runtime, UpstreamTarget
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_DATE = HttpDate()
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
@@ -236,11 +243,32 @@ class ProxyHandler:
             return error_response(502, "upstream error")
 
         try:
+            status = response.status
+            if (
+                response.body_complete
+                and not is_head
+                and status not in _NO_BODY_STATUS
+                and request.version == HttpVersion11
+            ):
+                # The common case, a small answer already received whole: one write.
+                whole = response.body_bytes()
+                response.release()
+                keep_alive = request.keep_alive
+                head = response_head(
+                    status,
+                    response.reason,
+                    response.headers,
+                    via,
+                    limit_headers,
+                    len(whole),
+                    keep_alive,
+                    _DATE.now(),
+                )
+                return cast(web.StreamResponse, PreparedResponse(status, head + whole, keep_alive))
             headers = CIMultiDict(response_headers(response.headers, via))
             if limit_headers:
                 headers.extend(limit_headers)
             reason = response.reason.decode("latin-1") or None
-            status = response.status
             if response.body_complete and not is_head:
                 whole = response.body_bytes()
                 response.release()

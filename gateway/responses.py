@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from email.utils import formatdate
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -70,3 +72,45 @@ def rate_limited_response(
     if close:
         response.force_close()
     return response
+
+
+class PreparedResponse:
+    """A response the gateway serialised itself; aiohttp only finishes the exchange.
+
+    aiohttp's request loop needs ``prepare``, ``write_eof``, ``keep_alive`` and ``status`` from
+    what a handler returns; this gives it those, writing bytes built in one go.
+    """
+
+    __slots__ = ("_data", "keep_alive", "status")
+
+    def __init__(self, status: int, data: bytes, keep_alive: bool) -> None:
+        self.status = status
+        self.keep_alive = keep_alive
+        self._data: bytes | None = data
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        data = self._data
+        transport = request.transport
+        if data is not None and transport is not None and not transport.is_closing():
+            self._data = None
+            transport.write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
+
+
+class HttpDate:
+    """The ``Date`` header value, formatted once per second."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def now(self) -> bytes:
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            self._value = formatdate(second, usegmt=True).encode("ascii")
+        return self._value

@@ -85,7 +85,7 @@ def make_pool(config: Upstream, demo_address: tuple[str, int] | None) -> tuple[U
         host,
         port,
         max_connections=config.max_connections,
-        max_idle=config.max_idle,
+        max_idle=config.max_idle if config.max_idle is not None else config.max_connections,
         idle_timeout_s=config.idle_timeout,
         connect_timeout_s=config.connect_timeout,
         read_timeout_s=config.read_timeout,

@@ -66,10 +66,18 @@ class GatewayProtocol(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._awaiting_request and self._header_deadline is None:
-            self._arm_header_deadline()
         queued = len(self._messages)
         super().data_received(data)
+        if (
+            self._awaiting_request
+            and self._header_deadline is None
+            and not self._messages
+            and self.transport is not None
+        ):
+            # Part of a request head arrived (a whole one would be queued by now): from here
+            # the rest must come within the deadline. Most requests arrive whole in one read,
+            # so most never need a timer.
+            self._arm_header_deadline()
         body = self._body
         if body is not None and len(self._messages) > queued and not body.is_eof():
             message = self._messages[-1][0]
