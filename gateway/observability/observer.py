@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
@@ -36,13 +36,11 @@ TICK_S = 1.0
 GATHER_DELAY_S = 0.25  # after the second boundary: every worker has published by then
 SUBSCRIBER_BACKLOG = 30  # messages kept for a dashboard that reads slowly; older ones dropped
 
-_UNSET: Any = object()
-
 
 class Observability:
     """Everything a worker adds for ``/metrics`` and ``/dashboard``.
 
-    ``shared_dir``: where workers exchange snapshots; by default ``$GATEWAY_METRICS_DIR``, or a
+    ``shared_dir``: where workers exchange snapshots; ``"auto"`` is ``$GATEWAY_METRICS_DIR``, or a
     per-supervisor directory when the gateway runs several workers (``reuse_port``), or none.
     """
 
@@ -50,13 +48,13 @@ class Observability:
         self,
         gateway: Gateway,
         *,
-        shared_dir: Path | None = _UNSET,
+        shared_dir: Path | Literal["auto"] | None = "auto",
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.gateway = gateway
         self.metrics = WorkerMetrics(gateway)
         self.wall_clock = wall_clock
-        if shared_dir is _UNSET:
+        if shared_dir == "auto":
             shared_dir = default_shared_dir(gateway.reuse_port)
         self.directory = (
             SnapshotDirectory(shared_dir, gateway.worker_id) if shared_dir is not None else None
