@@ -75,6 +75,8 @@ class CompiledLimit:
 class Check:
     limit: CompiledLimit
     key: str
+    # The longest this request may wait on this limit: 0 when its queue is full.
+    max_delay_s: float = math.inf
 
 
 @dataclass(slots=True)
@@ -182,7 +184,12 @@ class LimitEngine:
             key = limit.keys.build(facts)
             if key is None:
                 continue
-            (dry if limit.spec.dry_run else enforced).append(Check(limit, key))
+            spec = limit.spec
+            if spec.dry_run:
+                dry.append(Check(limit, key))
+            else:
+                queue_full = limit.counters.waiting >= spec.max_queue
+                enforced.append(Check(limit, key, 0.0 if queue_full else spec.max_delay))
         return enforced, dry
 
     async def evaluate(
@@ -202,30 +209,21 @@ class LimitEngine:
             first = enforced[verdict.rejected_by[0]]
             for index in verdict.rejected_by:
                 enforced[index].limit.counters.rejected += 1
+            # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
+            queued = verdict.decisions[verdict.rejected_by[0]].allowed
             return Outcome(
                 status=first.limit.spec.status,
                 retry_after_s=verdict.retry_after_s,
                 rejected_by=first.limit.name,
-                reason=f"rate limit {first.limit.name!r} exceeded",
+                reason=(
+                    f"rate limit {first.limit.name!r} queue is full"
+                    if queued
+                    else f"rate limit {first.limit.name!r} exceeded"
+                ),
                 checks=enforced,
                 verdict=verdict,
             )
         delay_s = verdict.delay_s
-        if delay_s > 0.0:
-            over = self._queue_refusal(enforced, verdict)
-            if over is not None:
-                await self.store.refund(enforced)
-                limit = over.limit
-                limit.counters.rejected += 1
-                retry = max(delay_s, 0.001)
-                return Outcome(
-                    status=limit.spec.status,
-                    retry_after_s=retry,
-                    rejected_by=limit.name,
-                    reason=f"rate limit {limit.name!r} queue is full",
-                    checks=enforced,
-                    verdict=verdict,
-                )
         for index, check in enumerate(enforced):
             if verdict.decisions[index].delay_s > 0.0:
                 check.limit.counters.delayed += 1
@@ -236,17 +234,6 @@ class LimitEngine:
             checks=enforced,
             verdict=verdict,
         )
-
-    def _queue_refusal(self, enforced: Sequence[Check], verdict: CombinedDecision) -> Check | None:
-        """The limit whose queue bounds this delay would break, if any."""
-        for index, check in enumerate(enforced):
-            delay = verdict.decisions[index].delay_s
-            if delay <= 0.0:
-                continue
-            spec = check.limit.spec
-            if delay > spec.max_delay or check.limit.counters.waiting >= spec.max_queue:
-                return check
-        return None
 
     async def wait(self, outcome: Outcome) -> None:
         """Hold a delayed request for its delay; a client that leaves gets its charge back.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.algorithms.combine import CombinedDecision, decide_all
+from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
 from gateway.keyed_state import KeyedState
 from gateway.observability.stats import StoreStats
@@ -22,7 +22,11 @@ class LimitStore(Protocol):
     name: str
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
-        """Decide all checks at one instant; with ``commit``, store the new states if allowed."""
+        """Decide all checks at one instant; with ``commit``, store the new states if allowed.
+
+        A check whose delay would exceed its ``max_delay_s`` turns the verdict into a rejection
+        (``combine.refuse_long_delays``) before anything is stored.
+        """
         ...
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
@@ -62,13 +66,13 @@ class MemoryStore:
         now_us = self.clock.now_us()
         self.stats.calls += 1
         tables = [self._table(check.limit) for check in checks]
+        states = [table.get(check.key) for check, table in zip(checks, tables, strict=True)]
         verdict = decide_all(
-            [
-                (check.limit.algorithm, table.get(check.key))
-                for check, table in zip(checks, tables, strict=True)
-            ],
+            [(check.limit.algorithm, state) for check, state in zip(checks, states, strict=True)],
             now_us,
         )
+        if verdict.delay_s > 0.0:
+            verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
         if commit and verdict.allowed:
             for check, table, state in zip(checks, tables, verdict.states, strict=True):
                 table.put(check.key, state, now_us)

@@ -269,3 +269,24 @@ async def test_throttled_upload_is_refused_before_its_body_is_sent(
     assert answer.startswith(b"HTTP/1.1 429 ")
     assert b"100 Continue" not in answer
     assert [r.body for r in upstream.requests] == [b"hello"]
+
+
+async def test_queue_refusal_charges_no_stacked_limit(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock()
+    policy = limited_policy(
+        upstream.url,
+        "  window:\n    algorithm: fixed_window\n    limit: 3\n    window: 1h\n"
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 10\n"
+        "    max_queue: 0\n",
+    )
+    gw = await start_gateway(policy, clock=clock)
+    async with aiohttp.ClientSession() as session:
+        statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(5)]
+        async with session.get(gw.admin_url + "/explain", params={"path": "/"}) as resp:
+            explained = {x["name"]: x for x in (await resp.json())["limits"]}
+    # The first goes at once; the others would wait a minute in a queue that takes none.
+    assert statuses == [200, 429, 429, 429, 429]
+    # A window cannot take a charge back: the refusals must never have charged it.
+    assert explained["window"]["next_request"]["remaining"] == 1

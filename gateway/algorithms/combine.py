@@ -98,3 +98,28 @@ def decide_all(
             delay_s = decision.delay_s
             delayed_by = index
     return CombinedDecision(True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states))
+
+
+def refuse_long_delays(
+    verdict: CombinedDecision, input_states: Sequence[Any], max_delays_s: Sequence[float]
+) -> CombinedDecision:
+    """Turn an admission into a rejection when some limit's delay exceeds its bound.
+
+    A shaping queue has bounds (the longest wait, the number waiting): a request that would
+    break one is rejected at once and, like any rejection, charged to no limit. Checking here,
+    before anything is committed, keeps that exact for every algorithm (a window cannot take a
+    charge back afterwards).
+    """
+    if not verdict.allowed or verdict.delay_s <= 0.0:
+        return verdict
+    over = tuple(
+        index
+        for index, (decision, bound) in enumerate(zip(verdict.decisions, max_delays_s, strict=True))
+        if decision.delay_s > bound
+    )
+    if not over:
+        return verdict
+    retry_after_s = max(verdict.decisions[index].delay_s for index in over)
+    return CombinedDecision(
+        False, 0.0, retry_after_s, over, None, verdict.decisions, tuple(input_states)
+    )
