@@ -3,8 +3,10 @@
 One command starts a fast upstream and every proxy in front of it, loads each with
 ``wrk`` in interleaved rounds (so the noise of a shared machine hits all targets
 alike), and prints the medians as a Markdown table with the gateway/naive and
-gateway/nginx ratios. Everything it starts runs in its own process group and is
-killed on exit, Ctrl-C or error. See bench/README.md.
+gateway/nginx ratios, of req/s and of CPU time per request (the CPU the target's
+process group used during the run over the requests wrk completed). Everything it
+starts runs in its own process group and is killed on exit, Ctrl-C or error. See
+bench/README.md.
 
     python bench/bench_proxy.py --duration 10 --repeats 3 --connections 64,256
 """
@@ -167,6 +169,33 @@ class Started:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def process_group_cpu(pgid: int) -> tuple[float, int]:
+    """User+system CPU seconds of every live process in a group, and how many there are.
+
+    Each target runs in a session of its own (forked workers stay in it), so its group
+    is its whole process tree. Threads are included: /proc/PID/stat sums the thread group.
+    """
+    ticks = processes = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # exited since the directory was listed
+            continue
+        # Fields after the parenthesised command name (which may hold spaces or ')'):
+        # state ppid pgrp ... utime stime are fields 3, 4, 5 ... 14, 15 of proc(5).
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            ticks += int(fields[11]) + int(fields[12])
+            processes += 1
+    return ticks / CLOCK_TICKS_PER_S, processes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -407,6 +436,36 @@ def run_wrk(url: str, connections: int, duration_s: float, threads: int, cpus: s
     return parse_wrk(completed.stdout)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Measured:
+    """One wrk run and the CPU the target's process group spent during it."""
+
+    wrk: WrkResult
+    cpu_s: float
+    processes: int  # in the target's group at the end of the run
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return self.cpu_s * 1e6 / self.wrk.requests
+
+
+def measure(
+    target: RunningTarget, connections: int, duration_s: float, threads: int, cpus: str
+) -> Measured:
+    """Load a target with wrk, sampling its group's CPU time just before and just after."""
+    pgid = target.started.proc.pid  # started with start_new_session: pgid == pid
+    cpu_before_s, processes_before = process_group_cpu(pgid)
+    result = run_wrk(target.url, connections, duration_s, threads, cpus)
+    cpu_after_s, processes_after = process_group_cpu(pgid)
+    if processes_after != processes_before:
+        # A process that exited took its CPU time with it: the difference would be wrong.
+        raise RuntimeError(
+            f"{target.name}: {processes_before} processes before the run, {processes_after} after"
+            f"\n{target.started.log_tail()}"
+        )
+    return Measured(wrk=result, cpu_s=cpu_after_s - cpu_before_s, processes=processes_after)
+
+
 # --- results -------------------------------------------------------------------------
 
 
@@ -420,10 +479,12 @@ class Summary:
     requests_per_s_max: float
     p50_ms: float
     p99_ms: float
+    cpu_us_per_request: float  # median over the rounds; the target's whole process group
     failed_requests: int  # non-2xx + timeouts + connect/write errors, summed over rounds
 
 
-def summarise(target: str, connections: int, results: Sequence[WrkResult]) -> Summary:
+def summarise(target: str, connections: int, runs: Sequence[Measured]) -> Summary:
+    results = [run.wrk for run in runs]
     rates = [r.requests_per_s for r in results]
     return Summary(
         target=target,
@@ -434,6 +495,7 @@ def summarise(target: str, connections: int, results: Sequence[WrkResult]) -> Su
         requests_per_s_max=max(rates),
         p50_ms=statistics.median(r.p50_ms for r in results),
         p99_ms=statistics.median(r.p99_ms for r in results),
+        cpu_us_per_request=statistics.median(run.cpu_us_per_request for run in runs),
         failed_requests=sum(
             r.non_2xx + r.timeouts + r.connect_errors + r.write_errors for r in results
         ),
@@ -442,64 +504,85 @@ def summarise(target: str, connections: int, results: Sequence[WrkResult]) -> Su
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ratio:
-    """Gateway req/s over a peer's: of the medians, and within each round (same noise)."""
+    """A ratio of two targets' figures: of the medians, and within each round (same noise)."""
 
     of_medians: float
     per_round: tuple[float, ...]
+
+    @classmethod
+    def of(cls, top: Sequence[float], bottom: Sequence[float]) -> Ratio:
+        """Rounds are paired by index: every target ran once in each."""
+        return cls(
+            of_medians=statistics.median(top) / statistics.median(bottom),
+            per_round=tuple(t / b for t, b in zip(top, bottom, strict=True)),
+        )
 
     def cell(self) -> str:
         low, high = min(self.per_round), max(self.per_round)
         return f"{self.of_medians:.2f}x ({low:.2f}-{high:.2f})"
 
 
-RatioTable = dict[int, dict[str, Ratio | None]]
+@dataclasses.dataclass(frozen=True, slots=True)
+class PairRatios:
+    """Gateway against one peer, both ways round so that above 1 favours the gateway."""
+
+    throughput: Ratio  # gateway req/s / peer req/s
+    cpu_per_request: Ratio  # peer CPU per request / gateway CPU per request
 
 
-def ratios(results: dict[tuple[str, int], list[WrkResult]]) -> RatioTable:
-    """Ratios per connection count. Rounds are paired by index: every target ran in each."""
+RatioTable = dict[int, dict[tuple[str, str], PairRatios | None]]
+
+
+def ratios(results: dict[tuple[str, int], list[Measured]]) -> RatioTable:
+    """For each connection count, each (gateway, peer) pair of RATIO_PAIRS that ran."""
     table: RatioTable = {}
     for connections in sorted({c for _, c in results}):
-        row: dict[str, Ratio | None] = {}
-        for numerator, denominator in RATIO_PAIRS:
-            top = results.get((numerator, connections))
-            bottom = results.get((denominator, connections))
-            ratio = None
-            if top and bottom:
-                ratio = Ratio(
-                    of_medians=statistics.median(r.requests_per_s for r in top)
-                    / statistics.median(r.requests_per_s for r in bottom),
-                    per_round=tuple(
-                        t.requests_per_s / b.requests_per_s
-                        for t, b in zip(top, bottom, strict=True)
+        row: dict[tuple[str, str], PairRatios | None] = {}
+        for gateway, peer in RATIO_PAIRS:
+            gateway_runs = results.get((gateway, connections))
+            peer_runs = results.get((peer, connections))
+            pair = None
+            if gateway_runs and peer_runs:
+                pair = PairRatios(
+                    throughput=Ratio.of(
+                        [r.wrk.requests_per_s for r in gateway_runs],
+                        [r.wrk.requests_per_s for r in peer_runs],
+                    ),
+                    cpu_per_request=Ratio.of(
+                        [r.cpu_us_per_request for r in peer_runs],
+                        [r.cpu_us_per_request for r in gateway_runs],
                     ),
                 )
-            row[f"{numerator}/{denominator}"] = ratio
+            row[gateway, peer] = pair
         table[connections] = row
     return table
 
 
 def markdown(summaries: Sequence[Summary], ratio_table: RatioTable) -> str:
     lines = [
-        "| target | conns | req/s (median) | req/s min-max | p50 ms | p99 ms | runs | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| target | conns | req/s (median) | req/s min-max | p50 ms | p99 ms | CPU µs/req "
+        "| runs | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         lines.append(
             f"| {s.target} | {s.connections} | {s.requests_per_s:,.0f} "
             f"| {s.requests_per_s_min:,.0f}-{s.requests_per_s_max:,.0f} "
-            f"| {s.p50_ms:.2f} | {s.p99_ms:.2f} | {s.runs} | {s.failed_requests} |"
+            f"| {s.p50_ms:.2f} | {s.p99_ms:.2f} | {s.cpu_us_per_request:.1f} "
+            f"| {s.runs} | {s.failed_requests} |"
         )
-    pairs = [f"{a}/{b}" for a, b in RATIO_PAIRS]
     lines += [
         "",
-        "Ratios of median req/s (in brackets: the range of the same ratio within each round)",
+        "Ratios of the medians, above 1 in the gateway's favour (in brackets: the range of the"
+        " same ratio within each round)",
         "",
-        "| conns | " + " | ".join(pairs) + " |",
-        "|---:|" + "---:|" * len(pairs),
+        "| conns | gateway | peer | req/s gateway/peer | CPU per request peer/gateway |",
+        "|---:|---|---|---:|---:|",
     ]
     for connections, row in ratio_table.items():
-        cells = [ratio.cell() if ratio else "n/a" for ratio in (row[p] for p in pairs)]
-        lines.append(f"| {connections} | " + " | ".join(cells) + " |")
+        for (gateway, peer), pair in row.items():
+            cells = [pair.throughput.cell(), pair.cpu_per_request.cell()] if pair else ["n/a"] * 2
+            lines.append(f"| {connections} | {gateway} | {peer} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -597,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
     }
     raw: list[dict[str, Any]] = []
-    results: dict[tuple[str, int], list[WrkResult]] = {}
+    results: dict[tuple[str, int], list[Measured]] = {}
     skipped: dict[str, str] = {}
     notes: dict[str, str] = {}
     with harness_dirs(args.keep_logs) as work_dir:
@@ -631,15 +714,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for target in running:
                         if target.started.proc.poll() is not None:
                             raise RuntimeError(f"{target.name} died:\n{target.started.log_tail()}")
-                        result = run_wrk(
-                            target.url, connections, args.duration, args.threads, plan.wrk
-                        )
+                        run = measure(target, connections, args.duration, args.threads, plan.wrk)
+                        result = run.wrk
                         log(
                             f"bench: round {round_no} {target.name:<11} c={connections:<4} "
                             f"{result.requests_per_s:>9,.0f} req/s  p50 {result.p50_ms:.2f} ms"
-                            f"  p99 {result.p99_ms:.2f} ms"
+                            f"  p99 {result.p99_ms:.2f} ms  CPU {run.cpu_us_per_request:.1f} µs/req"
                         )
-                        results.setdefault((target.name, connections), []).append(result)
+                        results.setdefault((target.name, connections), []).append(run)
                         raw.append(
                             {
                                 "round": round_no,
@@ -647,6 +729,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "connections": connections,
                                 "loadavg_1m_after": os.getloadavg()[0],
                                 **dataclasses.asdict(result),
+                                "cpu_s": run.cpu_s,
+                                "cpu_us_per_request": run.cpu_us_per_request,
+                                "processes": run.processes,
                             }
                         )
         except KeyboardInterrupt:
@@ -669,10 +754,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             "targets": notes,
             "skipped": skipped,
             "summary": [dataclasses.asdict(s) for s in summaries],
+            # Keyed as before: "gateway-1w/naive" is the gateway's req/s over naive's;
+            # "naive/gateway-1w" in cpu_ratios is naive's CPU per request over the gateway's.
             "ratios": {
                 str(connections): {
-                    pair: dataclasses.asdict(ratio) if ratio else None
-                    for pair, ratio in row.items()
+                    f"{gateway}/{peer}": dataclasses.asdict(pair.throughput) if pair else None
+                    for (gateway, peer), pair in row.items()
+                }
+                for connections, row in ratio_table.items()
+            },
+            "cpu_ratios": {
+                str(connections): {
+                    f"{peer}/{gateway}": dataclasses.asdict(pair.cpu_per_request) if pair else None
+                    for (gateway, peer), pair in row.items()
                 }
                 for connections, row in ratio_table.items()
             },
