@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
 from aiohttp import HttpVersion11, web
@@ -69,19 +70,31 @@ class ProxyHandler:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        # Told about every finished request (status, seconds): the metrics and access log.
+        self.observer: Callable[[BaseRequest, int, float], None] | None = None
 
     async def __call__(self, request: BaseRequest) -> web.StreamResponse:
+        started = perf_counter()
         protocol = request.protocol
         if isinstance(protocol, GatewayProtocol):
             protocol.request_started(request.content)
         runtime = self.runtime
         runtime.inflight += 1
+        status = 500
         try:
-            return await self._handle(request, runtime)
+            response = await self._handle(request, runtime)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
+            raise
         finally:
             runtime.request_done()
             if isinstance(protocol, GatewayProtocol):
                 protocol.request_finished()
+            observer = self.observer
+            if observer is not None:
+                observer(request, status, perf_counter() - started)
 
     async def _handle(self, request: BaseRequest, runtime: Runtime) -> web.StreamResponse:
         try:

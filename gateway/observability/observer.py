@@ -69,9 +69,10 @@ class Observability:
 
     # -- hooks for serve.py ------------------------------------------------------------------
 
-    def wrap(self, handler: ProxyHandler) -> ObservedHandler:
-        """The proxy handler, counted: give this to the server in the handler's place."""
-        return ObservedHandler(handler, self.metrics)
+    def wrap(self, handler: ProxyHandler) -> ProxyHandler:
+        """Make the proxy handler report each request it finishes; returns the handler."""
+        handler.observer = ObservedHandler(handler, self.metrics).finished
+        return handler
 
     def install(self, admin_app: web.Application) -> None:
         """Add ``/metrics`` and ``/dashboard`` to the admin app; the tick runs with the app."""
