@@ -860,7 +860,7 @@ class RedisStore:
         replicas: int = 1,
         timeout_s: float = 0.05,
         key_prefix: str = "gw:",
-        max_in_flight: int = 2,
+        max_in_flight: int = 4,
         client: ClientKind = "thin",
         clock: Clock | None = None,
         time_source: Clock | None = None,
