@@ -30,7 +30,7 @@ from gateway.policy import (
     WindowLimit,
 )
 from gateway.routing import CompiledMatch, compile_match
-from gateway.store import LimitStore
+from gateway.store import LimitStore, StoreUnavailableError
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 
@@ -204,7 +204,15 @@ class LimitEngine:
             await self._dry_run(dry)
         if not enforced:
             return ALLOW
-        verdict = await self.store.decide(enforced)
+        try:
+            verdict = await self.store.decide(enforced)
+        except StoreUnavailableError as exc:
+            # The operator chose to fail closed (on_failure: deny) and the store is down.
+            return Outcome(
+                status=503,
+                retry_after_s=exc.retry_after_s,
+                reason="rate-limit store unavailable",
+            )
         if not verdict.allowed:
             first = enforced[verdict.rejected_by[0]]
             for index in verdict.rejected_by:

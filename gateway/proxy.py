@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
@@ -155,8 +156,14 @@ class ProxyHandler:
             if outcome.status:
                 # Marked to close: aiohttp still reads an unread body for up to its
                 # lingering time (so the client sees this answer), then closes.
-                if outcome.rejected_by is None:
-                    refusal = error_response(outcome.status, outcome.reason, close=framing.has_body)
+                if outcome.rejected_by is None:  # denied by address, or the store is down
+                    retry = outcome.retry_after_s
+                    refusal = error_response(
+                        outcome.status,
+                        outcome.reason,
+                        close=framing.has_body,
+                        headers={"Retry-After": str(max(1, math.ceil(retry)))} if retry else None,
+                    )
                 else:
                     refusal = rate_limited_response(
                         outcome.status,

@@ -54,7 +54,7 @@ from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
 from gateway.circuit import CircuitBreaker
 from gateway.clock import Clock, MonotonicClock
 from gateway.observability.stats import StoreStats
-from gateway.store import MemoryStore
+from gateway.store import MemoryStore, StoreUnavailableError
 
 if TYPE_CHECKING:
     from gateway.engine import Check, CompiledLimit
@@ -88,14 +88,6 @@ def load_script() -> str:
     """The one script Redis runs: the prelude, every algorithm's mirror, then ``decide.lua``."""
     folder = resources.files("gateway") / "lua"
     return "\n".join((folder / name).read_text(encoding="utf-8") for name in _LUA_FILES)
-
-
-class StoreUnavailableError(Exception):
-    """Redis could not decide and the policy says ``on_failure: deny`` (answer 503)."""
-
-    def __init__(self, reason: str, retry_after_s: float) -> None:
-        super().__init__(reason)
-        self.retry_after_s = retry_after_s
 
 
 # --- one codec per algorithm: its parameters for Lua, and its reply as a Decision -------------

@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from gateway.engine import Check, CompiledLimit
 
 
+class StoreUnavailableError(Exception):
+    """The store cannot decide and the policy says ``on_failure: deny``: the engine answers 503."""
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
 class LimitStore(Protocol):
     name: str
 
