@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from gateway import __version__
 from gateway.policy import Policy, Route, Upstream, policy_json_schema
 from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
+from gateway.store import store_url
 
 log = logging.getLogger("gateway")
 
@@ -120,9 +121,7 @@ def _supervise(
 
 def _shared_store(loaded: LoadedPolicy) -> bool:
     """Whether limit state is shared between processes (the Redis store)."""
-    store = getattr(loaded.policy, "store", None)
-    url = os.environ.get("GATEWAY_STORE_URL") or (store.url if store is not None else "memory")
-    return url != "memory"
+    return store_url(loaded.policy.store) != "memory"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -359,6 +359,37 @@ class Access(_Model):
         return value
 
 
+_STORE_URL_RE = re.compile(r"^(memory|(redis|rediss)(\+cluster)?://\S+)$")
+
+
+class StoreSettings(_Model):
+    """Where limit state lives: this process, or Redis shared by every replica."""
+
+    url: str = Field(
+        "memory",
+        description="memory, redis://host:port/db, rediss://..., or redis+cluster://host:port "
+        "for a Redis Cluster (GATEWAY_STORE_URL overrides it)",
+    )
+    on_failure: Literal["local", "allow", "deny"] = Field(
+        "local",
+        description="when Redis fails: local (in-process limits divided by replicas), allow "
+        "(fail open) or deny (503)",
+    )
+    replicas: int = Field(1, ge=1, description="gateway replicas sharing the limits")
+    timeout: Duration = Field(0.05, description="deadline of one Redis call")
+    key_prefix: str = Field("gw:", pattern=r"^[^{}\s]*$", description="namespace of Redis keys")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not _STORE_URL_RE.match(value):
+            raise ValueError(
+                f"invalid store url {value!r}: expected memory, redis://, rediss:// or "
+                "redis+cluster://"
+            )
+        return value
+
+
 class Policy(_Model):
     """A whole policy file."""
 
@@ -370,6 +401,7 @@ class Policy(_Model):
     headers: RateLimitHeaders = RateLimitHeaders()
     access: Access = Access()
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
+    store: StoreSettings = StoreSettings()
 
 
 def policy_json_schema() -> dict[str, Any]:

@@ -843,6 +843,8 @@ class RedisStore:
     """The ``LimitStore`` for several replicas: state in Redis or a Redis Cluster."""
 
     name = "redis"
+    # The scripts do not see the queue's bounds yet: the engine checks them after the call.
+    bounds_delays = False
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ from gateway.proxy import ProxyHandler
 from gateway.reload import PolicyReloader
 from gateway.runtime import Runtime, build_runtime, uses_demo
 from gateway.server import GatewayServer
-from gateway.store import LimitStore, MemoryStore
+from gateway.store import LimitStore, build_store
 
 log = logging.getLogger("gateway")
 
@@ -62,7 +62,7 @@ class Gateway:
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
-        self.store: LimitStore = store or MemoryStore(clock)
+        self.store: LimitStore = store or build_store(loaded.policy.store, clock)
         self.reloader = PolicyReloader(self, policy_path) if policy_path else None
         self._demo_address: tuple[str, int] | None = None
         self._watch_stop = asyncio.Event()
@@ -138,6 +138,8 @@ class Gateway:
         assert self.handler is not None
         if uses_demo(loaded) and self._demo_address is None:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
+        if loaded.policy.store != self.loaded.policy.store:
+            raise ValueError("store settings take effect on restart only; the running policy stays")
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime

@@ -6,6 +6,7 @@ decide at one instant, and either every new state is written (allowed) or none (
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,6 +17,7 @@ from gateway.observability.stats import StoreStats
 
 if TYPE_CHECKING:
     from gateway.engine import Check, CompiledLimit
+    from gateway.policy import StoreSettings
 
 
 class StoreUnavailableError(Exception):
@@ -28,6 +30,8 @@ class StoreUnavailableError(Exception):
 
 class LimitStore(Protocol):
     name: str
+    # True when ``decide`` refuses delays over each check's ``max_delay_s`` before committing.
+    bounds_delays: bool
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """Decide all checks at one instant; with ``commit``, store the new states if allowed.
@@ -58,6 +62,7 @@ class MemoryStore:
     """State in this process: one bounded LRU table of per-key states per limit."""
 
     name = "memory"
+    bounds_delays = True
 
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or MonotonicClock()
@@ -118,3 +123,28 @@ class MemoryStore:
 
     async def close(self) -> None:
         self.tables.clear()
+
+
+STORE_URL_ENV = "GATEWAY_STORE_URL"
+
+
+def store_url(settings: StoreSettings) -> str:
+    """The store URL in force: the environment's ``GATEWAY_STORE_URL`` over the policy's."""
+    return os.environ.get(STORE_URL_ENV) or settings.url
+
+
+def build_store(settings: StoreSettings, clock: Clock | None = None) -> LimitStore:
+    """The store a policy names; Redis is imported only when it is used."""
+    url = store_url(settings)
+    if url == "memory":
+        return MemoryStore(clock)
+    from gateway.redis_store import RedisStore
+
+    return RedisStore(
+        url,
+        on_failure=settings.on_failure,
+        replicas=settings.replicas,
+        timeout_s=settings.timeout,
+        key_prefix=settings.key_prefix,
+        clock=clock,
+    )

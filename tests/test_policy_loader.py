@@ -63,6 +63,8 @@ EXPECTED_ERRORS = {
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
     "unknown route 'nope'",
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: Field required",
+    "store_bad_url.yaml": "store_bad_url.yaml:2: store.url: invalid store url 'mysql://db': "
+    "expected memory, redis://, rediss:// or redis+cluster://",
 }
 
 

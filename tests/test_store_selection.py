@@ -1,0 +1,74 @@
+"""The policy file (or GATEWAY_STORE_URL) chooses where limit state lives."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.policy_loader import load_policy
+from gateway.store import build_store
+from tests import redis_harness
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.redis_harness import RedisServer
+
+redis_server = redis_harness.redis_server
+
+LIMIT = (
+    "limits:\n  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 2\n"
+    "    nodelay: true\n"
+)
+
+
+async def _statuses(url: str, n: int) -> list[int]:
+    async with aiohttp.ClientSession() as session:
+        out = []
+        for _ in range(n):
+            async with session.get(url) as resp:
+                out.append(resp.status)
+        return out
+
+
+async def test_policy_store_url_puts_limits_in_redis(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    prefix = f"sel{os.getpid()}:"
+    store = f"store:\n  url: {redis_server.url}\n  key_prefix: '{prefix}'\n"
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT + store)
+    first = await start_gateway(load_policy(path))
+    second = await start_gateway(load_policy(path))
+    assert first.gateway.store.name == "redis"
+    # Two gateways, one limit: burst 2 + 1 in all, whichever gateway a request goes to.
+    statuses = await _statuses(first.url + "/", 2) + await _statuses(second.url + "/", 2)
+    assert statuses == [200, 200, 200, 429]
+    async with aiohttp.ClientSession() as session, session.get(first.admin_url + "/policy") as r:
+        assert (await r.json())["store"] == "redis"
+
+
+async def test_store_settings_change_only_on_restart(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT)
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    path.write_text(policy_for(upstream.url) + LIMIT + "store:\n  url: redis://127.0.0.1:1\n")
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    assert await reloader.reload() == "failed"
+    assert reloader.status.last_error == (
+        "store settings take effect on restart only; the running policy stays"
+    )
+    assert gw.gateway.store.name == "memory"
+
+
+def test_environment_overrides_the_policy_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = load_policy(Path(__file__).parent / "fixtures" / "valid" / "default.yaml").policy
+    assert build_store(policy.store).name == "memory"
+    monkeypatch.setenv("GATEWAY_STORE_URL", "redis://127.0.0.1:6399/0")
+    assert build_store(policy.store).name == "redis"
