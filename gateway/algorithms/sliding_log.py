@@ -1,8 +1,7 @@
 """Sliding log: exact, never more than ``limit`` units in any span of ``window_s``.
 
-The three window algorithms trade accuracy against memory:
-
-================  ===============================  ===================  ======================
+How the three window algorithms trade accuracy, memory and edge bursts: the table in
+``gateway/algorithms/fixed_window.py``.
 algorithm         accuracy                         memory per key       burst at window edges
 ================  ===============================  ===================  ======================
 fixed_window      exact per aligned window only;   one small int        yes: ``limit`` at the

@@ -1,9 +1,8 @@
 """Sliding window counter: two fixed windows, the previous one weighted by the part of it still
 inside the sliding window ending now (Cloudflare's and Envoy's approximation of a sliding log).
 
-The three window algorithms trade accuracy against memory:
-
-================  ===============================  ===================  ======================
+How the three window algorithms trade accuracy, memory and edge bursts: the table in
+``gateway/algorithms/fixed_window.py``.
 algorithm         accuracy                         memory per key       burst at window edges
 ================  ===============================  ===================  ======================
 fixed_window      exact per aligned window only;   one small int        yes: ``limit`` at the
