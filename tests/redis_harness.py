@@ -35,10 +35,11 @@ def free_port() -> int:
 
 
 def _ping(port: int, timeout_s: float = 0.5) -> bool:
+    """True once the server answers (a password-protected one answers NOAUTH)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 
@@ -59,9 +60,12 @@ def _cli(port: int, *args: str, timeout_s: float = 10.0) -> str:
 class RedisServer:
     """One ``redis-server`` on 127.0.0.1; no persistence; can be stopped, paused, restarted."""
 
-    def __init__(self, work_dir: Path, *, cluster: bool = False) -> None:
+    def __init__(
+        self, work_dir: Path, *, cluster: bool = False, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.work_dir = work_dir
         self.cluster = cluster
+        self.extra_args = extra_args
         self.port = 0
         self.bus_port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -87,6 +91,7 @@ class RedisServer:
             "--logfile",
             str(self.log_path),
         ]
+        argv += self.extra_args
         if self.cluster:
             argv += [
                 "--cluster-enabled",
@@ -217,8 +222,11 @@ class RedisFactory:
         self.base = base
         self.started: list[RedisServer] = []
 
-    def start(self) -> RedisServer:
-        server = RedisServer(Path(tempfile.mkdtemp(prefix="redis-", dir=self.base)))
+    def start(self, *extra_args: str) -> RedisServer:
+        """A new server; ``extra_args`` go to redis-server (``--requirepass``, ...)."""
+        server = RedisServer(
+            Path(tempfile.mkdtemp(prefix="redis-", dir=self.base)), extra_args=extra_args
+        )
         server.start()
         self.started.append(server)
         return server

@@ -694,6 +694,35 @@ def test_store_urls_and_options_are_checked() -> None:
         RedisStore("redis://127.0.0.1:1", key_prefix="{gw}")
 
 
+@pytest.mark.parametrize("client", ["thin", "redis-py"])
+async def test_password_and_database_from_the_url(redis_factory: RedisFactory, client: str) -> None:
+    server = redis_factory.start(
+        "--requirepass", "s3cret", "--user", "gw", "on", ">pw", "~*", "+@all"
+    )
+    limit = compiled("auth", FixedWindow(5, 60.0))
+    for url in (
+        f"redis://:s3cret@127.0.0.1:{server.port}/2",
+        f"redis://gw:pw@127.0.0.1:{server.port}/2",
+    ):
+        store = RedisStore(url, client=client, key_prefix="auth:")  # type: ignore[arg-type]
+        store.configure([limit], ())
+        try:
+            assert (await store.decide([Check(limit, "k")])).allowed
+            assert store.counters.failed_calls == 0
+        finally:
+            await store.close()
+    with redis.Redis(port=server.port, password="s3cret", db=2) as db2:
+        key = db2.keys("auth:*")
+        assert len(key) == 1 and db2.ttl(key[0]) > 0
+    wrong = RedisStore(f"redis://:nope@127.0.0.1:{server.port}", client=client)  # type: ignore[arg-type]
+    wrong.configure([limit], ())
+    try:
+        assert (await wrong.decide([Check(limit, "k")])).allowed  # decided locally
+        assert wrong.counters.failed_calls == 1 and wrong.counters.local_decisions == 1
+    finally:
+        await wrong.close()
+
+
 async def test_tracked_keys_counts_the_local_fallback(redis_factory: RedisFactory) -> None:
     """tracked_keys reports keys held in this process; Redis keys expire on their own."""
     server = redis_factory.start()
@@ -725,7 +754,6 @@ def test_state_codecs_read_back_what_the_python_algorithm_holds() -> None:
 
 
 # --- through the gateway: Redis stops under load ---------------------------------------------
-
 
 
 @dataclass
