@@ -3,22 +3,6 @@ inside the sliding window ending now (Cloudflare's and Envoy's approximation of 
 
 How the three window algorithms trade accuracy, memory and edge bursts: the table in
 ``gateway/algorithms/fixed_window.py``.
-algorithm         accuracy                         memory per key       burst at window edges
-================  ===============================  ===================  ======================
-fixed_window      exact per aligned window only;   one small int        yes: ``limit`` at the
-                  up to ``2 * limit`` in a span                         end of one window and
-                  of ``window`` straddling a                            ``limit`` again at the
-                  boundary                                              start of the next
-sliding_window    approximate: assumes the         one small int        damped: never more than
-                  previous window's requests                            ``limit`` in an
-                  were spread evenly; never more                        instant, but up to
-                  than ``limit`` per aligned                            about ``2 * limit`` in
-                  window, up to about                                   a span of ``window``
-                  ``2 * limit`` in the worst span                       in the worst case
-sliding_log       exact: never more than           8 bytes per unit     none
-                  ``limit`` in any span of         admitted in the
-                  ``window``                       last ``window``
-================  ===============================  ===================  ======================
 
 A request of ``cost`` at ``elapsed`` microseconds into the current window is admitted when::
 
