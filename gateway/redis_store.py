@@ -45,7 +45,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
 from gateway.algorithms.base import Algorithm, Decision
-from gateway.algorithms.combine import CombinedDecision
+from gateway.algorithms.combine import CombinedDecision, refuse_long_delays
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket, pack_state
 from gateway.algorithms.sliding_log import SlidingLog, pack_log
@@ -843,8 +843,8 @@ class RedisStore:
     """The ``LimitStore`` for several replicas: state in Redis or a Redis Cluster."""
 
     name = "redis"
-    # The scripts do not see the queue's bounds yet: the engine checks them after the call.
-    bounds_delays = False
+    # The script refuses a delay over a check's bound before it commits anything.
+    bounds_delays = True
 
     def __init__(
         self,
@@ -972,7 +972,7 @@ class RedisStore:
             self._failed(exc)
             return await self._unavailable(checks, commit, _describe(exc))
         self.breaker.success()
-        return _combine([plan.codec for plan in plans], reply)
+        return _verdict(checks, plans, reply)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         """Dry-run limits, one script call each, all in flight together. They are never
@@ -993,7 +993,7 @@ class RedisStore:
                 verdicts.append(await self._local_decide((check,), True))
             else:
                 self.breaker.success()
-                verdicts.append(_combine([plan.codec], reply))
+                verdicts.append(_verdict((check,), (plan,), reply))
         return verdicts
 
     async def refund(self, checks: Sequence[Check]) -> None:
@@ -1031,6 +1031,7 @@ class RedisStore:
         time_source = self.time_source
         now = b"" if time_source is None else b"%d" % time_source.now_us()
         argv = [mode, now, b"1", self._min_ttl, *[plan.codec.params for plan in plans]]
+        argv += [_bound(check.max_delay_s) for check in checks]
         self.counters.calls += 1
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -1108,10 +1109,28 @@ def _redis_py(
     return Redis.from_url(url, **options)
 
 
+def _bound(max_delay_s: float) -> bytes:
+    """A delay bound for the script: shortest exact decimal, or '' for none."""
+    return b"" if max_delay_s == _INF else repr(float(max_delay_s)).encode()
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timeout"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _verdict(
+    checks: Sequence[Check], plans: Sequence[LimitPlan], reply: Sequence[int]
+) -> CombinedDecision:
+    """The verdict the script reached, as the memory store reaches it: combined, then a delay
+    over its check's bound refused (the script did not commit it either)."""
+    verdict = _combine([plan.codec for plan in plans], reply)
+    if verdict.delay_s > 0.0:
+        verdict = refuse_long_delays(
+            verdict, verdict.states, [check.max_delay_s for check in checks]
+        )
+    return verdict
 
 
 def _combine(codecs: Sequence[Codec], reply: Sequence[int]) -> CombinedDecision:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import struct
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.algorithms.base import Algorithm
-from gateway.algorithms.combine import CombinedDecision, decide_all
+from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
@@ -162,11 +163,14 @@ steps_us = st.one_of(
     st.integers(-100_000, 0),  # the clock steps back a little
     st.just(-61_000_000),  # and far: nginx treats more than 60 s back as 1 ms forward
 )
+# The longest a request may wait on each of its limits (0: the limit's queue is full).
+delay_bounds = st.sampled_from([math.inf, math.inf, 0.0, 0.05, 0.3, 2.0])
 operations = st.lists(
     st.tuples(
         steps_us,
         st.sampled_from(["decide", "decide", "decide", "peek", "refund"]),
         st.sampled_from(["a", "b"]),
+        delay_bounds,
     ),
     min_size=1,
     max_size=40,
@@ -174,26 +178,28 @@ operations = st.lists(
 stacks = st.lists(st.sampled_from(sorted(ALGORITHMS)), min_size=1, max_size=3, unique=True)
 
 
-async def run_against_python(
-    backend: Backend, stack: list[str], ops: list[tuple[int, str, str]]
-) -> None:
-    """Apply ``ops`` to a store and to the pure algorithms; every verdict (and for Redis every
-    stored state) must be the same."""
+Op = tuple[int, str, str, float]  # clock step (us), operation, key, delay bound (s)
+
+
+async def run_against_python(backend: Backend, stack: list[str], ops: list[Op]) -> None:
+    """Apply ``ops`` to a store and to the pure algorithms (combined by ``decide_all``, a delay
+    over its bound refused by ``refuse_long_delays``); every verdict, and for Redis every
+    stored state, must be the same."""
     if backend.kind == "memory":
         # It drops idle keys, which no request can tell from kept ones while time goes forward
         # (its clock is monotonic). Under a test clock Redis keeps every key 10 minutes, so
         # for Redis the clock also steps back.
-        ops = [(max(step_us, 0), op, key) for step_us, op, key in ops]
+        ops = [(max(step_us, 0), op, key, bound) for step_us, op, key, bound in ops]
     clock = FakeClock(T0_US)
     limits = [compiled(f"l{i}", ALGORITHMS[name]()) for i, name in enumerate(stack)]
     store = backend.make(clock)
     store.configure(limits, ())
     reference: dict[tuple[int, str], Any] = {}
     try:
-        for step_us, op, key in ops:
+        for step_us, op, key, bound in ops:
             clock.advance(us=step_us)
             now_us = clock.now_us()
-            checks = [Check(limit, key) for limit in limits]
+            checks = [Check(limit, key, bound) for limit in limits]
             if op == "refund":
                 await store.refund(checks)
                 for i, limit in enumerate(limits):
@@ -206,6 +212,10 @@ async def run_against_python(
                     (limit.algorithm, reference.get((i, key))) for i, limit in enumerate(limits)
                 ]
                 want = decide_all(items, now_us)
+                if want.delay_s > 0.0:
+                    want = refuse_long_delays(
+                        want, [state for _, state in items], [bound] * len(items)
+                    )
                 assert verdict_of(got) == verdict_of(want), (op, now_us - T0_US)
                 if op == "decide" and want.allowed:
                     for i, state in enumerate(want.states):
@@ -232,7 +242,7 @@ async def run_against_python(
 )
 @given(stack=stacks, ops=operations)
 def test_decisions_and_states_match_the_python_algorithms(
-    kind: str, request: pytest.FixtureRequest, stack: list[str], ops: list[tuple[int, str, str]]
+    kind: str, request: pytest.FixtureRequest, stack: list[str], ops: list[Op]
 ) -> None:
     backend = _backend(kind, request)
     try:
@@ -250,7 +260,7 @@ def test_decisions_and_states_match_the_python_algorithms(
 )
 @given(ops=operations)
 def test_each_lua_mirror_matches_its_python_algorithm(
-    name: str, request: pytest.FixtureRequest, ops: list[tuple[int, str, str]]
+    name: str, request: pytest.FixtureRequest, ops: list[Op]
 ) -> None:
     """One algorithm at a time (on one server: the mirror does not depend on the client), so
     that every branch of every script is reached."""
@@ -266,13 +276,15 @@ def test_each_lua_mirror_matches_its_python_algorithm(
 async def test_each_algorithm_through_a_burst_and_recovery(backend: Backend, name: str) -> None:
     """Every algorithm over a fixed script: a burst at one instant, then time passing, then a
     refund; the same as the Python algorithm at every step (the property test's worked case)."""
-    ops = [(0, "decide", "a")] * 8 + [(50_000, "decide", "a"), (0, "refund", "a")]
-    ops += [(300_000, "peek", "a"), (0, "decide", "a"), (2_000_000, "decide", "a")]
-    ops += [(-30_000, "decide", "a"), (0, "decide", "b")]
+    inf = math.inf
+    ops: list[Op] = [(0, "decide", "a", inf)] * 8
+    ops += [(50_000, "decide", "a", inf), (0, "refund", "a", inf)]
+    ops += [(300_000, "peek", "a", inf), (0, "decide", "a", inf), (2_000_000, "decide", "a", inf)]
+    ops += [(-30_000, "decide", "a", inf), (0, "decide", "b", inf)]
     # Saturated, then walking through window edges: a request every 37 ms for 2.2 s, then
-    # every 213 ms, some given back.
-    ops += [(37_000, "decide", "a")] * 60
-    ops += [(213_000, op, "a") for op in ("decide", "decide", "refund", "peek") * 5]
+    # every 213 ms, some given back; every third may wait at most 0.1 s.
+    ops += [(37_000, "decide", "a", 0.1 if n % 3 == 0 else inf) for n in range(60)]
+    ops += [(213_000, op, "a", inf) for op in ("decide", "decide", "refund", "peek") * 5]
     await run_against_python(backend, [name], ops)
 
 

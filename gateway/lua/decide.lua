@@ -8,6 +8,8 @@
 -- ARGV[3]    cost of the request
 -- ARGV[4]    least time to live in ms for written keys (0: expire as soon as idle)
 -- ARGV[4+i]  limit i's parameters: algorithm letter, then its numbers
+-- ARGV[4+n+i] the longest limit i may delay this request, in seconds ('': no bound); a
+--            request that would wait longer is refused, and charged nothing
 -- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four.
 local mode = ARGV[1]
 local now_us = tonumber(ARGV[2])
@@ -46,12 +48,15 @@ local reply = {now_us}
 local states = {}
 local idle = {}
 local allowed = true
+local too_long = false
 for i = 1, n do
   local raw = redis.call('GET', KEYS[i])
   local p = ARGV[4 + i]
-  local ok, state, idle_in_us, a, b, c, d =
+  local ok, state, idle_in_us, a, b, c, d, delay_s =
     ALG[string.sub(p, 1, 1)].decide(p, raw or nil, now_us, cost)
   if ok == 0 then allowed = false end
+  local bound = tonumber(ARGV[4 + n + i])
+  if delay_s and bound and delay_s > bound then too_long = true end
   states[i] = state
   idle[i] = idle_in_us
   local base = 5 * i - 3
@@ -61,7 +66,7 @@ for i = 1, n do
   reply[base + 3] = c
   reply[base + 4] = d
 end
-if allowed and mode == 'd' then
+if allowed and not too_long and mode == 'd' then
   for i = 1, n do
     if states[i] then store(KEYS[i], states[i], idle[i]) end
   end

@@ -49,7 +49,7 @@ MAKE['L'] = function()
       local recovered_ms = lb_recovered_ms(last_ms, excess, rate)
       local reset_us = recovered_ms * 1000 - now_us
       return 1, pack_state('<dd', excess, last_ms), recovered_ms * 1000 - now_us,
-        delay_ms, 0, floor((burst - excess) / 1000), reset_us
+        delay_ms, 0, floor((burst - excess) / 1000), reset_us, delay_ms / 1000
     end,
 
     refund = function(p, raw, now_us, cost)

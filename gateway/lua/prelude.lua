@@ -19,7 +19,8 @@ end
 -- p is the limit's parameter string (its code letter, then little-endian doubles); raw is the
 -- key's stored state (nil for a key never seen or expired).
 -- decide returns: allowed (1/0), new state (nil: nothing to write), microseconds until the
--- new state is idle, then four integers the Python side turns into a Decision.
+-- new state is idle, four integers the Python side turns into a Decision, and the delay in
+-- seconds as the Python computes it (nil: the algorithm never delays).
 -- refund returns: new state (nil: unchanged), microseconds until it is idle.
 -- Redis runs this whole file on every call: ALG builds an algorithm's functions only when a
 -- limit of the request uses it (building all of them cost 4 us a call, measured).

@@ -54,7 +54,7 @@ MAKE['T'] = function()
         return 0, nil, 0, 0, retry, tb_remaining(tat, interval), tat + max_credit
       end
       return 1, pack_state('<dd', tb_absolute(now_us, tat_new, tpu)), (tat_new + max_credit) / tpu,
-        delay, 0, tb_remaining(tat_new, interval), tat_new + max_credit
+        delay, 0, tb_remaining(tat_new, interval), tat_new + max_credit, delay / (tpu * 1000000)
     end,
 
     refund = function(p, raw, now_us, cost)
@@ -129,7 +129,7 @@ MAKE['W'] = function()
       local nf_us, nf_frac = tb_absolute(now_us, next_free, tpu)
       local reset = next_free + warmup - credit
       return 1, pack_state('<ddd', nf_us, nf_frac, credit), reset / tpu,
-        delay, 0, remaining, reset
+        delay, 0, remaining, reset, delay / (tpu * 1000000)
     end,
 
     -- Pull the next free time back by cost intervals, never before now; coldness stays.
