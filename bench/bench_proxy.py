@@ -581,7 +581,9 @@ def markdown(summaries: Sequence[Summary], ratio_table: RatioTable) -> str:
     ]
     for connections, row in ratio_table.items():
         for (gateway, peer), pair in row.items():
-            cells = [pair.throughput.cell(), pair.cpu_per_request.cell()] if pair else ["n/a"] * 2
+            if pair is None:  # one of the two was not run (--targets) or did not start
+                continue
+            cells = [pair.throughput.cell(), pair.cpu_per_request.cell()]
             lines.append(f"| {connections} | {gateway} | {peer} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
