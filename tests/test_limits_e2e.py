@@ -28,8 +28,7 @@ async def test_leaky_bucket_nodelay_rejects_beyond_burst_with_headers(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 2\n"
-        "    nodelay: true\n",
+        "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 2\n    nodelay: true\n",
     )
     gw = await start_gateway(policy, clock=clock)
     async with aiohttp.ClientSession() as session:
@@ -234,9 +233,7 @@ async def test_missing_key_part_skips_or_falls_back(
     async with aiohttp.ClientSession() as session:
         skip = [(await _get(session, gw.url + "/skip"))[0] for _ in range(3)]
         fallback = [(await _get(session, gw.url + "/fallback"))[0] for _ in range(3)]
-        keyed = [
-            (await _get(session, gw.url + "/skip", {"X-API-Key": "k1"}))[0] for _ in range(2)
-        ]
+        keyed = [(await _get(session, gw.url + "/skip", {"X-API-Key": "k1"}))[0] for _ in range(2)]
     assert skip == [200, 200, 200]
     assert fallback == [200, 429, 429]
     assert keyed == [200, 429]
@@ -250,9 +247,7 @@ async def test_throttled_upload_is_refused_before_its_body_is_sent(
         "  uploads:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n",
     )
     gw = await start_gateway(policy, clock=FakeClock())
-    head = (
-        b"PUT /file HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
-    )
+    head = b"PUT /file HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
     writer.write(head)
     assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (

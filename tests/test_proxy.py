@@ -56,8 +56,15 @@ async def test_hop_by_hop_request_headers_dropped(
         b"Trailer: X-T\r\nUpgrade: websocket\r\nX-Kept: yes\r\n\r\n",
     )
     names = {n.lower() for n, _ in upstream.requests[0].raw_headers}
-    for dropped in (b"x-secret", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-                    b"upgrade", b"transfer-encoding"):
+    for dropped in (
+        b"x-secret",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"transfer-encoding",
+    ):
         assert dropped not in names, dropped
     assert b"x-kept" in names
 
@@ -112,9 +119,7 @@ async def test_forwarding_headers_added(
 async def test_xff_from_untrusted_peer_is_ignored(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
-    gw = await start_gateway(
-        policy_for(upstream.url, server="  trusted_proxies: [10.0.0.0/8]\n")
-    )
+    gw = await start_gateway(policy_for(upstream.url, server="  trusted_proxies: [10.0.0.0/8]\n"))
     await exchange(
         gw.port,
         b"GET / HTTP/1.1\r\nHost: h\r\nX-Forwarded-For: 9.9.9.9\r\nConnection: close\r\n\r\n",
@@ -281,9 +286,7 @@ async def test_bytes_pass_unchanged_no_decompression(
     gw = await start_gateway(policy_for(upstream.url))
     async with (
         aiohttp.ClientSession(auto_decompress=False) as session,
-        session.post(
-            gw.url + "/", data=compressed, headers={"Content-Encoding": "gzip"}
-        ) as resp,
+        session.post(gw.url + "/", data=compressed, headers={"Content-Encoding": "gzip"}) as resp,
     ):
         assert await resp.read() == compressed
         assert resp.headers["Content-Encoding"] == "gzip"
@@ -301,7 +304,12 @@ async def test_body_over_limit_gets_413_and_never_reaches_upstream(
     chunked = await exchange(
         gw.port,
         b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
-        + b"400\r\n" + b"x" * 1024 + b"\r\n" + b"400\r\n" + b"x" * 1024 + b"\r\n0\r\n\r\n",
+        + b"400\r\n"
+        + b"x" * 1024
+        + b"\r\n"
+        + b"400\r\n"
+        + b"x" * 1024
+        + b"\r\n0\r\n\r\n",
     )
     assert status_of(chunked) == 413
     assert all(len(r.body) <= 1024 for r in upstream.requests)

@@ -50,9 +50,7 @@ async def test_invalid_edit_keeps_running_policy_and_reports_exact_error(
     reloader = gw.gateway.reloader
     assert reloader is not None
 
-    write_atomically(
-        path, policy_for(upstream.url) + LIMIT.format(rate="fast", burst=1)
-    )
+    write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="fast", burst=1))
     await _wait_for(lambda: reloader.status.failed == 1)
     assert reloader.status.last_error == (
         f"{path}:15: limits.per_ip.rate: invalid rate 'fast': "
