@@ -13,6 +13,7 @@ from gateway.client_ip import client_key
 from gateway.engine import Check
 from gateway.keys import RequestFacts
 from gateway.routing import normalise_host
+from gateway.store import StoreUnavailableError
 
 if TYPE_CHECKING:
     from gateway.proxy import ProxyHandler
@@ -132,7 +133,12 @@ async def _explain(request: web.Request) -> web.Response:
             if key is None:
                 entry["skipped"] = "a key part is missing (on_missing_key: skip)"
             else:
-                verdict = await engine.store.decide((Check(limit, key),), commit=False)
+                try:
+                    verdict = await engine.store.decide((Check(limit, key),), commit=False)
+                except StoreUnavailableError as exc:  # on_failure: deny, the store is down
+                    entry["next_request"] = {"allowed": False, "status": 503, "reason": str(exc)}
+                    limits.append(entry)
+                    continue
                 decision = verdict.decisions[0]
                 entry["next_request"] = {
                     "allowed": decision.allowed,

@@ -56,7 +56,7 @@ def _worker_main(
     listen: str | None,
     admin: str | None,
     worker_id: int,
-    reuse_port: bool,
+    workers: int,
     policy_path: str | None,
 ) -> None:
     from gateway.serve import run_event_loop, serve
@@ -66,8 +66,9 @@ def _worker_main(
             loaded,
             listen=listen,
             admin_listen=admin,
-            reuse_port=reuse_port,
+            reuse_port=workers > 1,
             worker_id=worker_id,
+            workers=workers,
             policy_path=policy_path,
         )
     )
@@ -87,7 +88,7 @@ def _supervise(
     def start(worker_id: int) -> multiprocessing.process.BaseProcess:
         proc = ctx.Process(
             target=_worker_main,
-            args=(loaded, listen, admin, worker_id, True, policy_path),
+            args=(loaded, listen, admin, worker_id, workers, policy_path),
             name=f"gateway-worker-{worker_id}",
         )
         proc.start()
@@ -139,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "once per worker; use a shared store (Redis) or run one worker"
         )
     if workers == 1:
-        _worker_main(loaded, args.listen, args.admin_listen, 0, False, policy_path)
+        _worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
         return 0
     return _supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
 

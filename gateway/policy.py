@@ -375,7 +375,12 @@ class StoreSettings(_Model):
         description="when Redis fails: local (in-process limits divided by replicas), allow "
         "(fail open) or deny (503)",
     )
-    replicas: int = Field(1, ge=1, description="gateway replicas sharing the limits")
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="gateway instances sharing the limits; with --workers N each instance "
+        "counts N times in the local fallback",
+    )
     timeout: Duration = Field(0.05, description="deadline of one Redis call")
     key_prefix: str = Field("gw:", pattern=r"^[^{}\s]*$", description="namespace of Redis keys")
 

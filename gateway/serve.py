@@ -56,13 +56,14 @@ class Gateway:
         admin_listen: str | None = None,
         reuse_port: bool = False,
         worker_id: int = 0,
+        workers: int = 1,
         clock: Clock | None = None,
         store: LimitStore | None = None,
         policy_path: str | None = None,
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
-        self.store: LimitStore = store or build_store(loaded.policy.store, clock)
+        self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
         self.reloader = PolicyReloader(self, policy_path) if policy_path else None
         self._demo_address: tuple[str, int] | None = None
         self._watch_stop = asyncio.Event()
@@ -190,6 +191,7 @@ async def serve(
     admin_listen: str | None = None,
     reuse_port: bool = False,
     worker_id: int = 0,
+    workers: int = 1,
     on_started: Callable[[Gateway], None] | None = None,
     policy_path: str | None = None,
 ) -> None:
@@ -199,6 +201,7 @@ async def serve(
         admin_listen=admin_listen,
         reuse_port=reuse_port,
         worker_id=worker_id,
+        workers=workers,
         policy_path=policy_path,
     )
     stop = asyncio.Event()

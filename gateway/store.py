@@ -133,8 +133,14 @@ def store_url(settings: StoreSettings) -> str:
     return os.environ.get(STORE_URL_ENV) or settings.url
 
 
-def build_store(settings: StoreSettings, clock: Clock | None = None) -> LimitStore:
-    """The store a policy names; Redis is imported only when it is used."""
+def build_store(
+    settings: StoreSettings, clock: Clock | None = None, workers: int = 1
+) -> LimitStore:
+    """The store a policy names; Redis is imported only when it is used.
+
+    ``store.replicas`` counts gateway instances; each of an instance's ``workers`` processes
+    falls back to its own in-process limits, so the ``local`` fallback divides by both.
+    """
     url = store_url(settings)
     if url == "memory":
         return MemoryStore(clock)
@@ -143,7 +149,7 @@ def build_store(settings: StoreSettings, clock: Clock | None = None) -> LimitSto
     return RedisStore(
         url,
         on_failure=settings.on_failure,
-        replicas=settings.replicas,
+        replicas=settings.replicas * workers,
         timeout_s=settings.timeout,
         key_prefix=settings.key_prefix,
         clock=clock,

@@ -870,6 +870,13 @@ async def test_deny_mode_answers_503_while_redis_is_down(
         for _ in range(5):
             async with session.get(gw.url + "/") as response:
                 assert response.status == 503
+        # The admin explanation says the same, and does not fail itself.
+        async with session.get(gw.admin_url + "/explain", params={"path": "/"}) as response:
+            assert response.status == 200
+            explained = await response.json()
+        verdicts = [x["next_request"] for x in explained["limits"] if x["applies"]]
+        assert verdicts and all(v["allowed"] is False and v["status"] == 503 for v in verdicts)
+        assert all("unavailable" in v["reason"] for v in verdicts)
         server.start(same_port=True)
         statuses = []
         for _ in range(50):  # the breaker probes again within its reset timeout

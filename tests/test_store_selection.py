@@ -72,3 +72,25 @@ def test_environment_overrides_the_policy_store(monkeypatch: pytest.MonkeyPatch)
     assert build_store(policy.store).name == "memory"
     monkeypatch.setenv("GATEWAY_STORE_URL", "redis://127.0.0.1:6399/0")
     assert build_store(policy.store).name == "redis"
+
+
+async def test_local_fallback_divides_by_replicas_times_workers(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """Two instances of three workers each are six processes, each falling back on its own:
+    a 12-per-hour window becomes 2 per process while Redis is unreachable."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        policy_for(upstream.url)
+        + "limits:\n  hourly:\n    algorithm: fixed_window\n    limit: 12\n    window: 1h\n"
+        + "store:\n  url: redis://127.0.0.1:1\n  replicas: 2\n"
+    )
+    gw = await start_gateway(load_policy(path), workers=3)
+    assert gw.gateway.store.name == "redis"
+    async with aiohttp.ClientSession() as session:
+        answers = []
+        for _ in range(3):
+            async with session.get(gw.url + "/") as resp:
+                answers.append((resp.status, resp.headers.get("RateLimit-Policy")))
+    assert [status for status, _ in answers] == [200, 200, 429]
+    assert all(policy is not None and ";q=2;" in policy for _, policy in answers)
