@@ -45,7 +45,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
 from gateway.algorithms.base import Algorithm, Decision
-from gateway.algorithms.combine import CombinedDecision, refuse_long_delays
+from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket, pack_state
 from gateway.algorithms.sliding_log import SlidingLog, pack_log
@@ -1143,28 +1143,9 @@ def _combine(codecs: Sequence[Codec], reply: Sequence[int]) -> CombinedDecision:
         return CombinedDecision(
             False, 0.0, decision.retry_after_s, (0,), None, (decision,), (None,)
         )
-    decisions = []
-    rejected_by = []
-    base = 1
-    for index, codec in enumerate(codecs):
-        decision = codec.decision(
-            reply[base], reply[base + 1], reply[base + 2], reply[base + 3], reply[base + 4]
-        )
-        base += 5
-        if not decision.allowed:
-            rejected_by.append(index)
-        decisions.append(decision)
-    states = (None,) * len(decisions)
-    if rejected_by:
-        retry_after_s = max([decisions[i].retry_after_s for i in rejected_by])
-        return CombinedDecision(
-            False, 0.0, retry_after_s, tuple(rejected_by), None, tuple(decisions), states
-        )
-    delay_s = 0.0
-    delayed_by = None
-    for index, decision in enumerate(decisions):
-        # ">=": on equal delays the later limit is named, as nginx's account loop does.
-        if decision.delay_s >= delay_s and decision.delay_s > 0.0:
-            delay_s = decision.delay_s
-            delayed_by = index
-    return CombinedDecision(True, delay_s, 0.0, (), delayed_by, tuple(decisions), states)
+    decisions = [
+        codec.decision(*reply[base : base + 5])
+        for codec, base in zip(codecs, range(1, 5 * len(codecs), 5), strict=True)
+    ]
+    states = (None,) * len(decisions)  # the script committed them: nothing to store here
+    return combine(decisions, states, states)

@@ -72,23 +72,23 @@ def decide_all(
         )
     decisions: list[Decision] = []
     new_states: list[Any] = []
-    rejected_by: list[int] = []
     for algorithm, state in items:
         decision, new_state = algorithm.decide(state, now_us, cost)
-        if not decision.allowed:
-            rejected_by.append(len(decisions))
         decisions.append(decision)
         new_states.append(new_state)
+    return combine(decisions, new_states, [state for _, state in items])
+
+
+def combine(
+    decisions: Sequence[Decision], new_states: Sequence[Any], input_states: Sequence[Any]
+) -> CombinedDecision:
+    """The verdict of decisions taken at one instant (by ``decide_all``, or by a store's
+    script): all admit or none is charged, the longest delay wins."""
+    rejected_by = tuple([index for index, decision in enumerate(decisions) if not decision.allowed])
     if rejected_by:
         retry_after_s = max([decisions[index].retry_after_s for index in rejected_by])
         return CombinedDecision(
-            False,
-            0.0,
-            retry_after_s,
-            tuple(rejected_by),
-            None,
-            tuple(decisions),
-            tuple([state for _, state in items]),
+            False, 0.0, retry_after_s, rejected_by, None, tuple(decisions), tuple(input_states)
         )
     delay_s = 0.0
     delayed_by = None

@@ -94,7 +94,39 @@ def _check_mode(mode: str) -> Mode:
     return mode  # type: ignore[return-value]
 
 
-class TokenBucket:
+class _Bucket:
+    """What both token buckets share: their name, their rate, and equality by parameters
+    (the policy engine keeps a limit's state across a reload when its algorithm is equal)."""
+
+    __slots__ = ()
+    _rate: _Rate
+
+    def _key(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return "token_bucket"
+
+    @property
+    def rate(self) -> int:
+        return self._rate.rate
+
+    @property
+    def period_s(self) -> float:
+        return self._rate.period_us / 1e6
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Bucket)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self), *self._key()))
+
+
+class TokenBucket(_Bucket):
     """Guava ``SmoothBursty`` per key: ``capacity`` tokens, ``rate`` per ``period_s``.
 
     The state is the bucket's theoretical arrival time in ticks (see the module docstring):
@@ -131,18 +163,6 @@ class TokenBucket:
         self._max_delay_ticks = self._rate.us_to_ticks(_max_delay_us(max_delay_s))
         self._max_credit_ticks = capacity * self._rate.interval_ticks
 
-    @property
-    def name(self) -> str:
-        return "token_bucket"
-
-    @property
-    def rate(self) -> int:
-        return self._rate.rate
-
-    @property
-    def period_s(self) -> float:
-        return self._rate.period_us / 1e6
-
     def __repr__(self) -> str:
         return (
             f"TokenBucket(rate={self.rate}, period_s={self.period_s:g}, "
@@ -151,14 +171,6 @@ class TokenBucket:
 
     def _key(self) -> tuple[int, int, int, str, float]:
         return (self.rate, self._rate.period_us, self.capacity, self.mode, self.max_delay_s)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TokenBucket):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((TokenBucket, *self._key()))
 
     def state(self, stored_permits: float, next_free_us: int) -> int:
         """The state Guava's ``(storedPermits, nextFreeTicketMicros)`` describe (rounded down to
@@ -254,7 +266,7 @@ class TokenBucket:
         return now - credit
 
 
-class WarmingUpTokenBucket:
+class WarmingUpTokenBucket(_Bucket):
     """Guava ``SmoothWarmingUp`` (coldFactor 3) per key, starting cold.
 
     The state packs Guava's two fields: ``next_free_ticks << credit_bits | credit_ticks``, the
@@ -314,18 +326,6 @@ class WarmingUpTokenBucket:
             self.max_permits - self.threshold_permits
         )
 
-    @property
-    def name(self) -> str:
-        return "token_bucket"
-
-    @property
-    def rate(self) -> int:
-        return self._rate.rate
-
-    @property
-    def period_s(self) -> float:
-        return self._rate.period_us / 1e6
-
     def __repr__(self) -> str:
         return (
             f"WarmingUpTokenBucket(rate={self.rate}, period_s={self.period_s:g}, "
@@ -334,14 +334,6 @@ class WarmingUpTokenBucket:
 
     def _key(self) -> tuple[int, int, int, str, float]:
         return (self.rate, self._rate.period_us, self._warmup_ticks, self.mode, self.max_delay_s)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, WarmingUpTokenBucket):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((WarmingUpTokenBucket, *self._key()))
 
     def state(self, stored_permits: float, next_free_us: int) -> int:
         """The state Guava's ``(storedPermits, nextFreeTicketMicros)`` describe."""
