@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from gateway import __version__
 from gateway.policy import Policy, Route, Upstream, policy_json_schema
@@ -74,6 +75,15 @@ def _worker_main(
     )
 
 
+def _forked_worker_main(*args: Any) -> None:
+    """A worker forked by the supervisor: drop the supervisor's signal handlers first (until
+    the worker's event loop installs its own, HUP is ignored and TERM/INT stop it at once)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _worker_main(*args)
+
+
 def _supervise(
     loaded: LoadedPolicy,
     workers: int,
@@ -87,7 +97,7 @@ def _supervise(
 
     def start(worker_id: int) -> multiprocessing.process.BaseProcess:
         proc = ctx.Process(
-            target=_worker_main,
+            target=_forked_worker_main,
             args=(loaded, listen, admin, worker_id, workers, policy_path),
             name=f"gateway-worker-{worker_id}",
         )
@@ -98,9 +108,17 @@ def _supervise(
         nonlocal stopping
         stopping = True
 
+    def on_sighup(signum: int, frame: object) -> None:
+        # Each worker reloads the policy file on its own SIGHUP (nginx: HUP to the master).
+        for proc in procs.values():
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGHUP)
+
+    procs: dict[int, multiprocessing.process.BaseProcess] = {}
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    procs = {i: start(i) for i in range(workers)}
+    signal.signal(signal.SIGHUP, on_sighup)
+    procs.update({i: start(i) for i in range(workers)})
     log.info("supervisor pid %d started %d workers", os.getpid(), workers)
     while not stopping:
         time.sleep(0.2)

@@ -53,6 +53,7 @@ class PolicyReloader:
                 loaded = load_policy(self.path)
                 if loaded.sha256 == self.gateway.loaded.sha256:
                     self.status.unchanged += 1
+                    log.info("policy %s unchanged (sha256 %s)", self.path, loaded.sha256[:12])
                     return "unchanged"
                 self.gateway.apply(loaded)
             except (PolicyError, ValueError) as exc:

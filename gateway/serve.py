@@ -219,6 +219,12 @@ async def serve(
             task.add_done_callback(tasks.discard)
 
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    else:
+        # nginx reloads on HUP; with no policy file there is nothing to reload, and the
+        # signal's default action would end the process.
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: log.info("SIGHUP: no policy file to reload (--upstream)")
+        )
 
     log.info(
         "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s",

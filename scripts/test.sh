@@ -4,8 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SUDO=""
-if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+. scripts/python-env.sh
 need=()
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -17,7 +16,6 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
 fi
 
-PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check -e ".[test,speed]"
 
 $PY -m ruff check gateway tests bench

@@ -616,3 +616,36 @@ async def test_refuses_to_start_on_pure_python_parser(
     assert "pure-Python HTTP parser" in log, log
     assert "Traceback" not in log
     assert not await _can_connect(gw.port)
+
+
+async def test_sighup_to_the_supervisor_reloads_every_worker_and_keeps_them(
+    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+) -> None:
+    gw = await gateway_process("--workers", "2", policy=_policy_file(slow_upstream.url))
+    await wait_for(
+        lambda: "worker 0 serving" in gw.log() and "worker 1 serving" in gw.log(),
+        "both workers serving",
+        20.0,
+    )
+    workers = sorted(_children(gw.proc.pid))
+    gw.proc.send_signal(signal.SIGHUP)
+    # Each worker re-reads the file; it has not changed, and each says so.
+    await wait_for(lambda: gw.log().count(" unchanged (sha256 ") == 2, "two workers reloading")
+    await asyncio.sleep(0.5)
+    assert gw.proc.returncode is None, gw.log()
+    assert sorted(_children(gw.proc.pid)) == workers  # no worker died and was restarted
+    async with (
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        session.get(gw.url + "/after-hup") as resp,
+    ):
+        assert (resp.status, await resp.text()) == (200, "done /after-hup")
+
+
+async def test_sighup_without_a_policy_file_is_logged_not_fatal(
+    upstream: RecordingUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+) -> None:
+    gw = await gateway_process("--upstream", upstream.url)
+    gw.proc.send_signal(signal.SIGHUP)
+    await wait_for(lambda: "no policy file to reload" in gw.log(), "the SIGHUP log line")
+    assert gw.proc.returncode is None
+    assert await get_ok(gw.url + "/after-hup") == "ok GET /after-hup"

@@ -87,6 +87,18 @@ def test_compose_services_match_the_policy() -> None:
         assert parts.hostname in services, f"{parts.hostname} is not a compose service"
         service = services[parts.hostname]
         assert str(parts.port) in [str(p).split(":")[-1] for p in service.get("expose", [])]
+    for url in (policy.store.url, gateway["environment"]["GATEWAY_STORE_URL"]):
+        parts = urlsplit(url)
+        assert parts.scheme == "redis"
+        assert parts.hostname in services, f"{parts.hostname} is not a compose service"
+        assert str(parts.port) in [str(p) for p in services[parts.hostname].get("expose", [])]
+
+
+def test_compose_sets_only_environment_variables_the_gateway_reads() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    source = "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
+    for name in compose["services"]["gateway"].get("environment", {}):
+        assert f'"{name}"' in source, f"docker-compose.yml sets {name}, which nothing reads"
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -97,3 +109,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     script = (ROOT / "scripts" / "test.sh").read_text()
     for package in ("nginx", "redis-server"):
         assert package in script
+
+
+def test_readme_run_command_is_the_demo_script() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "bash scripts/demo.sh" in readme
+    demo = (ROOT / "scripts" / "demo.sh").read_text()
+    assert "policies/default.yaml" in demo
+    # Both set-up scripts install into a virtual environment: Debian's python3 refuses a
+    # system-wide pip install (PEP 668).
+    for script in ("demo.sh", "test.sh"):
+        assert ". scripts/python-env.sh" in (ROOT / "scripts" / script).read_text()
