@@ -11,8 +11,12 @@ Columns:
 * ``1 key, over``: the same key at ten times the rate (mostly rejected).
 * ``N keys``: the in-process store's pattern on a table of N tracked keys (IPv4 strings):
   ``KeyedState.get``, ``decide``, ``KeyedState.put`` on a random tracked key.
-* ``bytes/key``: resident memory added by filling the table with N keys after one request
-  each (key string, state, table entry), measured as the RSS delta in a fresh child process.
+* ``bytes/key filled``: resident memory added by filling the table with N keys after one
+  request each (key string, state, table entry), measured as the RSS delta in a fresh child
+  process.
+* ``bytes/key churned``: the same after N more new keys have each evicted the least recently
+  used one: the steady state of a full table under churn (CPython doubles the hash table once
+  deletions have used up its free slots).
 
 Every loop is bounded in count and in time. Each ns figure is the fastest chunk of 5,000
 decisions (the machine is shared: the minimum is the figure least disturbed by other work).
@@ -141,7 +145,21 @@ def many_keys(name: str, keys: int, decisions: int) -> dict[str, float]:
                 put(key, state, now_us)
 
     ns = _best_chunk_ns(step, decisions)
-    return {"ns": ns, "bytes_per_key": bytes_per_key, "tracked": len(table)}
+    # Turn the table over once: as many new keys again, each evicting the least recently used.
+    # CPython then resizes the table for the deleted entries' slots, to its steady size.
+    for index in range(keys, 2 * keys):
+        if index % 65536 == 0 and time.perf_counter() > deadline + 120:
+            raise SystemExit(f"turning {keys} keys over took too long")
+        _, state = decide(None, now_us)
+        table.put(ipv4(index), state)
+    gc.collect()
+    churned_bytes_per_key = (rss_bytes() - rss_before) / keys
+    return {
+        "ns": ns,
+        "bytes_per_key": bytes_per_key,
+        "churned_bytes_per_key": churned_bytes_per_key,
+        "tracked": len(table),
+    }
 
 
 def in_child(args: list[str]) -> dict[str, Any]:
@@ -155,9 +173,13 @@ def in_child(args: list[str]) -> dict[str, Any]:
 def table(keys: int, decisions: int) -> None:
     header = (
         f"{'algorithm':<34}{'1 key':>10}{'1 key, over':>13}{f'{keys:,} keys':>16}{'bytes/key':>11}"
+        f"{'bytes/key':>11}"
     )
     print(header)
-    print(f"{'':<34}{'ns/decision':>10}{'ns/decision':>13}{'ns/decision':>16}")
+    print(
+        f"{'':<34}{'ns/decision':>10}{'ns/decision':>13}{'ns/decision':>16}{'filled':>11}"
+        f"{'churned':>11}"
+    )
     print("-" * len(header))
     for name, (factory, step_us) in ALGORITHMS.items():
         admitted_ns = one_key_ns(factory(), step_us, decisions)
@@ -165,7 +187,7 @@ def table(keys: int, decisions: int) -> None:
         child = in_child(["--child", name, "--keys", str(keys), "--decisions", str(decisions)])
         print(
             f"{name:<34}{admitted_ns:>10.0f}{over_ns:>13.0f}{child['ns']:>16.0f}"
-            f"{child['bytes_per_key']:>11.0f}"
+            f"{child['bytes_per_key']:>11.0f}{child['churned_bytes_per_key']:>11.0f}"
         )
     print(
         f"\nPython {sys.version.split()[0]}; fastest chunk of {CHUNK:,} decisions out of "
