@@ -1,9 +1,10 @@
 """The policy engine: which limits apply to a request, under which keys, and what to do about it.
 
 Every applicable enforced limit is decided in one atomic store call (check all, then commit all or
-nothing: nginx's multi-zone rule); dry-run limits are decided in a second call whose verdict is
-only counted. A delayed request waits in a bounded queue per limit; one that would wait too long,
-or find the queue full, is rejected at once and its charge given back.
+nothing: nginx's multi-zone rule); dry-run limits are decided in calls of their own, sent at the
+same time (one pipeline, no extra round trip), whose verdicts are only counted. A delayed request
+waits in a bounded queue per limit; one that would wait too long, or find the queue full, is
+rejected at once and its charge given back.
 """
 
 from __future__ import annotations
@@ -200,10 +201,18 @@ class LimitEngine:
         if self.allow and self.allow.contains(client_ip):
             return ALLOW
         enforced, dry = self.checks_for(facts, route, host, path)
-        if dry:
-            await self._dry_run(dry)
+        if not dry:
+            return await self._enforce(enforced) if enforced else ALLOW
         if not enforced:
+            await self._dry_run(dry)
             return ALLOW
+        # Both at once: with the Redis store their script calls go out in one pipeline, so a
+        # dry-run limit adds no round trip to the request's wait.
+        _, outcome = await asyncio.gather(self._dry_run(dry), self._enforce(enforced))
+        return outcome
+
+    async def _enforce(self, enforced: list[Check]) -> Outcome:
+        """Decide the enforced limits in one atomic store call (nginx's multi-zone rule)."""
         try:
             verdict = await self.store.decide(enforced)
             if not self.store.bounds_delays and verdict.delay_s > 0.0:

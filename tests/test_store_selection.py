@@ -94,3 +94,32 @@ async def test_local_fallback_divides_by_replicas_times_workers(
                 answers.append((resp.status, resp.headers.get("RateLimit-Policy")))
     assert [status for status, _ in answers] == [200, 200, 429]
     assert all(policy is not None and ";q=2;" in policy for _, policy in answers)
+
+
+async def test_a_dry_run_limit_adds_no_round_trip_to_redis(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    """An enforced and a dry-run limit: their script calls leave together, in one pipeline."""
+    prefix = f"dry{os.getpid()}:"
+    store = f"store:\n  url: {redis_server.url}\n  key_prefix: '{prefix}'\n"
+    candidate = (
+        "  candidate:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n"
+        "    nodelay: true\n    dry_run: true\n"
+    )
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT + candidate + store)
+    gw = await start_gateway(load_policy(path))
+    redis_store = gw.gateway.store
+    assert redis_store.name == "redis"
+    # The first request also loads the scripts into Redis (NOSCRIPT, then SCRIPT LOAD).
+    assert await _statuses(gw.url + "/", 1) == [200]
+    before_trips = redis_store.round_trips  # type: ignore[attr-defined]
+    before_calls = redis_store.counters.calls  # type: ignore[attr-defined]
+    # One request at a time, so no two requests can share a pipeline.
+    statuses = await _statuses(gw.url + "/", 3)
+    assert statuses == [200, 200, 429]  # the dry-run limit (burst 1) changes nothing
+    assert redis_store.counters.calls - before_calls == 6  # type: ignore[attr-defined]
+    assert redis_store.round_trips - before_trips == 3  # type: ignore[attr-defined]
