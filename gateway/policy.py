@@ -11,6 +11,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -86,6 +87,22 @@ _UPSTREAM_URL_RE = re.compile(
     r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+)(:\d{1,5})?(/[^\s?#]*)?$"
 )
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+
+
+# Names of upstreams and limits: they appear in headers (RateLimit-Policy quotes the limit's
+# name), metric labels and Redis keys, so only plain ASCII.
+def _check_name(name: str) -> str:
+    if not re.fullmatch(_NAME_RE, name):
+        raise ValueError(
+            f"invalid name {name!r}: use ASCII letters, digits, '_', '.' and '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+Name = Annotated[
+    str, AfterValidator(_check_name), WithJsonSchema({"type": "string", "pattern": _NAME_RE})
+]
 KNOWN_METHODS = frozenset(
     {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
 )
@@ -400,9 +417,9 @@ class Policy(_Model):
 
     version: Literal[1] = 1
     server: ServerSettings = ServerSettings()
-    upstreams: dict[str, Upstream] = Field(default_factory=dict)
+    upstreams: dict[Name, Upstream] = Field(default_factory=dict)
     routes: tuple[Route, ...] = ()
-    limits: dict[str, Limit] = Field(default_factory=dict)
+    limits: dict[Name, Limit] = Field(default_factory=dict)
     headers: RateLimitHeaders = RateLimitHeaders()
     access: Access = Access()
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")

@@ -124,6 +124,8 @@ def _data_loc(data: Any, loc: Loc) -> Loc:
         if followable:
             node = node[part]
             out.append(part)
+        elif part == "[key]":
+            pass  # pydantic's marker for an invalid mapping key: the key itself is the place
         elif i == len(loc) - 1 and not (isinstance(node, dict) and part in node.values()):
             out.append(part)
         # else: a tag pydantic inserted for a tagged union; not part of the file's structure.
