@@ -22,16 +22,30 @@ class RequestFacts:
 Part = Callable[[RequestFacts], str | None]
 
 
+# Key parts are joined with SEP. A value the client sends (a header, a query parameter) that
+# contains SEP or TAG is replaced by TAG "x" and its hex, and a missing part's client-IP stand-in
+# is TAG "ip" and the address: no value a client sends can pose as another part, or as the
+# fallback bucket of another client's IP.
+SEP = "\x1f"
+TAG = "\x1e"
+
+
+def _client_value(value: str | None) -> str | None:
+    if value is not None and (SEP in value or TAG in value):
+        return TAG + "x" + value.encode("utf-8", "surrogateescape").hex()
+    return value
+
+
 def _header(name: str) -> Part:
     def read(facts: RequestFacts) -> str | None:
-        return facts.headers.get(name)
+        return _client_value(facts.headers.get(name))
 
     return read
 
 
 def _query(name: str) -> Part:
     def read(facts: RequestFacts) -> str | None:
-        return facts.query().get(name)
+        return _client_value(facts.query().get(name))
 
     return read
 
@@ -84,6 +98,6 @@ class KeyBuilder:
             if value is None:
                 if not self._fallback_to_ip:
                     return None
-                value = facts.client_key
+                value = TAG + "ip" + facts.client_key
             values.append(value)
-        return values[0] if len(values) == 1 else "\x1f".join(values)
+        return values[0] if len(values) == 1 else SEP.join(values)
