@@ -46,6 +46,9 @@ class LimitCounters:
     dry_run_delayed: int = 0
     dry_run_rejected: int = 0
     waiting: int = 0
+    # Requests between the queue-bound check and their decision (or their place in the queue):
+    # counted against max_queue too, so requests decided together cannot overfill the queue.
+    deciding: int = 0
 
 
 @dataclass(slots=True)
@@ -78,6 +81,8 @@ class Check:
     key: str
     # The longest this request may wait on this limit: 0 when its queue is full.
     max_delay_s: float = math.inf
+    # Whether this check holds a place in ``limit.counters.deciding``.
+    reserved: bool = False
 
 
 @dataclass(slots=True)
@@ -91,6 +96,8 @@ class Outcome:
     reason: str = ""
     checks: Sequence[Check] = ()
     verdict: CombinedDecision | None = None
+    # True while ``checks`` hold their places against ``max_queue`` (until ``wait``).
+    holds_places: bool = False
 
 
 ALLOW = Outcome()
@@ -189,8 +196,12 @@ class LimitEngine:
             if spec.dry_run:
                 dry.append(Check(limit, key))
             else:
-                queue_full = limit.counters.waiting >= spec.max_queue
-                enforced.append(Check(limit, key, 0.0 if queue_full else spec.max_delay))
+                counters = limit.counters
+                if counters.waiting + counters.deciding >= spec.max_queue:
+                    enforced.append(Check(limit, key, 0.0))
+                else:
+                    counters.deciding += 1
+                    enforced.append(Check(limit, key, spec.max_delay, True))
         return enforced, dry
 
     async def evaluate(
@@ -201,14 +212,26 @@ class LimitEngine:
         if self.allow and self.allow.contains(client_ip):
             return ALLOW
         enforced, dry = self.checks_for(facts, route, host, path)
-        if not dry:
-            return await self._enforce(enforced) if enforced else ALLOW
         if not enforced:
-            await self._dry_run(dry)
+            if dry:
+                await self._dry_run(dry)
             return ALLOW
-        # Both at once: with the Redis store their script calls go out in one pipeline, so a
-        # dry-run limit adds no round trip to the request's wait.
-        _, outcome = await asyncio.gather(self._dry_run(dry), self._enforce(enforced))
+        try:
+            if dry:
+                # Both at once: with the Redis store their script calls go out in one
+                # pipeline, so a dry-run limit adds no round trip to the request's wait.
+                _, outcome = await asyncio.gather(self._dry_run(dry), self._enforce(enforced))
+            else:
+                outcome = await self._enforce(enforced)
+        except BaseException:
+            _release(enforced)
+            raise
+        if outcome.status or outcome.delay_s <= 0.0:
+            _release(enforced)
+        else:
+            # Held until ``wait`` turns them into places in the queue: the proxy calls it
+            # next, with no await in between.
+            outcome.holds_places = True
         return outcome
 
     async def _enforce(self, enforced: list[Check]) -> Outcome:
@@ -278,6 +301,9 @@ class LimitEngine:
         )
         for check in delaying:
             check.limit.counters.waiting += 1
+        if outcome.holds_places:
+            outcome.holds_places = False
+            _release(outcome.checks)
         queue = self.queue
         try:
             await queue.enter(outcome.delay_s)
@@ -335,3 +361,10 @@ class LimitEngine:
             headers.append(("X-RateLimit-Remaining", str(max(0, tightest.remaining))))
             headers.append(("X-RateLimit-Reset", str(math.ceil(tightest.reset_s))))
         return headers
+
+
+def _release(checks: Sequence[Check]) -> None:
+    """Give back the places ``checks_for`` held against each limit's ``max_queue``."""
+    for check in checks:
+        if check.reserved:
+            check.limit.counters.deciding -= 1
