@@ -20,6 +20,7 @@ class RecordedRequest:
     raw_headers: list[tuple[bytes, bytes]]
     body: bytes
     peer: str
+    peer_port: int  # the upstream connection's source port: which connection it came on
 
 
 Reply = Callable[[web.BaseRequest, RecordedRequest], Awaitable[web.StreamResponse]]
@@ -43,16 +44,21 @@ async def _default_reply(request: web.BaseRequest, recorded: RecordedRequest) ->
     return web.Response(text=f"ok {recorded.method} {recorded.raw_path}")
 
 
-@pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
+async def start_recording_upstream() -> RecordingUpstream:
+    """A recording upstream on a free loopback port; ``rec.runner.cleanup()`` stops it."""
     holder: dict[str, RecordingUpstream] = {}
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         rec = holder["u"]
         body = await request.read() if request.can_read_body else b""
-        peer = request.transport.get_extra_info("peername")[0] if request.transport else ""
+        peername = request.transport.get_extra_info("peername") if request.transport else None
         recorded = RecordedRequest(
-            request.method, request.raw_path, list(request.raw_headers), body, peer
+            request.method,
+            request.raw_path,
+            list(request.raw_headers),
+            body,
+            peername[0] if peername else "",
+            int(peername[1]) if peername else 0,
         )
         rec.requests.append(recorded)
         reply = rec.reply or _default_reply
@@ -63,8 +69,29 @@ async def upstream() -> AsyncIterator[RecordingUpstream]:
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     rec = RecordingUpstream(runner, runner.addresses[0][1])
     holder["u"] = rec
+    return rec
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    rec = await start_recording_upstream()
     yield rec
-    await runner.cleanup()
+    await rec.runner.cleanup()
+
+
+@pytest.fixture
+async def make_upstream() -> AsyncIterator[Callable[[], Awaitable[RecordingUpstream]]]:
+    """For tests that need several recording upstreams at once."""
+    started: list[RecordingUpstream] = []
+
+    async def make() -> RecordingUpstream:
+        rec = await start_recording_upstream()
+        started.append(rec)
+        return rec
+
+    yield make
+    for rec in started:
+        await rec.runner.cleanup()
 
 
 def policy_for(upstream_url: str, extra: str = "", server: str = "") -> str:

@@ -200,6 +200,105 @@ async def test_read_timeout_gives_504(
     assert loop.time() - started < 2.5
 
 
+async def test_connect_timeout_gives_504(start_gateway: GatewayFactory) -> None:
+    # A listener whose accept queue is full drops further SYNs: the gateway's connect hangs
+    # until its connect_timeout, as with a host that does not answer.
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        filler.connect(listener.getsockname())
+        port = listener.getsockname()[1]
+        policy = policy_for(f"http://127.0.0.1:{port}").replace(
+            "connect_timeout: 2s", "connect_timeout: 300ms"
+        )
+        gw = await start_gateway(policy)
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for _ in range(2):
+                started = loop.time()
+                async with session.get(gw.url + "/") as resp:
+                    assert resp.status == 504
+                    body = await resp.json()
+                elapsed = loop.time() - started
+                assert body["status"] == 504
+                assert "Traceback" not in json.dumps(body)
+                # Cut at the 300 ms connect timeout, not at the 5 s read timeout.
+                assert 0.25 <= elapsed < 2.0, elapsed
+
+
+async def test_custom_reason_phrase_passes_through_unchanged(
+    start_gateway: GatewayFactory,
+) -> None:
+    # Exact status lines, sent raw: each path through the gateway (small body answered in one
+    # write, streamed chunked body, no body, unregistered status) must keep the reason as sent.
+    answers = {
+        b"/small": b"HTTP/1.1 200 Totally Fine\r\nContent-Length: 2\r\n\r\nok",
+        b"/streamed": b"HTTP/1.1 201 Made It, Thanks\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"/empty": b"HTTP/1.1 204 Nothing To See Here\r\n\r\n",
+        b"/teapot": b"HTTP/1.1 418 I'm A Teapot Today\r\nContent-Length: 0\r\n\r\n",
+        b"/custom": b"HTTP/1.1 299 Custom Status\r\nContent-Length: 2\r\n\r\nok",
+    }
+
+    async def raw_upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                path = head.split(b" ", 2)[1]
+                writer.write(answers[path])
+                if path == b"/streamed":
+                    # Pauses keep the body streaming rather than received whole with its head.
+                    for piece in (b"3\r\nabc\r\n", b"0\r\n\r\n"):
+                        await writer.drain()
+                        await asyncio.sleep(0.05)
+                        writer.write(piece)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionResetError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(raw_upstream, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_gateway(policy_for(f"http://127.0.0.1:{port}"))
+        for version in (b"1.1", b"1.0"):
+            for path, answer in answers.items():
+                response = await exchange(
+                    gw.port,
+                    b"GET " + path + b" HTTP/" + version + b"\r\nHost: h\r\n"
+                    b"Connection: close\r\n\r\n",
+                )
+                sent_status = answer.split(b"\r\n", 1)[0].split(b" ", 1)[1]
+                assert response.split(b"\r\n", 1)[0] == b"HTTP/" + version + b" " + sent_status
+                if path == b"/streamed":
+                    assert b"abc" in response
+    finally:
+        server.close()
+
+
+async def test_connection_header_never_reaches_upstream(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    response = await exchange(
+        gw.port,
+        b"GET /1 HTTP/1.1\r\nHost: h\r\nConnection: keep-alive\r\n\r\n"
+        b"GET /2 HTTP/1.1\r\nHost: h\r\nconnection: X-Foo, keep-alive\r\nX-Foo: f\r\n\r\n"
+        b"GET /3 HTTP/1.1\r\nHost: h\r\nCONNECTION: Upgrade\r\nConnection: TE\r\n\r\n"
+        b"GET /4 HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+    )
+    assert response.count(b"HTTP/1.1 200 ") == 4
+    old_client = await exchange(
+        gw.port, b"GET /5 HTTP/1.0\r\nHost: h\r\nConnection: keep-alive\r\n\r\n", read_for=1
+    )
+    assert status_of(old_client) == 200
+    assert [r.raw_path for r in upstream.requests] == ["/1", "/2", "/3", "/4", "/5"]
+    for recorded in upstream.requests:
+        names = [n.lower() for n, _ in recorded.raw_headers]
+        assert b"connection" not in names, (recorded.raw_path, recorded.raw_headers)
+        assert b"x-foo" not in names
+        assert b"keep-alive" not in names
+
+
 async def test_head_keeps_length_and_sends_no_body(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
@@ -370,14 +469,28 @@ async def test_client_disconnect_cancels_upstream_request(start_gateway: Gateway
 async def test_keepalive_reuses_upstream_connections(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
+    """Sequential requests share one pooled upstream connection, whatever the client does."""
     gw = await start_gateway(policy_for(upstream.url))
     async with aiohttp.ClientSession() as session:
-        for _ in range(20):
-            async with session.get(gw.url + "/") as resp:
+        for i in range(10):
+            async with session.get(f"{gw.url}/kept/{i}") as resp:
+                assert resp.status == 200
                 await resp.read()
-    peers = {(r.peer) for r in upstream.requests}
+    # A new client connection per request: the upstream leg is pooled on its own.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        for i in range(10):
+            async with session.get(f"{gw.url}/fresh/{i}") as resp:
+                assert resp.status == 200
+                await resp.read()
     assert len(upstream.requests) == 20
-    assert peers == {"127.0.0.1"}
+    assert {r.peer for r in upstream.requests} == {"127.0.0.1"}
+    # The upstream saw every request come from the same source port: one connection.
+    assert len({r.peer_port for r in upstream.requests}) == 1, [
+        r.peer_port for r in upstream.requests
+    ]
+    handler = gw.gateway.handler
+    assert handler is not None
+    assert handler.runtime.upstreams["backend"].pool.open_connections == 1
 
 
 async def test_admin_health_and_policy(
