@@ -19,7 +19,9 @@ Targets:
 * ``redis-py``: the same with redis-py's asyncio pipelines instead (to compare);
 * ``redis-cluster``: ``RedisStore`` on a 3-master Redis Cluster (with ``--cluster``).
 
-``serve`` is the launcher the harness runs for each target (the CLI cannot select a store yet).
+``serve`` is the launcher the harness runs for each target. The CLI selects a store too
+(``store.url`` or ``GATEWAY_STORE_URL``), but not the client nor ``max_in_flight``, and it
+does not print the store's counters (round trips, local decisions) at exit; ``serve`` does.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Closed: calls go through; ``failure_threshold`` failures in a row open the circuit. Open: calls
 are refused at once (the caller falls back) until ``reset_timeout_s`` has passed. Then one call
 is let through as a probe (half-open) while the others keep falling back: success closes the
-circuit; failure opens it again for twice as long, up to ``max_reset_timeout_s``. Every
-transition is logged and counted; ``state`` and the counters are plain attributes for metrics.
+circuit; failure opens it again for twice as long, up to ``max_reset_timeout_s``. A probe that
+is cancelled before it can tell (its client hung up) puts the circuit back to open with the
+next call probing, so a half-open circuit always has a probe out. Every transition is logged
+and counted; ``state`` and the counters are plain attributes for metrics.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class CircuitBreaker:
         self._open_for_us = round(reset_timeout_s * 1e6)
         self._retry_at_us = 0
         self.failures = 0  # calls that failed, in any state
-        self.opened = 0  # closed or half-open -> open
+        self.opened = 0  # closed or half-open -> open, on failures
         self.probes = 0  # calls let through while half-open
         self.short_circuited = 0  # calls refused while open or while a probe was out
         self.transitions: dict[str, int] = {}  # "closed->open": count
@@ -89,6 +91,20 @@ class CircuitBreaker:
             return True
         self.short_circuited += 1
         return False
+
+    @property
+    def probe_out(self) -> int:
+        """Read right after ``allow()`` said yes: the number of the probe this call is, or 0
+        (the circuit is closed). A call that is cancelled hands it to ``cancelled``."""
+        return self.probes if self.state == HALF_OPEN else 0
+
+    def cancelled(self, probe: int) -> None:
+        """A call ``allow()`` let through was cancelled before it could report. If it was the
+        probe still out, nobody would ever close or reopen the circuit: it goes back to open
+        with the next call probing (the cancellation says nothing about the protected side)."""
+        if probe and self.state == HALF_OPEN and self.probes == probe:
+            self._retry_at_us = self._clock.now_us()
+            self._move(OPEN, "probe cancelled; the next call probes")
 
     def success(self) -> None:
         self._consecutive_failures = 0

@@ -18,7 +18,9 @@ same tag and lives on one node.
 When Redis fails or is slow (``timeout_s`` per call), ``on_failure`` says what to do: ``local``
 decides in an in-process ``MemoryStore`` with each limit divided by ``replicas``, ``allow``
 admits, ``deny`` raises ``StoreUnavailableError`` (the engine answers 503). A circuit breaker
-stops trying after a few failures in a row and probes again later.
+stops trying after a few failures in a row and probes again later. ``stats.state`` says what
+answers: ``ok`` (Redis), ``fallback`` (a call failed, the circuit is still closed), ``open`` or
+``half_open`` (the circuit's; ``on_failure`` answers meanwhile); each change is logged once.
 """
 
 from __future__ import annotations
@@ -963,50 +965,70 @@ class RedisStore:
     # -- the LimitStore protocol --
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
-        if not self.breaker.allow():
-            return await self._unavailable(checks, commit, "circuit open")
         plans = [self.plan(check.limit) for check in checks]
+        breaker = self.breaker
+        if not breaker.allow():
+            return await self._unavailable(checks, commit, "circuit open")
+        probe = breaker.probe_out
         try:
             reply = await self._eval(b"d" if commit else b"p", checks, plans)
+        except asyncio.CancelledError:  # the client hung up: a probe must not stay out
+            breaker.cancelled(probe)
+            raise
         except Exception as exc:
             self._failed(exc)
             return await self._unavailable(checks, commit, _describe(exc))
-        self.breaker.success()
+        self._answered()
         return _verdict(checks, plans, reply)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         """Dry-run limits, one script call each, all in flight together. They are never
         enforced, so when Redis fails they are decided locally whatever ``on_failure`` says."""
-        if not self.breaker.allow():
-            return [await self._local_decide((check,), True) for check in checks]
         plans = [self.plan(check.limit) for check in checks]
+        breaker = self.breaker
+        if not breaker.allow():
+            return [await self._local_decide((check,), True) for check in checks]
+        probe = breaker.probe_out
         calls = [
             self._eval(b"d", (check,), (plan,)) for check, plan in zip(checks, plans, strict=True)
         ]
-        replies = await asyncio.gather(*calls, return_exceptions=True)
+        try:
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+        except asyncio.CancelledError:
+            breaker.cancelled(probe)
+            raise
         verdicts = []
         for check, plan, reply in zip(checks, plans, replies, strict=True):
             if isinstance(reply, BaseException):
                 if isinstance(reply, asyncio.CancelledError):
+                    breaker.cancelled(probe)
                     raise reply
                 self._failed(reply)
                 verdicts.append(await self._local_decide((check,), True))
             else:
-                self.breaker.success()
+                self._answered()
                 verdicts.append(_verdict((check,), (plan,), reply))
         return verdicts
 
-    async def refund(self, checks: Sequence[Check]) -> None:
-        """Best effort, never raises: a refund that cannot reach Redis is given locally."""
+    async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        """Best effort, never raises: a refund that cannot reach Redis is given locally.
+        Windows in Redis keep the charge (the script's clock is Redis TIME, and the decision's
+        instant is not sent back); buckets give it back."""
         if not checks:
             return
-        if self.breaker.allow():
+        plans = [self.plan(check.limit) for check in checks]
+        breaker = self.breaker
+        if breaker.allow():
+            probe = breaker.probe_out
             try:
-                await self._eval(b"r", checks, [self.plan(check.limit) for check in checks])
+                await self._eval(b"r", checks, plans)
+            except asyncio.CancelledError:
+                breaker.cancelled(probe)
+                raise
             except Exception as exc:
                 self._failed(exc)
             else:
-                self.breaker.success()
+                self._answered()
                 return
         self.counters.local_decisions += 1
         await self.local.refund([self._local_check(check) for check in checks])
@@ -1050,13 +1072,23 @@ class RedisStore:
         result: list[int] = reply
         return result
 
+    def _answered(self) -> None:
+        """Redis answered a call."""
+        self.breaker.success()
+        if self.stats.state != "ok":  # "fallback": the circuit was closed all along
+            self.stats.set_state("ok", "Redis answered")
+
     def _failed(self, exc: BaseException) -> None:
         self.counters.failed_calls += 1
         self.stats.error()
-        self.breaker.failure(_describe(exc))
+        reason = _describe(exc)
+        self.breaker.failure(reason)
+        if self.breaker.state == "closed":  # below the threshold: on_failure answers this one
+            self.stats.set_state("fallback", f"{reason} (on_failure: {self.on_failure})")
 
     def _circuit_moved(self, state: str) -> None:
-        # The breaker has logged it; the metrics' names for its states.
+        # The breaker has logged the transition: not again here. The metrics' names for its
+        # states (a closed circuit means Redis answered).
         self.stats.state = "ok" if state == "closed" else state
 
     # -- when Redis cannot decide --

@@ -6,7 +6,10 @@ Two loads: one where the per-client leaky bucket binds (few clients) and one whe
 token bucket binds (many clients); both limits are stacked on every request in both.
 
 The gateways are real processes started by this module's launcher (``python -m
-tests.test_redis_accuracy serve ...``), since the CLI cannot select a store yet.
+tests.test_redis_accuracy serve ...``) rather than the CLI: the CLI selects the Redis store
+as well (``store.url`` or ``GATEWAY_STORE_URL``), but only the launcher prints the store's
+counters at exit (script calls, round trips, failed calls, local decisions), which the test
+reads.
 """
 
 from __future__ import annotations

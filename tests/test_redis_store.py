@@ -54,6 +54,7 @@ from gateway.store import LimitStore, MemoryStore
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
+from tests.test_metrics import scrape
 
 # The harness's fixtures, made visible to pytest in this module.
 redis_server = redis_harness.redis_server
@@ -679,6 +680,85 @@ def test_breaker_opens_probes_backs_off_and_closes(caplog: pytest.LogCaptureFixt
     assert messages[0].startswith("redis circuit closed->open (3 failures in a row")
 
 
+def test_a_cancelled_probe_reopens_the_circuit_for_the_next_call_to_probe() -> None:
+    clock = FakeClock(0)
+    breaker = CircuitBreaker(
+        "redis", failure_threshold=1, reset_timeout_s=1.0, max_reset_timeout_s=4.0, clock=clock
+    )
+    assert breaker.allow() and breaker.probe_out == 0  # closed: no probe
+    breaker.failure("timeout")
+    clock.advance(1.0)
+    assert breaker.allow() and breaker.state == "half_open"
+    first = breaker.probe_out
+    assert first == 1 and not breaker.allow()
+    breaker.cancelled(first)  # its client hung up before Redis answered
+    assert breaker.state == "open" and breaker.retry_in_s == 0.0
+    assert breaker.allow() and breaker.state == "half_open"  # the next call probes at once
+    second = breaker.probe_out
+    breaker.cancelled(first)  # a stale probe's cancellation leaves the new probe out
+    assert breaker.state == "half_open" and not breaker.allow()
+    breaker.failure("refused")  # a probe that fails still backs off as before
+    assert breaker.state == "open" and breaker.retry_in_s == 2.0
+    breaker.cancelled(second)  # no longer out: nothing to release
+    assert breaker.state == "open" and breaker.retry_in_s == 2.0
+    assert breaker.transitions["half_open->open"] == 2 and breaker.opened == 2
+
+
+async def _call(store: RedisStore, call: str, check: Check) -> None:
+    if call == "decide":
+        await store.decide([check])
+    elif call == "decide_each":
+        await store.decide_each([check])
+    else:
+        await store.refund([check])
+
+
+@pytest.mark.parametrize(
+    ("call", "client"),
+    [("decide", "thin"), ("decide", "redis-py"), ("decide_each", "thin"), ("refund", "thin")],
+)
+async def test_a_cancelled_probe_does_not_leave_the_circuit_half_open(
+    redis_factory: RedisFactory, call: str, client: str
+) -> None:
+    """The gateway cancels a handler whose client hangs up. If that request was the half-open
+    probe and nothing released it, the breaker would refuse every call from then on: the
+    gateway would never use Redis again (and in deny mode answer 503 for ever)."""
+    server = redis_factory.start()
+    limit = compiled("probe", FixedWindow(100, 3600.0))
+    breaker = CircuitBreaker(
+        "test", failure_threshold=1, reset_timeout_s=0.1, max_reset_timeout_s=0.1
+    )
+    # The timeout is long enough that the probe is still waiting when it is cancelled.
+    store = RedisStore(server.url, timeout_s=1.0, client=client, breaker=breaker)  # type: ignore[arg-type]
+    store.configure([limit], ())
+    check = Check(limit, "k")
+    loop = asyncio.get_running_loop()
+    try:
+        assert (await store.decide([check])).allowed
+        server.pause()  # SIGSTOP: calls hang until their timeout
+        await store.decide([check])
+        assert breaker.state == "open"
+        await asyncio.sleep(0.15)  # past the reset timeout: the next call is the probe
+        probe = asyncio.create_task(_call(store, call, check))
+        await asyncio.sleep(0.05)  # the probe is out, waiting on the frozen Redis
+        assert breaker.state == "half_open" and not probe.done()
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        assert breaker.state == "open" and breaker.transitions["half_open->open"] == 1
+        server.resume()
+        deadline = loop.time() + 3.0
+        while breaker.state != "closed" and loop.time() < deadline:
+            await store.decide([check])
+            await asyncio.sleep(0.05)
+        assert breaker.state == "closed" and store.stats.state == "ok"
+        # Redis decides again: the count written before the freeze is still there.
+        assert (await store.decide([check])).decisions[0].remaining < 99
+    finally:
+        server.resume()
+        await store.close()
+
+
 # --- configuration checks ---------------------------------------------------------------------
 
 
@@ -897,3 +977,87 @@ async def test_deny_mode_answers_503_while_redis_is_down(
                 break
             await asyncio.sleep(0.05)
         assert statuses[-1] == 200
+
+
+async def store_state(session: aiohttp.ClientSession, admin_url: str) -> str:
+    """The one state ``gateway_store_state`` counts this (single-worker) gateway in."""
+    samples, _ = await scrape(session, admin_url)
+    states = [
+        dict(labels)["state"]
+        for (name, labels), count in samples.items()
+        if name == "gateway_store_state" and dict(labels)["store"] == "redis" and count == 1
+    ]
+    assert len(states) == 1, states
+    return states[0]
+
+
+@pytest.mark.parametrize("on_failure", ["local", "allow", "deny"])
+async def test_metrics_and_log_follow_the_store_from_fallback_to_open_and_back_to_ok(
+    redis_factory: RedisFactory,
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    on_failure: str,
+) -> None:
+    """/metrics says what answers: ``fallback`` after a failed call (the circuit still closed),
+    then the circuit's ``open``, then ``ok`` once Redis answers. One log line per change of
+    state, however many requests pass meanwhile."""
+    caplog.set_level(logging.INFO, logger="gateway.store")
+    caplog.set_level(logging.INFO, logger="gateway.circuit")
+    server = redis_factory.start()
+    breaker = CircuitBreaker(
+        "redis store", failure_threshold=3, reset_timeout_s=0.2, max_reset_timeout_s=0.4
+    )
+    store = RedisStore(
+        server.url,
+        on_failure=on_failure,  # type: ignore[arg-type]
+        timeout_s=0.05,
+        key_prefix=f"state{next(_prefixes)}:",
+        breaker=breaker,
+    )
+    gw = await start_gateway(policy_for(upstream.url, LOAD_LIMITS), store=store)
+    down = 503 if on_failure == "deny" else 200
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+
+        async def get() -> int:
+            async with session.get(gw.url + "/") as response:
+                await response.read()
+                return response.status
+
+        async def until_ok() -> None:
+            for _ in range(60):  # the breaker probes again within its reset timeout
+                if await get() == 200 and await store_state(session, gw.admin_url) == "ok":
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("the store did not return to Redis")
+
+        assert await get() == 200
+        assert await store_state(session, gw.admin_url) == "ok"
+        # A blip below the breaker's threshold: on_failure answers, the circuit stays closed.
+        server.stop()
+        assert [await get() for _ in range(2)] == [down, down]
+        assert await store_state(session, gw.admin_url) == "fallback"
+        assert breaker.state == "closed"
+        server.start(same_port=True)
+        await until_ok()
+        assert breaker.state == "closed"
+        # An outage: the third failure in a row opens the circuit.
+        server.stop()
+        assert [await get() for _ in range(2)] == [down, down]
+        assert await store_state(session, gw.admin_url) == "fallback"
+        assert await get() == down
+        assert await store_state(session, gw.admin_url) == "open"
+        assert [await get() for _ in range(5)] == [down] * 5
+        server.start(same_port=True)
+        await until_ok()
+    store_lines = [r.getMessage() for r in caplog.records if r.name == "gateway.store"]
+    assert len(store_lines) == 3, store_lines
+    assert store_lines[0].startswith("store state ok -> fallback: ")
+    assert store_lines[0].endswith(f"(on_failure: {on_failure})")
+    assert store_lines[1] == "store state fallback -> ok: Redis answered"
+    assert store_lines[2].startswith("store state ok -> fallback: ")
+    # The circuit's own moves are logged once each by the breaker, and not again by the store.
+    circuit_lines = [r.getMessage() for r in caplog.records if r.name == "gateway.circuit"]
+    assert len(circuit_lines) == sum(breaker.transitions.values())
+    assert circuit_lines[0].startswith("redis store circuit closed->open (3 failures in a row")
+    assert circuit_lines[-1] == "redis store circuit half_open->closed (probe succeeded)"

@@ -171,7 +171,8 @@ class GatewayCollector(Collector):
         )
         state = GaugeMetricFamily(
             "gateway_store_state",
-            "Workers in each store state (ok, fallback to local limits, circuit open/half-open).",
+            "Workers in each store state: ok, fallback (a store call failed; on_failure "
+            "answers), circuit open or half_open (on_failure answers).",
             labels=["store", "state"],
         )
         for name in STORE_STATES:

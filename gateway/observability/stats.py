@@ -88,7 +88,9 @@ class QueueWaits:
         histogram.observe(wait_s)
 
 
-# Values of ``StoreStats.state``: the Redis store's circuit and fallback, as issue 5 names them.
+# Values of ``StoreStats.state``, what answers the limit decisions: ``ok`` the store itself;
+# ``fallback`` the Redis store's ``on_failure`` after a failed call, its circuit still closed;
+# ``open`` / ``half_open`` its circuit's states, ``on_failure`` answering meanwhile.
 STORE_STATES: Final = ("ok", "fallback", "open", "half_open")
 
 
@@ -96,7 +98,7 @@ class StoreStats:
     """What a limit store reports about itself; a store holds one as ``store.stats``.
 
     The memory store needs only ``calls``; a remote store also times its calls, counts its
-    errors and reports circuit transitions with ``set_state`` (which logs each one).
+    errors and reports its state with ``set_state`` (which logs each change, not each call).
     """
 
     __slots__ = ("calls", "errors", "latency", "state")
@@ -120,7 +122,8 @@ class StoreStats:
         if state not in STORE_STATES:
             raise ValueError(f"unknown store state {state!r}; expected one of {STORE_STATES}")
         if state != self.state:
-            log.warning(
-                "store state %s -> %s%s", self.state, state, f": {reason}" if reason else ""
+            level = logging.INFO if state == "ok" else logging.WARNING
+            log.log(
+                level, "store state %s -> %s%s", self.state, state, f": {reason}" if reason else ""
             )
             self.state = state
