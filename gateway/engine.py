@@ -308,7 +308,8 @@ class LimitEngine:
         try:
             await queue.enter(outcome.delay_s)
         except (asyncio.CancelledError, ShuttingDown):
-            await asyncio.shield(self.store.refund(outcome.checks))
+            charged_us = verdict.now_us if verdict is not None else None
+            await asyncio.shield(self.store.refund(outcome.checks, charged_us))
             raise
         finally:
             queue.leave()

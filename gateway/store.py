@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.sliding_log import SlidingLog
+from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.clock import Clock, MonotonicClock
 from gateway.keyed_state import KeyedState
 from gateway.observability.stats import StoreStats
@@ -45,8 +48,9 @@ class LimitStore(Protocol):
         """Decide and commit each check on its own (dry-run limits do not stack)."""
         ...
 
-    async def refund(self, checks: Sequence[Check]) -> None:
-        """Give back one request's charge on each check (a queued client left)."""
+    async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        """Give back one request's charge on each check (a queued client left); ``charged_us``
+        is the verdict's ``now_us``, when the store gave one."""
         ...
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
@@ -56,6 +60,10 @@ class LimitStore(Protocol):
     def tracked_keys(self, limit_name: str) -> int: ...
 
     async def close(self) -> None: ...
+
+
+# Windows refund exactly only when told when the request was charged.
+_EXACT_REFUND = (FixedWindow, SlidingWindow, SlidingLog)
 
 
 class MemoryStore:
@@ -86,6 +94,8 @@ class MemoryStore:
         )
         if verdict.delay_s > 0.0:
             verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
+            if verdict.allowed:  # delayed: it may be refunded
+                verdict = verdict._replace(now_us=now_us)
         if commit and verdict.allowed:
             for check, table, state in zip(checks, tables, verdict.states, strict=True):
                 table.put(check.key, state, now_us)
@@ -94,13 +104,19 @@ class MemoryStore:
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
 
-    async def refund(self, checks: Sequence[Check]) -> None:
+    async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         now_us = self.clock.now_us()
         for check in checks:
             table = self._table(check.limit)
             state = table.get(check.key)
-            if state is not None:
-                table.put(check.key, check.limit.algorithm.refund(state, now_us), now_us)
+            if state is None:
+                continue
+            algorithm = check.limit.algorithm
+            if charged_us is not None and isinstance(algorithm, _EXACT_REFUND):
+                state = algorithm.refund(state, now_us, charged_us=charged_us)
+            else:
+                state = algorithm.refund(state, now_us)
+            table.put(check.key, state, now_us)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         now_us = self.clock.now_us()

@@ -1,11 +1,14 @@
-"""max_queue holds when requests are decided together (their decisions suspend)."""
+"""The shaping queue end to end: its bound under concurrent decisions, refunds on leaving."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
+import pytest
 
+from gateway.clock import FakeClock
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 
 
@@ -50,3 +53,44 @@ async def test_requests_decided_together_never_overfill_the_queue(
     assert sorted(statuses) == [200] * 3 + [429] * 9
     assert most_waiting == 3
     assert (shaped.counters.waiting, shaped.counters.deciding) == (0, 0)
+
+
+@pytest.mark.parametrize("window", ["fixed_window", "sliding_window", "sliding_log"])
+async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, window: str
+) -> None:
+    """A bucket delays the request and a window stacked on it counted it; the client hangs up
+    while queued, and the window forgets it as exactly as the bucket does."""
+    clock = FakeClock()
+    policy = policy_for(upstream.url) + (
+        "limits:\n"
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 5\n"
+        "    max_delay: 30s\n"
+        f"  window:\n    algorithm: {window}\n    limit: 3\n    window: 1m\n"
+    )
+    gw = await start_gateway(policy, clock=clock)
+    engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
+    shaped = next(limit for limit in engine.limits if limit.name == "shaped")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/") as resp:
+            assert resp.status == 200
+        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n")
+        await wait_until(lambda: shaped.counters.waiting == 1)
+        writer.close()
+        await wait_until(lambda: shaped.counters.waiting == 0)
+        async with session.get(gw.admin_url + "/explain", params={"path": "/"}) as resp:
+            explained = {e["name"]: e["next_request"] for e in (await resp.json())["limits"]}
+    # One request served and one refunded: the next request would leave the window 1 of 3
+    # (0 had the queued one stayed counted) and the bucket 4 of its 5 burst.
+    assert explained["window"]["remaining"] == 1
+    assert explained["shaped"]["remaining"] == 4
+    assert [r.raw_path for r in upstream.requests] == ["/"]
+
+
+async def wait_until(condition: Callable[[], bool], within_s: float = 2.0) -> None:
+    for _ in range(int(within_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    assert condition()

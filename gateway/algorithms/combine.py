@@ -53,6 +53,9 @@ class CombinedDecision(NamedTuple):
     delayed_by: int | None
     decisions: tuple[Decision, ...]
     states: tuple[Any, ...]
+    # The instant of the decision, when a store sets it for a delayed request: a refund (the
+    # client left the queue) then gives windows back exactly what this decision charged.
+    now_us: int | None = None
 
 
 def decide_all(
