@@ -65,6 +65,42 @@ EXPECTED_ERRORS = {
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: Field required",
     "store_bad_url.yaml": "store_bad_url.yaml:2: store.url: invalid store url 'mysql://db': "
     "expected memory, redis://, rediss:// or redis+cluster://",
+    "store_bad_key_prefix.yaml": "store_bad_key_prefix.yaml:3: store.key_prefix: String should "
+    "match pattern '^[^{}\\s]*$'",
+    "route_bad_method.yaml": "route_bad_method.yaml:8: routes[0].match.methods: "
+    "invalid method 'P0ST'",
+    "route_bad_name.yaml": "route_bad_name.yaml:5: routes[0].name: String should match pattern "
+    "'^[A-Za-z0-9][A-Za-z0-9_.\\-]*$'",
+    "limit_empty_key.yaml": "limit_empty_key.yaml:12: limits.per_ip.key: "
+    "key needs at least one part",
+    "access_bad_allow.yaml": "access_bad_allow.yaml:2: access.allow: invalid CIDR '192.168.0.0/33'",
+    "access_bad_deny.yaml": "access_bad_deny.yaml:2: access.deny: invalid CIDR '2001:db8::g/64'",
+    "limit_zero_rate.yaml": "limit_zero_rate.yaml:10: limits.per_ip.rate: invalid rate '0r/s': "
+    "must be at least 1 request",
+    "negative_duration.yaml": "negative_duration.yaml:3: server.shutdown_timeout: "
+    "invalid duration -5: must not be negative",
+    "negative_size.yaml": "negative_size.yaml:2: server.max_body_size: invalid size -1: "
+    "must not be negative",
+    "port_out_of_range.yaml": "port_out_of_range.yaml:2: server.listen: invalid listen address "
+    "'0.0.0.0:65536': port out of range",
+    "limit_status_below_400.yaml": "limit_status_below_400.yaml:11: limits.per_ip.status: "
+    "Input should be greater than or equal to 400",
+    "limit_status_above_599.yaml": "limit_status_above_599.yaml:11: limits.per_ip.status: "
+    "Input should be less than or equal to 599",
+    "ipv6_prefix_zero.yaml": "ipv6_prefix_zero.yaml:1: ipv6_prefix: "
+    "Input should be greater than or equal to 1",
+    "ipv6_prefix_over_128.yaml": "ipv6_prefix_over_128.yaml:3: ipv6_prefix: "
+    "Input should be less than or equal to 128",
+    "limit_missing_algorithm.yaml": "limit_missing_algorithm.yaml:8: limits.per_ip: "
+    "Unable to extract tag using discriminator 'algorithm'",
+    "limit_zero_warmup.yaml": "limit_zero_warmup.yaml:8: limits.per_ip: "
+    "warmup must be a positive number of seconds, got 0.0",
+    "limit_window_under_1us.yaml": "limit_window_under_1us.yaml:8: limits.per_ip: "
+    "window must be at least 1 microsecond, got 4e-07 s",
+    "nonscalar_key.yaml": "nonscalar_key.yaml:3: server: mapping keys must be plain scalars",
+    # tomllib (Python < 3.14) gives no line attribute: the line is only inside the reason.
+    "toml_syntax.toml": "toml_syntax.toml: invalid TOML: Invalid value (at line 3, column 11)",
+    "not_utf8.yaml": "not_utf8.yaml: not valid UTF-8",
 }
 
 
