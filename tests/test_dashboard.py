@@ -8,8 +8,10 @@ The screenshot is written to ``$GATEWAY_TEST_ARTIFACTS`` (default: the test's tm
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -19,10 +21,26 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright
 
 from gateway.clock import FakeClock
+from gateway.policy_loader import load_policy
+from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.test_metrics import PER_IP_BURST_4, TIMEOUT, get_status, limited_policy, scrape, value
+from tests.redis_harness import RedisServer
+from tests.test_metrics import (
+    PER_IP_BURST_4,
+    TIMEOUT,
+    Samples,
+    get_status,
+    limited_policy,
+    replace_file,
+    run_workers,
+    scrape,
+    scrape_until,
+    value,
+)
 
 CHROMIUM = "/usr/bin/chromium"
+redis_server = redis_harness.redis_server
+
 STATIC = Path(__file__).resolve().parent.parent / "gateway" / "static" / "dashboard"
 SHADOW = "  shadow:\n    algorithm: fixed_window\n    limit: 6\n    window: 1h\n    dry_run: true\n"
 
@@ -126,10 +144,10 @@ async def test_dashboard_shows_rejections_live_and_agrees_with_metrics(
     # 7 of 12 overall: whichever seconds the requests fell in, one of them shows at least that.
     assert max(r for r in chart["ratio"] if r is not None) >= 7 / 12 - 1e-9
 
-    # At least one redraw a second.
+    # At least one redraw a second: a tick every whole second, so 4 in any 4.2 s.
     before = await page.evaluate("window.gatewayDashboard.updates")
     await asyncio.sleep(4.2)
-    assert await page.evaluate("window.gatewayDashboard.updates") - before >= 3
+    assert await page.evaluate("window.gatewayDashboard.updates") - before >= 4
 
     await page.screenshot(path=artifacts_dir(tmp_path) / "dashboard.png", full_page=True)
     assert not errors
@@ -176,3 +194,177 @@ async def test_page_and_vendored_chart_library_are_served_with_its_license(
     # No CDN: every script, stylesheet and link points into this gateway.
     for target in re.findall(r'(?:src|href)="([^"]+)"', html):
         assert target.startswith(("/dashboard/", "/metrics")), target
+
+
+def prometheus_quantile(q: float, samples: Samples, name: str, **labels: str) -> float:
+    """PromQL ``histogram_quantile`` over one scrape's cumulative buckets of ``name``."""
+    buckets = sorted(
+        (float(dict(key)["le"]), count)
+        for (sample, key), count in samples.items()
+        if sample == name + "_bucket" and all(dict(key).get(k) == v for k, v in labels.items())
+    )
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, cumulative in buckets:
+        if cumulative >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (cumulative - below)
+        lower, below = bound, cumulative
+    raise AssertionError("rank beyond the +Inf bucket")
+
+
+async def test_dashboard_shows_queue_store_policy_and_reloads(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    browser: Browser,
+    tmp_path: Path,
+) -> None:
+    # rate 2r/s, burst 5, no nodelay, clock frozen: of 5 requests at once the 2nd to 5th wait
+    # 0.5, 1, 1.5 and 2 s (nginx: excess / rate), so they are in the queue across a tick.
+    smooth = "  smooth:\n    algorithm: leaky_bucket\n    rate: 2r/s\n    burst: 5\n"
+    path = tmp_path / "policy.yaml"
+    path.write_text(limited_policy(upstream.url, smooth))
+    gw = await start_gateway(load_policy(path), clock=FakeClock(), policy_path=str(path))
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gw.admin_url + "/dashboard/")
+    await wait_until(page, lambda: page.locator("#limit-smooth").count(), "the limit's card")
+
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        # Store and policy, as /metrics and /policy tell them.
+        samples, text = await scrape(session, gw.admin_url)
+        assert value(samples, "gateway_store_state", store="memory", state="ok") == 1
+        assert await page.inner_text("#store") == "memory"
+        assert await page.get_attribute("#store", "data-state") == "ok"
+        async with session.get(gw.admin_url + "/policy") as resp:
+            sha = (await resp.json())["sha256"]
+        assert f'gateway_policy_info{{sha256="{sha[:12]}"}} 1.0' in text
+        assert await page.inner_text("#policy") == sha[:12]
+        assert await page.inner_text("#reload") == "none (0 ok, 0 failed)"
+
+        # Queue depth while the delayed requests wait, then the waits' p50 / p99.
+        assert await field(page, "smooth", "waiting") == "0"
+        sending = [asyncio.create_task(get_status(session, gw.url + "/")) for _ in range(5)]
+
+        async def queue_shown() -> bool:
+            depth = await field(page, "smooth", "waiting")
+            return depth.isdigit() and 1 <= int(depth) <= 4
+
+        await wait_until(page, queue_shown, "a queue depth of 1 to 4", within_s=3)
+        assert await asyncio.gather(*sending) == [200] * 5
+        samples, _ = await scrape(session, gw.admin_url)
+        wait = "gateway_limit_queue_wait_seconds"
+        # The four waits, in the buckets their definitions put them in.
+        assert value(samples, wait + "_bucket", limit="smooth", le="0.25") == 0
+        assert value(samples, wait + "_bucket", limit="smooth", le="0.5") == 1
+        assert value(samples, wait + "_bucket", limit="smooth", le="1.0") == 2
+        assert value(samples, wait + "_bucket", limit="smooth", le="2.5") == 4
+        p50 = prometheus_quantile(0.5, samples, wait, limit="smooth")
+        p99 = prometheus_quantile(0.99, samples, wait, limit="smooth")
+        assert (p50, p99) == pytest.approx((1.0, 2.47))  # rank 2 of 4, rank 3.96 of 4
+        expected_wait = f"{p50:.2f} s / {p99:.2f} s"  # the page's format for waits of 1 s or more
+
+        async def waits_shown() -> bool:
+            return (
+                await field(page, "smooth", "wait") == expected_wait
+                and await field(page, "smooth", "waiting") == "0"
+            )
+
+        await wait_until(page, waits_shown, f"p50 / p99 {expected_wait} and an empty queue", 3)
+        assert await field(page, "smooth", "delayed-total") == "4"
+
+        # One reload from the edited file: the result and the new policy's hash.
+        replace_file(path, limited_policy(upstream.url, smooth.replace("burst: 5", "burst: 6")))
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert (await resp.json())["result"] in ("ok", "unchanged")  # the watcher may be first
+        async with session.get(gw.admin_url + "/policy") as resp:
+            new_sha = (await resp.json())["sha256"]
+        assert new_sha != sha
+
+        async def reload_shown() -> bool:
+            shown = await page.inner_text("#reload")
+            return bool(re.fullmatch(r"ok at .+ \(1 ok, 0 failed\)", shown)) and (
+                await page.inner_text("#policy") == new_sha[:12]
+            )
+
+        await wait_until(page, reload_shown, "the reload and the new hash", within_s=3)
+        assert await page.get_attribute("#reload", "data-result") == "ok"
+
+        # A failed reload: shown with its error; the running policy (and its hash) stays.
+        replace_file(path, "limits: [not, a, mapping]\n")
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 422
+            error = (await resp.json())["error"]
+
+        async def failure_shown() -> bool:
+            return await page.get_attribute("#reload", "data-result") == "failed"
+
+        await wait_until(page, failure_shown, "the failed reload", within_s=3)
+        assert re.fullmatch(r"failed at .+ \(1 ok, [12] failed\)", await page.inner_text("#reload"))
+        assert await page.get_attribute("#reload", "title") == error
+        assert await page.inner_text("#policy") == new_sha[:12]
+    assert not errors
+    await page.close()
+
+
+@pytest.mark.slow
+async def test_dashboard_shows_the_whole_gateway_with_two_workers(
+    upstream: RecordingUpstream, redis_server: RedisServer, browser: Browser, tmp_path: Path
+) -> None:
+    # Several workers need a shared store to run limits; the decisions are counted per worker.
+    policy = (
+        f"store:\n  url: {redis_server.url}\n  key_prefix: 'dash-{uuid.uuid4().hex[:8]}:'\n"
+        "limits:\n  per_ip:\n    algorithm: leaky_bucket\n    rate: 1000r/s\n    burst: 1000\n"
+        "    nodelay: true\n"
+    )
+    requests = 40
+    async with (
+        run_workers(upstream.url, tmp_path, policy) as workers,
+        aiohttp.ClientSession(
+            timeout=TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
+        ) as session,
+    ):
+        proxy_url, admin_url, _ = workers
+        await scrape_until(session, admin_url, lambda s: value(s, "gateway_workers") == 2, 20)
+        # A new connection per request: the kernel spreads them over both workers.
+        for i in range(requests):
+            assert await get_status(session, proxy_url + f"/r{i}") == 200
+
+        def counted_by(worker: int) -> int:
+            file = tmp_path / "metrics" / f"worker-{worker}.json"
+            return sum(row[3] for row in json.loads(file.read_text())["requests"])
+
+        # Every answer, whichever worker gives it, has both workers' requests.
+        answered_by: set[int] = set()
+        for _ in range(40):  # bounded: fresh connections land on both workers long before
+            async with session.get(admin_url + "/dashboard/state") as resp:
+                body = await resp.json()
+            state = body["state"]
+            if state["requests"] < requests:  # the other worker publishes once a second
+                await asyncio.sleep(0.2)
+                continue
+            assert state["requests"] == requests
+            assert state["limits"]["per_ip"]["allowed"] == requests
+            assert state["workers"] == 2 and state["worker_ids"] == [0, 1]
+            answered_by.add(body["worker"])
+            if answered_by == {0, 1}:
+                break
+        assert answered_by == {0, 1}
+        # Each worker served some of the requests: no one worker's figures are the total.
+        assert 0 < counted_by(0) < requests and counted_by(0) + counted_by(1) == requests
+
+        page = await browser.new_page()
+        await page.goto(admin_url + "/dashboard/")
+
+        async def whole_gateway_shown() -> bool:
+            return (
+                await page.inner_text("#requests-total") == str(requests)
+                and await page.locator("#limit-per_ip").count() == 1
+                and await field(page, "per_ip", "allowed-total") == str(requests)
+            )
+
+        await wait_until(page, whole_gateway_shown, f"{requests} requests on the page", 5)
+        assert await page.inner_text("#workers") == "2 (0, 1)"
+        await page.close()

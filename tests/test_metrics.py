@@ -8,9 +8,11 @@ admits b + 1 at one instant), never from running the implementation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -24,6 +26,7 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from yarl import URL
 
 from gateway.clock import FakeClock
 from gateway.observability.sketch import RecentTopKeys, SpaceSaving
@@ -354,7 +357,16 @@ async def test_upstream_errors_are_counted_by_reason(start_gateway: GatewayFacto
     assert value(samples, "gateway_requests_total", route="slow", method="GET", status="5xx") == 1
 
 
-async def test_reloads_are_counted_by_result(upstream: RecordingUpstream, tmp_path: Path) -> None:
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` at once (a rename), so a watcher never reads half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+async def test_reloads_are_counted_by_result_and_logged(
+    upstream: RecordingUpstream, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from gateway.policy_loader import load_policy
     from gateway.serve import Gateway
 
@@ -364,18 +376,30 @@ async def test_reloads_are_counted_by_result(upstream: RecordingUpstream, tmp_pa
     await gateway.start()
     admin = f"http://127.0.0.1:{gateway.admin_port}"
     try:
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-            before, _ = await scrape(session, admin)
-            path.write_text(limited_policy(upstream.url, PER_IP_BURST_4.replace("4", "6")))
-            async with session.post(admin + "/reload") as resp:
-                # the file watcher may have reloaded it first
-                assert (await resp.json())["result"] in ("ok", "unchanged")
-            path.write_text("limits: [not, a, mapping]\n")
-            async with session.post(admin + "/reload") as resp:
-                assert resp.status == 422
-            after, text = await scrape(session, admin)
+        with caplog.at_level(logging.INFO, logger="gateway.reload"):
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+                before, _ = await scrape(session, admin)
+                replace_file(path, limited_policy(upstream.url, PER_IP_BURST_4.replace("4", "6")))
+                async with session.post(admin + "/reload") as resp:
+                    # the file watcher may have reloaded it first
+                    assert (await resp.json())["result"] in ("ok", "unchanged")
+                replace_file(path, "limits: [not, a, mapping]\n")
+                async with session.post(admin + "/reload") as resp:
+                    assert resp.status == 422
+                after, text = await scrape(session, admin)
     finally:
         await gateway.stop()
+    reload_logs = [
+        (r.levelno, r.getMessage()) for r in caplog.records if r.name == "gateway.reload"
+    ]
+    reloaded = [m for level, m in reload_logs if m.startswith("policy reloaded")]
+    failed = [(level, m) for level, m in reload_logs if m.startswith("policy reload failed")]
+    assert reloaded == [f"policy reloaded from {path} (sha256 {gateway.loaded.sha256[:12]})"]
+    assert failed  # the watcher may have seen the bad file before /reload did
+    for level, message in failed:
+        assert level == logging.ERROR
+        assert message.startswith("policy reload failed, keeping the running policy:\n")
+        assert str(path) in message  # the error names the file
     assert value(after, "gateway_policy_reloads_total", result="ok") == 1
     assert value(after, "gateway_policy_reloads_total", result="failed") >= 1
     assert value(after, "gateway_policy_last_reload_success_timestamp_seconds") > value(
@@ -409,20 +433,69 @@ async def test_access_log_line_carries_the_limiter_outcome(
     assert lines[0]["route"] == "all" and lines[0]["duration_ms"] >= 0
 
 
+_LOGFMT_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def parse_logfmt(line: str) -> dict[str, str | None]:
+    """A text access-log line: ``key=value`` pairs, a value JSON-quoted when it needs to be and
+    ``-`` for none."""
+    fields: dict[str, str | None] = {}
+    for key, raw in _LOGFMT_FIELD.findall(line):
+        fields[key] = json.loads(raw) if raw.startswith('"') else None if raw == "-" else raw
+    assert _LOGFMT_FIELD.sub("", line).strip() == "", f"not key=value pairs: {line!r}"
+    return fields
+
+
+async def test_text_access_log_carries_a_delayed_requests_delay(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    # rate 10r/s, burst 5, no nodelay, clock frozen: the 2nd request waits 100 ms (nginx: excess
+    # over rate), the 3rd 200 ms.
+    limits = "  smooth:\n    algorithm: leaky_bucket\n    rate: 10r/s\n    burst: 5\n"
+    policy = limited_policy(upstream.url, limits, server="  access_log: true\n")
+    gw = await start_gateway(policy, clock=clock)
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            for path in ("/first", '/second?q="a%20b"', "/third"):
+                # sent as written (a quote, an equals sign: the value needs quoting in the log)
+                assert await get_status(session, URL(gw.url + path, encoded=True)) == 200
+    lines = [parse_logfmt(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
+    assert [line["path"] for line in lines] == ["/first", '/second?q="a%20b"', "/third"]
+    assert [(line["limit"], line["delay_ms"]) for line in lines] == [
+        ("allowed", "0.0"),
+        ("delayed", "100.0"),
+        ("delayed", "200.0"),
+    ]
+    for line in lines:
+        assert line["status"] == "200" and line["route"] == "all" and line["method"] == "GET"
+        assert line["client"] == "127.0.0.1"
+        assert line["limit_name"] is None and line["upstream_error"] is None
+    # The request waited its delay before it was answered.
+    assert float(lines[2]["duration_ms"] or 0) >= 200.0
+
+
 # -- several workers ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def two_workers(
-    upstream: RecordingUpstream, tmp_path: Path
-) -> AsyncIterator[tuple[str, str, Callable[[], list[int]]]]:
-    """``gateway run --workers 2`` as a subprocess; yields proxy URL, admin URL, worker pids."""
+Workers = tuple[str, str, Callable[[], list[int]]]
+
+
+@contextlib.asynccontextmanager
+async def run_workers(upstream_url: str, tmp_path: Path, extra: str = "") -> AsyncIterator[Workers]:
+    """``gateway run --workers 2`` as a subprocess; yields proxy URL, admin URL, worker pids.
+
+    ``extra``: policy text after the one route (a ``store:``, ``limits:``). Snapshots go to
+    ``tmp_path/metrics``.
+    """
     port, admin_port = free_port(), free_port()
     policy = tmp_path / "policy.yaml"
     policy.write_text(
         f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
-        f"upstreams:\n  backend:\n    url: {upstream.url}\n"
-        "routes:\n  - name: all\n    upstream: backend\n"
+        f"upstreams:\n  backend:\n    url: {upstream_url}\n"
+        "routes:\n  - name: all\n    upstream: backend\n" + extra
     )
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:
@@ -458,7 +531,13 @@ async def two_workers(
         await proc.wait()
 
 
-async def _scrape_until(
+@pytest.fixture
+async def two_workers(upstream: RecordingUpstream, tmp_path: Path) -> AsyncIterator[Workers]:
+    async with run_workers(upstream.url, tmp_path) as workers:
+        yield workers
+
+
+async def scrape_until(
     session: aiohttp.ClientSession,
     admin_url: str,
     condition: Callable[[Samples], bool],
@@ -510,7 +589,7 @@ def _ok_requests(samples: Samples) -> float:
 
 @pytest.mark.slow
 async def test_every_scrape_sees_the_whole_gateway_across_workers_and_restarts(
-    two_workers: tuple[str, str, Callable[[], list[int]]], tmp_path: Path
+    two_workers: Workers, tmp_path: Path
 ) -> None:
     proxy_url, admin_url, workers = two_workers
     metrics_dir = tmp_path / "metrics"
@@ -518,12 +597,12 @@ async def test_every_scrape_sees_the_whole_gateway_across_workers_and_restarts(
     # A new connection per request and per scrape, so the kernel spreads them over both workers.
     new_connections = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=new_connections) as session:
-        await _scrape_until(session, admin_url, lambda s: value(s, "gateway_workers") == 2, 20)
+        await scrape_until(session, admin_url, lambda s: value(s, "gateway_workers") == 2, 20)
         for i in range(requests):
             assert await get_status(session, proxy_url + f"/r{i}") == 200
         # Each scrape lands on either worker; every one must see all requests.
         for _ in range(6):
-            samples = await _scrape_until(
+            samples = await scrape_until(
                 session, admin_url, lambda s: _ok_requests(s) == requests, 5
             )
             assert value(samples, "gateway_workers") == 2
@@ -538,5 +617,68 @@ async def test_every_scrape_sees_the_whole_gateway_across_workers_and_restarts(
 
         await _wait_for(replaced, "the killed worker to be replaced and publish", 20)
         for _ in range(6):
-            samples = await _scrape_until(session, admin_url, lambda s: True, 5)
+            samples = await scrape_until(session, admin_url, lambda s: True, 5)
             assert _ok_requests(samples) == requests
+
+
+def _requests_total(samples: Samples) -> float:
+    return sum(v for (name, _), v in samples.items() if name == "gateway_requests_total")
+
+
+@pytest.mark.slow
+async def test_totals_never_go_down_whichever_worker_answers(two_workers: Workers) -> None:
+    """A scrape answered by one worker, then one answered by the other, while traffic flows:
+    Prometheus reads any decrease of a counter as a reset, so no total may ever go back. The
+    dashboard's feed (``/dashboard/state``) is read in the same sequence and held to the same.
+    """
+    proxy_url, admin_url, _ = two_workers
+    # All traffic over one kept-alive connection, so on one worker: the other worker's view of
+    # it is that worker's published file, which is when a stale file would show.
+    one_connection = aiohttp.TCPConnector(limit=1)
+    new_connections = aiohttp.TCPConnector(force_close=True)
+    sent = 0
+    stop = asyncio.Event()
+
+    async def traffic(session: aiohttp.ClientSession) -> None:
+        nonlocal sent
+        while not stop.is_set():
+            assert await get_status(session, proxy_url + f"/t{sent}") == 200
+            sent += 1
+
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT, connector=one_connection) as traffic_session,
+        aiohttp.ClientSession(timeout=TIMEOUT, connector=new_connections) as session,
+    ):
+        await scrape_until(session, admin_url, lambda s: value(s, "gateway_workers") == 2, 20)
+        sender = asyncio.create_task(traffic(traffic_session))
+        seen: list[tuple[str, float]] = []
+        answered_by: set[int] = set()
+
+        def observe(source: str, total: float) -> None:
+            if seen:
+                assert seen[-1][1] <= total, f"a total went down: {[*seen[-3:], (source, total)]}"
+            seen.append((source, total))
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 4.0
+        try:
+            for _ in range(2000):  # bounded; the deadline ends it first
+                if loop.time() > deadline:
+                    break
+                samples, _ = await scrape(session, admin_url)
+                observe("metrics", _requests_total(samples))
+                async with session.get(admin_url + "/dashboard/state") as resp:
+                    body = await resp.json()
+                observe("dashboard", body["state"]["requests"])
+                answered_by.add(body["worker"])
+        finally:
+            stop.set()
+            await sender
+        # Fresh connections landed on both workers, and traffic was counted as it flowed.
+        assert answered_by == {0, 1}
+        assert len(seen) >= 20 and seen[0][1] < seen[-1][1]
+        # Once both workers have published (once a second), every answer has every request.
+        await scrape_until(session, admin_url, lambda s: _requests_total(s) == sent, 5)
+        for _ in range(4):
+            samples, _ = await scrape(session, admin_url)
+            assert _requests_total(samples) == sent

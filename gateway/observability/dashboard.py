@@ -38,11 +38,16 @@ async def _dashboard_page(request: web.Request) -> web.FileResponse:
 
 
 async def _state(request: web.Request) -> web.Response:
-    """The whole gateway now, and the history the page would draw: for scripts and tests."""
+    """The whole gateway now, the history the page would draw, and which worker answered: for
+    scripts and tests."""
     obs = _observability(request)
     snapshot = obs.gateway_snapshot()
     return web.json_response(
-        {"state": dashboard_state(snapshot), "history": list(obs.timeline.points)}
+        {
+            "state": dashboard_state(snapshot),
+            "history": list(obs.timeline.points),
+            "worker": obs.gateway.worker_id,
+        }
     )
 
 

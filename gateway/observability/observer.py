@@ -2,8 +2,13 @@
 
 The tick, on every whole second of wall time, publishes this worker's snapshot for the others;
 a quarter second later (when every worker has published) it adds them all up, appends a point to
-the dashboard's history and sends it to open dashboards. Scrapes add up afresh, with this
-worker's own figures read live.
+the dashboard's history and sends it to open dashboards. Scrapes add up afresh.
+
+Whatever is served (a scrape, the dashboard) is a sum of published snapshots only: a worker
+publishes its own figures before adding up. Each file only grows, so two scrapes in a row, even
+answered by different workers, never see a counter go down (Prometheus would read a reset).
+Adding this worker's live figures to the others' files (up to a second old) would not do: the
+next scrape, answered by another worker, would count this one's older file.
 """
 
 from __future__ import annotations
@@ -90,10 +95,16 @@ class Observability:
         return snapshot.with_base(self._base) if self._base is not None else snapshot
 
     def gateway_snapshot(self) -> GatewaySnapshot:
-        """Every worker's figures added up; this worker's read now."""
+        """Every worker's figures added up, this worker's read now and published first.
+
+        If publishing fails the error propagates: a failed scrape is a gap, while a sum with
+        unpublished figures in it could go back on the next scrape.
+        """
         own = self.worker_snapshot()
-        others = self.directory.others() if self.directory is not None else []
-        return merge([own, *others], own.at)
+        if self.directory is None:
+            return merge([own], own.at)
+        self.directory.publish(own)
+        return merge([own, *self.directory.others()], own.at)
 
     # -- the tick ----------------------------------------------------------------------------
 
@@ -155,7 +166,9 @@ class Observability:
             queue.put_nowait(None)
 
     def initial_message(self) -> bytes:
-        snapshot = self.latest or self.gateway_snapshot()
+        # Added up afresh, not the last tick's sum: a page that reconnects to another worker
+        # must not see its totals go back.
+        snapshot = self.gateway_snapshot()
         return sse_message(
             "init", {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
         )

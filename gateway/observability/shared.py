@@ -1,7 +1,8 @@
 """Where workers leave their snapshots for each other: one JSON file per worker in a directory.
 
-Whichever worker answers ``/metrics`` or streams the dashboard adds up every file (its own
-figures read live), so a scrape sees the whole gateway whatever worker the kernel picked.
+Whichever worker answers ``/metrics`` or streams the dashboard publishes its own figures, then
+adds up every file, so a scrape sees the whole gateway whatever worker the kernel picked, and
+never less than the scrape before it.
 A file is replaced with a rename, so a reader sees a whole snapshot, old or new, never half of
 one. A worker that restarts under the same id starts from its predecessor's counters.
 """
