@@ -257,7 +257,11 @@ def allowed_by_limits(load: Load, results: list[ClientResult]) -> float:
 
 
 async def run_accuracy(
-    store_url: str, upstream: RecordingUpstream, tmp_path: Path, load: Load
+    store_url: str,
+    upstream: RecordingUpstream,
+    tmp_path: Path,
+    load: Load,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(load.policy(upstream.url))
@@ -269,12 +273,13 @@ async def run_accuracy(
     allowed = allowed_by_limits(load, results)
     error = (admitted - allowed) / allowed
     offered = sum(r.admitted + r.rejected + r.other for r in results)
-    print(
-        f"\n{load.name} on {store_url.partition(':')[0]}: admitted {admitted} of {offered} "
-        f"offered; the limits allow {allowed:.1f}; error {error:+.2%}; "
-        f"round trips {sum(int(s['round_trips']) for s in stats)}"  # type: ignore[call-overload]
-        f" for {sum(int(s['calls']) for s in stats)} script calls"  # type: ignore[call-overload]
-    )
+    with capsys.disabled():  # the figure belongs in the test log, passed or not
+        print(
+            f"\n{load.name} on {store_url.partition(':')[0]}: admitted {admitted} of {offered} "
+            f"offered; the limits allow {allowed:.1f}; error {error:+.2%}; "
+            f"round trips {sum(int(s['round_trips']) for s in stats)}"  # type: ignore[call-overload]
+            f" for {sum(int(s['calls']) for s in stats)} script calls"  # type: ignore[call-overload]
+        )
     assert sum(r.other for r in results) == 0  # only 200 and 429
     assert all(s["local_decisions"] == 0 and s["failed_calls"] == 0 for s in stats), stats
     assert len(upstream.requests) == admitted
@@ -286,17 +291,25 @@ async def run_accuracy(
 @pytest.mark.slow
 @pytest.mark.parametrize("load", [PER_IP_BINDS, GLOBAL_BINDS], ids=lambda load: load.name)
 async def test_three_gateways_on_one_redis_admit_what_the_limits_allow(
-    redis_server: RedisServer, upstream: RecordingUpstream, tmp_path: Path, load: Load
+    redis_server: RedisServer,
+    upstream: RecordingUpstream,
+    tmp_path: Path,
+    load: Load,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    await run_accuracy(redis_server.url, upstream, tmp_path, load)
+    await run_accuracy(redis_server.url, upstream, tmp_path, load, capsys)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("load", [PER_IP_BINDS, GLOBAL_BINDS], ids=lambda load: load.name)
 async def test_three_gateways_on_a_redis_cluster_admit_what_the_limits_allow(
-    redis_cluster: RedisClusterHarness, upstream: RecordingUpstream, tmp_path: Path, load: Load
+    redis_cluster: RedisClusterHarness,
+    upstream: RecordingUpstream,
+    tmp_path: Path,
+    load: Load,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    await run_accuracy(redis_cluster.url, upstream, tmp_path, load)
+    await run_accuracy(redis_cluster.url, upstream, tmp_path, load, capsys)
 
 
 if __name__ == "__main__":
