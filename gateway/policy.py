@@ -194,11 +194,14 @@ class Upstream(_Model):
     def _check_url(cls, value: str) -> str:
         if value == "builtin:demo":
             return value
-        if not _UPSTREAM_URL_RE.match(value):
+        match = _UPSTREAM_URL_RE.match(value)
+        if not match:
             raise ValueError(
                 f"invalid upstream url {value!r}: expected http://host[:port][/path] "
                 "or 'builtin:demo'"
             )
+        if match.group(2) and not 0 < int(match.group(2)[1:]) <= 65535:
+            raise ValueError(f"invalid upstream url {value!r}: port out of range")
         return value
 
 
@@ -235,10 +238,12 @@ class RouteMatch(_Model):
     def _check_methods(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
         if value is None:
             return None
+        if not value:
+            raise ValueError("methods is empty: it would match no request (omit it for all)")
         upper = tuple(m.upper() for m in value)
         for method in upper:
             if not re.match(r"^[A-Z]+$", method):
-                raise ValueError(f"invalid method {method!r}")
+                raise ValueError(f"invalid method {method!r}: expected a method name like GET")
         return upper
 
     @model_validator(mode="after")
@@ -267,6 +272,15 @@ class LimitMatch(RouteMatch):
     """Which requests a limit applies to: routes by name and/or request rules; empty = all."""
 
     routes: tuple[str, ...] | None = Field(None, description="route names this limit covers")
+
+    @field_validator("routes")
+    @classmethod
+    def _check_routes(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and not value:
+            raise ValueError(
+                "routes is empty: the limit would apply to no request (omit it for all)"
+            )
+        return value
 
 
 class _LimitBase(_Model):

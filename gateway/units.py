@@ -6,6 +6,7 @@ sizes follow nginx (``512``, ``64k``, ``10m``, ``1g``).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ def parse_duration(text: str | float | int) -> float:
     if isinstance(text, bool):
         raise ValueError(f"invalid duration {text!r}")
     if isinstance(text, int | float):
+        if not math.isfinite(text):
+            raise ValueError(f"invalid duration {text!r}: must be a finite number of seconds")
         if text < 0:
             raise ValueError(f"invalid duration {text!r}: must not be negative")
         return float(text)

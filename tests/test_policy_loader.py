@@ -68,7 +68,7 @@ EXPECTED_ERRORS = {
     "store_bad_key_prefix.yaml": "store_bad_key_prefix.yaml:3: store.key_prefix: String should "
     "match pattern '^[^{}\\s]*$'",
     "route_bad_method.yaml": "route_bad_method.yaml:8: routes[0].match.methods: "
-    "invalid method 'P0ST'",
+    "invalid method 'P0ST': expected a method name like GET",
     "route_bad_name.yaml": "route_bad_name.yaml:5: routes[0].name: String should match pattern "
     "'^[A-Za-z0-9][A-Za-z0-9_.\\-]*$'",
     "limit_empty_key.yaml": "limit_empty_key.yaml:12: limits.per_ip.key: "
@@ -101,6 +101,16 @@ EXPECTED_ERRORS = {
     # tomllib (Python < 3.14) gives no line attribute: the line is only inside the reason.
     "toml_syntax.toml": "toml_syntax.toml: invalid TOML: Invalid value (at line 3, column 11)",
     "not_utf8.yaml": "not_utf8.yaml: not valid UTF-8",
+    "limit_bad_name.yaml": "limit_bad_name.yaml:8: limits.per ip: invalid name 'per ip': use "
+    "ASCII letters, digits, '_', '.' and '-', starting with a letter or digit",
+    "upstream_port_out_of_range.yaml": "upstream_port_out_of_range.yaml:3: upstreams.backend.url: "
+    "invalid upstream url 'http://127.0.0.1:99999': port out of range",
+    "limit_empty_methods.yaml": "limit_empty_methods.yaml:11: limits.per_ip.match.methods: "
+    "methods is empty: it would match no request (omit it for all)",
+    "limit_empty_routes.yaml": "limit_empty_routes.yaml:12: limits.per_ip.match.routes: "
+    "routes is empty: the limit would apply to no request (omit it for all)",
+    "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
+    "invalid duration inf: must be a finite number of seconds",
 }
 
 
