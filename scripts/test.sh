@@ -20,6 +20,9 @@ $PY -m pip install -q --disable-pip-version-check -e ".[test,speed]"
 
 $PY -m ruff check gateway tests bench
 $PY -m mypy gateway
+# The dashboard test saves its screenshot here (a test artifact, not committed).
+export GATEWAY_TEST_ARTIFACTS="${GATEWAY_TEST_ARTIFACTS:-$PWD/test-artifacts}"
+mkdir -p "$GATEWAY_TEST_ARTIFACTS"
 set +e
 $PY -m pytest -p no:cacheprovider "$@"
 rc=$?

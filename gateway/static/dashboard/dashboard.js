@@ -173,7 +173,7 @@
       ...info.top_keys.map((hitter) => {
         const row = document.createElement("tr");
         // Key parts are joined by U+001F; a key of constant parts only ([global]) is empty.
-        const key = hitter.key ? hitter.key.split("\u001f").join(" · ") : "(all clients)";
+        const key = hitter.key ? hitter.key.split("\u001f").map(keyPart).join(" · ") : "(all clients)";
         for (const text of [key, fmtInt(hitter.count), fmtInt(hitter.error)]) {
           const cell = document.createElement("td");
           cell.textContent = text;
@@ -238,3 +238,11 @@
 
   connect();
 })();
+
+// A part tagged U+001E (gateway/keys.py): "ip" + the client IP standing in for a missing
+// header or query value, or "x" + the hex of a value that held a separator.
+function keyPart(part) {
+  if (!part.startsWith("\u001e")) return part;
+  if (part.startsWith("\u001eip")) return `${part.slice(3)} (no key: client IP)`;
+  return `hex:${part.slice(2)}`;
+}
