@@ -142,8 +142,9 @@ def redis_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
 
 
 def verdict_of(verdict: CombinedDecision) -> CombinedDecision:
-    """A verdict without the states (the Redis store keeps those in Redis)."""
-    return verdict._replace(states=())
+    """A verdict without the states (the Redis store keeps those in Redis) or the instant a
+    store may note for a later refund."""
+    return verdict._replace(states=(), now_us=None)
 
 
 # --- the same decisions as the Python algorithms ---------------------------------------------
