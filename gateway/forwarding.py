@@ -232,7 +232,7 @@ def response_head(
     back through aiohttp's response object: on a small proxied response that object is a
     large part of the gateway's own CPU time.
     """
-    out = [b"HTTP/1.1 %d %s\r\n" % (status, reason or b"-")]
+    out = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]  # an empty reason is valid (RFC 9112)
     append = out.append
     via_in: bytes | None = None
     connection: set[bytes] | None = None

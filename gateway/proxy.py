@@ -288,7 +288,7 @@ class ProxyHandler:
             headers = CIMultiDict(response_headers(response.headers, via))
             if limit_headers:
                 headers.extend(limit_headers)
-            reason = response.reason.decode("latin-1") or None
+            reason = response.reason.decode("latin-1")  # "" stays "": aiohttp keeps it
             if response.body_complete and not is_head:
                 whole = response.body_bytes()
                 response.release()

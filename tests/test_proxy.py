@@ -237,6 +237,9 @@ async def test_custom_reason_phrase_passes_through_unchanged(
         b"/empty": b"HTTP/1.1 204 Nothing To See Here\r\n\r\n",
         b"/teapot": b"HTTP/1.1 418 I'm A Teapot Today\r\nContent-Length: 0\r\n\r\n",
         b"/custom": b"HTTP/1.1 299 Custom Status\r\nContent-Length: 2\r\n\r\nok",
+        # An empty reason phrase is valid and stays empty (not replaced by the standard one).
+        b"/blank": b"HTTP/1.1 200 \r\nContent-Length: 2\r\n\r\nok",
+        b"/blank-streamed": b"HTTP/1.1 202 \r\nTransfer-Encoding: chunked\r\n\r\n",
     }
 
     async def raw_upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -244,7 +247,7 @@ async def test_custom_reason_phrase_passes_through_unchanged(
             while head := await reader.readuntil(b"\r\n\r\n"):
                 path = head.split(b" ", 2)[1]
                 writer.write(answers[path])
-                if path == b"/streamed":
+                if path in (b"/streamed", b"/blank-streamed"):
                     # Pauses keep the body streaming rather than received whole with its head.
                     for piece in (b"3\r\nabc\r\n", b"0\r\n\r\n"):
                         await writer.drain()
@@ -269,7 +272,7 @@ async def test_custom_reason_phrase_passes_through_unchanged(
                 )
                 sent_status = answer.split(b"\r\n", 1)[0].split(b" ", 1)[1]
                 assert response.split(b"\r\n", 1)[0] == b"HTTP/" + version + b" " + sent_status
-                if path == b"/streamed":
+                if path in (b"/streamed", b"/blank-streamed"):
                     assert b"abc" in response
     finally:
         server.close()
