@@ -9,8 +9,9 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from gateway.algorithms.combine import refuse_long_delays
 from gateway.client_ip import client_key
-from gateway.engine import Check
+from gateway.engine import Check, LimitEngine
 from gateway.keys import RequestFacts
 from gateway.routing import normalise_host
 from gateway.store import StoreUnavailableError
@@ -106,11 +107,13 @@ async def _explain(request: web.Request) -> web.Response:
     }
     if route is None:
         result["limits"] = []
+        result["verdict"] = {"status": 404, "reason": "no route matches"}
         return web.json_response(result)
+    access = None
     if engine.deny and engine.deny.contains(client_ip):
-        result["access"] = "deny"
+        access = result["access"] = "deny"
     elif engine.allow and engine.allow.contains(client_ip):
-        result["access"] = "allow"
+        access = result["access"] = "allow"
     facts = RequestFacts(
         client_key(client_ip, engine.ipv6_prefix),
         route.name,
@@ -119,6 +122,7 @@ async def _explain(request: web.Request) -> web.Response:
         lambda: url.query,
     )
     limits = []
+    enforced: list[Check] = []
     for limit in engine.limits:
         entry: dict[str, Any] = {
             "name": limit.name,
@@ -149,9 +153,46 @@ async def _explain(request: web.Request) -> web.Response:
                     "reset_s": decision.reset_s,
                 }
                 entry["tracked_keys"] = engine.store.tracked_keys(limit.name)
+                if not limit.spec.dry_run:
+                    full = limit.counters.waiting + limit.counters.deciding >= limit.spec.max_queue
+                    enforced.append(Check(limit, key, 0.0 if full else limit.spec.max_delay))
         limits.append(entry)
     result["limits"] = limits
+    result["verdict"] = await _combined_verdict(engine, enforced, access)
     return web.json_response(result)
+
+
+async def _combined_verdict(
+    engine: LimitEngine, enforced: list[Check], access: str | None
+) -> dict[str, Any]:
+    """What the next request would get from all its limits together (the stacking rule, the
+    queue's bounds and the access lists), as the proxy would decide it, committing nothing."""
+    if access == "deny":
+        return {"status": 403, "reason": "client address is denied"}
+    if access == "allow" or not enforced:
+        reason = "client address is allowed" if access else "no enforced limit applies"
+        return {"status": 200, "delay_s": 0.0, "reason": reason}
+    try:
+        verdict = await engine.store.decide(enforced, commit=False)
+    except StoreUnavailableError as exc:
+        return {"status": 503, "reason": str(exc)}
+    if not engine.store.bounds_delays and verdict.delay_s > 0.0:
+        verdict = refuse_long_delays(verdict, verdict.states, [c.max_delay_s for c in enforced])
+    if not verdict.allowed:
+        first = enforced[verdict.rejected_by[0]].limit
+        queued = verdict.decisions[verdict.rejected_by[0]].allowed
+        return {
+            "status": first.spec.status,
+            "rejected_by": [enforced[i].limit.name for i in verdict.rejected_by],
+            "retry_after_s": verdict.retry_after_s,
+            "reason": "queue full or wait over max_delay" if queued else "over the limit",
+        }
+    delayed_by = verdict.delayed_by
+    return {
+        "status": 200,
+        "delay_s": verdict.delay_s,
+        "delayed_by": enforced[delayed_by].limit.name if delayed_by is not None else None,
+    }
 
 
 def make_admin_app(state: AdminState) -> web.Application:

@@ -87,7 +87,11 @@ class MemoryStore:
         now_us = self.clock.now_us()
         self.stats.calls += 1
         tables = [self._table(check.limit) for check in checks]
-        states = [table.get(check.key) for check, table in zip(checks, tables, strict=True)]
+        # A look (commit=False, for /explain) leaves the keys' places in the LRU order alone.
+        states = [
+            table.get(check.key) if commit else table.peek(check.key)
+            for check, table in zip(checks, tables, strict=True)
+        ]
         verdict = decide_all(
             [(check.limit.algorithm, state) for check, state in zip(checks, states, strict=True)],
             now_us,
@@ -168,5 +172,6 @@ def build_store(
         replicas=settings.replicas * workers,
         timeout_s=settings.timeout,
         key_prefix=settings.key_prefix,
+        client=settings.client,
         clock=clock,
     )

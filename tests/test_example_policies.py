@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -111,3 +112,33 @@ async def test_layered_policy_explain_shows_every_stacked_limit(
 def test_every_shipped_policy_is_valid() -> None:
     for path in POLICIES.glob("*.yaml"):
         parse_policy(path.read_text(), str(path))
+
+
+async def test_layered_policy_explain_gives_the_combined_verdict(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """Explain says what the next request would get from all its limits together."""
+    gw = await start_gateway(_local("layered.yaml", upstream.url), clock=FakeClock())
+
+    async def explain(session: aiohttp.ClientSession, method: str, path: str) -> Any:
+        params = {"method": method, "path": path, "client_ip": "127.0.0.1"}
+        async with session.get(gw.admin_url + "/explain", params=params) as resp:
+            return (await resp.json())["verdict"]
+
+    async with aiohttp.ClientSession() as session:
+        for _ in range(5):  # the login limit's 5 a minute, and 5 of per_ip's 10 served at once
+            async with session.post(gw.url + "/api/login") as resp:
+                assert resp.status == 200
+        for _ in range(6):  # per_ip: 11 in all, excess 10 = its delay threshold
+            async with session.get(gw.url + "/api/items") as resp:
+                assert resp.status == 200
+        login = await explain(session, "POST", "/api/login")
+        items = await explain(session, "GET", "/api/items")
+        assert await explain(session, "GET", "/api/items") == items  # a look charges nothing
+        elsewhere = await explain(session, "GET", "/nothing-limits-this")
+    # The 6th login in a minute is over the login limit (per_ip would only delay it).
+    assert login["status"] == 429 and login["rejected_by"] == ["login"]
+    # The 12th request: per_ip excess 11 > delay 10, so (11000 - 10000) / 10 r/s = 100 ms.
+    assert items == {"status": 200, "delay_s": 0.1, "delayed_by": "per_ip"}
+    # Outside /api/ only per_ip and global apply, and they delay the same.
+    assert elsewhere["delayed_by"] == "per_ip"
