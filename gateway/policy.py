@@ -414,6 +414,11 @@ class StoreSettings(_Model):
     )
     timeout: Duration = Field(0.05, description="deadline of one Redis call")
     key_prefix: str = Field("gw:", pattern=r"^[^{}\s]*$", description="namespace of Redis keys")
+    client: Literal["thin", "redis-py"] = Field(
+        "thin",
+        description="thin: the gateway's pipelined client on redis-py's hiredis parser (less "
+        "CPU per call, see bench/README.md); redis-py: redis-py's asyncio pipelines",
+    )
 
     @field_validator("url")
     @classmethod

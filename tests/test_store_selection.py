@@ -51,6 +51,24 @@ async def test_policy_store_url_puts_limits_in_redis(
         assert (await r.json())["store"] == "redis"
 
 
+@pytest.mark.parametrize("client", ["thin", "redis-py"])
+async def test_policy_chooses_the_redis_client(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    client: str,
+) -> None:
+    prefix = f"cli{os.getpid()}{client}:"
+    store = f"store:\n  url: {redis_server.url}\n  key_prefix: '{prefix}'\n  client: {client}\n"
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT + store)
+    gw = await start_gateway(load_policy(path))
+    expected = {"thin": "ThinClient", "redis-py": "PipelineClient"}[client]
+    assert type(gw.gateway.store.client).__name__ == expected  # type: ignore[attr-defined]
+    assert await _statuses(gw.url + "/", 4) == [200, 200, 200, 429]
+
+
 async def test_store_settings_change_only_on_restart(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
 ) -> None:
