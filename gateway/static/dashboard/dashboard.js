@@ -25,7 +25,11 @@
         ? (p50 * 1000).toFixed(p50 < 0.01 ? 1 : 0) + " / " + fmtSeconds(p99)
         : fmtSeconds(p50) + " / " + fmtSeconds(p99);
   const clock = uPlot.fmtDate("{HH}:{mm}:{ss}");
-  const timeAxis = { values: (u, splits) => splits.map((v) => clock(new Date(v * 1000))) };
+  // Ticks on whole seconds (the labels have a resolution of one second), minutes past 2 min.
+  const timeAxis = {
+    incrs: [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900],
+    values: (u, splits) => splits.map((v) => clock(new Date(v * 1000))),
+  };
   const fmtPercent = (r) => (r === null || r === undefined ? "—" : (r * 100).toFixed(1) + "%");
 
   function chartWidth(el) {
