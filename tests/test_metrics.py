@@ -25,10 +25,12 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 from gateway.clock import FakeClock
+from gateway.observability.prometheus import make_registry
 from gateway.observability.sketch import RecentTopKeys, SpaceSaving
 from gateway.observability.snapshot import (
     HistogramData,
@@ -37,7 +39,7 @@ from gateway.observability.snapshot import (
     WorkerSnapshot,
     merge,
 )
-from gateway.observability.stats import QUEUE_WAIT_BUCKETS, RequestStats
+from gateway.observability.stats import QUEUE_WAIT_BUCKETS, RequestStats, StoreStats
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -218,6 +220,41 @@ def test_a_restarted_worker_continues_from_its_predecessors_counters() -> None:
     assert continued.limits["per_ip"].allowed == 43
     assert continued.limits["per_ip"].waiting == 1
     assert continued.requests == (("all", "GET", 2, 54),)
+
+
+def test_store_state_changes_are_counted_across_workers_and_restarts() -> None:
+    """Each worker's StoreStats counts its changes of state; /metrics adds them all up, so a
+    circuit that opened and closed between two scrapes still shows."""
+    stats = [StoreStats(), StoreStats(), StoreStats()]
+    for one in stats:
+        one.set_state("fallback", "call failed")
+        one.set_state("open", "3 failures")
+        one.set_state("half_open")
+        one.set_state("ok")
+    stats[0].set_state("fallback")
+
+    def snap(worker: int, at: float, of: StoreStats) -> WorkerSnapshot:
+        data = StoreData(name="redis", state=of.state, transitions=dict(of.transitions))
+        return _worker(worker, at, 1, 0, 1).model_copy(update={"store": data})
+
+    now = 10_000.0
+    # Worker 1 restarted: its new incarnation continues from its predecessor's counters.
+    restarted = snap(1, now, stats[2]).with_base(snap(1, now - 30, stats[1]))
+    total = merge([snap(0, now, stats[0]), restarted], now)
+    registry = make_registry(lambda: total)
+    found = {
+        (sample.labels["from_state"], sample.labels["to_state"]): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        if family.name == "gateway_store_state_transitions"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert found == {
+        ("ok", "fallback"): 4,
+        ("fallback", "open"): 3,
+        ("open", "half_open"): 3,
+        ("half_open", "ok"): 3,
+    }
 
 
 # -- /metrics of a real gateway ------------------------------------------------------------------

@@ -177,7 +177,15 @@ class GatewayCollector(Collector):
         )
         for name in STORE_STATES:
             state.add_metric([store.name, name], snap.store_states.get(name, 0))
-        yield from (calls, errors, latency, state)
+        transitions = CounterMetricFamily(
+            "gateway_store_state_transitions",
+            "Changes of store state (circuit opening, probing, closing; fallback and back).",
+            labels=["store", "from_state", "to_state"],
+        )
+        for change, count in sorted(store.transitions.items()):
+            from_state, _, to_state = change.partition(">")
+            transitions.add_metric([store.name, from_state, to_state], count)
+        yield from (calls, errors, latency, state, transitions)
 
     def _policy(self, snap: GatewaySnapshot) -> Iterator[Metric]:
         info = GaugeMetricFamily(

@@ -105,6 +105,21 @@ class StoreData(_Model):
     calls: int = 0
     errors: int = 0
     latency: HistogramData = HistogramData.empty(STORE_LATENCY_BUCKETS)
+    # State changes, keyed "from>to" (see StoreStats.transitions).
+    transitions: dict[str, int] = {}
+
+    def plus(self, other: StoreData) -> StoreData:
+        """The counters of both added up (``self``'s name and state kept)."""
+        transitions = Counter(self.transitions)
+        transitions.update(other.transitions)
+        return self.model_copy(
+            update={
+                "calls": self.calls + other.calls,
+                "errors": self.errors + other.errors,
+                "latency": self.latency.plus(other.latency),
+                "transitions": dict(transitions),
+            }
+        )
 
 
 class ReloadData(_Model):
@@ -160,13 +175,7 @@ class WorkerSnapshot(_Model):
             limits[name] = _add_limit_counters(limit, old_limit) if old_limit else limit
         store = self.store
         if base.store.name == store.name:
-            store = store.model_copy(
-                update={
-                    "calls": store.calls + base.store.calls,
-                    "errors": store.errors + base.store.errors,
-                    "latency": store.latency.plus(base.store.latency),
-                }
-            )
+            store = store.plus(base.store)
         return self.model_copy(
             update={
                 "requests": tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
@@ -263,13 +272,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                 counts[hitter.key] += hitter.count
                 errs[hitter.key] += hitter.error
         if snap.store.name == store.name:
-            store = store.model_copy(
-                update={
-                    "calls": store.calls + snap.store.calls,
-                    "errors": store.errors + snap.store.errors,
-                    "latency": store.latency.plus(snap.store.latency),
-                }
-            )
+            store = store.plus(snap.store)
     # Limits a reload removed linger in older snapshots: show those the newest policy has.
     limits = {name: limits[name] for name in newest.limits if name in limits}
     top_keys = {

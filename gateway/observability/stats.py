@@ -101,13 +101,16 @@ class StoreStats:
     errors and reports its state with ``set_state`` (which logs each change, not each call).
     """
 
-    __slots__ = ("calls", "errors", "latency", "state")
+    __slots__ = ("calls", "errors", "latency", "state", "transitions")
 
     def __init__(self) -> None:
         self.calls = 0
         self.errors = 0
         self.latency = Histogram(STORE_LATENCY_BUCKETS)
         self.state = "ok"
+        # How often each change of state happened, keyed "from>to": a gauge sampled once a
+        # second misses a circuit that opened and closed in between; this does not.
+        self.transitions: dict[str, int] = {}
 
     def observe(self, seconds: float) -> None:
         """One call that took ``seconds``."""
@@ -126,4 +129,6 @@ class StoreStats:
             log.log(
                 level, "store state %s -> %s%s", self.state, state, f": {reason}" if reason else ""
             )
+            change = f"{self.state}>{state}"
+            self.transitions[change] = self.transitions.get(change, 0) + 1
             self.state = state

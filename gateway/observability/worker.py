@@ -185,6 +185,7 @@ class WorkerMetrics:
                 calls=stats.calls,
                 errors=stats.errors,
                 latency=HistogramData.of(stats.latency),
+                transitions=dict(stats.transitions),
             )
         reload = None
         if gateway.reloader is not None:
