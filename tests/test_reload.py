@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 from gateway.clock import FakeClock
 from gateway.policy_loader import load_policy
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
 
 LIMIT = (
     "limits:\n  per_ip:\n    algorithm: leaky_bucket\n    rate: {rate}\n    burst: {burst}\n"
@@ -151,3 +153,43 @@ async def test_reload_under_load_loses_no_request(
     assert errors == []
     assert statuses and set(statuses) == {200}
     assert reloader.status.failed == 0
+
+
+async def test_a_request_in_flight_finishes_under_the_policy_it_started_with(
+    make_upstream: Callable[[], Awaitable[RecordingUpstream]],
+    start_gateway: GatewayFactory,
+    tmp_path: Path,
+) -> None:
+    """The reload swaps route, upstream and limits at once; a request already forwarded
+    finishes against the old upstream with the old limit's headers, the next one is wholly
+    under the new policy."""
+    old, new = await make_upstream(), await make_upstream()
+    release = asyncio.Event()
+
+    async def held(request: web.BaseRequest, recorded: RecordedRequest) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(text="old upstream")
+
+    old.reply = held
+    limit = "limits:\n  {name}:\n    algorithm: leaky_bucket\n    rate: 10r/s\n    burst: 5\n"
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(old.url, limit.format(name="before")))
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    async with aiohttp.ClientSession() as session:
+
+        async def get() -> tuple[str, str]:
+            async with session.get(gw.url + "/x") as resp:
+                return await resp.text(), resp.headers.get("RateLimit-Policy", "")
+
+        in_flight = asyncio.create_task(get())
+        await _wait_for(lambda: len(old.requests) == 1)
+        path.write_text(policy_for(new.url, limit.format(name="after")))
+        assert await reloader.reload() == "ok"
+        text, policy_header = await get()
+        assert text == "ok GET /x" and policy_header.startswith('"after"')
+        release.set()
+        text, policy_header = await asyncio.wait_for(in_flight, 5)
+    assert text == "old upstream" and policy_header.startswith('"before"')
+    assert [r.raw_path for r in new.requests] == ["/x"]
