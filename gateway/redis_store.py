@@ -1012,16 +1012,18 @@ class RedisStore:
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         """Best effort, never raises: a refund that cannot reach Redis is given locally.
-        Windows in Redis keep the charge (the script's clock is Redis TIME, and the decision's
-        instant is not sent back); buckets give it back."""
+        ``charged_us`` is the verdict's ``now_us`` (the Redis ``TIME`` the script decided at),
+        with which windows give back exactly what that decision charged; without it they keep
+        the charge. Buckets give it back either way."""
         if not checks:
             return
         plans = [self.plan(check.limit) for check in checks]
         breaker = self.breaker
         if breaker.allow():
             probe = breaker.probe_out
+            charged = b"" if charged_us is None else b"%d" % charged_us
             try:
-                await self._eval(b"r", checks, plans)
+                await self._eval(b"r", checks, plans, charged)
             except asyncio.CancelledError:
                 breaker.cancelled(probe)
                 raise
@@ -1031,6 +1033,8 @@ class RedisStore:
                 self._answered()
                 return
         self.counters.local_decisions += 1
+        # Without the instant: it may be Redis TIME, which the local clock's windows must not
+        # take for one of theirs.
         await self.local.refund([self._local_check(check) for check in checks])
 
     def tracked_keys(self, limit_name: str) -> int:
@@ -1044,7 +1048,11 @@ class RedisStore:
     # -- Redis --
 
     async def _eval(
-        self, mode: bytes, checks: Sequence[Check], plans: Sequence[LimitPlan]
+        self,
+        mode: bytes,
+        checks: Sequence[Check],
+        plans: Sequence[LimitPlan],
+        charged_us: bytes = b"",
     ) -> list[int]:
         """One script call for all ``checks``; raises if Redis does not answer."""
         keys = [
@@ -1054,6 +1062,8 @@ class RedisStore:
         now = b"" if time_source is None else b"%d" % time_source.now_us()
         argv = [mode, now, b"1", self._min_ttl, *[plan.codec.params for plan in plans]]
         argv += [_bound(check.max_delay_s) for check in checks]
+        if mode == b"r":
+            argv.append(charged_us)
         self.counters.calls += 1
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -1162,6 +1172,8 @@ def _verdict(
         verdict = refuse_long_delays(
             verdict, verdict.states, [check.max_delay_s for check in checks]
         )
+        if verdict.allowed:  # delayed: it may be refunded, exactly with the script's instant
+            verdict = verdict._replace(now_us=reply[0])
     return verdict
 
 

@@ -9,7 +9,11 @@ import aiohttp
 import pytest
 
 from gateway.clock import FakeClock
+from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.redis_harness import RedisServer
+
+redis_server = redis_harness.redis_server
 
 
 async def test_requests_decided_together_never_overfill_the_queue(
@@ -55,12 +59,18 @@ async def test_requests_decided_together_never_overfill_the_queue(
     assert (shaped.counters.waiting, shaped.counters.deciding) == (0, 0)
 
 
+@pytest.mark.parametrize("store", ["memory", "redis"])
 @pytest.mark.parametrize("window", ["fixed_window", "sliding_window", "sliding_log"])
 async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
-    upstream: RecordingUpstream, start_gateway: GatewayFactory, window: str
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    window: str,
+    store: str,
 ) -> None:
     """A bucket delays the request and a window stacked on it counted it; the client hangs up
-    while queued, and the window forgets it as exactly as the bucket does."""
+    while queued, and the window forgets it as exactly as the bucket does (in Redis too: the
+    script's instant comes back with the verdict and goes out with the refund)."""
     clock = FakeClock()
     policy = policy_for(upstream.url) + (
         "limits:\n"
@@ -68,6 +78,10 @@ async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
         "    max_delay: 30s\n"
         f"  window:\n    algorithm: {window}\n    limit: 3\n    window: 1m\n"
     )
+    if store == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        prefix = f"queue-{window}:"
+        policy += f"store:\n  url: {server.url}\n  key_prefix: '{prefix}'\n  timeout: 2s\n"
     gw = await start_gateway(policy, clock=clock)
     engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
     shaped = next(limit for limit in engine.limits if limit.name == "shaped")

@@ -181,7 +181,7 @@ delay_bounds = st.sampled_from([math.inf, math.inf, 0.0, 0.05, 0.3, 2.0])
 operations = st.lists(
     st.tuples(
         steps_us,
-        st.sampled_from(["decide", "decide", "decide", "peek", "refund"]),
+        st.sampled_from(["decide", "decide", "decide", "peek", "refund", "refund_exact"]),
         st.sampled_from(["a", "b"]),
         delay_bounds,
     ),
@@ -192,6 +192,16 @@ stacks = st.lists(st.sampled_from(sorted(ALGORITHMS)), min_size=1, max_size=3, u
 
 
 Op = tuple[int, str, str, float]  # clock step (us), operation, key, delay bound (s)
+
+# Windows refund exactly when told the instant they were charged (the stores pass it on).
+_EXACT_REFUND = (FixedWindow, SlidingWindow, SlidingLog)
+
+
+def refunded(algorithm: Algorithm[Any], state: Any, now_us: int, charged_us: int | None) -> Any:
+    """What the Python algorithm gives back, as the stores call it."""
+    if charged_us is not None and isinstance(algorithm, _EXACT_REFUND):
+        return algorithm.refund(state, now_us, charged_us=charged_us)
+    return algorithm.refund(state, now_us)
 
 
 async def run_against_python(backend: Backend, stack: list[str], ops: list[Op]) -> None:
@@ -208,17 +218,20 @@ async def run_against_python(backend: Backend, stack: list[str], ops: list[Op]) 
     store = backend.make(clock)
     store.configure(limits, ())
     reference: dict[tuple[int, str], Any] = {}
+    # The instant each key was last charged: what a refund after a client left would pass.
+    charged_at: dict[str, int] = {}
     try:
         for step_us, op, key, bound in ops:
             clock.advance(us=step_us)
             now_us = clock.now_us()
             checks = [Check(limit, key, bound) for limit in limits]
-            if op == "refund":
-                await store.refund(checks)
+            if op in ("refund", "refund_exact"):
+                charged_us = charged_at.get(key) if op == "refund_exact" else None
+                await store.refund(checks, charged_us)
                 for i, limit in enumerate(limits):
                     state = reference.get((i, key))
                     if state is not None:
-                        reference[(i, key)] = limit.algorithm.refund(state, now_us)
+                        reference[(i, key)] = refunded(limit.algorithm, state, now_us, charged_us)
             else:
                 got = await store.decide(checks, commit=op == "decide")
                 items = [
@@ -230,7 +243,11 @@ async def run_against_python(backend: Backend, stack: list[str], ops: list[Op]) 
                         want, [state for _, state in items], [bound] * len(items)
                     )
                 assert verdict_of(got) == verdict_of(want), (op, now_us - T0_US)
+                if want.allowed and want.delay_s > 0.0:
+                    # A delayed verdict carries the instant it was decided at, for a refund.
+                    assert got.now_us == now_us
                 if op == "decide" and want.allowed:
+                    charged_at[key] = now_us
                     for i, state in enumerate(want.states):
                         reference[(i, key)] = state
             if isinstance(store, RedisStore):
@@ -287,8 +304,9 @@ def test_each_lua_mirror_matches_its_python_algorithm(
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 async def test_each_algorithm_through_a_burst_and_recovery(backend: Backend, name: str) -> None:
-    """Every algorithm over a fixed script: a burst at one instant, then time passing, then a
-    refund; the same as the Python algorithm at every step (the property test's worked case)."""
+    """Every algorithm over a fixed script: a burst at one instant, then time passing, then
+    refunds (with and without the instant charged); the same as the Python algorithm at every
+    step (the property test's worked case)."""
     inf = math.inf
     ops: list[Op] = [(0, "decide", "a", inf)] * 8
     ops += [(50_000, "decide", "a", inf), (0, "refund", "a", inf)]
@@ -298,6 +316,10 @@ async def test_each_algorithm_through_a_burst_and_recovery(backend: Backend, nam
     # every 213 ms, some given back; every third may wait at most 0.1 s.
     ops += [(37_000, "decide", "a", 0.1 if n % 3 == 0 else inf) for n in range(60)]
     ops += [(213_000, op, "a", inf) for op in ("decide", "decide", "refund", "peek") * 5]
+    # Given back exactly, at once and after a window edge.
+    ops += [(0, "decide", "a", inf), (0, "refund_exact", "a", inf), (0, "peek", "a", inf)]
+    ops += [(400_000, "decide", "a", inf), (700_000, "refund_exact", "a", inf)]
+    ops += [(0, "decide", "a", inf)]
     await run_against_python(backend, [name], ops)
 
 

@@ -10,6 +10,8 @@
 -- ARGV[4+i]  limit i's parameters: algorithm letter, then its numbers
 -- ARGV[4+n+i] the longest limit i may delay this request, in seconds ('': no bound); a
 --            request that would wait longer is refused, and charged nothing
+-- ARGV[5+2n] refund only: the now_us of the decision that charged the request ('': unknown),
+--            which lets the windows give back exactly that charge
 -- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four.
 local mode = ARGV[1]
 local now_us = tonumber(ARGV[2])
@@ -33,11 +35,12 @@ local function store(key, state, idle_in_us)
 end
 
 if mode == 'r' then
+  local charged_us = tonumber(ARGV[5 + 2 * n])
   for i = 1, n do
     local raw = redis.call('GET', KEYS[i])
     if raw then
       local p = ARGV[4 + i]
-      local state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost)
+      local state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost, charged_us)
       if state then store(KEYS[i], state, idle_in_us) end
     end
   end

@@ -25,9 +25,15 @@ MAKE['F'] = function()
       return 1, pack_state('<dd', index, count), reset_us, 0, 0, limit - count, reset_us
     end,
 
-    -- Without the time the request was charged, the window algorithms give nothing back.
-    refund = function(p, raw, now_us, cost)
-      return nil, 0
+    -- Exact given the instant the request was charged; without it nothing comes back, since
+    -- a charge counted in an earlier window would come off the current one.
+    refund = function(p, raw, now_us, cost, charged_us)
+      if not charged_us then return nil, 0 end
+      local window_us = select(2, unpack_state('<dd', p, 2))
+      local index, count = unpack_state('<dd', raw)
+      if floor(charged_us / window_us) ~= index then return nil, 0 end -- that window is over
+      if count > cost then count = count - cost else count = 0 end
+      return pack_state('<dd', index, count), (index + 1) * window_us - now_us
     end,
   }
 end

@@ -50,9 +50,20 @@ MAKE['G'] = function()
         reset_us, 0, 0, limit - kept - cost, reset_us
     end,
 
-    -- Without the time the request was charged, the window algorithms give nothing back.
-    refund = function(p, raw, now_us, cost)
-      return nil, 0
+    -- Exact given the instant the request was charged: `cost` entries stamped then are
+    -- removed (none if the clock had stepped back and they were stamped later, or if they have
+    -- expired). Without it nothing comes back: which entries are the request's is unknown.
+    refund = function(p, raw, now_us, cost, charged_us)
+      if not charged_us or #raw == 0 then return nil, 0 end
+      local window_us = select(2, unpack_state('<dd', p, 2))
+      local count = #raw / 8
+      local first = sl_bisect_right(raw, count, charged_us - 1)
+      local last = sl_bisect_right(raw, count, charged_us)
+      if first + cost < last then last = first + cost end
+      if first == last then return nil, 0 end
+      local log = string.sub(raw, 1, first * 8) .. string.sub(raw, last * 8 + 1)
+      if #log == 0 then return log, 0 end
+      return log, sl_time(log, #log / 8 - 1) + window_us - now_us
     end,
   }
 end

@@ -55,9 +55,22 @@ MAKE['S'] = function()
         0, 0, limit - used, reset_us
     end,
 
-    -- Without the time the request was charged, the window algorithms give nothing back.
-    refund = function(p, raw, now_us, cost)
-      return nil, 0
+    -- Exact given the instant the request was charged: the cost comes off the window it was
+    -- counted in. Without it nothing comes back (it could forgive a previous window's charge
+    -- counted at full weight).
+    refund = function(p, raw, now_us, cost, charged_us)
+      if not charged_us then return nil, 0 end
+      local window_us = select(2, unpack_state('<dd', p, 2))
+      local index, previous, current = unpack_state('<ddd', raw)
+      local charged_index = floor(charged_us / window_us)
+      if charged_index == index then
+        if current > cost then current = current - cost else current = 0 end
+      elseif charged_index == index - 1 then
+        if previous > cost then previous = previous - cost else previous = 0 end
+      else
+        return nil, 0
+      end
+      return pack_state('<ddd', index, previous, current), (index + 2) * window_us - now_us
     end,
   }
 end
