@@ -7,13 +7,16 @@ disagree still share one timeline. Script calls of requests that arrive together
 pipeline (each still its own atomic call), with at most ``max_in_flight`` pipelines outstanding.
 
 Keys are ``{prefix}{{tag}}{limit}:{fingerprint}:{key}``. The fingerprint hashes the limit's
-algorithm, parameters and key parts, so a reload that changes them starts the limit afresh
-(replicas reloading at different moments never read one key under two parameter sets). Every
-key expires when its state has decayed to what an absent key means, so idle keys vanish. The
-hash tag puts all keys one request touches in one cluster slot: when every limit's key shares
-a part (say ``client_ip``), that part's value is the tag and clients spread over the cluster;
-otherwise (a ``global`` limit stacked on per-client ones, for instance) every key carries the
-same tag and lives on one node.
+algorithm and key parts, so a reload that changes either starts the limit afresh. A key's value
+is the parameters it was written under, then the state: a reload that changes only parameters
+(rate, burst, limit, window) keeps the keys, and the script rescales a state written under
+other parameters as the Python algorithm's ``rescale`` does, the first time it meets it, and
+writes it back rescaled. So replicas that reload at different moments never read a state as if
+written under their own parameters. Every key expires when its state has decayed to what an
+absent key means, so idle keys vanish. The hash tag puts all keys one request touches in one
+cluster slot: when every limit's key shares a part (say ``client_ip``), that part's value is
+the tag and clients spread over the cluster; otherwise (a ``global`` limit stacked on
+per-client ones, for instance) every key carries the same tag and lives on one node.
 
 When Redis fails or is slow (``timeout_s`` per call), ``on_failure`` says what to do: ``local``
 decides in an in-process ``MemoryStore`` with each limit divided by ``replicas``, ``allow``
@@ -112,8 +115,16 @@ class Codec(Protocol):
         ...
 
     def decode_state(self, raw: bytes) -> Any:
-        """The Python algorithm's state for a stored Redis value (tests, debugging)."""
+        """The Python algorithm's state for a stored Redis value, written under this codec's
+        parameters (tests, debugging)."""
         ...
+
+
+def _state_of(raw: bytes, params: bytes) -> bytes:
+    """The state in a stored value: the parameters it was written under come first."""
+    if not raw.startswith(params):
+        raise ValueError("the value was written under other parameters")
+    return raw[len(params) :]
 
 
 class LeakyBucketCodec:
@@ -143,7 +154,7 @@ class LeakyBucketCodec:
         return Decision(False, 0.0, retry_us / 1e6, self._limit, 0, reset_us / 1e6)
 
     def decode_state(self, raw: bytes) -> int:
-        excess_milli, last_ms = struct.unpack("<dd", raw)
+        excess_milli, last_ms = struct.unpack("<dd", _state_of(raw, self.params))
         return pack_state(int(excess_milli), int(last_ms))
 
 
@@ -170,6 +181,7 @@ class _WindowCodec:
         return Decision(False, 0.0, retry_after_s, self._limit, remaining, reset_us / 1e6)
 
     def decode_state(self, raw: bytes) -> Any:
+        raw = _state_of(raw, self.params)
         algorithm = self._algorithm
         if isinstance(algorithm, SlidingLog):
             return pack_log([int(t) for t in struct.unpack(f"<{len(raw) // 8}d", raw)])
@@ -226,7 +238,7 @@ class TokenBucketCodec:
         )
 
     def decode_state(self, raw: bytes) -> int:
-        whole_us, frac = struct.unpack("<dd", raw)
+        whole_us, frac = struct.unpack("<dd", _state_of(raw, self.params))
         return int(whole_us) * self._tpu + int(frac)
 
 
@@ -268,7 +280,7 @@ class WarmingUpCodec:
         return Decision(False, 0.0, retry_ticks / ticks_per_s, 1, 0, reset_ticks / ticks_per_s)
 
     def decode_state(self, raw: bytes) -> int:
-        whole_us, frac, credit = struct.unpack("<ddd", raw)
+        whole_us, frac, credit = struct.unpack("<ddd", _state_of(raw, self.params))
         return ((int(whole_us) * self._tpu + int(frac)) << self._credit_bits) | int(credit)
 
 
@@ -369,8 +381,10 @@ class LimitPlan:
 
 
 def _fingerprint(limit: CompiledLimit, codec: Codec) -> str:
+    """The algorithm (the parameters' letter) and the key's parts, not the parameters: those
+    are stored with each state, and a reload that changes them rescales the state."""
     digest = hashlib.blake2s(digest_size=4)
-    digest.update(codec.params)
+    digest.update(codec.params[:1])
     digest.update("\x1f".join((*limit.spec.key, limit.spec.on_missing_key)).encode())
     return digest.hexdigest()
 

@@ -48,6 +48,7 @@ from gateway.redis_store import (
     StoreUnavailableError,
     codec_for,
     divided,
+    load_script,
     parse_store_url,
 )
 from gateway.store import LimitStore, MemoryStore
@@ -471,7 +472,7 @@ async def test_idle_keys_expire_and_carry_prefix_and_limit(redis_backend: Backen
         await store.close()
 
 
-async def test_a_changed_limit_starts_afresh_an_unchanged_one_keeps_its_keys(
+async def test_a_changed_limit_keeps_its_keys_and_rescales_its_state(
     redis_backend: Backend,
 ) -> None:
     clock = FakeClock(T0_US)
@@ -486,14 +487,199 @@ async def test_a_changed_limit_starts_afresh_an_unchanged_one_keeps_its_keys(
         store.configure([same], [before])
         assert store.redis_key(Check(same, "k")) == store.redis_key(Check(before, "k"))
         assert not (await store.decide([Check(same, "k")])).allowed
-        changed = compiled("lim", FixedWindow(4, 60.0))
+        # Twice the limit: the window is still full (6 of 6), not fresh.
+        changed = compiled("lim", FixedWindow(6, 60.0))
         store.configure([changed], [same])
-        assert store.redis_key(Check(changed, "k")) != store.redis_key(Check(same, "k"))
-        assert (await store.decide([Check(changed, "k")])).decisions[0].remaining == 3
-        # A request still in flight under the old policy finds the old limit's keys.
-        assert not (await store.decide([Check(same, "k")])).allowed
+        assert store.redis_key(Check(changed, "k")) == store.redis_key(Check(same, "k"))
+        assert not (await store.decide([Check(changed, "k")])).allowed
+        # Another key part, or another algorithm, is another limit: a key of its own.
+        other_key = compiled("lim", FixedWindow(6, 60.0), key=("client_ip", "method"))
+        other_algorithm = compiled("lim", SlidingWindow(6, 60.0))
+        for other in (other_key, other_algorithm):
+            assert store.redis_key(Check(other, "k")) != store.redis_key(Check(changed, "k"))
     finally:
         await store.close()
+
+
+# --- a reload that changes a limit's parameters, on replicas that reload at different moments --
+
+
+@st.composite
+def muldiv_cases(draw: st.DrawFn) -> tuple[int, int, int]:
+    """``a * b // c`` below 2**53 with ``a * b`` often far above it (a count times a ratio of
+    parameters, in a rescale)."""
+    big = st.integers(0, 2**53 - 1)
+    a, b = draw(big), draw(big)
+    c = draw(st.integers(max(a * b >> 53, 0) + 1, 2**53 - 1))
+    return a, b, c
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases=st.lists(muldiv_cases(), min_size=50, max_size=50))
+def test_the_scripts_muldiv_is_exact_past_2_to_the_53(
+    redis_server: RedisServer, cases: list[tuple[int, int, int]]
+) -> None:
+    """The scripts' doubles estimate ``a * b / c``; their limbs make it exact."""
+    prelude = load_script().split("MAKE['L']")[0].rsplit("\n", 1)[0]
+    script = prelude + (
+        "\nlocal out = {}\nfor i = 1, #ARGV, 3 do\n"
+        "  local a, b, c = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])\n"
+        "  local q = muldiv(a, b, c)\n"
+        "  out[#out + 1] = string.format('%d', q)\n"
+        "  out[#out + 1] = string.format('%d', muldiv_up(a, b, c))\nend\nreturn out\n"
+    )
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        got = client.eval(script, 0, *[x for case in cases for x in case])
+    finally:
+        client.close()
+    want = []
+    for a, b, c in cases:
+        want += [str(a * b // c).encode(), str(-(-a * b // c)).encode()]
+    assert got == want
+
+
+# Parameter sets of one algorithm a reload may move between; the last of the leaky buckets and
+# of the token buckets multiply past 2**53 when rescaled (the script's exact muldiv).
+VARIANTS: dict[str, list[Any]] = {
+    "leaky": [
+        lambda: LeakyBucket(5, 1, 3, None),
+        lambda: LeakyBucket(10, 1, 6, 2),
+        lambda: LeakyBucket(7, 60, 4, 0),
+        lambda: LeakyBucket(3, 1, 0, 0),
+        lambda: LeakyBucket(100_000, 1, 200_000, None),
+    ],
+    "fixed": [
+        lambda: FixedWindow(4, 1.0),
+        lambda: FixedWindow(3, 0.25),
+        lambda: FixedWindow(10, 1.0),
+    ],
+    "sliding": [
+        lambda: SlidingWindow(5, 1.0),
+        lambda: SlidingWindow(7, 0.3),
+        lambda: SlidingWindow(2, 1.0),
+        lambda: SlidingWindow(5, 0.5),
+    ],
+    "log": [
+        lambda: SlidingLog(4, 1.0),
+        lambda: SlidingLog(2, 0.2),
+        lambda: SlidingLog(9, 1.0),
+    ],
+    "token": [
+        lambda: TokenBucket(7, 1, 3),
+        lambda: TokenBucket(999, 1, 5, mode="queue", max_delay_s=0.01),
+        lambda: TokenBucket(30, 60, 2, mode="queue"),
+        lambda: TokenBucket(1, 60, 100),
+    ],
+    "warm-up": [
+        lambda: WarmingUpTokenBucket(5, 1, 2.0),
+        lambda: WarmingUpTokenBucket(7, 1, 1.5, mode="queue", max_delay_s=0.5),
+        lambda: WarmingUpTokenBucket(1, 60, 3000.0),
+    ],
+}
+
+RescaleOp = tuple[int, str, int, str, int]  # step (us), operation, replica, key, variant
+
+rescale_operations = st.lists(
+    st.tuples(
+        steps_us,
+        st.sampled_from(["decide", "decide", "decide", "peek", "refund", "refund_exact", "reload"]),
+        st.integers(0, 1),
+        st.sampled_from(["a", "b"]),
+        st.integers(0, 4),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+async def run_rescale_against_python(backend: Backend, family: str, ops: list[RescaleOp]) -> None:
+    """Two replicas share one limit in Redis and reload it at different moments. A state
+    written under other parameters is rescaled when a replica next touches it, as the Python
+    algorithm's ``rescale`` does at that instant (and stays rescaled, even if the request is
+    rejected); every verdict and every stored value (parameters, then state) must agree."""
+    variants = VARIANTS[family]
+    clock = FakeClock(T0_US)
+    prefix = f"rescale{next(_prefixes)}:"
+    stores = [backend.make(clock, key_prefix=prefix) for _ in range(2)]
+    limits = [compiled("lim", variants[0]()) for _ in stores]
+    for store, limit in zip(stores, limits, strict=True):
+        store.configure([limit], ())
+    # key -> (the algorithm the state was written under, the state)
+    reference: dict[str, tuple[Algorithm[Any], Any]] = {}
+    charged_at: dict[str, int] = {}
+    try:
+        for step_us, op, replica, key, variant in ops:
+            clock.advance(us=step_us)
+            now_us = clock.now_us()
+            store = stores[replica]
+            if op == "reload":
+                new = compiled("lim", variants[variant % len(variants)]())
+                store.configure([new], [limits[replica]])
+                limits[replica] = new
+                continue
+            limit = limits[replica]
+            algorithm = limit.algorithm
+            check = Check(limit, key)
+            written = reference.get(key)
+            state = None
+            if written is not None:
+                state = written[1]
+                if codec_for(written[0]).params != codec_for(algorithm).params:
+                    state = algorithm.rescale(state, written[0], now_us)
+            if op in ("refund", "refund_exact"):
+                charged_us = charged_at.get(key) if op == "refund_exact" else None
+                await store.refund([check], charged_us)
+                if state is not None:
+                    state = refunded(algorithm, state, now_us, charged_us)
+                after = state
+            else:
+                got = await store.decide([check], commit=op == "decide")
+                want = decide_all([(algorithm, state)], now_us)
+                assert verdict_of(got) == verdict_of(want), (op, now_us - T0_US)
+                after = state
+                if op == "decide" and want.allowed:
+                    after = want.states[0]
+                    charged_at[key] = now_us
+            # A rejection charges nothing, but a rescaled state is written back: either way
+            # the key now holds `after` under this replica's parameters.
+            if op != "peek":
+                if after is None:
+                    reference.pop(key, None)
+                else:
+                    reference[key] = (algorithm, after)
+            raw = backend.raw_state(store, check)
+            expected = reference.get(key)
+            if expected is None:
+                assert raw is None, (op, now_us - T0_US)
+            else:
+                codec = codec_for(expected[0])
+                assert raw is not None and raw.startswith(codec.params), (op, now_us - T0_US)
+                assert codec.decode_state(raw) == expected[1], (op, now_us - T0_US)
+        for store in stores:
+            assert isinstance(store, RedisStore) and store.counters.failed_calls == 0
+    finally:
+        for store in stores:
+            await store.close()
+
+
+@pytest.mark.parametrize("kind", [k for k in STORE_KINDS if k != "memory"])
+@pytest.mark.parametrize("family", sorted(VARIANTS))
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=rescale_operations)
+def test_states_written_under_other_parameters_are_rescaled_as_in_python(
+    kind: str, family: str, request: pytest.FixtureRequest, ops: list[RescaleOp]
+) -> None:
+    backend = _backend(kind, request)
+    try:
+        asyncio.run(run_rescale_against_python(backend, family, ops))
+    finally:
+        if backend.inspect is not None:
+            close_client(backend.inspect)
 
 
 async def test_script_flushed_from_redis_is_loaded_again(redis_backend: Backend) -> None:
@@ -869,16 +1055,19 @@ async def test_tracked_keys_counts_the_local_fallback(redis_factory: RedisFactor
 
 
 def test_state_codecs_read_back_what_the_python_algorithm_holds() -> None:
-    """The codecs' view of a stored value, on values written by hand."""
-    leaky = LeakyBucket(5, 1, 3, None)
-    assert codec_for(leaky).decode_state(struct.pack("<dd", 2000, 123_456)) == (
+    """The codecs' view of a stored value (the parameters it was written under, then the
+    state), on values written by hand."""
+    leaky = codec_for(LeakyBucket(5, 1, 3, None))
+    assert leaky.decode_state(leaky.params + struct.pack("<dd", 2000, 123_456)) == (
         2000 << 44 | 123_456
     )
-    log = SlidingLog(3, 1.0)
-    packed = struct.pack("<ddd", T0_US, T0_US + 1, T0_US + 2)
-    assert codec_for(log).decode_state(packed) == struct.pack("=3q", T0_US, T0_US + 1, T0_US + 2)
-    bucket = TokenBucket(7, 1, 3)  # 7 ticks per microsecond
-    assert codec_for(bucket).decode_state(struct.pack("<dd", T0_US, 5)) == T0_US * 7 + 5
+    log = codec_for(SlidingLog(3, 1.0))
+    packed = log.params + struct.pack("<ddd", T0_US, T0_US + 1, T0_US + 2)
+    assert log.decode_state(packed) == struct.pack("=3q", T0_US, T0_US + 1, T0_US + 2)
+    bucket = codec_for(TokenBucket(7, 1, 3))  # 7 ticks per microsecond
+    assert bucket.decode_state(bucket.params + struct.pack("<dd", T0_US, 5)) == T0_US * 7 + 5
+    with pytest.raises(ValueError, match="other parameters"):
+        codec_for(TokenBucket(8, 1, 3)).decode_state(bucket.params + struct.pack("<dd", T0_US, 5))
 
 
 # --- through the gateway: Redis stops under load ---------------------------------------------

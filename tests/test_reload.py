@@ -8,11 +8,17 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
+import redis
 from aiohttp import web
 
 from gateway.clock import FakeClock
 from gateway.policy_loader import load_policy
+from gateway.redis_store import RedisStore, codec_for
+from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
+from tests.redis_harness import RedisServer
+
+redis_server = redis_harness.redis_server
 
 LIMIT = (
     "limits:\n  per_ip:\n    algorithm: leaky_bucket\n    rate: {rate}\n    burst: {burst}\n"
@@ -193,3 +199,63 @@ async def test_a_request_in_flight_finishes_under_the_policy_it_started_with(
         text, policy_header = await asyncio.wait_for(in_flight, 5)
     assert text == "old upstream" and policy_header.startswith('"before"')
     assert [r.raw_path for r in new.requests] == ["/x"]
+
+
+async def test_a_changed_rate_rescales_state_in_redis(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    tmp_path: Path,
+    redis_server: RedisServer,
+) -> None:
+    """With the Redis store a reload that changes a limit's rate or burst carries its state over
+    rescaled, as in process: the key stays, and the script rescales the state written under the
+    old parameters the next time it meets it (replicas may reload at different moments)."""
+    store = f"store:\n  url: {redis_server.url}\n  key_prefix: 'rescale-e2e:'\n  timeout: 2s\n"
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT.format(rate="6r/m", burst=3) + store)
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    redis_store = gw.gateway.store
+    assert reloader is not None and isinstance(redis_store, RedisStore)
+    inspect = redis.Redis.from_url(redis_server.url)
+
+    def stored() -> tuple[str, bytes]:
+        (limit,) = gw.gateway.handler.runtime.engine.limits  # type: ignore[union-attr]
+        key = redis_store.plan(limit).redis_key("127.0.0.1")
+        raw: bytes = inspect.get(key)
+        return key, raw[: len(codec_for(limit.algorithm).params)]
+
+    async def remaining(session: aiohttp.ClientSession) -> int:
+        params = {"path": "/", "client_ip": "127.0.0.1"}
+        async with session.get(gw.admin_url + "/explain", params=params) as resp:
+            (limit,) = (await resp.json())["limits"]
+            value: int = limit["next_request"]["remaining"]
+            return value
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert [await _status(session, gw.url + "/") for _ in range(2)] == [200, 200]
+            assert await remaining(session) == 1  # 2 of the 4 (burst 3 + 1) in use
+            key_before, params_before = stored()
+
+            # Twice the rate: as full as before (it only drains faster from now on). Starting
+            # afresh would leave 3.
+            write_atomically(
+                path, policy_for(upstream.url) + LIMIT.format(rate="12r/m", burst=3) + store
+            )
+            await _wait_for(lambda: reloader.status.succeeded == 1)
+            assert await remaining(session) == 1
+            assert stored() == (key_before, params_before)  # a look rewrites nothing
+
+            # Twice the capacity (burst 7, so 8): 2 of 4 in use becomes 4 of 8. Afresh: 7.
+            write_atomically(
+                path, policy_for(upstream.url) + LIMIT.format(rate="12r/m", burst=7) + store
+            )
+            await _wait_for(lambda: reloader.status.succeeded == 2)
+            assert await remaining(session) == 3
+            assert await _status(session, gw.url + "/") == 200
+            key_after, params_after = stored()
+            assert key_after == key_before and params_after != params_before
+            assert await remaining(session) == 2
+    finally:
+        inspect.close()

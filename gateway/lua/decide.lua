@@ -7,7 +7,11 @@
 -- ARGV[2]    now in microseconds; '' reads Redis TIME, the one clock all replicas share
 -- ARGV[3]    cost of the request
 -- ARGV[4]    least time to live in ms for written keys (0: expire as soon as idle)
--- ARGV[4+i]  limit i's parameters: algorithm letter, then its numbers
+-- ARGV[4+i]  limit i's parameters: algorithm letter, then its numbers. A key holds the
+--            parameters it was written under, then the state: a state written under other
+--            parameters (a reload, here or on another replica) is rescaled to these as the
+--            Python algorithm's rescale does, and in modes 'd' and 'r' written back rescaled
+--            even when the request is rejected (a rescale is not a charge)
 -- ARGV[4+n+i] the longest limit i may delay this request, in seconds ('': no bound); a
 --            request that would wait longer is refused, and charged nothing
 -- ARGV[5+2n] refund only: the now_us of the decision that charged the request ('': unknown),
@@ -24,24 +28,48 @@ local min_ttl_ms = tonumber(ARGV[4])
 local n = #KEYS
 
 -- An idle state is what an absent key means, so a key lives until its state is idle.
-local function store(key, state, idle_in_us)
+local function store(key, p, state, idle_in_us)
+  if not state then
+    redis.call('DEL', key)
+    return
+  end
   local ttl_ms = ceil_div(idle_in_us, 1000) + 1
   if ttl_ms < min_ttl_ms then ttl_ms = min_ttl_ms end
   if idle_in_us <= 0 and min_ttl_ms == 0 then
     redis.call('DEL', key)
   else
-    redis.call('SET', key, state, 'PX', ttl_ms)
+    redis.call('SET', key, p .. state, 'PX', ttl_ms)
   end
+end
+
+-- Limit i's state under its parameters p (nil: none), and when it was written under others,
+-- true and the rescaled state's idle time.
+local function load(i, p)
+  local raw = redis.call('GET', KEYS[i])
+  if not raw then return nil end
+  local np = #p
+  local written = string.sub(raw, 1, np)
+  if written == p then return string.sub(raw, np + 1) end
+  if string.byte(raw, 1) ~= string.byte(p, 1) or #raw < np then
+    return nil, true, 0 -- another algorithm's (the key's fingerprint makes this unreachable)
+  end
+  local state, idle_in_us = ALG[string.sub(p, 1, 1)].rescale(p, written, string.sub(raw, np + 1), now_us)
+  return state, true, idle_in_us
 end
 
 if mode == 'r' then
   local charged_us = tonumber(ARGV[5 + 2 * n])
   for i = 1, n do
-    local raw = redis.call('GET', KEYS[i])
+    local p = ARGV[4 + i]
+    local raw, rescaled, rescaled_idle_us = load(i, p)
+    local state, idle_in_us = nil, 0
     if raw then
-      local p = ARGV[4 + i]
-      local state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost, charged_us)
-      if state then store(KEYS[i], state, idle_in_us) end
+      state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost, charged_us)
+    end
+    if state then
+      store(KEYS[i], p, state, idle_in_us)
+    elseif rescaled then
+      store(KEYS[i], p, raw, rescaled_idle_us)
     end
   end
   return {now_us}
@@ -50,13 +78,15 @@ end
 local reply = {now_us}
 local states = {}
 local idle = {}
+local rescaled = {}
 local allowed = true
 local too_long = false
 for i = 1, n do
-  local raw = redis.call('GET', KEYS[i])
   local p = ARGV[4 + i]
+  local raw, was_rescaled, rescaled_idle_us = load(i, p)
+  if was_rescaled then rescaled[i] = {raw, rescaled_idle_us} end
   local ok, state, idle_in_us, a, b, c, d, delay_s =
-    ALG[string.sub(p, 1, 1)].decide(p, raw or nil, now_us, cost)
+    ALG[string.sub(p, 1, 1)].decide(p, raw, now_us, cost)
   if ok == 0 then allowed = false end
   local bound = tonumber(ARGV[4 + n + i])
   if delay_s and bound and delay_s > bound then too_long = true end
@@ -69,9 +99,19 @@ for i = 1, n do
   reply[base + 3] = c
   reply[base + 4] = d
 end
-if allowed and not too_long and mode == 'd' then
-  for i = 1, n do
-    if states[i] then store(KEYS[i], states[i], idle[i]) end
+if mode == 'd' then
+  if allowed and not too_long then
+    for i = 1, n do
+      if states[i] then
+        store(KEYS[i], ARGV[4 + i], states[i], idle[i])
+      elseif rescaled[i] then
+        store(KEYS[i], ARGV[4 + i], rescaled[i][1], rescaled[i][2])
+      end
+    end
+  else
+    for i = 1, n do
+      if rescaled[i] then store(KEYS[i], ARGV[4 + i], rescaled[i][1], rescaled[i][2]) end
+    end
   end
 end
 return reply

@@ -35,5 +35,19 @@ MAKE['F'] = function()
       if count > cost then count = count - cost else count = 0 end
       return pack_state('<dd', index, count), (index + 1) * window_us - now_us
     end,
+
+    -- The same share of the window's quota used, rounded up; with a new window length the
+    -- count moves to the new window holding now.
+    rescale = function(p, old_p, raw, now_us)
+      local limit, window_us = unpack_state('<dd', p, 2)
+      local old_limit, old_window_us = unpack_state('<dd', old_p, 2)
+      local index, count = unpack_state('<dd', raw)
+      if index < floor(now_us / old_window_us) then return nil, 0 end -- idle
+      count = muldiv_up(count, limit, old_limit)
+      if count > limit then count = limit end
+      if count == 0 then return nil, 0 end
+      if window_us ~= old_window_us then index = floor(now_us / window_us) end
+      return pack_state('<dd', index, count), (index + 1) * window_us - now_us
+    end,
   }
 end

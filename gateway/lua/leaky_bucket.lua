@@ -8,6 +8,19 @@ MAKE['L'] = function()
     return last_ms + ceil_div((excess + 1000) * 1000, rate)
   end
 
+  -- The excess a one-unit request at now_ms would leave: the capacity in use, 0 when as good
+  -- as new.
+  local function lb_used(raw, now_ms, rate)
+    local excess, last_ms = unpack_state('<dd', raw)
+    local ms = now_ms - last_ms
+    if ms < 0 then
+      if ms < -60000 then ms = 1 else ms = 0 end
+    end
+    local level = excess - floor(rate * ms / 1000) + 1000
+    if level > 0 then return level end
+    return 0
+  end
+
   return {
     decide = function(p, raw, now_us, cost)
       local rate, burst, delay = unpack_state('<ddd', p, 2)
@@ -57,6 +70,25 @@ MAKE['L'] = function()
       local excess, last_ms = unpack_state('<dd', raw)
       excess = excess - cost * 1000
       if excess < 0 then excess = 0 end
+      return pack_state('<dd', excess, last_ms), lb_recovered_ms(last_ms, excess, rate) * 1000 - now_us
+    end,
+
+    -- As full, relative to burst + 1, under the new parameters.
+    rescale = function(p, old_p, raw, now_us)
+      local rate, burst = unpack_state('<dd', p, 2)
+      local old_rate, old_burst = unpack_state('<dd', old_p, 2)
+      local now_ms = floor(now_us / 1000)
+      local used = lb_used(raw, now_ms, old_rate)
+      if used <= 0 then return nil, 0 end
+      used = muldiv_up(used, burst + 1000, old_burst + 1000)
+      local excess, last_ms = 0, now_ms
+      if used >= 1000 then
+        excess = used - 1000
+      else
+        -- Partly drained below one request: an empty bucket last touched a little while ago.
+        last_ms = now_ms - floor((1000 - used) * 1000 / rate)
+        if last_ms < 0 then last_ms = 0 end
+      end
       return pack_state('<dd', excess, last_ms), lb_recovered_ms(last_ms, excess, rate) * 1000 - now_us
     end,
   }

@@ -14,8 +14,69 @@ local function ceil_div(a, b)
   return -floor(-a / b)
 end
 
+-- Rescaling (a reload changed a limit's parameters) multiplies a count by a ratio of two
+-- parameters: a * b can pass 2^53 where the result does not. Exact integers in base 2^24
+-- limbs check the quotient the doubles estimate.
+local LIMB = 16777216
+
+local function limbs_of(x) -- x < 2^72: three limbs, least significant first
+  local l0 = x % LIMB
+  x = (x - l0) / LIMB
+  local l1 = x % LIMB
+  return {l0, l1, (x - l1) / LIMB}
+end
+
+local function big_mul(a, b) -- a, b < 2^53: a * b in six limbs
+  local x, y = limbs_of(a), limbs_of(b)
+  local r = {0, 0, 0, 0, 0, 0}
+  for i = 1, 3 do
+    for j = 1, 3 do
+      r[i + j - 1] = r[i + j - 1] + x[i] * y[j] -- each term < 2^48, at most 3 per limb
+    end
+  end
+  for k = 1, 5 do
+    local carry = floor(r[k] / LIMB)
+    r[k] = r[k] - carry * LIMB
+    r[k + 1] = r[k + 1] + carry
+  end
+  return r
+end
+
+local function big_cmp(x, y)
+  for k = 6, 1, -1 do
+    if x[k] ~= y[k] then
+      if x[k] < y[k] then return -1 end
+      return 1
+    end
+  end
+  return 0
+end
+
+-- floor(a * b / c) and whether it divides exactly, for integers 0 <= a, b < 2^53,
+-- 0 < c < 2^53, the quotient below 2^53.
+local function muldiv(a, b, c)
+  local product = a * b
+  if product < 9007199254740992 then
+    local q = floor(product / c)
+    return q, q * c == product
+  end
+  local q = floor(product / c) -- within a few units of the quotient
+  local exact = big_mul(a, b)
+  while big_cmp(big_mul(q, c), exact) > 0 do q = q - 1 end
+  while big_cmp(big_mul(q + 1, c), exact) <= 0 do q = q + 1 end
+  return q, big_cmp(big_mul(q, c), exact) == 0
+end
+
+-- Python's -(-a * b // c): a * b / c rounded up, exactly.
+local function muldiv_up(a, b, c)
+  local q, exact = muldiv(a, b, c)
+  if exact then return q end
+  return q + 1
+end
+
 -- Each algorithm file sets MAKE[code] to a function returning
--- {decide = f(p, raw, now_us, cost), refund = f(p, raw, now_us, cost, charged_us)}.
+-- {decide = f(p, raw, now_us, cost), refund = f(p, raw, now_us, cost, charged_us),
+--  rescale = f(p, old_p, raw, now_us)}.
 -- p is the limit's parameter string (its code letter, then little-endian doubles); raw is the
 -- key's stored state (nil for a key never seen or expired).
 -- decide returns: allowed (1/0), new state (nil: nothing to write), microseconds until the
@@ -23,6 +84,9 @@ end
 -- seconds as the Python computes it (nil: the algorithm never delays).
 -- refund returns: new state (nil: unchanged), microseconds until it is idle; charged_us is
 -- the instant of the decision that charged the request (nil: unknown), which the windows need.
+-- rescale carries a state written under the parameters old_p (same algorithm) over to p, as the
+-- Python algorithm's rescale does; it returns the new state (nil: start afresh) and
+-- microseconds until it is idle.
 -- Redis runs this whole file on every call: ALG builds an algorithm's functions only when a
 -- limit of the request uses it (building all of them cost 4 us a call, measured).
 local MAKE = {}

@@ -65,5 +65,26 @@ MAKE['G'] = function()
       if #log == 0 then return log, 0 end
       return log, sl_time(log, #log / 8 - 1) + window_us - now_us
     end,
+
+    -- The same share of the limit used: the entries in the window resampled to
+    -- ceil(n * limit / old_limit) entries, spread evenly and ending at the newest.
+    rescale = function(p, old_p, raw, now_us)
+      local limit, window_us = unpack_state('<dd', p, 2)
+      local old_limit, old_window_us = unpack_state('<dd', old_p, 2)
+      if #raw == 0 then return nil, 0 end
+      local total = #raw / 8
+      local first = sl_bisect_right(raw, total, now_us - old_window_us)
+      local count = total - first
+      if count == 0 then return nil, 0 end
+      local count_new = muldiv_up(count, limit, old_limit)
+      if count_new > limit then count_new = limit end
+      local entries = {}
+      for j = 1, count_new do
+        -- entry j of the new log stands for entry ceil(j * count / count_new) of the old one
+        entries[j] = string.sub(raw, (first + muldiv_up(j, count, count_new) - 1) * 8 + 1,
+          (first + muldiv_up(j, count, count_new)) * 8)
+      end
+      return table.concat(entries), sl_time(raw, total - 1) + window_us - now_us
+    end,
   }
 end

@@ -72,5 +72,29 @@ MAKE['S'] = function()
       end
       return pack_state('<ddd', index, previous, current), (index + 2) * window_us - now_us
     end,
+
+    -- Same window length: both counters scaled to the new limit, rounded up. A new length:
+    -- the weighted count becomes the same share of the new limit in the new current window.
+    rescale = function(p, old_p, raw, now_us)
+      local limit, window_us = unpack_state('<dd', p, 2)
+      local old_limit, old_window_us = unpack_state('<dd', old_p, 2)
+      local index, previous, current = sw_counts_at(raw, floor(now_us / old_window_us))
+      if previous == 0 and current == 0 then return nil, 0 end
+      if window_us == old_window_us then
+        previous = muldiv_up(previous, limit, old_limit)
+        if previous > limit then previous = limit end
+        current = muldiv_up(current, limit, old_limit)
+        if current > limit then current = limit end
+        return pack_state('<ddd', index, previous, current), (index + 2) * window_us - now_us
+      end
+      local elapsed_us = now_us - index * old_window_us
+      if elapsed_us < 0 then elapsed_us = 0 end
+      local used = previous * (old_window_us - elapsed_us) + current * old_window_us
+      local count = muldiv_up(used, limit, old_limit * old_window_us)
+      if count > limit then count = limit end
+      if count == 0 then return nil, 0 end
+      index = floor(now_us / window_us)
+      return pack_state('<ddd', index, 0, count), (index + 2) * window_us - now_us
+    end,
   }
 end

@@ -63,6 +63,21 @@ MAKE['T'] = function()
       if tat < -max_credit then tat = -max_credit end
       return pack_state('<dd', tb_absolute(now_us, tat, tpu)), (tat + max_credit) / tpu
     end,
+
+    -- As full relative to the capacity (rounded down); a debt (queue mode) keeps its length
+    -- in time, rounded up to a microsecond.
+    rescale = function(p, old_p, raw, now_us)
+      local tpu, _, max_credit = unpack_state('<ddd', p, 2)
+      local old_tpu, _, old_max_credit = unpack_state('<ddd', old_p, 2)
+      local tat = tb_tat(raw, now_us, old_tpu, old_max_credit)
+      if tat > 0 then
+        local debt = ceil_div(tat, old_tpu) * tpu
+        return pack_state('<dd', now_us + debt / tpu, 0), (debt + max_credit) / tpu
+      end
+      local credit = muldiv(-tat, max_credit, old_max_credit)
+      if credit >= max_credit then return nil, 0 end
+      return pack_state('<dd', tb_absolute(now_us, -credit, tpu)), (max_credit - credit) / tpu
+    end,
   }
 end
 
@@ -142,6 +157,18 @@ MAKE['W'] = function()
       if next_free < 0 then next_free = 0 end
       local nf_us, nf_frac = tb_absolute(now_us, next_free, tpu)
       return pack_state('<ddd', nf_us, nf_frac, credit), (next_free + warmup - credit) / tpu
+    end,
+
+    -- The same share of coldness (rounded up: colder is stricter) and the same next free time
+    -- (rounded up to a microsecond).
+    rescale = function(p, old_p, raw, now_us)
+      local tpu, _, warmup = unpack_state('<ddd', p, 2)
+      local old_tpu, _, old_warmup = unpack_state('<ddd', old_p, 2)
+      local next_free, credit = wu_resync(raw, now_us, old_tpu, old_warmup)
+      credit = muldiv_up(credit, warmup, old_warmup)
+      local wait_us = ceil_div(next_free, old_tpu)
+      if credit >= warmup and wait_us <= 0 then return nil, 0 end
+      return pack_state('<ddd', now_us + wait_us, 0, credit), ((wait_us * tpu) + warmup - credit) / tpu
     end,
   }
 end
