@@ -47,6 +47,7 @@ from gateway.upstream_client import (
 )
 
 if TYPE_CHECKING:
+    from gateway.engine import Outcome
     from gateway.runtime import Runtime, UpstreamTarget
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -66,6 +67,26 @@ class BodyBroken(Exception):
     """The client's body went bad while streaming (bad chunking, trailers); aiohttp said why."""
 
 
+class _Admitted:
+    """What forwarding an admitted request needs: all of ours a request keeps while queued."""
+
+    __slots__ = ("forwarded", "framing", "outcome", "target", "upstream")
+
+    def __init__(
+        self,
+        upstream: UpstreamTarget,
+        target: str,
+        framing: RequestFraming,
+        forwarded: ForwardedFor,
+        outcome: Outcome | None,
+    ) -> None:
+        self.upstream = upstream
+        self.target = target  # origin-form (or "*"), as sent upstream after the base path
+        self.framing = framing
+        self.forwarded = forwarded
+        self.outcome = outcome  # of the limits, for the rate-limit headers and queueing
+
+
 class ProxyHandler:
     """Holds the current runtime snapshot; a reload swaps ``runtime`` in one assignment."""
 
@@ -83,9 +104,31 @@ class ProxyHandler:
         runtime.inflight += 1
         status = 500
         try:
-            response = await self._handle(request, runtime)
+            # Admit, wait, forward: a request in the shaping queue holds this one coroutine of
+            # ours and what ``_admit`` kept for forwarding, not the frames that decided it
+            # (each some 300-500 bytes, and 10,000 may wait at once).
+            admitted = await self._admit(request, runtime)
+            if not isinstance(admitted, _Admitted):
+                response = admitted
+            else:
+                outcome = admitted.outcome
+                if outcome is not None and outcome.delay_s > 0.0:
+                    engine = runtime.engine
+                    try:
+                        await engine.enter_queue(outcome)
+                    except (asyncio.CancelledError, ShuttingDown):
+                        await engine.give_back(outcome)
+                        raise
+                    finally:
+                        engine.leave_queue(outcome)
+                response = await self._forward(request, runtime, admitted)
             status = response.status
             return response
+        except ShuttingDown:
+            status = 503
+            return error_response(
+                503, "the gateway is shutting down", close=True, headers={"Retry-After": "1"}
+            )
         except asyncio.CancelledError:
             status = 499  # the client went away (nginx's code for it)
             raise
@@ -97,7 +140,11 @@ class ProxyHandler:
             if observer is not None:
                 observer(request, status, perf_counter() - started)
 
-    async def _handle(self, request: BaseRequest, runtime: Runtime) -> web.StreamResponse:
+    async def _admit(
+        self, request: BaseRequest, runtime: Runtime
+    ) -> web.StreamResponse | _Admitted:
+        """Check the request, route it, resolve the client and ask the limits: a response that
+        ends the request here, or what forwarding it needs (after its delay, if any)."""
         try:
             framing = check_request(request.raw_headers, request.version)
         except BadRequest as exc:
@@ -128,8 +175,8 @@ class ProxyHandler:
         request[ROUTE_NAME] = route.name
         upstream = runtime.upstreams[route.upstream]
 
-        transport = request.transport
-        peername = transport.get_extra_info("peername") if transport is not None else None
+        # aiohttp's cached copy: the transport would make a syscall and a new tuple per call.
+        peername = request.protocol.peername
         peer: str | None = peername[0] if peername else None
         resolver = runtime.client_ip
         trusted_peer = resolver.is_trusted(peer)
@@ -138,10 +185,9 @@ class ProxyHandler:
         client_ip = resolver.resolve(
             peer, request.headers.getall(resolver.header_name, ()) if trusted_peer else ()
         )
-        peer_ip = peer if peer is not None else client_ip
         request[CLIENT_IP] = client_ip
 
-        limit_headers: list[tuple[str, str]] | None = None
+        outcome: Outcome | None = None
         engine = runtime.engine
         if engine.active:
             facts = RequestFacts(
@@ -174,64 +220,52 @@ class ProxyHandler:
                         close=framing.has_body,
                     )
                 return await _refuse(request, refusal, framing)
-            if outcome.delay_s > 0.0:
-                try:
-                    await engine.wait(outcome)
-                except ShuttingDown:
-                    return error_response(
-                        503,
-                        "the gateway is shutting down",
-                        close=True,
-                        headers={"Retry-After": "1"},
-                    )
-            if outcome.verdict is not None:
-                limit_headers = engine.headers(outcome)
 
+        return _Admitted(
+            upstream,
+            target,
+            framing,
+            ForwardedFor(
+                peer_ip=peer if peer is not None else client_ip,
+                client_ip=client_ip,
+                proto="https" if request.secure else "http",
+                host=host_header,
+                trust_incoming=trusted_peer,
+            ),
+            outcome,
+        )
+
+    async def _forward(
+        self, request: BaseRequest, runtime: Runtime, admitted: _Admitted
+    ) -> web.StreamResponse:
+        framing = admitted.framing
+        outcome = admitted.outcome
+        limit_headers = (
+            runtime.engine.headers(outcome)
+            if outcome is not None and outcome.verdict is not None
+            else None
+        )
         max_body = runtime.settings.max_body_size
         if max_body and framing.content_length is not None and framing.content_length > max_body:
             return await _refuse(
                 request, error_response(413, "request body too large", close=True), framing
             )
 
-        if framing.expect_continue and transport is not None:
-            transport.write(_CONTINUE)
+        if framing.expect_continue and request.transport is not None:
+            request.transport.write(_CONTINUE)
 
+        upstream = admitted.upstream
+        target = admitted.target
+        via = runtime.via
         head = build_request_head(
-            method,
+            request.method,
             upstream.base_path + target if upstream.base_path else target,
             request.raw_headers,
             framing,
-            ForwardedFor(
-                peer_ip=peer_ip,
-                client_ip=client_ip,
-                proto="https" if request.secure else "http",
-                host=host_header,
-                trust_incoming=trusted_peer,
-            ),
-            runtime.via,
+            admitted.forwarded,
+            via,
         )
-        return await self._forward(
-            request,
-            upstream,
-            head,
-            framing,
-            max_body,
-            runtime.settings.body_timeout,
-            runtime.via,
-            limit_headers,
-        )
-
-    async def _forward(
-        self,
-        request: BaseRequest,
-        upstream: UpstreamTarget,
-        head: bytes,
-        framing: RequestFraming,
-        max_body: int,
-        body_timeout: float,
-        via: bytes,
-        limit_headers: list[tuple[str, str]] | None,
-    ) -> web.StreamResponse:
+        body_timeout = runtime.settings.body_timeout
         body = _stream_body(request, max_body, body_timeout) if framing.has_body else None
         chunked = framing.chunked
         is_head = request.method == "HEAD"

@@ -79,4 +79,7 @@ async def test_ten_thousand_waiting_requests_stay_under_100_mib() -> None:
 
     result = await measure(10_000)
     assert result["waiting_in_queue"] >= 9_999
-    assert result["growth_mib"] < 100, result
+    # The issue asks for under 100 MiB. Measured: 83.8-84.6 MiB, of which aiohttp's own objects
+    # (connection, parser, request, two tasks) and uvloop's transport take 71 MiB; the bound
+    # leaves ~8 MiB of margin for a noisy machine and fails if much of the handler's cut returns.
+    assert result["growth_mib"] < 92, result
