@@ -15,53 +15,48 @@ local function ceil_div(a, b)
 end
 
 -- Rescaling (a reload changed a limit's parameters) multiplies a count by a ratio of two
--- parameters: a * b can pass 2^53 where the result does not. Exact integers in base 2^24
--- limbs check the quotient the doubles estimate.
-local LIMB = 16777216
-
-local function limbs_of(x) -- x < 2^72: three limbs, least significant first
-  local l0 = x % LIMB
-  x = (x - l0) / LIMB
-  local l1 = x % LIMB
-  return {l0, l1, (x - l1) / LIMB}
-end
-
-local function big_mul(a, b) -- a, b < 2^53: a * b in six limbs
-  local x, y = limbs_of(a), limbs_of(b)
-  local r = {0, 0, 0, 0, 0, 0}
-  for i = 1, 3 do
-    for j = 1, 3 do
-      r[i + j - 1] = r[i + j - 1] + x[i] * y[j] -- each term < 2^48, at most 3 per limb
-    end
-  end
-  for k = 1, 5 do
-    local carry = floor(r[k] / LIMB)
-    r[k] = r[k] - carry * LIMB
-    r[k + 1] = r[k + 1] + carry
-  end
-  return r
-end
-
-local function big_cmp(x, y)
-  for k = 6, 1, -1 do
-    if x[k] ~= y[k] then
-      if x[k] < y[k] then return -1 end
-      return 1
-    end
-  end
-  return 0
-end
-
+-- parameters: a * b can pass 2^53 where the result does not. Then exact integers in base 2^24
+-- limbs check the quotient the doubles estimate. (Their functions are made only on that path:
+-- Redis runs this whole file, making every function in it, on every call.)
+--
 -- floor(a * b / c) and whether it divides exactly, for integers 0 <= a, b < 2^53,
 -- 0 < c < 2^53, the quotient below 2^53.
 local function muldiv(a, b, c)
   local product = a * b
-  if product < 9007199254740992 then
-    local q = floor(product / c)
-    return q, q * c == product
+  local q = floor(product / c)
+  if product < 9007199254740992 then return q, q * c == product end
+  local LIMB = 16777216
+  local function limbs_of(x) -- x < 2^72: three limbs, least significant first
+    local l0 = x % LIMB
+    x = (x - l0) / LIMB
+    local l1 = x % LIMB
+    return {l0, l1, (x - l1) / LIMB}
   end
-  local q = floor(product / c) -- within a few units of the quotient
-  local exact = big_mul(a, b)
+  local function big_mul(x, y) -- x, y < 2^53: x * y in six limbs
+    local xl, yl = limbs_of(x), limbs_of(y)
+    local r = {0, 0, 0, 0, 0, 0}
+    for i = 1, 3 do
+      for j = 1, 3 do
+        r[i + j - 1] = r[i + j - 1] + xl[i] * yl[j] -- each term < 2^48, at most 3 per limb
+      end
+    end
+    for k = 1, 5 do
+      local carry = floor(r[k] / LIMB)
+      r[k] = r[k] - carry * LIMB
+      r[k + 1] = r[k + 1] + carry
+    end
+    return r
+  end
+  local function big_cmp(x, y)
+    for k = 6, 1, -1 do
+      if x[k] ~= y[k] then
+        if x[k] < y[k] then return -1 end
+        return 1
+      end
+    end
+    return 0
+  end
+  local exact = big_mul(a, b) -- q is within a few units of the quotient
   while big_cmp(big_mul(q, c), exact) > 0 do q = q - 1 end
   while big_cmp(big_mul(q + 1, c), exact) <= 0 do q = q + 1 end
   return q, big_cmp(big_mul(q, c), exact) == 0
