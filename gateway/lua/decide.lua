@@ -53,7 +53,8 @@ local function load(i, p)
   if string.byte(raw, 1) ~= string.byte(p, 1) or #raw < np then
     return nil, true, 0 -- another algorithm's (the key's fingerprint makes this unreachable)
   end
-  local state, idle_in_us = ALG[string.sub(p, 1, 1)].rescale(p, written, string.sub(raw, np + 1), now_us)
+  local state, idle_in_us =
+    ALG[string.sub(p, 1, 1)].rescale(p, written, string.sub(raw, np + 1), now_us)
   return state, true, idle_in_us
 end
 

@@ -70,7 +70,8 @@ MAKE['L'] = function()
       local excess, last_ms = unpack_state('<dd', raw)
       excess = excess - cost * 1000
       if excess < 0 then excess = 0 end
-      return pack_state('<dd', excess, last_ms), lb_recovered_ms(last_ms, excess, rate) * 1000 - now_us
+      local recovered_us = lb_recovered_ms(last_ms, excess, rate) * 1000
+      return pack_state('<dd', excess, last_ms), recovered_us - now_us
     end,
 
     -- As full, relative to burst + 1, under the new parameters.
@@ -89,7 +90,8 @@ MAKE['L'] = function()
         last_ms = now_ms - floor((1000 - used) * 1000 / rate)
         if last_ms < 0 then last_ms = 0 end
       end
-      return pack_state('<dd', excess, last_ms), lb_recovered_ms(last_ms, excess, rate) * 1000 - now_us
+      local recovered_us = lb_recovered_ms(last_ms, excess, rate) * 1000
+      return pack_state('<dd', excess, last_ms), recovered_us - now_us
     end,
   }
 end

@@ -168,7 +168,8 @@ MAKE['W'] = function()
       credit = muldiv_up(credit, warmup, old_warmup)
       local wait_us = ceil_div(next_free, old_tpu)
       if credit >= warmup and wait_us <= 0 then return nil, 0 end
-      return pack_state('<ddd', now_us + wait_us, 0, credit), ((wait_us * tpu) + warmup - credit) / tpu
+      local idle = wait_us * tpu + warmup - credit
+      return pack_state('<ddd', now_us + wait_us, 0, credit), idle / tpu
     end,
   }
 end
