@@ -524,9 +524,8 @@ def test_the_scripts_muldiv_is_exact_past_2_to_the_53(
     script = prelude + (
         "\nlocal out = {}\nfor i = 1, #ARGV, 3 do\n"
         "  local a, b, c = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])\n"
-        "  local q = muldiv(a, b, c)\n"
-        "  out[#out + 1] = string.format('%d', q)\n"
-        "  out[#out + 1] = string.format('%d', muldiv_up(a, b, c))\nend\nreturn out\n"
+        "  out[#out + 1] = string.format('%d', muldiv(a, b, c))\n"
+        "  out[#out + 1] = string.format('%d', muldiv(a, b, c, true))\nend\nreturn out\n"
     )
     client = redis.Redis.from_url(redis_server.url)
     try:

@@ -48,8 +48,8 @@ local function load(i, p)
   local raw = redis.call('GET', KEYS[i])
   if not raw then return nil end
   local np = #p
+  if string.find(raw, p, 1, true) == 1 then return string.sub(raw, np + 1) end
   local written = string.sub(raw, 1, np)
-  if written == p then return string.sub(raw, np + 1) end
   if string.byte(raw, 1) ~= string.byte(p, 1) or #raw < np then
     return nil, true, 0 -- another algorithm's (the key's fingerprint makes this unreachable)
   end

@@ -43,7 +43,7 @@ MAKE['F'] = function()
       local old_limit, old_window_us = unpack_state('<dd', old_p, 2)
       local index, count = unpack_state('<dd', raw)
       if index < floor(now_us / old_window_us) then return nil, 0 end -- idle
-      count = muldiv_up(count, limit, old_limit)
+      count = muldiv(count, limit, old_limit, true)
       if count > limit then count = limit end
       if count == 0 then return nil, 0 end
       if window_us ~= old_window_us then index = floor(now_us / window_us) end

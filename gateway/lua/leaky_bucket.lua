@@ -8,19 +8,6 @@ MAKE['L'] = function()
     return last_ms + ceil_div((excess + 1000) * 1000, rate)
   end
 
-  -- The excess a one-unit request at now_ms would leave: the capacity in use, 0 when as good
-  -- as new.
-  local function lb_used(raw, now_ms, rate)
-    local excess, last_ms = unpack_state('<dd', raw)
-    local ms = now_ms - last_ms
-    if ms < 0 then
-      if ms < -60000 then ms = 1 else ms = 0 end
-    end
-    local level = excess - floor(rate * ms / 1000) + 1000
-    if level > 0 then return level end
-    return 0
-  end
-
   return {
     decide = function(p, raw, now_us, cost)
       local rate, burst, delay = unpack_state('<ddd', p, 2)
@@ -79,10 +66,16 @@ MAKE['L'] = function()
       local rate, burst = unpack_state('<dd', p, 2)
       local old_rate, old_burst = unpack_state('<dd', old_p, 2)
       local now_ms = floor(now_us / 1000)
-      local used = lb_used(raw, now_ms, old_rate)
+      -- In use: the excess a one-unit request would leave, 0 when as good as new.
+      local excess, last_ms = unpack_state('<dd', raw)
+      local ms = now_ms - last_ms
+      if ms < 0 then
+        if ms < -60000 then ms = 1 else ms = 0 end
+      end
+      local used = excess - floor(old_rate * ms / 1000) + 1000
       if used <= 0 then return nil, 0 end
-      used = muldiv_up(used, burst + 1000, old_burst + 1000)
-      local excess, last_ms = 0, now_ms
+      used = muldiv(used, burst + 1000, old_burst + 1000, true)
+      excess, last_ms = 0, now_ms
       if used >= 1000 then
         excess = used - 1000
       else

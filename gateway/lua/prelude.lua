@@ -19,12 +19,15 @@ end
 -- limbs check the quotient the doubles estimate. (Their functions are made only on that path:
 -- Redis runs this whole file, making every function in it, on every call.)
 --
--- floor(a * b / c) and whether it divides exactly, for integers 0 <= a, b < 2^53,
--- 0 < c < 2^53, the quotient below 2^53.
-local function muldiv(a, b, c)
+-- a * b / c rounded down (up: rounded up, Python's -(-a * b // c)), for integers
+-- 0 <= a, b < 2^53, 0 < c < 2^53, the quotient below 2^53.
+local function muldiv(a, b, c, up)
   local product = a * b
   local q = floor(product / c)
-  if product < 9007199254740992 then return q, q * c == product end
+  if product < 9007199254740992 then
+    if up and q * c ~= product then return q + 1 end
+    return q
+  end
   local LIMB = 16777216
   local function limbs_of(x) -- x < 2^72: three limbs, least significant first
     local l0 = x % LIMB
@@ -59,14 +62,8 @@ local function muldiv(a, b, c)
   local exact = big_mul(a, b) -- q is within a few units of the quotient
   while big_cmp(big_mul(q, c), exact) > 0 do q = q - 1 end
   while big_cmp(big_mul(q + 1, c), exact) <= 0 do q = q + 1 end
-  return q, big_cmp(big_mul(q, c), exact) == 0
-end
-
--- Python's -(-a * b // c): a * b / c rounded up, exactly.
-local function muldiv_up(a, b, c)
-  local q, exact = muldiv(a, b, c)
-  if exact then return q end
-  return q + 1
+  if up and big_cmp(big_mul(q, c), exact) ~= 0 then return q + 1 end
+  return q
 end
 
 -- Each algorithm file sets MAKE[code] to a function returning

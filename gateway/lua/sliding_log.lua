@@ -76,13 +76,13 @@ MAKE['G'] = function()
       local first = sl_bisect_right(raw, total, now_us - old_window_us)
       local count = total - first
       if count == 0 then return nil, 0 end
-      local count_new = muldiv_up(count, limit, old_limit)
+      local count_new = muldiv(count, limit, old_limit, true)
       if count_new > limit then count_new = limit end
       local entries = {}
       for j = 1, count_new do
         -- entry j of the new log stands for entry ceil(j * count / count_new) of the old one
-        entries[j] = string.sub(raw, (first + muldiv_up(j, count, count_new) - 1) * 8 + 1,
-          (first + muldiv_up(j, count, count_new)) * 8)
+        local taken = first + muldiv(j, count, count_new, true)
+        entries[j] = string.sub(raw, taken * 8 - 7, taken * 8)
       end
       return table.concat(entries), sl_time(raw, total - 1) + window_us - now_us
     end,

@@ -81,16 +81,16 @@ MAKE['S'] = function()
       local index, previous, current = sw_counts_at(raw, floor(now_us / old_window_us))
       if previous == 0 and current == 0 then return nil, 0 end
       if window_us == old_window_us then
-        previous = muldiv_up(previous, limit, old_limit)
+        previous = muldiv(previous, limit, old_limit, true)
         if previous > limit then previous = limit end
-        current = muldiv_up(current, limit, old_limit)
+        current = muldiv(current, limit, old_limit, true)
         if current > limit then current = limit end
         return pack_state('<ddd', index, previous, current), (index + 2) * window_us - now_us
       end
       local elapsed_us = now_us - index * old_window_us
       if elapsed_us < 0 then elapsed_us = 0 end
       local used = previous * (old_window_us - elapsed_us) + current * old_window_us
-      local count = muldiv_up(used, limit, old_limit * old_window_us)
+      local count = muldiv(used, limit, old_limit * old_window_us, true)
       if count > limit then count = limit end
       if count == 0 then return nil, 0 end
       index = floor(now_us / window_us)

@@ -165,7 +165,7 @@ MAKE['W'] = function()
       local tpu, _, warmup = unpack_state('<ddd', p, 2)
       local old_tpu, _, old_warmup = unpack_state('<ddd', old_p, 2)
       local next_free, credit = wu_resync(raw, now_us, old_tpu, old_warmup)
-      credit = muldiv_up(credit, warmup, old_warmup)
+      credit = muldiv(credit, warmup, old_warmup, true)
       local wait_us = ceil_div(next_free, old_tpu)
       if credit >= warmup and wait_us <= 0 then return nil, 0 end
       local idle = wait_us * tpu + warmup - credit
