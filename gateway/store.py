@@ -111,11 +111,15 @@ class MemoryStore:
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         now_us = self.clock.now_us()
         for check in checks:
-            table = self._table(check.limit)
+            table = self.tables.get(check.limit.name)
+            # A reload may have removed the limit, or given its name another algorithm whose
+            # states this request's charge is no part of: nothing to give back then.
+            if table is None or type(table.algorithm) is not type(check.limit.algorithm):
+                continue
             state = table.get(check.key)
             if state is None:
                 continue
-            algorithm = check.limit.algorithm
+            algorithm = table.algorithm  # rescaled by a reload that changed its parameters
             if charged_us is not None and isinstance(algorithm, _EXACT_REFUND):
                 state = algorithm.refund(state, now_us, charged_us=charged_us)
             else:

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from gateway.policy_loader import load_policy
-from gateway.store import build_store
+from gateway.store import MemoryStore, build_store
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisServer
@@ -141,3 +141,27 @@ async def test_a_dry_run_limit_adds_no_round_trip_to_redis(
     assert statuses == [200, 200, 429]  # the dry-run limit (burst 1) changes nothing
     assert redis_store.counters.calls - before_calls == 6  # type: ignore[attr-defined]
     assert redis_store.round_trips - before_trips == 3  # type: ignore[attr-defined]
+
+
+async def test_a_refund_under_a_limit_a_reload_replaced_leaves_the_new_state_alone() -> None:
+    """A queued request's charge belongs to the limit it was decided under. If a reload has
+    since removed that limit, or given its name another algorithm, the refund gives nothing:
+    the old algorithm's arithmetic on the new algorithm's state would corrupt it."""
+    from gateway.algorithms.leaky_bucket import LeakyBucket
+    from gateway.algorithms.token_bucket import TokenBucket
+    from gateway.clock import FakeClock
+    from gateway.engine import Check
+    from tests.test_redis_store import compiled
+
+    store = MemoryStore(FakeClock())
+    old = compiled("shaped", TokenBucket(1, 1, 1, mode="queue"))
+    assert (await store.decide([Check(old, "k")])).allowed
+    new = compiled("shaped", LeakyBucket(1, 60, 2, None))
+    store.configure([new], [old])  # another algorithm under the same name: starts afresh
+    assert (await store.decide([Check(new, "k")])).allowed
+    before = store.tables["shaped"].peek("k")
+    await store.refund([Check(old, "k")], charged_us=None)
+    assert store.tables["shaped"].peek("k") == before
+    store.configure([], [new])  # the limit removed
+    await store.refund([Check(new, "k")])
+    assert "shaped" not in store.tables
