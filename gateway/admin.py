@@ -154,8 +154,8 @@ async def _explain(request: web.Request) -> web.Response:
                 }
                 entry["tracked_keys"] = engine.store.tracked_keys(limit.name)
                 if not limit.spec.dry_run:
-                    full = limit.counters.waiting + limit.counters.deciding >= limit.spec.max_queue
-                    enforced.append(Check(limit, key, 0.0 if full else limit.spec.max_delay))
+                    bound = 0.0 if limit.queue_full() else limit.spec.max_delay
+                    enforced.append(Check(limit, key, bound))
         limits.append(entry)
     result["limits"] = limits
     result["verdict"] = await _combined_verdict(engine, enforced, access)

@@ -69,6 +69,11 @@ class CompiledLimit:
             return False
         return self.match is None or self.match.matches(host, path, method)
 
+    def queue_full(self) -> bool:
+        """No room for one more delayed request (those being decided hold a place too)."""
+        counters = self.counters
+        return counters.waiting + counters.deciding >= self.spec.max_queue
+
     @property
     def identity(self) -> tuple[str, tuple[str, ...], str]:
         """What must stay the same for a reload to keep this limit's state."""
@@ -196,11 +201,10 @@ class LimitEngine:
             if spec.dry_run:
                 dry.append(Check(limit, key))
             else:
-                counters = limit.counters
-                if counters.waiting + counters.deciding >= spec.max_queue:
+                if limit.queue_full():
                     enforced.append(Check(limit, key, 0.0))
                 else:
-                    counters.deciding += 1
+                    limit.counters.deciding += 1
                     enforced.append(Check(limit, key, spec.max_delay, True))
         return enforced, dry
 

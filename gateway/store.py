@@ -11,9 +11,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
-from gateway.algorithms.fixed_window import FixedWindow
-from gateway.algorithms.sliding_log import SlidingLog
-from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.clock import Clock, MonotonicClock
 from gateway.keyed_state import KeyedState
 from gateway.observability.stats import StoreStats
@@ -60,10 +57,6 @@ class LimitStore(Protocol):
     def tracked_keys(self, limit_name: str) -> int: ...
 
     async def close(self) -> None: ...
-
-
-# Windows refund exactly only when told when the request was charged.
-_EXACT_REFUND = (FixedWindow, SlidingWindow, SlidingLog)
 
 
 class MemoryStore:
@@ -119,11 +112,8 @@ class MemoryStore:
             state = table.get(check.key)
             if state is None:
                 continue
-            algorithm = table.algorithm  # rescaled by a reload that changed its parameters
-            if charged_us is not None and isinstance(algorithm, _EXACT_REFUND):
-                state = algorithm.refund(state, now_us, charged_us=charged_us)
-            else:
-                state = algorithm.refund(state, now_us)
+            # The table's algorithm: rescaled by a reload that changed its parameters.
+            state = table.algorithm.refund(state, now_us, charged_us=charged_us)
             table.put(check.key, state, now_us)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:

@@ -194,15 +194,10 @@ stacks = st.lists(st.sampled_from(sorted(ALGORITHMS)), min_size=1, max_size=3, u
 
 Op = tuple[int, str, str, float]  # clock step (us), operation, key, delay bound (s)
 
-# Windows refund exactly when told the instant they were charged (the stores pass it on).
-_EXACT_REFUND = (FixedWindow, SlidingWindow, SlidingLog)
-
 
 def refunded(algorithm: Algorithm[Any], state: Any, now_us: int, charged_us: int | None) -> Any:
     """What the Python algorithm gives back, as the stores call it."""
-    if charged_us is not None and isinstance(algorithm, _EXACT_REFUND):
-        return algorithm.refund(state, now_us, charged_us=charged_us)
-    return algorithm.refund(state, now_us)
+    return algorithm.refund(state, now_us, charged_us=charged_us)
 
 
 async def run_against_python(backend: Backend, stack: list[str], ops: list[Op]) -> None:

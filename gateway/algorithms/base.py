@@ -56,12 +56,13 @@ class Algorithm(Protocol, Generic[S]):
         """True when the state has decayed to what a fresh key would have, so it may be dropped."""
         ...
 
-    def refund(self, state: S, now_us: int, cost: int = 1) -> S:
+    def refund(self, state: S, now_us: int, cost: int = 1, *, charged_us: int | None = None) -> S:
         """Give back ``cost`` units charged by an admitted request that never went ahead.
 
-        Used when a queued client disconnects before its delay ends. Algorithms that cannot
-        refund exactly (a sliding window cannot tell which request to forget) return the state
-        unchanged or the closest safe approximation; a refund never lets a key over its limit.
+        Used when a queued client disconnects before its delay ends. ``charged_us`` is the
+        ``now_us`` of the decision that charged it, when the store knows it: windows need it to
+        refund exactly (without it they cannot tell which request to forget and return the state
+        unchanged); buckets do not. A refund never lets a key over its limit.
         """
         ...
 

@@ -221,7 +221,9 @@ class LeakyBucket:
             ms = 1 if ms < -_BACKWARDS_TOLERANCE_MS else 0
         return excess_prev - self._rate_milli * ms // 1000 + 1000 <= 0
 
-    def refund(self, state: int, now_us: int, cost: int = 1) -> int:
+    def refund(
+        self, state: int, now_us: int, cost: int = 1, *, charged_us: int | None = None
+    ) -> int:
         """Take ``cost`` requests back out of the queue (floored at empty); nginx never does this,
         the gateway does when a delayed client hangs up before being served."""
         excess_prev, last_ms = state >> _LAST_BITS, state & _LAST_MASK

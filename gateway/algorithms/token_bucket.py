@@ -240,7 +240,9 @@ class TokenBucket(_Bucket):
     def is_idle(self, state: int, now_us: int) -> bool:
         return state <= now_us * self._rate.ticks_per_us - self._max_credit_ticks
 
-    def refund(self, state: int, now_us: int, cost: int = 1) -> int:
+    def refund(
+        self, state: int, now_us: int, cost: int = 1, *, charged_us: int | None = None
+    ) -> int:
         """Put ``cost`` tokens back (paying off debt first), up to a full bucket; exact when
         nothing was charged since. It may return tokens the bucket would have lost to
         overflowing while the request waited, at most ``cost``."""
@@ -433,7 +435,9 @@ class WarmingUpTokenBucket(_Bucket):
         next_free, credit = self._resync(state, now)
         return next_free <= now and credit >= self._warmup_ticks
 
-    def refund(self, state: int, now_us: int, cost: int = 1) -> int:
+    def refund(
+        self, state: int, now_us: int, cost: int = 1, *, charged_us: int | None = None
+    ) -> int:
         """Pull the next free time back by ``cost`` stable intervals, never before now; stored
         permits (coldness) are not given back, so the key stays as warm as it got."""
         now = now_us * self._rate.ticks_per_us
