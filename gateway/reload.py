@@ -83,6 +83,7 @@ class PolicyReloader:
         events miss (a change made while the watcher was starting, filesystems without inotify).
         """
         directory = self.path.resolve().parent
+        names = {self.path.name, self.path.resolve().name}
         async for changes in watchfiles.awatch(
             directory,
             watch_filter=None,
@@ -94,6 +95,14 @@ class PolicyReloader:
             yield_on_timeout=True,
         ):
             current = self._file_signature()
-            if changes or current != self._seen:
+            # Only the policy file's own events count (and Kubernetes' "..data" swaps): other
+            # files in the directory, a log file say, must not trigger reloads, each of which
+            # logs a line (a log file beside the policy would otherwise reload in a loop).
+            if current != self._seen or any(_concerns(path, names) for _, path in changes):
                 self._seen = current
                 await self.reload()
+
+
+def _concerns(path: str, names: set[str]) -> bool:
+    name = Path(path).name
+    return name in names or name.startswith("..")

@@ -259,3 +259,24 @@ async def test_a_changed_rate_rescales_state_in_redis(
             assert await remaining(session) == 2
     finally:
         inspect.close()
+
+
+async def test_other_files_changing_beside_the_policy_do_not_reload_it(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A log file (or anything else) written next to the policy file is no reason to re-read
+    the policy: each reload logs a line, so a log beside the policy would reload in a loop."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=1))
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    neighbour = tmp_path / "gateway.log"
+    for i in range(10):
+        neighbour.write_text(f"line {i}\n")
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+    status = reloader.status
+    assert (status.succeeded, status.unchanged, status.failed) == (0, 0, 0)
+    write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="2r/m", burst=1))
+    await _wait_for(lambda: reloader.status.succeeded == 1)
