@@ -11,8 +11,9 @@ from yarl import URL
 
 from gateway.algorithms.combine import refuse_long_delays
 from gateway.client_ip import client_key
-from gateway.engine import Check, LimitEngine
+from gateway.engine import LimitEngine
 from gateway.keys import RequestFacts
+from gateway.limits import Check
 from gateway.routing import normalise_host
 from gateway.store import StoreUnavailableError
 

@@ -20,6 +20,7 @@ from gateway.algorithms.base import Algorithm
 from gateway.algorithms.combine import CombinedDecision, refuse_long_delays
 from gateway.delay_queue import DelayQueue
 from gateway.keys import KeyBuilder, RequestFacts
+from gateway.limits import Check, CompiledLimit, LimitCounters
 from gateway.policy import (
     Access,
     LeakyBucketLimit,
@@ -34,60 +35,6 @@ from gateway.routing import CompiledMatch, compile_match
 from gateway.store import LimitStore, StoreUnavailableError
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
-
-
-@dataclass(slots=True)
-class LimitCounters:
-    """Per-limit figures that outlive a reload while the limit keeps its name."""
-
-    allowed: int = 0
-    delayed: int = 0
-    rejected: int = 0
-    dry_run_delayed: int = 0
-    dry_run_rejected: int = 0
-    waiting: int = 0
-    # Requests between the queue-bound check and their decision (or their place in the queue):
-    # counted against max_queue too, so requests decided together cannot overfill the queue.
-    deciding: int = 0
-
-
-@dataclass(slots=True)
-class CompiledLimit:
-    """A limit from the policy, ready for the hot path."""
-
-    name: str
-    spec: Limit
-    algorithm: Algorithm[Any]
-    keys: KeyBuilder
-    match: CompiledMatch | None
-    routes: frozenset[str] | None
-    window_s: float
-    counters: LimitCounters
-
-    def applies(self, route: Route, host: str, path: str, method: str) -> bool:
-        if self.routes is not None and route.name not in self.routes:
-            return False
-        return self.match is None or self.match.matches(host, path, method)
-
-    def queue_full(self) -> bool:
-        """No room for one more delayed request (those being decided hold a place too)."""
-        counters = self.counters
-        return counters.waiting + counters.deciding >= self.spec.max_queue
-
-    @property
-    def identity(self) -> tuple[str, tuple[str, ...], str]:
-        """What must stay the same for a reload to keep this limit's state."""
-        return (self.spec.algorithm, self.spec.key, self.spec.on_missing_key)
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    limit: CompiledLimit
-    key: str
-    # The longest this request may wait on this limit: 0 when its queue is full.
-    max_delay_s: float = math.inf
-    # Whether this check holds a place in ``limit.counters.deciding``.
-    reserved: bool = False
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, cast
+from typing import Any, Final, Literal, Protocol, cast
 from urllib.parse import unquote, urlsplit
 
 import hiredis
@@ -58,11 +58,9 @@ from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
 from gateway.circuit import CircuitBreaker
 from gateway.clock import Clock, MonotonicClock
+from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 from gateway.store import MemoryStore, StoreUnavailableError
-
-if TYPE_CHECKING:
-    from gateway.engine import Check, CompiledLimit
 
 log = logging.getLogger("gateway.redis_store")
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
 from gateway.keyed_state import KeyedState
+from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 
 if TYPE_CHECKING:
-    from gateway.engine import Check, CompiledLimit
     from gateway.policy import StoreSettings
 
 

@@ -40,8 +40,8 @@ from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
 from gateway.circuit import CircuitBreaker
 from gateway.clock import FakeClock
-from gateway.engine import Check, CompiledLimit, LimitCounters
 from gateway.keys import KeyBuilder
+from gateway.limits import Check, CompiledLimit, LimitCounters
 from gateway.policy import LeakyBucketLimit
 from gateway.redis_store import (
     RedisStore,

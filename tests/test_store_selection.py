@@ -150,7 +150,7 @@ async def test_a_refund_under_a_limit_a_reload_replaced_leaves_the_new_state_alo
     from gateway.algorithms.leaky_bucket import LeakyBucket
     from gateway.algorithms.token_bucket import TokenBucket
     from gateway.clock import FakeClock
-    from gateway.engine import Check
+    from gateway.limits import Check
     from tests.test_redis_store import compiled
 
     store = MemoryStore(FakeClock())

@@ -1,0 +1,70 @@
+"""A policy's limits compiled for the hot path, and one request's check against one of them.
+
+The engine builds these and every store decides them; they live apart from both so that a
+store needs nothing from the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.algorithms.base import Algorithm
+from gateway.keys import KeyBuilder
+from gateway.policy import Limit, Route
+from gateway.routing import CompiledMatch
+
+
+@dataclass(slots=True)
+class LimitCounters:
+    """Per-limit figures that outlive a reload while the limit keeps its name."""
+
+    allowed: int = 0
+    delayed: int = 0
+    rejected: int = 0
+    dry_run_delayed: int = 0
+    dry_run_rejected: int = 0
+    waiting: int = 0
+    # Requests between the queue-bound check and their decision (or their place in the queue):
+    # counted against max_queue too, so requests decided together cannot overfill the queue.
+    deciding: int = 0
+
+
+@dataclass(slots=True)
+class CompiledLimit:
+    """A limit from the policy, ready for the hot path."""
+
+    name: str
+    spec: Limit
+    algorithm: Algorithm[Any]
+    keys: KeyBuilder
+    match: CompiledMatch | None
+    routes: frozenset[str] | None
+    window_s: float
+    counters: LimitCounters
+
+    def applies(self, route: Route, host: str, path: str, method: str) -> bool:
+        if self.routes is not None and route.name not in self.routes:
+            return False
+        return self.match is None or self.match.matches(host, path, method)
+
+    def queue_full(self) -> bool:
+        """No room for one more delayed request (those being decided hold a place too)."""
+        counters = self.counters
+        return counters.waiting + counters.deciding >= self.spec.max_queue
+
+    @property
+    def identity(self) -> tuple[str, tuple[str, ...], str]:
+        """What must stay the same for a reload to keep this limit's state."""
+        return (self.spec.algorithm, self.spec.key, self.spec.on_missing_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    limit: CompiledLimit
+    key: str
+    # The longest this request may wait on this limit: 0 when its queue is full.
+    max_delay_s: float = math.inf
+    # Whether this check holds a place in ``limit.counters.deciding``.
+    reserved: bool = False
