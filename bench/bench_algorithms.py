@@ -45,7 +45,7 @@ from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
-from gateway.keyed_state import KeyedState
+from gateway.stores.keyed_state import KeyedState
 
 S = 1_000_000
 # A monotonic clock some weeks after boot, as the gateway would see it.

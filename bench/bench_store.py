@@ -93,9 +93,8 @@ limits:
 
 async def serve(args: argparse.Namespace) -> None:
     from gateway.policy_loader import load_policy
-    from gateway.redis_store import RedisStore
     from gateway.serve import Gateway
-    from gateway.store import LimitStore, MemoryStore
+    from gateway.stores import LimitStore, MemoryStore, RedisStore
 
     loaded = load_policy(args.policy)
     store: LimitStore

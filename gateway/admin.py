@@ -15,7 +15,7 @@ from gateway.engine import LimitEngine
 from gateway.keys import RequestFacts
 from gateway.limits import Check
 from gateway.routing import normalise_host
-from gateway.store import StoreUnavailableError
+from gateway.stores import StoreUnavailableError
 
 if TYPE_CHECKING:
     from gateway.proxy import ProxyHandler

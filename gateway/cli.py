@@ -16,7 +16,7 @@ from typing import Any
 from gateway import __version__
 from gateway.policy import Policy, Route, Upstream, policy_json_schema
 from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
-from gateway.store import store_url
+from gateway.stores import store_url
 
 log = logging.getLogger("gateway")
 

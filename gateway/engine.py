@@ -32,7 +32,7 @@ from gateway.policy import (
     WindowLimit,
 )
 from gateway.routing import CompiledMatch, compile_match
-from gateway.store import LimitStore, StoreUnavailableError
+from gateway.stores import LimitStore, StoreUnavailableError
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 

@@ -18,7 +18,7 @@ from gateway.engine import LimitEngine
 from gateway.policy import ServerSettings, Upstream
 from gateway.policy_loader import LoadedPolicy
 from gateway.routing import RouteTable
-from gateway.store import LimitStore
+from gateway.stores import LimitStore
 from gateway.upstream_client import UpstreamPool
 
 

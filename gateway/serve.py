@@ -21,7 +21,7 @@ from gateway.proxy import ProxyHandler
 from gateway.reload import PolicyReloader
 from gateway.runtime import Runtime, build_runtime, uses_demo
 from gateway.server import GatewayServer
-from gateway.store import LimitStore, build_store
+from gateway.stores import LimitStore, build_store
 
 log = logging.getLogger("gateway")
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.token_bucket import TokenBucket
-from gateway.keyed_state import KeyedState
+from gateway.stores.keyed_state import KeyedState
 
 S = 1_000_000
 T0 = 2520 * S  # on a window boundary for every window length used here

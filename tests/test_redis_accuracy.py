@@ -93,8 +93,8 @@ GLOBAL_BINDS = Load("global binds", 200, 50, 200, 100, clients=8, connections=3)
 
 async def _serve(args: argparse.Namespace) -> None:
     from gateway.policy_loader import load_policy
-    from gateway.redis_store import RedisStore
     from gateway.serve import Gateway
+    from gateway.stores import RedisStore
 
     store = RedisStore(
         args.store, replicas=args.replicas, timeout_s=args.timeout, key_prefix=args.key_prefix

@@ -43,15 +43,9 @@ from gateway.clock import FakeClock
 from gateway.keys import KeyBuilder
 from gateway.limits import Check, CompiledLimit, LimitCounters
 from gateway.policy import LeakyBucketLimit
-from gateway.redis_store import (
-    RedisStore,
-    StoreUnavailableError,
-    codec_for,
-    divided,
-    load_script,
-    parse_store_url,
-)
-from gateway.store import LimitStore, MemoryStore
+from gateway.stores import LimitStore, MemoryStore, RedisStore, StoreUnavailableError
+from gateway.stores.redis.codecs import codec_for, divided
+from gateway.stores.redis.store import load_script, parse_store_url
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisClusterHarness, RedisFactory, RedisServer

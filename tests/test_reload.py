@@ -13,7 +13,8 @@ from aiohttp import web
 
 from gateway.clock import FakeClock
 from gateway.policy_loader import load_policy
-from gateway.redis_store import RedisStore, codec_for
+from gateway.stores import RedisStore
+from gateway.stores.redis.codecs import codec_for
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
 from tests.redis_harness import RedisServer

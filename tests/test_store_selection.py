@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from gateway.policy_loader import load_policy
-from gateway.store import MemoryStore, build_store
+from gateway.stores import MemoryStore, build_store
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisServer

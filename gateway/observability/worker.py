@@ -40,7 +40,7 @@ from gateway.observability.stats import (
     RequestStats,
     StoreStats,
 )
-from gateway.store import MemoryStore
+from gateway.stores import MemoryStore
 
 if TYPE_CHECKING:
     from gateway.engine import Outcome

@@ -1,5 +1,5 @@
 -- Shared by every algorithm below: the whole file set is sent to Redis as ONE script
--- (gateway/redis_store.py joins prelude, the algorithms and decide.lua, in that order).
+-- (gateway/stores/redis/store.py joins prelude, the algorithms and decide.lua, in that order).
 --
 -- Lua numbers are IEEE doubles: every integer here stays below 2^53 (the Python side refuses
 -- parameters that could leave that range), so the arithmetic is the Python algorithms'

@@ -1,62 +1,15 @@
-"""Where limit state lives: one protocol in front of the in-process store and the Redis store.
-
-A store decides a request's checks atomically: every check's state is read, the algorithms
-decide at one instant, and either every new state is written (allowed) or none (rejected).
-"""
+"""Limit state in this process: one bounded table of per-key states per limit."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
-from gateway.keyed_state import KeyedState
 from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
-
-if TYPE_CHECKING:
-    from gateway.policy import StoreSettings
-
-
-class StoreUnavailableError(Exception):
-    """The store cannot decide and the policy says ``on_failure: deny``: the engine answers 503."""
-
-    def __init__(self, reason: str, retry_after_s: float) -> None:
-        super().__init__(reason)
-        self.retry_after_s = retry_after_s
-
-
-class LimitStore(Protocol):
-    name: str
-    # True when ``decide`` refuses delays over each check's ``max_delay_s`` before committing.
-    bounds_delays: bool
-
-    async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
-        """Decide all checks at one instant; with ``commit``, store the new states if allowed.
-
-        A check whose delay would exceed its ``max_delay_s`` turns the verdict into a rejection
-        (``combine.refuse_long_delays``) before anything is stored.
-        """
-        ...
-
-    async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
-        """Decide and commit each check on its own (dry-run limits do not stack)."""
-        ...
-
-    async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
-        """Give back one request's charge on each check (a queued client left); ``charged_us``
-        is the verdict's ``now_us``, when the store gave one."""
-        ...
-
-    def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
-        """Adopt a new policy's limits: keep, rescale or free each limit's state."""
-        ...
-
-    def tracked_keys(self, limit_name: str) -> int: ...
-
-    async def close(self) -> None: ...
+from gateway.stores.keyed_state import KeyedState
 
 
 class MemoryStore:
@@ -137,35 +90,3 @@ class MemoryStore:
 
     async def close(self) -> None:
         self.tables.clear()
-
-
-STORE_URL_ENV = "GATEWAY_STORE_URL"
-
-
-def store_url(settings: StoreSettings) -> str:
-    """The store URL in force: the environment's ``GATEWAY_STORE_URL`` over the policy's."""
-    return os.environ.get(STORE_URL_ENV) or settings.url
-
-
-def build_store(
-    settings: StoreSettings, clock: Clock | None = None, workers: int = 1
-) -> LimitStore:
-    """The store a policy names; Redis is imported only when it is used.
-
-    ``store.replicas`` counts gateway instances; each of an instance's ``workers`` processes
-    falls back to its own in-process limits, so the ``local`` fallback divides by both.
-    """
-    url = store_url(settings)
-    if url == "memory":
-        return MemoryStore(clock)
-    from gateway.redis_store import RedisStore
-
-    return RedisStore(
-        url,
-        on_failure=settings.on_failure,
-        replicas=settings.replicas * workers,
-        timeout_s=settings.timeout,
-        key_prefix=settings.key_prefix,
-        client=settings.client,
-        clock=clock,
-    )

@@ -1,0 +1,52 @@
+"""Where limit state lives: the store protocol, the in-process store, the Redis store, and
+the factory that picks one from the policy's store URL."""
+
+from __future__ import annotations
+
+import os
+
+from gateway.clock import Clock
+from gateway.policy import StoreSettings
+from gateway.stores.memory import MemoryStore
+from gateway.stores.protocol import LimitStore, StoreUnavailableError
+from gateway.stores.redis import RedisStore
+
+__all__ = [
+    "STORE_URL_ENV",
+    "LimitStore",
+    "MemoryStore",
+    "RedisStore",
+    "StoreUnavailableError",
+    "build_store",
+    "store_url",
+]
+
+
+STORE_URL_ENV = "GATEWAY_STORE_URL"
+
+
+def store_url(settings: StoreSettings) -> str:
+    """The store URL in force: the environment's ``GATEWAY_STORE_URL`` over the policy's."""
+    return os.environ.get(STORE_URL_ENV) or settings.url
+
+
+def build_store(
+    settings: StoreSettings, clock: Clock | None = None, workers: int = 1
+) -> LimitStore:
+    """The store a policy names.
+
+    ``store.replicas`` counts gateway instances; each of an instance's ``workers`` processes
+    falls back to its own in-process limits, so the ``local`` fallback divides by both.
+    """
+    url = store_url(settings)
+    if url == "memory":
+        return MemoryStore(clock)
+    return RedisStore(
+        url,
+        on_failure=settings.on_failure,
+        replicas=settings.replicas * workers,
+        timeout_s=settings.timeout,
+        key_prefix=settings.key_prefix,
+        client=settings.client,
+        clock=clock,
+    )

@@ -1,0 +1,52 @@
+"""One protocol in front of the in-process store and the Redis store.
+
+A store decides a request's checks atomically: every check's state is read, the algorithms
+decide at one instant, and either every new state is written (allowed) or none (rejected).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from gateway.algorithms.combine import CombinedDecision
+from gateway.limits import Check, CompiledLimit
+
+
+class StoreUnavailableError(Exception):
+    """The store cannot decide and the policy says ``on_failure: deny``: the engine answers 503."""
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+class LimitStore(Protocol):
+    name: str
+    # True when ``decide`` refuses delays over each check's ``max_delay_s`` before committing.
+    bounds_delays: bool
+
+    async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        """Decide all checks at one instant; with ``commit``, store the new states if allowed.
+
+        A check whose delay would exceed its ``max_delay_s`` turns the verdict into a rejection
+        (``combine.refuse_long_delays``) before anything is stored.
+        """
+        ...
+
+    async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
+        """Decide and commit each check on its own (dry-run limits do not stack)."""
+        ...
+
+    async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        """Give back one request's charge on each check (a queued client left); ``charged_us``
+        is the verdict's ``now_us``, when the store gave one."""
+        ...
+
+    def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
+        """Adopt a new policy's limits: keep, rescale or free each limit's state."""
+        ...
+
+    def tracked_keys(self, limit_name: str) -> int: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,449 @@
+"""Clients: one script call per request, the calls of a loop iteration in one pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, Protocol, cast
+from urllib.parse import unquote, urlsplit
+
+import hiredis
+from redis.asyncio import Redis, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+# Arguments this long are a limit's parameters (a letter and two or more doubles), never a
+# time (16 digits): their RESP encoding is kept.
+_CACHED_ARG_BYTES: Final = 17
+
+
+class ScriptClient(Protocol):
+    """What the store needs from a Redis client."""
+
+    round_trips: int
+
+    def submit(self, keys: Sequence[bytes], argv: Sequence[bytes]) -> asyncio.Future[Any]:
+        """Queue one ``EVALSHA``. The future's result is the reply, or the error reply as an
+        exception instance; the future fails if the whole batch does (timeout, connection)."""
+        ...
+
+    async def recover(self, error: Exception) -> bool:
+        """Repair what ``error`` says (script not loaded, slot moved); True: submit again."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Batch:
+    """Calls sent together as one pipeline, each with its own future (a caller that gives up
+    cancels its own future, never its neighbours')."""
+
+    __slots__ = ("futures", "payloads", "replies", "timer")
+
+    def __init__(self) -> None:
+        self.payloads: list[Any] = []
+        self.futures: list[asyncio.Future[Any]] = []
+        self.replies: list[Any] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, payload: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = loop.create_future()
+        self.payloads.append(payload)
+        self.futures.append(future)
+        return future
+
+    def resolve(self, replies: Sequence[Any]) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        for future, reply in zip(self.futures, replies, strict=True):
+            if not future.done():
+                future.set_result(reply)
+
+    def fail(self, error: BaseException) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        for future in self.futures:
+            if not future.done():
+                future.set_exception(error)
+
+    @property
+    def settled(self) -> bool:
+        return all(future.done() for future in self.futures)
+
+
+def _is_noscript(error: Exception) -> bool:
+    return isinstance(error, NoScriptError) or str(error).startswith("NOSCRIPT")
+
+
+class PipelineClient:
+    """redis-py (``redis.asyncio``, hiredis parser): each batch is one ``Pipeline`` (or
+    ``ClusterPipeline``), at most ``max_in_flight`` outstanding. Kept to compare against."""
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        script: str,
+        sha: str,
+        max_in_flight: int,
+        timeout_s: float,
+    ) -> None:
+        self.client = client
+        self.script = script
+        self.sha = sha.encode()
+        self.max_in_flight = max_in_flight
+        self.timeout_s = timeout_s
+        self.round_trips = 0
+        self._filling: Batch | None = None
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loading: asyncio.Task[None] | None = None
+
+    def submit(self, keys: Sequence[bytes], argv: Sequence[bytes]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        batch = self._filling
+        if batch is None:
+            batch = self._filling = Batch()
+            if self._in_flight < self.max_in_flight:
+                loop.call_soon(self._flush)
+        return batch.add(("EVALSHA", self.sha, len(keys), *keys, *argv), loop)
+
+    def _flush(self) -> None:
+        batch = self._filling
+        if batch is None or self._in_flight >= self.max_in_flight:
+            return
+        self._filling = None
+        self._in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks.add(task)  # a task nobody references may be collected mid-flight
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: Batch) -> None:
+        self.round_trips += 1
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                pipe = self.client.pipeline(transaction=False)
+                for command in batch.payloads:
+                    pipe.execute_command(*command)
+                results: list[Any] = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:  # every caller gets the failure; none waits forever
+            batch.fail(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        else:
+            batch.resolve(results)
+        finally:
+            self._in_flight -= 1
+            if self._filling is not None:
+                self._flush()
+
+    async def recover(self, error: Exception) -> bool:
+        if not _is_noscript(error):
+            return False  # the cluster client follows MOVED itself
+        task = self._loading
+        if task is None:
+            task = self._loading = asyncio.get_running_loop().create_task(self._load())
+        await asyncio.shield(task)
+        return True
+
+    async def _load(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.client.script_load(self.script)
+        finally:
+            self._loading = None
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _command(*args: bytes) -> bytes:
+    """A command in RESP, the protocol Redis speaks."""
+    return b"*%d\r\n" % len(args) + b"".join([b"$%d\r\n%s\r\n" % (len(a), a) for a in args])
+
+
+class _Connection(asyncio.Protocol):
+    """One connection: batches written in order, replies (parsed by hiredis) matched in order."""
+
+    def __init__(self, node: _Node) -> None:
+        self.node = node
+        self.reader = hiredis.Reader(replyError=ResponseError)
+        self.batches: deque[Batch] = deque()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
+
+    def send(self, batch: Batch) -> None:
+        assert self.transport is not None
+        self.batches.append(batch)
+        self.transport.write(b"".join(batch.payloads))
+
+    def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
+        batches = self.batches
+        while batches:
+            reply = reader.gets()
+            if reply is False:
+                return
+            batch = batches[0]
+            batch.replies.append(reply)
+            if len(batch.replies) == len(batch.payloads):
+                batches.popleft()
+                self.node.done(batch)
+        if reader.gets() is not False:  # a reply nobody asked for: the stream is out of step
+            self.abort()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        error = RedisConnectionError(f"connection to {self.node.address} lost: {exc or 'closed'}")
+        while self.batches:
+            self.batches.popleft().fail(error)
+        self.node.lost(self)
+
+
+class _Node:
+    """One Redis server: one pipelined connection carrying at most ``max_in_flight`` batches;
+    the calls submitted meanwhile fill the next batch."""
+
+    def __init__(self, client: ThinClient, host: str, port: int) -> None:
+        self.client = client
+        self.host = host
+        self.port = port
+        self.address = f"{host}:{port}"
+        self.connection: _Connection | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._filling: Batch | None = None
+        self._in_flight = 0
+
+    def submit(self, payload: bytes) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        batch = self._filling
+        if batch is None:
+            batch = self._filling = Batch()
+            # The deadline runs from the first call: it covers waiting, connecting and Redis.
+            batch.timer = loop.call_at(loop.time() + self.client.timeout_s, self._expire, batch)
+            loop.call_soon(self._flush)
+        return batch.add(payload, loop)
+
+    async def execute(self, *args: bytes) -> Any:
+        """One command off the hot path (SCRIPT LOAD, CLUSTER SLOTS); raises its error reply."""
+        reply = await self.submit(_command(*args))
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def _flush(self) -> None:
+        batch = self._filling
+        if batch is None or self._in_flight >= self.client.max_in_flight:
+            return
+        connection = self.connection
+        if connection is None:
+            if self._connecting is None:
+                self._connecting = asyncio.get_running_loop().create_task(self._connect())
+            return
+        self._filling = None
+        if batch.settled:  # every caller gave up
+            if batch.timer is not None:
+                batch.timer.cancel()
+            return
+        self._in_flight += 1
+        self.client.round_trips += 1
+        connection.send(batch)
+
+    def done(self, batch: Batch) -> None:
+        self._in_flight -= 1
+        batch.resolve(batch.replies)
+        if self._filling is not None:
+            self._flush()
+
+    def _expire(self, batch: Batch) -> None:
+        batch.fail(TimeoutError(f"no reply from Redis at {self.address} in time"))
+        if batch is self._filling:
+            self._filling = None  # never sent
+        elif self.connection is not None and batch in self.connection.batches:
+            # Sent: its replies may still come and would be matched to later calls.
+            self.connection.abort()
+
+    def lost(self, connection: _Connection) -> None:
+        if self.connection is connection:
+            self.connection = None
+            self._in_flight = 0
+
+    async def _connect(self) -> None:
+        client = self.client
+        try:
+            async with asyncio.timeout(client.timeout_s):
+                _, connection = await asyncio.get_running_loop().create_connection(
+                    lambda: _Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=client.ssl,
+                    server_hostname=self.host if client.ssl is not None else None,
+                )
+                if client.handshake:
+                    hello = Batch()
+                    loop = asyncio.get_running_loop()
+                    futures = [hello.add(command, loop) for command in client.handshake]
+                    connection.send(hello)
+                    for future in futures:
+                        reply = await future
+                        if isinstance(reply, Exception):
+                            connection.abort()
+                            raise reply
+        except Exception as exc:
+            self._connecting = None
+            batch = self._filling
+            if batch is not None:
+                self._filling = None
+                batch.fail(
+                    RedisConnectionError(f"cannot connect to Redis at {self.address}: {exc}")
+                )
+            return
+        self._connecting = None
+        self.connection = connection
+        self._flush()
+
+    def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self.connection is not None:
+            self.connection.abort()
+
+
+class ThinClient:
+    """A pipelined client on hiredis for exactly what the store sends: ``EVALSHA`` in batches,
+    ``SCRIPT LOAD``, and for a cluster ``CLUSTER SLOTS`` and ``MOVED``. Per call it spends a
+    fraction of redis-py's pipeline CPU (measured in bench/bench_store.py)."""
+
+    def __init__(
+        self,
+        url: str,
+        script: str,
+        sha: str,
+        max_in_flight: int,
+        timeout_s: float,
+        *,
+        cluster: bool,
+    ) -> None:
+        parts = urlsplit(url)
+        self.cluster = cluster
+        self.script = script.encode()
+        self.max_in_flight = max_in_flight
+        self.timeout_s = timeout_s
+        self.round_trips = 0
+        self.ssl: ssl.SSLContext | None = None
+        if parts.scheme == "rediss":
+            self.ssl = ssl.create_default_context()
+        elif parts.scheme != "redis":
+            raise ValueError(f"the thin client speaks redis:// and rediss://, got {url!r}")
+        self.handshake: list[bytes] = []
+        if parts.password is not None:
+            user = unquote(parts.username or "default").encode()
+            self.handshake.append(_command(b"AUTH", user, unquote(parts.password).encode()))
+        db = parts.path.strip("/")
+        if db and db != "0":
+            if cluster:
+                raise ValueError(f"a Redis Cluster has only database 0, got {url!r}")
+            self.handshake.append(_command(b"SELECT", db.encode()))
+        self._head = b"*%%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode()
+        self._encoded: dict[bytes, bytes] = {}
+        self._nodes: dict[str, _Node] = {}
+        self._seed = self._node(parts.hostname or "127.0.0.1", parts.port or 6379)
+        # Slot -> node, from CLUSTER SLOTS; until known, calls go to the seed node, whose MOVED
+        # replies fetch the map.
+        self._slots: list[_Node | None] | None = None
+        self._repairs: dict[str, asyncio.Task[None]] = {}
+
+    def _node(self, host: str, port: int) -> _Node:
+        address = f"{host}:{port}"
+        node = self._nodes.get(address)
+        if node is None:
+            node = self._nodes[address] = _Node(self, host, port)
+        return node
+
+    def submit(self, keys: Sequence[bytes], argv: Sequence[bytes]) -> asyncio.Future[Any]:
+        encoded = self._encoded
+        parts = [self._head % (len(keys) + len(argv) + 3), b"$1\r\n%d\r\n" % len(keys)]
+        parts += [b"$%d\r\n%s\r\n" % (len(key), key) for key in keys]
+        for arg in argv:
+            bulk = encoded.get(arg)
+            if bulk is None:
+                bulk = b"$%d\r\n%s\r\n" % (len(arg), arg)
+                if len(arg) >= _CACHED_ARG_BYTES:  # a limit's parameters: few, reused
+                    encoded[arg] = bulk
+            parts.append(bulk)
+        payload = b"".join(parts)
+        if not self.cluster or self._slots is None:
+            return self._seed.submit(payload)
+        node = self._slots[key_slot(keys[0])]
+        return (node or self._seed).submit(payload)
+
+    async def recover(self, error: Exception) -> bool:
+        message = str(error)
+        if message.startswith("NOSCRIPT"):
+            await self._once("script", self._load_script)
+            return True
+        if message.startswith("MOVED") and self.cluster:
+            await self._once("slots", self._refresh)
+            return True
+        return False
+
+    async def refresh(self) -> None:
+        """Read the slot map (a cluster): from the first node that answers."""
+        await self._once("slots", self._refresh)
+
+    async def _once(self, what: str, repair: Callable[[], Awaitable[None]]) -> None:
+        """Run ``repair`` once for all the calls that need it now, within one timeout."""
+        task = self._repairs.get(what)
+        if task is None:
+
+            async def bounded() -> None:
+                async with asyncio.timeout(self.timeout_s):
+                    await repair()
+
+            task = self._repairs[what] = asyncio.get_running_loop().create_task(bounded())
+            task.add_done_callback(lambda done: self._repaired(what, done))
+        await asyncio.shield(task)
+
+    def _repaired(self, what: str, task: asyncio.Task[None]) -> None:
+        self._repairs.pop(what, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here; every caller that waits gets it raised
+
+    async def _load_script(self) -> None:
+        if self.cluster and self._slots is None:
+            await self._refresh()
+        nodes = self._masters() if self.cluster else [self._seed]
+        await asyncio.gather(*[node.execute(b"SCRIPT", b"LOAD", self.script) for node in nodes])
+
+    async def _refresh(self) -> None:
+        errors = []
+        for node in [self._seed, *(n for n in self._nodes.values() if n is not self._seed)]:
+            try:
+                ranges = await node.execute(b"CLUSTER", b"SLOTS")
+            except Exception as exc:
+                errors.append(f"{node.address}: {exc}")
+                continue
+            slots: list[_Node | None] = [None] * 16384
+            for first, last, master, *_ in ranges:
+                owner = self._node(master[0].decode() or node.host, int(master[1]))
+                slots[first : last + 1] = [owner] * (last - first + 1)
+            self._slots = slots
+            return
+        raise RedisConnectionError("no cluster node gave its slot map: " + "; ".join(errors))
+
+    def _masters(self) -> list[_Node]:
+        if self._slots is None:
+            return [self._seed]
+        return list({id(node): node for node in self._slots if node is not None}.values())
+
+    async def close(self) -> None:
+        for node in self._nodes.values():
+            node.close()

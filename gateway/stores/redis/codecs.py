@@ -1,0 +1,255 @@
+"""One codec per algorithm: its parameters for Lua, and the script's reply as a Decision."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Final, Protocol
+
+from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.leaky_bucket import LeakyBucket, pack_state
+from gateway.algorithms.sliding_log import SlidingLog, pack_log
+from gateway.algorithms.sliding_window import SlidingWindow
+from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
+
+_INF: Final = float("inf")
+# Lua numbers are doubles: integers are exact below 2**53. Each codec checks the largest
+# intermediate value its script can form (requests cost 1).
+_EXACT_LIMIT: Final = 2**53
+
+
+def _exact(what: str, value: float) -> None:
+    if not value < _EXACT_LIMIT:
+        raise ValueError(
+            f"{what} ({value:g}) is too large for the Redis store: its Lua arithmetic is exact "
+            "only below 2**53"
+        )
+
+
+class Codec(Protocol):
+    params: bytes
+    nominal_limit: int
+
+    def decision(self, allowed: int, a: int, b: int, c: int, d: int) -> Decision:
+        """The Python algorithm's Decision from the script's four integers."""
+        ...
+
+    def decode_state(self, raw: bytes) -> Any:
+        """The Python algorithm's state for a stored Redis value, written under this codec's
+        parameters (tests, debugging)."""
+        ...
+
+
+def _state_of(raw: bytes, params: bytes) -> bytes:
+    """The state in a stored value: the parameters it was written under come first."""
+    if not raw.startswith(params):
+        raise ValueError("the value was written under other parameters")
+    return raw[len(params) :]
+
+
+class LeakyBucketCodec:
+    __slots__ = ("_limit", "nominal_limit", "params")
+
+    def __init__(self, algorithm: LeakyBucket) -> None:
+        burst_milli = algorithm.burst * 1000
+        _exact("(burst + 2) * 10**6", (burst_milli + 2000) * 1000)
+        delay_milli = _INF if algorithm.delay is None else algorithm.delay * 1000
+        self.params = b"L" + struct.pack("<ddd", algorithm.rate_milli, burst_milli, delay_milli)
+        self._limit = self.nominal_limit = algorithm.burst + 1
+
+    def decision(
+        self, allowed: int, delay_ms: int, retry_us: int, remaining: int, reset_us: int
+    ) -> Decision:
+        if allowed:
+            return Decision(
+                True,
+                delay_ms / 1000,
+                0.0,
+                self._limit,
+                remaining,
+                reset_us / 1e6 if reset_us > 0 else 0.0,
+            )
+        if retry_us < 0:
+            return Decision(False, 0.0, _INF, self._limit, 0, 0.0)
+        return Decision(False, 0.0, retry_us / 1e6, self._limit, 0, reset_us / 1e6)
+
+    def decode_state(self, raw: bytes) -> int:
+        excess_milli, last_ms = struct.unpack("<dd", _state_of(raw, self.params))
+        return pack_state(int(excess_milli), int(last_ms))
+
+
+class _WindowCodec:
+    """Fixed window, sliding window and sliding log reply alike."""
+
+    __slots__ = ("_algorithm", "_limit", "nominal_limit", "params")
+
+    def __init__(self, code: bytes, algorithm: FixedWindow | SlidingWindow | SlidingLog) -> None:
+        _exact(
+            "(2 * limit + 1) * window in microseconds",
+            (2 * algorithm.limit + 1) * algorithm.window_us,
+        )
+        self._algorithm = algorithm
+        self._limit = self.nominal_limit = algorithm.limit
+        self.params = code + struct.pack("<dd", algorithm.limit, algorithm.window_us)
+
+    def decision(
+        self, allowed: int, _: int, retry_us: int, remaining: int, reset_us: int
+    ) -> Decision:
+        if allowed:
+            return Decision(True, 0.0, 0.0, self._limit, remaining, reset_us / 1e6)
+        retry_after_s = _INF if retry_us < 0 else retry_us / 1e6
+        return Decision(False, 0.0, retry_after_s, self._limit, remaining, reset_us / 1e6)
+
+    def decode_state(self, raw: bytes) -> Any:
+        raw = _state_of(raw, self.params)
+        algorithm = self._algorithm
+        if isinstance(algorithm, SlidingLog):
+            return pack_log([int(t) for t in struct.unpack(f"<{len(raw) // 8}d", raw)])
+        if isinstance(algorithm, SlidingWindow):
+            index, previous, current = struct.unpack("<ddd", raw)
+            return algorithm.pack_state(int(index), int(previous), int(current))
+        index, count = struct.unpack("<dd", raw)
+        return algorithm.pack_state(int(index), int(count))
+
+
+def _ticks(algorithm: TokenBucket | WarmingUpTokenBucket) -> tuple[int, int, float]:
+    """``(ticks_per_us, interval_ticks, ticks_per_s)`` of a token bucket's exact tick clock."""
+    rate = algorithm._rate
+    _exact("ticks per second", rate.ticks_per_us * 1_000_000)
+    return rate.ticks_per_us, rate.interval_ticks, rate.ticks_per_s
+
+
+class TokenBucketCodec:
+    __slots__ = ("_capacity", "_ticks_per_s", "_tpu", "nominal_limit", "params")
+
+    def __init__(self, algorithm: TokenBucket) -> None:
+        tpu, interval, ticks_per_s = _ticks(algorithm)
+        max_credit = algorithm._max_credit_ticks
+        _exact("4 * bucket capacity in ticks", 4 * max_credit)
+        self._tpu = tpu
+        self._ticks_per_s = ticks_per_s
+        self._capacity = self.nominal_limit = algorithm.capacity
+        self.params = b"T" + struct.pack(
+            "<dddddd",
+            tpu,
+            interval,
+            max_credit,
+            1 if algorithm.mode == "queue" else 0,
+            algorithm.capacity,
+            algorithm._max_delay_ticks,
+        )
+
+    def decision(
+        self, allowed: int, delay_ticks: int, retry_ticks: int, remaining: int, reset_ticks: int
+    ) -> Decision:
+        ticks_per_s = self._ticks_per_s
+        if allowed:
+            return Decision(
+                True,
+                delay_ticks / ticks_per_s if delay_ticks > 0 else 0.0,
+                0.0,
+                self._capacity,
+                remaining,
+                reset_ticks / ticks_per_s,
+            )
+        retry_after_s = _INF if retry_ticks < 0 else retry_ticks / ticks_per_s
+        return Decision(
+            False, 0.0, retry_after_s, self._capacity, remaining, reset_ticks / ticks_per_s
+        )
+
+    def decode_state(self, raw: bytes) -> int:
+        whole_us, frac = struct.unpack("<dd", _state_of(raw, self.params))
+        return int(whole_us) * self._tpu + int(frac)
+
+
+class WarmingUpCodec:
+    __slots__ = ("_credit_bits", "_ticks_per_s", "_tpu", "nominal_limit", "params")
+
+    def __init__(self, algorithm: WarmingUpTokenBucket) -> None:
+        tpu, interval, ticks_per_s = _ticks(algorithm)
+        warmup_ticks = algorithm._warmup_ticks
+        _exact("4 * warm-up in ticks", 4 * (warmup_ticks + interval))
+        self._tpu = tpu
+        self._ticks_per_s = ticks_per_s
+        self._credit_bits = algorithm._credit_bits
+        self.nominal_limit = 1
+        self.params = b"W" + struct.pack(
+            "<ddddddd",
+            tpu,
+            interval,
+            warmup_ticks,
+            algorithm._max_delay_ticks,
+            algorithm.stable_interval_us,
+            algorithm.threshold_permits,
+            algorithm.slope,
+        )
+
+    def decision(
+        self, allowed: int, delay_ticks: int, retry_ticks: int, remaining: int, reset_ticks: int
+    ) -> Decision:
+        ticks_per_s = self._ticks_per_s
+        if allowed:
+            return Decision(
+                True,
+                delay_ticks / ticks_per_s if delay_ticks > 0 else 0.0,
+                0.0,
+                1,
+                remaining,
+                reset_ticks / ticks_per_s,
+            )
+        return Decision(False, 0.0, retry_ticks / ticks_per_s, 1, 0, reset_ticks / ticks_per_s)
+
+    def decode_state(self, raw: bytes) -> int:
+        whole_us, frac, credit = struct.unpack("<ddd", _state_of(raw, self.params))
+        return ((int(whole_us) * self._tpu + int(frac)) << self._credit_bits) | int(credit)
+
+
+def codec_for(algorithm: Algorithm[Any]) -> Codec:
+    """The Lua mirror's codec for an algorithm; ``ValueError`` if there is none or its
+    parameters cannot be computed exactly in Lua (refused when the policy is loaded)."""
+    if isinstance(algorithm, LeakyBucket):
+        return LeakyBucketCodec(algorithm)
+    if isinstance(algorithm, SlidingLog):
+        return _WindowCodec(b"G", algorithm)
+    if isinstance(algorithm, SlidingWindow):
+        return _WindowCodec(b"S", algorithm)
+    if isinstance(algorithm, FixedWindow):
+        return _WindowCodec(b"F", algorithm)
+    if isinstance(algorithm, WarmingUpTokenBucket):
+        return WarmingUpCodec(algorithm)
+    if isinstance(algorithm, TokenBucket):
+        return TokenBucketCodec(algorithm)
+    raise ValueError(f"the Redis store has no Lua mirror of {algorithm!r}")
+
+
+def divided(algorithm: Algorithm[Any], replicas: int) -> Algorithm[Any]:
+    """This replica's share of a limit when each replica enforces it alone (Redis is down):
+    rates and capacities divided by ``replicas``, rounded down (never more lenient)."""
+    if replicas == 1:
+        return algorithm
+    if isinstance(algorithm, LeakyBucket):
+        burst = algorithm.burst // replicas
+        delay = None if algorithm.delay is None else min(algorithm.delay // replicas, burst)
+        if algorithm.period_s == 1 and algorithm.rate % replicas == 0:
+            return LeakyBucket(algorithm.rate // replicas, 1, burst, delay)
+        per_minute = algorithm.rate * (60 // algorithm.period_s)
+        return LeakyBucket(max(per_minute // replicas, 1), 60, burst, delay)
+    if isinstance(algorithm, SlidingLog | SlidingWindow | FixedWindow):
+        return type(algorithm)(max(algorithm.limit // replicas, 1), algorithm.window_us / 1e6)
+    if isinstance(algorithm, WarmingUpTokenBucket):
+        return WarmingUpTokenBucket(
+            algorithm.rate,
+            algorithm.period_s * replicas,
+            algorithm.warmup_s,
+            mode=algorithm.mode,
+            max_delay_s=algorithm.max_delay_s,
+        )
+    if isinstance(algorithm, TokenBucket):
+        return TokenBucket(
+            algorithm.rate,
+            algorithm.period_s * replicas,
+            max(algorithm.capacity // replicas, 1),
+            mode=algorithm.mode,
+            max_delay_s=algorithm.max_delay_s,
+        )
+    raise ValueError(f"cannot divide {algorithm!r} between replicas")

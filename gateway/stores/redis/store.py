@@ -1,0 +1,434 @@
+"""The Redis store: one script call per request, and ``on_failure`` when Redis cannot answer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Final, Literal
+
+from redis.asyncio import Redis, RedisCluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
+from gateway.circuit import CircuitBreaker
+from gateway.clock import Clock, MonotonicClock
+from gateway.limits import Check, CompiledLimit
+from gateway.observability.stats import StoreStats
+from gateway.stores.memory import MemoryStore
+from gateway.stores.protocol import StoreUnavailableError
+from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClient
+from gateway.stores.redis.codecs import Codec, codec_for, divided
+from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
+
+FailureMode = Literal["local", "allow", "deny"]
+FAILURE_MODES: Final = ("local", "allow", "deny")
+_INF: Final = float("inf")
+# An overridden clock (tests) has nothing to do with the clock Redis expires keys by.
+_OVERRIDE_MIN_TTL_MS: Final = 600_000
+_MAX_RECOVERIES: Final = 3
+_LUA_FILES: Final = (
+    "prelude.lua",
+    "leaky_bucket.lua",
+    "fixed_window.lua",
+    "sliding_window.lua",
+    "sliding_log.lua",
+    "token_bucket.lua",
+    "decide.lua",
+)
+
+
+def load_script() -> str:
+    """The one script Redis runs: the prelude, every algorithm's mirror, then ``decide.lua``."""
+    folder = resources.files("gateway.stores.redis") / "lua"
+    return "\n".join((folder / name).read_text(encoding="utf-8") for name in _LUA_FILES)
+
+
+@dataclass(slots=True)
+class RedisStoreCounters:
+    """What the store did, beyond ``stats``; round trips per script call are
+    ``store.round_trips / counters.calls``."""
+
+    calls: int = 0  # script calls (one per request, one per dry-run limit, refunds)
+    failed_calls: int = 0  # calls that timed out or failed
+    local_decisions: int = 0  # decided in process (on_failure: local, or a refund)
+    allowed_open: int = 0  # admitted without a decision (on_failure: allow)
+    denied_closed: int = 0  # refused without a decision (on_failure: deny)
+    recoveries: int = 0  # calls sent again after NOSCRIPT (a new Redis) or MOVED
+
+
+def parse_store_url(url: str) -> tuple[str, bool]:
+    """``(redis url, cluster?)`` for ``redis://``, ``rediss://``, ``redis+cluster://`` and
+    ``rediss+cluster://``."""
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if sep and scheme in ("redis+cluster", "rediss+cluster"):
+        return f"{scheme.partition('+')[0]}://{rest}", True
+    if sep and scheme in ("redis", "rediss"):
+        return url, False
+    raise ValueError(
+        f"invalid store url {url!r}: expected redis://, rediss://, redis+cluster:// or "
+        "rediss+cluster://"
+    )
+
+
+ClientKind = Literal["thin", "redis-py"]
+
+
+class RedisStore:
+    """The ``LimitStore`` for several replicas: state in Redis or a Redis Cluster."""
+
+    name = "redis"
+    # The script refuses a delay over a check's bound before it commits anything.
+    bounds_delays = True
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        on_failure: FailureMode = "local",
+        replicas: int = 1,
+        timeout_s: float = 0.05,
+        key_prefix: str = "gw:",
+        max_in_flight: int = 4,
+        client: ClientKind = "thin",
+        clock: Clock | None = None,
+        time_source: Clock | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        """``clock`` drives the local fallback and the breaker; ``time_source`` (tests only)
+        replaces Redis ``TIME`` as the scripts' clock."""
+        if on_failure not in FAILURE_MODES:
+            raise ValueError(f"on_failure must be local, allow or deny, got {on_failure!r}")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout must be positive, got {timeout_s!r}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight!r}")
+        if "{" in key_prefix or "}" in key_prefix:
+            raise ValueError(f"key_prefix must not contain braces (hash tags), got {key_prefix!r}")
+        redis_url, cluster = parse_store_url(url)
+        self.url = url
+        self.cluster = cluster
+        self.on_failure: FailureMode = on_failure
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self.key_prefix = key_prefix
+        self.time_source = time_source
+        self.clock: Clock = clock or MonotonicClock()
+        self.breaker = breaker or CircuitBreaker("redis store", clock=self.clock)
+        self.breaker.on_transition = self._circuit_moved
+        # For the metrics: calls, errors, call latency, and the circuit's state.
+        self.stats = StoreStats()
+        self.counters = RedisStoreCounters()
+        self.local = MemoryStore(self.clock)
+        self._min_ttl = b"%d" % _OVERRIDE_MIN_TTL_MS if time_source is not None else b"0"
+        self.script = load_script()
+        self.sha = hashlib.sha1(self.script.encode()).hexdigest()
+        self.client: ScriptClient
+        if client == "thin":
+            self.client = ThinClient(
+                redis_url, self.script, self.sha, max_in_flight, timeout_s, cluster=cluster
+            )
+        elif client == "redis-py":
+            self.client = PipelineClient(
+                _redis_py(redis_url, cluster, max_in_flight, timeout_s),
+                self.script,
+                self.sha,
+                max_in_flight,
+                timeout_s,
+            )
+        else:
+            raise ValueError(f"client must be 'thin' or 'redis-py', got {client!r}")
+        self._plans: dict[str, LimitPlan] = {}
+        self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
+        self._tag_part: str | None = None
+
+    @property
+    def round_trips(self) -> int:
+        """Pipelines sent to Redis; per script call, ``round_trips / counters.calls``."""
+        return self.client.round_trips
+
+    # -- configuration --
+
+    def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
+        """New plans for a new policy (ValueError, before any change, if a limit cannot run in
+        Redis); the local fallback keeps or rescales its state as the memory store does."""
+        tag_part = tag_scheme(limits)
+        plans = {limit.name: self._build_plan(limit, tag_part) for limit in limits}
+        old_local = [self.plan(limit).local for limit in previous]
+        self.local.configure([plan.local for plan in plans.values()], old_local)
+        self._tag_part = tag_part
+        self._plans = plans
+        self._stale_plans.clear()
+
+    def _build_plan(self, limit: CompiledLimit, tag_part: str | None) -> LimitPlan:
+        codec = codec_for(limit.algorithm)
+        parts = limit.spec.key
+        if tag_part is None or tag_part not in parts:
+            tag_index = FIXED_TAG
+        elif len(parts) == 1:
+            tag_index = WHOLE_KEY
+        else:
+            tag_index = parts.index(tag_part)
+        return LimitPlan(
+            algorithm=limit.algorithm,
+            codec=codec,
+            key_head=self.key_prefix + "{",
+            key_tail=f"}}{limit.name}:{fingerprint(limit, codec)}:",
+            tag_index=tag_index,
+            local=dataclasses.replace(limit, algorithm=divided(limit.algorithm, self.replicas)),
+        )
+
+    def plan(self, limit: CompiledLimit) -> LimitPlan:
+        """The plan for a limit of the current policy, or of the one before (requests in
+        flight across a reload)."""
+        plan = self._plans.get(limit.name)
+        if plan is not None and plan.algorithm is limit.algorithm:
+            return plan
+        stale_key = (limit.name, limit.algorithm)
+        plan = self._stale_plans.get(stale_key)
+        if plan is None:
+            plan = self._stale_plans[stale_key] = self._build_plan(limit, self._tag_part)
+        return plan
+
+    def redis_key(self, check: Check) -> str:
+        return self.plan(check.limit).redis_key(check.key)
+
+    # -- the LimitStore protocol --
+
+    async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        plans = [self.plan(check.limit) for check in checks]
+        breaker = self.breaker
+        if not breaker.allow():
+            return await self._unavailable(checks, commit, "circuit open")
+        probe = breaker.probe_out
+        try:
+            reply = await self._eval(b"d" if commit else b"p", checks, plans)
+        except asyncio.CancelledError:  # the client hung up: a probe must not stay out
+            breaker.cancelled(probe)
+            raise
+        except Exception as exc:
+            self._failed(exc)
+            return await self._unavailable(checks, commit, _describe(exc))
+        self._answered()
+        return _verdict(checks, plans, reply)
+
+    async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
+        """Dry-run limits, one script call each, all in flight together. They are never
+        enforced, so when Redis fails they are decided locally whatever ``on_failure`` says."""
+        plans = [self.plan(check.limit) for check in checks]
+        breaker = self.breaker
+        if not breaker.allow():
+            return [await self._local_decide((check,), True) for check in checks]
+        probe = breaker.probe_out
+        calls = [
+            self._eval(b"d", (check,), (plan,)) for check, plan in zip(checks, plans, strict=True)
+        ]
+        try:
+            replies = await asyncio.gather(*calls, return_exceptions=True)
+        except asyncio.CancelledError:
+            breaker.cancelled(probe)
+            raise
+        verdicts = []
+        for check, plan, reply in zip(checks, plans, replies, strict=True):
+            if isinstance(reply, BaseException):
+                if isinstance(reply, asyncio.CancelledError):
+                    breaker.cancelled(probe)
+                    raise reply
+                self._failed(reply)
+                verdicts.append(await self._local_decide((check,), True))
+            else:
+                self._answered()
+                verdicts.append(_verdict((check,), (plan,), reply))
+        return verdicts
+
+    async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        """Best effort, never raises: a refund that cannot reach Redis is given locally.
+        ``charged_us`` is the verdict's ``now_us`` (the Redis ``TIME`` the script decided at),
+        with which windows give back exactly what that decision charged; without it they keep
+        the charge. Buckets give it back either way."""
+        if not checks:
+            return
+        plans = [self.plan(check.limit) for check in checks]
+        breaker = self.breaker
+        if breaker.allow():
+            probe = breaker.probe_out
+            charged = b"" if charged_us is None else b"%d" % charged_us
+            try:
+                await self._eval(b"r", checks, plans, charged)
+            except asyncio.CancelledError:
+                breaker.cancelled(probe)
+                raise
+            except Exception as exc:
+                self._failed(exc)
+            else:
+                self._answered()
+                return
+        self.counters.local_decisions += 1
+        # Without the instant: it may be Redis TIME, which the local clock's windows must not
+        # take for one of theirs.
+        await self.local.refund([self._local_check(check) for check in checks])
+
+    def tracked_keys(self, limit_name: str) -> int:
+        """Keys held in this process (the local fallback's); keys in Redis expire by TTL."""
+        return self.local.tracked_keys(limit_name)
+
+    async def close(self) -> None:
+        await self.local.close()
+        await self.client.close()
+
+    # -- Redis --
+
+    async def _eval(
+        self,
+        mode: bytes,
+        checks: Sequence[Check],
+        plans: Sequence[LimitPlan],
+        charged_us: bytes = b"",
+    ) -> list[int]:
+        """One script call for all ``checks``; raises if Redis does not answer."""
+        keys = [
+            plan.redis_key(check.key).encode() for check, plan in zip(checks, plans, strict=True)
+        ]
+        time_source = self.time_source
+        now = b"" if time_source is None else b"%d" % time_source.now_us()
+        argv = [mode, now, b"1", self._min_ttl, *[plan.codec.params for plan in plans]]
+        argv += [_bound(check.max_delay_s) for check in checks]
+        if mode == b"r":
+            argv.append(charged_us)
+        self.counters.calls += 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reply = await self.client.submit(keys, argv)
+        # A new cluster client may meet MOVED, then NOSCRIPT on the right node: a few rounds.
+        for _ in range(_MAX_RECOVERIES):
+            if not isinstance(reply, Exception):
+                break
+            if not await self.client.recover(reply):
+                raise reply
+            self.counters.recoveries += 1
+            reply = await self.client.submit(keys, argv)
+        if isinstance(reply, Exception):
+            raise reply
+        self.stats.observe(loop.time() - started)
+        result: list[int] = reply
+        return result
+
+    def _answered(self) -> None:
+        """Redis answered a call."""
+        self.breaker.success()
+        if self.stats.state != "ok":  # "fallback": the circuit was closed all along
+            self.stats.set_state("ok", "Redis answered")
+
+    def _failed(self, exc: BaseException) -> None:
+        self.counters.failed_calls += 1
+        self.stats.error()
+        reason = _describe(exc)
+        self.breaker.failure(reason)
+        if self.breaker.state == "closed":  # below the threshold: on_failure answers this one
+            self.stats.set_state("fallback", f"{reason} (on_failure: {self.on_failure})")
+
+    def _circuit_moved(self, state: str) -> None:
+        # The breaker has logged the transition: not again here. The metrics' names for its
+        # states (a closed circuit means Redis answered).
+        self.stats.state = "ok" if state == "closed" else state
+
+    # -- when Redis cannot decide --
+
+    def _local_check(self, check: Check) -> Check:
+        return dataclasses.replace(check, limit=self.plan(check.limit).local)
+
+    async def _local_decide(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
+        self.counters.local_decisions += 1
+        return await self.local.decide(
+            [self._local_check(check) for check in checks], commit=commit
+        )
+
+    async def _unavailable(
+        self, checks: Sequence[Check], commit: bool, reason: str
+    ) -> CombinedDecision:
+        mode = self.on_failure
+        if mode == "local":
+            return await self._local_decide(checks, commit)
+        if mode == "allow":
+            self.counters.allowed_open += 1
+            decisions = tuple(
+                Decision(True, 0.0, 0.0, limit, limit, 0.0)
+                for limit in (self.plan(check.limit).codec.nominal_limit for check in checks)
+            )
+            return CombinedDecision(True, 0.0, 0.0, (), None, decisions, (None,) * len(checks))
+        self.counters.denied_closed += 1
+        retry_after_s = max(self.breaker.retry_in_s, self.timeout_s)
+        raise StoreUnavailableError(f"rate-limit store unavailable: {reason}", retry_after_s)
+
+
+def _redis_py(
+    url: str, cluster: bool, max_in_flight: int, timeout_s: float
+) -> Redis | RedisCluster:
+    """A redis-py client with its timeouts and pool set for the hot path: redis-py 8's pool
+    raises rather than waits once its connections are busy, and its defaults (5 s, retries)
+    could hold a request for seconds."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        # One retry reconnects a pooled connection a restarted Redis dropped; the batch
+        # deadline bounds the whole attempt anyway.
+        "retry": Retry(NoBackoff(), 1),
+        "health_check_interval": 0,
+        # One connection per pipeline in flight, and one for SCRIPT LOAD.
+        "max_connections": max_in_flight + 1,
+    }
+    if cluster:
+        return RedisCluster.from_url(url, **options)
+    return Redis.from_url(url, **options)
+
+
+def _bound(max_delay_s: float) -> bytes:
+    """A delay bound for the script: shortest exact decimal, or '' for none."""
+    return b"" if max_delay_s == _INF else repr(float(max_delay_s)).encode()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _verdict(
+    checks: Sequence[Check], plans: Sequence[LimitPlan], reply: Sequence[int]
+) -> CombinedDecision:
+    """The verdict the script reached, as the memory store reaches it: combined, then a delay
+    over its check's bound refused (the script did not commit it either)."""
+    verdict = _combine([plan.codec for plan in plans], reply)
+    if verdict.delay_s > 0.0:
+        verdict = refuse_long_delays(
+            verdict, verdict.states, [check.max_delay_s for check in checks]
+        )
+        if verdict.allowed:  # delayed: it may be refunded, exactly with the script's instant
+            verdict = verdict._replace(now_us=reply[0])
+    return verdict
+
+
+def _combine(codecs: Sequence[Codec], reply: Sequence[int]) -> CombinedDecision:
+    """The combined verdict from the script's reply, as ``decide_all`` builds it."""
+    if len(codecs) == 1:
+        decision = codecs[0].decision(reply[1], reply[2], reply[3], reply[4], reply[5])
+        if decision.allowed:
+            delayed = 0 if decision.delay_s > 0.0 else None
+            return CombinedDecision(True, decision.delay_s, 0.0, (), delayed, (decision,), (None,))
+        return CombinedDecision(
+            False, 0.0, decision.retry_after_s, (0,), None, (decision,), (None,)
+        )
+    decisions = [
+        codec.decision(*reply[base : base + 5])
+        for codec, base in zip(codecs, range(1, 5 * len(codecs), 5), strict=True)
+    ]
+    states = (None,) * len(decisions)  # the script committed them: nothing to store here
+    return combine(decisions, states, states)
