@@ -9,7 +9,6 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from gateway.algorithms.combine import refuse_long_delays
 from gateway.client_ip import client_key
 from gateway.engine import LimitEngine
 from gateway.keys import RequestFacts
@@ -177,8 +176,6 @@ async def _combined_verdict(
         verdict = await engine.store.decide(enforced, commit=False)
     except StoreUnavailableError as exc:
         return {"status": 503, "reason": str(exc)}
-    if not engine.store.bounds_delays and verdict.delay_s > 0.0:
-        verdict = refuse_long_delays(verdict, verdict.states, [c.max_delay_s for c in enforced])
     if not verdict.allowed:
         first = enforced[verdict.rejected_by[0]].limit
         queued = verdict.decisions[verdict.rejected_by[0]].allowed

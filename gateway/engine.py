@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.algorithms.base import Algorithm
-from gateway.algorithms.combine import CombinedDecision, refuse_long_delays
+from gateway.algorithms.combine import CombinedDecision
 from gateway.delay_queue import DelayQueue
 from gateway.keys import KeyBuilder, RequestFacts
 from gateway.limits import Check, CompiledLimit, LimitCounters
@@ -189,15 +189,6 @@ class LimitEngine:
         """Decide the enforced limits in one atomic store call (nginx's multi-zone rule)."""
         try:
             verdict = await self.store.decide(enforced)
-            if not self.store.bounds_delays and verdict.delay_s > 0.0:
-                # This store committed before seeing the queue's bounds: refuse here and give
-                # the charge back (exact for buckets, approximate for windows).
-                bounded = refuse_long_delays(
-                    verdict, verdict.states, [check.max_delay_s for check in enforced]
-                )
-                if not bounded.allowed:
-                    await self.store.refund(enforced)
-                    verdict = bounded
         except StoreUnavailableError as exc:
             # The operator chose to fail closed (on_failure: deny) and the store is down.
             return Outcome(

@@ -1261,3 +1261,27 @@ async def test_metrics_and_log_follow_the_store_from_fallback_to_open_and_back_t
     assert len(circuit_lines) == sum(breaker.transitions.values())
     assert circuit_lines[0].startswith("redis store circuit closed->open (3 failures in a row")
     assert circuit_lines[-1] == "redis store circuit half_open->closed (probe succeeded)"
+
+
+async def test_local_fallback_evictions_reach_the_metrics(
+    redis_factory: RedisFactory, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """With Redis down the local fallback's tables are bounded by ``max_keys`` as the memory
+    store's are: the keys they evict are counted in /metrics the same way."""
+    server = redis_factory.start()
+    store = RedisStore(server.url, timeout_s=0.05, breaker=fast_breaker())
+    limits = (
+        "limits:\n  per_key:\n    algorithm: fixed_window\n    limit: 100\n    window: 1h\n"
+        "    key: ['header:X-Key']\n    max_keys: 2\n"
+    )
+    gw = await start_gateway(policy_for(upstream.url, limits), store=store)
+    server.stop()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for index in range(6):
+            async with session.get(gw.url + "/", headers={"X-Key": f"k{index}"}) as response:
+                assert response.status == 200
+        samples, _ = await scrape(session, gw.admin_url)
+    evicted = samples[("gateway_limit_evictions_total", frozenset({("limit", "per_key")}))]
+    assert store.counters.local_decisions == 6
+    assert evicted >= 1
+    assert evicted == store.evictions("per_key")

@@ -38,9 +38,7 @@ from gateway.observability.stats import (
     UNMATCHED_ROUTE,
     QueueWaits,
     RequestStats,
-    StoreStats,
 )
-from gateway.stores import MemoryStore
 
 if TYPE_CHECKING:
     from gateway.engine import Outcome
@@ -57,8 +55,8 @@ TOP_KEYS_PERIOD_S = 60.0
 
 
 class _RunningTotals:
-    """Totals of counters that can start again from zero (a limit a reload re-created, a
-    key table rebuilt), kept growing by adding each source's increase since it was last read."""
+    """Totals of counters that can start again from zero (a limit a reload re-created), kept
+    growing by adding each source's increase since it was last read."""
 
     __slots__ = ("_last", "_totals")
 
@@ -86,7 +84,6 @@ class WorkerMetrics:
         self.queue_waits = QueueWaits()
         self.top_keys: dict[str, RecentTopKeys] = {}
         self._decisions = _RunningTotals()
-        self._evictions = _RunningTotals()
 
     def note_limited(self, outcome: Outcome) -> None:
         """Count the keys a rejected request was refused under, for the top-keys view."""
@@ -163,7 +160,7 @@ class WorkerMetrics:
                     rejected=decided[2],
                     dry_run_delayed=decided[3],
                     dry_run_rejected=decided[4],
-                    evictions=self._read_evictions(name),
+                    evictions=store.evictions(name),
                     waiting=counters.waiting,
                     tracked_keys=store.tracked_keys(name),
                     wait=HistogramData.of(wait)
@@ -176,17 +173,15 @@ class WorkerMetrics:
                         HitterData(key=h.key, count=h.count, error=h.error)
                         for h in sketch.top(TOP_KEYS_SHOWN)
                     )
-        stats = getattr(store, "stats", None)
-        store_data = StoreData(name=store.name)
-        if isinstance(stats, StoreStats):
-            store_data = StoreData(
-                name=store.name,
-                state=stats.state,
-                calls=stats.calls,
-                errors=stats.errors,
-                latency=HistogramData.of(stats.latency),
-                transitions=dict(stats.transitions),
-            )
+        stats = store.stats
+        store_data = StoreData(
+            name=store.name,
+            state=stats.state,
+            calls=stats.calls,
+            errors=stats.errors,
+            latency=HistogramData.of(stats.latency),
+            transitions=dict(stats.transitions),
+        )
         reload = None
         if gateway.reloader is not None:
             status = gateway.reloader.status
@@ -224,18 +219,6 @@ class WorkerMetrics:
             connections_refused=server.refused_connections if server is not None else 0,
             header_timeouts=server.header_timeouts if server is not None else 0,
         )
-
-    def _read_evictions(self, name: str) -> int:
-        store = self.gateway.store
-        if isinstance(store, MemoryStore):
-            table = store.tables.get(name)
-            if table is None:
-                return self._evictions.read(name, None, (0,))[0]
-            return self._evictions.read(name, table, (table.evictions,))[0]
-        evictions = getattr(store, "evictions", None)
-        if callable(evictions):
-            return self._evictions.read(name, store, (int(evictions(name)),))[0]
-        return 0
 
 
 class ObservedHandler:

@@ -16,12 +16,13 @@ class MemoryStore:
     """State in this process: one bounded LRU table of per-key states per limit."""
 
     name = "memory"
-    bounds_delays = True
 
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or MonotonicClock()
         self.tables: dict[str, KeyedState[Any]] = {}
         self.stats = StoreStats()  # calls only: in-process calls take microseconds
+        # Evictions of tables a reload dropped, so that ``evictions`` never goes down.
+        self._dropped_evictions: dict[str, int] = {}
 
     def _table(self, limit: CompiledLimit) -> KeyedState[Any]:
         table = self.tables.get(limit.name)
@@ -82,11 +83,21 @@ class MemoryStore:
             if before.algorithm != limit.algorithm:
                 table.rescale(limit.algorithm, before.algorithm, now_us)
             tables[limit.name] = table
+        for name, table in self.tables.items():
+            if tables.get(name) is not table:
+                self._dropped_evictions[name] = (
+                    self._dropped_evictions.get(name, 0) + table.evictions
+                )
         self.tables = tables
 
     def tracked_keys(self, limit_name: str) -> int:
         table = self.tables.get(limit_name)
         return len(table) if table is not None else 0
+
+    def evictions(self, limit_name: str) -> int:
+        table = self.tables.get(limit_name)
+        current = table.evictions if table is not None else 0
+        return self._dropped_evictions.get(limit_name, 0) + current
 
     async def close(self) -> None:
         self.tables.clear()

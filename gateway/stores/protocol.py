@@ -11,6 +11,7 @@ from typing import Protocol
 
 from gateway.algorithms.combine import CombinedDecision
 from gateway.limits import Check, CompiledLimit
+from gateway.observability.stats import StoreStats
 
 
 class StoreUnavailableError(Exception):
@@ -23,8 +24,8 @@ class StoreUnavailableError(Exception):
 
 class LimitStore(Protocol):
     name: str
-    # True when ``decide`` refuses delays over each check's ``max_delay_s`` before committing.
-    bounds_delays: bool
+    # What the metrics read: calls, errors, call latency and what answers.
+    stats: StoreStats
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """Decide all checks at one instant; with ``commit``, store the new states if allowed.
@@ -47,6 +48,13 @@ class LimitStore(Protocol):
         """Adopt a new policy's limits: keep, rescale or free each limit's state."""
         ...
 
-    def tracked_keys(self, limit_name: str) -> int: ...
+    def tracked_keys(self, limit_name: str) -> int:
+        """Keys of this limit whose state this process holds."""
+        ...
+
+    def evictions(self, limit_name: str) -> int:
+        """Keys of this limit this process dropped to make room while their state still
+        mattered, since the store was made: it never goes down, a reload notwithstanding."""
+        ...
 
     async def close(self) -> None: ...

@@ -84,8 +84,6 @@ class RedisStore:
     """The ``LimitStore`` for several replicas: state in Redis or a Redis Cluster."""
 
     name = "redis"
-    # The script refuses a delay over a check's bound before it commits anything.
-    bounds_delays = True
 
     def __init__(
         self,
@@ -279,6 +277,10 @@ class RedisStore:
     def tracked_keys(self, limit_name: str) -> int:
         """Keys held in this process (the local fallback's); keys in Redis expire by TTL."""
         return self.local.tracked_keys(limit_name)
+
+    def evictions(self, limit_name: str) -> int:
+        """The local fallback's: Redis expires its keys by TTL and evicts none."""
+        return self.local.evictions(limit_name)
 
     async def close(self) -> None:
         await self.local.close()
