@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import logging
 import math
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from gateway.keys import KeyBuilder
 from gateway.limits import Check, CompiledLimit, LimitCounters
 from gateway.policy import LeakyBucketLimit
 from gateway.stores import LimitStore, MemoryStore, RedisStore, StoreUnavailableError
-from gateway.stores.redis.codecs import codec_for, divided
+from gateway.stores.redis.codecs import codec_for
 from gateway.stores.redis.store import load_script, parse_store_url
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
@@ -836,71 +835,6 @@ async def test_allow_mode_fails_open_and_deny_mode_fails_closed(
         await deny.close()
 
 
-def test_breaker_opens_probes_backs_off_and_closes(caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeClock(0)
-    breaker = CircuitBreaker(
-        "redis", failure_threshold=3, reset_timeout_s=1.0, max_reset_timeout_s=3.0, clock=clock
-    )
-    caplog.set_level(logging.INFO, logger="gateway.circuit")
-    for _ in range(2):
-        assert breaker.allow()
-        breaker.failure("timeout")
-    assert breaker.state == "closed"
-    breaker.success()  # a success resets the count
-    for _ in range(3):
-        assert breaker.allow()
-        breaker.failure("timeout")
-    assert breaker.state == "open" and breaker.retry_in_s == 1.0
-    assert not breaker.allow() and breaker.short_circuited == 1
-    clock.advance(1.0)
-    assert breaker.allow() and breaker.state == "half_open"
-    assert not breaker.allow()  # one probe at a time
-    breaker.failure("refused")
-    assert breaker.state == "open" and breaker.retry_in_s == 2.0  # backed off
-    clock.advance(2.0)
-    assert breaker.allow()
-    breaker.failure("refused")
-    assert breaker.retry_in_s == 3.0  # capped
-    clock.advance(3.0)
-    assert breaker.allow()
-    breaker.success()
-    assert breaker.state == "closed" and breaker.allow()
-    assert breaker.transitions == {
-        "closed->open": 1,
-        "open->half_open": 3,
-        "half_open->open": 2,
-        "half_open->closed": 1,
-    }
-    assert breaker.opened == 3 and breaker.probes == 3 and breaker.failures == 7
-    messages = [r.getMessage() for r in caplog.records if r.name == "gateway.circuit"]
-    assert len(messages) == 7
-    assert messages[0].startswith("redis circuit closed->open (3 failures in a row")
-
-
-def test_a_cancelled_probe_reopens_the_circuit_for_the_next_call_to_probe() -> None:
-    clock = FakeClock(0)
-    breaker = CircuitBreaker(
-        "redis", failure_threshold=1, reset_timeout_s=1.0, max_reset_timeout_s=4.0, clock=clock
-    )
-    assert breaker.allow() and breaker.probe_out == 0  # closed: no probe
-    breaker.failure("timeout")
-    clock.advance(1.0)
-    assert breaker.allow() and breaker.state == "half_open"
-    first = breaker.probe_out
-    assert first == 1 and not breaker.allow()
-    breaker.cancelled(first)  # its client hung up before Redis answered
-    assert breaker.state == "open" and breaker.retry_in_s == 0.0
-    assert breaker.allow() and breaker.state == "half_open"  # the next call probes at once
-    second = breaker.probe_out
-    breaker.cancelled(first)  # a stale probe's cancellation leaves the new probe out
-    assert breaker.state == "half_open" and not breaker.allow()
-    breaker.failure("refused")  # a probe that fails still backs off as before
-    assert breaker.state == "open" and breaker.retry_in_s == 2.0
-    breaker.cancelled(second)  # no longer out: nothing to release
-    assert breaker.state == "open" and breaker.retry_in_s == 2.0
-    assert breaker.transitions["half_open->open"] == 2 and breaker.opened == 2
-
-
 async def _call(store: RedisStore, call: str, check: Check) -> None:
     if call == "decide":
         await store.decide([check])
@@ -957,30 +891,6 @@ async def test_a_cancelled_probe_does_not_leave_the_circuit_half_open(
 
 
 # --- configuration checks ---------------------------------------------------------------------
-
-
-def test_each_limit_divided_between_replicas_is_never_more_lenient() -> None:
-    assert divided(LeakyBucket(10, 1, 20, 10), 2) == LeakyBucket(5, 1, 10, 5)
-    # 10r/s over 3: 200r/m (3.33 r/s), burst 20 -> 6, delay 10 -> 3
-    assert divided(LeakyBucket(10, 1, 20, 10), 3) == LeakyBucket(200, 60, 6, 3)
-    assert divided(LeakyBucket(1, 60, 5, None), 4) == LeakyBucket(1, 60, 1, None)
-    assert divided(SlidingWindow(600, 60.0), 4) == SlidingWindow(150, 60.0)
-    assert divided(FixedWindow(5, 1.0), 10) == FixedWindow(1, 1.0)
-    assert divided(SlidingLog(9, 2.0), 2) == SlidingLog(4, 2.0)
-    assert divided(TokenBucket(1000, 1, 2000), 3) == TokenBucket(1000, 3, 666)
-    bucket = divided(TokenBucket(1000, 1, 2000), 3)
-    assert isinstance(bucket, TokenBucket) and bucket.tokens(None, 0) == 666
-    assert divided(WarmingUpTokenBucket(6, 1, 2.0), 2) == WarmingUpTokenBucket(6, 2, 2.0)
-    limit = LeakyBucket(5, 1, 3, None)
-    assert divided(limit, 1) is limit
-
-
-def test_limits_whose_arithmetic_would_not_be_exact_in_lua_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"too large for the Redis store.*2\*\*53"):
-        codec_for(SlidingWindow(10**9, 3600.0))
-    with pytest.raises(ValueError, match="too large for the Redis store"):
-        codec_for(TokenBucket(999_983, 1, 10**10))
-    codec_for(SlidingWindow(10**6, 3600.0))  # a million an hour is fine
 
 
 def test_store_urls_and_options_are_checked() -> None:
@@ -1040,22 +950,6 @@ async def test_tracked_keys_counts_the_local_fallback(redis_factory: RedisFactor
         assert store.tracked_keys("tk") == 2
     finally:
         await store.close()
-
-
-def test_state_codecs_read_back_what_the_python_algorithm_holds() -> None:
-    """The codecs' view of a stored value (the parameters it was written under, then the
-    state), on values written by hand."""
-    leaky = codec_for(LeakyBucket(5, 1, 3, None))
-    assert leaky.decode_state(leaky.params + struct.pack("<dd", 2000, 123_456)) == (
-        2000 << 44 | 123_456
-    )
-    log = codec_for(SlidingLog(3, 1.0))
-    packed = log.params + struct.pack("<ddd", T0_US, T0_US + 1, T0_US + 2)
-    assert log.decode_state(packed) == struct.pack("=3q", T0_US, T0_US + 1, T0_US + 2)
-    bucket = codec_for(TokenBucket(7, 1, 3))  # 7 ticks per microsecond
-    assert bucket.decode_state(bucket.params + struct.pack("<dd", T0_US, 5)) == T0_US * 7 + 5
-    with pytest.raises(ValueError, match="other parameters"):
-        codec_for(TokenBucket(8, 1, 3)).decode_state(bucket.params + struct.pack("<dd", T0_US, 5))
 
 
 # --- through the gateway: Redis stops under load ---------------------------------------------

@@ -1,0 +1,58 @@
+"""The in-process store across reloads: refunds and eviction counts of limits a reload replaced."""
+
+from __future__ import annotations
+
+from gateway.stores import MemoryStore
+
+
+async def test_a_refund_under_a_limit_a_reload_replaced_leaves_the_new_state_alone() -> None:
+    """A queued request's charge belongs to the limit it was decided under. If a reload has
+    since removed that limit, or given its name another algorithm, the refund gives nothing:
+    the old algorithm's arithmetic on the new algorithm's state would corrupt it."""
+    from gateway.algorithms.leaky_bucket import LeakyBucket
+    from gateway.algorithms.token_bucket import TokenBucket
+    from gateway.clock import FakeClock
+    from gateway.limits import Check
+    from tests.test_redis_store import compiled
+
+    store = MemoryStore(FakeClock())
+    old = compiled("shaped", TokenBucket(1, 1, 1, mode="queue"))
+    assert (await store.decide([Check(old, "k")])).allowed
+    new = compiled("shaped", LeakyBucket(1, 60, 2, None))
+    store.configure([new], [old])  # another algorithm under the same name: starts afresh
+    assert (await store.decide([Check(new, "k")])).allowed
+    before = store.tables["shaped"].peek("k")
+    await store.refund([Check(old, "k")], charged_us=None)
+    assert store.tables["shaped"].peek("k") == before
+    store.configure([], [new])  # the limit removed
+    await store.refund([Check(new, "k")])
+    assert "shaped" not in store.tables
+
+
+async def test_evictions_never_go_down_when_a_reload_starts_a_limit_afresh() -> None:
+    """/metrics exports evictions as a counter: a reload that gives a limit a new table (a
+    different key) or removes it keeps the count the old table reached."""
+    import dataclasses
+
+    from gateway.algorithms.fixed_window import FixedWindow
+    from gateway.clock import FakeClock
+    from gateway.limits import Check, CompiledLimit
+    from tests.test_redis_store import compiled
+
+    def two_keys(limit: CompiledLimit) -> CompiledLimit:
+        return dataclasses.replace(limit, spec=limit.spec.model_copy(update={"max_keys": 2}))
+
+    store = MemoryStore(FakeClock())
+    old = two_keys(compiled("small", FixedWindow(100, 3600.0)))
+    for index in range(6):
+        assert (await store.decide([Check(old, f"k{index}")])).allowed
+    evicted = store.evictions("small")
+    assert evicted >= 1
+    new = two_keys(compiled("small", FixedWindow(100, 3600.0), key=("header:X-Key",)))
+    store.configure([new], [old])  # another key: the limit starts afresh in a new table
+    assert store.evictions("small") == evicted
+    for index in range(6):
+        assert (await store.decide([Check(new, f"k{index}")])).allowed
+    assert store.evictions("small") == 2 * evicted
+    store.configure([], [new])  # the limit removed
+    assert store.evictions("small") == 2 * evicted

@@ -1,0 +1,56 @@
+"""The Redis store's codecs: each limit's parameters for Lua, its share when divided between
+replicas, and stored values read back as the Python algorithm's state."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.leaky_bucket import LeakyBucket
+from gateway.algorithms.sliding_log import SlidingLog
+from gateway.algorithms.sliding_window import SlidingWindow
+from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
+from gateway.stores.redis.codecs import codec_for, divided
+from tests.test_redis_store import T0_US
+
+
+def test_each_limit_divided_between_replicas_is_never_more_lenient() -> None:
+    assert divided(LeakyBucket(10, 1, 20, 10), 2) == LeakyBucket(5, 1, 10, 5)
+    # 10r/s over 3: 200r/m (3.33 r/s), burst 20 -> 6, delay 10 -> 3
+    assert divided(LeakyBucket(10, 1, 20, 10), 3) == LeakyBucket(200, 60, 6, 3)
+    assert divided(LeakyBucket(1, 60, 5, None), 4) == LeakyBucket(1, 60, 1, None)
+    assert divided(SlidingWindow(600, 60.0), 4) == SlidingWindow(150, 60.0)
+    assert divided(FixedWindow(5, 1.0), 10) == FixedWindow(1, 1.0)
+    assert divided(SlidingLog(9, 2.0), 2) == SlidingLog(4, 2.0)
+    assert divided(TokenBucket(1000, 1, 2000), 3) == TokenBucket(1000, 3, 666)
+    bucket = divided(TokenBucket(1000, 1, 2000), 3)
+    assert isinstance(bucket, TokenBucket) and bucket.tokens(None, 0) == 666
+    assert divided(WarmingUpTokenBucket(6, 1, 2.0), 2) == WarmingUpTokenBucket(6, 2, 2.0)
+    limit = LeakyBucket(5, 1, 3, None)
+    assert divided(limit, 1) is limit
+
+
+def test_limits_whose_arithmetic_would_not_be_exact_in_lua_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"too large for the Redis store.*2\*\*53"):
+        codec_for(SlidingWindow(10**9, 3600.0))
+    with pytest.raises(ValueError, match="too large for the Redis store"):
+        codec_for(TokenBucket(999_983, 1, 10**10))
+    codec_for(SlidingWindow(10**6, 3600.0))  # a million an hour is fine
+
+
+def test_state_codecs_read_back_what_the_python_algorithm_holds() -> None:
+    """The codecs' view of a stored value (the parameters it was written under, then the
+    state), on values written by hand."""
+    leaky = codec_for(LeakyBucket(5, 1, 3, None))
+    assert leaky.decode_state(leaky.params + struct.pack("<dd", 2000, 123_456)) == (
+        2000 << 44 | 123_456
+    )
+    log = codec_for(SlidingLog(3, 1.0))
+    packed = log.params + struct.pack("<ddd", T0_US, T0_US + 1, T0_US + 2)
+    assert log.decode_state(packed) == struct.pack("=3q", T0_US, T0_US + 1, T0_US + 2)
+    bucket = codec_for(TokenBucket(7, 1, 3))  # 7 ticks per microsecond
+    assert bucket.decode_state(bucket.params + struct.pack("<dd", T0_US, 5)) == T0_US * 7 + 5
+    with pytest.raises(ValueError, match="other parameters"):
+        codec_for(TokenBucket(8, 1, 3)).decode_state(bucket.params + struct.pack("<dd", T0_US, 5))
