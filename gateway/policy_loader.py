@@ -190,6 +190,16 @@ def _toml_key_lines(text: str) -> dict[Loc, int]:
 def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
     """What the schema alone cannot see: names that must exist, parameters an algorithm refuses."""
     problems: list[tuple[Loc, str]] = []
+    if not policy.routes:
+        # An empty file (a template that rendered nothing, an editor that truncated first)
+        # would otherwise load and answer every request with 404.
+        problems.append(
+            (
+                ("routes",),
+                "the policy routes nothing: every request would get 404; "
+                "define at least one route (an empty or truncated file?)",
+            )
+        )
     for i, route in enumerate(policy.routes):
         if route.upstream not in policy.upstreams:
             known = ", ".join(sorted(policy.upstreams)) or "none defined"

@@ -109,6 +109,10 @@ EXPECTED_ERRORS = {
     "methods is empty: it would match no request (omit it for all)",
     "limit_empty_routes.yaml": "limit_empty_routes.yaml:12: limits.per_ip.match.routes: "
     "routes is empty: the limit would apply to no request (omit it for all)",
+    "empty.yaml": "empty.yaml: routes: the policy routes nothing: every request would get 404; "
+    "define at least one route (an empty or truncated file?)",
+    "version_only.yaml": "version_only.yaml:1: routes: the policy routes nothing: every request "
+    "would get 404; define at least one route (an empty or truncated file?)",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
 }

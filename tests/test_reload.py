@@ -280,3 +280,28 @@ async def test_other_files_changing_beside_the_policy_do_not_reload_it(
     assert (status.succeeded, status.unchanged, status.failed) == (0, 0, 0)
     write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="2r/m", burst=1))
     await _wait_for(lambda: reloader.status.succeeded == 1)
+
+
+async def test_an_empty_or_routeless_file_is_refused_and_the_policy_stays(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A template that rendered empty, or an editor that truncated before writing, must not
+    take the site down: the running policy stays, limit state and readiness with it."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=1))
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    sha_before = gw.gateway.loaded.sha256
+    async with aiohttp.ClientSession() as session:
+        assert await _status(session, gw.url + "/") == 200
+        for text in ("", "version: 1\n"):
+            path.write_text(text)
+            async with session.post(gw.admin_url + "/reload") as resp:
+                assert resp.status == 422
+                assert "routes nothing" in (await resp.json())["error"]
+            assert gw.gateway.loaded.sha256 == sha_before
+            assert await _status(session, gw.admin_url + "/readyz") == 200
+        # The limit's state survived: the second request of the minute is still refused.
+        assert [await _status(session, gw.url + "/") for _ in range(2)] == [200, 429]
+
