@@ -305,3 +305,29 @@ async def test_an_empty_or_routeless_file_is_refused_and_the_policy_stays(
         # The limit's state survived: the second request of the minute is still refused.
         assert [await _status(session, gw.url + "/") for _ in range(2)] == [200, 429]
 
+
+async def test_reverting_a_bad_edit_clears_the_failure(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """Restoring the running content is a return to a valid state, not "nothing happened":
+    the stale error must not stay on /policy, /reload and the dashboard."""
+    path = tmp_path / "policy.yaml"
+    good = policy_for(upstream.url)
+    path.write_text(good)
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    async with aiohttp.ClientSession() as session:
+        path.write_text("routes: [")
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 422
+        failed_at = reloader.status.last_attempt_at
+        path.write_text(good)
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"result": "unchanged", "error": None}
+        async with session.get(gw.admin_url + "/policy") as resp:
+            status = (await resp.json())["reload"]
+    assert status["last_result"] == "ok"
+    assert status["last_error"] is None
+    assert failed_at is not None and status["last_success_at"] >= failed_at
