@@ -15,7 +15,7 @@ from gateway.admin import AdminState, make_admin_app
 from gateway.clock import Clock
 from gateway.demo_upstream import start_demo_upstream
 from gateway.observability.observer import Observability
-from gateway.policy import split_host_port
+from gateway.policy import Policy, split_host_port
 from gateway.policy_loader import LoadedPolicy
 from gateway.proxy import ProxyHandler
 from gateway.reload import PolicyReloader
@@ -73,6 +73,7 @@ class Gateway:
         self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
         self.reuse_port = reuse_port
         self.worker_id = worker_id
+        self.workers = workers
         self._demo_runner: web.AppRunner | None = None
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -124,6 +125,12 @@ class Gateway:
         )
         await admin_site.start()
         self.admin_port = self._admin_runner.addresses[0][1]
+        self.admin_state.in_force = {
+            "listen": _host_port(self.listen[0], self.proxy_port),
+            "admin_listen": _host_port(admin_host, self.admin_port),
+            "workers": self.workers,
+            "shutdown_timeout": settings.shutdown_timeout,
+        }
         if self.reloader is not None:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
@@ -141,9 +148,17 @@ class Gateway:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
         if loaded.policy.store != self.loaded.policy.store:
             raise ValueError("store settings take effect on restart only; the running policy stays")
+        moved = restart_only_changes(self.loaded.policy, loaded.policy)
+        if moved:
+            raise ValueError(
+                f"{', '.join(moved)} take effect on restart only; the running policy stays "
+                "(restart the gateway to apply them, or revert them to reload the rest)"
+            )
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
+        if self.server is not None:
+            self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
         kept = {name for name, t in runtime.upstreams.items() if previous.upstreams.get(name) is t}
         asyncio.get_running_loop().create_task(self._retire(previous, kept))
@@ -182,6 +197,24 @@ class Gateway:
         await self.store.close()
         if self._demo_runner is not None:
             await self._demo_runner.cleanup()
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# Server settings a running worker cannot change: its sockets are bound, its processes forked,
+# and its runner holds the shutdown deadline. The rest apply on reload.
+RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout")
+
+
+def restart_only_changes(running: Policy, new: Policy) -> list[str]:
+    """``server.*`` settings that differ between two policies but only move on restart."""
+    return [
+        f"server.{name} ({getattr(running.server, name)!r} -> {getattr(new.server, name)!r})"
+        for name in RESTART_ONLY
+        if getattr(running.server, name) != getattr(new.server, name)
+    ]
 
 
 async def serve(

@@ -331,3 +331,45 @@ async def test_reverting_a_bad_edit_clears_the_failure(
     assert status["last_result"] == "ok"
     assert status["last_error"] is None
     assert failed_at is not None and status["last_success_at"] >= failed_at
+
+
+async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is_in_force(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A bound listener or a forked worker count cannot move on reload: saying "ok" while
+    nothing moved left /policy showing values not in force."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url))
+    gw = await start_gateway(
+        load_policy(path), policy_path=str(path), listen="127.0.0.1:0"
+    )  # a command-line --listen override
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    async with aiohttp.ClientSession() as session:
+        moved = policy_for(upstream.url, server="  workers: 2\n").replace(
+            "admin_listen: 127.0.0.1:0", "admin_listen: 127.0.0.1:9999"
+        )
+        path.write_text(moved)
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 422
+            assert (await resp.json())["error"] == (
+                "server.admin_listen ('127.0.0.1:0' -> '127.0.0.1:9999'), server.workers "
+                "(1 -> 2) take effect on restart only; the running policy stays (restart the "
+                "gateway to apply them, or revert them to reload the rest)"
+            )
+        async with session.get(gw.admin_url + "/policy") as resp:
+            body = await resp.json()
+        in_force = {
+            "listen": f"127.0.0.1:{gw.port}",
+            "admin_listen": f"127.0.0.1:{gw.gateway.admin_port}",
+            "workers": 1,
+            "shutdown_timeout": 30.0,
+        }
+        assert body["in_force"] == in_force
+        assert {k: body["policy"]["server"][k] for k in in_force} == in_force
+
+        # Connection settings do apply on reload, to connections opened afterwards.
+        path.write_text(policy_for(upstream.url, server="  header_timeout: 3s\n"))
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert (await resp.json()) == {"result": "ok", "error": None}
+    assert gw.gateway.server is not None and gw.gateway.server.header_timeout == 3.0
