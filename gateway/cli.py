@@ -16,7 +16,7 @@ from typing import Any
 from gateway import __version__
 from gateway.policy import Policy, Route, Upstream, policy_json_schema
 from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
-from gateway.store import store_url
+from gateway.preflight import build_problems
 
 log = logging.getLogger("gateway")
 
@@ -49,7 +49,7 @@ def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
     try:
         return load_policy(config)
     except PolicyError as exc:
-        raise SystemExit(f"gateway: invalid policy:\n{exc}") from None
+        raise SystemExit(str(exc)) from None
 
 
 def _worker_main(
@@ -138,11 +138,6 @@ def _supervise(
     return 0
 
 
-def _shared_store(loaded: LoadedPolicy) -> bool:
-    """Whether limit state is shared between processes (the Redis store)."""
-    return store_url(loaded.policy.store) != "memory"
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from gateway.serve import check_aiohttp
 
@@ -150,13 +145,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = _load_for_run(args)
     workers = args.workers or loaded.policy.server.workers
     policy_path = None if args.upstream else (args.config or os.environ.get(ENV_CONFIG))
-    if workers > 1 and loaded.policy.limits and not _shared_store(loaded):
-        # Each worker would hold its own copy of every limit, and a client's keep-alive
-        # connection stays on one worker: dividing the limits by N would be wrong per client.
-        raise SystemExit(
-            f"gateway: {workers} workers with in-process limit state would enforce every limit "
-            "once per worker; use a shared store (Redis) or run one worker"
-        )
+    if workers != loaded.policy.server.workers:
+        # --workers overrides the file: build again for that count (the Redis store's local
+        # fallback divides each limit by it).
+        for _, problem in build_problems(loaded.policy, workers):
+            raise SystemExit(f"gateway: --workers {workers}: {problem}")
     if workers == 1:
         _worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
         return 0

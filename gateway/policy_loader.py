@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.policy import Policy
+from gateway.preflight import build_problems
 
 Loc = tuple[str | int, ...]
 
@@ -249,7 +250,7 @@ def parse_policy(text: str, file: str = "<policy>") -> LoadedPolicy:
                 reason = reason[len("Value error, ") :]
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         raise PolicyError(file, problems) from None
-    ref_problems = _check_references(policy)
+    ref_problems = _check_references(policy) or build_problems(policy)
     if ref_problems:
         raise PolicyError(
             file,
