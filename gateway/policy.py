@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -360,6 +360,12 @@ class TokenBucketLimit(_LimitBase):
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
 
 
+# The names ``algorithm:`` takes, for error messages.
+ALGORITHMS: tuple[str, ...] = tuple(
+    name
+    for model in (LeakyBucketLimit, WindowLimit, TokenBucketLimit)
+    for name in get_args(model.model_fields["algorithm"].annotation)
+)
 Limit = Annotated[
     LeakyBucketLimit | WindowLimit | TokenBucketLimit, Field(discriminator="algorithm")
 ]
