@@ -124,6 +124,18 @@ EXPECTED_ERRORS = {
     "workers_with_memory_limits.yaml": "workers_with_memory_limits.yaml:2: server.workers: 2 "
     "workers with in-process limit state would enforce every limit once per worker; use a shared "
     "store (Redis) or run one worker",
+    "zero_header_timeout.yaml": "zero_header_timeout.yaml:2: server.header_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_body_timeout.yaml": "zero_body_timeout.yaml:3: server.body_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_connect_timeout.yaml": "zero_connect_timeout.yaml:4: upstreams.backend.connect_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_read_timeout.yaml": "zero_read_timeout.yaml:4: upstreams.backend.read_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_idle_timeout.yaml": "zero_idle_timeout.yaml:4: upstreams.backend.idle_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_store_timeout.yaml": "zero_store_timeout.yaml:3: store.timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
 }
