@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from gateway.serve import Gateway
 
 log = logging.getLogger("gateway.reload")
+# watchfiles logs every batch of changes it sees at INFO. The directory it watches may hold the
+# gateway's own log file: each such line would be the next change, about 10 lines a second
+# forever. Our reloads log what matters.
+logging.getLogger("watchfiles").setLevel(logging.WARNING)
 
 
 @dataclass(slots=True)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -373,3 +377,37 @@ async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is
         async with session.post(gw.admin_url + "/reload") as resp:
             assert (await resp.json()) == {"result": "ok", "error": None}
     assert gw.gateway.server is not None and gw.gateway.server.header_timeout == 3.0
+
+
+def test_a_log_file_beside_the_policy_stays_quiet_while_idle(tmp_path: Path) -> None:
+    """The file watcher's library logs each change it sees; with the gateway's log in the
+    watched directory each of those lines was the next change (about 10 lines a second)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_for("http://127.0.0.1:9"))
+    log = tmp_path / "gateway.log"
+    with log.open("a") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", "--config", str(policy)],
+            stdout=stderr,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "serving on" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the watcher is up well within this
+        with log.open("a") as writer:  # another writer (or a request's log line) starts it
+            writer.write("a line from elsewhere\n")
+        time.sleep(0.5)
+        before = log.read_text().count("\n")
+        time.sleep(3)
+        after = log.read_text()
+        assert after.count("\n") == before, after
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
