@@ -45,6 +45,20 @@ def check_aiohttp() -> None:
         )
 
 
+class StartupError(Exception):
+    """The gateway cannot start for a reason the operator can fix (a port already in use)."""
+
+
+async def _start_site(site: web.TCPSite, what: str, host: str, port: int) -> None:
+    try:
+        await site.start()
+    except OSError as exc:
+        # asyncio's strerror repeats the address; the errno's text says it plainly.
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        address = _host_port(host, port)
+        raise StartupError(f"cannot listen on {address} ({what}): {reason}") from None
+
+
 class Gateway:
     """One worker's listeners and runtime; tests start it in process, the CLI per worker."""
 
@@ -109,7 +123,7 @@ class Gateway:
         site = web.TCPSite(
             self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
         )
-        await site.start()
+        await _start_site(site, "proxy", host, port)
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
         self.admin_state = AdminState(
@@ -123,7 +137,7 @@ class Gateway:
         admin_site = web.TCPSite(
             self._admin_runner, admin_host, admin_port, reuse_port=self.reuse_port or None
         )
-        await admin_site.start()
+        await _start_site(admin_site, "admin", admin_host, admin_port)
         self.admin_port = self._admin_runner.addresses[0][1]
         self.admin_state.in_force = {
             "listen": _host_port(self.listen[0], self.proxy_port),
@@ -241,7 +255,11 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await gateway.start()
+    try:
+        await gateway.start()
+    except StartupError:
+        await gateway.stop()  # whatever had started (a listener bound before the other failed)
+        raise
     tasks: set[asyncio.Task[str]] = set()
     reloader = gateway.reloader
     if reloader is not None:
