@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -29,6 +29,9 @@ class AdminState:
     ready: bool = False
     worker_id: int = 0
     reloader: PolicyReloader | None = None
+    # server settings as the worker runs them (command-line overrides and bound ports
+    # included): a reload cannot move them, so the file's values may not be the ones in force.
+    in_force: dict[str, Any] = field(default_factory=dict)
 
 
 ADMIN_STATE = web.AppKey("admin_state", AdminState)
@@ -58,6 +61,8 @@ async def _policy(request: web.Request) -> web.Response:
             "last_error": status.last_error,
             "last_success_at": status.last_success_at,
         }
+    policy = runtime.loaded.policy.model_dump(mode="json")
+    policy["server"].update(state.in_force)
     return web.json_response(
         {
             "source": runtime.loaded.source,
@@ -66,7 +71,8 @@ async def _policy(request: web.Request) -> web.Response:
             "worker": state.worker_id,
             "store": runtime.engine.store.name,
             "reload": reload_status,
-            "policy": runtime.loaded.policy.model_dump(mode="json"),
+            "in_force": state.in_force,
+            "policy": policy,
         }
     )
 

@@ -1,4 +1,7 @@
-"""Command line: ``gateway run``, ``gateway check FILE`` (like ``nginx -t``), ``gateway schema``."""
+"""Command line: gateway run, gateway check FILE (like nginx -t), gateway schema.
+
+Every mistake of the user's is one line on stderr and a non-zero exit, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +14,23 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from gateway import __version__
-from gateway.policy import Policy, Route, Upstream, policy_json_schema
+from gateway.logs import LOG_FORMATS, LOG_LEVELS
+from gateway.logs import configure as configure_logging
+from gateway.policy import Policy, Route, Upstream, policy_json_schema, split_host_port
 from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
-from gateway.stores import store_url
+from gateway.preflight import build_problems
 
 log = logging.getLogger("gateway")
 
 ENV_CONFIG = "GATEWAY_CONFIG"
+ENV_LOG_LEVEL = "GATEWAY_LOG_LEVEL"
+ENV_LOG_FORMAT = "GATEWAY_LOG_FORMAT"
+# A worker that cannot start (its message printed) exits with this: the supervisor stops
+# rather than restarting it in a loop.
+EXIT_STARTUP = 78  # EX_CONFIG
 
 
 def _policy_for_upstream(url: str) -> LoadedPolicy:
@@ -49,7 +59,7 @@ def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
     try:
         return load_policy(config)
     except PolicyError as exc:
-        raise SystemExit(f"gateway: invalid policy:\n{exc}") from None
+        raise SystemExit(str(exc)) from None
 
 
 def _worker_main(
@@ -60,19 +70,23 @@ def _worker_main(
     workers: int,
     policy_path: str | None,
 ) -> None:
-    from gateway.serve import run_event_loop, serve
+    from gateway.serve import StartupError, run_event_loop, serve
 
-    run_event_loop(
-        lambda: serve(
-            loaded,
-            listen=listen,
-            admin_listen=admin,
-            reuse_port=workers > 1,
-            worker_id=worker_id,
-            workers=workers,
-            policy_path=policy_path,
+    try:
+        run_event_loop(
+            lambda: serve(
+                loaded,
+                listen=listen,
+                admin_listen=admin,
+                reuse_port=workers > 1,
+                worker_id=worker_id,
+                workers=workers,
+                policy_path=policy_path,
+            )
         )
-    )
+    except StartupError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_STARTUP) from None
 
 
 def _forked_worker_main(*args: Any) -> None:
@@ -120,10 +134,14 @@ def _supervise(
     signal.signal(signal.SIGHUP, on_sighup)
     procs.update({i: start(i) for i in range(workers)})
     log.info("supervisor pid %d started %d workers", os.getpid(), workers)
+    failed = False
     while not stopping:
         time.sleep(0.2)
         for worker_id, proc in list(procs.items()):
-            if not proc.is_alive() and not stopping:
+            if not proc.is_alive() and proc.exitcode == EXIT_STARTUP and not stopping:
+                # It said why (a port in use, say); a restart would fail the same way.
+                stopping = failed = True
+            elif not proc.is_alive() and not stopping:
                 log.error("worker %d exited with %s; restarting", worker_id, proc.exitcode)
                 time.sleep(0.5)
                 procs[worker_id] = start(worker_id)
@@ -135,12 +153,7 @@ def _supervise(
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
-    return 0
-
-
-def _shared_store(loaded: LoadedPolicy) -> bool:
-    """Whether limit state is shared between processes (the Redis store)."""
-    return store_url(loaded.policy.store) != "memory"
+    return 1 if failed else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -148,15 +161,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_aiohttp()
     loaded = _load_for_run(args)
+    for option, value in (("--listen", args.listen), ("--admin-listen", args.admin_listen)):
+        if value is not None:
+            try:
+                split_host_port(value)
+            except ValueError as exc:
+                raise SystemExit(f"gateway: {option}: {exc}") from None
     workers = args.workers or loaded.policy.server.workers
     policy_path = None if args.upstream else (args.config or os.environ.get(ENV_CONFIG))
-    if workers > 1 and loaded.policy.limits and not _shared_store(loaded):
-        # Each worker would hold its own copy of every limit, and a client's keep-alive
-        # connection stays on one worker: dividing the limits by N would be wrong per client.
-        raise SystemExit(
-            f"gateway: {workers} workers with in-process limit state would enforce every limit "
-            "once per worker; use a shared store (Redis) or run one worker"
-        )
+    if workers != loaded.policy.server.workers:
+        # --workers overrides the file: build again for that count (the Redis store's local
+        # fallback divides each limit by it).
+        for _, problem in build_problems(loaded.policy, workers):
+            raise SystemExit(f"gateway: --workers {workers}: {problem}")
     if workers == 1:
         _worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
         return 0
@@ -181,35 +198,130 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("GATEWAY_LOG_LEVEL", "INFO"))
-    sub = parser.add_subparsers(dest="command", required=True)
+_DESCRIPTION = """\
+A rate-limiting reverse proxy: nginx limit_req semantics, layered limits, live reload.
+"""
 
-    run = sub.add_parser("run", help="run the gateway")
+_EPILOG = """\
+examples:
+  gateway run --config policies/default.yaml
+  gateway run --config policy.yaml --listen 0.0.0.0:8080 --log-format json
+  gateway run --upstream http://127.0.0.1:8000        (no limits, no policy file)
+  gateway check policy.yaml other.toml
+  gateway schema > policy.schema.json
+
+environment:
+  GATEWAY_CONFIG      policy file when --config is not given
+  GATEWAY_LOG_LEVEL   default of --log-level (INFO)
+  GATEWAY_LOG_FORMAT  default of --log-format (text)
+  GATEWAY_STORE_URL   overrides the policy's store.url (memory, redis://...)
+  GATEWAY_METRICS_DIR where --workers N processes share their metrics
+  GATEWAY_LOOP        asyncio to use the standard event loop instead of uvloop
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, naming --help, rather than the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid log level {text!r}: expected one of {', '.join(LOG_LEVELS)}"
+        )
+    return level
+
+
+def _add_log_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The logging options, accepted before and after the subcommand alike; after it they
+    have no defaults of their own, so they override only when given."""
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=os.environ.get(ENV_LOG_LEVEL, "INFO") if defaults else argparse.SUPPRESS,
+        help=f"{', '.join(LOG_LEVELS)} (default: ${ENV_LOG_LEVEL} or INFO)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=os.environ.get(ENV_LOG_FORMAT, "text") if defaults else argparse.SUPPRESS,
+        help=f"the gateway's own log lines as text or as one JSON object per line "
+        f"(default: ${ENV_LOG_FORMAT} or text)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="gateway",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
+    _add_log_options(parser, defaults=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,schema}")
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        child = sub.add_parser(
+            name,
+            help=summary,
+            description=summary,
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _add_log_options(child, defaults=False)
+        return child
+
+    run = command("run", "serve a policy")
     run.add_argument("--config", "-c", help="policy file (YAML, or TOML by extension)")
     run.add_argument("--upstream", help="proxy everything to this URL, no limits (no policy file)")
     run.add_argument("--listen", help="HOST:PORT for the proxy, overriding the policy file")
     run.add_argument("--admin-listen", help="HOST:PORT for the admin listener")
-    run.add_argument("--workers", type=int, help="processes sharing the port (SO_REUSEPORT)")
+    run.add_argument(
+        "--workers", type=_positive_int, help="processes sharing the port (SO_REUSEPORT)"
+    )
     run.set_defaults(func=cmd_run)
 
-    check = sub.add_parser("check", help="validate policy files, like nginx -t")
-    check.add_argument("files", nargs="+")
+    check = command("check", "validate policy files, like nginx -t")
+    check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=cmd_check)
 
-    schema = sub.add_parser("schema", help="print the policy file JSON Schema")
+    schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)
     return parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-    )
+    parser = build_parser()
+    for name in (ENV_LOG_LEVEL, ENV_LOG_FORMAT):
+        # A bad default from the environment is a usage error too, not a traceback.
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                if name == ENV_LOG_LEVEL:
+                    _log_level(value)
+                elif value not in LOG_FORMATS:
+                    raise argparse.ArgumentTypeError(
+                        f"invalid log format {value!r}: expected one of {', '.join(LOG_FORMATS)}"
+                    )
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"{name}: {exc}")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
     result: int = args.func(args)
     return result
 

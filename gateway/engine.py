@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.algorithms.base import Algorithm
+from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
 from gateway.delay_queue import DelayQueue
 from gateway.keys import KeyBuilder, RequestFacts
@@ -278,25 +278,43 @@ class LimitEngine:
         headers: list[tuple[str, str]] = []
         if retry_after_s > 0.0 and config.retry_after:
             headers.append(("Retry-After", str(max(1, math.ceil(retry_after_s)))))
+        rejecting = outcome.verdict.rejected_by if outcome.status else ()
+        windows = [max(1, math.ceil(check.limit.window_s)) for check in checks]
+        resets = [
+            _reset_header(decision, windows[index], index in rejecting)
+            for index, decision in enumerate(decisions)
+        ]
         if config.ietf:
             policy_items = []
             state_items = []
-            for check, decision in zip(checks, decisions, strict=True):
+            for index, (check, decision) in enumerate(zip(checks, decisions, strict=True)):
                 name = check.limit.name
-                policy_items.append(
-                    f'"{name}";q={decision.limit};w={max(1, math.ceil(check.limit.window_s))}'
-                )
-                state_items.append(
-                    f'"{name}";r={max(0, decision.remaining)};t={math.ceil(decision.reset_s)}'
-                )
+                policy_items.append(f'"{name}";q={decision.limit};w={windows[index]}')
+                state_items.append(f'"{name}";r={max(0, decision.remaining)};t={resets[index]}')
             headers.append(("RateLimit-Policy", ", ".join(policy_items)))
             headers.append(("RateLimit", ", ".join(state_items)))
         if config.x_ratelimit:
-            tightest = min(decisions, key=lambda d: d.remaining)
-            headers.append(("X-RateLimit-Limit", str(tightest.limit)))
-            headers.append(("X-RateLimit-Remaining", str(max(0, tightest.remaining))))
-            headers.append(("X-RateLimit-Reset", str(math.ceil(tightest.reset_s))))
+            tightest = min(range(len(decisions)), key=lambda index: decisions[index].remaining)
+            headers.append(("X-RateLimit-Limit", str(decisions[tightest].limit)))
+            headers.append(("X-RateLimit-Remaining", str(max(0, decisions[tightest].remaining))))
+            headers.append(("X-RateLimit-Reset", str(resets[tightest])))
         return headers
+
+
+def _reset_header(decision: Decision, window_s: int, rejecting: bool) -> int:
+    """``t`` of the RateLimit header, in whole seconds.
+
+    For a limit that rejected the request it is that limit's own retry-after, so it agrees with
+    ``Retry-After`` (the longest of the rejecting limits'). Otherwise it is the time until the
+    quota is full again, at most the advertised window ``w``: a sliding window's weighted count
+    takes up to two windows to decay to nothing, longer than the window it advertises.
+    """
+    if rejecting:
+        # Admitted by the algorithm but refused by its queue's bounds: its delay is the wait.
+        retry_s = decision.delay_s if decision.allowed else decision.retry_after_s
+        if math.isfinite(retry_s):
+            return max(1, math.ceil(retry_s))
+    return min(math.ceil(decision.reset_s), window_s)
 
 
 def _delaying(outcome: Outcome) -> Iterator[Check]:

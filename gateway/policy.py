@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -47,6 +47,30 @@ Duration = Annotated[
                 {"type": "number", "minimum": 0},
             ],
             "description": "Go-style duration ('500ms', '10s', '1m30s') or seconds",
+        }
+    ),
+]
+
+
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise ValueError("must be longer than 0: a zero timeout would expire at once, every time")
+    return value
+
+
+# Timeouts where zero would fail every time (a request disconnected before its headers can
+# arrive, a connect that cannot start).
+Timeout = Annotated[
+    float,
+    BeforeValidator(_duration),
+    AfterValidator(_positive),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": r"^(\d+(\.\d+)?(ms|us|µs|s|m|h))+$"},
+                {"type": "number", "exclusiveMinimum": 0},
+            ],
+            "description": "Go-style duration ('500ms', '10s', '1m30s') or seconds; above 0",
         }
     ),
 ]
@@ -135,9 +159,11 @@ class ServerSettings(_Model):
         (), description="CIDRs whose forwarding headers are believed (nginx set_real_ip_from)"
     )
     client_ip_header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for"
-    header_timeout: Duration = Field(10.0, description="deadline to receive a request's headers")
-    keepalive_timeout: Duration = Field(75.0, description="idle time before a client is closed")
-    body_timeout: Duration = Field(
+    header_timeout: Timeout = Field(10.0, description="deadline to receive a request's headers")
+    keepalive_timeout: Duration = Field(
+        75.0, description="idle time before a client is closed; 0 closes after each response"
+    )
+    body_timeout: Timeout = Field(
         60.0, description="longest pause between two reads of a request body (408 after)"
     )
     max_connections: int = Field(10000, ge=1, description="open client connections per worker")
@@ -178,8 +204,8 @@ class Upstream(_Model):
         description="http://host:port[/base-path], https://..., or 'builtin:demo' for the "
         "demo backend the gateway starts itself"
     )
-    connect_timeout: Duration = 5.0
-    read_timeout: Duration = 60.0
+    connect_timeout: Timeout = 5.0
+    read_timeout: Timeout = 60.0
     max_connections: int = Field(256, ge=1, description="open connections to this upstream")
     max_idle: int | None = Field(
         None,
@@ -187,7 +213,7 @@ class Upstream(_Model):
         description="idle keep-alive connections kept (default: max_connections; fewer makes "
         "the pool close and reopen connections under load)",
     )
-    idle_timeout: Duration = 60.0
+    idle_timeout: Timeout = Field(60.0, description="idle keep-alive connections closed after")
 
     @field_validator("url")
     @classmethod
@@ -360,6 +386,12 @@ class TokenBucketLimit(_LimitBase):
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
 
 
+# The names ``algorithm:`` takes, for error messages.
+ALGORITHMS: tuple[str, ...] = tuple(
+    name
+    for model in (LeakyBucketLimit, WindowLimit, TokenBucketLimit)
+    for name in get_args(model.model_fields["algorithm"].annotation)
+)
 Limit = Annotated[
     LeakyBucketLimit | WindowLimit | TokenBucketLimit, Field(discriminator="algorithm")
 ]
@@ -412,7 +444,7 @@ class StoreSettings(_Model):
         description="gateway instances sharing the limits; with --workers N each instance "
         "counts N times in the local fallback",
     )
-    timeout: Duration = Field(0.05, description="deadline of one Redis call")
+    timeout: Timeout = Field(0.05, description="deadline of one Redis call")
     key_prefix: str = Field("gw:", pattern=r"^[^{}\s]*$", description="namespace of Redis keys")
     client: Literal["thin", "redis-py"] = Field(
         "thin",

@@ -7,18 +7,21 @@ PyYAML would silently let the last one win, are errors here.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway.algorithms.registry import build_algorithm
-from gateway.policy import Policy
+from gateway.policy import ALGORITHMS, Policy
+from gateway.preflight import build_problems
 
 Loc = tuple[str | int, ...]
 
@@ -140,6 +143,66 @@ def _line_for(lines: dict[Loc, int], loc: Loc) -> int | None:
     return None
 
 
+def _unwrap(tp: Any) -> Any:
+    """The type inside ``Annotated[...]`` and ``X | None``."""
+    while True:
+        if get_origin(tp) is Annotated:
+            tp = get_args(tp)[0]
+        elif get_origin(tp) in (Union, UnionType):
+            members = [m for m in get_args(tp) if m is not type(None)]
+            if len(members) != 1:
+                return tp
+            tp = members[0]
+        else:
+            return tp
+
+
+def _step(tp: Any, part: str | int) -> Any:
+    """The type found at ``part`` inside ``tp`` (None when the path leaves the schema)."""
+    tp = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        field = tp.model_fields.get(part) if isinstance(part, str) else None
+        return field.annotation if field is not None else None
+    origin = get_origin(tp)
+    if origin is dict:
+        return get_args(tp)[1]
+    if origin is tuple:
+        return get_args(tp)[0]
+    if origin in (Union, UnionType):
+        # A tagged union: pydantic's location names the tag (the algorithm) here.
+        for member in get_args(tp):
+            member = _unwrap(member)
+            tag = member.model_fields.get("algorithm") if _is_model(member) else None
+            if tag is not None and part in get_args(tag.annotation):
+                return member
+    return None
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _did_you_mean(raw_loc: Loc) -> str:
+    """A hint naming the known key closest to a misspelt one, if one is close."""
+    tp: Any = Policy
+    for part in raw_loc[:-1]:
+        tp = _step(tp, part)
+    tp = _unwrap(tp)
+    if not _is_model(tp) or not isinstance(raw_loc[-1], str):
+        return ""
+    close = difflib.get_close_matches(raw_loc[-1], list(tp.model_fields), n=1, cutoff=0.6)
+    return f": did you mean `{close[0]}`?" if close else ""
+
+
+def _tag_problem(loc: Loc, error: Any) -> tuple[Loc, str]:
+    """An unknown or missing algorithm, on the line of ``algorithm:``, naming those there are."""
+    known = ", ".join(ALGORITHMS)
+    tag = error.get("ctx", {}).get("tag")
+    if error["type"] == "union_tag_invalid":
+        return (*loc, "algorithm"), f"unknown algorithm {tag!r}: expected one of {known}"
+    return loc, f"algorithm is missing: give one of {known}"
+
+
 def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -147,6 +210,11 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
         reason = f"invalid YAML: {exc.problem or exc.context}"
+        opened = exc.context_mark
+        if exc.problem and exc.context and opened is not None and opened.line + 1 != line:
+            # Where parsing stopped is often far from the mistake: an unclosed bracket or
+            # quote is found at the end of the file. Name where the construct started too.
+            reason += f" ({exc.context} that starts on line {opened.line + 1})"
         raise PolicyError(file, [PolicyProblem(line, "", reason)]) from None
     except yaml.YAMLError as exc:
         raise PolicyError(file, [PolicyProblem(None, "", f"invalid YAML: {exc}")]) from None
@@ -190,6 +258,16 @@ def _toml_key_lines(text: str) -> dict[Loc, int]:
 def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
     """What the schema alone cannot see: names that must exist, parameters an algorithm refuses."""
     problems: list[tuple[Loc, str]] = []
+    if not policy.routes:
+        # An empty file (a template that rendered nothing, an editor that truncated first)
+        # would otherwise load and answer every request with 404.
+        problems.append(
+            (
+                ("routes",),
+                "the policy routes nothing: every request would get 404; "
+                "define at least one route (an empty or truncated file?)",
+            )
+        )
     for i, route in enumerate(policy.routes):
         if route.upstream not in policy.upstreams:
             known = ", ".join(sorted(policy.upstreams)) or "none defined"
@@ -233,13 +311,18 @@ def parse_policy(text: str, file: str = "<policy>") -> LoadedPolicy:
     except ValidationError as exc:
         problems = []
         for error in exc.errors(include_url=False):
-            loc = _data_loc(data, tuple(error["loc"]))
+            raw_loc = tuple(error["loc"])
+            loc = _data_loc(data, raw_loc)
             reason = error["msg"]
             if reason.startswith("Value error, "):
                 reason = reason[len("Value error, ") :]
+            if error["type"] == "extra_forbidden":
+                reason = "unknown key" + _did_you_mean(raw_loc)
+            elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+                loc, reason = _tag_problem(loc, error)
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         raise PolicyError(file, problems) from None
-    ref_problems = _check_references(policy)
+    ref_problems = _check_references(policy) or build_problems(policy)
     if ref_problems:
         raise PolicyError(
             file,

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from gateway.serve import Gateway
 
 log = logging.getLogger("gateway.reload")
+# watchfiles logs every batch of changes it sees at INFO. The directory it watches may hold the
+# gateway's own log file: each such line would be the next change, about 10 lines a second
+# forever. Our reloads log what matters.
+logging.getLogger("watchfiles").setLevel(logging.WARNING)
 
 
 @dataclass(slots=True)
@@ -53,7 +57,18 @@ class PolicyReloader:
                 loaded = load_policy(self.path)
                 if loaded.sha256 == self.gateway.loaded.sha256:
                     self.status.unchanged += 1
-                    log.info("policy %s unchanged (sha256 %s)", self.path, loaded.sha256[:12])
+                    if self.status.last_result == "failed":
+                        # The bad edit was reverted: the file and the running policy agree
+                        # again, so the stale failure must not stay on /policy and the dashboard.
+                        self._succeeded()
+                        log.info(
+                            "policy %s is back to the running policy (sha256 %s); "
+                            "the earlier reload failure is cleared",
+                            self.path,
+                            loaded.sha256[:12],
+                        )
+                    else:
+                        log.info("policy %s unchanged (sha256 %s)", self.path, loaded.sha256[:12])
                     return "unchanged"
                 self.gateway.apply(loaded)
             except (PolicyError, ValueError) as exc:
@@ -63,11 +78,14 @@ class PolicyReloader:
                 log.error("policy reload failed, keeping the running policy:\n%s", exc)
                 return "failed"
             self.status.succeeded += 1
-            self.status.last_result = "ok"
-            self.status.last_error = None
-            self.status.last_success_at = time.time()
+            self._succeeded()
             log.info("policy reloaded from %s (sha256 %s)", self.path, loaded.sha256[:12])
             return "ok"
+
+    def _succeeded(self) -> None:
+        self.status.last_result = "ok"
+        self.status.last_error = None
+        self.status.last_success_at = time.time()
 
     def _file_signature(self) -> tuple[int, int, int] | None:
         try:

@@ -15,7 +15,7 @@ from gateway.admin import AdminState, make_admin_app
 from gateway.clock import Clock
 from gateway.demo_upstream import start_demo_upstream
 from gateway.observability.observer import Observability
-from gateway.policy import split_host_port
+from gateway.policy import Policy, split_host_port
 from gateway.policy_loader import LoadedPolicy
 from gateway.proxy import ProxyHandler
 from gateway.reload import PolicyReloader
@@ -43,6 +43,20 @@ def check_aiohttp() -> None:
             "gateway: aiohttp is using its pure-Python HTTP parser "
             "(AIOHTTP_NO_EXTENSIONS set, or the C extension is missing); refusing to start"
         )
+
+
+class StartupError(Exception):
+    """The gateway cannot start for a reason the operator can fix (a port already in use)."""
+
+
+async def _start_site(site: web.TCPSite, what: str, host: str, port: int) -> None:
+    try:
+        await site.start()
+    except OSError as exc:
+        # asyncio's strerror repeats the address; the errno's text says it plainly.
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        address = _host_port(host, port)
+        raise StartupError(f"cannot listen on {address} ({what}): {reason}") from None
 
 
 class Gateway:
@@ -73,6 +87,7 @@ class Gateway:
         self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
         self.reuse_port = reuse_port
         self.worker_id = worker_id
+        self.workers = workers
         self._demo_runner: web.AppRunner | None = None
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -108,7 +123,7 @@ class Gateway:
         site = web.TCPSite(
             self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
         )
-        await site.start()
+        await _start_site(site, "proxy", host, port)
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
         self.admin_state = AdminState(
@@ -122,8 +137,14 @@ class Gateway:
         admin_site = web.TCPSite(
             self._admin_runner, admin_host, admin_port, reuse_port=self.reuse_port or None
         )
-        await admin_site.start()
+        await _start_site(admin_site, "admin", admin_host, admin_port)
         self.admin_port = self._admin_runner.addresses[0][1]
+        self.admin_state.in_force = {
+            "listen": _host_port(self.listen[0], self.proxy_port),
+            "admin_listen": _host_port(admin_host, self.admin_port),
+            "workers": self.workers,
+            "shutdown_timeout": settings.shutdown_timeout,
+        }
         if self.reloader is not None:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
@@ -141,9 +162,17 @@ class Gateway:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
         if loaded.policy.store != self.loaded.policy.store:
             raise ValueError("store settings take effect on restart only; the running policy stays")
+        moved = restart_only_changes(self.loaded.policy, loaded.policy)
+        if moved:
+            raise ValueError(
+                f"{', '.join(moved)} take effect on restart only; the running policy stays "
+                "(restart the gateway to apply them, or revert them to reload the rest)"
+            )
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
+        if self.server is not None:
+            self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
         kept = {name for name, t in runtime.upstreams.items() if previous.upstreams.get(name) is t}
         asyncio.get_running_loop().create_task(self._retire(previous, kept))
@@ -184,6 +213,24 @@ class Gateway:
             await self._demo_runner.cleanup()
 
 
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# Server settings a running worker cannot change: its sockets are bound, its processes forked,
+# and its runner holds the shutdown deadline. The rest apply on reload.
+RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout")
+
+
+def restart_only_changes(running: Policy, new: Policy) -> list[str]:
+    """``server.*`` settings that differ between two policies but only move on restart."""
+    return [
+        f"server.{name} ({getattr(running.server, name)!r} -> {getattr(new.server, name)!r})"
+        for name in RESTART_ONLY
+        if getattr(running.server, name) != getattr(new.server, name)
+    ]
+
+
 async def serve(
     loaded: LoadedPolicy,
     *,
@@ -208,7 +255,11 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await gateway.start()
+    try:
+        await gateway.start()
+    except StartupError:
+        await gateway.stop()  # whatever had started (a listener bound before the other failed)
+        raise
     tasks: set[asyncio.Task[str]] = set()
     reloader = gateway.reloader
     if reloader is not None:

@@ -15,6 +15,8 @@ from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
+from gateway.policy import ServerSettings
+
 _BUSY_BODY = b'{"status": 503, "error": "service_unavailable", "message": "too many connections"}'
 _TOO_MANY_CONNECTIONS = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -137,6 +139,18 @@ class GatewayServer(web.Server):
         self.open_connections = 0
         self.refused_connections = 0
         self.header_timeouts = 0
+
+    def reconfigure(self, settings: ServerSettings) -> None:
+        """Apply a reloaded policy's connection settings; connections opened from now on get
+        them (open ones keep theirs)."""
+        self.header_timeout = settings.header_timeout
+        self.max_connections = settings.max_connections
+        self._protocol_kwargs.update(
+            keepalive_timeout=settings.keepalive_timeout,
+            max_line_size=settings.max_header_size,
+            max_field_size=settings.max_header_size,
+            max_headers=settings.max_headers,
+        )
 
     def __call__(self) -> GatewayProtocol:
         return GatewayProtocol(self, loop=self._loop, **self._protocol_kwargs)

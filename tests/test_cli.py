@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
+import pytest
+
+from gateway import __version__
+from gateway.cli import build_parser, main
+
 ROOT = Path(__file__).parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+LOOPBACK = ("--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0")
 
 
 def _gateway(*args: str) -> subprocess.CompletedProcess[str]:
@@ -23,8 +37,8 @@ def test_several_workers_with_in_process_limits_are_refused() -> None:
     result = _gateway("run", "--config", "policies/default.yaml", "--workers", "2")
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        "gateway: 2 workers with in-process limit state would enforce every limit once per "
-        "worker; use a shared store (Redis) or run one worker"
+        "gateway: --workers 2: 2 workers with in-process limit state would enforce every limit "
+        "once per worker; use a shared store (Redis) or run one worker"
     )
 
 
@@ -39,3 +53,188 @@ def test_run_refuses_an_invalid_policy_with_its_line() -> None:
     result = _gateway("run", "--config", str(bad))
     assert result.returncode == 1
     assert f"{bad}:2: server.listen: invalid listen address 'localhost'" in result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "invalid").iterdir()))
+def test_check_and_run_refuse_every_invalid_fixture_alike(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What check refuses, run refuses with the same lines, and the other way round."""
+    path = str(FIXTURES / "invalid" / name)
+    assert main(["check", path]) == 1
+    refused = capsys.readouterr().err.strip()
+    assert refused.startswith(path)
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--config", path, *LOOPBACK])
+    assert info.value.code == refused
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "valid").iterdir()))
+def test_check_and_run_accept_every_valid_fixture_alike(name: str, tmp_path: Path) -> None:
+    path = str(FIXTURES / "valid" / name)
+    assert _gateway("check", path).returncode == 0
+    log = tmp_path / "stderr"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", "--config", path, *LOOPBACK],
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "serving on" not in log.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_limit_too_large_for_redis_is_one_line_from_run_not_a_traceback() -> None:
+    path = FIXTURES / "invalid" / "redis_limit_too_large.yaml"
+    result = _gateway("run", "--config", str(path), *LOOPBACK)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"{path}:10: limits.huge: (2 * limit + 1) * window")
+
+
+def _one_line_no_traceback(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    return result.stderr.strip()
+
+
+def test_log_options_are_accepted_after_the_subcommand_too() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["run", "--log-level", "debug", "--log-format", "json", "-c", "x"])
+    assert (args.log_level, args.log_format) == ("DEBUG", "json")
+    args = parser.parse_args(["--log-level", "warning", "run", "-c", "x"])
+    assert (args.log_level, args.log_format) == ("WARNING", "text")
+    result = _gateway("check", "--log-level", "DEBUG", str(FIXTURES / "valid" / "default.yaml"))
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_invalid_log_level_is_one_line() -> None:
+    message = _one_line_no_traceback(_gateway("run", "--log-level", "LOUD"))
+    assert message == (
+        "gateway run: argument --log-level: invalid log level 'LOUD': expected one of DEBUG, "
+        "INFO, WARNING, ERROR, CRITICAL (see gateway run --help)"
+    )
+    env = {**os.environ, "GATEWAY_LOG_LEVEL": "LOUD"}
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "schema"], capture_output=True, text=True, env=env
+    )
+    assert _one_line_no_traceback(result).startswith("gateway: GATEWAY_LOG_LEVEL: invalid log")
+
+
+def test_a_bad_listen_address_is_one_line() -> None:
+    result = _gateway("run", "--config", "policies/default.yaml", "--listen", "nowhere")
+    assert _one_line_no_traceback(result) == (
+        "gateway: --listen: invalid listen address 'nowhere': expected HOST:PORT, e.g. 0.0.0.0:8080"
+    )
+    result = _gateway("run", "--config", "policies/default.yaml", "--workers", "0")
+    assert "expected a positive number, got '0'" in _one_line_no_traceback(result)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_is_one_line(workers: str) -> None:
+    """With --workers 2 the supervisor stops, rather than restarting workers that cannot bind."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _gateway(
+            "run",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--workers",
+            workers,
+        )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    expected = f"gateway: cannot listen on 127.0.0.1:{port} (proxy): address already in use"
+    assert expected in result.stderr.splitlines()
+
+
+@pytest.mark.parametrize("command", [(), ("run",), ("check",), ("schema",)])
+def test_help_is_plain_text_with_examples_and_the_environment(command: tuple[str, ...]) -> None:
+    result = _gateway(*command, "--help")
+    assert result.returncode == 0
+    assert "``" not in result.stdout and ":func:" not in result.stdout
+    assert "examples:\n  gateway run --config" in result.stdout
+    for name in ("GATEWAY_CONFIG", "GATEWAY_LOG_LEVEL", "GATEWAY_LOG_FORMAT", "GATEWAY_STORE_URL"):
+        assert name in result.stdout
+
+
+def test_version() -> None:
+    result = _gateway("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"gateway {__version__}"
+
+
+def _serve_a_few_requests(tmp_path: Path, *options: str) -> list[str]:
+    """Run a real gateway with a JSON access log, send two requests, return its stderr lines."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n  access_log: true\n"
+        "  access_log_format: json\nupstreams:\n  demo:\n    url: builtin:demo\n"
+        "routes:\n  - name: all\n    upstream: demo\n"
+    )
+    log = tmp_path / "stderr"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", *options, "run", "--config", str(policy)],
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "serving on 127.0.0.1:" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        port = re.search(r"serving on 127\.0\.0\.1:(\d+)", log.read_text())
+        assert port is not None
+        for path in ("/a?x=1", "/b"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}{path}", timeout=10):
+                pass
+        while log.read_text().count('"path"') < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    return log.read_text().splitlines()
+
+
+def test_json_access_log_lines_are_json_objects_jq_reads(tmp_path: Path) -> None:
+    lines = _serve_a_few_requests(tmp_path)
+    access = [line for line in lines if '"path"' in line]
+    jq = subprocess.run(
+        ["jq", "-c", "[.path, .status, .limit]"],
+        input="\n".join(access),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert jq.returncode == 0, jq.stderr
+    assert jq.stdout.splitlines() == ['["/a?x=1",200,"none"]', '["/b",200,"none"]']
+    assert all("time" in json.loads(line) for line in access)
+
+
+def test_log_format_json_makes_every_line_a_json_object(tmp_path: Path) -> None:
+    lines = _serve_a_few_requests(tmp_path, "--log-format", "json")
+    records = [json.loads(line) for line in lines]  # every line, the gateway's own included
+    serving = [r for r in records if "serving on" in r.get("message", "")]
+    assert serving and serving[0]["logger"] == "gateway" and serving[0]["level"] == "INFO"
+    assert [r["path"] for r in records if "path" in r] == ["/a?x=1", "/b"]

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from gateway.clock import FakeClock
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
@@ -285,3 +286,44 @@ async def test_queue_refusal_charges_no_stacked_limit(
     assert statuses == [200, 429, 429, 429, 429]
     # A window cannot take a charge back: the refusals must never have charged it.
     assert explained["window"]["next_request"]["remaining"] == 1
+
+
+def _rate_limit_fields(value: str) -> dict[str, int]:
+    """``"name";r=0;t=60`` -> ``{"r": 0, "t": 60}`` (one limit)."""
+    return {k: int(v) for k, v in (item.split("=") for item in value.split(";")[1:])}
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [
+        "algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n    nodelay: true",
+        "algorithm: leaky_bucket\n    rate: 2r/m\n    burst: 3",
+        "algorithm: token_bucket\n    rate: 1r/m\n    burst: 2",
+        "algorithm: fixed_window\n    limit: 3\n    window: 1m",
+        "algorithm: sliding_window\n    limit: 3\n    window: 1m",
+        "algorithm: sliding_log\n    limit: 3\n    window: 1m",
+    ],
+)
+async def test_ratelimit_t_agrees_with_retry_after_and_stays_within_the_window(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, limit: str
+) -> None:
+    """On a rejection the rejecting limit's t is its Retry-After (a client reading either waits
+    as long); otherwise t, the time until the quota is full again, is at most w."""
+    clock = FakeClock()
+    clock.advance(10.0)  # not on a window boundary
+    gw = await start_gateway(
+        limited_policy(upstream.url, f"  only:\n    {limit}\n    max_delay: 0s\n"), clock=clock
+    )
+    rejections = 0
+    async with aiohttp.ClientSession() as session:
+        for _ in range(12):
+            status, headers, _ = await _get(session, gw.url + "/")
+            window = int(headers["RateLimit-Policy"].rsplit("w=", 1)[1])
+            fields = _rate_limit_fields(headers["RateLimit"])
+            if status == 429:
+                rejections += 1  # over the quota, or over max_delay (r may then be above 0)
+                assert fields["t"] == int(headers["Retry-After"]), headers
+            else:
+                assert 0 <= fields["t"] <= window, headers
+            clock.advance(7.0)
+    assert rejections > 0

@@ -37,10 +37,14 @@ EXPECTED_ERRORS = {
     "missing ), unterminated subpattern at position 2",
     "relative_path.yaml": "relative_path.yaml:8: routes[0].match.path_prefix: path 'api' must "
     "start with '/'",
-    "unknown_key.yaml": "unknown_key.yaml:7: routes[0].colour: Extra inputs are not permitted",
+    "unknown_key.yaml": "unknown_key.yaml:7: routes[0].colour: unknown key",
+    "limit_misspelt_key.yaml": "limit_misspelt_key.yaml:11: limits.per_ip.brust: unknown key: "
+    "did you mean `burst`?",
+    "misspelt_section.yaml": "misspelt_section.yaml:7: routes[0].mtach: unknown key: "
+    "did you mean `match`?",
     "duplicate_key.yaml": "duplicate_key.yaml:3: server.listen: duplicate key",
     "yaml_syntax.yaml": "yaml_syntax.yaml:3: invalid YAML: expected ',' or ']', but got "
-    "'<stream end>'",
+    "'<stream end>' (while parsing a flow sequence that starts on line 2)",
     "not_a_mapping.yaml": "not_a_mapping.yaml:1: the policy file must be a mapping",
     "bad_version.yaml": "bad_version.yaml:1: version: Input should be 1",
     "missing_url.yaml": "missing_url.yaml:2: upstreams.backend.url: Field required",
@@ -52,9 +56,9 @@ EXPECTED_ERRORS = {
     "nodelay or delay, not both",
     "limit_bad_rate.yaml": "limit_bad_rate.yaml:10: limits.per_ip.rate: invalid rate '10r/h': "
     "expected nginx syntax like '10r/s' or '30r/m'",
-    "limit_unknown_algorithm.yaml": "limit_unknown_algorithm.yaml:8: limits.per_ip: Input tag "
-    "'leaky' found using 'algorithm' does not match any of the expected tags: 'leaky_bucket', "
-    "'fixed_window', 'sliding_window', 'sliding_log', 'token_bucket'",
+    "limit_unknown_algorithm.yaml": "limit_unknown_algorithm.yaml:9: limits.per_ip.algorithm: "
+    "unknown algorithm 'leaky': expected one of leaky_bucket, fixed_window, sliding_window, "
+    "sliding_log, token_bucket",
     "limit_zero_window.yaml": "limit_zero_window.yaml:11: limits.per_ip.window: window must be "
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
@@ -92,7 +96,8 @@ EXPECTED_ERRORS = {
     "ipv6_prefix_over_128.yaml": "ipv6_prefix_over_128.yaml:3: ipv6_prefix: "
     "Input should be less than or equal to 128",
     "limit_missing_algorithm.yaml": "limit_missing_algorithm.yaml:8: limits.per_ip: "
-    "Unable to extract tag using discriminator 'algorithm'",
+    "algorithm is missing: give one of leaky_bucket, fixed_window, sliding_window, sliding_log, "
+    "token_bucket",
     "limit_zero_warmup.yaml": "limit_zero_warmup.yaml:8: limits.per_ip: "
     "warmup must be a positive number of seconds, got 0.0",
     "limit_window_under_1us.yaml": "limit_window_under_1us.yaml:8: limits.per_ip: "
@@ -109,6 +114,28 @@ EXPECTED_ERRORS = {
     "methods is empty: it would match no request (omit it for all)",
     "limit_empty_routes.yaml": "limit_empty_routes.yaml:12: limits.per_ip.match.routes: "
     "routes is empty: the limit would apply to no request (omit it for all)",
+    "empty.yaml": "empty.yaml: routes: the policy routes nothing: every request would get 404; "
+    "define at least one route (an empty or truncated file?)",
+    "version_only.yaml": "version_only.yaml:1: routes: the policy routes nothing: every request "
+    "would get 404; define at least one route (an empty or truncated file?)",
+    "redis_limit_too_large.yaml": "redis_limit_too_large.yaml:10: limits.huge: (2 * limit + 1) "
+    "* window in microseconds (1.2e+17) is too large for the Redis store: its Lua arithmetic is "
+    "exact only below 2**53",
+    "workers_with_memory_limits.yaml": "workers_with_memory_limits.yaml:2: server.workers: 2 "
+    "workers with in-process limit state would enforce every limit once per worker; use a shared "
+    "store (Redis) or run one worker",
+    "zero_header_timeout.yaml": "zero_header_timeout.yaml:2: server.header_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_body_timeout.yaml": "zero_body_timeout.yaml:3: server.body_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_connect_timeout.yaml": "zero_connect_timeout.yaml:4: upstreams.backend.connect_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_read_timeout.yaml": "zero_read_timeout.yaml:4: upstreams.backend.read_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_idle_timeout.yaml": "zero_idle_timeout.yaml:4: upstreams.backend.idle_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_store_timeout.yaml": "zero_store_timeout.yaml:3: store.timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
 }
@@ -188,3 +215,13 @@ def test_cli_schema_matches_committed_file() -> None:
     assert result.returncode == 0
     committed = (Path(__file__).parent.parent / "policies" / "policy.schema.json").read_text()
     assert result.stdout == committed, "run `gateway schema > policies/policy.schema.json`"
+
+
+def test_an_unclosed_quote_names_where_it_opened() -> None:
+    text = 'upstreams:\n  backend:\n    url: "http://127.0.0.1:8000\nroutes: []\n'
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text, "p.yaml")
+    assert str(info.value) == (
+        "p.yaml:5: invalid YAML: found unexpected end of stream "
+        "(while scanning a quoted scalar that starts on line 3)"
+    )

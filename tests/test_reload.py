@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -281,3 +285,130 @@ async def test_other_files_changing_beside_the_policy_do_not_reload_it(
     assert (status.succeeded, status.unchanged, status.failed) == (0, 0, 0)
     write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="2r/m", burst=1))
     await _wait_for(lambda: reloader.status.succeeded == 1)
+
+
+async def test_an_empty_or_routeless_file_is_refused_and_the_policy_stays(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A template that rendered empty, or an editor that truncated before writing, must not
+    take the site down: the running policy stays, limit state and readiness with it."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=1))
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    sha_before = gw.gateway.loaded.sha256
+    async with aiohttp.ClientSession() as session:
+        assert await _status(session, gw.url + "/") == 200
+        for text in ("", "version: 1\n"):
+            path.write_text(text)
+            async with session.post(gw.admin_url + "/reload") as resp:
+                assert resp.status == 422
+                assert "routes nothing" in (await resp.json())["error"]
+            assert gw.gateway.loaded.sha256 == sha_before
+            assert await _status(session, gw.admin_url + "/readyz") == 200
+        # The limit's state survived: the second request of the minute is still refused.
+        assert [await _status(session, gw.url + "/") for _ in range(2)] == [200, 429]
+
+
+async def test_reverting_a_bad_edit_clears_the_failure(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """Restoring the running content is a return to a valid state, not "nothing happened":
+    the stale error must not stay on /policy, /reload and the dashboard."""
+    path = tmp_path / "policy.yaml"
+    good = policy_for(upstream.url)
+    path.write_text(good)
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    async with aiohttp.ClientSession() as session:
+        path.write_text("routes: [")
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 422
+        failed_at = reloader.status.last_attempt_at
+        path.write_text(good)
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"result": "unchanged", "error": None}
+        async with session.get(gw.admin_url + "/policy") as resp:
+            status = (await resp.json())["reload"]
+    assert status["last_result"] == "ok"
+    assert status["last_error"] is None
+    assert failed_at is not None and status["last_success_at"] >= failed_at
+
+
+async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is_in_force(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A bound listener or a forked worker count cannot move on reload: saying "ok" while
+    nothing moved left /policy showing values not in force."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url))
+    gw = await start_gateway(
+        load_policy(path), policy_path=str(path), listen="127.0.0.1:0"
+    )  # a command-line --listen override
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    async with aiohttp.ClientSession() as session:
+        moved = policy_for(upstream.url, server="  workers: 2\n").replace(
+            "admin_listen: 127.0.0.1:0", "admin_listen: 127.0.0.1:9999"
+        )
+        path.write_text(moved)
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 422
+            assert (await resp.json())["error"] == (
+                "server.admin_listen ('127.0.0.1:0' -> '127.0.0.1:9999'), server.workers "
+                "(1 -> 2) take effect on restart only; the running policy stays (restart the "
+                "gateway to apply them, or revert them to reload the rest)"
+            )
+        async with session.get(gw.admin_url + "/policy") as resp:
+            body = await resp.json()
+        in_force = {
+            "listen": f"127.0.0.1:{gw.port}",
+            "admin_listen": f"127.0.0.1:{gw.gateway.admin_port}",
+            "workers": 1,
+            "shutdown_timeout": 30.0,
+        }
+        assert body["in_force"] == in_force
+        assert {k: body["policy"]["server"][k] for k in in_force} == in_force
+
+        # Connection settings do apply on reload, to connections opened afterwards.
+        path.write_text(policy_for(upstream.url, server="  header_timeout: 3s\n"))
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert (await resp.json()) == {"result": "ok", "error": None}
+    assert gw.gateway.server is not None and gw.gateway.server.header_timeout == 3.0
+
+
+def test_a_log_file_beside_the_policy_stays_quiet_while_idle(tmp_path: Path) -> None:
+    """The file watcher's library logs each change it sees; with the gateway's log in the
+    watched directory each of those lines was the next change (about 10 lines a second)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_for("http://127.0.0.1:9"))
+    log = tmp_path / "gateway.log"
+    with log.open("a") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", "--config", str(policy)],
+            stdout=stderr,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "serving on" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the watcher is up well within this
+        with log.open("a") as writer:  # another writer (or a request's log line) starts it
+            writer.write("a line from elsewhere\n")
+        time.sleep(0.5)
+        before = log.read_text().count("\n")
+        time.sleep(3)
+        after = log.read_text()
+        assert after.count("\n") == before, after
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

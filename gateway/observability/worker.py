@@ -13,10 +13,11 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp.web_request import BaseRequest
 
+from gateway.logs import JSON_LINE, json_line
 from gateway.observability.hooks import (
     CLIENT_IP,
     LIMIT_OUTCOME,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from gateway.serve import Gateway
 
 access_log = logging.getLogger("gateway.access")
+JSON_EXTRA: Final = {JSON_LINE: True}
 
 # Keys kept per limit by the heavy-hitters sketch, and how many the dashboard shows.
 TOP_KEYS_CAPACITY = 64
@@ -284,7 +286,8 @@ def _log_access(
         "upstream_error": upstream_error,
     }
     if runtime.settings.access_log_format == "json":
-        access_log.info(json.dumps(fields, separators=(",", ":")))
+        # One JSON object per line, time included, never behind the text log prefix.
+        access_log.info(json.dumps(json_line(fields), separators=(",", ":")), extra=JSON_EXTRA)
     else:
         access_log.info(" ".join(f"{k}={_logfmt(v)}" for k, v in fields.items()))
 

@@ -1,0 +1,54 @@
+"""What ``gateway run`` builds from a policy before it opens a socket, built for nothing else.
+
+``gateway check``, ``gateway run`` and a reload all load a policy through the loader, which ends
+here: the store the policy names (the environment's ``GATEWAY_STORE_URL`` included), every limit's
+algorithm and that store's plan for it. So a limit the Redis store cannot run, say, fails ``check``
+with its file and line rather than ``run`` with a traceback. Nothing connects: the store clients
+open their connections on first use.
+"""
+
+from __future__ import annotations
+
+from gateway.algorithms.registry import build_algorithm
+from gateway.engine import LimitEngine
+from gateway.policy import Policy
+from gateway.stores import build_store, store_url
+
+Loc = tuple[str | int, ...]
+
+
+def workers_problem(policy: Policy, workers: int) -> str | None:
+    """Why ``workers`` processes cannot run this policy, if they cannot."""
+    if workers > 1 and policy.limits and store_url(policy.store) == "memory":
+        # Each worker would hold its own copy of every limit, and a client's keep-alive
+        # connection stays on one worker: dividing the limits by N would be wrong per client.
+        return (
+            f"{workers} workers with in-process limit state would enforce every limit once per "
+            "worker; use a shared store (Redis) or run one worker"
+        )
+    return None
+
+
+def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc, str]]:
+    """Build the store and the limit engine as ``run`` does; each refusal with its place."""
+    workers = workers or policy.server.workers
+    problem = workers_problem(policy, workers)
+    if problem is not None:
+        return [(("server", "workers"), problem)]
+    try:
+        store = build_store(policy.store, workers=workers)
+    except ValueError as exc:
+        return [(("store",), str(exc))]
+    engine = LimitEngine(policy, store, build_algorithm)  # the loader checked each algorithm
+    problems: list[tuple[Loc, str]] = []
+    for limit in engine.limits:
+        try:
+            store.configure([limit], ())
+        except ValueError as exc:
+            problems.append((("limits", limit.name), str(exc)))
+    if not problems:
+        try:
+            store.configure(engine.limits, ())
+        except ValueError as exc:
+            problems.append((("limits",), str(exc)))
+    return problems
