@@ -26,9 +26,8 @@ from redis.crc import key_slot
 from gateway.algorithms.combine import CombinedDecision
 from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.clock import FakeClock
-from gateway.engine import Check, CompiledLimit
-from gateway.redis_store import RedisStore
-from gateway.store import MemoryStore, StoreUnavailableError
+from gateway.limits import Check, CompiledLimit
+from gateway.stores import MemoryStore, RedisStore, StoreUnavailableError
 from tests.redis_harness import RedisClusterHarness, RedisServer
 from tests.test_redis_store import T0_US, compiled
 
