@@ -28,6 +28,8 @@ from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.clock import FakeClock
 from gateway.limits import Check, CompiledLimit
 from gateway.stores import MemoryStore, RedisStore, StoreUnavailableError
+from gateway.stores.redis.store import StoreReplyError
+from gateway.stores.redis.store import _checked as checked
 from tests.redis_harness import RedisClusterHarness, RedisServer
 from tests.test_redis_store import T0_US, compiled
 
@@ -394,3 +396,18 @@ async def test_a_dead_node_fails_its_own_calls_only_then_clusterdown_is_a_failur
         assert run.compared == compared
     finally:
         await run.close()
+
+
+def test_a_reply_that_is_not_its_own_calls_answer_is_an_error_never_a_verdict() -> None:
+    """The script ends its reply with the call's number: a reply of another call (shifted in
+    a pipeline), of another command, or of another shape raises instead of being read."""
+    assert checked([1_000, 1, 0, 0, 5, 0, 7], 7, 6) == [1_000, 1, 0, 0, 5, 0]
+    for reply, call in [
+        ([1_000, 1, 0, 0, 5, 0, 6], 7),  # another call's
+        ([1_000, 1, 0, 0, 5, 0], 7),  # no call number: an older script
+        (b"OK", 7),  # another command's
+        ([1_000, 1, b"0", 0, 5, 0, 7], 7),
+        ([1_000, 7], 7),  # a refund's, read as a decision
+    ]:
+        with pytest.raises(StoreReplyError):
+            checked(reply, call, 6)

@@ -153,58 +153,22 @@ class PipelineClient:
         self.round_trips += 1
         try:
             async with asyncio.timeout(self.timeout_s):
-                await asyncio.gather(
-                    *[self._run_part(batch, part) for part in self._parts(batch.payloads)]
-                )
+                pipe = self.client.pipeline(transaction=False)
+                for command in batch.payloads:
+                    pipe.execute_command(*command)
+                results: list[Any] = await pipe.execute(raise_on_error=False)
         except BaseException as exc:  # every caller gets the failure; none waits forever
             batch.fail(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, RedisConnectionError | TimeoutError):
                 self._suspect()
+        else:
+            batch.resolve(results)
         finally:
             self._in_flight -= 1
             if self._filling is not None:
                 self._flush()
-
-    def _parts(self, payloads: Sequence[Any]) -> list[list[int]]:
-        """The batch's calls by node. A ``ClusterPipeline`` fails as a whole when one node
-        does, calls that other nodes ran included: so each node gets its own pipeline, and
-        a failure stays with the calls it concerns."""
-        client = self.client
-        if not isinstance(client, RedisCluster) or len(payloads) == 1:
-            return [list(range(len(payloads)))]
-        parts: dict[str, list[int]] = {}
-        for index, command in enumerate(payloads):
-            try:  # ("EVALSHA", sha, number of keys, first key, ...)
-                node = client.get_node_from_key(command[3])
-            except RedisError:
-                node = None  # not known yet: redis-py finds it
-            parts.setdefault(node.name if node is not None else "", []).append(index)
-        return list(parts.values())
-
-    async def _run_part(self, batch: Batch, indices: list[int]) -> None:
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for index in indices:
-                pipe.execute_command(*batch.payloads[index])
-            results: list[Any] = await pipe.execute(raise_on_error=False)
-            if len(results) != len(indices):
-                raise RedisError(f"{len(results)} replies for {len(indices)} commands")
-        except Exception as exc:
-            if isinstance(exc, RedisConnectionError | TimeoutError):
-                self._suspect()
-            results = [exc] * len(indices)
-            failed = True
-        else:
-            failed = False
-        for index, result in zip(indices, results, strict=True):
-            future = batch.futures[index]
-            if not future.done():
-                if failed:
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
 
     async def prepare(self) -> None:
         client = self.client
@@ -229,6 +193,8 @@ class PipelineClient:
             task.exception()  # a failed close changes nothing: the next failure tries again
 
     async def recover(self, error: Exception) -> str | None:
+        if isinstance(error, RedisConnectionError | TimeoutError):
+            self._suspect()  # a cluster pipeline reports a lost node per call
         if not is_noscript(error):
             return None  # the cluster client follows MOVED and ASK itself
         task = self._loading
