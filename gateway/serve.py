@@ -103,6 +103,8 @@ class Gateway:
         if uses_demo(self.loaded):
             self._demo_runner, self._demo_address = await start_demo_upstream()
         runtime = build_runtime(self.loaded, self.store, self._demo_address)
+        # Before the listeners open: no request pays for connecting to the store.
+        await self.store.prepare()
         self.handler = ProxyHandler(runtime)
         self.server = GatewayServer(
             self.observability.wrap(self.handler),

@@ -168,11 +168,13 @@ class RedisServer:
 
 
 class RedisClusterHarness:
-    """A real Redis Cluster: three masters, no replicas, all 16384 slots covered."""
+    """A real Redis Cluster: three masters (and ``replicas`` replicas of each), all 16384 slots
+    covered. Slots can be migrated and masters failed over or killed while clients run."""
 
-    def __init__(self, work_dir: Path, masters: int = 3) -> None:
+    def __init__(self, work_dir: Path, masters: int = 3, replicas: int = 0) -> None:
+        self.replicas = replicas
         self.nodes = []
-        for index in range(masters):
+        for index in range(masters * (1 + replicas)):
             node_dir = work_dir / f"node{index}"
             node_dir.mkdir()
             self.nodes.append(RedisServer(node_dir, cluster=True))
@@ -191,16 +193,97 @@ class RedisClusterHarness:
             "create",
             *[f"127.0.0.1:{node.port}" for node in self.nodes],
             "--cluster-replicas",
-            "0",
+            str(self.replicas),
             "--cluster-yes",
             timeout_s=60,
         )
-        deadline = time.monotonic() + 30
+        self.wait_ok()
+
+    def live(self) -> list[RedisServer]:
+        return [node for node in self.nodes if node.process is not None]
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every live node reports ``cluster_state:ok`` and agrees on the slot owners."""
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in _cli(n.port, "CLUSTER", "INFO") for n in self.nodes):
-                return
+            nodes = self.live()
+            if all("cluster_state:ok" in _cli(n.port, "CLUSTER", "INFO") for n in nodes):
+                maps = {str(self._slot_map(n.port)) for n in nodes}
+                if len(maps) == 1:
+                    return
             time.sleep(0.1)
-        raise RuntimeError("the Redis Cluster did not reach cluster_state:ok within 30 s")
+        raise RuntimeError(f"the Redis Cluster did not settle within {timeout_s:g} s")
+
+    def _slot_map(self, port: int) -> list[tuple[int, int, int]]:
+        with redis.Redis(host="127.0.0.1", port=port) as client:
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        return sorted((int(r[0]), int(r[1]), int(r[2][1])) for r in ranges)
+
+    def node_at(self, port: int) -> RedisServer:
+        return next(node for node in self.nodes if node.port == port)
+
+    def owner(self, slot: int) -> RedisServer:
+        """The master serving ``slot`` (as a live node sees it)."""
+        for first, last, port in self._slot_map(self.live()[0].port):
+            if first <= slot <= last:
+                return self.node_at(port)
+        raise LookupError(f"slot {slot} is not covered")
+
+    def wait_owner(self, slot: int, node: RedisServer, timeout_s: float = 20.0) -> None:
+        """Until every live node sees ``node`` serving ``slot`` (a failover took effect)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.owner(slot) is node:
+                    self.wait_ok()
+                    if self.owner(slot) is node:
+                        return
+            except (redis.RedisError, RuntimeError, LookupError):
+                pass
+            time.sleep(0.1)
+        nodes = _cli(self.live()[0].port, "CLUSTER", "NODES")
+        raise RuntimeError(
+            f"127.0.0.1:{node.port} did not take slot {slot} in {timeout_s:g} s: {nodes}"
+        )
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        master_id = _cli(master.port, "CLUSTER", "MYID").strip()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # a demoted master takes a moment to attach
+            for line in _cli(master.port, "CLUSTER", "REPLICAS", master_id).splitlines():
+                fields = line.split()  # <id> <ip:port@cport> <flags> ...
+                if len(fields) > 2 and "fail" not in fields[2]:
+                    return self.node_at(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+            time.sleep(0.1)
+        raise LookupError(f"no replica of 127.0.0.1:{master.port}")
+
+    def begin_migration(self, slot: int, source: RedisServer, target: RedisServer) -> None:
+        """``CLUSTER SETSLOT`` IMPORTING/MIGRATING: the slot's existing keys stay on ``source``
+        (new ones are ASKed to ``target``) until ``move_keys``."""
+        target_id = _cli(target.port, "CLUSTER", "MYID").strip()
+        source_id = _cli(source.port, "CLUSTER", "MYID").strip()
+        _cli(target.port, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", source_id)
+        _cli(source.port, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", target_id)
+
+    def move_keys(self, slot: int, source: RedisServer, target: RedisServer) -> int:
+        """MIGRATE every key of ``slot`` from ``source`` to ``target`` (ASK from now on)."""
+        moved = 0
+        with redis.Redis(host="127.0.0.1", port=source.port) as client:
+            while keys := client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                client.execute_command(
+                    "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys
+                )
+                moved += len(keys)
+        return moved
+
+    def end_migration(self, slot: int, target: RedisServer) -> None:
+        """``CLUSTER SETSLOT NODE`` on every master: the slot is the target's (MOVED)."""
+        target_id = _cli(target.port, "CLUSTER", "MYID").strip()
+        _cli(target.port, "CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
+        for node in self.live():
+            if node is not target and "role:master" in _cli(node.port, "INFO", "replication"):
+                _cli(node.port, "CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
+        self.wait_ok()
 
     def keys_per_node(self, pattern: str = "*") -> list[int]:
         """How many keys matching ``pattern`` each master holds."""

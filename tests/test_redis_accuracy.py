@@ -282,6 +282,9 @@ async def run_accuracy(
         )
     assert sum(r.other for r in results) == 0  # only 200 and 429
     assert all(s["local_decisions"] == 0 and s["failed_calls"] == 0 for s in stats), stats
+    # Each gateway got its store ready before it listened: no request's call had to be sent
+    # again (MOVED from the seed node, NOSCRIPT), so none was decided late.
+    assert all(s["recoveries"] == 0 for s in stats), stats
     assert len(upstream.requests) == admitted
     # Saturating: far more offered than allowed, or the figure would say nothing.
     assert offered > 2 * allowed

@@ -99,5 +99,8 @@ class MemoryStore:
         current = table.evictions if table is not None else 0
         return self._dropped_evictions.get(limit_name, 0) + current
 
+    async def prepare(self) -> None:
+        """Nothing to get ready in process."""
+
     async def close(self) -> None:
         self.tables.clear()

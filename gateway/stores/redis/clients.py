@@ -13,7 +13,7 @@ import hiredis
 from redis.asyncio import Redis, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 # Arguments this long are a limit's parameters (a letter and two or more doubles), never a
 # time (16 digits): their RESP encoding is kept.
@@ -25,13 +25,22 @@ class ScriptClient(Protocol):
 
     round_trips: int
 
-    def submit(self, keys: Sequence[bytes], argv: Sequence[bytes]) -> asyncio.Future[Any]:
-        """Queue one ``EVALSHA``. The future's result is the reply, or the error reply as an
-        exception instance; the future fails if the whole batch does (timeout, connection)."""
+    def submit(
+        self, keys: Sequence[bytes], argv: Sequence[bytes], asking: str = ""
+    ) -> asyncio.Future[Any]:
+        """Queue one ``EVALSHA`` (to the node ``asking`` names, after ``ASKING``, when a slot
+        being migrated redirected it). The future's result is the reply, or the error reply as
+        an exception instance; the future fails if the whole batch does (timeout, connection)."""
         ...
 
-    async def recover(self, error: Exception) -> bool:
-        """Repair what ``error`` says (script not loaded, slot moved); True: submit again."""
+    async def recover(self, error: Exception) -> str | None:
+        """Repair what ``error`` says (script not loaded, slot moved or being migrated): the
+        ``asking`` to submit again with ("" for none), or None when it is a failure."""
+        ...
+
+    async def prepare(self) -> None:
+        """Connect, read the slot map (a cluster) and load the script on every master, so
+        that no request's call has to (raises what fails)."""
         ...
 
     async def close(self) -> None: ...
@@ -39,28 +48,44 @@ class ScriptClient(Protocol):
 
 class Batch:
     """Calls sent together as one pipeline, each with its own future (a caller that gives up
-    cancels its own future, never its neighbours')."""
+    cancels its own future, never its neighbours'). A call is one command, or ``ASKING`` and
+    its command: ``sizes`` says how many replies each call takes, in order."""
 
-    __slots__ = ("futures", "payloads", "replies", "timer")
+    __slots__ = ("expected", "futures", "payloads", "replies", "sizes", "timer")
 
     def __init__(self) -> None:
         self.payloads: list[Any] = []
         self.futures: list[asyncio.Future[Any]] = []
+        self.sizes: list[int] = []
+        self.expected = 0  # replies the whole batch takes
         self.replies: list[Any] = []
         self.timer: asyncio.TimerHandle | None = None
 
-    def add(self, payload: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
+    def add(
+        self, payload: Any, loop: asyncio.AbstractEventLoop, size: int = 1
+    ) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = loop.create_future()
         self.payloads.append(payload)
         self.futures.append(future)
+        self.sizes.append(size)
+        self.expected += size
         return future
 
     def resolve(self, replies: Sequence[Any]) -> None:
+        """Each call's reply, taken by position: its last reply, or the first error of its
+        group (``ASKING`` refused)."""
         if self.timer is not None:
             self.timer.cancel()
-        for future, reply in zip(self.futures, replies, strict=True):
+        if len(replies) != self.expected:
+            self.fail(RedisError(f"{len(replies)} replies for {self.expected} commands"))
+            return
+        start = 0
+        for future, size in zip(self.futures, self.sizes, strict=True):
+            group = replies[start : start + size]
+            start += size
             if not future.done():
-                future.set_result(reply)
+                errors = [reply for reply in group[:-1] if isinstance(reply, Exception)]
+                future.set_result(errors[0] if errors else group[-1])
 
     def fail(self, error: BaseException) -> None:
         if self.timer is not None:
@@ -74,7 +99,7 @@ class Batch:
         return all(future.done() for future in self.futures)
 
 
-def _is_noscript(error: Exception) -> bool:
+def is_noscript(error: Exception) -> bool:
     return isinstance(error, NoScriptError) or str(error).startswith("NOSCRIPT")
 
 
@@ -100,8 +125,12 @@ class PipelineClient:
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._loading: asyncio.Task[None] | None = None
+        self._resetting: asyncio.Task[None] | None = None
 
-    def submit(self, keys: Sequence[bytes], argv: Sequence[bytes]) -> asyncio.Future[Any]:
+    def submit(
+        self, keys: Sequence[bytes], argv: Sequence[bytes], asking: str = ""
+    ) -> asyncio.Future[Any]:
+        """``asking`` is never set: redis-py follows ASK itself."""
         loop = asyncio.get_running_loop()
         batch = self._filling
         if batch is None:
@@ -132,6 +161,8 @@ class PipelineClient:
             batch.fail(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+            if isinstance(exc, RedisConnectionError | TimeoutError):
+                self._suspect()
         else:
             batch.resolve(results)
         finally:
@@ -139,14 +170,38 @@ class PipelineClient:
             if self._filling is not None:
                 self._flush()
 
-    async def recover(self, error: Exception) -> bool:
-        if not _is_noscript(error):
-            return False  # the cluster client follows MOVED itself
+    async def prepare(self) -> None:
+        client = self.client
+        if isinstance(client, RedisCluster):
+            await client.initialize()
+        await client.script_load(self.script)  # a cluster sends it to every primary
+
+    def _suspect(self) -> None:
+        """A node could not be reached: a cluster client reads the slot map again, so a
+        promoted replica is found. Not by closing the client, as redis-py's own retry does:
+        that would cut the connections of calls other nodes are running, whose charges the
+        callers would be told failed."""
+        client = self.client
+        if isinstance(client, RedisCluster) and self._resetting is None:
+            task = asyncio.get_running_loop().create_task(client.nodes_manager.initialize())
+            self._resetting = task
+            task.add_done_callback(self._reset)
+
+    def _reset(self, task: asyncio.Task[None]) -> None:
+        self._resetting = None
+        if not task.cancelled():
+            task.exception()  # a failed close changes nothing: the next failure tries again
+
+    async def recover(self, error: Exception) -> str | None:
+        if isinstance(error, RedisConnectionError | TimeoutError):
+            self._suspect()  # a cluster pipeline reports a lost node per call
+        if not is_noscript(error):
+            return None  # the cluster client follows MOVED and ASK itself
         task = self._loading
         if task is None:
             task = self._loading = asyncio.get_running_loop().create_task(self._load())
         await asyncio.shield(task)
-        return True
+        return ""
 
     async def _load(self) -> None:
         try:
@@ -162,6 +217,9 @@ class PipelineClient:
 def _command(*args: bytes) -> bytes:
     """A command in RESP, the protocol Redis speaks."""
     return b"*%d\r\n" % len(args) + b"".join([b"$%d\r\n%s\r\n" % (len(a), a) for a in args])
+
+
+_ASKING: Final = _command(b"ASKING")
 
 
 class _Connection(asyncio.Protocol):
@@ -191,7 +249,7 @@ class _Connection(asyncio.Protocol):
                 return
             batch = batches[0]
             batch.replies.append(reply)
-            if len(batch.replies) == len(batch.payloads):
+            if len(batch.replies) == batch.expected:
                 batches.popleft()
                 self.node.done(batch)
         if reader.gets() is not False:  # a reply nobody asked for: the stream is out of step
@@ -222,7 +280,8 @@ class _Node:
         self._filling: Batch | None = None
         self._in_flight = 0
 
-    def submit(self, payload: bytes) -> asyncio.Future[Any]:
+    def submit(self, payload: bytes, size: int = 1) -> asyncio.Future[Any]:
+        """Queue a call of ``size`` commands (their replies are its reply)."""
         loop = asyncio.get_running_loop()
         batch = self._filling
         if batch is None:
@@ -230,7 +289,7 @@ class _Node:
             # The deadline runs from the first call: it covers waiting, connecting and Redis.
             batch.timer = loop.call_at(loop.time() + self.client.timeout_s, self._expire, batch)
             loop.call_soon(self._flush)
-        return batch.add(payload, loop)
+        return batch.add(payload, loop, size)
 
     async def execute(self, *args: bytes) -> Any:
         """One command off the hot path (SCRIPT LOAD, CLUSTER SLOTS); raises its error reply."""
@@ -275,6 +334,7 @@ class _Node:
         if self.connection is connection:
             self.connection = None
             self._in_flight = 0
+            self.client.suspect(self)
 
     async def _connect(self) -> None:
         client = self.client
@@ -291,6 +351,7 @@ class _Node:
                     hello = Batch()
                     loop = asyncio.get_running_loop()
                     futures = [hello.add(command, loop) for command in client.handshake]
+                    self._in_flight += 1  # done() counts it back
                     connection.send(hello)
                     for future in futures:
                         reply = await future
@@ -305,6 +366,7 @@ class _Node:
                 batch.fail(
                     RedisConnectionError(f"cannot connect to Redis at {self.address}: {exc}")
                 )
+            self.client.suspect(self)
             return
         self._connecting = None
         self.connection = connection
@@ -368,7 +430,9 @@ class ThinClient:
             node = self._nodes[address] = _Node(self, host, port)
         return node
 
-    def submit(self, keys: Sequence[bytes], argv: Sequence[bytes]) -> asyncio.Future[Any]:
+    def submit(
+        self, keys: Sequence[bytes], argv: Sequence[bytes], asking: str = ""
+    ) -> asyncio.Future[Any]:
         encoded = self._encoded
         parts = [self._head % (len(keys) + len(argv) + 3), b"$1\r\n%d\r\n" % len(keys)]
         parts += [b"$%d\r\n%s\r\n" % (len(key), key) for key in keys]
@@ -380,37 +444,65 @@ class ThinClient:
                     encoded[arg] = bulk
             parts.append(bulk)
         payload = b"".join(parts)
+        if asking:
+            host, _, port = asking.rpartition(":")
+            return self._node(host, int(port)).submit(_ASKING + payload, 2)
         if not self.cluster or self._slots is None:
             return self._seed.submit(payload)
         node = self._slots[key_slot(keys[0])]
         return (node or self._seed).submit(payload)
 
-    async def recover(self, error: Exception) -> bool:
+    async def recover(self, error: Exception) -> str | None:
+        """NOSCRIPT loads the script; MOVED (a slot has a new owner: resharding, failover)
+        reads the slot map again; ASK (a slot being migrated, this key already moved) sends
+        the call once to the node it names. Anything else (CLUSTERDOWN, TRYAGAIN, LOADING,
+        READONLY...) is a failure of this call."""
         message = str(error)
         if message.startswith("NOSCRIPT"):
             await self._once("script", self._load_script)
-            return True
-        if message.startswith("MOVED") and self.cluster:
+            return ""
+        if not self.cluster:
+            return None
+        if message.startswith("MOVED "):
             await self._once("slots", self._refresh)
-            return True
-        return False
+            return ""
+        if message.startswith("ASK "):
+            address = message.split()[-1]
+            host, _, port = address.rpartition(":")
+            if not port.isdigit():
+                return None
+            return f"{host or self._seed.host}:{port}"
+        return None
+
+    def suspect(self, node: _Node) -> None:
+        """A node could not be reached: in a cluster, read the slot map again in the
+        background (a failover may have promoted a replica), so the calls after the failed
+        ones find the new owner."""
+        if self.cluster and "slots" not in self._repairs:
+            self._start("slots", self._refresh)
 
     async def refresh(self) -> None:
         """Read the slot map (a cluster): from the first node that answers."""
         await self._once("slots", self._refresh)
 
+    async def prepare(self) -> None:
+        if self.cluster:
+            await self._once("slots", self._refresh)
+        await self._once("script", self._load_script)  # connects every master
+
     async def _once(self, what: str, repair: Callable[[], Awaitable[None]]) -> None:
         """Run ``repair`` once for all the calls that need it now, within one timeout."""
-        task = self._repairs.get(what)
-        if task is None:
-
-            async def bounded() -> None:
-                async with asyncio.timeout(self.timeout_s):
-                    await repair()
-
-            task = self._repairs[what] = asyncio.get_running_loop().create_task(bounded())
-            task.add_done_callback(lambda done: self._repaired(what, done))
+        task = self._repairs.get(what) or self._start(what, repair)
         await asyncio.shield(task)
+
+    def _start(self, what: str, repair: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        async def bounded() -> None:
+            async with asyncio.timeout(self.timeout_s):
+                await repair()
+
+        task = self._repairs[what] = asyncio.get_running_loop().create_task(bounded())
+        task.add_done_callback(lambda done: self._repaired(what, done))
+        return task
 
     def _repaired(self, what: str, task: asyncio.Task[None]) -> None:
         self._repairs.pop(what, None)
@@ -425,7 +517,9 @@ class ThinClient:
 
     async def _refresh(self) -> None:
         errors = []
-        for node in [self._seed, *(n for n in self._nodes.values() if n is not self._seed)]:
+        # Nodes connected first: one that failed (killed, frozen) would spend the deadline.
+        nodes = [self._seed, *(n for n in self._nodes.values() if n is not self._seed)]
+        for node in sorted(nodes, key=lambda n: n.connection is None):
             try:
                 ranges = await node.execute(b"CLUSTER", b"SLOTS")
             except Exception as exc:

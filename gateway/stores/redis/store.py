@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -12,6 +13,7 @@ from typing import Any, Final, Literal
 
 from redis.asyncio import Redis, RedisCluster
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from gateway.algorithms.base import Algorithm, Decision
@@ -22,16 +24,20 @@ from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
-from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClient
+from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClient, is_noscript
 from gateway.stores.redis.codecs import Codec, codec_for, divided
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 
 FailureMode = Literal["local", "allow", "deny"]
 FAILURE_MODES: Final = ("local", "allow", "deny")
+log = logging.getLogger("gateway.store")
+
 _INF: Final = float("inf")
 # An overridden clock (tests) has nothing to do with the clock Redis expires keys by.
 _OVERRIDE_MIN_TTL_MS: Final = 600_000
 _MAX_RECOVERIES: Final = 3
+# Getting ready at start (several round trips, every master) may take longer than one call.
+_PREPARE_TIMEOUT_S: Final = 2.0
 _LUA_FILES: Final = (
     "prelude.lua",
     "leaky_bucket.lua",
@@ -282,6 +288,21 @@ class RedisStore:
         """The local fallback's: Redis expires its keys by TTL and evicts none."""
         return self.local.evictions(limit_name)
 
+    async def prepare(self) -> None:
+        """Before the first request: connect, read a cluster's slot map and load the script
+        on every master. Otherwise a new process's first calls pay for it themselves (MOVED,
+        CLUSTER SLOTS, NOSCRIPT, SCRIPT LOAD, each then sent again), so Redis TIME decides
+        them late, after calls that arrived later; and a bucket kept busy keeps that shift
+        for as long as it stays busy. A failure here is logged and changes nothing else:
+        calls repair what they meet, as they always do."""
+        try:
+            async with asyncio.timeout(_PREPARE_TIMEOUT_S):
+                await self.client.prepare()
+        except Exception as exc:
+            log.warning(
+                "redis store not prepared (%s): calls will connect on demand", _describe(exc)
+            )
+
     async def close(self) -> None:
         await self.local.close()
         await self.client.close()
@@ -301,26 +322,34 @@ class RedisStore:
         ]
         time_source = self.time_source
         now = b"" if time_source is None else b"%d" % time_source.now_us()
-        argv = [mode, now, b"1", self._min_ttl, *[plan.codec.params for plan in plans]]
+        self.counters.calls += 1
+        call_id = self.counters.calls
+        argv = [b"%s%d" % (mode, call_id), now, b"1", self._min_ttl]
+        argv += [plan.codec.params for plan in plans]
         argv += [_bound(check.max_delay_s) for check in checks]
         if mode == b"r":
             argv.append(charged_us)
-        self.counters.calls += 1
         loop = asyncio.get_running_loop()
         started = loop.time()
-        reply = await self.client.submit(keys, argv)
-        # A new cluster client may meet MOVED, then NOSCRIPT on the right node: a few rounds.
+        client = self.client
+        reply = await client.submit(keys, argv)
+        # A new cluster client may meet MOVED, then NOSCRIPT on the right node; a slot being
+        # migrated answers ASK: a few rounds. Anything else Redis refuses is a failure.
+        asking = ""
         for _ in range(_MAX_RECOVERIES):
             if not isinstance(reply, Exception):
                 break
-            if not await self.client.recover(reply):
+            target = await client.recover(reply)
+            if target is None:
                 raise reply
+            # The script loaded, a call that was ASKed goes to the same node again.
+            asking = target or (asking if is_noscript(reply) else "")
             self.counters.recoveries += 1
-            reply = await self.client.submit(keys, argv)
+            reply = await client.submit(keys, argv, asking=asking)
         if isinstance(reply, Exception):
             raise reply
+        result = _checked(reply, call_id, 1 if mode == b"r" else 1 + 5 * len(checks))
         self.stats.observe(loop.time() - started)
-        result: list[int] = reply
         return result
 
     def _answered(self) -> None:
@@ -380,9 +409,9 @@ def _redis_py(
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
-        # One retry reconnects a pooled connection a restarted Redis dropped; the batch
-        # deadline bounds the whole attempt anyway.
-        "retry": Retry(NoBackoff(), 1),
+        # No retry: a script call sent again after a lost connection or a timeout may have
+        # run already, and would be charged twice. A dropped connection costs one failed call.
+        "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
         # One connection per pipeline in flight, and one for SCRIPT LOAD.
         "max_connections": max_in_flight + 1,
@@ -401,6 +430,32 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timeout"
     return f"{type(exc).__name__}: {exc}"
+
+
+class StoreReplyError(RedisError):
+    """A reply that is not the script's answer to this call: never read as a verdict."""
+
+
+def _checked(reply: Any, call_id: int, length: int) -> list[int]:
+    """The script's integers for call ``call_id``; ``StoreReplyError`` for anything else (a
+    reply of another call, of another command, or of an older script)."""
+    if (
+        not isinstance(reply, list)
+        or len(reply) != length + 1
+        or not all(type(value) is int for value in reply)
+    ):
+        raise StoreReplyError(f"unexpected reply to script call {call_id}: {_sketch(reply)}")
+    if reply[-1] != call_id:
+        raise StoreReplyError(f"the reply to script call {reply[-1]} came for call {call_id}")
+    del reply[-1]
+    return reply
+
+
+def _sketch(reply: Any) -> str:
+    """A reply's shape for a log line (no values: they may be anything)."""
+    if isinstance(reply, list):
+        return f"a list of {len(reply)}"
+    return type(reply).__name__
 
 
 def _verdict(

@@ -3,7 +3,9 @@
 -- request, so a request rejected by any limit is charged to none.
 --
 -- KEYS[i]    the state key of limit i (one hash tag for all: one slot in a cluster)
--- ARGV[1]    'd' decide and commit, 'p' decide and commit nothing (explain), 'r' refund
+-- ARGV[1]    'd' decide and commit, 'p' decide and commit nothing (explain), 'r' refund,
+--            then the call's number, echoed last in the reply: the client checks each reply
+--            is its own call's, so no reply can ever be taken for another call's verdict
 -- ARGV[2]    now in microseconds; '' reads Redis TIME, the one clock all replicas share
 -- ARGV[3]    cost of the request
 -- ARGV[4]    least time to live in ms for written keys (0: expire as soon as idle)
@@ -16,8 +18,10 @@
 --            request that would wait longer is refused, and charged nothing
 -- ARGV[5+2n] refund only: the now_us of the decision that charged the request ('': unknown),
 --            which lets the windows give back exactly that charge
--- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four.
-local mode = ARGV[1]
+-- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four, then
+--            the call's number.
+local mode = string.sub(ARGV[1], 1, 1)
+local call_id = tonumber(string.sub(ARGV[1], 2)) or 0
 local now_us = tonumber(ARGV[2])
 if not now_us then
   local t = redis.call('TIME')
@@ -73,7 +77,7 @@ if mode == 'r' then
       store(KEYS[i], p, raw, rescaled_idle_us)
     end
   end
-  return {now_us}
+  return {now_us, call_id}
 end
 
 local reply = {now_us}
@@ -115,4 +119,5 @@ if mode == 'd' then
     end
   end
 end
+reply[5 * n + 2] = call_id
 return reply
