@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
@@ -65,6 +65,30 @@ class BodyTimeout(Exception):
 
 class BodyBroken(Exception):
     """The client's body went bad while streaming (bad chunking, trailers); aiohttp said why."""
+
+
+class _Relayed:
+    """Sends the upstream's headers as they came: aiohttp would add ``Content-Type:
+    application/octet-stream`` and ``Server: Python/... aiohttp/...`` (versions) where the
+    upstream sent none, and only on the responses that take this path (large, streamed)."""
+
+    async def _prepare_headers(self) -> None:
+        headers: CIMultiDict[str] = self._headers  # type: ignore[attr-defined]
+        had_type = hdrs.CONTENT_TYPE in headers
+        had_server = hdrs.SERVER in headers
+        await super()._prepare_headers()  # type: ignore[misc]
+        if not had_type:
+            headers.popall(hdrs.CONTENT_TYPE, None)
+        if not had_server:
+            headers.popall(hdrs.SERVER, None)
+
+
+class RelayedStream(_Relayed, web.StreamResponse):
+    pass
+
+
+class RelayedResponse(_Relayed, web.Response):
+    pass
 
 
 class _Admitted:
@@ -327,9 +351,9 @@ class ProxyHandler:
                 whole = response.body_bytes()
                 response.release()
                 if status in _NO_BODY_STATUS:
-                    return web.Response(status=status, reason=reason, headers=headers)
-                return web.Response(status=status, reason=reason, headers=headers, body=whole)
-            stream = web.StreamResponse(status=status, reason=reason, headers=headers)
+                    return RelayedResponse(status=status, reason=reason, headers=headers)
+                return RelayedResponse(status=status, reason=reason, headers=headers, body=whole)
+            stream = RelayedStream(status=status, reason=reason, headers=headers)
             if response.content_length is not None and status not in _NO_BODY_STATUS:
                 stream.content_length = response.content_length
             await stream.prepare(request)

@@ -14,6 +14,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
+from aiohttp.web_request import BaseRequest
+
+from gateway.responses import SERVER
 
 from gateway.policy import ServerSettings
 
@@ -103,6 +106,18 @@ class GatewayProtocol(RequestHandler):
         """The next bytes on this connection begin a new request, under a new deadline."""
         self._body = None
         self._awaiting_request = True
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's own answer to a request its parser refused, without its versions."""
+        response = super().handle_error(request, status, exc, message)
+        response.headers["Server"] = SERVER
+        return response
 
     def _arm_header_deadline(self) -> None:
         self._header_deadline = self._loop.call_later(

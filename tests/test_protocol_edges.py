@@ -1,0 +1,134 @@
+"""Protocol edges found by probing the gateway: headers it must not invent, versions it does not
+speak, framing errors it must not linger on, header names some upstreams misread.
+
+Each upstream here is a raw socket server writing exact bytes, so what the client sees can only
+have come from the upstream or from the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.conftest import GatewayFactory, policy_for
+from tests.rawhttp import split_head, status_of
+
+pytestmark = pytest.mark.reliability
+
+_LARGE = 1024 * 1024
+
+# What each path answers with: no Content-Type, no Server, in every framing the gateway has
+# a separate path for (whole and small, large with a length, chunked, close-delimited, cut short).
+_UPSTREAM_REPLIES: dict[bytes, bytes] = {
+    b"/small": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+    b"/large-length": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % _LARGE + b"x" * _LARGE,
+    b"/large-chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"%x\r\n" % _LARGE
+    + b"x" * _LARGE
+    + b"\r\n0\r\n\r\n",
+    b"/close-delimited": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"x" * 1000,
+    b"/truncated": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % _LARGE + b"x" * 70000,
+    b"/typed": b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nServer: upstream/1\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % _LARGE
+    + b"x" * _LARGE
+    + b"\r\n0\r\n\r\n",
+}
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[str]:
+    """Answers each request with the exact bytes of ``_UPSTREAM_REPLIES`` and closes."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ", 2)[1]
+            writer.write(_UPSTREAM_REPLIES[path])
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _read_all(port: int, data: bytes, *, within_s: float = 5.0) -> tuple[bytes, bool]:
+    """Send ``data``; read until the gateway closes (True) or ``within_s`` passes (False)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    chunks: list[bytes] = []
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(within_s):
+            while chunk := await reader.read(65536):
+                chunks.append(chunk)
+        return b"".join(chunks), True
+    except TimeoutError:
+        return b"".join(chunks), False
+    except ConnectionResetError:
+        return b"".join(chunks), True
+    finally:
+        writer.close()
+
+
+def _names(response: bytes) -> list[bytes]:
+    headers, _ = split_head(response)
+    return [name.lower() for name, _ in headers]
+
+
+@pytest.mark.parametrize("version", [b"HTTP/1.1", b"HTTP/1.0"])
+@pytest.mark.parametrize(
+    "path", [b"/small", b"/large-length", b"/large-chunked", b"/close-delimited", b"/truncated"]
+)
+async def test_no_content_type_or_server_the_upstream_never_sent(
+    path: bytes, version: bytes, raw_upstream: str, start_gateway: GatewayFactory
+) -> None:
+    """aiohttp adds ``Content-Type: application/octet-stream`` and ``Server: Python/x
+    aiohttp/y`` to a response that has none; a proxy passing one on must not."""
+    gw = await start_gateway(policy_for(raw_upstream))
+    response, closed = await _read_all(
+        gw.port, b"GET " + path + b" " + version + b"\r\nHost: h\r\nConnection: close\r\n\r\n"
+    )
+    assert closed
+    assert status_of(response) == 200, response[:200]
+    names = _names(response)
+    assert b"content-type" not in names, response[:400]
+    assert b"server" not in names, response[:400]
+    assert b"aiohttp" not in response.partition(b"\r\n\r\n")[0].lower()
+
+
+async def test_upstream_content_type_and_server_pass_unchanged(
+    raw_upstream: str, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(raw_upstream))
+    response, _ = await _read_all(
+        gw.port, b"GET /typed HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+    )
+    headers, _ = split_head(response)
+    assert [v for n, v in headers if n.lower() == b"content-type"] == [b"text/html"]
+    assert [v for n, v in headers if n.lower() == b"server"] == [b"upstream/1"]
+
+
+async def test_no_versions_in_the_gateways_own_answers(
+    raw_upstream: str, start_gateway: GatewayFactory
+) -> None:
+    """Neither a parser refusal nor the admin listener names Python's or aiohttp's version."""
+    gw = await start_gateway(policy_for(raw_upstream))
+    refused, _ = await _read_all(gw.port, b"GET /a HTTP/1.1\r\nHost: h\r\nX-A: a\x01b\r\n\r\n")
+    assert status_of(refused) == 400
+    admin_port = gw.gateway.admin_port
+    for path in (b"/healthz", b"/metrics", b"/no-such-page"):
+        answer, _ = await _read_all(
+            admin_port, b"GET " + path + b" HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+        )
+        assert status_of(answer) in (200, 404), answer[:200]
+        for response in (refused, answer):
+            head = response.partition(b"\r\n\r\n")[0].lower()
+            assert b"python" not in head and b"aiohttp" not in head, head
