@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
-from aiohttp import HttpVersion11, hdrs, web
+from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
@@ -16,6 +16,7 @@ from multidict import CIMultiDict
 from gateway.client_ip import client_key
 from gateway.delay_queue import ShuttingDown
 from gateway.forwarding import (
+    BadFraming,
     BadRequest,
     ForwardedFor,
     RequestFraming,
@@ -37,6 +38,7 @@ from gateway.responses import (
     PreparedResponse,
     error_response,
     rate_limited_response,
+    version_not_supported,
 )
 from gateway.routing import normalise_host, routing_path
 from gateway.server import GatewayProtocol
@@ -169,8 +171,18 @@ class ProxyHandler:
     ) -> web.StreamResponse | _Admitted:
         """Check the request, route it, resolve the client and ask the limits: a response that
         ends the request here, or what forwarding it needs (after its delay, if any)."""
+        version = request.version
+        if version != HttpVersion11 and version != HttpVersion10:
+            # llhttp also parses 0.9 and 2.0 request lines; aiohttp would answer in that version.
+            return _answer_raw_and_close(request, version_not_supported())
         try:
-            framing = check_request(request.raw_headers, request.version)
+            framing = check_request(request.raw_headers, version)
+        except BadFraming as exc:
+            # Where this body ends is unknown: reading on for aiohttp's lingering close would
+            # hold the connection for up to 10 s to no purpose.
+            return await _answer_and_close(
+                request, error_response(exc.status, exc.reason, close=True)
+            )
         except BadRequest as exc:
             return error_response(exc.status, exc.reason, close=True)
         method = request.method
@@ -288,6 +300,7 @@ class ProxyHandler:
             framing,
             admitted.forwarded,
             via,
+            underscores=runtime.settings.underscores_in_headers,
         )
         body_timeout = runtime.settings.body_timeout
         body = _stream_body(request, max_body, body_timeout) if framing.has_body else None
@@ -396,6 +409,16 @@ async def _answer_and_close(request: BaseRequest, response: web.Response) -> web
         await response.write_eof()
         request.transport.close()
     return response
+
+
+def _answer_raw_and_close(request: BaseRequest, data: bytes) -> web.StreamResponse:
+    """Write a whole response the gateway serialised (in HTTP/1.1 whatever the request's
+    version) and close the connection."""
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        transport.write(data)
+        transport.close()
+    return cast(web.StreamResponse, PreparedResponse(505, b"", False))
 
 
 async def _stream_body(

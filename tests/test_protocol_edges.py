@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.conftest import GatewayFactory, policy_for
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.rawhttp import split_head, status_of
 
 pytestmark = pytest.mark.reliability
@@ -114,6 +114,72 @@ async def test_upstream_content_type_and_server_pass_unchanged(
     headers, _ = split_head(response)
     assert [v for n, v in headers if n.lower() == b"content-type"] == [b"text/html"]
     assert [v for n, v in headers if n.lower() == b"server"] == [b"upstream/1"]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"POST /a HTTP/1.0\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"POST /a HTTP/1.0\r\nHost: h\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked"
+        b"\r\n\r\n5\r\nab",
+        b"POST /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+        b"POST /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: "
+        b"chunked\r\n\r\n",
+    ],
+    ids=["te-http-1.0", "te-http-1.0-keep-alive-partial", "te-gzip-chunked", "te-twice"],
+)
+async def test_framing_refusal_closes_at_once(
+    data: bytes, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """A 400 for framing the gateway cannot trust closes at once: there is no body end to
+    read up to, so aiohttp's lingering read held the socket for its full 10 s."""
+    gw = await start_gateway(policy_for(upstream.url))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    response, closed = await _read_all(gw.port, data, within_s=3.0)
+    assert status_of(response) == 400, response[:200]
+    assert closed, "the gateway kept the connection open after refusing its framing"
+    assert loop.time() - started < 1.0
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize("version", [b"HTTP/0.9", b"HTTP/2.0", b"HTTP/3.0"])
+async def test_other_http_versions_get_505_in_http_1_1(
+    version: bytes, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url))
+    response, closed = await _read_all(gw.port, b"GET /a " + version + b"\r\nHost: h\r\n\r\n")
+    assert closed
+    if version == b"HTTP/3.0":
+        # llhttp refuses this line itself: aiohttp's 400, in HTTP/1.x.
+        assert response.startswith((b"HTTP/1.0 400 ", b"HTTP/1.1 400 ")), response[:200]
+    else:
+        assert response.startswith(b"HTTP/1.1 505 "), response[:200]
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize("underscores", [False, True])
+async def test_header_names_with_underscores(
+    underscores: bool, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """Dropped by default (nginx's ``underscores_in_headers off``): CGI-style upstreams read
+    ``X_Real_IP`` as ``X-Real-IP`` and ``Transfer_Encoding`` as ``Transfer-Encoding``."""
+    server = "  underscores_in_headers: true\n" if underscores else ""
+    gw = await start_gateway(policy_for(upstream.url, server=server))
+    response, _ = await _read_all(
+        gw.port,
+        b"GET /a HTTP/1.1\r\nHost: h\r\nX_Real_IP: 6.6.6.6\r\nTransfer_Encoding: chunked\r\n"
+        b"X-Kept: 1\r\nConnection: close\r\n\r\n",
+    )
+    assert status_of(response) == 200
+    names = [name for name, _ in upstream.requests[0].raw_headers]
+    assert b"X-Kept" in names
+    if underscores:
+        assert b"X_Real_IP" in names and b"Transfer_Encoding" in names
+    else:
+        assert not [name for name in names if b"_" in name], names
+    real_ip = [v for n, v in upstream.requests[0].raw_headers if n.lower() == b"x-real-ip"]
+    assert real_ip == [b"127.0.0.1"]
 
 
 async def test_no_versions_in_the_gateways_own_answers(
