@@ -428,3 +428,40 @@ def test_gateway_serves_normally_after_the_fuzzing(fuzz_gateway: _GatewayThread)
         return server.open_connections
 
     assert fuzz_gateway.run(open_connections()) == 0
+
+
+# -- many keys ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_many_keys_stay_bounded_in_count_and_bytes() -> None:
+    """150,000 client IPs through a table bounded at 100,000 (bench/bench_algorithms.py runs
+    1,000,000): at most the bound is tracked, the most recent half never evicted, and a
+    filled table costs under 250 bytes a key, key strings included."""
+    import tracemalloc
+
+    from gateway.algorithms.fixed_window import FixedWindow
+    from gateway.keyed_state import KeyedState
+
+    algorithm = FixedWindow(5, 60)
+    now_us = 2520 * 1_000_000
+    _, state = algorithm.decide(None, now_us)
+
+    def ip(i: int) -> str:
+        return f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}"
+
+    table: KeyedState[Any] = KeyedState(100_000, algorithm)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100_000):
+            table.put(ip(i), state, now_us)
+        filled_bytes_per_key = (tracemalloc.get_traced_memory()[0] - before) / len(table)
+    finally:
+        tracemalloc.stop()
+    for i in range(100_000, 150_000):
+        table.put(ip(i), state, now_us)
+    assert len(table) <= 100_000
+    assert all(ip(i) in table for i in range(150_000 - table.generation_keys, 150_000))
+    print(f"\nmany keys: {filled_bytes_per_key:.0f} bytes per tracked key (100,000 filled)")
+    assert filled_bytes_per_key < 250
