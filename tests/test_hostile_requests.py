@@ -48,6 +48,8 @@ MAX_HEADERS = 100  # the policy default ``server.max_headers``
 MAX_BODY = 1024 * 1024  # set below as ``server.max_body_size: 1m``
 SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n"
 
+pytestmark = pytest.mark.reliability
+
 
 @dataclass(frozen=True, slots=True)
 class Hostile:

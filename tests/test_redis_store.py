@@ -375,6 +375,7 @@ class NaiveRedisStore:
         await self.client.aclose()
 
 
+@pytest.mark.reliability
 async def test_replicas_hammering_one_key_never_over_admit(redis_backend: Backend) -> None:
     """Four replicas (stores with their own connections), 400 requests at once, one key, a
     limit of 50 per window: exactly 50 admitted. The naive store on the same Redis admits more,
@@ -409,6 +410,7 @@ async def test_replicas_hammering_one_key_never_over_admit(redis_backend: Backen
             await store.close()
 
 
+@pytest.mark.reliability
 async def test_replicas_with_skewed_clocks_enforce_one_limit(redis_backend: Backend) -> None:
     """Two replicas whose own clocks are two minutes apart share one bucket, because the scripts
     read Redis TIME. Had each used its own clock, the one ahead would find two more tokens."""
@@ -727,6 +729,7 @@ def fast_breaker() -> CircuitBreaker:
     return CircuitBreaker("test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4)
 
 
+@pytest.mark.reliability
 async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
     redis_factory: RedisFactory,
 ) -> None:
@@ -769,6 +772,7 @@ async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
         await store.close()
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("client", ["thin", "redis-py"])
 async def test_frozen_redis_costs_one_timeout_then_the_circuit_opens(
     redis_factory: RedisFactory, client: str
@@ -806,6 +810,7 @@ async def test_frozen_redis_costs_one_timeout_then_the_circuit_opens(
         await store.close()
 
 
+@pytest.mark.reliability
 async def test_allow_mode_fails_open_and_deny_mode_fails_closed(
     redis_factory: RedisFactory,
 ) -> None:
@@ -1075,6 +1080,7 @@ async def test_redis_stopped_under_load_no_5xx_fallback_then_back(
     assert store.counters.calls == calls_before + 1 and store.breaker.state == "closed"
 
 
+@pytest.mark.reliability
 async def test_deny_mode_answers_503_while_redis_is_down(
     redis_factory: RedisFactory, upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
@@ -1118,6 +1124,7 @@ async def store_state(session: aiohttp.ClientSession, admin_url: str) -> str:
     return states[0]
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("on_failure", ["local", "allow", "deny"])
 async def test_metrics_and_log_follow_the_store_from_fallback_to_open_and_back_to_ok(
     redis_factory: RedisFactory,
