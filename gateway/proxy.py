@@ -41,7 +41,7 @@ from gateway.responses import (
     version_not_supported,
 )
 from gateway.routing import normalise_host, routing_path
-from gateway.server import GatewayProtocol
+from gateway.server import ChunkTooLarge, GatewayProtocol
 from gateway.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
@@ -287,6 +287,13 @@ class ProxyHandler:
                 request, error_response(413, "request body too large", close=True), framing
             )
 
+        protocol = request.protocol
+        if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
+            # A chunk size already refused the body: answer before the upstream hears of it.
+            status = protocol.body_refused
+            message = "request body too large" if status == 413 else "malformed request body"
+            return await _answer_and_close(request, error_response(status, message, close=True))
+
         if framing.expect_continue and request.transport is not None:
             request.transport.write(_CONTINUE)
 
@@ -311,7 +318,11 @@ class ProxyHandler:
                 head, body, body_chunked=chunked, expect_no_body=is_head
             )
         except BodyTooLarge:
-            return error_response(413, "request body too large", close=True)
+            refusal = error_response(413, "request body too large", close=True)
+            if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
+                # The rest of an oversized chunk is not worth a lingering read.
+                return await _answer_and_close(request, refusal)
+            return refusal
         except BodyTimeout:
             # The client stopped sending: nothing to linger for.
             return await _answer_and_close(
@@ -431,6 +442,8 @@ async def _stream_body(
             # The deadline is for each read: a slow but steady upload is fine.
             async with asyncio.timeout(body_timeout or None):
                 chunk = await content.readany()
+        except ChunkTooLarge:
+            raise BodyTooLarge from None
         except RequestPayloadError as exc:
             raise BodyBroken(str(exc)) from None
         except TimeoutError:

@@ -108,6 +108,7 @@ class Gateway:
             self.observability.wrap(self.handler),
             header_timeout=settings.header_timeout,
             max_connections=settings.max_connections,
+            max_body_size=settings.max_body_size,
             keepalive_timeout=settings.keepalive_timeout,
             max_line_size=settings.max_header_size,
             max_field_size=settings.max_header_size,
@@ -174,6 +175,8 @@ class Gateway:
         if self.server is not None:
             self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
+        if self.server is not None:
+            self.server.max_body_size = loaded.policy.server.max_body_size
         asyncio.get_running_loop().create_task(self._retire(previous))
 
     async def _retire(self, runtime: Runtime) -> None:

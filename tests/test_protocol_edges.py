@@ -8,14 +8,21 @@ have come from the upstream or from the gateway.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
+from typing import cast
 
 import pytest
+from aiohttp.streams import StreamReader
+from hypothesis import given
+from hypothesis import strategies as st
 
+from gateway.server import ChunkSizes
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.rawhttp import split_head, status_of
 
 pytestmark = pytest.mark.reliability
+
 
 _LARGE = 1024 * 1024
 
@@ -198,3 +205,126 @@ async def test_no_versions_in_the_gateways_own_answers(
         for response in (refused, answer):
             head = response.partition(b"\r\n\r\n")[0].lower()
             assert b"python" not in head and b"aiohttp" not in head, head
+
+
+@pytest.fixture
+async def head_counter() -> AsyncIterator[tuple[str, list[bytes]]]:
+    """An upstream that records every request head it is sent, and reads bodies to the end."""
+    heads: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            while await reader.read(65536):
+                pass
+        except (asyncio.IncompleteReadError, ConnectionResetError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", heads
+    finally:
+        server.close()
+
+
+_CHUNKED_HEAD = b"POST /up HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("size_line", "status"),
+    [
+        (b"%x" % (2 * 1024 * 1024), 413),  # past max_body_size (1m)
+        (b"00000000%x;ext=1" % (1024 * 1024 + 1), 413),
+        (b"%x" % 2**63, 400),  # llhttp takes it (it refuses 2**64 itself)
+        (b"%x" % (2**64 - 1), 400),
+    ],
+    ids=["2MiB", "1MiB+1-padded-with-extension", "2**63", "2**64-1"],
+)
+async def test_oversized_chunk_refused_at_once_and_never_forwarded(
+    size_line: bytes,
+    status: int,
+    head_counter: tuple[str, list[bytes]],
+    start_gateway: GatewayFactory,
+) -> None:
+    url, heads = head_counter
+    gw = await start_gateway(policy_for(url, server="  max_body_size: 1m\n"))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    response, closed = await _read_all(
+        gw.port, _CHUNKED_HEAD + size_line + b"\r\nabc", within_s=3.0
+    )
+    assert status_of(response) == status, response[:200]
+    assert closed and loop.time() - started < 1.0
+    assert heads == []
+
+
+async def test_chunk_past_the_limit_after_streaming_began_cuts_at_once(
+    head_counter: tuple[str, list[bytes]], start_gateway: GatewayFactory
+) -> None:
+    """The first chunk is fine and goes upstream; the second announces more than the limit
+    allows: the body is refused when its size line arrives, not after a body timeout."""
+    url, heads = head_counter
+    gw = await start_gateway(policy_for(url, server="  max_body_size: 1m\n  body_timeout: 30s\n"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(_CHUNKED_HEAD + b"5\r\nhello\r\n")
+        await writer.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while not heads:
+            assert loop.time() < deadline, "the head never reached the upstream"
+            await asyncio.sleep(0.01)
+        started = loop.time()
+        writer.write(b"%x\r\nabc" % (1024 * 1024))
+        await writer.drain()
+        async with asyncio.timeout(3):
+            answer = await reader.read()
+        assert loop.time() - started < 1.0
+        assert status_of(answer) in (0, 413), answer[:200]
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 64])
+async def test_chunked_body_in_small_pieces_reaches_upstream_whole(
+    piece: int, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """Chunk sizes read across reads of any size: a body just under the limit still passes."""
+    gw = await start_gateway(policy_for(upstream.url, server="  max_body_size: 2k\n"))
+    chunks = [b"a" * 1000, b"b" * 40, b"c" * 1000]
+    body = b"".join(b"%x;n=v\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\nX-T: 1\r\n\r\n"
+    data = _CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + body
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        for start in range(0, len(data), piece):
+            writer.write(data[start : start + piece])
+            await writer.drain()
+        async with asyncio.timeout(5):
+            answer = await reader.read()
+    finally:
+        writer.close()
+    assert status_of(answer) == 200, answer[:200]
+    assert upstream.requests[0].body == b"".join(chunks)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 300), max_size=6),
+    extension=st.sampled_from([b"", b";a=b", b';q="x;y"']),
+    cuts=st.lists(st.integers(0, 4000), max_size=8),
+)
+def test_chunk_sizes_read_across_any_split(
+    sizes: list[int], extension: bytes, cuts: list[int]
+) -> None:
+    """Whatever the read boundaries, the sizes read are the sizes sent, and the last chunk
+    ends the reading (what follows is trailers, then the next request)."""
+    body = b"".join(b"%x%s\r\n%s\r\n" % (n, extension, b"\n" * n) for n in sizes)
+    body += b"0\r\nX-T: 1\r\n\r\nGET /next HTTP/1.1\r\n\r\n"
+    reader = ChunkSizes(cast(StreamReader, None))  # feeding never touches the payload
+    points = sorted({min(c, len(body)) for c in cuts} | {0, len(body)})
+    for start, end in itertools.pairwise(points):
+        reader.feed(body[start:end])
+    assert reader.done and reader.total == sum(sizes)
+    assert reader.largest == max(sizes, default=0)
