@@ -175,8 +175,6 @@ class Gateway:
         if self.server is not None:
             self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
-        if self.server is not None:
-            self.server.max_body_size = loaded.policy.server.max_body_size
         asyncio.get_running_loop().create_task(self._retire(previous))
 
     async def _retire(self, runtime: Runtime) -> None:

@@ -17,9 +17,8 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
-from gateway.responses import SERVER
-
 from gateway.policy import ServerSettings
+from gateway.responses import SERVER
 
 _BUSY_BODY = b'{"status": 503, "error": "service_unavailable", "message": "too many connections"}'
 _TOO_MANY_CONNECTIONS = (
@@ -262,7 +261,7 @@ class GatewayServer(web.Server):
         self._protocol_kwargs = kwargs
         self.header_timeout = header_timeout
         self.max_connections = max_connections
-        self.max_body_size = max_body_size  # the policy's; a reload sets it anew
+        self.max_body_size = max_body_size  # chunks announced past it are refused
         self.open_connections = 0
         self.refused_connections = 0
         self.header_timeouts = 0
@@ -272,6 +271,7 @@ class GatewayServer(web.Server):
         them (open ones keep theirs)."""
         self.header_timeout = settings.header_timeout
         self.max_connections = settings.max_connections
+        self.max_body_size = settings.max_body_size
         self._protocol_kwargs.update(
             keepalive_timeout=settings.keepalive_timeout,
             max_line_size=settings.max_header_size,

@@ -441,7 +441,7 @@ def test_many_keys_stay_bounded_in_count_and_bytes() -> None:
     import tracemalloc
 
     from gateway.algorithms.fixed_window import FixedWindow
-    from gateway.keyed_state import KeyedState
+    from gateway.stores.keyed_state import KeyedState
 
     algorithm = FixedWindow(5, 60)
     now_us = 2520 * 1_000_000
