@@ -13,6 +13,7 @@ from gateway.client_ip import client_key
 from gateway.engine import LimitEngine
 from gateway.keys import RequestFacts
 from gateway.limits import Check
+from gateway.responses import SERVER
 from gateway.routing import normalise_host
 from gateway.stores import StoreUnavailableError
 
@@ -199,9 +200,15 @@ async def _combined_verdict(
     }
 
 
+async def _name_server(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp would send ``Server: Python/x aiohttp/y``: versions are nobody's business."""
+    response.headers["Server"] = SERVER
+
+
 def make_admin_app(state: AdminState) -> web.Application:
     app = web.Application()
     app[ADMIN_STATE] = state
+    app.on_response_prepare.append(_name_server)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/policy", _policy)

@@ -45,6 +45,13 @@ class BadRequest(Exception):
         self.reason = reason
 
 
+class BadFraming(BadRequest):
+    """Where the body ends cannot be trusted: answer and close at once, reading nothing more."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(400, reason)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestFraming:
     """How the request body is framed: a known length, chunked, or no body at all."""
@@ -79,11 +86,11 @@ def check_request(raw_headers: RawHeaders, version: tuple[int, int]) -> RequestF
         lname = name.lower()
         if lname == b"content-length":
             if content_length is not None:
-                raise BadRequest(400, "duplicate Content-Length")
+                raise BadFraming("duplicate Content-Length")
             content_length = value.strip()
         elif lname == b"transfer-encoding":
             if transfer_encoding is not None:
-                raise BadRequest(400, "duplicate Transfer-Encoding")
+                raise BadFraming("duplicate Transfer-Encoding")
             transfer_encoding = value.strip()
         elif lname == b"host":
             hosts += 1
@@ -101,13 +108,13 @@ def check_request(raw_headers: RawHeaders, version: tuple[int, int]) -> RequestF
         raise BadRequest(400, "missing Host")
     if transfer_encoding is not None:
         if content_length is not None:
-            raise BadRequest(400, "both Content-Length and Transfer-Encoding")
+            raise BadFraming("both Content-Length and Transfer-Encoding")
         if transfer_encoding.lower() != b"chunked" or version < (1, 1):
-            raise BadRequest(400, "unsupported Transfer-Encoding")
+            raise BadFraming("unsupported Transfer-Encoding")
     length: int | None = None
     if content_length is not None:
         if _DIGITS_RE.match(content_length) is None:
-            raise BadRequest(400, "invalid Content-Length")
+            raise BadFraming("invalid Content-Length")
         length = int(content_length)
     expect_continue = False
     if expect is not None:
@@ -143,8 +150,15 @@ def build_request_head(
     framing: RequestFraming,
     fwd: ForwardedFor,
     via: bytes,
+    *,
+    underscores: bool = False,
 ) -> bytes:
-    """The upstream request line and headers, hop-by-hop dropped, framing set by the gateway."""
+    """The upstream request line and headers, hop-by-hop dropped, framing set by the gateway.
+
+    Header names with an underscore are dropped unless ``underscores`` (nginx's
+    ``underscores_in_headers``): some servers (CGI, WSGI, PHP) read ``X_Real_IP`` as
+    ``X-Real-IP``, so a client could pass one off as a header the gateway sets or drops.
+    """
     named = framing.connection
     out = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
     append = out.append
@@ -154,6 +168,8 @@ def build_request_head(
     for name, value in raw_headers:
         lname = name.lower()
         if lname in _REQUEST_REPLACED or (named and lname in named):
+            continue
+        if not underscores and b"_" in lname:
             continue
         if lname == b"x-forwarded-for":
             xff = value if xff is None else xff + b", " + value

@@ -172,6 +172,12 @@ class ServerSettings(_Model):
     )
     max_header_size: Size = Field(8190, ge=256, description="longest request line or header")
     max_headers: int = Field(100, ge=1)
+    underscores_in_headers: bool = Field(
+        False,
+        description="forward request headers whose names hold an underscore (nginx's "
+        "underscores_in_headers); off, they are dropped, since some upstreams read X_Real_IP "
+        "as X-Real-IP",
+    )
     shutdown_timeout: Duration = Field(
         30.0, description="on SIGTERM, how long in-flight requests may take to finish"
     )

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
@@ -16,6 +16,7 @@ from multidict import CIMultiDict
 from gateway.client_ip import client_key
 from gateway.delay_queue import ShuttingDown
 from gateway.forwarding import (
+    BadFraming,
     BadRequest,
     ForwardedFor,
     RequestFraming,
@@ -37,9 +38,10 @@ from gateway.responses import (
     PreparedResponse,
     error_response,
     rate_limited_response,
+    version_not_supported,
 )
 from gateway.routing import normalise_host, routing_path
-from gateway.server import GatewayProtocol
+from gateway.server import ChunkTooLarge, GatewayProtocol
 from gateway.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
@@ -65,6 +67,30 @@ class BodyTimeout(Exception):
 
 class BodyBroken(Exception):
     """The client's body went bad while streaming (bad chunking, trailers); aiohttp said why."""
+
+
+class _Relayed:
+    """Sends the upstream's headers as they came: aiohttp would add ``Content-Type:
+    application/octet-stream`` and ``Server: Python/... aiohttp/...`` (versions) where the
+    upstream sent none, and only on the responses that take this path (large, streamed)."""
+
+    async def _prepare_headers(self) -> None:
+        headers: CIMultiDict[str] = self._headers  # type: ignore[attr-defined]
+        had_type = hdrs.CONTENT_TYPE in headers
+        had_server = hdrs.SERVER in headers
+        await super()._prepare_headers()  # type: ignore[misc]
+        if not had_type:
+            headers.popall(hdrs.CONTENT_TYPE, None)
+        if not had_server:
+            headers.popall(hdrs.SERVER, None)
+
+
+class RelayedStream(_Relayed, web.StreamResponse):
+    pass
+
+
+class RelayedResponse(_Relayed, web.Response):
+    pass
 
 
 class _Admitted:
@@ -145,8 +171,18 @@ class ProxyHandler:
     ) -> web.StreamResponse | _Admitted:
         """Check the request, route it, resolve the client and ask the limits: a response that
         ends the request here, or what forwarding it needs (after its delay, if any)."""
+        version = request.version
+        if version != HttpVersion11 and version != HttpVersion10:
+            # llhttp also parses 0.9 and 2.0 request lines; aiohttp would answer in that version.
+            return _answer_raw_and_close(request, version_not_supported())
         try:
-            framing = check_request(request.raw_headers, request.version)
+            framing = check_request(request.raw_headers, version)
+        except BadFraming as exc:
+            # Where this body ends is unknown: reading on for aiohttp's lingering close would
+            # hold the connection for up to 10 s to no purpose.
+            return await _answer_and_close(
+                request, error_response(exc.status, exc.reason, close=True)
+            )
         except BadRequest as exc:
             return error_response(exc.status, exc.reason, close=True)
         method = request.method
@@ -251,6 +287,13 @@ class ProxyHandler:
                 request, error_response(413, "request body too large", close=True), framing
             )
 
+        protocol = request.protocol
+        if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
+            # A chunk size already refused the body: answer before the upstream hears of it.
+            status = protocol.body_refused
+            message = "request body too large" if status == 413 else "malformed request body"
+            return await _answer_and_close(request, error_response(status, message, close=True))
+
         if framing.expect_continue and request.transport is not None:
             request.transport.write(_CONTINUE)
 
@@ -264,6 +307,7 @@ class ProxyHandler:
             framing,
             admitted.forwarded,
             via,
+            underscores=runtime.settings.underscores_in_headers,
         )
         body_timeout = runtime.settings.body_timeout
         body = _stream_body(request, max_body, body_timeout) if framing.has_body else None
@@ -274,7 +318,11 @@ class ProxyHandler:
                 head, body, body_chunked=chunked, expect_no_body=is_head
             )
         except BodyTooLarge:
-            return error_response(413, "request body too large", close=True)
+            refusal = error_response(413, "request body too large", close=True)
+            if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
+                # The rest of an oversized chunk is not worth a lingering read.
+                return await _answer_and_close(request, refusal)
+            return refusal
         except BodyTimeout:
             # The client stopped sending: nothing to linger for.
             return await _answer_and_close(
@@ -327,9 +375,9 @@ class ProxyHandler:
                 whole = response.body_bytes()
                 response.release()
                 if status in _NO_BODY_STATUS:
-                    return web.Response(status=status, reason=reason, headers=headers)
-                return web.Response(status=status, reason=reason, headers=headers, body=whole)
-            stream = web.StreamResponse(status=status, reason=reason, headers=headers)
+                    return RelayedResponse(status=status, reason=reason, headers=headers)
+                return RelayedResponse(status=status, reason=reason, headers=headers, body=whole)
+            stream = RelayedStream(status=status, reason=reason, headers=headers)
             if response.content_length is not None and status not in _NO_BODY_STATUS:
                 stream.content_length = response.content_length
             await stream.prepare(request)
@@ -374,6 +422,16 @@ async def _answer_and_close(request: BaseRequest, response: web.Response) -> web
     return response
 
 
+def _answer_raw_and_close(request: BaseRequest, data: bytes) -> web.StreamResponse:
+    """Write a whole response the gateway serialised (in HTTP/1.1 whatever the request's
+    version) and close the connection."""
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        transport.write(data)
+        transport.close()
+    return cast(web.StreamResponse, PreparedResponse(505, b"", False))
+
+
 async def _stream_body(
     request: BaseRequest, max_body: int, body_timeout: float
 ) -> AsyncIterator[bytes]:
@@ -384,6 +442,8 @@ async def _stream_body(
             # The deadline is for each read: a slow but steady upload is fine.
             async with asyncio.timeout(body_timeout or None):
                 chunk = await content.readany()
+        except ChunkTooLarge:
+            raise BodyTooLarge from None
         except RequestPayloadError as exc:
             raise BodyBroken(str(exc)) from None
         except TimeoutError:

@@ -23,6 +23,7 @@ _TITLES = {
     502: "bad_gateway",
     503: "service_unavailable",
     504: "gateway_timeout",
+    505: "http_version_not_supported",
 }
 
 
@@ -41,6 +42,28 @@ def error_response(
     if close:
         response.force_close()
     return response
+
+
+def version_not_supported() -> bytes:
+    """A whole 505 in HTTP/1.1 (aiohttp would answer in the request's own 0.9 or 2.0)."""
+    body = json.dumps(
+        {
+            "status": 505,
+            "error": _TITLES[505],
+            "message": "only HTTP/1.0 and HTTP/1.1 are served",
+        }
+    ).encode()
+    return (
+        b"HTTP/1.1 505 HTTP Version Not Supported\r\nServer: %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\nDate: %s\r\n"
+        b"Connection: close\r\n\r\n%s"
+        % (
+            SERVER.encode(),
+            len(body),
+            formatdate(time.time(), usegmt=True).encode("ascii"),
+            body,
+        )
+    )
 
 
 _PROBLEM_TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}

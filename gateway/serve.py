@@ -110,6 +110,7 @@ class Gateway:
             self.observability.wrap(self.handler),
             header_timeout=settings.header_timeout,
             max_connections=settings.max_connections,
+            max_body_size=settings.max_body_size,
             keepalive_timeout=settings.keepalive_timeout,
             max_line_size=settings.max_header_size,
             max_field_size=settings.max_header_size,
@@ -176,16 +177,29 @@ class Gateway:
         if self.server is not None:
             self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
-        kept = {name for name, t in runtime.upstreams.items() if previous.upstreams.get(name) is t}
-        asyncio.get_running_loop().create_task(self._retire(previous, kept))
+        asyncio.get_running_loop().create_task(self._retire(previous))
 
-    async def _retire(self, runtime: Runtime, kept: set[str]) -> None:
+    async def _retire(self, runtime: Runtime) -> None:
+        """Once ``runtime`` serves no request, close its pools that no other runtime holds.
+
+        A pool can outlive several reloads (its upstream unchanged) and be held by more than
+        one retired runtime at once: whichever of them goes idle last closes it, since an older
+        one may still have requests on it after a newer one is done with it.
+        """
         self._retired.append(runtime)
         try:
             await runtime.idle()
-            await runtime.close(keep=kept)
         finally:
             self._retired.remove(runtime)
+        assert self.handler is not None
+        in_use = {
+            id(target.pool)
+            for other in (self.handler.runtime, *self._retired)
+            for target in other.upstreams.values()
+        }
+        await runtime.close(
+            keep={name for name, t in runtime.upstreams.items() if id(t.pool) in in_use}
+        )
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish within the shutdown deadline."""

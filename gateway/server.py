@@ -8,20 +8,81 @@ bytes), and a cap on open connections per worker.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from typing import Any
 
 from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
+from aiohttp.web_request import BaseRequest
 
 from gateway.policy import ServerSettings
+from gateway.responses import SERVER
 
 _BUSY_BODY = b'{"status": 503, "error": "service_unavailable", "message": "too many connections"}'
 _TOO_MANY_CONNECTIONS = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 )
+
+
+_HEX_RE = re.compile(rb"[0-9A-Fa-f]+")
+# No body is 2**60 bytes: a size this large is an attack on somebody's arithmetic, not a chunk.
+ABSURD_CHUNK = 1 << 60
+
+
+class ChunkTooLarge(RequestPayloadError):
+    """A chunk announced a size that takes the body past ``max_body_size``."""
+
+
+class ChunkSizeAbsurd(RequestPayloadError):
+    """A chunk announced a size no body could have (llhttp takes up to 2**64 - 1)."""
+
+
+class ChunkSizes:
+    """Reads the chunk-size lines of one chunked body as its bytes arrive, so that a chunk
+    announced larger than the body limit is refused before its bytes (or its head) go on.
+
+    llhttp reads the body and stays the judge of its syntax: on anything this does not read as
+    a well-formed size line it stops looking and leaves the request to llhttp.
+    """
+
+    __slots__ = ("_line", "_skip", "done", "largest", "payload", "total")
+
+    def __init__(self, payload: StreamReader) -> None:
+        self.payload = payload
+        self._line = b""
+        self._skip = 0  # bytes of chunk data (and its CRLF) still to pass over
+        self.total = 0  # bytes the chunks so far announced
+        self.largest = 0
+        self.done = False
+
+    def feed(self, data: bytes) -> None:
+        pos, end = 0, len(data)
+        while pos < end and not self.done:
+            if self._skip:
+                step = min(self._skip, end - pos)
+                self._skip -= step
+                pos += step
+                continue
+            newline = data.find(b"\n", pos)
+            if newline < 0:
+                self._line += data[pos:]
+                self.done = len(self._line) > 1024  # not a size line llhttp would take
+                return
+            line, self._line = self._line + data[pos:newline], b""
+            pos = newline + 1
+            digits = line.split(b";", 1)[0].rstrip(b"\r")
+            if _HEX_RE.fullmatch(digits) is None:
+                self.done = True
+                return
+            size = int(digits, 16)
+            self.total += size
+            self.largest = max(self.largest, size)
+            if size == 0:
+                self.done = True  # the last chunk: trailers follow
+            self._skip = size + 2
 
 
 class _MessageQueue(list[Any]):
@@ -38,7 +99,14 @@ class _MessageQueue(list[Any]):
 class GatewayProtocol(RequestHandler):
     """One client connection; arms a header deadline whenever it waits for a request."""
 
-    __slots__ = ("_awaiting_request", "_body", "_gw_server", "_header_deadline")
+    __slots__ = (
+        "_awaiting_request",
+        "_body",
+        "_chunk_sizes",
+        "_gw_server",
+        "_header_deadline",
+        "body_refused",
+    )
 
     def __init__(self, manager: GatewayServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -48,6 +116,9 @@ class GatewayProtocol(RequestHandler):
         self._body: StreamReader | None = None
         self._awaiting_request = True
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._chunk_sizes: ChunkSizes | None = None
+        # 413 or 400 once a chunk size refuses the body being received.
+        self.body_refused = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         server = self._gw_server
@@ -70,6 +141,12 @@ class GatewayProtocol(RequestHandler):
     def data_received(self, data: bytes) -> None:
         queued = len(self._messages)
         super().data_received(data)
+        sizes = self._chunk_sizes
+        if sizes is not None:
+            sizes.feed(data)
+            self._check_chunk_sizes(sizes)
+        elif len(self._messages) == queued + 1:
+            self._watch_chunk_sizes(data)
         if (
             self._awaiting_request
             and self._header_deadline is None
@@ -103,6 +180,53 @@ class GatewayProtocol(RequestHandler):
         """The next bytes on this connection begin a new request, under a new deadline."""
         self._body = None
         self._awaiting_request = True
+        self._chunk_sizes = None
+        self.body_refused = 0
+
+    def _watch_chunk_sizes(self, data: bytes) -> None:
+        """If ``data`` begins with the chunked request just parsed, follow its chunk sizes.
+
+        Only then is it certain where its body begins (llhttp wants CRLF line ends, so the
+        head ends at the first blank line); a head that came in pieces, or a request behind
+        another, keeps only the limit on the bytes actually received.
+        """
+        message, payload = self._messages[-1]
+        if isinstance(message, _ErrInfo) or not message.chunked:
+            return
+        if not data.startswith(f"{message.method} {message.path} ".encode("latin-1")):
+            return
+        head_end = data.find(b"\r\n\r\n")
+        if head_end < 0:
+            return
+        sizes = self._chunk_sizes = ChunkSizes(payload)
+        sizes.feed(data[head_end + 4 :])
+        self._check_chunk_sizes(sizes)
+
+    def _check_chunk_sizes(self, sizes: ChunkSizes) -> None:
+        limit = self._gw_server.max_body_size
+        error: RequestPayloadError
+        if sizes.largest >= ABSURD_CHUNK:
+            self.body_refused, error = 400, ChunkSizeAbsurd("absurd chunk size")
+        elif limit and sizes.total > limit:
+            self.body_refused, error = 413, ChunkTooLarge("chunk past max_body_size")
+        else:
+            if sizes.done:
+                self._chunk_sizes = None
+            return
+        self._chunk_sizes = None
+        sizes.payload.set_exception(error)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's own answer to a request its parser refused, without its versions."""
+        response = super().handle_error(request, status, exc, message)
+        response.headers["Server"] = SERVER
+        return response
 
     def _arm_header_deadline(self) -> None:
         self._header_deadline = self._loop.call_later(
@@ -130,12 +254,14 @@ class GatewayServer(web.Server):
         *,
         header_timeout: float,
         max_connections: int,
+        max_body_size: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(handler, handler_cancellation=True, **kwargs)
         self._protocol_kwargs = kwargs
         self.header_timeout = header_timeout
         self.max_connections = max_connections
+        self.max_body_size = max_body_size  # chunks announced past it are refused
         self.open_connections = 0
         self.refused_connections = 0
         self.header_timeouts = 0
@@ -145,6 +271,7 @@ class GatewayServer(web.Server):
         them (open ones keep theirs)."""
         self.header_timeout = settings.header_timeout
         self.max_connections = settings.max_connections
+        self.max_body_size = settings.max_body_size
         self._protocol_kwargs.update(
             keepalive_timeout=settings.keepalive_timeout,
             max_line_size=settings.max_header_size,

@@ -48,6 +48,8 @@ MAX_HEADERS = 100  # the policy default ``server.max_headers``
 MAX_BODY = 1024 * 1024  # set below as ``server.max_body_size: 1m``
 SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n"
 
+pytestmark = pytest.mark.reliability
+
 
 @dataclass(frozen=True, slots=True)
 class Hostile:
@@ -305,7 +307,11 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile(
         "version-unknown-major", _line(b"GET /target HTTP/9.1"), statuses=frozenset({400, 505})
     ),
-    Hostile("version-missing-http-0.9", b"GET /target\r\n\r\n"),
+    Hostile(
+        "version-missing-http-0.9", b"GET /target\r\n\r\n", statuses=frozenset({400, 505})
+    ),
+    Hostile("version-http-0.9", _line(b"GET /target HTTP/0.9"), statuses=frozenset({505})),
+    Hostile("version-http-2.0", _line(b"GET /target HTTP/2.0"), statuses=frozenset({505})),
     Hostile("request-line-trailing-space", _line(b"GET /target HTTP/1.1 ")),
     Hostile("request-line-tab-separator", _line(b"GET\t/target HTTP/1.1")),
     Hostile("target-with-space", _line(b"GET /tar get HTTP/1.1")),

@@ -31,6 +31,8 @@ from tests.rawhttp import status_of
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
 
+pytestmark = pytest.mark.reliability
+
 
 # -- helpers ------------------------------------------------------------------------------------
 

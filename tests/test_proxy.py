@@ -8,6 +8,7 @@ import json
 import socket
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
@@ -173,6 +174,7 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.reliability
 async def test_connection_refused_gives_502(start_gateway: GatewayFactory) -> None:
     gw = await start_gateway(policy_for(f"http://127.0.0.1:{_closed_port()}"))
     async with aiohttp.ClientSession() as session, session.get(gw.url + "/") as resp:
@@ -182,6 +184,7 @@ async def test_connection_refused_gives_502(start_gateway: GatewayFactory) -> No
         assert "Traceback" not in json.dumps(body)
 
 
+@pytest.mark.reliability
 async def test_read_timeout_gives_504(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
@@ -200,6 +203,7 @@ async def test_read_timeout_gives_504(
     assert loop.time() - started < 2.5
 
 
+@pytest.mark.reliability
 async def test_connect_timeout_gives_504(start_gateway: GatewayFactory) -> None:
     # A listener whose accept queue is full drops further SYNs: the gateway's connect hangs
     # until its connect_timeout, as with a host that does not answer.
@@ -395,6 +399,7 @@ async def test_bytes_pass_unchanged_no_decompression(
     assert upstream.requests[0].body == compressed
 
 
+@pytest.mark.reliability
 async def test_body_over_limit_gets_413_and_never_reaches_upstream(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
@@ -445,6 +450,7 @@ async def test_expect_100_continue_answered_by_gateway(
     assert len(upstream.requests) == 1
 
 
+@pytest.mark.reliability
 async def test_client_disconnect_cancels_upstream_request(start_gateway: GatewayFactory) -> None:
     closed = asyncio.Event()
     got_request = asyncio.Event()
@@ -511,6 +517,7 @@ async def test_admin_health_and_policy(
             assert body["policy"]["routes"][0]["name"] == "all"
 
 
+@pytest.mark.reliability
 async def test_truncated_upstream_body_is_not_passed_off_as_complete(
     start_gateway: GatewayFactory,
 ) -> None:
@@ -535,6 +542,7 @@ async def test_truncated_upstream_body_is_not_passed_off_as_complete(
         server.close()
 
 
+@pytest.mark.reliability
 async def test_stalled_body_gets_408_and_the_upstream_is_cut(
     start_gateway: GatewayFactory,
 ) -> None:

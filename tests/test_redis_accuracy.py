@@ -43,6 +43,8 @@ REPLICAS = 3
 LOAD_S = 10.0
 STATS_PREFIX = "STORE_STATS "
 
+pytestmark = pytest.mark.reliability
+
 
 @dataclasses.dataclass(frozen=True)
 class Load:

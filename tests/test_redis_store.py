@@ -375,6 +375,7 @@ class NaiveRedisStore:
         await self.client.aclose()
 
 
+@pytest.mark.reliability
 async def test_replicas_hammering_one_key_never_over_admit(redis_backend: Backend) -> None:
     """Four replicas (stores with their own connections), 400 requests at once, one key, a
     limit of 50 per window: exactly 50 admitted. The naive store on the same Redis admits more,
@@ -409,6 +410,7 @@ async def test_replicas_hammering_one_key_never_over_admit(redis_backend: Backen
             await store.close()
 
 
+@pytest.mark.reliability
 async def test_replicas_with_skewed_clocks_enforce_one_limit(redis_backend: Backend) -> None:
     """Two replicas whose own clocks are two minutes apart share one bucket, because the scripts
     read Redis TIME. Had each used its own clock, the one ahead would find two more tokens."""
@@ -727,6 +729,7 @@ def fast_breaker() -> CircuitBreaker:
     return CircuitBreaker("test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4)
 
 
+@pytest.mark.reliability
 async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
     redis_factory: RedisFactory,
 ) -> None:
@@ -769,6 +772,7 @@ async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
         await store.close()
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("client", ["thin", "redis-py"])
 async def test_frozen_redis_costs_one_timeout_then_the_circuit_opens(
     redis_factory: RedisFactory, client: str
@@ -806,6 +810,7 @@ async def test_frozen_redis_costs_one_timeout_then_the_circuit_opens(
         await store.close()
 
 
+@pytest.mark.reliability
 async def test_allow_mode_fails_open_and_deny_mode_fails_closed(
     redis_factory: RedisFactory,
 ) -> None:
@@ -962,33 +967,47 @@ class Served:
     latency_s: float
 
 
+@dataclass
+class LoadRun:
+    served: list[Served]
+    phase_started_s: list[float]  # when each phase's action had finished, from the load's start
+
+
 async def load_while(
     url: str, phases: list[tuple[float, Any]], workers: int = 8, max_requests: int = 20_000
-) -> list[Served]:
+) -> LoadRun:
     """Requests from ``workers`` clients until the last phase ends; each phase's action runs
-    when the phase starts (bounded in time by the phases, in count by ``max_requests``)."""
+    when the phase starts, and its duration counts from when the action is done (starting or
+    killing a Redis takes a while on a loaded machine). Bounded in count by ``max_requests``,
+    and in time by the phases plus 30 s for the actions."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    end = t0 + sum(duration for duration, _ in phases)
+    hard_end = t0 + sum(duration for duration, _ in phases) + 30.0
+    phases_done = asyncio.Event()
     served: list[Served] = []
+    phase_started_s: list[float] = []
 
     async def client(session: aiohttp.ClientSession) -> None:
-        while loop.time() < end and len(served) < max_requests:
+        while not phases_done.is_set() and loop.time() < hard_end and len(served) < max_requests:
             started = loop.time()
             async with session.get(url) as response:
                 await response.read()
             served.append(Served(started - t0, response.status, loop.time() - started))
 
     async def director() -> None:
-        for duration, action in phases:
-            if action is not None:
-                await loop.run_in_executor(None, action)
-            await asyncio.sleep(duration)
+        try:
+            for duration, action in phases:
+                if action is not None:
+                    await loop.run_in_executor(None, action)
+                phase_started_s.append(loop.time() - t0)
+                await asyncio.sleep(duration)
+        finally:
+            phases_done.set()
 
     timeout = aiohttp.ClientTimeout(total=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(director(), *[client(session) for _ in range(workers)])
-    return served
+    return LoadRun(served, phase_started_s)
 
 
 LOAD_LIMITS = """\
@@ -1006,42 +1025,70 @@ limits:
 """
 
 
-@pytest.mark.parametrize("on_failure", ["local", "allow"])
+@pytest.mark.reliability
+@pytest.mark.parametrize("on_failure", ["local", "allow", "deny"])
 async def test_redis_stopped_under_load_no_5xx_fallback_then_back(
     redis_factory: RedisFactory,
     upstream: RecordingUpstream,
     start_gateway: GatewayFactory,
     on_failure: str,
 ) -> None:
+    """Redis killed (SIGKILL) under load from 8 clients, then restarted: no 5xx but deny's
+    503 while it is down, no request held long, back on Redis once it answers."""
     server = redis_factory.start()
     store = RedisStore(
         server.url,
         on_failure=on_failure,  # type: ignore[arg-type]
-        timeout_s=0.05,
+        # A killed Redis refuses connections at once: the call deadline plays no part here
+        # (a frozen one is tested above). 50 ms of it timed out now and then on a loaded
+        # 2-core machine after Redis was back, and each timeout counts as a failure.
+        timeout_s=0.25,
         key_prefix=f"load{next(_prefixes)}:",
         breaker=fast_breaker(),
     )
     gw = await start_gateway(policy_for(upstream.url, LOAD_LIMITS), store=store)
-    served = await load_while(
+    run = await load_while(
         gw.url + "/",
         [(0.7, None), (1.5, server.stop), (2.5, lambda: server.start(same_port=True))],
     )
+    served = run.served
+    down = 503 if on_failure == "deny" else 200
     statuses = {s.status for s in served}
-    assert statuses == {200}, statuses  # no 5xx, and these limits reject nothing
-    outage = [s for s in served if 0.75 < s.started_s < 2.15]
+    assert statuses <= {200, down}, statuses  # these limits reject nothing
+    # From Redis killed to Redis restarting (the phases' own times: killing and restarting
+    # take a while on a loaded machine, and the load runs 2.5 s past the restart).
+    _, killed_s, restarted_s = run.phase_started_s
+    outage = [s for s in served if killed_s + 0.05 < s.started_s < restarted_s - 0.05]
+    assert outage and {s.status for s in outage} == {down}
     # No request waits long on a dead Redis (redis-py's defaults would hold it 5 s and more).
-    assert outage and max(s.latency_s for s in outage) < 1.0
+    assert max(s.latency_s for s in outage) < 1.0
+    recovered = [s for s in served if s.started_s > restarted_s + 1.5]
+    assert recovered and sum(s.status == 200 for s in recovered) >= 0.9 * len(recovered)
+    print(
+        f"\nRedis killed under load, on_failure {on_failure}: {len(served)} requests, "
+        f"{len(outage)} while down (slowest {max(s.latency_s for s in outage) * 1000:.0f} ms), "
+        f"statuses {sorted(statuses)}"
+    )
     assert store.breaker.transitions["closed->open"] >= 1
-    assert store.breaker.state == "closed"  # back on Redis
-    decided_locally = store.counters.local_decisions if on_failure == "local" else 0
-    fail_open = store.counters.allowed_open if on_failure == "allow" else 0
-    assert decided_locally + fail_open >= len(outage) // 2
-    calls_before = store.counters.calls
-    async with aiohttp.ClientSession() as session, session.get(gw.url + "/") as response:
-        assert response.status == 200
-    assert store.counters.calls == calls_before + 1 and store.breaker.state == "closed"
+    assert store.breaker.transitions["half_open->closed"] >= 1  # back on Redis
+    answered_without_redis = {
+        "local": store.counters.local_decisions,
+        "allow": store.counters.allowed_open,
+        "deny": store.counters.denied_closed,
+    }[on_failure]
+    assert answered_without_redis >= len(outage) // 2
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):  # a circuit a late slow call opened probes again within 0.4 s
+            calls_before = store.counters.calls
+            async with session.get(gw.url + "/") as response:
+                status = response.status
+            if store.breaker.state == "closed" and store.counters.calls == calls_before + 1:
+                break
+            await asyncio.sleep(0.05)
+    assert status == 200 and store.breaker.state == "closed"
 
 
+@pytest.mark.reliability
 async def test_deny_mode_answers_503_while_redis_is_down(
     redis_factory: RedisFactory, upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
@@ -1085,6 +1132,7 @@ async def store_state(session: aiohttp.ClientSession, admin_url: str) -> str:
     return states[0]
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("on_failure", ["local", "allow", "deny"])
 async def test_metrics_and_log_follow_the_store_from_fallback_to_open_and_back_to_ok(
     redis_factory: RedisFactory,

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis
 from aiohttp import web
 
@@ -53,6 +54,7 @@ async def _wait_for(predicate: object, seconds: float = 5.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.reliability
 async def test_invalid_edit_keeps_running_policy_and_reports_exact_error(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
 ) -> None:
@@ -130,6 +132,7 @@ async def test_admin_reload_endpoint(
             assert (await resp.json())["error"].startswith(f"{path}:1: invalid YAML")
 
 
+@pytest.mark.reliability
 async def test_reload_under_load_loses_no_request(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
 ) -> None:

@@ -612,6 +612,7 @@ async def test_streamed_upload_with_content_length(
     assert echoed == b"".join(_block(index) for index in range(8))
 
 
+@pytest.mark.reliability
 async def test_200_mib_download_through_a_slow_reader_keeps_memory_bounded(
     aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
@@ -877,6 +878,7 @@ async def test_response_split_at_every_byte_parses_the_same(
 # -- timeouts, refusal, cancellation --------------------------------------------------------------
 
 
+@pytest.mark.reliability
 async def test_connect_refused_on_a_closed_port(make_pool: PoolFactory) -> None:
     with socket.socket() as bound_not_listening:
         bound_not_listening.bind(("127.0.0.1", 0))
@@ -886,6 +888,7 @@ async def test_connect_refused_on_a_closed_port(make_pool: PoolFactory) -> None:
     assert pool.open_connections == 0
 
 
+@pytest.mark.reliability
 async def test_connect_timeout(make_pool: PoolFactory) -> None:
     # A listener whose accept queue is full drops further SYNs: the connect hangs.
     with socket.socket() as listener, socket.socket() as filler:
@@ -928,6 +931,7 @@ async def test_read_timeout_waiting_for_the_head(
     await until(lambda: pool.open_connections == 0)
 
 
+@pytest.mark.reliability
 async def test_read_timeout_between_body_chunks(
     aio_upstream: AiohttpUpstream, make_pool: PoolFactory
 ) -> None:
@@ -1139,6 +1143,7 @@ async def _fetch(pool: UpstreamPool, path: str = "/") -> bytes:
         response.release()
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("wire", HOSTILE_HEADS.values(), ids=HOSTILE_HEADS.keys())
 @pytest.mark.parametrize("split", [False, True], ids=["one-write", "byte-pieces"])
 async def test_hostile_head_is_a_protocol_error_and_never_reused(
@@ -1161,6 +1166,7 @@ async def test_hostile_head_is_a_protocol_error_and_never_reused(
     await until(lambda: pool.open_connections == 0)
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("wire", HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
 async def test_hostile_body_is_a_protocol_error_and_never_reused(
     raw_upstream: Callable[[Script], Awaitable[RawUpstream]], make_pool: PoolFactory, wire: bytes
@@ -1184,6 +1190,7 @@ async def test_hostile_body_is_a_protocol_error_and_never_reused(
     ],
     ids=["content-length", "chunked", "chunked-no-final-crlf"],
 )
+@pytest.mark.reliability
 async def test_early_close_mid_body_is_told_apart_from_the_end(
     raw_upstream: Callable[[Script], Awaitable[RawUpstream]],
     make_pool: PoolFactory,
@@ -1202,6 +1209,7 @@ async def test_early_close_mid_body_is_told_apart_from_the_end(
     assert pool.open_connections == 0
 
 
+@pytest.mark.reliability
 async def test_endless_header_line_hits_the_head_limit(
     raw_upstream: Callable[[Script], Awaitable[RawUpstream]], make_pool: PoolFactory
 ) -> None:

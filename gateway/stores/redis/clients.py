@@ -7,7 +7,7 @@ import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Protocol, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 from redis.asyncio import Redis, RedisCluster
@@ -402,7 +402,9 @@ class ThinClient:
         self.round_trips = 0
         self.ssl: ssl.SSLContext | None = None
         if parts.scheme == "rediss":
-            self.ssl = ssl.create_default_context()
+            # ?ssl_ca_certs=FILE trusts a private CA, as the same URL does with redis-py.
+            ca_file = parse_qs(parts.query).get("ssl_ca_certs")
+            self.ssl = ssl.create_default_context(cafile=ca_file[-1] if ca_file else None)
         elif parts.scheme != "redis":
             raise ValueError(f"the thin client speaks redis:// and rediss://, got {url!r}")
         self.handshake: list[bytes] = []
