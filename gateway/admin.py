@@ -9,6 +9,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from gateway.admin_auth import AdminAuth, auth_middleware, login_routes
 from gateway.client_ip import client_key
 from gateway.engine import LimitEngine
 from gateway.keys import RequestFacts
@@ -32,6 +33,7 @@ class AdminState:
     # server settings as the worker runs them (command-line overrides and bound ports
     # included): a reload cannot move them, so the file's values may not be the ones in force.
     in_force: dict[str, Any] = field(default_factory=dict)
+    auth: AdminAuth = field(default_factory=AdminAuth)
 
 
 ADMIN_STATE = web.AppKey("admin_state", AdminState)
@@ -200,8 +202,15 @@ async def _combined_verdict(
 
 
 def make_admin_app(state: AdminState) -> web.Application:
-    app = web.Application()
+    """The admin routes behind the token check (``state.auth``, swapped on reload); the
+    dashboard's routes are added to the same app, so the same check covers them."""
+
+    def current() -> AdminAuth:
+        return state.auth
+
+    app = web.Application(middlewares=[auth_middleware(current)])
     app[ADMIN_STATE] = state
+    app.router.add_routes(login_routes(current))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/policy", _policy)

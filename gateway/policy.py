@@ -143,6 +143,10 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+# Admin paths that may be served without the token; POST /reload never is.
+AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -179,6 +183,19 @@ class ServerSettings(_Model):
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
     )
+    admin_token: str | None = Field(
+        None,
+        min_length=16,
+        description="bearer token the admin listener requires (except on admin_public_paths); "
+        "prefer admin_token_file or GATEWAY_ADMIN_TOKEN for secrets",
+    )
+    admin_token_file: str | None = Field(
+        None, description="file holding the admin bearer token (read at start and on reload)"
+    )
+    admin_public_paths: tuple[AdminPath, ...] = Field(
+        ("/healthz", "/readyz", "/metrics"),
+        description="admin paths served without the token when one is set",
+    )
 
     @field_validator("listen", "admin_listen")
     @classmethod
@@ -195,6 +212,12 @@ class ServerSettings(_Model):
             except ValueError:
                 raise ValueError(f"invalid CIDR {cidr!r} in trusted_proxies") from None
         return value
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ServerSettings:
+        if self.admin_token is not None and self.admin_token_file is not None:
+            raise ValueError("give admin_token or admin_token_file, not both")
+        return self
 
 
 class Upstream(_Model):

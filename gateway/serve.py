@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admin import AdminState, make_admin_app
+from gateway.admin_auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
 from gateway.demo_upstream import start_demo_upstream
 from gateway.observability.observer import Observability
@@ -26,7 +27,6 @@ from gateway.stores import LimitStore, build_store
 log = logging.getLogger("gateway")
 
 MIN_AIOHTTP = (3, 14, 5)
-
 
 def check_aiohttp() -> None:
     """Refuse versions with known request-smuggling bugs, and the pure-Python parser."""
@@ -85,6 +85,10 @@ class Gateway:
         self._retired: list[Runtime] = []
         self.listen = split_host_port(listen or settings.listen)
         self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
+        try:
+            self.admin_auth = AdminAuth.of(settings)
+        except AdminTokenError as exc:
+            raise StartupError(str(exc)) from None
         self.reuse_port = reuse_port
         self.worker_id = worker_id
         self.workers = workers
@@ -127,7 +131,10 @@ class Gateway:
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
         self.admin_state = AdminState(
-            handler=self.handler, worker_id=self.worker_id, reloader=self.reloader
+            handler=self.handler,
+            worker_id=self.worker_id,
+            reloader=self.reloader,
+            auth=self.admin_auth,
         )
         admin_app = make_admin_app(self.admin_state)
         self.observability.install(admin_app)
@@ -168,12 +175,17 @@ class Gateway:
                 f"{', '.join(moved)} take effect on restart only; the running policy stays "
                 "(restart the gateway to apply them, or revert them to reload the rest)"
             )
+        # The token file is read again, so a reload (SIGHUP) rotates the token.
+        admin_auth = AdminAuth.of(loaded.policy.server)
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
         if self.server is not None:
             self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
+        self.admin_auth = admin_auth
+        if self.admin_state is not None:
+            self.admin_state.auth = admin_auth
         kept = {name for name, t in runtime.upstreams.items() if previous.upstreams.get(name) is t}
         asyncio.get_running_loop().create_task(self._retire(previous, kept))
 
@@ -287,6 +299,9 @@ async def serve(
         loaded.source,
         loaded.sha256[:12],
     )
+    if gateway.admin_auth.token is not None:
+        log.info("admin listener requires the admin token (except on %s)",
+                 ", ".join(gateway.admin_auth.public_paths) or "no path")
     if on_started is not None:
         on_started(gateway)
     try:
