@@ -14,8 +14,10 @@ from gateway.client_ip import client_key
 from gateway.engine import LimitEngine
 from gateway.keys import RequestFacts
 from gateway.limits import Check
+from gateway.policy import Policy
+from gateway.redact import REDACTED, redact_url
 from gateway.routing import normalise_host
-from gateway.stores import StoreUnavailableError
+from gateway.stores import StoreUnavailableError, store_url
 
 if TYPE_CHECKING:
     from gateway.proxy import ProxyHandler
@@ -63,7 +65,7 @@ async def _policy(request: web.Request) -> web.Response:
             "last_error": status.last_error,
             "last_success_at": status.last_success_at,
         }
-    policy = runtime.loaded.policy.model_dump(mode="json")
+    policy = redacted_policy(runtime.loaded.policy)
     policy["server"].update(state.in_force)
     return web.json_response(
         {
@@ -72,11 +74,21 @@ async def _policy(request: web.Request) -> web.Response:
             "loaded_at": runtime.loaded_at,
             "worker": state.worker_id,
             "store": runtime.engine.store.name,
+            "store_url": redact_url(store_url(runtime.loaded.policy.store)),
             "reload": reload_status,
             "in_force": state.in_force,
             "policy": policy,
         }
     )
+
+
+def redacted_policy(policy: Policy) -> dict[str, Any]:
+    """The policy as JSON with its secrets out: the store URL's password, the admin token."""
+    data = policy.model_dump(mode="json")
+    data["store"]["url"] = redact_url(policy.store.url)
+    if policy.server.admin_token is not None:
+        data["server"]["admin_token"] = REDACTED
+    return data
 
 
 async def _reload(request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.redact import redact_url
 from gateway.units import Rate, parse_duration, parse_rate, parse_size
 
 
@@ -480,7 +481,7 @@ class StoreSettings(_Model):
     def _check_url(cls, value: str) -> str:
         if not _STORE_URL_RE.match(value):
             raise ValueError(
-                f"invalid store url {value!r}: expected memory, redis://, rediss:// or "
+                f"invalid store url {redact_url(value)!r}: expected memory, redis://, rediss:// or "
                 "redis+cluster://"
             )
         return value

@@ -1,8 +1,9 @@
 """The admin listener's bearer token, with real HTTP clients (aiohttp, and Debian's Chromium for
-the dashboard's sign-in)."""
+the dashboard's sign-in), and the secrets kept out of ``/policy`` and the logs."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from gateway.admin_auth import COOKIE, AdminTokenError, resolve_admin_token
 from gateway.policy import ServerSettings
 from gateway.policy_loader import PolicyError, parse_policy
 from gateway.serve import Gateway, StartupError
+from gateway.stores import MemoryStore
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 
 TOKEN = "s3cret-admin-token-0123456789"
@@ -225,3 +227,40 @@ def test_unusable_tokens_are_refused_with_one_clear_line(tmp_path: Path) -> None
             ),
             "t.yaml",
         )
+
+
+async def test_policy_endpoint_and_logs_never_show_secrets(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    store = (
+        "store:\n  url: redis://gwuser:redis-pass-1@127.0.0.1:1/0?password=redis-pass-2\n"
+        "  on_failure: allow\n"
+    )
+    monkeypatch.setenv("GATEWAY_STORE_URL", "redis://:redis-pass-3@127.0.0.1:1/0")
+    gw = await start_gateway(_with_token(upstream.url) + store, store=MemoryStore())
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with session.get(gw.admin_url + "/policy", headers=headers) as resp:
+            text = await resp.text()
+            body = await resp.json()
+        async with session.get(gw.admin_url + "/dashboard/state", headers=headers) as resp:
+            text += await resp.text()
+        for attempt in ("Bearer nope-nope-nope-nope", f"Bearer {TOKEN}"):
+            await _status(
+                session, "GET", gw.admin_url + "/explain", headers={"Authorization": attempt}
+            )
+    for secret in ("redis-pass-1", "redis-pass-2", "redis-pass-3", TOKEN):
+        assert secret not in text, secret
+        assert secret not in caplog.text, secret
+    assert body["policy"]["store"]["url"] == ("redis://gwuser:***@127.0.0.1:1/0?password=***")
+    assert body["store_url"] == "redis://:***@127.0.0.1:1/0"
+    assert body["policy"]["server"]["admin_token"] == "***"
+    # A policy error about the store URL does not repeat its password either.
+    with pytest.raises(PolicyError) as caught:
+        parse_policy(policy_for(upstream.url) + "store:\n  url: redis//:pw-in-error@h/0\n", "t")
+    assert "pw-in-error" not in str(caught.value)
+    assert "invalid store url" in str(caught.value)
