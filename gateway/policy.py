@@ -352,6 +352,11 @@ class _LimitBase(_Model):
     )
     max_queue: int = Field(1000, ge=0, description="requests waiting on this limit at most")
     max_keys: int = Field(100_000, ge=1, description="tracked keys; least recently used evicted")
+    top_keys: Literal["hashed", "plain"] = Field(
+        "hashed",
+        description="how the dashboard's top limited keys show header: and query: key parts "
+        "(often API keys): hashed (sha256, 12 hex digits) or plain",
+    )
 
     @field_validator("key")
     @classmethod
