@@ -79,7 +79,7 @@ def test_compose_services_match_the_policy() -> None:
     policy_file = ROOT / mount_src / config_path[len(mount_dst) :].lstrip("/")
     policy = load_policy(policy_file).policy
 
-    published = {int(p.split(":")[1]) for p in gateway["ports"]}
+    published = {int(p.split(":")[-1]) for p in gateway["ports"]}
     assert split_host_port(policy.server.listen)[1] in published
     assert split_host_port(policy.server.admin_listen)[1] in published
     for upstream in policy.upstreams.values():
@@ -92,6 +92,25 @@ def test_compose_services_match_the_policy() -> None:
         assert parts.scheme == "redis"
         assert parts.hostname in services, f"{parts.hostname} is not a compose service"
         assert str(parts.port) in [str(p) for p in services[parts.hostname].get("expose", [])]
+
+
+def test_compose_publishes_the_admin_port_on_the_host_loopback_only() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    gateway = compose["services"]["gateway"]
+    policy = load_policy(ROOT / "policies" / "compose.yaml").policy
+    admin_port = split_host_port(policy.server.admin_listen)[1]
+    for mapping in gateway["ports"]:
+        host_part, _, container_port = str(mapping).rpartition(":")
+        if int(container_port) == admin_port:
+            assert host_part.startswith("127.0.0.1:"), f"admin port published as {mapping}"
+    assert any(str(m).endswith(f":{admin_port}") for m in gateway["ports"])
+
+
+def test_compose_backend_is_the_demo_upstream_not_a_file_server() -> None:
+    backend = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["backend"]
+    command = [*backend["entrypoint"], *backend["command"]]
+    assert command[:3] == ["python", "-m", "gateway.demo_upstream"]
+    assert "http.server" not in " ".join(command)
 
 
 def test_compose_sets_only_environment_variables_the_gateway_reads() -> None:
