@@ -5,9 +5,10 @@ No Docker engine runs on our build machines, so these files are parsed rather th
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import yaml
@@ -118,6 +119,51 @@ def test_compose_sets_only_environment_variables_the_gateway_reads() -> None:
     source = "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
     for name in compose["services"]["gateway"].get("environment", {}):
         assert f'"{name}"' in source, f"docker-compose.yml sets {name}, which nothing reads"
+
+
+def _dockerignore_patterns() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule, enough for these patterns: the last matching pattern wins, ``!`` negates,
+    a pattern matching a directory excludes what is under it."""
+    ignored = False
+    parts = PurePosixPath(path).parts
+    prefixes = [str(PurePosixPath(*parts[: i + 1])) for i in range(len(parts))]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        glob = pattern.lstrip("!").rstrip("/")
+        if any(
+            fnmatch.fnmatch(p, glob)
+            or (glob.startswith("**/") and fnmatch.fnmatch(PurePosixPath(p).name, glob[3:]))
+            for p in prefixes
+        ):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:
+    patterns = _dockerignore_patterns()
+    for path in (
+        ".git",
+        ".git/objects/ab",
+        ".venv",
+        ".venv/bin/python",
+        "tests/test_cli.py",
+        "gateway/__pycache__/cli.cpython-311.pyc",
+        "test-artifacts/shot.png",
+        ".env",
+    ):
+        assert _ignored(path, patterns), f"{path} would be sent to the Docker daemon"
+    # Everything the Dockerfile copies stays in the context.
+    for keyword, rest in _dockerfile_instructions():
+        if keyword == "COPY" and not rest.startswith("--from"):
+            for source in rest.split()[:-1]:
+                assert not _ignored(source, patterns), f"COPY {source} but .dockerignore drops it"
+    assert not _ignored("gateway/cli.py", patterns)
+    assert not _ignored("gateway/lua/leaky_bucket.lua", patterns)
 
 
 def test_ci_runs_the_readme_test_command() -> None:
