@@ -217,6 +217,9 @@ environment:
   GATEWAY_STORE_URL   overrides the policy's store.url (memory, redis://...)
   GATEWAY_METRICS_DIR where --workers N processes share their metrics
   GATEWAY_LOOP        asyncio to use the standard event loop instead of uvloop
+  GATEWAY_LISTEN      proxy listener, over the policy's server.listen (the image: 0.0.0.0:8080)
+  GATEWAY_ADMIN_LISTEN admin listener, over server.admin_listen (the image: 0.0.0.0:9090)
+  GATEWAY_IN_CONTAINER set by the image: a loopback listener is logged as unreachable
 """
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -27,6 +28,40 @@ from gateway.stores import LimitStore, build_store
 log = logging.getLogger("gateway")
 
 MIN_AIOHTTP = (3, 14, 5)
+
+# Listen addresses from the environment, between the command line and the policy file: a
+# container image sets them once, and neither a mounted policy copied from default.yaml (which
+# listens on loopback) nor a `--config` command replaces them.
+ENV_LISTEN = "GATEWAY_LISTEN"
+ENV_ADMIN_LISTEN = "GATEWAY_ADMIN_LISTEN"
+# Set by the image: a loopback listener there is unreachable from outside the container.
+ENV_IN_CONTAINER = "GATEWAY_IN_CONTAINER"
+
+
+def listen_address(flag: str | None, env_name: str, from_policy: str) -> tuple[str, int]:
+    """``--listen``, else the environment variable, else the policy file."""
+    env_value = os.environ.get(env_name) or None
+    try:
+        return split_host_port(flag or env_value or from_policy)
+    except ValueError as exc:
+        source = "the command line" if flag else env_name if env_value else "the policy file"
+        raise StartupError(f"{source}: {exc}") from None
+
+
+def in_container() -> bool:
+    """Our image says so (``GATEWAY_IN_CONTAINER``), and so does any Kubernetes pod. Not
+    ``/.dockerenv``: development containers, where loopback is what you want, have it too."""
+    if os.environ.get(ENV_IN_CONTAINER, "") not in ("", "0"):
+        return True
+    return "KUBERNETES_SERVICE_HOST" in os.environ
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
 
 def check_aiohttp() -> None:
     """Refuse versions with known request-smuggling bugs, and the pure-Python parser."""
@@ -83,8 +118,8 @@ class Gateway:
         self._watch_stop = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
-        self.listen = split_host_port(listen or settings.listen)
-        self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
+        self.listen = listen_address(listen, ENV_LISTEN, settings.listen)
+        self.admin_listen = listen_address(admin_listen, ENV_ADMIN_LISTEN, settings.admin_listen)
         try:
             self.admin_auth = AdminAuth.of(settings)
         except AdminTokenError as exc:
@@ -302,6 +337,7 @@ async def serve(
     if gateway.admin_auth.token is not None:
         log.info("admin listener requires the admin token (except on %s)",
                  ", ".join(gateway.admin_auth.public_paths) or "no path")
+    warn_if_unreachable(gateway)
     if on_started is not None:
         on_started(gateway)
     try:
@@ -311,6 +347,29 @@ async def serve(
         for task in list(tasks):
             task.cancel()
         await gateway.stop()
+
+
+def warn_if_unreachable(gateway: Gateway) -> None:
+    """Loopback inside a container is unreachable from outside it: say so loudly, since the
+    gateway otherwise looks healthy (its own HEALTHCHECK answers from inside)."""
+    if not in_container():
+        return
+    for what, (host, port), env_name in (
+        ("proxy", gateway.listen, ENV_LISTEN),
+        ("admin", gateway.admin_listen, ENV_ADMIN_LISTEN),
+    ):
+        if is_loopback(host):
+            log.warning(
+                "UNREACHABLE: the %s listener is on %s:%d, a loopback address inside a "
+                "container: nothing outside the container can connect to it; listen on "
+                "0.0.0.0:%d (%s, or server.%s in the policy)",
+                what,
+                host,
+                port,
+                port,
+                env_name,
+                "listen" if what == "proxy" else "admin_listen",
+            )
 
 
 def run_event_loop(main: Callable[[], object]) -> None:

@@ -5,6 +5,7 @@ the Kubernetes manifests validated offline."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+
+from gateway.cli import EXIT_STARTUP
+from tests.test_packaging import _final_stage, dockerfile_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = aiohttp.ClientTimeout(total=5)
@@ -113,3 +117,102 @@ async def test_compose_backend_serves_json_about_the_request_and_no_files(spawn:
             assert "root:" not in body
             assert "PATH=" not in body
             assert "Directory listing" not in body
+
+
+# -- the image's entrypoint, driven by its environment ---------------------------------------
+
+
+def image_command(*cmd: str) -> list[str]:
+    """The image's ENTRYPOINT (and CMD unless ``cmd`` replaces it), as this interpreter runs it."""
+    stage = dict(_final_stage())
+    entrypoint = json.loads(stage["ENTRYPOINT"])
+    assert entrypoint[0] == "gateway"
+    args = list(cmd) if cmd else json.loads(stage.get("CMD", "[]"))
+    return [sys.executable, "-m", "gateway", *entrypoint[1:], *args]
+
+
+def image_env(port: int, admin_port: int) -> dict[str, str]:
+    """The image's ENV with its paths mapped to this checkout through its COPY lines and its
+    0.0.0.0 listeners moved to loopback ports (tests use loopback only)."""
+    env = dockerfile_env()
+    copies = [rest.split() for k, rest in _final_stage() if k == "COPY" and "--from" not in rest]
+    for name, value in env.items():
+        for *sources, dst in copies:
+            if len(sources) == 1 and value.startswith(dst.rstrip("/") + "/"):
+                env[name] = str(ROOT / sources[0]) + value[len(dst.rstrip("/")) :]
+    assert env["GATEWAY_LISTEN"].startswith("0.0.0.0:")
+    assert env["GATEWAY_ADMIN_LISTEN"].startswith("0.0.0.0:")
+    env["GATEWAY_LISTEN"] = f"127.0.0.1:{port}"
+    env["GATEWAY_ADMIN_LISTEN"] = f"127.0.0.1:{admin_port}"
+    assert Path(env["GATEWAY_CONFIG"]).is_file(), env["GATEWAY_CONFIG"]
+    return env
+
+
+async def test_image_runs_its_default_policy_on_the_environment_listeners(spawn: Spawn) -> None:
+    port, admin_port = free_port(), free_port()
+    env = image_env(port, admin_port)
+    process = await spawn(*image_command(), env=env)
+    await wait_for_status(process, f"http://127.0.0.1:{admin_port}/readyz")
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(f"http://127.0.0.1:{port}/api/hello") as resp,
+    ):
+        assert resp.status == 200
+        assert (await resp.json())["service"] == "gateway demo upstream"
+
+
+async def test_a_mounted_policy_copied_from_default_keeps_the_image_listeners(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """`docker run IMAGE --config /etc/gateway/policies/mine.yaml` with a copy of default.yaml
+    (which says 127.0.0.1:8080): the environment's listeners win over the file's."""
+    mounted = tmp_path / "etc-gateway-policies"
+    mounted.mkdir()
+    (mounted / "mine.yaml").write_text((ROOT / "policies" / "default.yaml").read_text())
+    port, admin_port = free_port(), free_port()
+    process = await spawn(
+        *image_command("--config", str(mounted / "mine.yaml")), env=image_env(port, admin_port)
+    )
+    await wait_for_status(process, f"http://127.0.0.1:{admin_port}/readyz")
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(f"http://127.0.0.1:{port}/api/hello") as resp,
+    ):
+        assert resp.status == 200
+        # The policy in force is the mounted one, not the image's default.
+        async with session.get(f"http://127.0.0.1:{admin_port}/policy") as policy:
+            assert (await policy.json())["source"] == str(mounted / "mine.yaml")
+
+
+async def test_loopback_listeners_in_a_container_are_a_loud_warning(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    port, admin_port = free_port(), free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        (ROOT / "policies" / "default.yaml")
+        .read_text()
+        .replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+        .replace("127.0.0.1:9090", f"127.0.0.1:{admin_port}")
+    )
+    env = {"GATEWAY_IN_CONTAINER": "1", "GATEWAY_LISTEN": "", "GATEWAY_ADMIN_LISTEN": ""}
+    process = await spawn(*image_command("--config", str(policy)), env=env)
+    await wait_for_status(process, f"http://127.0.0.1:{admin_port}/readyz")
+    warnings = [line for line in process.log().splitlines() if "UNREACHABLE" in line]
+    assert len(warnings) == 2, process.log()
+    assert all(" WARNING " in line for line in warnings)
+    assert f"proxy listener is on 127.0.0.1:{port}" in warnings[0]
+    assert "GATEWAY_LISTEN" in warnings[0]
+    assert f"admin listener is on 127.0.0.1:{admin_port}" in warnings[1]
+
+
+async def test_a_bad_listen_variable_is_one_line_and_a_startup_exit_code(spawn: Spawn) -> None:
+    process = await spawn(
+        *image_command("--config", str(ROOT / "policies" / "default.yaml")),
+        env={"GATEWAY_LISTEN": "nowhere"},
+    )
+    assert await asyncio.wait_for(process.proc.wait(), 20) == EXIT_STARTUP
+    assert process.log().strip() == (
+        "gateway: GATEWAY_LISTEN: invalid listen address 'nowhere': expected HOST:PORT, "
+        "e.g. 0.0.0.0:8080"
+    )

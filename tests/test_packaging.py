@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+import shlex
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
@@ -48,11 +49,23 @@ def test_dockerfile_runs_as_non_root_user() -> None:
     assert users[-1] not in {"root", "0", "0:0"}
 
 
+def dockerfile_env() -> dict[str, str]:
+    """The final stage's ENV settings (``ENV A=1 B=2`` form)."""
+    env: dict[str, str] = {}
+    for keyword, rest in _final_stage():
+        if keyword == "ENV":
+            for item in shlex.split(rest):
+                name, _, value = item.partition("=")
+                env[name] = value
+    return env
+
+
 def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
     stage = dict(_final_stage())
     entrypoint = json.loads(stage["ENTRYPOINT"])
     assert entrypoint[:2] == ["gateway", "run"]
-    json.loads(stage["CMD"])
+    # Settings come from ENV, so a CMD of the operator's (--config FILE) keeps them.
+    assert json.loads(stage.get("CMD", "[]")) == []
     healthcheck = stage["HEALTHCHECK"]
     cmd = healthcheck.split(" CMD ", 1)[1]
     probe = json.loads(cmd)
@@ -63,10 +76,26 @@ def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
 def test_dockerfile_exposes_the_ports_it_listens_on() -> None:
     stage = _final_stage()
     exposed = {p for k, rest in stage if k == "EXPOSE" for p in rest.split()}
-    cmd = json.loads(dict(stage)["CMD"])
-    listen = split_host_port(cmd[cmd.index("--listen") + 1])[1]
-    admin = split_host_port(cmd[cmd.index("--admin-listen") + 1])[1]
-    assert {str(listen), str(admin)} <= exposed
+    env = dockerfile_env()
+    listen = split_host_port(env["GATEWAY_LISTEN"])
+    admin = split_host_port(env["GATEWAY_ADMIN_LISTEN"])
+    assert listen[0] == admin[0] == "0.0.0.0"
+    assert {str(listen[1]), str(admin[1])} <= exposed
+
+
+def test_dockerfile_default_policy_is_not_under_the_mount_point() -> None:
+    """Mounting /etc/gateway/policies must not hide the policy GATEWAY_CONFIG names."""
+    config = dockerfile_env()["GATEWAY_CONFIG"]
+    assert not config.startswith("/etc/gateway/policies/")
+    copies = [rest.split() for k, rest in _final_stage() if k == "COPY" and "--from" not in rest]
+    assert any(config.startswith(dst.rstrip("/") + "/") for *_, dst in copies)
+
+
+def test_dockerfile_sets_only_environment_variables_the_gateway_reads() -> None:
+    source = "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
+    for name in dockerfile_env():
+        if name.startswith("GATEWAY_"):
+            assert f'"{name}"' in source, f"the Dockerfile sets {name}, which nothing reads"
 
 
 def test_compose_services_match_the_policy() -> None:
@@ -74,7 +103,7 @@ def test_compose_services_match_the_policy() -> None:
     services = compose["services"]
     assert {"gateway", "redis", "backend"} <= set(services)
     gateway = services["gateway"]
-    config_path = gateway["command"][gateway["command"].index("--config") + 1]
+    config_path = gateway["environment"]["GATEWAY_CONFIG"]
     mount_src, mount_dst = gateway["volumes"][0].split(":")[:2]
     assert config_path.startswith(mount_dst)
     policy_file = ROOT / mount_src / config_path[len(mount_dst) :].lstrip("/")
