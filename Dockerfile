@@ -19,6 +19,7 @@ COPY policies /usr/local/share/gateway/policies
 #   GATEWAY_LISTEN        proxy listener, over server.listen
 #   GATEWAY_ADMIN_LISTEN  admin listener, over server.admin_listen
 #   GATEWAY_IN_CONTAINER  a loopback listener is logged as unreachable
+# `gateway healthcheck` probes /readyz on GATEWAY_ADMIN_LISTEN (or the policy's admin_listen).
 ENV GATEWAY_CONFIG=/usr/local/share/gateway/policies/default.yaml \
     GATEWAY_LISTEN=0.0.0.0:8080 \
     GATEWAY_ADMIN_LISTEN=0.0.0.0:9090 \
@@ -27,7 +28,7 @@ ENV GATEWAY_CONFIG=/usr/local/share/gateway/policies/default.yaml \
 USER gateway
 EXPOSE 8080 9090
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:9090/readyz', timeout=2).status == 200 else 1)"]
+    CMD ["gateway", "healthcheck"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["gateway", "run"]
 CMD []

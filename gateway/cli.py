@@ -193,6 +193,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    from gateway.healthcheck import HealthcheckError, healthcheck
+
+    try:
+        print(healthcheck(args.config, args.path, args.timeout))
+    except HealthcheckError as exc:
+        print(f"gateway healthcheck: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(policy_json_schema(), indent=2, ensure_ascii=False))
     return 0
@@ -209,6 +220,7 @@ examples:
   gateway run --upstream http://127.0.0.1:8000        (no limits, no policy file)
   gateway check policy.yaml other.toml
   gateway schema > policy.schema.json
+  gateway healthcheck                                 (the image's HEALTHCHECK)
 
 environment:
   GATEWAY_CONFIG      policy file when --config is not given
@@ -292,6 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     check = command("check", "validate policy files, like nginx -t")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=cmd_check)
+
+    health = command(
+        "healthcheck",
+        "probe this gateway's admin listener (GATEWAY_ADMIN_LISTEN, else the policy's "
+        "admin_listen): exit 0 on 200",
+    )
+    health.add_argument("--config", "-c", help="policy file (default: GATEWAY_CONFIG)")
+    health.add_argument("--path", default="/readyz", help="admin path to probe")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    health.set_defaults(func=cmd_healthcheck)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)

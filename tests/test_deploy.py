@@ -216,3 +216,98 @@ async def test_a_bad_listen_variable_is_one_line_and_a_startup_exit_code(spawn: 
         "gateway: GATEWAY_LISTEN: invalid listen address 'nowhere': expected HOST:PORT, "
         "e.g. 0.0.0.0:8080"
     )
+
+
+# -- gateway healthcheck ---------------------------------------------------------------------
+
+
+async def run_healthcheck(spawn: Spawn, *args: str, env: dict[str, str]) -> tuple[int, str]:
+    process = await spawn(sys.executable, "-m", "gateway", "healthcheck", *args, env=env)
+    code = await asyncio.wait_for(process.proc.wait(), 20)
+    return code, process.log().strip()
+
+
+async def test_healthcheck_probes_the_admin_address_the_gateway_uses(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    port, admin_port = free_port(), free_port()
+    env = image_env(port, admin_port)
+    env["GATEWAY_ADMIN_LISTEN"] = f"0.0.0.0:{admin_port}"  # a wildcard is probed on loopback
+    gateway = await spawn(*image_command(), env=image_env(port, admin_port))
+    await wait_for_status(gateway, f"http://127.0.0.1:{admin_port}/readyz")
+    code, out = await run_healthcheck(spawn, env=env)
+    assert (code, out) == (0, f"http://127.0.0.1:{admin_port}/readyz: 200 OK")
+
+    # From the policy file when the environment does not say.
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"server:\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        "upstreams:\n  demo:\n    url: builtin:demo\nroutes:\n  - name: all\n    upstream: demo\n"
+    )
+    bare = {"GATEWAY_ADMIN_LISTEN": "", "GATEWAY_CONFIG": ""}
+    assert (await run_healthcheck(spawn, "--config", str(policy), env=bare))[0] == 0
+    env_config = {"GATEWAY_ADMIN_LISTEN": "", "GATEWAY_CONFIG": str(policy)}
+    assert (await run_healthcheck(spawn, env=env_config))[0] == 0
+
+    gateway.proc.terminate()
+    assert await asyncio.wait_for(gateway.proc.wait(), 20) == 0
+    code, out = await run_healthcheck(spawn, env=env)
+    assert code == 1
+    assert out == (f"gateway healthcheck: http://127.0.0.1:{admin_port}/readyz: Connection refused")
+
+
+async def test_healthcheck_fails_on_a_gateway_that_is_not_ready(spawn: Spawn) -> None:
+    """A real HTTP server answering /readyz with 503, as a draining gateway does."""
+    from aiohttp import web
+
+    async def not_ready(request: web.Request) -> web.Response:
+        return web.json_response({"status": "not ready"}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/readyz", not_ready)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    admin_port = runner.addresses[0][1]
+    try:
+        code, out = await run_healthcheck(
+            spawn, env={"GATEWAY_ADMIN_LISTEN": f"127.0.0.1:{admin_port}", "GATEWAY_CONFIG": ""}
+        )
+    finally:
+        await runner.cleanup()
+    assert code == 1
+    assert out == (
+        f"gateway healthcheck: http://127.0.0.1:{admin_port}/readyz: 503 Service Unavailable"
+    )
+
+
+async def test_healthcheck_sends_the_admin_token_when_readyz_needs_it(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    token = "probe-token-0123456789abcdef"
+    policy = tmp_path / "policy.yaml"
+    port, admin_port = free_port(), free_port()
+    policy.write_text(
+        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        "  admin_public_paths: [/healthz]\n"
+        "upstreams:\n  demo:\n    url: builtin:demo\nroutes:\n  - name: all\n    upstream: demo\n"
+    )
+    env = {"GATEWAY_ADMIN_TOKEN": token, "GATEWAY_LISTEN": "", "GATEWAY_ADMIN_LISTEN": ""}
+    gateway = await spawn(sys.executable, "-m", "gateway", "run", "--config", str(policy), env=env)
+    await wait_for_status(gateway, f"http://127.0.0.1:{admin_port}/readyz", status=401)
+    assert (await run_healthcheck(spawn, "--config", str(policy), env=env))[0] == 0
+    wrong = {**env, "GATEWAY_ADMIN_TOKEN": "not-the-token-0123456789"}
+    code, out = await run_healthcheck(spawn, "--config", str(policy), env=wrong)
+    assert code == 1
+    assert out.endswith("/readyz: 401 Unauthorized")
+    assert token not in out and "not-the-token" not in out
+    assert (
+        await run_healthcheck(
+            spawn,
+            "--config",
+            str(policy),
+            "--path",
+            "/healthz",
+            env={**env, "GATEWAY_ADMIN_TOKEN": ""},
+        )
+    )[0] == 0

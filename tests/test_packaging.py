@@ -68,9 +68,8 @@ def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
     assert json.loads(stage.get("CMD", "[]")) == []
     healthcheck = stage["HEALTHCHECK"]
     cmd = healthcheck.split(" CMD ", 1)[1]
-    probe = json.loads(cmd)
-    assert any("/readyz" in part for part in probe)
-    assert "9090" in " ".join(probe)
+    # The probe reads the admin address where the gateway does (tests/test_deploy.py runs it).
+    assert json.loads(cmd) == ["gateway", "healthcheck"]
 
 
 def test_dockerfile_exposes_the_ports_it_listens_on() -> None:
