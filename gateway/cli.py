@@ -148,7 +148,8 @@ def _supervise(
     for proc in procs.values():
         if proc.pid is not None and proc.is_alive():
             os.kill(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + loaded.policy.server.shutdown_timeout + 5
+    server = loaded.policy.server
+    deadline = time.monotonic() + server.drain_delay + server.shutdown_timeout + 5
     for proc in procs.values():
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():

@@ -184,6 +184,11 @@ class ServerSettings(_Model):
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
     )
+    drain_delay: Duration = Field(
+        0.0,
+        description="on SIGTERM, how long /readyz answers 503 before the listeners close, so "
+        "a load balancer (Kubernetes endpoints) stops sending traffic first",
+    )
     admin_token: str | None = Field(
         None,
         min_length=16,

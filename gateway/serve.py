@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -342,6 +343,7 @@ async def serve(
         on_started(gateway)
     try:
         await stop.wait()
+        await drain(gateway, stop)
     finally:
         log.info("worker %d shutting down", worker_id)
         for task in list(tasks):
@@ -370,6 +372,20 @@ def warn_if_unreachable(gateway: Gateway) -> None:
                 env_name,
                 "listen" if what == "proxy" else "admin_listen",
             )
+
+
+async def drain(gateway: Gateway, stop: asyncio.Event) -> None:
+    """After SIGTERM: ``/readyz`` answers 503 for ``server.drain_delay`` while the listeners
+    still serve, so a load balancer takes the gateway out of rotation before connections are
+    refused. A second SIGTERM or SIGINT ends the wait early."""
+    delay = gateway.loaded.policy.server.drain_delay
+    if delay <= 0 or gateway.admin_state is None:
+        return
+    gateway.admin_state.ready = False
+    log.info("draining: /readyz answers 503 for %gs before the listeners close", delay)
+    stop.clear()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)
 
 
 def run_event_loop(main: Callable[[], object]) -> None:

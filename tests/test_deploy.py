@@ -311,3 +311,76 @@ async def test_healthcheck_sends_the_admin_token_when_readyz_needs_it(
             env={**env, "GATEWAY_ADMIN_TOKEN": ""},
         )
     )[0] == 0
+
+
+# -- SIGTERM: readiness off for the drain delay, then the listeners close -------------------
+
+
+def _drain_policy(port: int, admin_port: int, drain: str) -> str:
+    return (
+        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        f"  drain_delay: {drain}\n  shutdown_timeout: 5s\n"
+        "upstreams:\n  demo:\n    url: builtin:demo\nroutes:\n  - name: all\n    upstream: demo\n"
+    )
+
+
+async def _start_draining_gateway(
+    spawn: Spawn, tmp_path: Path, drain: str
+) -> tuple[Process, str, str]:
+    port, admin_port = free_port(), free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_drain_policy(port, admin_port, drain))
+    env = {"GATEWAY_LISTEN": "", "GATEWAY_ADMIN_LISTEN": ""}
+    process = await spawn(sys.executable, "-m", "gateway", "run", "--config", str(policy), env=env)
+    admin = f"http://127.0.0.1:{admin_port}"
+    await wait_for_status(process, admin + "/readyz")
+    return process, f"http://127.0.0.1:{port}", admin
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> int | None:
+    """The status, or None when the connection is refused."""
+    try:
+        async with session.get(url) as resp:
+            await resp.read()
+            return resp.status
+    except aiohttp.ClientConnectionError:
+        return None
+
+
+async def test_sigterm_turns_readyz_503_for_the_drain_delay_before_closing(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    process, proxy, admin = await _start_draining_gateway(spawn, tmp_path, "1500ms")
+    loop = asyncio.get_running_loop()
+    # One connection per request, as a load balancer's probes and new clients would come.
+    connector = aiohttp.TCPConnector(force_close=True)
+    seen: list[tuple[float, int | None, int | None]] = []
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
+        process.proc.terminate()
+        signalled = loop.time()
+        while loop.time() - signalled < 10.0:
+            ready, served = await _get(session, admin + "/readyz"), await _get(session, proxy + "/")
+            seen.append((loop.time() - signalled, ready, served))
+            if ready is None and served is None:
+                break
+            await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(process.proc.wait(), 10) == 0
+    draining = [t for t, ready, served in seen if ready == 503 and served == 200]
+    closed = [t for t, ready, served in seen if ready is None and served is None]
+    # Not ready, while still serving, for the drain delay; then refused.
+    assert all(ready != 200 for _, ready, _ in seen), seen
+    assert draining and draining[0] < 0.5, seen
+    assert draining[-1] >= 1.2, seen
+    assert closed and closed[0] >= 1.5, seen
+    assert "draining: /readyz answers 503 for 1.5s" in process.log()
+
+
+async def test_a_second_sigterm_ends_the_drain_early(spawn: Spawn, tmp_path: Path) -> None:
+    process, _, admin = await _start_draining_gateway(spawn, tmp_path, "60s")
+    loop = asyncio.get_running_loop()
+    process.proc.terminate()
+    await wait_for_status(process, admin + "/readyz", status=503)
+    started = loop.time()
+    process.proc.terminate()
+    assert await asyncio.wait_for(process.proc.wait(), 10) == 0
+    assert loop.time() - started < 5
