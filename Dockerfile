@@ -6,8 +6,9 @@ COPY gateway ./gateway
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[speed]"
 
 FROM python:3.11-slim
-RUN groupadd --system gateway && useradd --system --gid gateway --home /nonexistent \
-        --shell /usr/sbin/nologin gateway
+# A fixed numeric uid, so Kubernetes' runAsNonRoot can check it (deploy/kubernetes/).
+RUN groupadd --system --gid 10001 gateway && useradd --system --uid 10001 --gid gateway \
+        --home /nonexistent --shell /usr/sbin/nologin gateway
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 # The image's own policies live outside /etc/gateway/policies, so mounting a policy directory

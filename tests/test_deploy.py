@@ -7,17 +7,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
+import kubernetes_validate
 import pytest
 import yaml
 
 from gateway.cli import EXIT_STARTUP
+from gateway.policy import ServerSettings, StoreSettings, split_host_port
+from gateway.policy_loader import load_policy
+from tests.conftest import GatewayFactory
 from tests.test_packaging import _final_stage, dockerfile_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -384,3 +392,145 @@ async def test_a_second_sigterm_ends_the_drain_early(spawn: Spawn, tmp_path: Pat
     process.proc.terminate()
     assert await asyncio.wait_for(process.proc.wait(), 10) == 0
     assert loop.time() - started < 5
+
+
+# -- Kubernetes manifests --------------------------------------------------------------------
+
+MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+
+
+def documents(kind: str | None = None) -> list[dict[str, Any]]:
+    found = []
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None and (kind is None or doc["kind"] == kind):
+                found.append(doc)
+    return found
+
+
+def gateway_deployment() -> dict[str, Any]:
+    (deployment,) = [d for d in documents("Deployment") if d["metadata"]["name"] == "gateway"]
+    return deployment
+
+
+def gateway_container() -> dict[str, Any]:
+    container: dict[str, Any] = gateway_deployment()["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+@pytest.mark.parametrize("version", ["1.28.0", kubernetes_validate.latest_version()])
+def test_manifests_are_valid_kubernetes_resources(version: str) -> None:
+    assert {p.name for p in MANIFESTS} >= {"gateway.yaml", "redis.yaml"}
+    kinds = set()
+    for doc in documents():
+        kubernetes_validate.validate(doc, version, strict=True)
+        kinds.add(doc["kind"])
+    assert kinds == {"ConfigMap", "Deployment", "Service"}
+
+
+def test_configmap_policy_is_valid_and_mounted_where_the_gateway_reads_it(
+    tmp_path: Path,
+) -> None:
+    (configmap,) = documents("ConfigMap")
+    container = gateway_container()
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config = PurePosixPath(env["GATEWAY_CONFIG"])
+    assert config.name in configmap["data"]
+    policy_file = tmp_path / config.name
+    policy_file.write_text(configmap["data"][config.name])
+    policy = load_policy(policy_file).policy
+    # Mounted as a directory: a subPath mount would never see the ConfigMap's updates.
+    spec = gateway_deployment()["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if v.get("configMap", {}).get("name"))
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert "subPath" not in mount
+    assert str(config.parent) == mount["mountPath"]
+    # SIGKILL only after the drain delay and the shutdown deadline.
+    server = policy.server
+    assert server.drain_delay > 0
+    assert spec["terminationGracePeriodSeconds"] > server.drain_delay + server.shutdown_timeout
+    # The token file is a mounted secret.
+    token_dir = str(PurePosixPath(env["GATEWAY_ADMIN_TOKEN_FILE"]).parent)
+    (secret_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == token_dir]
+    assert any(v["name"] == secret_mount["name"] and "secret" in v for v in spec["volumes"])
+
+
+def test_deployment_probes_ports_resources_and_user() -> None:
+    container = gateway_container()
+    env = dockerfile_env()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == split_host_port(env["GATEWAY_LISTEN"])[1]
+    assert ports["admin"] == split_host_port(env["GATEWAY_ADMIN_LISTEN"])[1]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    public = ServerSettings().admin_public_paths
+    assert "/readyz" in public and "/healthz" in public  # the probes need no token
+    assert container["resources"]["requests"].keys() == {"cpu", "memory"}
+    for name in (e["name"] for e in container["env"]):
+        assert f'"{name}"' in gateway_source(), f"the Deployment sets {name}, which nothing reads"
+    spec = gateway_deployment()["spec"]["template"]["spec"]
+    uid = re.search(r"--uid (\d+)", (ROOT / "Dockerfile").read_text())
+    assert uid is not None
+    assert spec["securityContext"]["runAsUser"] == int(uid.group(1))
+    (service,) = [s for s in documents("Service") if s["metadata"]["name"] == "gateway"]
+    assert service["spec"]["selector"] == gateway_deployment()["spec"]["selector"]["matchLabels"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+
+
+def test_redis_option_matches_the_url_it_documents() -> None:
+    text = (ROOT / "deploy" / "kubernetes" / "redis.yaml").read_text()
+    url = re.search(r"GATEWAY_STORE_URL=(\S+)", text)
+    assert url is not None
+    parts = urlsplit(url.group(1))
+    (service,) = [s for s in documents("Service") if s["metadata"]["name"] == parts.hostname]
+    assert [p["port"] for p in service["spec"]["ports"]] == [parts.port]
+    StoreSettings(url=url.group(1))
+
+
+def gateway_source() -> str:
+    return "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
+
+
+def _kubelet_update(mount: Path, files: dict[str, str], generation: int) -> None:
+    """What the kubelet's atomic writer does: a new timestamped directory, the ``..data``
+    link swapped to it by rename, the old directory removed; the visible files are links
+    through ``..data``."""
+    new = mount / f"..2026_11_24_00_00_0{generation}.{generation}"
+    new.mkdir()
+    for name, text in files.items():
+        (new / name).write_text(text)
+    old = (mount / "..data").resolve() if (mount / "..data").exists() else None
+    tmp_link = mount / "..data_tmp"
+    tmp_link.symlink_to(new.name)
+    tmp_link.rename(mount / "..data")
+    for name in files:
+        if not (mount / name).is_symlink():
+            (mount / name).symlink_to(f"..data/{name}")
+    if old is not None:
+        shutil.rmtree(old)
+
+
+async def test_configmap_update_through_the_data_swap_reloads_the_policy(
+    start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    (configmap,) = documents("ConfigMap")
+    name = next(iter(configmap["data"]))
+    text = configmap["data"][name] + "  # generation {n}\n"
+    text = text.replace("http://backend.default.svc.cluster.local:8000", "http://127.0.0.1:9")
+    listeners = "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+    text = text.replace("server:\n", listeners, 1)
+    mount = tmp_path / "policies"
+    mount.mkdir()
+    _kubelet_update(mount, {name: text.format(n=1)}, 1)
+    path = mount / name
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    loop = asyncio.get_running_loop()
+    for generation in (2, 3):  # twice: the first swap removes the directory first read
+        before = gw.gateway.loaded.sha256
+        _kubelet_update(mount, {name: text.format(n=generation)}, generation)
+        deadline = loop.time() + 10
+        while gw.gateway.loaded.sha256 == before:
+            assert loop.time() < deadline, f"generation {generation} not reloaded"
+            await asyncio.sleep(0.05)
+        assert gw.gateway.loaded.sha256 == load_policy(path).sha256
