@@ -6,13 +6,18 @@ No Docker engine runs on our build machines, so these files are parsed rather th
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import re
 import shlex
+import tomllib
+from importlib import metadata
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from gateway.policy import split_host_port
 from gateway.policy_loader import load_policy
@@ -192,6 +197,75 @@ def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:
                 assert not _ignored(source, patterns), f"COPY {source} but .dockerignore drops it"
     assert not _ignored("gateway/cli.py", patterns)
     assert not _ignored("gateway/lua/leaky_bucket.lua", patterns)
+
+
+def _locked() -> dict[str, tuple[str, list[str]]]:
+    """requirements.lock: name -> (version, hashes)."""
+    locked: dict[str, tuple[str, list[str]]] = {}
+    text = (ROOT / "requirements.lock").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        assert not line.startswith("-"), f"an option in the lock file: {line}"
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        assert sep, f"not pinned with ==: {line}"
+        hashes = [o.removeprefix("--hash=") for o in options if o.startswith("--hash=sha256:")]
+        assert hashes and len(hashes) == len(options), f"no hash, or another option: {line}"
+        locked[canonicalize_name(name)] = (version, hashes)
+    return locked
+
+
+def test_lock_file_pins_every_runtime_dependency_with_hashes() -> None:
+    """Every package `rl-gateway[speed]` needs, transitively, is in requirements.lock at a
+    version its requirers accept, so the image build resolves nothing itself."""
+    locked = _locked()
+    pending = [(requirement, "speed") for requirement in metadata.requires("rl-gateway") or []]
+    seen = set()
+    while pending:
+        text, extra = pending.pop()
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate(
+            {"extra": extra, "sys_platform": "linux", "python_version": "3.11"}
+        ):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in locked, f"{name} (needed: {text}) is not in requirements.lock"
+        version = locked[name][0]
+        assert requirement.specifier.contains(version, prereleases=True), (text, version)
+        for wanted in sorted(requirement.extras) or [""]:
+            if (name, wanted) in seen:
+                continue
+            seen.add((name, wanted))
+            pending += [(r, wanted) for r in metadata.requires(name) or []]
+    assert set(locked) == {name for name, _ in seen}, "requirements.lock has stale entries"
+
+
+def test_image_installs_from_the_lock_file_with_hashes_required() -> None:
+    build = [rest for k, rest in _dockerfile_instructions() if k == "RUN" and "pip wheel" in rest]
+    assert any("--require-hashes" in r and "-r requirements.lock" in r for r in build), build
+    # The project's own wheel adds nothing unlocked, and the final install resolves nothing.
+    assert all("--require-hashes" in r or "--no-deps" in r for r in build), build
+    install = [rest for k, rest in _final_stage() if k == "RUN" and "pip install" in rest]
+    assert install and all("--no-index" in r and "--no-deps" in r for r in install), install
+
+
+def test_license_file_is_the_apache_2_0_text_pyproject_declares() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n")
+    assert "Version 2.0, January 2004" in text
+    assert "http://www.apache.org/licenses/" in text
+    for section in range(1, 10):
+        assert f"\n   {section}. " in text, f"section {section} missing"
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert "APPENDIX: How to apply the Apache License to your work." in text
+    # Byte for byte the text apache.org publishes (LICENSE-2.0.txt, which Debian ships as
+    # common-licenses/Apache-2.0).
+    digest = hashlib.sha256((ROOT / "LICENSE").read_bytes()).hexdigest()
+    assert digest == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
 
 def test_ci_runs_the_readme_test_command() -> None:
