@@ -10,6 +10,8 @@ REDACTED = "***"
 _SECRET_PARAMS = frozenset({"password", "pass", "passwd", "token", "secret"})
 _USERINFO_RE = re.compile(r"//[^/@]*@")
 _MALFORMED_RE = re.compile(r"[^/@]*@")
+# A URL's userinfo inside free text (an error message that quotes a store URL).
+_TEXT_USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/\s'\"]*@")
 
 
 def redact_url(url: str) -> str:
@@ -39,3 +41,8 @@ def redact_url(url: str) -> str:
                 safe="*",
             )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str) -> str:
+    """Every ``scheme://user:password@`` in a message becomes ``scheme://***@``."""
+    return _TEXT_USERINFO_RE.sub(rf"\1{REDACTED}@", text)

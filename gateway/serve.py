@@ -21,6 +21,7 @@ from gateway.observability.observer import Observability
 from gateway.policy import Policy, split_host_port
 from gateway.policy_loader import LoadedPolicy
 from gateway.proxy import ProxyHandler
+from gateway.redact import redact_text
 from gateway.reload import PolicyReloader
 from gateway.runtime import Runtime, build_runtime, uses_demo
 from gateway.server import GatewayServer
@@ -113,7 +114,10 @@ class Gateway:
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
-        self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
+        try:
+            self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
+        except ValueError as exc:  # a store URL the client refuses; it may hold a password
+            raise StartupError(f"store: {redact_text(str(exc))}") from None
         self.reloader = PolicyReloader(self, policy_path) if policy_path else None
         self._demo_address: tuple[str, int] | None = None
         self._watch_stop = asyncio.Event()

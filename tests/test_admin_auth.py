@@ -264,3 +264,13 @@ async def test_policy_endpoint_and_logs_never_show_secrets(
         parse_policy(policy_for(upstream.url) + "store:\n  url: redis//:pw-in-error@h/0\n", "t")
     assert "pw-in-error" not in str(caught.value)
     assert "invalid store url" in str(caught.value)
+
+
+def test_a_store_url_refused_at_start_is_one_line_without_its_password() -> None:
+    store = "store:\n  url: redis+cluster://:cluster-pass-9@127.0.0.1:1/1\n"
+    loaded = parse_policy(policy_for("http://127.0.0.1:1") + store, "t.yaml")
+    with pytest.raises(StartupError) as caught:
+        Gateway(loaded)
+    assert str(caught.value) == (
+        "store: a Redis Cluster has only database 0, got 'redis://***@127.0.0.1:1/1'"
+    )
