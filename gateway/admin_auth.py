@@ -16,11 +16,15 @@ import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-from aiohttp import web
-from aiohttp.typedefs import Middleware
+from typing import TYPE_CHECKING
 
 from gateway.policy import ServerSettings
+
+if TYPE_CHECKING:  # aiohttp is imported where it is used: `gateway healthcheck` needs none
+    from aiohttp import web
+    from aiohttp.typedefs import Middleware
+
+    Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ENV_TOKEN = "GATEWAY_ADMIN_TOKEN"
 ENV_TOKEN_FILE = "GATEWAY_ADMIN_TOKEN_FILE"
@@ -103,11 +107,9 @@ class AdminAuth:
         return False
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
 def auth_middleware(current: Callable[[], AdminAuth]) -> Middleware:
     """Refuse requests without the token (401; a browser asking for a page goes to /login)."""
+    from aiohttp import web
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -137,6 +139,8 @@ _LOGIN_PAGE = """<!doctype html>
 
 
 def _login_page(message: str = "", status: int = 200) -> web.Response:
+    from aiohttp import web
+
     shown = f"<p role=alert>{html.escape(message)}</p>" if message else ""
     text = _LOGIN_PAGE.format(message=shown)
     return web.Response(
@@ -145,6 +149,8 @@ def _login_page(message: str = "", status: int = 200) -> web.Response:
 
 
 def login_routes(current: Callable[[], AdminAuth]) -> list[web.RouteDef]:
+    from aiohttp import web
+
     async def login_form(request: web.Request) -> web.StreamResponse:
         if current().token is None:
             raise web.HTTPSeeOther("/dashboard/")
