@@ -270,8 +270,9 @@ def _host_port(host: str, port: int) -> str:
 
 
 # Server settings a running worker cannot change: its sockets are bound, its processes forked,
-# and its runner holds the shutdown deadline. The rest apply on reload.
-RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout")
+# and its runner holds the shutdown deadline (the supervisor's kill deadline adds the drain
+# delay it started with). The rest apply on reload.
+RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout", "drain_delay")
 
 
 def restart_only_changes(running: Policy, new: Policy) -> list[str]:

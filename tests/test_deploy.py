@@ -24,7 +24,7 @@ import yaml
 
 from gateway.cli import EXIT_STARTUP
 from gateway.policy import ServerSettings, StoreSettings, split_host_port
-from gateway.policy_loader import load_policy
+from gateway.policy_loader import load_policy, parse_policy
 from tests.conftest import GatewayFactory
 from tests.test_packaging import _final_stage, dockerfile_env
 
@@ -536,3 +536,15 @@ async def test_configmap_update_through_the_data_swap_reloads_the_policy(
             assert loop.time() < deadline, f"generation {generation} not reloaded"
             await asyncio.sleep(0.05)
         assert gw.gateway.loaded.sha256 == load_policy(path).sha256
+
+
+async def test_a_reload_cannot_move_the_drain_delay(
+    start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """The supervisor's kill deadline counts the delay the gateway started with."""
+    policy = _drain_policy(0, 0, "1s")
+    gw = await start_gateway(policy)
+    moved = parse_policy(policy.replace("drain_delay: 1s", "drain_delay: 30s"), "t.yaml")
+    with pytest.raises(ValueError, match=r"server.drain_delay \(1.0 -> 30.0\) take effect"):
+        gw.gateway.apply(moved)
+    assert gw.gateway.loaded.policy.server.drain_delay == 1.0
