@@ -9,11 +9,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 from playwright.async_api import Browser, async_playwright
 
 from gateway.admin_auth import COOKIE, AdminTokenError, resolve_admin_token
-from gateway.policy import ServerSettings
-from gateway.policy_loader import PolicyError, parse_policy
+from gateway.policy import Policy, ServerSettings
+from gateway.policy_loader import LoadedPolicy, PolicyError, parse_policy
 from gateway.serve import Gateway, StartupError
 from gateway.stores import MemoryStore
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
@@ -266,11 +267,18 @@ async def test_policy_endpoint_and_logs_never_show_secrets(
     assert "invalid store url" in str(caught.value)
 
 
-def test_a_store_url_refused_at_start_is_one_line_without_its_password() -> None:
+def test_a_store_url_the_client_refuses_is_one_line_without_its_password() -> None:
     store = "store:\n  url: redis+cluster://:cluster-pass-9@127.0.0.1:1/1\n"
-    loaded = parse_policy(policy_for("http://127.0.0.1:1") + store, "t.yaml")
-    with pytest.raises(StartupError) as caught:
-        Gateway(loaded)
-    assert str(caught.value) == (
+    text = policy_for("http://127.0.0.1:1") + store
+    # In `gateway check`, `run` and a reload, through the loader:
+    with pytest.raises(PolicyError) as caught:
+        parse_policy(text, "t.yaml")
+    assert "cluster-pass-9" not in str(caught.value)
+    assert "got 'redis://***@127.0.0.1:1/1'" in str(caught.value)
+    # And a gateway built from a policy that did not come through the loader:
+    policy = Policy.model_validate(yaml.safe_load(text))
+    with pytest.raises(StartupError) as started:
+        Gateway(LoadedPolicy(policy=policy, source="t.yaml", sha256="0" * 64))
+    assert str(started.value) == (
         "store: a Redis Cluster has only database 0, got 'redis://***@127.0.0.1:1/1'"
     )
