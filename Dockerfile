@@ -1,24 +1,40 @@
 # syntax=docker/dockerfile:1
 FROM python:3.11-slim AS build
 WORKDIR /src
+# Third-party packages exactly as locked, every file checked against its hash
+# (requirements.lock, made by pip-compile from pyproject.toml; see the README); the gateway
+# itself is built from this source without resolving anything.
+COPY requirements.lock ./
+RUN pip wheel --no-cache-dir --require-hashes --wheel-dir /wheels -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[speed]"
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim
-RUN groupadd --system gateway && useradd --system --gid gateway --home /nonexistent \
-        --shell /usr/sbin/nologin gateway
+# A fixed numeric uid, so Kubernetes' runAsNonRoot can check it (deploy/kubernetes/).
+RUN groupadd --system --gid 10001 gateway && useradd --system --uid 10001 --gid gateway \
+        --home /nonexistent --shell /usr/sbin/nologin gateway
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
-COPY policies /etc/gateway/policies
-# Operators mount their own policy directory here; the gateway watches it for edits.
-VOLUME ["/etc/gateway/policies"]
-ENV GATEWAY_CONFIG=/etc/gateway/policies/default.yaml \
+RUN pip install --no-cache-dir --no-index --no-deps /wheels/*.whl && rm -rf /wheels
+# The image's own policies live outside /etc/gateway/policies, so mounting a policy directory
+# there does not hide the default; point GATEWAY_CONFIG (or --config) at a mounted file.
+COPY policies /usr/local/share/gateway/policies
+# Settings come from the environment, not from CMD, so `docker run IMAGE --config FILE` and a
+# policy copied from default.yaml (which listens on 127.0.0.1) still listen on every interface:
+#   GATEWAY_CONFIG        policy file (default: the image's demo policy)
+#   GATEWAY_LISTEN        proxy listener, over server.listen
+#   GATEWAY_ADMIN_LISTEN  admin listener, over server.admin_listen
+#   GATEWAY_IN_CONTAINER  a loopback listener is logged as unreachable
+# `gateway healthcheck` probes /readyz on GATEWAY_ADMIN_LISTEN (or the policy's admin_listen).
+ENV GATEWAY_CONFIG=/usr/local/share/gateway/policies/default.yaml \
+    GATEWAY_LISTEN=0.0.0.0:8080 \
+    GATEWAY_ADMIN_LISTEN=0.0.0.0:9090 \
+    GATEWAY_IN_CONTAINER=1 \
     PYTHONUNBUFFERED=1
 USER gateway
 EXPOSE 8080 9090
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:9090/readyz', timeout=2).status == 200 else 1)"]
+    CMD ["gateway", "healthcheck"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["gateway", "run"]
-CMD ["--listen", "0.0.0.0:8080", "--admin-listen", "0.0.0.0:9090"]
+CMD []

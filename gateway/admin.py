@@ -9,13 +9,16 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from gateway.admin_auth import AdminAuth, auth_middleware, login_routes
 from gateway.client_ip import client_key
 from gateway.engine import LimitEngine
 from gateway.keys import RequestFacts
 from gateway.limits import Check
+from gateway.policy import Policy
+from gateway.redact import REDACTED, redact_url
 from gateway.responses import SERVER
 from gateway.routing import normalise_host
-from gateway.stores import StoreUnavailableError
+from gateway.stores import StoreUnavailableError, store_url
 
 if TYPE_CHECKING:
     from gateway.proxy import ProxyHandler
@@ -33,6 +36,7 @@ class AdminState:
     # server settings as the worker runs them (command-line overrides and bound ports
     # included): a reload cannot move them, so the file's values may not be the ones in force.
     in_force: dict[str, Any] = field(default_factory=dict)
+    auth: AdminAuth = field(default_factory=AdminAuth)
 
 
 ADMIN_STATE = web.AppKey("admin_state", AdminState)
@@ -62,7 +66,7 @@ async def _policy(request: web.Request) -> web.Response:
             "last_error": status.last_error,
             "last_success_at": status.last_success_at,
         }
-    policy = runtime.loaded.policy.model_dump(mode="json")
+    policy = redacted_policy(runtime.loaded.policy)
     policy["server"].update(state.in_force)
     return web.json_response(
         {
@@ -71,11 +75,21 @@ async def _policy(request: web.Request) -> web.Response:
             "loaded_at": runtime.loaded_at,
             "worker": state.worker_id,
             "store": runtime.engine.store.name,
+            "store_url": redact_url(store_url(runtime.loaded.policy.store)),
             "reload": reload_status,
             "in_force": state.in_force,
             "policy": policy,
         }
     )
+
+
+def redacted_policy(policy: Policy) -> dict[str, Any]:
+    """The policy as JSON with its secrets out: the store URL's password, the admin token."""
+    data = policy.model_dump(mode="json")
+    data["store"]["url"] = redact_url(policy.store.url)
+    if policy.server.admin_token is not None:
+        data["server"]["admin_token"] = REDACTED
+    return data
 
 
 async def _reload(request: web.Request) -> web.Response:
@@ -206,9 +220,16 @@ async def _name_server(request: web.Request, response: web.StreamResponse) -> No
 
 
 def make_admin_app(state: AdminState) -> web.Application:
-    app = web.Application()
+    """The admin routes behind the token check (``state.auth``, swapped on reload); the
+    dashboard's routes are added to the same app, so the same check covers them."""
+
+    def current() -> AdminAuth:
+        return state.auth
+
+    app = web.Application(middlewares=[auth_middleware(current)])
     app[ADMIN_STATE] = state
     app.on_response_prepare.append(_name_server)
+    app.router.add_routes(login_routes(current))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/policy", _policy)

@@ -148,7 +148,8 @@ def _supervise(
     for proc in procs.values():
         if proc.pid is not None and proc.is_alive():
             os.kill(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + loaded.policy.server.shutdown_timeout + 5
+    server = loaded.policy.server
+    deadline = time.monotonic() + server.drain_delay + server.shutdown_timeout + 5
     for proc in procs.values():
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
@@ -193,6 +194,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    from gateway.healthcheck import HealthcheckError, healthcheck
+
+    try:
+        print(healthcheck(args.config, args.path, args.timeout))
+    except HealthcheckError as exc:
+        print(f"gateway healthcheck: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(policy_json_schema(), indent=2, ensure_ascii=False))
     return 0
@@ -209,6 +221,7 @@ examples:
   gateway run --upstream http://127.0.0.1:8000        (no limits, no policy file)
   gateway check policy.yaml other.toml
   gateway schema > policy.schema.json
+  gateway healthcheck                                 (the image's HEALTHCHECK)
 
 environment:
   GATEWAY_CONFIG      policy file when --config is not given
@@ -217,6 +230,9 @@ environment:
   GATEWAY_STORE_URL   overrides the policy's store.url (memory, redis://...)
   GATEWAY_METRICS_DIR where --workers N processes share their metrics
   GATEWAY_LOOP        asyncio to use the standard event loop instead of uvloop
+  GATEWAY_LISTEN      proxy listener, over the policy's server.listen (the image: 0.0.0.0:8080)
+  GATEWAY_ADMIN_LISTEN admin listener, over server.admin_listen (the image: 0.0.0.0:9090)
+  GATEWAY_IN_CONTAINER set by the image: a loopback listener is logged as unreachable
 """
 
 
@@ -289,6 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     check = command("check", "validate policy files, like nginx -t")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=cmd_check)
+
+    health = command(
+        "healthcheck",
+        "probe this gateway's admin listener (GATEWAY_ADMIN_LISTEN, else the policy's "
+        "admin_listen): exit 0 on 200",
+    )
+    health.add_argument("--config", "-c", help="policy file (default: GATEWAY_CONFIG)")
+    health.add_argument("--path", default="/readyz", help="admin path to probe")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    health.set_defaults(func=cmd_healthcheck)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)

@@ -54,3 +54,20 @@ async def start_demo_upstream() -> tuple[web.AppRunner, tuple[str, int]]:
     await site.start()
     port = runner.addresses[0][1]
     return runner, ("127.0.0.1", port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m gateway.demo_upstream --listen 0.0.0.0:8000``: the demo backend on its own,
+    for docker-compose.yml (it answers JSON about the request and serves no files)."""
+    import argparse
+
+    from gateway.policy import split_host_port
+
+    parser = argparse.ArgumentParser(prog="python -m gateway.demo_upstream")
+    parser.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT")
+    host, port = split_host_port(parser.parse_args(argv).listen)
+    web.run_app(make_demo_app(), host=host, port=port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

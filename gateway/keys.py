@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -101,3 +102,19 @@ class KeyBuilder:
                 value = TAG + "ip" + facts.client_key
             values.append(value)
         return values[0] if len(values) == 1 else SEP.join(values)
+
+
+def shown_key(spec: tuple[str, ...], key: str, plain: bool = False) -> str:
+    """A key as the dashboard shows it: ``header:`` and ``query:`` parts (API keys, tokens)
+    as ``sha256:`` and 12 hex digits of their hash, unless the limit opts in to plain values.
+    The hash of a known value can be computed to find it; a client-IP stand-in stays as is."""
+    if plain or not any(p.startswith(("header:", "query:")) for p in spec):
+        return key
+    values = key.split(SEP) if len(spec) > 1 else [key]
+    shown = []
+    for part, value in zip(spec, values, strict=False):
+        if part.startswith(("header:", "query:")) and not value.startswith(TAG + "ip"):
+            digest = hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+            value = "sha256:" + digest[:12]
+        shown.append(value)
+    return SEP.join(shown)

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.redact import redact_url
 from gateway.units import Rate, parse_duration, parse_rate, parse_size
 
 
@@ -143,6 +144,10 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+# Admin paths that may be served without the token; POST /reload never is.
+AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -185,6 +190,24 @@ class ServerSettings(_Model):
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
     )
+    drain_delay: Duration = Field(
+        0.0,
+        description="on SIGTERM, how long /readyz answers 503 before the listeners close, so "
+        "a load balancer (Kubernetes endpoints) stops sending traffic first",
+    )
+    admin_token: str | None = Field(
+        None,
+        min_length=16,
+        description="bearer token the admin listener requires (except on admin_public_paths); "
+        "prefer admin_token_file or GATEWAY_ADMIN_TOKEN for secrets",
+    )
+    admin_token_file: str | None = Field(
+        None, description="file holding the admin bearer token (read at start and on reload)"
+    )
+    admin_public_paths: tuple[AdminPath, ...] = Field(
+        ("/healthz", "/readyz", "/metrics"),
+        description="admin paths served without the token when one is set",
+    )
 
     @field_validator("listen", "admin_listen")
     @classmethod
@@ -201,6 +224,12 @@ class ServerSettings(_Model):
             except ValueError:
                 raise ValueError(f"invalid CIDR {cidr!r} in trusted_proxies") from None
         return value
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ServerSettings:
+        if self.admin_token is not None and self.admin_token_file is not None:
+            raise ValueError("give admin_token or admin_token_file, not both")
+        return self
 
 
 class Upstream(_Model):
@@ -334,6 +363,11 @@ class _LimitBase(_Model):
     )
     max_queue: int = Field(1000, ge=0, description="requests waiting on this limit at most")
     max_keys: int = Field(100_000, ge=1, description="tracked keys; least recently used evicted")
+    top_keys: Literal["hashed", "plain"] = Field(
+        "hashed",
+        description="how the dashboard's top limited keys show header: and query: key parts "
+        "(often API keys): hashed (sha256, 12 hex digits) or plain",
+    )
 
     @field_validator("key")
     @classmethod
@@ -463,7 +497,7 @@ class StoreSettings(_Model):
     def _check_url(cls, value: str) -> str:
         if not _STORE_URL_RE.match(value):
             raise ValueError(
-                f"invalid store url {value!r}: expected memory, redis://, rediss:// or "
+                f"invalid store url {redact_url(value)!r}: expected memory, redis://, rediss:// or "
                 "redis+cluster://"
             )
         return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 from gateway.algorithms.registry import build_algorithm
 from gateway.engine import LimitEngine
 from gateway.policy import Policy
+from gateway.redact import redact_text
 from gateway.stores import build_store, store_url
 
 Loc = tuple[str | int, ...]
@@ -37,8 +38,8 @@ def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc
         return [(("server", "workers"), problem)]
     try:
         store = build_store(policy.store, workers=workers)
-    except ValueError as exc:
-        return [(("store",), str(exc))]
+    except ValueError as exc:  # it may quote the store URL, password and all
+        return [(("store",), redact_text(str(exc)))]
     engine = LimitEngine(policy, store, build_algorithm)  # the loader checked each algorithm
     problems: list[tuple[Loc, str]] = []
     for limit in engine.limits:

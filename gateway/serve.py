@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -12,12 +14,14 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admin import AdminState, make_admin_app
+from gateway.admin_auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
 from gateway.demo_upstream import start_demo_upstream
 from gateway.observability.observer import Observability
 from gateway.policy import Policy, split_host_port
 from gateway.policy_loader import LoadedPolicy
 from gateway.proxy import ProxyHandler
+from gateway.redact import redact_text
 from gateway.reload import PolicyReloader
 from gateway.runtime import Runtime, build_runtime, uses_demo
 from gateway.server import GatewayServer
@@ -26,6 +30,39 @@ from gateway.stores import LimitStore, build_store
 log = logging.getLogger("gateway")
 
 MIN_AIOHTTP = (3, 14, 5)
+
+# Listen addresses from the environment, between the command line and the policy file: a
+# container image sets them once, and neither a mounted policy copied from default.yaml (which
+# listens on loopback) nor a `--config` command replaces them.
+ENV_LISTEN = "GATEWAY_LISTEN"
+ENV_ADMIN_LISTEN = "GATEWAY_ADMIN_LISTEN"
+# Set by the image: a loopback listener there is unreachable from outside the container.
+ENV_IN_CONTAINER = "GATEWAY_IN_CONTAINER"
+
+
+def listen_address(flag: str | None, env_name: str, from_policy: str) -> tuple[str, int]:
+    """``--listen``, else the environment variable, else the policy file."""
+    env_value = os.environ.get(env_name) or None
+    try:
+        return split_host_port(flag or env_value or from_policy)
+    except ValueError as exc:
+        source = "the command line" if flag else env_name if env_value else "the policy file"
+        raise StartupError(f"{source}: {exc}") from None
+
+
+def in_container() -> bool:
+    """Our image says so (``GATEWAY_IN_CONTAINER``), and so does any Kubernetes pod. Not
+    ``/.dockerenv``: development containers, where loopback is what you want, have it too."""
+    if os.environ.get(ENV_IN_CONTAINER, "") not in ("", "0"):
+        return True
+    return "KUBERNETES_SERVICE_HOST" in os.environ
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
 
 
 def check_aiohttp() -> None:
@@ -77,14 +114,21 @@ class Gateway:
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
-        self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
+        try:
+            self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
+        except ValueError as exc:  # a store URL the client refuses; it may hold a password
+            raise StartupError(f"store: {redact_text(str(exc))}") from None
         self.reloader = PolicyReloader(self, policy_path) if policy_path else None
         self._demo_address: tuple[str, int] | None = None
         self._watch_stop = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
-        self.listen = split_host_port(listen or settings.listen)
-        self.admin_listen = split_host_port(admin_listen or settings.admin_listen)
+        self.listen = listen_address(listen, ENV_LISTEN, settings.listen)
+        self.admin_listen = listen_address(admin_listen, ENV_ADMIN_LISTEN, settings.admin_listen)
+        try:
+            self.admin_auth = AdminAuth.of(settings)
+        except AdminTokenError as exc:
+            raise StartupError(str(exc)) from None
         self.reuse_port = reuse_port
         self.worker_id = worker_id
         self.workers = workers
@@ -130,7 +174,10 @@ class Gateway:
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
         self.admin_state = AdminState(
-            handler=self.handler, worker_id=self.worker_id, reloader=self.reloader
+            handler=self.handler,
+            worker_id=self.worker_id,
+            reloader=self.reloader,
+            auth=self.admin_auth,
         )
         admin_app = make_admin_app(self.admin_state)
         self.observability.install(admin_app)
@@ -171,12 +218,17 @@ class Gateway:
                 f"{', '.join(moved)} take effect on restart only; the running policy stays "
                 "(restart the gateway to apply them, or revert them to reload the rest)"
             )
+        # The token file is read again, so a reload (SIGHUP) rotates the token.
+        admin_auth = AdminAuth.of(loaded.policy.server)
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
         if self.server is not None:
             self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
+        self.admin_auth = admin_auth
+        if self.admin_state is not None:
+            self.admin_state.auth = admin_auth
         asyncio.get_running_loop().create_task(self._retire(previous))
 
     async def _retire(self, runtime: Runtime) -> None:
@@ -234,8 +286,9 @@ def _host_port(host: str, port: int) -> str:
 
 
 # Server settings a running worker cannot change: its sockets are bound, its processes forked,
-# and its runner holds the shutdown deadline. The rest apply on reload.
-RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout")
+# and its runner holds the shutdown deadline (the supervisor's kill deadline adds the drain
+# delay it started with). The rest apply on reload.
+RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout", "drain_delay")
 
 
 def restart_only_changes(running: Policy, new: Policy) -> list[str]:
@@ -303,15 +356,57 @@ async def serve(
         loaded.source,
         loaded.sha256[:12],
     )
+    if gateway.admin_auth.token is not None:
+        log.info("admin listener requires the admin token (except on %s)",
+                 ", ".join(gateway.admin_auth.public_paths) or "no path")
+    warn_if_unreachable(gateway)
     if on_started is not None:
         on_started(gateway)
     try:
         await stop.wait()
+        await drain(gateway, stop)
     finally:
         log.info("worker %d shutting down", worker_id)
         for task in list(tasks):
             task.cancel()
         await gateway.stop()
+
+
+def warn_if_unreachable(gateway: Gateway) -> None:
+    """Loopback inside a container is unreachable from outside it: say so loudly, since the
+    gateway otherwise looks healthy (its own HEALTHCHECK answers from inside)."""
+    if not in_container():
+        return
+    for what, (host, port), env_name in (
+        ("proxy", gateway.listen, ENV_LISTEN),
+        ("admin", gateway.admin_listen, ENV_ADMIN_LISTEN),
+    ):
+        if is_loopback(host):
+            log.warning(
+                "UNREACHABLE: the %s listener is on %s:%d, a loopback address inside a "
+                "container: nothing outside the container can connect to it; listen on "
+                "0.0.0.0:%d (%s, or server.%s in the policy)",
+                what,
+                host,
+                port,
+                port,
+                env_name,
+                "listen" if what == "proxy" else "admin_listen",
+            )
+
+
+async def drain(gateway: Gateway, stop: asyncio.Event) -> None:
+    """After SIGTERM: ``/readyz`` answers 503 for ``server.drain_delay`` while the listeners
+    still serve, so a load balancer takes the gateway out of rotation before connections are
+    refused. A second SIGTERM or SIGINT ends the wait early."""
+    delay = gateway.loaded.policy.server.drain_delay
+    if delay <= 0 or gateway.admin_state is None:
+        return
+    gateway.admin_state.ready = False
+    log.info("draining: /readyz answers 503 for %gs before the listeners close", delay)
+    stop.clear()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)
 
 
 def run_event_loop(main: Callable[[], object]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -155,6 +156,35 @@ def test_recent_top_keys_forget_what_is_two_periods_old() -> None:
     assert {h.key for h in top.top(5)} == {"new"}
     top.rotate(1183.0)
     assert top.top(5) == []
+
+
+async def test_top_keys_hash_header_and_query_parts_unless_the_limit_says_plain(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """An API key used as a limit key is a credential: the dashboard shows its hash."""
+    limits = (
+        "  by_key:\n    algorithm: fixed_window\n    limit: 1\n    window: 1h\n"
+        "    key: [header:X-API-Key, client_ip]\n"
+        "  by_query:\n    algorithm: fixed_window\n    limit: 1\n    window: 1h\n"
+        "    key: [query:token]\n    top_keys: plain\n    match: {path: /q}\n"
+    )
+    gw = await start_gateway(limited_policy(upstream.url, limits))
+    api_key = "live-api-key-DO-NOT-SHOW"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for _ in range(3):
+            assert await get_status(session, gw.url + "/x", headers={"X-API-Key": api_key}) in (
+                200,
+                429,
+            )
+            await get_status(session, gw.url + "/q?token=visible-on-purpose")
+        async with session.get(gw.admin_url + "/dashboard/state") as resp:
+            text = await resp.text()
+            state = json.loads(text)["state"]
+    digest = hashlib.sha256(api_key.encode()).hexdigest()[:12]
+    assert api_key not in text
+    shown = [h["key"] for h in state["limits"]["by_key"]["top_keys"]]
+    assert shown == [f"sha256:{digest}\x1f127.0.0.1"]
+    assert [h["key"] for h in state["limits"]["by_query"]["top_keys"]] == ["visible-on-purpose"]
 
 
 # -- histogram arithmetic and folding -----------------------------------------------------------

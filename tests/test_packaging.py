@@ -5,12 +5,19 @@ No Docker engine runs on our build machines, so these files are parsed rather th
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import json
 import re
-from pathlib import Path
+import shlex
+import tomllib
+from importlib import metadata
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from gateway.policy import split_host_port
 from gateway.policy_loader import load_policy
@@ -47,25 +54,52 @@ def test_dockerfile_runs_as_non_root_user() -> None:
     assert users[-1] not in {"root", "0", "0:0"}
 
 
+def dockerfile_env() -> dict[str, str]:
+    """The final stage's ENV settings (``ENV A=1 B=2`` form)."""
+    env: dict[str, str] = {}
+    for keyword, rest in _final_stage():
+        if keyword == "ENV":
+            for item in shlex.split(rest):
+                name, _, value = item.partition("=")
+                env[name] = value
+    return env
+
+
 def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
     stage = dict(_final_stage())
     entrypoint = json.loads(stage["ENTRYPOINT"])
     assert entrypoint[:2] == ["gateway", "run"]
-    json.loads(stage["CMD"])
+    # Settings come from ENV, so a CMD of the operator's (--config FILE) keeps them.
+    assert json.loads(stage.get("CMD", "[]")) == []
     healthcheck = stage["HEALTHCHECK"]
     cmd = healthcheck.split(" CMD ", 1)[1]
-    probe = json.loads(cmd)
-    assert any("/readyz" in part for part in probe)
-    assert "9090" in " ".join(probe)
+    # The probe reads the admin address where the gateway does (tests/test_deploy.py runs it).
+    assert json.loads(cmd) == ["gateway", "healthcheck"]
 
 
 def test_dockerfile_exposes_the_ports_it_listens_on() -> None:
     stage = _final_stage()
     exposed = {p for k, rest in stage if k == "EXPOSE" for p in rest.split()}
-    cmd = json.loads(dict(stage)["CMD"])
-    listen = split_host_port(cmd[cmd.index("--listen") + 1])[1]
-    admin = split_host_port(cmd[cmd.index("--admin-listen") + 1])[1]
-    assert {str(listen), str(admin)} <= exposed
+    env = dockerfile_env()
+    listen = split_host_port(env["GATEWAY_LISTEN"])
+    admin = split_host_port(env["GATEWAY_ADMIN_LISTEN"])
+    assert listen[0] == admin[0] == "0.0.0.0"
+    assert {str(listen[1]), str(admin[1])} <= exposed
+
+
+def test_dockerfile_default_policy_is_not_under_the_mount_point() -> None:
+    """Mounting /etc/gateway/policies must not hide the policy GATEWAY_CONFIG names."""
+    config = dockerfile_env()["GATEWAY_CONFIG"]
+    assert not config.startswith("/etc/gateway/policies/")
+    copies = [rest.split() for k, rest in _final_stage() if k == "COPY" and "--from" not in rest]
+    assert any(config.startswith(dst.rstrip("/") + "/") for *_, dst in copies)
+
+
+def test_dockerfile_sets_only_environment_variables_the_gateway_reads() -> None:
+    source = "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
+    for name in dockerfile_env():
+        if name.startswith("GATEWAY_"):
+            assert f'"{name}"' in source, f"the Dockerfile sets {name}, which nothing reads"
 
 
 def test_compose_services_match_the_policy() -> None:
@@ -73,13 +107,13 @@ def test_compose_services_match_the_policy() -> None:
     services = compose["services"]
     assert {"gateway", "redis", "backend"} <= set(services)
     gateway = services["gateway"]
-    config_path = gateway["command"][gateway["command"].index("--config") + 1]
+    config_path = gateway["environment"]["GATEWAY_CONFIG"]
     mount_src, mount_dst = gateway["volumes"][0].split(":")[:2]
     assert config_path.startswith(mount_dst)
     policy_file = ROOT / mount_src / config_path[len(mount_dst) :].lstrip("/")
     policy = load_policy(policy_file).policy
 
-    published = {int(p.split(":")[1]) for p in gateway["ports"]}
+    published = {int(p.split(":")[-1]) for p in gateway["ports"]}
     assert split_host_port(policy.server.listen)[1] in published
     assert split_host_port(policy.server.admin_listen)[1] in published
     for upstream in policy.upstreams.values():
@@ -94,11 +128,144 @@ def test_compose_services_match_the_policy() -> None:
         assert str(parts.port) in [str(p) for p in services[parts.hostname].get("expose", [])]
 
 
+def test_compose_publishes_the_admin_port_on_the_host_loopback_only() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    gateway = compose["services"]["gateway"]
+    policy = load_policy(ROOT / "policies" / "compose.yaml").policy
+    admin_port = split_host_port(policy.server.admin_listen)[1]
+    for mapping in gateway["ports"]:
+        host_part, _, container_port = str(mapping).rpartition(":")
+        if int(container_port) == admin_port:
+            assert host_part.startswith("127.0.0.1:"), f"admin port published as {mapping}"
+    assert any(str(m).endswith(f":{admin_port}") for m in gateway["ports"])
+
+
+def test_compose_backend_is_the_demo_upstream_not_a_file_server() -> None:
+    backend = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["backend"]
+    command = [*backend["entrypoint"], *backend["command"]]
+    assert command[:3] == ["python", "-m", "gateway.demo_upstream"]
+    assert "http.server" not in " ".join(command)
+
+
 def test_compose_sets_only_environment_variables_the_gateway_reads() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     source = "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
     for name in compose["services"]["gateway"].get("environment", {}):
         assert f'"{name}"' in source, f"docker-compose.yml sets {name}, which nothing reads"
+
+
+def _dockerignore_patterns() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule, enough for these patterns: the last matching pattern wins, ``!`` negates,
+    a pattern matching a directory excludes what is under it."""
+    ignored = False
+    parts = PurePosixPath(path).parts
+    prefixes = [str(PurePosixPath(*parts[: i + 1])) for i in range(len(parts))]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        glob = pattern.lstrip("!").rstrip("/")
+        if any(
+            fnmatch.fnmatch(p, glob)
+            or (glob.startswith("**/") and fnmatch.fnmatch(PurePosixPath(p).name, glob[3:]))
+            for p in prefixes
+        ):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:
+    patterns = _dockerignore_patterns()
+    for path in (
+        ".git",
+        ".git/objects/ab",
+        ".venv",
+        ".venv/bin/python",
+        "tests/test_cli.py",
+        "gateway/__pycache__/cli.cpython-311.pyc",
+        "test-artifacts/shot.png",
+        ".env",
+    ):
+        assert _ignored(path, patterns), f"{path} would be sent to the Docker daemon"
+    # Everything the Dockerfile copies stays in the context.
+    for keyword, rest in _dockerfile_instructions():
+        if keyword == "COPY" and not rest.startswith("--from"):
+            for source in rest.split()[:-1]:
+                assert not _ignored(source, patterns), f"COPY {source} but .dockerignore drops it"
+    assert not _ignored("gateway/cli.py", patterns)
+    assert not _ignored("gateway/lua/leaky_bucket.lua", patterns)
+
+
+def _locked() -> dict[str, tuple[str, list[str]]]:
+    """requirements.lock: name -> (version, hashes)."""
+    locked: dict[str, tuple[str, list[str]]] = {}
+    text = (ROOT / "requirements.lock").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        assert not line.startswith("-"), f"an option in the lock file: {line}"
+        requirement, *options = line.split()
+        name, sep, version = requirement.partition("==")
+        assert sep, f"not pinned with ==: {line}"
+        hashes = [o.removeprefix("--hash=") for o in options if o.startswith("--hash=sha256:")]
+        assert hashes and len(hashes) == len(options), f"no hash, or another option: {line}"
+        locked[canonicalize_name(name)] = (version, hashes)
+    return locked
+
+
+def test_lock_file_pins_every_runtime_dependency_with_hashes() -> None:
+    """Every package `rl-gateway[speed]` needs, transitively, is in requirements.lock at a
+    version its requirers accept, so the image build resolves nothing itself."""
+    locked = _locked()
+    pending = [(requirement, "speed") for requirement in metadata.requires("rl-gateway") or []]
+    seen = set()
+    while pending:
+        text, extra = pending.pop()
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate(
+            {"extra": extra, "sys_platform": "linux", "python_version": "3.11"}
+        ):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in locked, f"{name} (needed: {text}) is not in requirements.lock"
+        version = locked[name][0]
+        assert requirement.specifier.contains(version, prereleases=True), (text, version)
+        for wanted in sorted(requirement.extras) or [""]:
+            if (name, wanted) in seen:
+                continue
+            seen.add((name, wanted))
+            pending += [(r, wanted) for r in metadata.requires(name) or []]
+    assert set(locked) == {name for name, _ in seen}, "requirements.lock has stale entries"
+
+
+def test_image_installs_from_the_lock_file_with_hashes_required() -> None:
+    build = [rest for k, rest in _dockerfile_instructions() if k == "RUN" and "pip wheel" in rest]
+    assert any("--require-hashes" in r and "-r requirements.lock" in r for r in build), build
+    # The project's own wheel adds nothing unlocked, and the final install resolves nothing.
+    assert all("--require-hashes" in r or "--no-deps" in r for r in build), build
+    install = [rest for k, rest in _final_stage() if k == "RUN" and "pip install" in rest]
+    assert install and all("--no-index" in r and "--no-deps" in r for r in install), install
+
+
+def test_license_file_is_the_apache_2_0_text_pyproject_declares() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n")
+    assert "Version 2.0, January 2004" in text
+    assert "http://www.apache.org/licenses/" in text
+    for section in range(1, 10):
+        assert f"\n   {section}. " in text, f"section {section} missing"
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert "APPENDIX: How to apply the Apache License to your work." in text
+    # Byte for byte the text apache.org publishes (LICENSE-2.0.txt, which Debian ships as
+    # common-licenses/Apache-2.0).
+    digest = hashlib.sha256((ROOT / "LICENSE").read_bytes()).hexdigest()
+    assert digest == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp.web_request import BaseRequest
 
+from gateway.keys import shown_key
 from gateway.logs import JSON_LINE, json_line
 from gateway.observability.hooks import (
     CLIENT_IP,
@@ -101,7 +102,8 @@ class WorkerMetrics:
                 sketch = self.top_keys[check.limit.name] = RecentTopKeys(
                     TOP_KEYS_CAPACITY, TOP_KEYS_PERIOD_S
                 )
-            sketch.offer(check.key)
+            spec = check.limit.spec
+            sketch.offer(shown_key(spec.key, check.key, plain=spec.top_keys == "plain"))
 
     def note_waited(self, outcome: Outcome, waited_s: float) -> None:
         verdict = outcome.verdict

@@ -1,0 +1,550 @@
+"""What the container files run, run for real (no Docker engine here): the compose demo backend,
+the image's environment-driven entrypoint, ``gateway healthcheck``, the SIGTERM drain delay, and
+the Kubernetes manifests validated offline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.cli import EXIT_STARTUP
+from gateway.policy import ServerSettings, StoreSettings, split_host_port
+from gateway.policy_loader import load_policy, parse_policy
+from tests.conftest import GatewayFactory
+from tests.test_packaging import _final_stage, dockerfile_env
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = aiohttp.ClientTimeout(total=5)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Process:
+    proc: asyncio.subprocess.Process
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+Spawn = Callable[..., Awaitable[Process]]
+
+
+@pytest.fixture
+async def spawn(tmp_path: Path) -> AsyncIterator[Spawn]:
+    """Start a command (stdout and stderr to a file); killed at the end if still running."""
+    started: list[Process] = []
+
+    async def start(*cmd: str, env: dict[str, str] | None = None) -> Process:
+        log_path = tmp_path / f"process-{len(started)}.log"
+        with log_path.open("wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                cwd=ROOT,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
+        started.append(Process(proc, log_path))
+        return started[-1]
+
+    yield start
+    for running in started:
+        if running.proc.returncode is None:
+            running.proc.kill()
+            await running.proc.wait()
+
+
+async def wait_for_status(
+    process: Process, url: str, status: int = 200, within_s: float = 20.0
+) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        while loop.time() < deadline:
+            if process.proc.returncode is not None:
+                raise AssertionError(f"exited early:\n{process.log()}")
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == status:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"{url} did not answer {status} within {within_s}s:\n{process.log()}")
+
+
+def compose() -> dict[str, dict[str, dict[str, object]]]:
+    data: dict[str, dict[str, dict[str, object]]] = yaml.safe_load(
+        (ROOT / "docker-compose.yml").read_text()
+    )
+    return data
+
+
+def on_loopback(args: list[str], port: int) -> list[str]:
+    """A container command with its 0.0.0.0 listen addresses moved to loopback (tests use
+    loopback only)."""
+    return [a.replace("0.0.0.0:8000", f"127.0.0.1:{port}") for a in args]
+
+
+async def test_compose_backend_serves_json_about_the_request_and_no_files(spawn: Spawn) -> None:
+    backend = compose()["services"]["backend"]
+    entrypoint = [str(a) for a in backend["entrypoint"]]  # type: ignore[attr-defined]
+    command = [str(a) for a in backend["command"]]  # type: ignore[attr-defined]
+    assert entrypoint[0] == "python"
+    port = free_port()
+    process = await spawn(sys.executable, *on_loopback(entrypoint[1:] + command, port))
+    base = f"http://127.0.0.1:{port}"
+    await wait_for_status(process, base + "/")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for path in ("/", "/etc/passwd", "/proc/self/environ", "/../../etc/passwd"):
+            async with session.get(base + path) as resp:
+                assert resp.content_type == "application/json", path
+                body = await resp.text()
+            assert "root:" not in body
+            assert "PATH=" not in body
+            assert "Directory listing" not in body
+
+
+# -- the image's entrypoint, driven by its environment ---------------------------------------
+
+
+def image_command(*cmd: str) -> list[str]:
+    """The image's ENTRYPOINT (and CMD unless ``cmd`` replaces it), as this interpreter runs it."""
+    stage = dict(_final_stage())
+    entrypoint = json.loads(stage["ENTRYPOINT"])
+    assert entrypoint[0] == "gateway"
+    args = list(cmd) if cmd else json.loads(stage.get("CMD", "[]"))
+    return [sys.executable, "-m", "gateway", *entrypoint[1:], *args]
+
+
+def image_env(port: int, admin_port: int) -> dict[str, str]:
+    """The image's ENV with its paths mapped to this checkout through its COPY lines and its
+    0.0.0.0 listeners moved to loopback ports (tests use loopback only)."""
+    env = dockerfile_env()
+    copies = [rest.split() for k, rest in _final_stage() if k == "COPY" and "--from" not in rest]
+    for name, value in env.items():
+        for *sources, dst in copies:
+            if len(sources) == 1 and value.startswith(dst.rstrip("/") + "/"):
+                env[name] = str(ROOT / sources[0]) + value[len(dst.rstrip("/")) :]
+    assert env["GATEWAY_LISTEN"].startswith("0.0.0.0:")
+    assert env["GATEWAY_ADMIN_LISTEN"].startswith("0.0.0.0:")
+    env["GATEWAY_LISTEN"] = f"127.0.0.1:{port}"
+    env["GATEWAY_ADMIN_LISTEN"] = f"127.0.0.1:{admin_port}"
+    assert Path(env["GATEWAY_CONFIG"]).is_file(), env["GATEWAY_CONFIG"]
+    return env
+
+
+async def test_image_runs_its_default_policy_on_the_environment_listeners(spawn: Spawn) -> None:
+    port, admin_port = free_port(), free_port()
+    env = image_env(port, admin_port)
+    process = await spawn(*image_command(), env=env)
+    await wait_for_status(process, f"http://127.0.0.1:{admin_port}/readyz")
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(f"http://127.0.0.1:{port}/api/hello") as resp,
+    ):
+        assert resp.status == 200
+        assert (await resp.json())["service"] == "gateway demo upstream"
+
+
+async def test_a_mounted_policy_copied_from_default_keeps_the_image_listeners(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """`docker run IMAGE --config /etc/gateway/policies/mine.yaml` with a copy of default.yaml
+    (which says 127.0.0.1:8080): the environment's listeners win over the file's."""
+    mounted = tmp_path / "etc-gateway-policies"
+    mounted.mkdir()
+    (mounted / "mine.yaml").write_text((ROOT / "policies" / "default.yaml").read_text())
+    port, admin_port = free_port(), free_port()
+    process = await spawn(
+        *image_command("--config", str(mounted / "mine.yaml")), env=image_env(port, admin_port)
+    )
+    await wait_for_status(process, f"http://127.0.0.1:{admin_port}/readyz")
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(f"http://127.0.0.1:{port}/api/hello") as resp,
+    ):
+        assert resp.status == 200
+        # The policy in force is the mounted one, not the image's default.
+        async with session.get(f"http://127.0.0.1:{admin_port}/policy") as policy:
+            assert (await policy.json())["source"] == str(mounted / "mine.yaml")
+
+
+async def test_loopback_listeners_in_a_container_are_a_loud_warning(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    port, admin_port = free_port(), free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        (ROOT / "policies" / "default.yaml")
+        .read_text()
+        .replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+        .replace("127.0.0.1:9090", f"127.0.0.1:{admin_port}")
+    )
+    env = {"GATEWAY_IN_CONTAINER": "1", "GATEWAY_LISTEN": "", "GATEWAY_ADMIN_LISTEN": ""}
+    process = await spawn(*image_command("--config", str(policy)), env=env)
+    await wait_for_status(process, f"http://127.0.0.1:{admin_port}/readyz")
+    warnings = [line for line in process.log().splitlines() if "UNREACHABLE" in line]
+    assert len(warnings) == 2, process.log()
+    assert all(" WARNING " in line for line in warnings)
+    assert f"proxy listener is on 127.0.0.1:{port}" in warnings[0]
+    assert "GATEWAY_LISTEN" in warnings[0]
+    assert f"admin listener is on 127.0.0.1:{admin_port}" in warnings[1]
+
+
+async def test_a_bad_listen_variable_is_one_line_and_a_startup_exit_code(spawn: Spawn) -> None:
+    process = await spawn(
+        *image_command("--config", str(ROOT / "policies" / "default.yaml")),
+        env={"GATEWAY_LISTEN": "nowhere"},
+    )
+    assert await asyncio.wait_for(process.proc.wait(), 20) == EXIT_STARTUP
+    assert process.log().strip() == (
+        "gateway: GATEWAY_LISTEN: invalid listen address 'nowhere': expected HOST:PORT, "
+        "e.g. 0.0.0.0:8080"
+    )
+
+
+# -- gateway healthcheck ---------------------------------------------------------------------
+
+
+async def run_healthcheck(spawn: Spawn, *args: str, env: dict[str, str]) -> tuple[int, str]:
+    process = await spawn(sys.executable, "-m", "gateway", "healthcheck", *args, env=env)
+    code = await asyncio.wait_for(process.proc.wait(), 20)
+    return code, process.log().strip()
+
+
+async def test_healthcheck_probes_the_admin_address_the_gateway_uses(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    port, admin_port = free_port(), free_port()
+    env = image_env(port, admin_port)
+    env["GATEWAY_ADMIN_LISTEN"] = f"0.0.0.0:{admin_port}"  # a wildcard is probed on loopback
+    gateway = await spawn(*image_command(), env=image_env(port, admin_port))
+    await wait_for_status(gateway, f"http://127.0.0.1:{admin_port}/readyz")
+    code, out = await run_healthcheck(spawn, env=env)
+    assert (code, out) == (0, f"http://127.0.0.1:{admin_port}/readyz: 200 OK")
+
+    # From the policy file when the environment does not say.
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"server:\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        "upstreams:\n  demo:\n    url: builtin:demo\nroutes:\n  - name: all\n    upstream: demo\n"
+    )
+    bare = {"GATEWAY_ADMIN_LISTEN": "", "GATEWAY_CONFIG": ""}
+    assert (await run_healthcheck(spawn, "--config", str(policy), env=bare))[0] == 0
+    env_config = {"GATEWAY_ADMIN_LISTEN": "", "GATEWAY_CONFIG": str(policy)}
+    assert (await run_healthcheck(spawn, env=env_config))[0] == 0
+
+    gateway.proc.terminate()
+    assert await asyncio.wait_for(gateway.proc.wait(), 20) == 0
+    code, out = await run_healthcheck(spawn, env=env)
+    assert code == 1
+    assert out == (f"gateway healthcheck: http://127.0.0.1:{admin_port}/readyz: Connection refused")
+
+
+async def test_healthcheck_fails_on_a_gateway_that_is_not_ready(spawn: Spawn) -> None:
+    """A real HTTP server answering /readyz with 503, as a draining gateway does."""
+    from aiohttp import web
+
+    async def not_ready(request: web.Request) -> web.Response:
+        return web.json_response({"status": "not ready"}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/readyz", not_ready)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    admin_port = runner.addresses[0][1]
+    try:
+        code, out = await run_healthcheck(
+            spawn, env={"GATEWAY_ADMIN_LISTEN": f"127.0.0.1:{admin_port}", "GATEWAY_CONFIG": ""}
+        )
+    finally:
+        await runner.cleanup()
+    assert code == 1
+    assert out == (
+        f"gateway healthcheck: http://127.0.0.1:{admin_port}/readyz: 503 Service Unavailable"
+    )
+
+
+async def test_healthcheck_sends_the_admin_token_when_readyz_needs_it(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    token = "probe-token-0123456789abcdef"
+    policy = tmp_path / "policy.yaml"
+    port, admin_port = free_port(), free_port()
+    policy.write_text(
+        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        "  admin_public_paths: [/healthz]\n"
+        "upstreams:\n  demo:\n    url: builtin:demo\nroutes:\n  - name: all\n    upstream: demo\n"
+    )
+    env = {"GATEWAY_ADMIN_TOKEN": token, "GATEWAY_LISTEN": "", "GATEWAY_ADMIN_LISTEN": ""}
+    gateway = await spawn(sys.executable, "-m", "gateway", "run", "--config", str(policy), env=env)
+    await wait_for_status(gateway, f"http://127.0.0.1:{admin_port}/readyz", status=401)
+    assert (await run_healthcheck(spawn, "--config", str(policy), env=env))[0] == 0
+    wrong = {**env, "GATEWAY_ADMIN_TOKEN": "not-the-token-0123456789"}
+    code, out = await run_healthcheck(spawn, "--config", str(policy), env=wrong)
+    assert code == 1
+    assert out.endswith("/readyz: 401 Unauthorized")
+    assert token not in out and "not-the-token" not in out
+    assert (
+        await run_healthcheck(
+            spawn,
+            "--config",
+            str(policy),
+            "--path",
+            "/healthz",
+            env={**env, "GATEWAY_ADMIN_TOKEN": ""},
+        )
+    )[0] == 0
+
+
+# -- SIGTERM: readiness off for the drain delay, then the listeners close -------------------
+
+
+def _drain_policy(port: int, admin_port: int, drain: str) -> str:
+    return (
+        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        f"  drain_delay: {drain}\n  shutdown_timeout: 5s\n"
+        "upstreams:\n  demo:\n    url: builtin:demo\nroutes:\n  - name: all\n    upstream: demo\n"
+    )
+
+
+async def _start_draining_gateway(
+    spawn: Spawn, tmp_path: Path, drain: str
+) -> tuple[Process, str, str]:
+    port, admin_port = free_port(), free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_drain_policy(port, admin_port, drain))
+    env = {"GATEWAY_LISTEN": "", "GATEWAY_ADMIN_LISTEN": ""}
+    process = await spawn(sys.executable, "-m", "gateway", "run", "--config", str(policy), env=env)
+    admin = f"http://127.0.0.1:{admin_port}"
+    await wait_for_status(process, admin + "/readyz")
+    return process, f"http://127.0.0.1:{port}", admin
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> int | None:
+    """The status, or None when the connection is refused."""
+    try:
+        async with session.get(url) as resp:
+            await resp.read()
+            return resp.status
+    except aiohttp.ClientConnectionError:
+        return None
+
+
+async def test_sigterm_turns_readyz_503_for_the_drain_delay_before_closing(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    process, proxy, admin = await _start_draining_gateway(spawn, tmp_path, "1500ms")
+    loop = asyncio.get_running_loop()
+    # One connection per request, as a load balancer's probes and new clients would come.
+    connector = aiohttp.TCPConnector(force_close=True)
+    seen: list[tuple[float, int | None, int | None]] = []
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
+        process.proc.terminate()
+        signalled = loop.time()
+        while loop.time() - signalled < 10.0:
+            ready, served = await _get(session, admin + "/readyz"), await _get(session, proxy + "/")
+            seen.append((loop.time() - signalled, ready, served))
+            if ready is None and served is None:
+                break
+            await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(process.proc.wait(), 10) == 0
+    draining = [t for t, ready, served in seen if ready == 503 and served == 200]
+    closed = [t for t, ready, served in seen if ready is None and served is None]
+    # Not ready while still serving, from soon after the signal; never ready again; refused
+    # only once the drain delay has passed. (The signal and the first probe may race, so a
+    # 200 before the first 503 is allowed.)
+    assert draining and draining[0] < 1.4, seen
+    first_503 = next(i for i, (_, ready, _) in enumerate(seen) if ready == 503)
+    assert all(ready != 200 for _, ready, _ in seen[first_503:]), seen
+    assert closed and closed[0] >= 1.5, seen
+    assert "draining: /readyz answers 503 for 1.5s" in process.log()
+
+
+async def test_a_second_sigterm_ends_the_drain_early(spawn: Spawn, tmp_path: Path) -> None:
+    process, _, admin = await _start_draining_gateway(spawn, tmp_path, "60s")
+    loop = asyncio.get_running_loop()
+    process.proc.terminate()
+    await wait_for_status(process, admin + "/readyz", status=503)
+    started = loop.time()
+    process.proc.terminate()
+    assert await asyncio.wait_for(process.proc.wait(), 10) == 0
+    assert loop.time() - started < 5
+
+
+# -- Kubernetes manifests --------------------------------------------------------------------
+
+MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+
+
+def documents(kind: str | None = None) -> list[dict[str, Any]]:
+    found = []
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None and (kind is None or doc["kind"] == kind):
+                found.append(doc)
+    return found
+
+
+def gateway_deployment() -> dict[str, Any]:
+    (deployment,) = [d for d in documents("Deployment") if d["metadata"]["name"] == "gateway"]
+    return deployment
+
+
+def gateway_container() -> dict[str, Any]:
+    container: dict[str, Any] = gateway_deployment()["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+@pytest.mark.parametrize("version", ["1.28.0", kubernetes_validate.latest_version()])
+def test_manifests_are_valid_kubernetes_resources(version: str) -> None:
+    assert {p.name for p in MANIFESTS} >= {"gateway.yaml", "redis.yaml"}
+    kinds = set()
+    for doc in documents():
+        kubernetes_validate.validate(doc, version, strict=True)
+        kinds.add(doc["kind"])
+    assert kinds == {"ConfigMap", "Deployment", "Service"}
+
+
+def test_configmap_policy_is_valid_and_mounted_where_the_gateway_reads_it(
+    tmp_path: Path,
+) -> None:
+    (configmap,) = documents("ConfigMap")
+    container = gateway_container()
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config = PurePosixPath(env["GATEWAY_CONFIG"])
+    assert config.name in configmap["data"]
+    policy_file = tmp_path / config.name
+    policy_file.write_text(configmap["data"][config.name])
+    policy = load_policy(policy_file).policy
+    # Mounted as a directory: a subPath mount would never see the ConfigMap's updates.
+    spec = gateway_deployment()["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if v.get("configMap", {}).get("name"))
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert "subPath" not in mount
+    assert str(config.parent) == mount["mountPath"]
+    # SIGKILL only after the drain delay and the shutdown deadline.
+    server = policy.server
+    assert server.drain_delay > 0
+    assert spec["terminationGracePeriodSeconds"] > server.drain_delay + server.shutdown_timeout
+    # The token file is a mounted secret.
+    token_dir = str(PurePosixPath(env["GATEWAY_ADMIN_TOKEN_FILE"]).parent)
+    (secret_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == token_dir]
+    assert any(v["name"] == secret_mount["name"] and "secret" in v for v in spec["volumes"])
+
+
+def test_deployment_probes_ports_resources_and_user() -> None:
+    container = gateway_container()
+    env = dockerfile_env()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == split_host_port(env["GATEWAY_LISTEN"])[1]
+    assert ports["admin"] == split_host_port(env["GATEWAY_ADMIN_LISTEN"])[1]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    public = ServerSettings().admin_public_paths
+    assert "/readyz" in public and "/healthz" in public  # the probes need no token
+    assert container["resources"]["requests"].keys() == {"cpu", "memory"}
+    for name in (e["name"] for e in container["env"]):
+        assert f'"{name}"' in gateway_source(), f"the Deployment sets {name}, which nothing reads"
+    spec = gateway_deployment()["spec"]["template"]["spec"]
+    uid = re.search(r"--uid (\d+)", (ROOT / "Dockerfile").read_text())
+    assert uid is not None
+    assert spec["securityContext"]["runAsUser"] == int(uid.group(1))
+    (service,) = [s for s in documents("Service") if s["metadata"]["name"] == "gateway"]
+    assert service["spec"]["selector"] == gateway_deployment()["spec"]["selector"]["matchLabels"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+
+
+def test_redis_option_matches_the_url_it_documents() -> None:
+    text = (ROOT / "deploy" / "kubernetes" / "redis.yaml").read_text()
+    url = re.search(r"GATEWAY_STORE_URL=(\S+)", text)
+    assert url is not None
+    parts = urlsplit(url.group(1))
+    (service,) = [s for s in documents("Service") if s["metadata"]["name"] == parts.hostname]
+    assert [p["port"] for p in service["spec"]["ports"]] == [parts.port]
+    StoreSettings(url=url.group(1))
+
+
+def gateway_source() -> str:
+    return "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
+
+
+def _kubelet_update(mount: Path, files: dict[str, str], generation: int) -> None:
+    """What the kubelet's atomic writer does: a new timestamped directory, the ``..data``
+    link swapped to it by rename, the old directory removed; the visible files are links
+    through ``..data``."""
+    new = mount / f"..2026_11_24_00_00_0{generation}.{generation}"
+    new.mkdir()
+    for name, text in files.items():
+        (new / name).write_text(text)
+    old = (mount / "..data").resolve() if (mount / "..data").exists() else None
+    tmp_link = mount / "..data_tmp"
+    tmp_link.symlink_to(new.name)
+    tmp_link.rename(mount / "..data")
+    for name in files:
+        if not (mount / name).is_symlink():
+            (mount / name).symlink_to(f"..data/{name}")
+    if old is not None:
+        shutil.rmtree(old)
+
+
+async def test_configmap_update_through_the_data_swap_reloads_the_policy(
+    start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    (configmap,) = documents("ConfigMap")
+    name = next(iter(configmap["data"]))
+    text = configmap["data"][name] + "  # generation {n}\n"
+    text = text.replace("http://backend.default.svc.cluster.local:8000", "http://127.0.0.1:9")
+    listeners = "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+    text = text.replace("server:\n", listeners, 1)
+    mount = tmp_path / "policies"
+    mount.mkdir()
+    _kubelet_update(mount, {name: text.format(n=1)}, 1)
+    path = mount / name
+    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    loop = asyncio.get_running_loop()
+    for generation in (2, 3):  # twice: the first swap removes the directory first read
+        before = gw.gateway.loaded.sha256
+        _kubelet_update(mount, {name: text.format(n=generation)}, generation)
+        deadline = loop.time() + 10
+        while gw.gateway.loaded.sha256 == before:
+            assert loop.time() < deadline, f"generation {generation} not reloaded"
+            await asyncio.sleep(0.05)
+        assert gw.gateway.loaded.sha256 == load_policy(path).sha256
+
+
+async def test_a_reload_cannot_move_the_drain_delay(
+    start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """The supervisor's kill deadline counts the delay the gateway started with."""
+    policy = _drain_policy(0, 0, "1s")
+    gw = await start_gateway(policy)
+    moved = parse_policy(policy.replace("drain_delay: 1s", "drain_delay: 30s"), "t.yaml")
+    with pytest.raises(ValueError, match=r"server.drain_delay \(1.0 -> 30.0\) take effect"):
+        gw.gateway.apply(moved)
+    assert gw.gateway.loaded.policy.server.drain_delay == 1.0
