@@ -111,6 +111,14 @@ def open_log(path: str) -> Opened:
     return Opened(name, text, buffered, size)
 
 
+def close_log(opened: Opened) -> None:
+    """Close a log (a gzip reader leaves the file under it open); standard input stays open."""
+    if opened.name == "<stdin>":
+        return
+    opened.text.close()
+    opened.raw.close()
+
+
 def numbered_lines(opened: Opened, stats: ReadStats) -> Iterator[tuple[int, str]]:
     """The lines of a log, numbered from 1; a truncated gzip stream ends the file with a note."""
     number = 0

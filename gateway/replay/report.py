@@ -373,7 +373,8 @@ table { border-collapse: collapse; margin: 0.5em 0 1em; }
 th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 .policies { display: flex; flex-wrap: wrap; gap: 2em; }
-.policy { flex: 1 1 600px; min-width: 0; }
+.policy { flex: 1 1 600px; min-width: 0; overflow-x: auto; }
+section table { font-size: 12px; }
 .chart { margin: 0.5em 0 1.5em; }
 .note { color: #6d4c41; }
 code { background: #f4f4f4; padding: 0 3px; }
@@ -458,7 +459,6 @@ def html_page(doc: dict[str, Any]) -> str:
                     "rejected %",
                     "delay p50/p90/p99 ms",
                     "peak queue",
-                    "rejected first (requests)",
                 ),
                 [
                     (
@@ -470,15 +470,22 @@ def html_page(doc: dict[str, Any]) -> str:
                         f"{limit['rejected_ratio'] * 100:.2f}",
                         _fmt_delay(limit["delay_ms"]),
                         f"{limit['peak_queue']:,} / {limit['max_queue']:,}",
-                        ", ".join(
-                            f"{k['key']} ({k['requests']:,})"
-                            for k in limit["top_rejected_keys"][:5]
-                        ),
                     )
                     for limit in policy["limits"]
                 ],
             )
         )
+        keys = [
+            (limit["name"], key["key"], f"{key['requests']:,}")
+            for limit in policy["limits"]
+            for key in limit["top_rejected_keys"]
+        ]
+        if keys:
+            parts.append(
+                "<details><summary>top rejected keys</summary>"
+                + _table(("limit", "key", "rejected requests"), keys)
+                + "</details>"
+            )
         parts.append(f'<div class="chart" data-chart="overall" data-policy="{index}"></div>')
         for limit in policy["limits"]:
             parts.append(

@@ -15,6 +15,7 @@ from gateway.replay.logs import (
     Opened,
     ReadStats,
     Request,
+    close_log,
     in_time_order,
     open_log,
     read_log,
@@ -92,8 +93,7 @@ def _file_records(
         try:
             yield from records
         finally:
-            if opened.name != "<stdin>":
-                opened.text.close()
+            close_log(opened)
 
     return in_time_order(announced(), window_us, stats)
 
@@ -115,13 +115,18 @@ async def replay(
             opened.append(open_log(path))
     except LogError:
         for item in opened:
-            item.text.close()
+            close_log(item)
         raise
     total = None if any(o.size is None for o in opened) else sum(o.size or 0 for o in opened)
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     progress = Progress(sys.stderr if show_progress else None, total)
-    streams = [_file_records(o, fmt, stats, window_us, progress) for o in opened]
+    try:
+        streams = [_file_records(o, fmt, stats, window_us, progress) for o in opened]
+    except LogError:
+        for item in opened:
+            close_log(item)
+        raise
     merged: Iterator[Request] = (
         streams[0] if len(streams) == 1 else heapq.merge(*streams, key=lambda r: r.t_us)
     )

@@ -94,6 +94,8 @@ class Simulation:
                 if ":" in part and part.split(":", 1)[0] in ("header", "query")
             }
         )
+        # The engine's outcome for the request decided last (None: no limit was asked).
+        self.last: Outcome | None = None
         self._waiting: list[tuple[int, int, Outcome]] = []
         self._seq = 0
         self._second: int | None = None
@@ -135,6 +137,7 @@ class Simulation:
             per_second = tally.series[second] = [0, 0, 0]
         per_second[0] += 1
 
+        self.last = None
         method = request.method
         target = request.target
         host_header = request.host
@@ -162,7 +165,7 @@ class Simulation:
             headers,
             _query_of(target),
         )
-        outcome = await engine.evaluate(facts, route, host, path, client_ip)
+        outcome = self.last = await engine.evaluate(facts, route, host, path, client_ip)
         if outcome.status:
             if outcome.rejected_by is None:
                 return self._count(DENIED)
