@@ -6,6 +6,10 @@ Writes an nginx ``combined`` log (and, with ``--format jsonl``, JSON lines) of `
 requests from ``--clients`` addresses at ``--rate`` requests per second, with bursts, into a
 temporary directory, then times ``gateway replay`` on it in process (the log read from disk,
 the reports built; generation not timed). Prints lines/s for each round and the median.
+
+Each round also times the decisions alone, side by side: the same requests read into memory
+first, then only ``Simulation.decide`` (routing, keys and the engine's ``evaluate``). The ratio
+of the two says how much of a replay is reading the log and how much is the engine itself.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.policy_loader import load_policy  # noqa: E402
 from gateway.replay import document, replay  # noqa: E402
+from gateway.replay.logs import (  # noqa: E402
+    ReadStats,
+    Request,
+    close_log,
+    in_time_order,
+    open_log,
+    read_log,
+)
 from gateway.replay.simulate import Simulation  # noqa: E402
 
 PATHS = ("/api/items", "/api/items/42", "/api/search?q=x", "/static/app.js", "/")
@@ -63,11 +75,27 @@ def generate(path: Path, lines: int, clients: int, rate: float, fmt: str, seed: 
             )
 
 
+def read_all(log: Path) -> list[Request]:
+    stats = ReadStats()
+    opened = open_log(str(log))
+    try:
+        return list(in_time_order(read_log(opened, "auto", stats), 30_000_000, stats))
+    finally:
+        close_log(opened)
+
+
+async def decide_only(requests: list[Request], simulation: Simulation) -> float:
+    began = time.perf_counter()
+    for request in requests:
+        await simulation.decide(request, simulation.client_ip(request))
+    return time.perf_counter() - began
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--clients", type=int, default=5_000)
-    parser.add_argument("--rate", type=float, default=2_000.0, help="requests/s of the traffic")
+    parser.add_argument("--rate", type=float, default=800.0, help="requests/s of the traffic")
     parser.add_argument("--policy", default=str(ROOT / "policies" / "layered.yaml"))
     parser.add_argument("--format", choices=("combined", "jsonl"), default="combined")
     parser.add_argument("--rounds", type=int, default=3)
@@ -86,24 +114,33 @@ def main() -> int:
             file=sys.stderr,
         )
         rates = []
+        decide_rates = []
         summary = {}
+        requests = read_all(log)
         for round_ in range(args.rounds):
+            decide_s = asyncio.run(decide_only(requests, Simulation(loaded)))
+            decide_rates.append(len(requests) / decide_s)
             began = time.perf_counter()
             run = asyncio.run(replay([str(log)], [Simulation(loaded)], show_progress=False))
             summary = document(run)
             elapsed = time.perf_counter() - began
             rates.append(args.lines / elapsed)
             print(
-                f"round {round_ + 1}: {elapsed:.2f} s, {args.lines / elapsed:,.0f} lines/s "
+                f"round {round_ + 1}: {elapsed:.2f} s, {args.lines / elapsed:,.0f} lines/s; "
+                f"decisions alone {decide_s:.2f} s, {len(requests) / decide_s:,.0f}/s "
                 f"(rejected {summary['policies'][0]['outcomes']['rejected']:,}, "
                 f"delayed {summary['policies'][0]['outcomes']['delayed']:,})",
                 file=sys.stderr,
             )
+        del requests
     median = statistics.median(rates)
+    ratios = [rate / alone for rate, alone in zip(rates, decide_rates, strict=True)]
     print(
         f"replay {args.lines:,} {args.format} lines on {Path(args.policy).name}: "
         f"median {median:,.0f} lines/s (min {min(rates):,.0f}, max {max(rates):,.0f}, "
-        f"{args.rounds} rounds; {1e6 / median:.1f} s per million lines)"
+        f"{args.rounds} rounds; {1e6 / median:.1f} s per million lines); decisions alone "
+        f"median {statistics.median(decide_rates):,.0f}/s; replay/decisions-alone "
+        f"{statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
     )
     if args.json:
         Path(args.json).write_text(
@@ -114,6 +151,8 @@ def main() -> int:
                     "policy": args.policy,
                     "lines_per_s": rates,
                     "median_lines_per_s": median,
+                    "decisions_alone_per_s": decide_rates,
+                    "replay_over_decisions_alone": ratios,
                 },
                 indent=2,
             )

@@ -501,3 +501,58 @@ async def test_html_report_opens_offline_in_chromium_and_shows_its_charts(
             await browser.close()
     assert errors == []
     assert requested == [report.as_uri()]  # nothing fetched: it works offline
+
+
+def test_a_store_in_redis_is_replayed_in_process_and_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY)
+    policy.write_text(policy.read_text() + "store:\n  url: redis://127.0.0.1:9/0\n")
+    doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
+    assert limit_of(doc, "per_ip")["rejected"] == 1
+    assert any("replayed in process" in note for note in doc["notes"])
+
+
+def test_generated_log_on_a_terminal_draws_progress_and_reports_throughput(
+    tmp_path: Path,
+) -> None:
+    """The benchmark's log, small (20,000 lines), through the command with stderr on a
+    terminal: a progress bar is drawn there and cleared; the report gives lines/s."""
+    import pty
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_replay import generate
+
+    log = tmp_path / "generated.log"
+    generate(log, 20_000, 500, 800.0, "combined", seed=5)
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "replay",
+        "--config",
+        str(ROOT / "policies" / "layered.yaml"),
+        str(log),
+    ]
+    try:
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=terminal, timeout=120, env=env, check=False
+        )
+        os.close(terminal)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the terminal's other side is closed: all read
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(controller)
+    assert done.returncode == 0
+    assert b"requests" in drawn and b"%" in drawn and drawn.endswith(b"\r\x1b[K")
+    out = done.stdout.decode()
+    assert "20,000 lines, 20,000 requests" in out and "lines/s)" in out

@@ -137,7 +137,7 @@ async def replay(
     try:
         for request in merged:
             count += 1
-            if count & 0x3FFF == 0:
+            if count & 0xFFF == 0:
                 progress.tick(count)
             client_ip = first.client_ip(request)
             outcome = await first.decide(request, client_ip)

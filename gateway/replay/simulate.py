@@ -86,6 +86,9 @@ class Simulation:
         )
         self.forwarded_for = forwarded_for
         self.live_store = store_url(policy.store) != "memory"
+        self.reads_query = any(
+            part.startswith("query:") for spec in policy.limits.values() for part in spec.key
+        )
         self.header_parts = sorted(
             {
                 part
@@ -163,7 +166,7 @@ class Simulation:
             route.name,
             method,
             headers,
-            _query_of(target),
+            _query_of(target) if self.reads_query else _no_query,
         )
         outcome = self.last = await engine.evaluate(facts, route, host, path, client_ip)
         if outcome.status:
@@ -243,6 +246,13 @@ class Simulation:
             }
             for limit in self.engine.limits
         }
+
+
+def _no_query() -> MultiMapping[str]:
+    return _EMPTY_QUERY
+
+
+_EMPTY_QUERY: MultiDictProxy[str] = MultiDictProxy(MultiDict())
 
 
 def _query_of(target: str) -> Callable[[], MultiMapping[str]]:
