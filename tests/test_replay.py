@@ -556,3 +556,16 @@ def test_generated_log_on_a_terminal_draws_progress_and_reports_throughput(
     assert b"requests" in drawn and b"%" in drawn and drawn.endswith(b"\r\x1b[K")
     out = done.stdout.decode()
     assert "20,000 lines, 20,000 requests" in out and "lines/s)" in out
+
+
+def test_a_log_without_hosts_under_a_policy_matching_hosts_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    limits = (
+        "  example:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n"
+        "    key: [global]\n    match: {host: api.example.com}\n"
+    )
+    policy = write_policy(tmp_path, limits)
+    doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
+    assert limit_of(doc, "example")["allowed"] == 0  # no request had the host
+    assert any("match on the host" in note for note in doc["notes"])

@@ -63,6 +63,7 @@ class ReadStats:
     notes: list[str] = field(default_factory=list)
     has_forwarded_for: bool = False
     has_headers: bool = False
+    has_host: bool = False
 
     def bad(self, source: str, line: int, reason: str) -> None:
         self.malformed += 1
@@ -394,6 +395,8 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
             for header, value in headers:
                 if header.lower() == "host":
                     host = value
+        if host is not None:
+            stats.has_host = True
         yield Request(t_us, name, number, address, method, target, host, headers, forwarded_for)
 
 

@@ -172,6 +172,11 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
                 f"{sim.loaded.source}: limits kept in a shared store (Redis) in production are "
                 "replayed in process, as one gateway would decide them"
             )
+        if sim.matches_host and not stats.has_host:
+            notes.append(
+                f"{sim.loaded.source}: routes or limits match on the host, which the log does "
+                "not carry: requests were matched with no host"
+            )
         if sim.header_parts and not stats.has_headers:
             notes.append(
                 f"{sim.loaded.source}: key parts {', '.join(sim.header_parts)} read request "

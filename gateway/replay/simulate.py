@@ -86,6 +86,9 @@ class Simulation:
         )
         self.forwarded_for = forwarded_for
         self.live_store = store_url(policy.store) != "memory"
+        self.matches_host = any(r.match.host is not None for r in policy.routes) or any(
+            spec.match.host is not None for spec in policy.limits.values()
+        )
         self.reads_query = any(
             part.startswith("query:") for spec in policy.limits.values() for part in spec.key
         )
