@@ -569,3 +569,41 @@ def test_a_log_without_hosts_under_a_policy_matching_hosts_is_said_so(
     doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
     assert limit_of(doc, "example")["allowed"] == 0  # no request had the host
     assert any("match on the host" in note for note in doc["notes"])
+
+
+def test_gateway_log_lines_behind_a_logging_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gateway's JSON access log as the CLI's logging writes it (time, level, logger
+    before the object); ``t_us`` decides, not ``ts`` or the order of the lines."""
+    policy = write_policy(tmp_path, NGINX_NODELAY.replace("burst: 2", "burst: 0"))
+    fields = {
+        "client": "192.0.2.4",
+        "method": "GET",
+        "host": "a",
+        "path": "/",
+        "route": "all",
+        "limit": "allowed",
+        "limit_name": None,
+        "delay_ms": 0.0,
+        "status": 200,
+    }
+    lines = [
+        # written in the order the requests ended; decided 0.9 s apart, then 0.2 s apart
+        {**fields, "ts": 10.0, "t_us": 5_900_000},
+        {**fields, "ts": 10.0, "t_us": 5_000_000},
+        {**fields, "ts": 10.0, "t_us": 6_100_000},
+    ]
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        "".join(
+            f"2026-11-24 10:00:00,000 INFO gateway.access[42]: {json.dumps(line)}\n"
+            for line in lines
+        )
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert doc["logs"][0]["format"] == "gateway"
+    # 5.0 s admitted; 5.9 s: 1000 - 900 = 100 > 0, rejected; 6.1 s: 1000 - 1100 < 0, admitted.
+    per_ip = limit_of(doc, "per_ip")
+    assert (per_ip["allowed"], per_ip["rejected"]) == (2, 1)
+    assert doc["late"] == 0
