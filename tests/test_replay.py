@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import io
+import itertools
 import json
 import logging
 import os
@@ -21,11 +23,21 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.cli import main
 from gateway.policy_loader import load_policy, parse_policy
 from gateway.replay import replay
-from gateway.replay.logs import ReadStats, close_log, in_time_order, open_log, read_log
+from gateway.replay.logs import (
+    Opened,
+    ReadStats,
+    Request,
+    close_log,
+    in_time_order,
+    open_log,
+    read_log,
+)
 from gateway.replay.simulate import Simulation
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 
@@ -607,3 +619,55 @@ def test_gateway_log_lines_behind_a_logging_prefix(
     per_ip = limit_of(doc, "per_ip")
     assert (per_ip["allowed"], per_ip["rejected"]) == (2, 1)
     assert doc["late"] == 0
+
+
+# -- properties of reading ---------------------------------------------------------------------
+
+
+@given(
+    offsets=st.lists(st.integers(min_value=0, max_value=5_000_000), min_size=0, max_size=60),
+    window_us=st.integers(min_value=0, max_value=6_000_000),
+)
+def test_records_come_out_in_time_order_and_none_is_lost(
+    offsets: list[int], window_us: int
+) -> None:
+    """Whatever the disorder: every record comes out once, instants never go backwards, and a
+    record is moved (counted late) only when it is older than the window allows."""
+    records = [
+        Request(t_us, "log", line, "192.0.2.1", "GET", "/", None, (), None)
+        for line, t_us in enumerate(offsets, 1)
+    ]
+    stats = ReadStats()
+    out = list(in_time_order(records, window_us, stats))
+    assert sorted(r.line for r in out) == list(range(1, len(records) + 1))
+    assert all(a.t_us <= b.t_us for a, b in itertools.pairwise(out))
+    moved = [r for r in out if r.t_us != offsets[r.line - 1]]
+    assert stats.late == len(moved)
+    assert all(r.t_us > offsets[r.line - 1] for r in moved)  # only ever later, never earlier
+    newest = 0
+    for line, t_us in enumerate(offsets, 1):
+        if t_us >= newest - window_us:
+            assert line not in {r.line for r in moved}  # within the window: kept its instant
+        newest = max(newest, t_us)
+    if max(offsets, default=0) - min(offsets, default=0) <= window_us:
+        assert stats.late == 0
+        # ties in log order
+        assert [r.line for r in out] == sorted(
+            range(1, len(records) + 1), key=lambda n: (offsets[n - 1], n)
+        )
+
+
+@given(counts=st.lists(st.integers(min_value=1, max_value=30), min_size=1, max_size=8))
+def test_requests_of_one_second_are_spread_evenly_inside_it(counts: list[int]) -> None:
+    text = "".join(
+        combined("203.0.113.1", second) for second, count in enumerate(counts) for _ in range(count)
+    )
+    opened = Opened("generated", io.StringIO(text), io.BufferedReader(io.BytesIO()), None)
+    stats = ReadStats()
+    got = list(read_log(opened, "combined", stats))
+    assert len(got) == sum(counts)
+    index = 0
+    for second, count in enumerate(counts):
+        instants = [r.t_us - (START + second) * 1_000_000 for r in got[index : index + count]]
+        assert instants == [i * 1_000_000 // count for i in range(count)]
+        index += count
