@@ -671,3 +671,16 @@ def test_requests_of_one_second_are_spread_evenly_inside_it(counts: list[int]) -
         instants = [r.t_us - (START + second) * 1_000_000 for r in got[index : index + count]]
         assert instants == [i * 1_000_000 // count for i in range(count)]
         index += count
+
+
+def test_bytes_that_are_not_utf8_do_not_break_the_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY.replace("burst: 2", "burst: 0"))
+    log = tmp_path / "latin1.log"
+    line = combined("client-\xe9", 0).encode("latin-1")  # an address field nobody escaped
+    log.write_bytes(line * 2)
+    report = tmp_path / "report.html"
+    assert main(["replay", "--config", str(policy), "--html", str(report), str(log)]) == 0
+    assert "client-\ufffd (1)" in capsys.readouterr().out
+    assert "client-\ufffd" in report.read_text(encoding="utf-8")

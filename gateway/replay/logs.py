@@ -108,7 +108,9 @@ def open_log(path: str) -> Opened:
     stream: IO[bytes] = buffered
     if magic == b"\x1f\x8b":
         stream = gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[assignment]
-    text = io.TextIOWrapper(stream, encoding="utf-8", errors="surrogateescape", newline="\n")
+    # Bytes that are not UTF-8 (nginx escapes them, other writers may not) become U+FFFD: a
+    # replay's keys and paths are then always printable in every report.
+    text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline="\n")
     return Opened(name, text, buffered, size)
 
 
@@ -420,7 +422,7 @@ def _first_line(text: IO[str]) -> str:
     peeked = buffer.peek(65536) if hasattr(buffer, "peek") else b""
     for raw in peeked.split(b"\n"):
         if raw.strip():
-            return str(raw.decode("utf-8", "surrogateescape"))
+            return str(raw.decode("utf-8", "replace"))
     return ""
 
 
