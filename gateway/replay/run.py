@@ -50,7 +50,7 @@ class Progress:
         self.done_bytes = 0
         self.current: Opened | None = None
         self.started = time.monotonic()
-        self.last_draw = self.started
+        self.last_draw = self.started - 1.0  # the first tick draws at once
 
     def file(self, opened: Opened) -> None:
         if self.current is not None and self.current.size is not None:
