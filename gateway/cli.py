@@ -1,4 +1,5 @@
-"""Command line: gateway run, gateway check FILE (like nginx -t), gateway schema.
+"""Command line: gateway run, gateway check FILE (like nginx -t), gateway schema, gateway
+replay LOG... (what a policy would have done to logged traffic).
 
 Every mistake of the user's is one line on stderr and a non-zero exit, never a traceback.
 """
@@ -210,6 +211,28 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from gateway.replay import main as replay_main
+    from gateway.units import parse_duration
+
+    try:
+        window_s = parse_duration(args.reorder_window)
+    except ValueError as exc:
+        raise SystemExit(f"gateway replay: --reorder-window: {exc}") from None
+    return replay_main(
+        args.logs,
+        args.config,
+        compare=args.compare,
+        fmt=args.format,
+        forwarded_for=args.forwarded_for,
+        as_json=args.json,
+        html_file=args.html,
+        top=args.top,
+        window_s=window_s,
+        progress=False if args.no_progress else None,
+    )
+
+
 _DESCRIPTION = """\
 A rate-limiting reverse proxy: nginx limit_req semantics, layered limits, live reload.
 """
@@ -222,6 +245,7 @@ examples:
   gateway check policy.yaml other.toml
   gateway schema > policy.schema.json
   gateway healthcheck                                 (the image's HEALTHCHECK)
+  gateway replay --config candidate.yaml --compare policy.yaml access.log.gz
 
 environment:
   GATEWAY_CONFIG      policy file when --config is not given
@@ -279,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gateway {__version__}")
     _add_log_options(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,schema}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,schema,replay}")
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         child = sub.add_parser(
@@ -318,6 +342,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)
+
+    replay = command(
+        "replay", "what a policy would have done to logged traffic (on a simulated clock)"
+    )
+    replay.add_argument("logs", nargs="+", help="access logs (gzip too; '-' is stdin)")
+    replay.add_argument("--config", "-c", required=True, help="the policy to replay")
+    replay.add_argument("--compare", metavar="FILE", help="a second policy, side by side")
+    replay.add_argument(
+        "--format",
+        choices=("auto", "combined", "gateway", "jsonl"),
+        default="auto",
+        help="log format (default: detected from the first line)",
+    )
+    replay.add_argument(
+        "--forwarded-for",
+        action="store_true",
+        help="take the client from the log's X-Forwarded-For field, when it has one",
+    )
+    replay.add_argument("--json", action="store_true", help="print one JSON document")
+    replay.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    replay.add_argument(
+        "--top", type=_positive_int, default=10, help="keys and clients listed (10)"
+    )
+    replay.add_argument(
+        "--reorder-window",
+        default="30s",
+        help="how far out of order log lines may be (lines are written when requests end)",
+    )
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.set_defaults(func=cmd_replay)
     return parser
 
 

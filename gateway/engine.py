@@ -234,15 +234,27 @@ class LimitEngine:
         300 bytes to each waiting request), then calls ``leave_queue`` whatever happened, after
         ``give_back`` if the request does not go on.
         """
+        self.take_places(outcome)
+        return self.queue.enter(outcome.delay_s)
+
+    def leave_queue(self, outcome: Outcome) -> None:
+        self.queue.leave()
+        self.free_places(outcome)
+
+    def take_places(self, outcome: Outcome) -> None:
+        """Count a delayed request as waiting in each queue it is delayed by (the places
+        ``max_queue`` bounds), giving back the places held while it was decided.
+
+        Apart from the loop's timer: ``gateway replay`` calls it, and ``free_places`` when the
+        simulated delay ends, so its queues fill and drain by the live gateway's rules.
+        """
         for check in _delaying(outcome):
             check.limit.counters.waiting += 1
         if outcome.holds_places:
             outcome.holds_places = False
             _release(outcome.checks)
-        return self.queue.enter(outcome.delay_s)
 
-    def leave_queue(self, outcome: Outcome) -> None:
-        self.queue.leave()
+    def free_places(self, outcome: Outcome) -> None:
         for check in _delaying(outcome):
             check.limit.counters.waiting -= 1
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway.admin import AdminState, make_admin_app
 from gateway.admin_auth import AdminAuth, AdminTokenError
-from gateway.clock import Clock
+from gateway.clock import Clock, MonotonicClock
 from gateway.demo_upstream import start_demo_upstream
 from gateway.observability.observer import Observability
 from gateway.policy import Policy, split_host_port
@@ -25,7 +25,7 @@ from gateway.redact import redact_text
 from gateway.reload import PolicyReloader
 from gateway.runtime import Runtime, build_runtime, uses_demo
 from gateway.server import GatewayServer
-from gateway.stores import LimitStore, build_store
+from gateway.stores import LimitStore, MemoryStore, build_store
 
 log = logging.getLogger("gateway")
 
@@ -118,6 +118,11 @@ class Gateway:
             self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
         except ValueError as exc:  # a store URL the client refuses; it may hold a password
             raise StartupError(f"store: {redact_text(str(exc))}") from None
+        # The limiter's clock (the store's, when it has one) and whether a verdict's ``now_us``
+        # is an instant on it (the memory store's; Redis decides on its own TIME): the access
+        # log's ``t_us``.
+        self.clock: Clock = getattr(self.store, "clock", None) or clock or MonotonicClock()
+        self.verdicts_on_clock = isinstance(self.store, MemoryStore)
         self.reloader = PolicyReloader(self, policy_path) if policy_path else None
         self._demo_address: tuple[str, int] | None = None
         self._watch_stop = asyncio.Event()

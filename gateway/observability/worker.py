@@ -253,7 +253,14 @@ class ObservedHandler:
         if upstream_error is not None:
             metrics.requests.upstream_error(route, upstream_error)
         if runtime.settings.access_log:
-            _log_access(request, status, duration_s, route, outcome, upstream_error, runtime)
+            gateway = metrics.gateway
+            t_us = None
+            if outcome is not None and gateway.verdicts_on_clock:
+                verdict = outcome.verdict
+                t_us = verdict.now_us if verdict is not None else None
+            if t_us is None:  # not decided in process: when it arrived, on the same clock
+                t_us = gateway.clock.now_us() - round(duration_s * 1_000_000)
+            _log_access(request, status, duration_s, route, outcome, upstream_error, runtime, t_us)
 
 
 def limit_result(outcome: Outcome | None) -> str:
@@ -273,11 +280,19 @@ def _log_access(
     outcome: Outcome | None,
     upstream_error: str | None,
     runtime: Runtime,
+    t_us: int,
 ) -> None:
+    """One line per request. ``ts`` is the wall-clock arrival (epoch seconds, microseconds);
+    ``t_us`` the limiter's clock (monotonic, integer microseconds) at the instant the limits
+    decided the request, or at its arrival when no limit did: what ``gateway replay`` decides
+    the request at, so a replay of this log gives the same decisions."""
     peer = request.remote or "-"
     fields: dict[str, Any] = {
+        "ts": round(time.time() - duration_s, 6),
+        "t_us": t_us,
         "client": request.get(CLIENT_IP, peer),
         "method": request.method,
+        "host": request.headers.get("Host"),
         "path": request.raw_path,
         "status": status,
         "duration_ms": round(duration_s * 1000, 3),

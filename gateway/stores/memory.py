@@ -45,8 +45,9 @@ class MemoryStore:
         )
         if verdict.delay_s > 0.0:
             verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-            if verdict.allowed:  # delayed: it may be refunded
-                verdict = verdict._replace(now_us=now_us)
+        # The instant decided at: a delayed request's refund needs it, and the access log
+        # records it so ``gateway replay`` can decide the same request at the same instant.
+        verdict = verdict._replace(now_us=now_us)
         if commit and verdict.allowed:
             for check, table, state in zip(checks, tables, verdict.states, strict=True):
                 table.put(check.key, state, now_us)

@@ -1,0 +1,478 @@
+"""Access logs read as requests: nginx ``combined``, the gateway's own JSON log, JSON lines.
+
+Every reader yields ``Request`` records with an integer microsecond instant. Logs are written
+when a request ends, not when it was decided, so records go through a bounded reorder heap
+(``in_time_order``) before the simulation sees them. A line that cannot be read is counted with
+its file, line number and reason (``Malformed``), never fatal.
+"""
+
+from __future__ import annotations
+
+import calendar
+import gzip
+import heapq
+import io
+import json
+import re
+import sys
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import IO, Any, Literal, NamedTuple, cast
+
+Format = Literal["combined", "gateway", "jsonl"]
+FORMATS: tuple[str, ...] = ("auto", "combined", "gateway", "jsonl")
+
+US = 1_000_000
+# Malformed lines kept with their reason (all are counted).
+MALFORMED_KEPT = 50
+
+
+class Request(NamedTuple):
+    """One logged request, as the simulation needs it."""
+
+    t_us: int
+    source: str  # file name, for messages
+    line: int
+    address: str  # the log's client address field
+    method: str
+    target: str  # as sent: path and query
+    host: str | None
+    headers: tuple[tuple[str, str], ...]
+    forwarded_for: str | None  # an X-Forwarded-For value, when the log has one
+
+
+class Malformed(NamedTuple):
+    source: str
+    line: int
+    reason: str
+
+
+@dataclass
+class ReadStats:
+    """What reading the logs found besides requests; shown in every report."""
+
+    lines: int = 0
+    requests: int = 0
+    malformed: int = 0
+    malformed_kept: list[Malformed] = field(default_factory=list)
+    late: int = 0  # arrived later than the reorder window allows: decided at the latest instant
+    spread_seconds: bool = False  # second-resolution timestamps spread over their second
+    formats: dict[str, str] = field(default_factory=dict)  # source -> format read
+    notes: list[str] = field(default_factory=list)
+    has_forwarded_for: bool = False
+    has_headers: bool = False
+    has_host: bool = False
+
+    def bad(self, source: str, line: int, reason: str) -> None:
+        self.malformed += 1
+        if len(self.malformed_kept) < MALFORMED_KEPT:
+            self.malformed_kept.append(Malformed(source, line, reason))
+
+
+class LogError(Exception):
+    """A log that cannot be read at all (missing, unknown format): one line for the user."""
+
+
+# -- opening -----------------------------------------------------------------------------------
+
+
+class Opened(NamedTuple):
+    name: str
+    text: IO[str]
+    raw: IO[bytes]  # the file as stored (compressed when gzipped): progress is read from it
+    size: int | None
+
+
+def open_log(path: str) -> Opened:
+    """A log as text: ``-`` is standard input; gzip is recognised by its magic bytes."""
+    if path == "-":
+        raw = sys.stdin.buffer
+        name = "<stdin>"
+        size = None
+    else:
+        try:
+            raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
+        except OSError as exc:
+            raise LogError(f"{path}: cannot open: {exc.strerror or exc}") from None
+        name = path
+        try:
+            import os
+
+            size = os.fstat(raw.fileno()).st_size
+        except OSError:
+            size = None
+    buffered = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(cast(Any, raw))
+    magic = buffered.peek(2)[:2]
+    stream: IO[bytes] = buffered
+    if magic == b"\x1f\x8b":
+        stream = gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[assignment]
+    # Bytes that are not UTF-8 (nginx escapes them, other writers may not) become U+FFFD: a
+    # replay's keys and paths are then always printable in every report.
+    text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline="\n")
+    return Opened(name, text, buffered, size)
+
+
+def close_log(opened: Opened) -> None:
+    """Close a log (a gzip reader leaves the file under it open); standard input stays open."""
+    if opened.name == "<stdin>":
+        return
+    opened.text.close()
+    opened.raw.close()
+
+
+def numbered_lines(opened: Opened, stats: ReadStats) -> Iterator[tuple[int, str]]:
+    """The lines of a log, numbered from 1; a truncated gzip stream ends the file with a note."""
+    number = 0
+    try:
+        for number, line in enumerate(opened.text, 1):
+            yield number, line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
+    except OSError as exc:
+        stats.notes.append(f"{opened.name}: read error after line {number}: {exc}")
+
+
+# -- nginx combined ----------------------------------------------------------------------------
+
+# $remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
+# "$http_referer" "$http_user_agent", then optional extra fields ("$http_x_forwarded_for",
+# $msec, $request_time). nginx escapes '"' in logged strings as \x22.
+_COMBINED = re.compile(
+    r'(\S+) \S+ (?:"[^"]*"|\S+) \[([^\]]+)\] "([^"]*)" (?:\d{3}|-) \S+'
+    r'(?: "[^"]*" "[^"]*")?(.*)'
+)
+_EXTRA = re.compile(r'"([^"]*)"|(\S+)')
+_MONTHS = {
+    name: index
+    for index, name in enumerate(
+        ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), 1
+    )
+}
+# $msec is seconds since the epoch; $request_time a duration. Anything above this is an epoch.
+_EPOCH_FLOOR = 100_000_000.0
+
+
+def parse_time_local(text: str) -> int:
+    """nginx ``$time_local`` (``10/Oct/2000:13:55:36 -0700``) as epoch seconds."""
+    if len(text) != 26 or text[2] != "/" or text[6] != "/" or text[20] != " ":
+        raise ValueError(f"bad time {text!r}")
+    month = _MONTHS.get(text[3:6])
+    if month is None:
+        raise ValueError(f"bad month in {text!r}")
+    seconds = calendar.timegm(
+        (
+            int(text[7:11]),
+            month,
+            int(text[0:2]),
+            int(text[12:14]),
+            int(text[15:17]),
+            int(text[18:20]),
+            0,
+            0,
+            0,
+        )
+    )
+    sign = -1 if text[21] == "-" else 1
+    offset = sign * (int(text[22:24]) * 3600 + int(text[24:26]) * 60)
+    return seconds - offset
+
+
+class _Pending(NamedTuple):
+    second: int
+    request_time_us: int
+    line: int
+    address: str
+    method: str
+    target: str
+    forwarded_for: str | None
+
+
+def _split_request_line(request_line: str) -> tuple[str, str] | None:
+    parts = request_line.split(" ")
+    if len(parts) == 3 and parts[2].startswith("HTTP/"):
+        method, target = parts[0], parts[1]
+    elif len(parts) == 2:  # HTTP/0.9
+        method, target = parts
+    else:
+        return None
+    if not method.isalpha() or not method.isupper() or not target:
+        return None
+    return method, target
+
+
+def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
+    """nginx ``combined``: ``$time_local`` has whole seconds, so the requests logged in one
+    second are spread evenly across it (unless a ``$msec`` field gives the instant); a
+    ``$request_time`` field moves each back to when it arrived."""
+    name = opened.name
+    match = _COMBINED.fullmatch
+    extras = _EXTRA.findall
+    last_text = ""
+    last_second = 0
+    group: list[_Pending] = []
+    for number, raw_line in numbered_lines(opened, stats):
+        stats.lines += 1
+        line = raw_line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        found = match(line)
+        if found is None:
+            stats.bad(name, number, "not an nginx combined log line")
+            continue
+        address, time_text, request_line, rest = found.groups()
+        request = _split_request_line(request_line)
+        if request is None:
+            stats.bad(name, number, f"request line {request_line[:60]!r} is not METHOD TARGET")
+            continue
+        if time_text != last_text:
+            try:
+                last_second = parse_time_local(time_text)
+            except ValueError as exc:
+                stats.bad(name, number, str(exc))
+                continue
+            last_text = time_text
+        forwarded_for: str | None = None
+        msec_us: int | None = None
+        request_time_us = 0
+        if rest:
+            seen_number = False
+            for quoted, bare in extras(rest):
+                if bare:
+                    try:
+                        value = float(bare)
+                    except ValueError:
+                        continue
+                    if value >= _EPOCH_FLOOR:
+                        msec_us = round(value * US)
+                    elif not seen_number and value >= 0.0:
+                        request_time_us = round(value * US)
+                        seen_number = True
+                elif forwarded_for is None and quoted not in ("", "-"):
+                    forwarded_for = quoted
+        if forwarded_for is not None:
+            stats.has_forwarded_for = True
+        method, target = request
+        if msec_us is not None:
+            yield from _spread(group, stats, name)
+            group.clear()
+            yield Request(
+                msec_us - request_time_us,
+                name,
+                number,
+                address,
+                method,
+                target,
+                None,
+                (),
+                forwarded_for,
+            )
+            continue
+        if group and group[0].second != last_second:
+            yield from _spread(group, stats, name)
+            group.clear()
+        group.append(
+            _Pending(last_second, request_time_us, number, address, method, target, forwarded_for)
+        )
+    yield from _spread(group, stats, name)
+
+
+def _spread(group: list[_Pending], stats: ReadStats, name: str) -> Iterator[Request]:
+    count = len(group)
+    if not count:
+        return
+    stats.spread_seconds = True
+    base = group[0].second * US
+    for index, pending in enumerate(group):
+        yield Request(
+            base + index * US // count - pending.request_time_us,
+            name,
+            pending.line,
+            pending.address,
+            pending.method,
+            pending.target,
+            None,
+            (),
+            pending.forwarded_for,
+        )
+
+
+# -- JSON logs ---------------------------------------------------------------------------------
+
+
+def _json_object(line: str) -> dict[str, Any] | None:
+    """The JSON object on a line; text before its '{' (a logging prefix) is skipped."""
+    start = line.find("{")
+    if start < 0:
+        return None
+    try:
+        value = json.loads(line[start:])
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def parse_ts(value: object) -> int:
+    """``ts`` as epoch seconds (a number) or ISO 8601 text, in integer microseconds."""
+    if isinstance(value, bool):
+        raise ValueError("ts is not a time")
+    if isinstance(value, int | float):
+        return round(value * US)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return round(float(text) * US)
+        except ValueError:
+            pass
+        if text.endswith("Z"):
+            text = text[:-1] + "+00:00"
+        moment = datetime.fromisoformat(text)
+        if moment.tzinfo is None:
+            raise ValueError(f"ts {value!r} has no time zone")
+        return calendar.timegm(moment.utctimetuple()) * US + moment.microsecond
+    raise ValueError("ts is not a time")
+
+
+def _text(obj: dict[str, Any], key: str, required: bool = True) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"no {key!r}")
+        return None
+    if not isinstance(value, str) or (required and not value):
+        raise ValueError(f"{key!r} is not text")
+    return value
+
+
+def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request]:
+    """The gateway's JSON access log (``t_us``: the limiter's instant; ``client``: the client
+    it resolved) or JSON lines with ``ts``, ``ip``, ``method``, ``path`` and optional
+    ``headers`` (and ``host``)."""
+    name = opened.name
+    gateway = fmt == "gateway"
+    for number, line in numbered_lines(opened, stats):
+        stats.lines += 1
+        if not line.strip():
+            continue
+        obj = _json_object(line)
+        if obj is None:
+            stats.bad(name, number, "not a JSON object")
+            continue
+        try:
+            if gateway:
+                t_us_value = obj.get("t_us")
+                if isinstance(t_us_value, int) and not isinstance(t_us_value, bool):
+                    t_us = t_us_value
+                elif "ts" in obj:
+                    t_us = parse_ts(obj["ts"])
+                else:
+                    raise ValueError("no 't_us' or 'ts'")
+                address = _text(obj, "client")
+            else:
+                t_us = parse_ts(obj.get("ts"))
+                address = _text(obj, "ip")
+            method = _text(obj, "method")
+            target = _text(obj, "path")
+            host = _text(obj, "host", required=False)
+            headers: tuple[tuple[str, str], ...] = ()
+            raw_headers = obj.get("headers")
+            if raw_headers is not None:
+                if not isinstance(raw_headers, dict) or not all(
+                    isinstance(v, str) for v in raw_headers.values()
+                ):
+                    raise ValueError("'headers' is not an object of text values")
+                headers = tuple(raw_headers.items())
+                stats.has_headers = True
+        except ValueError as exc:
+            stats.bad(name, number, str(exc))
+            continue
+        assert address is not None and method is not None and target is not None
+        forwarded_for = None
+        for header, value in headers:
+            if header.lower() == "x-forwarded-for":
+                forwarded_for = value
+                stats.has_forwarded_for = True
+        if host is None:
+            for header, value in headers:
+                if header.lower() == "host":
+                    host = value
+        if host is not None:
+            stats.has_host = True
+        yield Request(t_us, name, number, address, method, target, host, headers, forwarded_for)
+
+
+# -- format detection and the whole set of logs ----------------------------------------------
+
+
+def detect(line: str) -> Format | None:
+    obj = _json_object(line)
+    if obj is not None:
+        if "t_us" in obj or ("route" in obj and "limit" in obj and "client" in obj):
+            return "gateway"
+        return "jsonl"
+    if _COMBINED.fullmatch(line.rstrip("\r\n")) is not None:
+        return "combined"
+    return None
+
+
+def _first_line(text: IO[str]) -> str:
+    """Peek at the first non-blank line without consuming it."""
+    buffer = text.buffer  # type: ignore[attr-defined]
+    peeked = buffer.peek(65536) if hasattr(buffer, "peek") else b""
+    for raw in peeked.split(b"\n"):
+        if raw.strip():
+            return str(raw.decode("utf-8", "replace"))
+    return ""
+
+
+def read_log(opened: Opened, fmt: str, stats: ReadStats) -> Iterator[Request]:
+    chosen: Format
+    if fmt == "auto":
+        first = _first_line(opened.text)
+        if not first:
+            stats.formats[opened.name] = "empty"
+            return iter(())
+        found = detect(first)
+        if found is None:
+            raise LogError(
+                f"{opened.name}: line 1: cannot tell the log format "
+                "(use --format combined|gateway|jsonl)"
+            )
+        chosen = found
+    else:
+        chosen = fmt  # type: ignore[assignment]
+    stats.formats[opened.name] = chosen
+    if chosen == "combined":
+        return read_combined(opened, stats)
+    return read_json(opened, stats, chosen)
+
+
+def in_time_order(
+    records: Iterable[Request], window_us: int, stats: ReadStats
+) -> Iterator[Request]:
+    """Records by instant (ties in log order), reordered within ``window_us``: a log line is
+    written when its request ends, up to its delay and the upstream's time after it began.
+    A record older than the window allows is decided at the latest instant already replayed."""
+    heap: list[tuple[int, int, Request]] = []
+    push = heapq.heappush
+    pop = heapq.heappop
+    newest = -(1 << 62)
+    emitted = -(1 << 62)
+    for seq, record in enumerate(records):
+        stats.requests += 1
+        t_us = record.t_us
+        if t_us < emitted:
+            stats.late += 1
+            t_us = emitted
+            record = record._replace(t_us=t_us)
+        push(heap, (t_us, seq, record))
+        if t_us > newest:
+            newest = t_us
+            horizon = newest - window_us
+            while heap and heap[0][0] <= horizon:
+                item = pop(heap)
+                emitted = item[0]
+                yield item[2]
+    while heap:
+        yield pop(heap)[2]

@@ -1,0 +1,157 @@
+"""Reading the logs, driving one simulation (or two, side by side), and the progress line."""
+
+from __future__ import annotations
+
+import heapq
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from gateway.replay.logs import (
+    LogError,
+    Opened,
+    ReadStats,
+    Request,
+    close_log,
+    in_time_order,
+    open_log,
+    read_log,
+)
+from gateway.replay.simulate import REJECTED, Simulation
+
+
+@dataclass
+class Changes:
+    """Clients whose requests fare differently under the candidate than under the current."""
+
+    newly_rejected: Counter[str] = field(default_factory=Counter)
+    newly_admitted: Counter[str] = field(default_factory=Counter)
+    requests_newly_rejected: int = 0
+    requests_newly_admitted: int = 0
+
+
+@dataclass
+class Run:
+    stats: ReadStats
+    simulations: list[Simulation]
+    changes: Changes | None
+    elapsed_s: float
+
+
+class Progress:
+    """A one-line progress bar on a terminal (stderr); nothing when it is not one."""
+
+    def __init__(self, stream: IO[str] | None, total_bytes: int | None) -> None:
+        self.stream = stream
+        self.total = total_bytes
+        self.done_bytes = 0
+        self.current: Opened | None = None
+        self.started = time.monotonic()
+        self.last_draw = self.started - 1.0  # the first tick draws at once
+
+    def file(self, opened: Opened) -> None:
+        if self.current is not None and self.current.size is not None:
+            self.done_bytes += self.current.size
+        self.current = opened
+
+    def tick(self, requests: int) -> None:
+        if self.stream is None:
+            return
+        now = time.monotonic()
+        if now - self.last_draw < 0.25:
+            return
+        self.last_draw = now
+        rate = requests / max(now - self.started, 1e-9)
+        text = f"replay: {requests:,} requests, {rate:,.0f}/s"
+        if self.total and self.current is not None:
+            try:
+                position = self.done_bytes + self.current.raw.tell()
+            except (OSError, ValueError):
+                position = self.done_bytes
+            fraction = min(1.0, position / self.total)
+            bar = "#" * int(fraction * 30)
+            text = f"[{bar:<30}] {fraction:4.0%} " + text
+        self.stream.write("\r" + text + "\x1b[K")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def _file_records(
+    opened: Opened, fmt: str, stats: ReadStats, window_us: int, progress: Progress
+) -> Iterator[Request]:
+    records = read_log(opened, fmt, stats)
+
+    def announced() -> Iterator[Request]:
+        progress.file(opened)
+        try:
+            yield from records
+        finally:
+            close_log(opened)
+
+    return in_time_order(announced(), window_us, stats)
+
+
+async def replay(
+    paths: Sequence[str],
+    simulations: list[Simulation],
+    *,
+    fmt: str = "auto",
+    window_us: int = 30_000_000,
+    show_progress: bool | None = None,
+) -> Run:
+    """Every request of every log, in time order (each log reordered within ``window_us``,
+    then merged), through each simulation. Raises ``LogError`` for a log that cannot be read."""
+    stats = ReadStats()
+    opened: list[Opened] = []
+    try:
+        for path in paths:
+            opened.append(open_log(path))
+    except LogError:
+        for item in opened:
+            close_log(item)
+        raise
+    total = None if any(o.size is None for o in opened) else sum(o.size or 0 for o in opened)
+    if show_progress is None:
+        show_progress = sys.stderr.isatty()
+    progress = Progress(sys.stderr if show_progress else None, total)
+    try:
+        streams = [_file_records(o, fmt, stats, window_us, progress) for o in opened]
+    except LogError:
+        for item in opened:
+            close_log(item)
+        raise
+    merged: Iterator[Request] = (
+        streams[0] if len(streams) == 1 else heapq.merge(*streams, key=lambda r: r.t_us)
+    )
+    changes = Changes() if len(simulations) == 2 else None
+    first = simulations[0]
+    started = time.perf_counter()
+    count = 0
+    try:
+        for request in merged:
+            count += 1
+            if count & 0xFFF == 0:
+                progress.tick(count)
+            client_ip = first.client_ip(request)
+            outcome = await first.decide(request, client_ip)
+            if changes is not None:
+                current = simulations[1]
+                before = await current.decide(request, current.client_ip(request))
+                if outcome == REJECTED and before != REJECTED:
+                    changes.newly_rejected[client_ip] += 1
+                    changes.requests_newly_rejected += 1
+                elif before == REJECTED and outcome != REJECTED:
+                    changes.newly_admitted[client_ip] += 1
+                    changes.requests_newly_admitted += 1
+    finally:
+        progress.close()
+    for simulation in simulations:
+        simulation.finish()
+    return Run(stats, simulations, changes, time.perf_counter() - started)

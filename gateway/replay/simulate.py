@@ -1,0 +1,270 @@
+"""A policy run over logged requests on a simulated clock: the live gateway's own decision path.
+
+``Simulation`` holds what ``build_runtime`` builds for limits (a ``LimitEngine`` over a
+``MemoryStore`` driven by a ``FakeClock``, the ``RouteTable``, the ``ClientIPResolver``) and
+takes each request through the steps the proxy's ``_admit`` takes: route, resolve the client,
+build the request's facts, ``LimitEngine.evaluate``. A delayed request takes its queue places
+with ``LimitEngine.take_places`` and frees them with ``free_places`` when its simulated delay
+ends; nothing sleeps. ``Tally`` counts what came of each request for the reports.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy, MultiMapping
+from yarl import URL
+
+from gateway.algorithms.registry import build_algorithm
+from gateway.client_ip import ClientIPResolver, client_key
+from gateway.clock import FakeClock
+from gateway.engine import LimitEngine, Outcome
+from gateway.keys import RequestFacts
+from gateway.policy_loader import LoadedPolicy
+from gateway.replay.logs import US, Request
+from gateway.routing import RouteTable, normalise_host, routing_path
+from gateway.stores import MemoryStore, store_url
+
+# What came of one request, beside the engine's own counters.
+ALLOWED = "allowed"  # every limit that applies admitted it at once
+DELAYED = "delayed"
+REJECTED = "rejected"
+DENIED = "denied"  # access.deny, or a method the proxy refuses
+UNLIMITED = "unlimited"  # routed, but no enforced limit applies (or access.allow)
+UNROUTED = "unrouted"  # no route: the proxy's 404
+
+_EMPTY_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+
+
+@dataclass
+class LimitTally:
+    """One limit's figures over the replay."""
+
+    name: str
+    algorithm: str
+    dry_run: bool
+    delays_ms: array[float] = field(default_factory=lambda: array("d"))
+    peak_queue: int = 0
+    rejected_keys: Counter[str] = field(default_factory=Counter)
+    # Per second of traffic: (allowed, delayed, rejected, dry_run_delayed, dry_run_rejected).
+    series: dict[int, tuple[int, int, int, int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class Tally:
+    """Counts over all requests, and per limit."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    rejected_by: Counter[str] = field(default_factory=Counter)
+    delayed_by: Counter[str] = field(default_factory=Counter)
+    delays_ms: array[float] = field(default_factory=lambda: array("d"))
+    limits: dict[str, LimitTally] = field(default_factory=dict)
+    first_us: int | None = None
+    last_us: int | None = None
+    # Per second of traffic: (requests, delayed, rejected).
+    series: dict[int, list[int]] = field(default_factory=dict)
+
+
+class Simulation:
+    """One policy over one stream of requests, decided in the order given."""
+
+    def __init__(self, loaded: LoadedPolicy, *, forwarded_for: bool = False) -> None:
+        policy = loaded.policy
+        self.loaded = loaded
+        self.clock = FakeClock(0)
+        self.store = MemoryStore(self.clock)
+        self.engine = LimitEngine(policy, self.store, build_algorithm)
+        self.store.configure(self.engine.limits, ())
+        self.routes = RouteTable(policy.routes)
+        self.resolver = ClientIPResolver(
+            policy.server.trusted_proxies, header=policy.server.client_ip_header
+        )
+        self.forwarded_for = forwarded_for
+        self.live_store = store_url(policy.store) != "memory"
+        self.matches_host = any(r.match.host is not None for r in policy.routes) or any(
+            spec.match.host is not None for spec in policy.limits.values()
+        )
+        self.reads_query = any(
+            part.startswith("query:") for spec in policy.limits.values() for part in spec.key
+        )
+        self.header_parts = sorted(
+            {
+                part
+                for spec in policy.limits.values()
+                for part in spec.key
+                if ":" in part and part.split(":", 1)[0] in ("header", "query")
+            }
+        )
+        # The engine's outcome for the request decided last (None: no limit was asked).
+        self.last: Outcome | None = None
+        self._waiting: list[tuple[int, int, Outcome]] = []
+        self._seq = 0
+        self._second: int | None = None
+        self._counted: dict[str, tuple[int, int, int, int, int]] = {}
+        self.tally = Tally()
+        for limit in self.engine.limits:
+            self.tally.limits[limit.name] = LimitTally(
+                limit.name, limit.spec.algorithm, limit.spec.dry_run
+            )
+            self._counted[limit.name] = (0, 0, 0, 0, 0)
+
+    def client_ip(self, request: Request) -> str:
+        """The logged address as the gateway resolves a peer; with ``forwarded_for``, the
+        forwarded-for field walked from the right past the policy's trusted proxies (the
+        right-most entry in the place of a trusted peer)."""
+        if self.forwarded_for and request.forwarded_for:
+            hops = [hop.strip() for hop in request.forwarded_for.split(",")]
+            return self.resolver.resolve(hops[-1], [", ".join(hops[:-1])] if len(hops) > 1 else [])
+        return self.resolver.resolve(request.address, ())
+
+    async def decide(self, request: Request, client_ip: str) -> str:
+        """Decide one request at its instant; returns what came of it."""
+        now_us = request.t_us
+        waiting = self._waiting
+        engine = self.engine
+        while waiting and waiting[0][0] <= now_us:
+            engine.free_places(heapq.heappop(waiting)[2])
+        second = now_us // US
+        if second != self._second:
+            self._close_second()
+            self._second = second
+        self.clock.set(now_us)
+        tally = self.tally
+        if tally.first_us is None:
+            tally.first_us = now_us
+        tally.last_us = now_us
+        per_second = tally.series.get(second)
+        if per_second is None:
+            per_second = tally.series[second] = [0, 0, 0]
+        per_second[0] += 1
+
+        self.last = None
+        method = request.method
+        target = request.target
+        host_header = request.host
+        if method == "CONNECT":
+            return self._count(DENIED)
+        if not target.startswith("/") and "://" in target:
+            authority, slash, rest = target.split("://", 1)[1].partition("/")
+            if host_header is None:
+                host_header = authority
+            target = slash + rest if slash else "/"
+        host = normalise_host(host_header)
+        path = routing_path(target)
+        route = self.routes.match(host, path, method)
+        if route is None:
+            return self._count(UNROUTED)
+        if not engine.active:
+            return self._count(UNLIMITED)
+        headers = (
+            CIMultiDictProxy(CIMultiDict(request.headers)) if request.headers else _EMPTY_HEADERS
+        )
+        facts = RequestFacts(
+            client_key(client_ip, engine.ipv6_prefix),
+            route.name,
+            method,
+            headers,
+            _query_of(target) if self.reads_query else _no_query,
+        )
+        outcome = self.last = await engine.evaluate(facts, route, host, path, client_ip)
+        if outcome.status:
+            if outcome.rejected_by is None:
+                return self._count(DENIED)
+            per_second[2] += 1
+            tally.rejected_by[outcome.rejected_by] += 1
+            verdict = outcome.verdict
+            if verdict is not None:
+                checks = outcome.checks
+                indices = verdict.rejected_by or tuple(
+                    i for i, c in enumerate(checks) if c.limit.name == outcome.rejected_by
+                )
+                for index in indices:
+                    check = checks[index]
+                    tally.limits[check.limit.name].rejected_keys[check.key] += 1
+            return self._count(REJECTED)
+        verdict = outcome.verdict
+        if verdict is None:
+            return self._count(UNLIMITED)
+        if outcome.delay_s > 0.0:
+            per_second[1] += 1
+            tally.delays_ms.append(outcome.delay_s * 1000.0)
+            if verdict.delayed_by is not None:
+                tally.delayed_by[outcome.checks[verdict.delayed_by].limit.name] += 1
+            engine.take_places(outcome)
+            for check, decision in zip(outcome.checks, verdict.decisions, strict=True):
+                if decision.delay_s > 0.0:
+                    limit_tally = tally.limits[check.limit.name]
+                    limit_tally.delays_ms.append(decision.delay_s * 1000.0)
+                    limit_tally.peak_queue = max(
+                        limit_tally.peak_queue, check.limit.counters.waiting
+                    )
+            self._seq += 1
+            heapq.heappush(waiting, (now_us + round(outcome.delay_s * US), self._seq, outcome))
+            return self._count(DELAYED)
+        return self._count(ALLOWED)
+
+    def _count(self, what: str) -> str:
+        self.tally.outcomes[what] += 1
+        return what
+
+    def _close_second(self) -> None:
+        """Note each limit's counters' growth over the second just ended (the engine's own
+        counters, dry-run verdicts included)."""
+        if self._second is None:
+            return
+        for limit in self.engine.limits:
+            c = limit.counters
+            now = (c.allowed, c.delayed, c.rejected, c.dry_run_delayed, c.dry_run_rejected)
+            before = self._counted[limit.name]
+            if now != before:
+                self.tally.limits[limit.name].series[self._second] = (
+                    now[0] - before[0],
+                    now[1] - before[1],
+                    now[2] - before[2],
+                    now[3] - before[3],
+                    now[4] - before[4],
+                )
+                self._counted[limit.name] = now
+
+    def finish(self) -> None:
+        """Close the last second; requests still queued leave at the end of their delay."""
+        self._close_second()
+        self._second = None
+        while self._waiting:
+            self.engine.free_places(heapq.heappop(self._waiting)[2])
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {
+            limit.name: {
+                "allowed": limit.counters.allowed,
+                "delayed": limit.counters.delayed,
+                "rejected": limit.counters.rejected,
+                "dry_run_delayed": limit.counters.dry_run_delayed,
+                "dry_run_rejected": limit.counters.dry_run_rejected,
+            }
+            for limit in self.engine.limits
+        }
+
+
+def _no_query() -> MultiMapping[str]:
+    return _EMPTY_QUERY
+
+
+_EMPTY_QUERY: MultiDictProxy[str] = MultiDictProxy(MultiDict())
+
+
+def _query_of(target: str) -> Callable[[], MultiMapping[str]]:
+    """The query a ``query:NAME`` key part reads, parsed only if one asks (as aiohttp does)."""
+
+    def query() -> MultiMapping[str]:
+        if "?" not in target:
+            return MultiDictProxy(MultiDict())
+        parsed: Any = URL(target, encoded=True).query
+        return parsed  # type: ignore[no-any-return]
+
+    return query

@@ -1,0 +1,686 @@
+"""``gateway replay``: logs read as requests and decided by the live engine on a simulated clock.
+
+The live gateway's own access log, replayed, gives the same decision for every request; nginx
+``combined`` and JSON-lines logs with known bursts give counts computed by hand from nginx's
+``limit_req`` arithmetic; bad lines, empty, gzipped and piped logs; the HTML report in a real
+headless Chromium (the screenshot kept in ``$GATEWAY_TEST_ARTIFACTS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import io
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.cli import main
+from gateway.policy_loader import load_policy, parse_policy
+from gateway.replay import replay
+from gateway.replay.logs import (
+    Opened,
+    ReadStats,
+    Request,
+    close_log,
+    in_time_order,
+    open_log,
+    read_log,
+)
+from gateway.replay.simulate import Simulation
+from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+
+ROOT = Path(__file__).resolve().parent.parent
+START = 1_700_000_000  # 2023-11-14T22:13:20Z
+
+
+def stamp(second: int) -> str:
+    return datetime.fromtimestamp(START + second, UTC).strftime("%d/%b/%Y:%H:%M:%S +0000")
+
+
+def combined(ip: str, second: int, method: str = "GET", path: str = "/", extra: str = "") -> str:
+    return f'{ip} - - [{stamp(second)}] "{method} {path} HTTP/1.1" 200 12 "-" "curl/8.5"{extra}\n'
+
+
+def write_policy(tmp_path: Path, limits: str, name: str = "policy.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(policy_for("http://127.0.0.1:9") + "limits:\n" + limits)
+    return path
+
+
+def replay_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["replay", "--json", *args]) == 0
+    out = capsys.readouterr().out
+    doc: dict[str, Any] = json.loads(out)
+    return doc
+
+
+def limit_of(doc: dict[str, Any], name: str, policy: int = 0) -> dict[str, Any]:
+    return next(lim for lim in doc["policies"][policy]["limits"] if lim["name"] == name)
+
+
+# rate 1r/s, burst 2: nginx's excess in milli-requests is max(0, excess - 1000 * ms / 1000 + 1000)
+# and a request whose excess would pass burst * 1000 = 2000 is rejected.
+NGINX_NODELAY = (
+    "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 2\n    nodelay: true\n"
+)
+
+
+def burst_log(tmp_path: Path) -> Path:
+    """203.0.113.1: four requests logged in second 0 (spread to 0, 250, 500, 750 ms), two in
+    second 5 (5000, 5500 ms). 203.0.113.2: one request a second, never limited."""
+    lines = [combined("203.0.113.1", 0) for _ in range(4)]
+    lines += [combined("203.0.113.2", s) for s in range(1, 5)]
+    lines += [combined("203.0.113.1", 5) for _ in range(2)]
+    log = tmp_path / "access.log"
+    log.write_text("".join(lines))
+    return log
+
+
+def test_combined_log_counts_match_nginx_arithmetic_by_hand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 0 ms: new key, excess 0, admitted. 250: 0 - 250 + 1000 = 750, admitted. 500: 750 - 250 +
+    # 1000 = 1500, admitted. 750: 1500 - 250 + 1000 = 2250 > 2000, rejected (charged nothing).
+    # 5000: 1500 - 4500 + 1000 < 0 -> 0, admitted. 5500: 0 - 500 + 1000 = 500, admitted.
+    policy = write_policy(tmp_path, NGINX_NODELAY)
+    doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
+    per_ip = limit_of(doc, "per_ip")
+    assert (per_ip["allowed"], per_ip["delayed"], per_ip["rejected"]) == (9, 0, 1)
+    assert per_ip["top_rejected_keys"] == [{"key": "203.0.113.1", "requests": 1}]
+    assert doc["policies"][0]["rejected_by"] == {"per_ip": 1}
+    assert doc["logs"] == [{"file": str(tmp_path / "access.log"), "format": "combined"}]
+    assert any("spread evenly" in note for note in doc["notes"])
+    assert doc["requests"] == 10 and doc["malformed"]["count"] == 0
+
+
+def test_combined_log_delays_and_queue_bound_by_hand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The same traffic without nodelay: every excess request waits excess / rate.
+    # 250 ms: excess 750 -> waits 750 ms (until 1000). 500: 1500 -> waits 1500 ms (until 2000).
+    # 750: 2250 > 2000, rejected. Two waiting at once: the peak queue is 2.
+    shaping = "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 2\n"
+    policy = write_policy(tmp_path, shaping)
+    doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
+    per_ip = limit_of(doc, "per_ip")
+    # 5000: 0 -> admitted at once; 5500: 500 -> waits 500 ms.
+    assert (per_ip["allowed"], per_ip["delayed"], per_ip["rejected"]) == (6, 3, 1)
+    assert per_ip["delay_ms"] == {"p50": 750.0, "p90": 1500.0, "p99": 1500.0, "max": 1500.0}
+    assert per_ip["peak_queue"] == 2
+    assert doc["policies"][0]["delayed_by"] == {"per_ip": 3}
+
+    # max_queue: 1. 500 ms: one waits (until 1000 ms): the queue is full, rejected at once and
+    # charged nothing (excess stays 750). 750: 750 - 500 + 1000 = 1250, would wait 1250 ms, but
+    # the queue is still full: rejected. 5000: admitted; 5500: waits 500 ms (the first left at
+    # 1000 ms).
+    bounded = shaping + "    max_queue: 1\n"
+    policy = write_policy(tmp_path, bounded, "bounded.yaml")
+    doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
+    per_ip = limit_of(doc, "per_ip")
+    assert (per_ip["allowed"], per_ip["delayed"], per_ip["rejected"]) == (6, 2, 2)
+    assert per_ip["peak_queue"] == 1
+
+
+def test_msec_and_request_time_fields_give_the_instant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # $msec is when the request ended; $request_time how long it took: it arrived at the
+    # difference. Two requests 600 ms apart arrive 100 ms apart: the second is rejected under
+    # 1r/s burst 0 (excess 900 > 0), though nginx logged them 600 ms apart.
+    limits = "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 0\n"
+    policy = write_policy(tmp_path, limits)
+    log = tmp_path / "timed.log"
+    log.write_text(
+        combined("198.51.100.7", 0, extra=f' "-" {START}.100 0.000')
+        + combined("198.51.100.7", 0, extra=f' "-" {START}.700 0.500')
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert limit_of(doc, "per_ip")["rejected"] == 1
+    assert not any("spread evenly" in note for note in doc["notes"])
+    # Without $request_time they are 600 ms apart: excess 1000 - 600 = 400 > 0, still rejected;
+    # 1.2 s apart, both admitted.
+    log.write_text(
+        combined("198.51.100.7", 0, extra=f" {START}.100")
+        + combined("198.51.100.7", 1, extra=f" {START + 1}.300")
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert limit_of(doc, "per_ip")["rejected"] == 0
+
+
+def test_forwarded_for_field_keys_the_client_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY.replace("burst: 2", "burst: 0"))
+    log = tmp_path / "xff.log"
+    # One load balancer address; three clients behind it, one request each at the same second.
+    log.write_text(
+        "".join(
+            combined("10.0.0.1", 0, extra=f' "{client}, 10.0.0.1"')
+            for client in ("192.0.2.1", "192.0.2.2", "192.0.2.3")
+        )
+    )
+    by_address = replay_json(capsys, "--config", str(policy), str(log))
+    assert limit_of(by_address, "per_ip")["rejected"] == 2  # all keyed on 10.0.0.1
+    by_client = replay_json(capsys, "--config", str(policy), "--forwarded-for", str(log))
+    # The right-most entry (10.0.0.1, in the place of a trusted peer) is not trusted by the
+    # policy, so it is the client, as the gateway would resolve it.
+    assert limit_of(by_client, "per_ip")["rejected"] == 2
+    trusted = tmp_path / "trusted.yaml"
+    trusted.write_text(
+        policy.read_text().replace("server:\n", "server:\n  trusted_proxies: [10.0.0.0/8]\n")
+    )
+    by_client = replay_json(capsys, "--config", str(trusted), "--forwarded-for", str(log))
+    assert limit_of(by_client, "per_ip")["rejected"] == 0
+
+
+def test_json_lines_with_bursts_headers_and_hosts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # fixed_window 3 per second per API key: 5 requests of key "a" in one second -> 2 rejected;
+    # key "b" sends 3 -> none; requests without the header skip the limit (on_missing_key skip).
+    limits = (
+        "  per_key:\n    algorithm: fixed_window\n    limit: 3\n    window: 1s\n"
+        "    key: ['header:X-API-Key']\n"
+        "  example:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n"
+        "    key: [global]\n    match: {host: api.example.com}\n"
+    )
+    policy = write_policy(tmp_path, limits)
+    records = []
+    for i in range(5):
+        records.append(
+            {
+                "ts": START + 0.1 * i,
+                "ip": "192.0.2.9",
+                "method": "GET",
+                "path": "/x",
+                "headers": {"X-API-Key": "a"},
+            }
+        )
+    for i in range(3):
+        records.append(
+            {
+                "ts": f"2023-11-14T22:13:20.{5 + i}Z",
+                "ip": "192.0.2.9",
+                "method": "GET",
+                "path": "/x",
+                "headers": {"x-api-key": "b"},
+            }
+        )
+    for _ in range(2):  # the host limit: the second is rejected
+        records.append(
+            {
+                "ts": START + 0.9,
+                "ip": "192.0.2.9",
+                "method": "GET",
+                "path": "/",
+                "headers": {"Host": "api.example.com:443"},
+            }
+        )
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert doc["logs"][0]["format"] == "jsonl"
+    per_key = limit_of(doc, "per_key")
+    assert (per_key["allowed"], per_key["rejected"]) == (6, 2)
+    assert per_key["top_rejected_keys"] == [{"key": "a", "requests": 2}]
+    assert limit_of(doc, "example")["rejected"] == 1
+    assert doc["policies"][0]["outcomes"]["unlimited"] == 0
+
+
+def test_malformed_truncated_and_empty_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY)
+    log = tmp_path / "bad.log"
+    good = combined("203.0.113.1", 0)
+    log.write_text(
+        good
+        + "this is not a log line\n"
+        + good.replace("[", "[99/Foo/2023:")  # a bad time
+        + '203.0.113.1 - - [14/Nov/2023:22:13:20 +0000] "\\x16\\x03\\x01" 400 0 "-" "-"\n'
+        + "\n"
+        + good
+        + good[:30]  # cut off mid-line, no newline
+    )
+    assert main(["replay", "--config", str(policy), str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "malformed lines: 4" in out
+    assert f"{log}:2: not an nginx combined log line" in out
+    assert f"{log}:3: " in out and f"{log}:4: request line" in out
+    assert f"{log}:7: not an nginx combined log line" in out
+    assert "2 requests" in out
+
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    doc = replay_json(capsys, "--config", str(policy), str(empty))
+    assert doc["requests"] == 0 and doc["lines"] == 0
+    assert limit_of(doc, "per_ip")["allowed"] == 0
+
+    unknown = tmp_path / "unknown.log"
+    unknown.write_text("hello\n")
+    assert main(["replay", "--config", str(policy), str(unknown)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err == f"gateway replay: {unknown}: line 1: cannot tell the log format "
+        "(use --format combined|gateway|jsonl)\n"
+    )
+    assert main(["replay", "--config", str(policy), str(tmp_path / "missing.log")]) == 1
+    assert "missing.log: cannot open" in capsys.readouterr().err
+
+
+def test_gzipped_log_and_a_truncated_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY)
+    plain = burst_log(tmp_path)
+    packed = tmp_path / "access.log.1.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    doc = replay_json(capsys, "--config", str(policy), str(packed))
+    assert limit_of(doc, "per_ip")["rejected"] == 1 and doc["requests"] == 10
+    cut = tmp_path / "cut.log.gz"
+    cut.write_bytes(packed.read_bytes()[:-12])  # the trailer (CRC, size) missing
+    doc = replay_json(capsys, "--config", str(policy), str(cut))
+    assert any("compressed data ends early" in note for note in doc["notes"])
+
+
+def test_stdin_and_exit_status_on_a_bad_policy(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY)
+    log = burst_log(tmp_path).read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "replay", "--json", "--config", str(policy), "-"],
+        input=gzip.compress(log),
+        capture_output=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b""  # no progress bar when stderr is not a terminal
+    doc = json.loads(done.stdout)
+    assert doc["logs"] == [{"file": "<stdin>", "format": "combined"}]
+    assert limit_of(doc, "per_ip")["rejected"] == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("limits: [not, a, mapping]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "replay", "--config", str(bad), "-"],
+        input=log,
+        capture_output=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith(b"gateway replay: invalid policy:\n")
+    assert b"Traceback" not in done.stderr
+
+
+def test_compare_lists_clients_whose_outcome_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    current = write_policy(tmp_path, NGINX_NODELAY, "current.yaml")
+    candidate = write_policy(tmp_path, NGINX_NODELAY.replace("burst: 2", "burst: 0"), "cand.yaml")
+    doc = replay_json(
+        capsys, "--config", str(candidate), "--compare", str(current), str(burst_log(tmp_path))
+    )
+    assert [p["label"] for p in doc["policies"]] == ["candidate", "current"]
+    # burst 0: only requests a full second apart pass. 203.0.113.1 at 0 ms passes and 250, 500
+    # and 750 fail; 5000 passes, 5500 fails: 4 rejected, 1 of them rejected under burst 2 too.
+    assert limit_of(doc, "per_ip", 0)["rejected"] == 4
+    assert limit_of(doc, "per_ip", 1)["rejected"] == 1
+    compare = doc["compare"]
+    assert compare["newly_rejected"] == [{"client": "203.0.113.1", "requests": 3}]
+    assert compare["newly_admitted"] == []
+
+
+# -- the live gateway and its replay agree ------------------------------------------------------
+
+AGREEMENT_LIMITS = (
+    # 2r/s, burst 3, the first excess request at once: per client per round, two admitted at
+    # once, the next waits ~500 ms, the next ~1 s, the rest are over the burst. max_queue 3 for
+    # all clients together: the queue fills. Rounds 1.6 s apart, so every queued request has
+    # left long before the next round (the loop's timer and the simulated one agree).
+    "  per_ip:\n    algorithm: leaky_bucket\n    rate: 2r/s\n    burst: 3\n    delay: 1\n"
+    "    max_queue: 3\n    max_delay: 1s\n"
+    "  api:\n    algorithm: sliding_window\n    limit: 7\n    window: 10s\n"
+    "    match: {path_prefix: /api/}\n"
+    "  global:\n    algorithm: token_bucket\n    rate: 20r/s\n    burst: 14\n    key: [global]\n"
+)
+
+
+def _live_result(line: dict[str, Any]) -> tuple[str, str | None, float]:
+    return line["limit"], line["limit_name"], float(line["delay_ms"])
+
+
+async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decision(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    policy_text = (
+        policy_for(
+            upstream.url,
+            server="  access_log: true\n  access_log_format: json\n"
+            "  trusted_proxies: [127.0.0.0/8]\n",
+        )
+        + "limits:\n"
+        + AGREEMENT_LIMITS
+    )
+    gw = await start_gateway(policy_text)  # the real clock
+    clients = ["198.51.100.1", "198.51.100.2", "198.51.100.3"]
+    sent = 0
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=10)
+        ) as session:
+
+            async def send(client: str, path: str) -> int:
+                async with session.get(gw.url + path, headers={"X-Forwarded-For": client}) as resp:
+                    await resp.read()
+                    return resp.status
+
+            for round_ in range(3):
+                started = asyncio.get_running_loop().time()
+                batch = [
+                    send(client, f"/api/{round_}/{i}" if i % 2 else f"/page/{i}?q={i}")
+                    for i in range(6)
+                    for client in clients
+                ]
+                statuses = await asyncio.gather(*batch)
+                sent += len(batch)
+                assert set(statuses) <= {200, 429}
+                await asyncio.sleep(max(0.0, started + 1.6 - asyncio.get_running_loop().time()))
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert len(lines) == sent
+    log = tmp_path / "gateway-access.log"
+    log.write_text("\n".join(lines) + "\n")
+    live = {number: json.loads(text) for number, text in enumerate(lines, 1)}
+    results = {_live_result(line)[0] for line in live.values()}
+    assert {"allowed", "delayed", "rejected"} <= results  # the trace exercises all three
+    assert any(
+        line["limit"] == "rejected" and line["limit_name"] == "per_ip" for line in live.values()
+    )
+
+    simulation = Simulation(parse_policy(policy_text, "test.yaml"))
+    stats = ReadStats()
+    opened = open_log(str(log))
+    replayed = 0
+    try:
+        for request in in_time_order(read_log(opened, "auto", stats), 30_000_000, stats):
+            await simulation.decide(request, simulation.client_ip(request))
+            outcome = simulation.last
+            if outcome is None:
+                got: tuple[str, str | None, float] = ("none", None, 0.0)
+            elif outcome.status:
+                got = ("rejected", outcome.rejected_by, 0.0)
+            elif outcome.delay_s > 0.0:
+                got = ("delayed", None, round(outcome.delay_s * 1000, 3))
+            else:
+                got = ("allowed", None, 0.0)
+            assert got == _live_result(live[request.line]), (request, live[request.line])
+            replayed += 1
+    finally:
+        close_log(opened)
+    assert stats.formats == {str(log): "gateway"} and stats.malformed == 0 and stats.late == 0
+    assert replayed == sent
+    # And the figures of the command agree with the gateway's own counters.
+    assert gw.gateway.handler is not None
+    run = await replay([str(log)], [Simulation(parse_policy(policy_text, "test.yaml"))])
+    replay_counters = run.simulations[0].counters()
+    for limit in gw.gateway.handler.runtime.engine.limits:
+        c = limit.counters
+        assert replay_counters[limit.name] == {
+            "allowed": c.allowed,
+            "delayed": c.delayed,
+            "rejected": c.rejected,
+            "dry_run_delayed": 0,
+            "dry_run_rejected": 0,
+        }
+
+
+# -- the HTML report in a real browser ---------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def artifacts_dir(tmp_path: Path) -> Path:
+    directory = Path(os.environ.get("GATEWAY_TEST_ARTIFACTS", tmp_path))
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+async def test_html_report_opens_offline_in_chromium_and_shows_its_charts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from playwright.async_api import async_playwright
+
+    directory = artifacts_dir(tmp_path)
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_replay import generate
+
+    log = tmp_path / "generated.log"
+    generate(log, 5_000, 200, 200.0, "combined", seed=3)
+    report = tmp_path / "replay.html"
+    current = ROOT / "policies" / "default.yaml"
+    args = [
+        "replay",
+        "--config",
+        str(ROOT / "policies" / "layered.yaml"),
+        "--compare",
+        str(current),
+        "--html",
+        str(report),
+        str(log),
+    ]
+    assert await asyncio.to_thread(main, args) == 0  # the command runs its own event loop
+    capsys.readouterr()
+    page_text = report.read_text()
+    assert "<script src" not in page_text and "<link" not in page_text  # all inlined
+    layered = load_policy(ROOT / "policies" / "layered.yaml").policy
+    charts = 1 + len(layered.limits) + 1 + len(load_policy(current).policy.limits)
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM)
+        try:
+            page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+            requested: list[str] = []
+            page.on("request", lambda request: requested.append(request.url))
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(report.as_uri())
+            await page.wait_for_selector('[data-rendered="true"]', timeout=10_000)
+            assert await page.locator('[data-rendered="true"]').count() == charts
+            assert await page.locator(".uplot canvas").count() == charts
+            title = await page.locator(".u-title").first.inner_text()
+            assert title == "all requests"
+            assert "per_ip" in await page.inner_text("#policy-0")
+            await page.screenshot(path=directory / "replay-report.png", full_page=True)
+        finally:
+            await browser.close()
+    assert errors == []
+    assert requested == [report.as_uri()]  # nothing fetched: it works offline
+
+
+def test_a_store_in_redis_is_replayed_in_process_and_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY)
+    policy.write_text(policy.read_text() + "store:\n  url: redis://127.0.0.1:9/0\n")
+    doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
+    assert limit_of(doc, "per_ip")["rejected"] == 1
+    assert any("replayed in process" in note for note in doc["notes"])
+
+
+def test_generated_log_on_a_terminal_draws_progress_and_reports_throughput(
+    tmp_path: Path,
+) -> None:
+    """The benchmark's log, small (20,000 lines), through the command with stderr on a
+    terminal: a progress bar is drawn there and cleared; the report gives lines/s."""
+    import pty
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_replay import generate
+
+    log = tmp_path / "generated.log"
+    generate(log, 20_000, 500, 800.0, "combined", seed=5)
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "replay",
+        "--config",
+        str(ROOT / "policies" / "layered.yaml"),
+        str(log),
+    ]
+    try:
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=terminal, timeout=120, env=env, check=False
+        )
+        os.close(terminal)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the terminal's other side is closed: all read
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(controller)
+    assert done.returncode == 0
+    assert b"requests" in drawn and b"%" in drawn and drawn.endswith(b"\r\x1b[K")
+    out = done.stdout.decode()
+    assert "20,000 lines, 20,000 requests" in out and "lines/s)" in out
+
+
+def test_a_log_without_hosts_under_a_policy_matching_hosts_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    limits = (
+        "  example:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n"
+        "    key: [global]\n    match: {host: api.example.com}\n"
+    )
+    policy = write_policy(tmp_path, limits)
+    doc = replay_json(capsys, "--config", str(policy), str(burst_log(tmp_path)))
+    assert limit_of(doc, "example")["allowed"] == 0  # no request had the host
+    assert any("match on the host" in note for note in doc["notes"])
+
+
+def test_gateway_log_lines_behind_a_logging_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gateway's JSON access log as the CLI's logging writes it (time, level, logger
+    before the object); ``t_us`` decides, not ``ts`` or the order of the lines."""
+    policy = write_policy(tmp_path, NGINX_NODELAY.replace("burst: 2", "burst: 0"))
+    fields = {
+        "client": "192.0.2.4",
+        "method": "GET",
+        "host": "a",
+        "path": "/",
+        "route": "all",
+        "limit": "allowed",
+        "limit_name": None,
+        "delay_ms": 0.0,
+        "status": 200,
+    }
+    lines = [
+        # written in the order the requests ended; decided 0.9 s apart, then 0.2 s apart
+        {**fields, "ts": 10.0, "t_us": 5_900_000},
+        {**fields, "ts": 10.0, "t_us": 5_000_000},
+        {**fields, "ts": 10.0, "t_us": 6_100_000},
+    ]
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        "".join(
+            f"2026-11-24 10:00:00,000 INFO gateway.access[42]: {json.dumps(line)}\n"
+            for line in lines
+        )
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert doc["logs"][0]["format"] == "gateway"
+    # 5.0 s admitted; 5.9 s: 1000 - 900 = 100 > 0, rejected; 6.1 s: 1000 - 1100 < 0, admitted.
+    per_ip = limit_of(doc, "per_ip")
+    assert (per_ip["allowed"], per_ip["rejected"]) == (2, 1)
+    assert doc["late"] == 0
+
+
+# -- properties of reading ---------------------------------------------------------------------
+
+
+@given(
+    offsets=st.lists(st.integers(min_value=0, max_value=5_000_000), min_size=0, max_size=60),
+    window_us=st.integers(min_value=0, max_value=6_000_000),
+)
+def test_records_come_out_in_time_order_and_none_is_lost(
+    offsets: list[int], window_us: int
+) -> None:
+    """Whatever the disorder: every record comes out once, instants never go backwards, and a
+    record is moved (counted late) only when it is older than the window allows."""
+    records = [
+        Request(t_us, "log", line, "192.0.2.1", "GET", "/", None, (), None)
+        for line, t_us in enumerate(offsets, 1)
+    ]
+    stats = ReadStats()
+    out = list(in_time_order(records, window_us, stats))
+    assert sorted(r.line for r in out) == list(range(1, len(records) + 1))
+    assert all(a.t_us <= b.t_us for a, b in itertools.pairwise(out))
+    moved = [r for r in out if r.t_us != offsets[r.line - 1]]
+    assert stats.late == len(moved)
+    assert all(r.t_us > offsets[r.line - 1] for r in moved)  # only ever later, never earlier
+    newest = 0
+    for line, t_us in enumerate(offsets, 1):
+        if t_us >= newest - window_us:
+            assert line not in {r.line for r in moved}  # within the window: kept its instant
+        newest = max(newest, t_us)
+    if max(offsets, default=0) - min(offsets, default=0) <= window_us:
+        assert stats.late == 0
+        # ties in log order
+        assert [r.line for r in out] == sorted(
+            range(1, len(records) + 1), key=lambda n: (offsets[n - 1], n)
+        )
+
+
+@given(counts=st.lists(st.integers(min_value=1, max_value=30), min_size=1, max_size=8))
+def test_requests_of_one_second_are_spread_evenly_inside_it(counts: list[int]) -> None:
+    text = "".join(
+        combined("203.0.113.1", second) for second, count in enumerate(counts) for _ in range(count)
+    )
+    opened = Opened("generated", io.StringIO(text), io.BufferedReader(io.BytesIO()), None)
+    stats = ReadStats()
+    got = list(read_log(opened, "combined", stats))
+    assert len(got) == sum(counts)
+    index = 0
+    for second, count in enumerate(counts):
+        instants = [r.t_us - (START + second) * 1_000_000 for r in got[index : index + count]]
+        assert instants == [i * 1_000_000 // count for i in range(count)]
+        index += count
+
+
+def test_bytes_that_are_not_utf8_do_not_break_the_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY.replace("burst: 2", "burst: 0"))
+    log = tmp_path / "latin1.log"
+    line = combined("client-\xe9", 0).encode("latin-1")  # an address field nobody escaped
+    log.write_bytes(line * 2)
+    report = tmp_path / "report.html"
+    assert main(["replay", "--config", str(policy), "--html", str(report), str(log)]) == 0
+    assert "client-\ufffd (1)" in capsys.readouterr().out
+    assert "client-\ufffd" in report.read_text(encoding="utf-8")
