@@ -8,16 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import watchfiles
 
-from gateway.policy_loader import PolicyError, load_policy
-
-if TYPE_CHECKING:
-    from gateway.serve import Gateway
+from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
 
 log = logging.getLogger("gateway.reload")
 # watchfiles logs every batch of changes it sees at INFO. The directory it watches may hold the
@@ -38,10 +35,18 @@ class ReloadStatus:
 
 
 class PolicyReloader:
-    """Reloads one policy file into one gateway."""
+    """Reloads one policy file: given the policy in force (``running``) and what swaps in a new
+    one (``apply``, which raises ``ValueError`` and changes nothing if it cannot)."""
 
-    def __init__(self, gateway: Gateway, path: str | Path) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        running: Callable[[], LoadedPolicy],
+        apply: Callable[[LoadedPolicy], None],
+    ) -> None:
+        self._running = running
+        self._apply = apply
         self.path = Path(path)
         self.status = ReloadStatus(last_success_at=time.time())
         self._lock = asyncio.Lock()
@@ -55,7 +60,7 @@ class PolicyReloader:
             self.status.last_attempt_at = time.time()
             try:
                 loaded = load_policy(self.path)
-                if loaded.sha256 == self.gateway.loaded.sha256:
+                if loaded.sha256 == self._running().sha256:
                     self.status.unchanged += 1
                     if self.status.last_result == "failed":
                         # The bad edit was reverted: the file and the running policy agree
@@ -70,7 +75,7 @@ class PolicyReloader:
                     else:
                         log.info("policy %s unchanged (sha256 %s)", self.path, loaded.sha256[:12])
                     return "unchanged"
-                self.gateway.apply(loaded)
+                self._apply(loaded)
             except (PolicyError, ValueError) as exc:
                 self.status.failed += 1
                 self.status.last_result = "failed"

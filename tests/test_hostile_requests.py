@@ -436,7 +436,6 @@ async def _wait_for(condition: Callable[[], bool], what: str, within_s: float = 
 async def _gateway_idle(gw: RunningGateway) -> None:
     """Wait (bounded) until the gateway has let go of every client connection."""
     server = gw.gateway.server
-    assert server is not None
     await _wait_for(lambda: server.open_connections == 0, "the gateway to close its connections")
 
 

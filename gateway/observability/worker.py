@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiohttp.web_request import BaseRequest
 
@@ -44,8 +45,9 @@ from gateway.observability.stats import (
 if TYPE_CHECKING:
     from gateway.engine import Outcome
     from gateway.proxy import ProxyHandler
+    from gateway.reload import ReloadStatus
     from gateway.runtime import Runtime
-    from gateway.serve import Gateway
+    from gateway.stores import LimitStore
 
 access_log = logging.getLogger("gateway.access")
 JSON_EXTRA: Final = {JSON_LINE: True}
@@ -76,11 +78,48 @@ class _RunningTotals:
         return tuple(totals)
 
 
-class WorkerMetrics:
-    """What this worker counted, and what it reads from the gateway at snapshot time."""
+class CurrentRuntime(Protocol):
+    """Holds the runtime in force (the proxy handler does; a reload swaps it)."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    @property
+    def runtime(self) -> Runtime: ...
+
+
+class ConnectionCounts(Protocol):
+    """The client listener's connection figures (``GatewayServer`` keeps them)."""
+
+    @property
+    def open_connections(self) -> int: ...
+    @property
+    def refused_connections(self) -> int: ...
+    @property
+    def header_timeouts(self) -> int: ...
+
+
+class ReloadSource(Protocol):
+    """Whatever reloads the policy file and keeps the status of its attempts."""
+
+    @property
+    def status(self) -> ReloadStatus: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """What a worker's figures are read from at snapshot time, as uvicorn hands its protocols a
+    ``ServerState``: each part counts for itself, and the metrics read them, never the gateway."""
+
+    worker_id: int
+    current: CurrentRuntime
+    store: LimitStore
+    connections: ConnectionCounts
+    reloader: ReloadSource | None = None
+
+
+class WorkerMetrics:
+    """What this worker counted, and what it reads from its parts at snapshot time."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
         self.started_at = time.time()
         self.requests = RequestStats()
         self.queue_waits = QueueWaits()
@@ -116,65 +155,57 @@ class WorkerMetrics:
             sketch.rotate(now)
 
     def snapshot(self, now: float) -> WorkerSnapshot:
-        gateway = self.gateway
-        handler = gateway.handler
-        store = gateway.store
+        state = self.state
+        runtime = state.current.runtime
+        store = state.store
         limits: dict[str, LimitData] = {}
         top_keys: dict[str, tuple[HitterData, ...]] = {}
-        sha256 = gateway.loaded.sha256
-        source = gateway.loaded.source
-        loaded_at = self.started_at
         # Every (route, reason) pair from the start, so a dashboard query finds the series.
         upstream_errors = dict.fromkeys(
             (
                 (route.name, reason)
-                for route in gateway.loaded.policy.routes
+                for route in runtime.loaded.policy.routes
                 for reason in UPSTREAM_ERROR_REASONS
             ),
             0,
         )
         upstream_errors.update(self.requests.upstream_errors)
-        if handler is not None:
-            runtime = handler.runtime
-            sha256 = runtime.loaded.sha256
-            source = runtime.loaded.source
-            loaded_at = runtime.loaded_at
-            for limit in runtime.engine.limits:
-                name = limit.name
-                counters = limit.counters
-                decided = self._decisions.read(
-                    name,
-                    counters,
-                    (
-                        counters.allowed,
-                        counters.delayed,
-                        counters.rejected,
-                        counters.dry_run_delayed,
-                        counters.dry_run_rejected,
-                    ),
+        for limit in runtime.engine.limits:
+            name = limit.name
+            counters = limit.counters
+            decided = self._decisions.read(
+                name,
+                counters,
+                (
+                    counters.allowed,
+                    counters.delayed,
+                    counters.rejected,
+                    counters.dry_run_delayed,
+                    counters.dry_run_rejected,
+                ),
+            )
+            wait = self.queue_waits.by_limit.get(name)
+            limits[name] = LimitData(
+                algorithm=limit.spec.algorithm,
+                dry_run=limit.spec.dry_run,
+                allowed=decided[0],
+                delayed=decided[1],
+                rejected=decided[2],
+                dry_run_delayed=decided[3],
+                dry_run_rejected=decided[4],
+                evictions=store.evictions(name),
+                waiting=counters.waiting,
+                tracked_keys=store.tracked_keys(name),
+                wait=HistogramData.of(wait)
+                if wait is not None
+                else HistogramData.empty(QUEUE_WAIT_BUCKETS),
+            )
+            sketch = self.top_keys.get(name)
+            if sketch is not None:
+                top_keys[name] = tuple(
+                    HitterData(key=h.key, count=h.count, error=h.error)
+                    for h in sketch.top(TOP_KEYS_SHOWN)
                 )
-                wait = self.queue_waits.by_limit.get(name)
-                limits[name] = LimitData(
-                    algorithm=limit.spec.algorithm,
-                    dry_run=limit.spec.dry_run,
-                    allowed=decided[0],
-                    delayed=decided[1],
-                    rejected=decided[2],
-                    dry_run_delayed=decided[3],
-                    dry_run_rejected=decided[4],
-                    evictions=store.evictions(name),
-                    waiting=counters.waiting,
-                    tracked_keys=store.tracked_keys(name),
-                    wait=HistogramData.of(wait)
-                    if wait is not None
-                    else HistogramData.empty(QUEUE_WAIT_BUCKETS),
-                )
-                sketch = self.top_keys.get(name)
-                if sketch is not None:
-                    top_keys[name] = tuple(
-                        HitterData(key=h.key, count=h.count, error=h.error)
-                        for h in sketch.top(TOP_KEYS_SHOWN)
-                    )
         stats = store.stats
         store_data = StoreData(
             name=store.name,
@@ -185,8 +216,8 @@ class WorkerMetrics:
             transitions=dict(stats.transitions),
         )
         reload = None
-        if gateway.reloader is not None:
-            status = gateway.reloader.status
+        if state.reloader is not None:
+            status = state.reloader.status
             reload = ReloadData(
                 succeeded=status.succeeded,
                 failed=status.failed,
@@ -196,14 +227,14 @@ class WorkerMetrics:
                 last_success_at=status.last_success_at,
                 last_attempt_at=status.last_attempt_at,
             )
-        server = gateway.server
+        connections = state.connections
         return WorkerSnapshot(
-            worker=gateway.worker_id,
+            worker=state.worker_id,
             pid=os.getpid(),
             at=now,
             started_at=self.started_at,
-            policy_sha256=sha256,
-            policy_source=source,
+            policy_sha256=runtime.loaded.sha256,
+            policy_source=runtime.loaded.source,
             requests=tuple(
                 (route, method, status_class, count)
                 for (route, method, status_class), count in self.requests.requests.items()
@@ -212,14 +243,14 @@ class WorkerMetrics:
             upstream_errors=tuple(
                 (route, reason, count) for (route, reason), count in upstream_errors.items()
             ),
-            policy_loaded_at=loaded_at,
+            policy_loaded_at=runtime.loaded_at,
             limits=limits,
             top_keys=top_keys,
             store=store_data,
             reload=reload,
-            connections_open=server.open_connections if server is not None else 0,
-            connections_refused=server.refused_connections if server is not None else 0,
-            header_timeouts=server.header_timeouts if server is not None else 0,
+            connections_open=connections.open_connections,
+            connections_refused=connections.refused_connections,
+            header_timeouts=connections.header_timeouts,
         )
 
 
