@@ -49,16 +49,7 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _policy(request: web.Request) -> web.Response:
     state = request.app[ADMIN_STATE]
     runtime = state.handler.runtime
-    reload_status = None
-    if state.reloader is not None:
-        status = state.reloader.status
-        reload_status = {
-            "succeeded": status.succeeded,
-            "failed": status.failed,
-            "last_result": status.last_result,
-            "last_error": status.last_error,
-            "last_success_at": status.last_success_at,
-        }
+    reload_status = state.reloader.status if state.reloader is not None else None
     policy = runtime.loaded.policy.model_dump(mode="json")
     policy["server"].update(state.in_force)
     return web.json_response(
@@ -68,7 +59,7 @@ async def _policy(request: web.Request) -> web.Response:
             "loaded_at": runtime.loaded_at,
             "worker": state.worker_id,
             "store": runtime.engine.store.name,
-            "reload": reload_status,
+            "reload": reload_status.model_dump() if reload_status is not None else None,
             "in_force": state.in_force,
             "policy": policy,
         }

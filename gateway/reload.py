@@ -9,10 +9,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import watchfiles
+from pydantic import BaseModel, ConfigDict
 
 from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
 
@@ -23,8 +24,12 @@ log = logging.getLogger("gateway.reload")
 logging.getLogger("watchfiles").setLevel(logging.WARNING)
 
 
-@dataclass(slots=True)
-class ReloadStatus:
+class ReloadStatus(BaseModel):
+    """How this worker's reloads went: the one record ``/policy``, the metrics and the dashboard
+    show. Frozen: the reloader replaces it, so a snapshot holding one never sees it change."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     succeeded: int = 0
     failed: int = 0
     unchanged: int = 0
@@ -57,11 +62,11 @@ class PolicyReloader:
     async def reload(self) -> str:
         """Try to load the file now; returns 'ok', 'unchanged' or 'failed'."""
         async with self._lock:
-            self.status.last_attempt_at = time.time()
+            self._update(last_attempt_at=time.time())
             try:
                 loaded = load_policy(self.path)
                 if loaded.sha256 == self._running().sha256:
-                    self.status.unchanged += 1
+                    self._update(unchanged=self.status.unchanged + 1)
                     if self.status.last_result == "failed":
                         # The bad edit was reverted: the file and the running policy agree
                         # again, so the stale failure must not stay on /policy and the dashboard.
@@ -77,20 +82,21 @@ class PolicyReloader:
                     return "unchanged"
                 self._apply(loaded)
             except (PolicyError, ValueError) as exc:
-                self.status.failed += 1
-                self.status.last_result = "failed"
-                self.status.last_error = str(exc)
+                self._update(
+                    failed=self.status.failed + 1, last_result="failed", last_error=str(exc)
+                )
                 log.error("policy reload failed, keeping the running policy:\n%s", exc)
                 return "failed"
-            self.status.succeeded += 1
+            self._update(succeeded=self.status.succeeded + 1)
             self._succeeded()
             log.info("policy reloaded from %s (sha256 %s)", self.path, loaded.sha256[:12])
             return "ok"
 
     def _succeeded(self) -> None:
-        self.status.last_result = "ok"
-        self.status.last_error = None
-        self.status.last_success_at = time.time()
+        self._update(last_result="ok", last_error=None, last_success_at=time.time())
+
+    def _update(self, **changes: Any) -> None:
+        self.status = self.status.model_copy(update=changes)
 
     def _file_signature(self) -> tuple[int, int, int] | None:
         try:

@@ -194,7 +194,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             name: {
                 "algorithm": limit.algorithm,
                 "dry_run": limit.dry_run,
-                **limit.decisions(),
+                **limit.decisions()._asdict(),
                 "waiting": limit.waiting,
                 "tracked_keys": limit.tracked_keys,
                 "evictions": limit.evictions,

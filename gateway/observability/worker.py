@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiohttp.web_request import BaseRequest
 
+from gateway.limits import DecisionCounts
 from gateway.logs import JSON_LINE, json_line
 from gateway.observability.hooks import (
     CLIENT_IP,
@@ -31,7 +32,6 @@ from gateway.observability.snapshot import (
     HistogramData,
     HitterData,
     LimitData,
-    ReloadData,
     StoreData,
     WorkerSnapshot,
 )
@@ -59,23 +59,27 @@ TOP_KEYS_PERIOD_S = 60.0
 
 
 class _RunningTotals:
-    """Totals of counters that can start again from zero (a limit a reload re-created), kept
-    growing by adding each source's increase since it was last read."""
+    """Totals of decision counts that can start again from zero (a limit a reload re-created),
+    kept growing by adding each source's increase since it was last read."""
 
     __slots__ = ("_last", "_totals")
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[object, tuple[int, ...]]] = {}
-        self._totals: dict[str, list[int]] = {}
+        self._last: dict[str, tuple[object, DecisionCounts]] = {}
+        self._totals: dict[str, DecisionCounts] = {}
 
-    def read(self, name: str, source: object, values: tuple[int, ...]) -> tuple[int, ...]:
+    def read(self, name: str, source: object, values: DecisionCounts) -> DecisionCounts:
         last = self._last.get(name)
-        totals = self._totals.setdefault(name, [0] * len(values))
-        previous = last[1] if last is not None and last[0] is source else (0,) * len(values)
-        for index, (value, before) in enumerate(zip(values, previous, strict=True)):
-            totals[index] += max(0, value - before)
+        previous = last[1] if last is not None and last[0] is source else DecisionCounts()
+        totals = DecisionCounts._make(
+            total + max(0, value - before)
+            for total, value, before in zip(
+                self._totals.get(name, DecisionCounts()), values, previous, strict=True
+            )
+        )
+        self._totals[name] = totals
         self._last[name] = (source, values)
-        return tuple(totals)
+        return totals
 
 
 class CurrentRuntime(Protocol):
@@ -173,26 +177,12 @@ class WorkerMetrics:
         for limit in runtime.engine.limits:
             name = limit.name
             counters = limit.counters
-            decided = self._decisions.read(
-                name,
-                counters,
-                (
-                    counters.allowed,
-                    counters.delayed,
-                    counters.rejected,
-                    counters.dry_run_delayed,
-                    counters.dry_run_rejected,
-                ),
-            )
+            decided = self._decisions.read(name, counters, counters.decisions())
             wait = self.queue_waits.by_limit.get(name)
             limits[name] = LimitData(
                 algorithm=limit.spec.algorithm,
                 dry_run=limit.spec.dry_run,
-                allowed=decided[0],
-                delayed=decided[1],
-                rejected=decided[2],
-                dry_run_delayed=decided[3],
-                dry_run_rejected=decided[4],
+                **decided._asdict(),
                 evictions=store.evictions(name),
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
@@ -215,18 +205,7 @@ class WorkerMetrics:
             latency=HistogramData.of(stats.latency),
             transitions=dict(stats.transitions),
         )
-        reload = None
-        if state.reloader is not None:
-            status = state.reloader.status
-            reload = ReloadData(
-                succeeded=status.succeeded,
-                failed=status.failed,
-                unchanged=status.unchanged,
-                last_result=status.last_result,
-                last_error=status.last_error,
-                last_success_at=status.last_success_at,
-                last_attempt_at=status.last_attempt_at,
-            )
+        reload = state.reloader.status if state.reloader is not None else None
         connections = state.connections
         return WorkerSnapshot(
             worker=state.worker_id,
