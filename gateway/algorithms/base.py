@@ -66,6 +66,12 @@ class Algorithm(Protocol, Generic[S]):
         """
         ...
 
+    def share(self, replicas: int) -> Algorithm[S]:
+        """This replica's share when each of ``replicas`` enforces the limit alone (the Redis
+        store's ``on_failure: local``): rates and capacities divided, rounded down (never more
+        lenient); ``self`` for one replica."""
+        ...
+
     def rescale(self, state: S, previous: Algorithm[S], now_us: int) -> S | None:
         """Carry a key's state over a policy reload that changed this limit's parameters.
 

@@ -23,7 +23,7 @@ from gateway.observability.stats import StoreStats
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
 from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClient
-from gateway.stores.redis.codecs import Codec, codec_for, divided
+from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 
 FailureMode = Literal["local", "allow", "deny"]
@@ -181,7 +181,7 @@ class RedisStore:
             key_head=self.key_prefix + "{",
             key_tail=f"}}{limit.name}:{fingerprint(limit, codec)}:",
             tag_index=tag_index,
-            local=dataclasses.replace(limit, algorithm=divided(limit.algorithm, self.replicas)),
+            local=dataclasses.replace(limit, algorithm=limit.algorithm.share(self.replicas)),
         )
 
     def plan(self, limit: CompiledLimit) -> LimitPlan:
