@@ -487,6 +487,18 @@ def published_pids(metrics_dir: Path) -> set[int]:
     return pids
 
 
+def published_ok_requests(metrics_dir: Path) -> int:
+    """The 2xx requests counted in the workers' snapshot files."""
+    total = 0
+    for file in metrics_dir.glob("worker-*.json"):
+        try:
+            requests = json.loads(file.read_text())["requests"]
+        except (OSError, ValueError):
+            continue
+        total += sum(count for _, _, status_class, count in requests if status_class == 2)
+    return total
+
+
 async def _wait_for(condition: Callable[[], bool], what: str, within_s: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
@@ -526,7 +538,11 @@ async def test_every_scrape_sees_the_whole_gateway_across_workers_and_restarts(
             )
             assert value(samples, "gateway_workers") == 2
         # A worker killed outright is restarted, and its predecessor's counts stay in the sum.
-        await asyncio.sleep(1.5)  # both have published their final figures (once a second)
+        await _wait_for(
+            lambda: published_ok_requests(metrics_dir) == requests,
+            "both workers' final figures published",
+            5.0,
+        )
         victim = workers()[0]
         os.kill(victim, signal.SIGKILL)
 
