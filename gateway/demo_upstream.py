@@ -65,3 +65,7 @@ class DemoUpstream:
         if self._runner.server is not None:
             await self._runner.cleanup()
         self._sock.close()
+
+    def discard(self) -> None:
+        """Release the port of a demo upstream that was never started."""
+        self._sock.close()

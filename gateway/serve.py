@@ -98,43 +98,48 @@ class Gateway:
         self._watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
 
-        self.handler = ProxyHandler(build_runtime(loaded, self.store, self._demo_address))
-        self.server = GatewayServer(
-            self.handler,
-            header_timeout=settings.header_timeout,
-            max_connections=settings.max_connections,
-            keepalive_timeout=settings.keepalive_timeout,
-            max_line_size=settings.max_header_size,
-            max_field_size=settings.max_header_size,
-            max_headers=settings.max_headers,
-            auto_decompress=False,
-            access_log=None,  # the observability wrapper writes the access log line
-        )
-        self.reloader = (
-            PolicyReloader(policy_path, running=lambda: self.loaded, apply=self.apply)
-            if policy_path
-            else None
-        )
-        self.observability = Observability(
-            WorkerState(
-                worker_id=worker_id,
-                current=self.handler,
-                store=self.store,
-                connections=self.server,
-                reloader=self.reloader,
-            ),
-            shared_dir=default_shared_dir(reuse_port),
-        )
-        self.observability.wrap(self.handler)
-        self.admin_state = AdminState(
-            handler=self.handler, worker_id=worker_id, reloader=self.reloader
-        )
-        admin_app = make_admin_app(self.admin_state)
-        install_dashboard(admin_app, self.observability)
-        self._proxy_runner = web.ServerRunner(
-            self.server, shutdown_timeout=settings.shutdown_timeout
-        )
-        self._admin_runner = web.AppRunner(admin_app, access_log=None)
+        try:
+            self.handler = ProxyHandler(build_runtime(loaded, self.store, self._demo_address))
+            self.server = GatewayServer(
+                self.handler,
+                header_timeout=settings.header_timeout,
+                max_connections=settings.max_connections,
+                keepalive_timeout=settings.keepalive_timeout,
+                max_line_size=settings.max_header_size,
+                max_field_size=settings.max_header_size,
+                max_headers=settings.max_headers,
+                auto_decompress=False,
+                access_log=None,  # the observability wrapper writes the access log line
+            )
+            self.reloader = (
+                PolicyReloader(policy_path, running=lambda: self.loaded, apply=self.apply)
+                if policy_path
+                else None
+            )
+            self.observability = Observability(
+                WorkerState(
+                    worker_id=worker_id,
+                    current=self.handler,
+                    store=self.store,
+                    connections=self.server,
+                    reloader=self.reloader,
+                ),
+                shared_dir=default_shared_dir(reuse_port),
+            )
+            self.observability.wrap(self.handler)
+            self.admin_state = AdminState(
+                handler=self.handler, worker_id=worker_id, reloader=self.reloader
+            )
+            admin_app = make_admin_app(self.admin_state)
+            install_dashboard(admin_app, self.observability)
+            self._proxy_runner = web.ServerRunner(
+                self.server, shutdown_timeout=settings.shutdown_timeout
+            )
+            self._admin_runner = web.AppRunner(admin_app, access_log=None)
+        except BaseException:
+            if self._demo is not None:
+                self._demo.discard()  # its port was bound for the runtime just built
+            raise
 
     async def start(self) -> None:
         if self._demo is not None:
