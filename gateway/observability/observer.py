@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
@@ -29,10 +29,7 @@ from gateway.observability.prometheus import make_registry
 from gateway.observability.shared import SnapshotDirectory
 from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
 from gateway.observability.timeline import Timeline
-from gateway.observability.worker import ObservedHandler, WorkerMetrics, WorkerState
-
-if TYPE_CHECKING:
-    from gateway.proxy import ProxyHandler
+from gateway.observability.worker import ObservedHandler, ObservedProxy, WorkerMetrics, WorkerState
 
 log = logging.getLogger("gateway.observability")
 
@@ -71,10 +68,9 @@ class Observability:
 
     # -- hooks for the gateway ---------------------------------------------------------------
 
-    def wrap(self, handler: ProxyHandler) -> ProxyHandler:
-        """Make the proxy handler report each request it finishes; returns the handler."""
+    def wrap(self, handler: ObservedProxy) -> None:
+        """Make the proxy handler report each request it finishes."""
         handler.observer = ObservedHandler(handler, self.metrics).finished
-        return handler
 
     def run_with(self, admin_app: web.Application) -> None:
         """Run the tick while the admin app runs (``dashboard.install`` adds the routes)."""

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -40,14 +41,13 @@ from gateway.observability.stats import (
     UNMATCHED_ROUTE,
     QueueWaits,
     RequestStats,
+    StoreStats,
 )
 
 if TYPE_CHECKING:
     from gateway.engine import Outcome
-    from gateway.proxy import ProxyHandler
     from gateway.reload import ReloadStatus
     from gateway.runtime import Runtime
-    from gateway.stores import LimitStore
 
 access_log = logging.getLogger("gateway.access")
 JSON_EXTRA: Final = {JSON_LINE: True}
@@ -89,6 +89,23 @@ class CurrentRuntime(Protocol):
     def runtime(self) -> Runtime: ...
 
 
+class ObservedProxy(CurrentRuntime, Protocol):
+    """The proxy handler as the observer sees it: told about every finished request."""
+
+    observer: Callable[[BaseRequest, int, float], None] | None
+
+
+class StoreFigures(Protocol):
+    """What the metrics read from the limit store (``stores.LimitStore`` has it all)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def stats(self) -> StoreStats: ...
+    def tracked_keys(self, limit_name: str) -> int: ...
+    def evictions(self, limit_name: str) -> int: ...
+
+
 class ConnectionCounts(Protocol):
     """The client listener's connection figures (``GatewayServer`` keeps them)."""
 
@@ -114,7 +131,7 @@ class WorkerState:
 
     worker_id: int
     current: CurrentRuntime
-    store: LimitStore
+    store: StoreFigures
     connections: ConnectionCounts
     reloader: ReloadSource | None = None
 
@@ -242,7 +259,7 @@ class ObservedHandler:
 
     __slots__ = ("_metrics", "_proxy")
 
-    def __init__(self, proxy: ProxyHandler, metrics: WorkerMetrics) -> None:
+    def __init__(self, proxy: CurrentRuntime, metrics: WorkerMetrics) -> None:
         self._proxy = proxy
         self._metrics = metrics
 
