@@ -1,4 +1,4 @@
-"""Helpers several test files share (fixtures stay in conftest.py): policies, scrapes of
+"""What several test files share (fixtures stay in conftest.py): policies, scrapes of
 ``/metrics``, a ``--workers 2`` gateway as a subprocess, and a few constants."""
 
 from __future__ import annotations
