@@ -11,14 +11,13 @@ from yarl import URL
 
 from gateway.admin_auth import AdminAuth, auth_middleware, login_routes
 from gateway.client_ip import client_key
-from gateway.engine import LimitEngine
+from gateway.engine import Explanation, LimitEngine, LimitLook
 from gateway.keys import RequestFacts
-from gateway.limits import Check
 from gateway.policy import Policy
 from gateway.redact import REDACTED, redact_url
 from gateway.responses import SERVER
 from gateway.routing import normalise_host
-from gateway.stores import StoreUnavailableError, store_url
+from gateway.stores import store_url
 
 if TYPE_CHECKING:
     from gateway.proxy import ProxyHandler
@@ -56,16 +55,7 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _policy(request: web.Request) -> web.Response:
     state = request.app[ADMIN_STATE]
     runtime = state.handler.runtime
-    reload_status = None
-    if state.reloader is not None:
-        status = state.reloader.status
-        reload_status = {
-            "succeeded": status.succeeded,
-            "failed": status.failed,
-            "last_result": status.last_result,
-            "last_error": status.last_error,
-            "last_success_at": status.last_success_at,
-        }
+    reload_status = state.reloader.status if state.reloader is not None else None
     policy = redacted_policy(runtime.loaded.policy)
     policy["server"].update(state.in_force)
     return web.json_response(
@@ -76,7 +66,7 @@ async def _policy(request: web.Request) -> web.Response:
             "worker": state.worker_id,
             "store": runtime.engine.store.name,
             "store_url": redact_url(store_url(runtime.loaded.policy.store)),
-            "reload": reload_status,
+            "reload": reload_status.model_dump() if reload_status is not None else None,
             "in_force": state.in_force,
             "policy": policy,
         }
@@ -130,11 +120,6 @@ async def _explain(request: web.Request) -> web.Response:
         result["limits"] = []
         result["verdict"] = {"status": 404, "reason": "no route matches"}
         return web.json_response(result)
-    access = None
-    if engine.deny and engine.deny.contains(client_ip):
-        access = result["access"] = "deny"
-    elif engine.allow and engine.allow.contains(client_ip):
-        access = result["access"] = "allow"
     facts = RequestFacts(
         client_key(client_ip, engine.ipv6_prefix),
         route.name,
@@ -142,75 +127,68 @@ async def _explain(request: web.Request) -> web.Response:
         CIMultiDictProxy(headers),
         lambda: url.query,
     )
-    limits = []
-    enforced: list[Check] = []
-    for limit in engine.limits:
-        entry: dict[str, Any] = {
-            "name": limit.name,
-            "algorithm": limit.spec.algorithm,
-            "dry_run": limit.spec.dry_run,
-            "applies": limit.applies(route, host, path, method),
-            "waiting": limit.counters.waiting,
-        }
-        if entry["applies"]:
-            key = limit.keys.build(facts)
-            entry["key"] = key
-            if key is None:
-                entry["skipped"] = "a key part is missing (on_missing_key: skip)"
-            else:
-                try:
-                    verdict = await engine.store.decide((Check(limit, key),), commit=False)
-                except StoreUnavailableError as exc:  # on_failure: deny, the store is down
-                    entry["next_request"] = {"allowed": False, "status": 503, "reason": str(exc)}
-                    limits.append(entry)
-                    continue
-                decision = verdict.decisions[0]
-                entry["next_request"] = {
-                    "allowed": decision.allowed,
-                    "delay_s": decision.delay_s,
-                    "retry_after_s": decision.retry_after_s,
-                    "limit": decision.limit,
-                    "remaining": decision.remaining,
-                    "reset_s": decision.reset_s,
-                }
-                entry["tracked_keys"] = engine.store.tracked_keys(limit.name)
-                if not limit.spec.dry_run:
-                    bound = 0.0 if limit.queue_full() else limit.spec.max_delay
-                    enforced.append(Check(limit, key, bound))
-        limits.append(entry)
-    result["limits"] = limits
-    result["verdict"] = await _combined_verdict(engine, enforced, access)
+    explanation = await engine.explain(facts, route, host, path, client_ip)
+    if explanation.access is not None:
+        result["access"] = explanation.access
+    result["limits"] = [_limit_entry(look, engine) for look in explanation.limits]
+    result["verdict"] = _verdict(explanation)
     return web.json_response(result)
 
 
-async def _combined_verdict(
-    engine: LimitEngine, enforced: list[Check], access: str | None
-) -> dict[str, Any]:
-    """What the next request would get from all its limits together (the stacking rule, the
-    queue's bounds and the access lists), as the proxy would decide it, committing nothing."""
-    if access == "deny":
-        return {"status": 403, "reason": "client address is denied"}
-    if access == "allow" or not enforced:
-        reason = "client address is allowed" if access else "no enforced limit applies"
+def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
+    limit = look.limit
+    entry: dict[str, Any] = {
+        "name": limit.name,
+        "algorithm": limit.spec.algorithm,
+        "dry_run": limit.spec.dry_run,
+        "applies": look.applies,
+        "waiting": limit.counters.waiting,
+    }
+    if not look.applies:
+        return entry
+    entry["key"] = look.key
+    if look.key is None:
+        entry["skipped"] = "a key part is missing (on_missing_key: skip)"
+    elif look.unavailable is not None:
+        entry["next_request"] = {"allowed": False, "status": 503, "reason": look.unavailable}
+    elif look.decision is not None:
+        decision = look.decision
+        entry["next_request"] = {
+            "allowed": decision.allowed,
+            "delay_s": decision.delay_s,
+            "retry_after_s": decision.retry_after_s,
+            "limit": decision.limit,
+            "remaining": decision.remaining,
+            "reset_s": decision.reset_s,
+        }
+        entry["tracked_keys"] = engine.store.tracked_keys(limit.name)
+    return entry
+
+
+def _verdict(explanation: Explanation) -> dict[str, Any]:
+    """The engine's outcome for the next request, in words."""
+    outcome = explanation.outcome
+    verdict = outcome.verdict
+    if verdict is None:
+        if outcome.status:  # denied by the access list, or the store is down (on_failure: deny)
+            return {"status": outcome.status, "reason": outcome.reason}
+        reason = "client address is allowed" if explanation.access else "no enforced limit applies"
         return {"status": 200, "delay_s": 0.0, "reason": reason}
-    try:
-        verdict = await engine.store.decide(enforced, commit=False)
-    except StoreUnavailableError as exc:
-        return {"status": 503, "reason": str(exc)}
+    checks = outcome.checks
     if not verdict.allowed:
-        first = enforced[verdict.rejected_by[0]].limit
+        # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
         queued = verdict.decisions[verdict.rejected_by[0]].allowed
         return {
-            "status": first.spec.status,
-            "rejected_by": [enforced[i].limit.name for i in verdict.rejected_by],
-            "retry_after_s": verdict.retry_after_s,
+            "status": outcome.status,
+            "rejected_by": [checks[i].limit.name for i in verdict.rejected_by],
+            "retry_after_s": outcome.retry_after_s,
             "reason": "queue full or wait over max_delay" if queued else "over the limit",
         }
     delayed_by = verdict.delayed_by
     return {
         "status": 200,
         "delay_s": verdict.delay_s,
-        "delayed_by": enforced[delayed_by].limit.name if delayed_by is not None else None,
+        "delayed_by": checks[delayed_by].limit.name if delayed_by is not None else None,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 from aiohttp import web
@@ -46,14 +47,28 @@ def make_demo_app() -> web.Application:
     return app
 
 
-async def start_demo_upstream() -> tuple[web.AppRunner, tuple[str, int]]:
-    """Start the demo backend on a free loopback port; returns its runner and address."""
-    runner = web.AppRunner(make_demo_app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, ("127.0.0.1", port)
+class DemoUpstream:
+    """The demo backend on a free loopback port: bound at construction, so a runtime can be built
+    with its address before anything starts, and served from ``start``."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.address: tuple[str, int] = ("127.0.0.1", self._sock.getsockname()[1])
+        self._runner = web.AppRunner(make_demo_app(), access_log=None)
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        await web.SockSite(self._runner, self._sock).start()
+
+    async def close(self) -> None:
+        if self._runner.server is not None:
+            await self._runner.cleanup()
+        self._sock.close()
+
+    def discard(self) -> None:
+        """Release the port of a demo upstream that was never started."""
+        self._sock.close()
 
 
 def main(argv: list[str] | None = None) -> None:

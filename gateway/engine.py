@@ -55,6 +55,29 @@ class Outcome:
 ALLOW = Outcome()
 
 
+@dataclass(frozen=True, slots=True)
+class LimitLook:
+    """One limit as ``/explain`` shows it: whether it applies, under which key, and what it alone
+    would say of the next request (``decision``), or why the store could not say (``unavailable``).
+    """
+
+    limit: CompiledLimit
+    applies: bool
+    key: str | None = None
+    decision: Decision | None = None
+    unavailable: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """What the engine would answer the next request (``outcome``, from ``evaluate`` itself),
+    the access list that decided it (``"allow"``, ``"deny"`` or ``None``), and every limit."""
+
+    outcome: Outcome
+    access: str | None
+    limits: tuple[LimitLook, ...]
+
+
 def _window_s(spec: Limit) -> float:
     """The window advertised in ``RateLimit-Policy`` (``w``): how long the quota takes to refill."""
     if isinstance(spec, WindowLimit):
@@ -132,9 +155,10 @@ class LimitEngine:
         self.active = bool(limits) or bool(self.allow) or bool(self.deny)
 
     def checks_for(
-        self, facts: RequestFacts, route: Route, host: str, path: str
+        self, facts: RequestFacts, route: Route, host: str, path: str, *, reserve: bool = True
     ) -> tuple[list[Check], list[Check]]:
-        """The (enforced, dry-run) checks that apply to a request."""
+        """The (enforced, dry-run) checks that apply to a request; with ``reserve``, each enforced
+        check with room in its queue holds a place there until ``_release``."""
         enforced: list[Check] = []
         dry: list[Check] = []
         method = facts.method
@@ -150,19 +174,32 @@ class LimitEngine:
             else:
                 if limit.queue_full():
                     enforced.append(Check(limit, key, 0.0))
+                elif not reserve:
+                    enforced.append(Check(limit, key, spec.max_delay))
                 else:
                     limit.counters.deciding += 1
                     enforced.append(Check(limit, key, spec.max_delay, True))
         return enforced, dry
 
     async def evaluate(
-        self, facts: RequestFacts, route: Route, host: str, path: str, client_ip: str
+        self,
+        facts: RequestFacts,
+        route: Route,
+        host: str,
+        path: str,
+        client_ip: str,
+        *,
+        commit: bool = True,
     ) -> Outcome:
+        """What to do with a request. ``commit=False`` is a look (``explain``): the same verdict,
+        with nothing charged, counted or held, and no key moved in the store's LRU order."""
         if self.deny and self.deny.contains(client_ip):
             return Outcome(status=403, reason="client address is denied")
         if self.allow and self.allow.contains(client_ip):
             return ALLOW
-        enforced, dry = self.checks_for(facts, route, host, path)
+        enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
+        if not commit:
+            return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
             if dry:
                 await self._dry_run(dry)
@@ -185,10 +222,38 @@ class LimitEngine:
             outcome.holds_places = True
         return outcome
 
-    async def _enforce(self, enforced: list[Check]) -> Outcome:
+    async def explain(
+        self, facts: RequestFacts, route: Route, host: str, path: str, client_ip: str
+    ) -> Explanation:
+        """What ``evaluate`` would answer now, and what each limit alone would say; commits
+        nothing."""
+        outcome = await self.evaluate(facts, route, host, path, client_ip, commit=False)
+        access = None
+        if self.deny and self.deny.contains(client_ip):
+            access = "deny"
+        elif self.allow and self.allow.contains(client_ip):
+            access = "allow"
+        looks = []
+        for limit in self.limits:
+            if not limit.applies(route, host, path, facts.method):
+                looks.append(LimitLook(limit, applies=False))
+                continue
+            key = limit.keys.build(facts)
+            if key is None:
+                looks.append(LimitLook(limit, applies=True))
+                continue
+            try:
+                verdict = await self.store.decide((Check(limit, key),), commit=False)
+            except StoreUnavailableError as exc:  # on_failure: deny, and the store is down
+                looks.append(LimitLook(limit, applies=True, key=key, unavailable=str(exc)))
+                continue
+            looks.append(LimitLook(limit, applies=True, key=key, decision=verdict.decisions[0]))
+        return Explanation(outcome, access, tuple(looks))
+
+    async def _enforce(self, enforced: list[Check], *, commit: bool = True) -> Outcome:
         """Decide the enforced limits in one atomic store call (nginx's multi-zone rule)."""
         try:
-            verdict = await self.store.decide(enforced)
+            verdict = await self.store.decide(enforced, commit=commit)
         except StoreUnavailableError as exc:
             # The operator chose to fail closed (on_failure: deny) and the store is down.
             return Outcome(
@@ -198,8 +263,9 @@ class LimitEngine:
             )
         if not verdict.allowed:
             first = enforced[verdict.rejected_by[0]]
-            for index in verdict.rejected_by:
-                enforced[index].limit.counters.rejected += 1
+            if commit:
+                for index in verdict.rejected_by:
+                    enforced[index].limit.counters.rejected += 1
             # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
             queued = verdict.decisions[verdict.rejected_by[0]].allowed
             return Outcome(
@@ -214,14 +280,14 @@ class LimitEngine:
                 checks=enforced,
                 verdict=verdict,
             )
-        delay_s = verdict.delay_s
-        for index, check in enumerate(enforced):
-            if verdict.decisions[index].delay_s > 0.0:
-                check.limit.counters.delayed += 1
-            else:
-                check.limit.counters.allowed += 1
+        if commit:
+            for index, check in enumerate(enforced):
+                if verdict.decisions[index].delay_s > 0.0:
+                    check.limit.counters.delayed += 1
+                else:
+                    check.limit.counters.allowed += 1
         return Outcome(
-            delay_s=delay_s,
+            delay_s=verdict.delay_s,
             checks=enforced,
             verdict=verdict,
         )

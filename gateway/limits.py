@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
 from gateway.keys import KeyBuilder
@@ -16,9 +16,22 @@ from gateway.policy import Limit, Route
 from gateway.routing import CompiledMatch
 
 
+class DecisionCounts(NamedTuple):
+    """How often a limit decided each way: the record the metrics read, by name."""
+
+    allowed: int = 0
+    delayed: int = 0
+    rejected: int = 0
+    dry_run_delayed: int = 0
+    dry_run_rejected: int = 0
+
+
 @dataclass(slots=True)
 class LimitCounters:
-    """Per-limit figures that outlive a reload while the limit keeps its name."""
+    """Per-limit figures that outlive a reload while the limit keeps its name.
+
+    The hot path increments the decision fields in place; ``decisions()`` reads them as one
+    record."""
 
     allowed: int = 0
     delayed: int = 0
@@ -29,6 +42,11 @@ class LimitCounters:
     # Requests between the queue-bound check and their decision (or their place in the queue):
     # counted against max_queue too, so requests decided together cannot overfill the queue.
     deciding: int = 0
+
+    def decisions(self) -> DecisionCounts:
+        return DecisionCounts(
+            self.allowed, self.delayed, self.rejected, self.dry_run_delayed, self.dry_run_rejected
+        )
 
 
 @dataclass(slots=True)

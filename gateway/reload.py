@@ -8,16 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import watchfiles
+from pydantic import BaseModel, ConfigDict
 
-from gateway.policy_loader import PolicyError, load_policy
-
-if TYPE_CHECKING:
-    from gateway.serve import Gateway
+from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
 
 log = logging.getLogger("gateway.reload")
 # watchfiles logs every batch of changes it sees at INFO. The directory it watches may hold the
@@ -26,8 +24,12 @@ log = logging.getLogger("gateway.reload")
 logging.getLogger("watchfiles").setLevel(logging.WARNING)
 
 
-@dataclass(slots=True)
-class ReloadStatus:
+class ReloadStatus(BaseModel):
+    """How this worker's reloads went: the one record ``/policy``, the metrics and the dashboard
+    show. Frozen: the reloader replaces it, so a snapshot holding one never sees it change."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     succeeded: int = 0
     failed: int = 0
     unchanged: int = 0
@@ -38,10 +40,18 @@ class ReloadStatus:
 
 
 class PolicyReloader:
-    """Reloads one policy file into one gateway."""
+    """Reloads one policy file: given the policy in force (``running``) and what swaps in a new
+    one (``apply``, which raises ``ValueError`` and changes nothing if it cannot)."""
 
-    def __init__(self, gateway: Gateway, path: str | Path) -> None:
-        self.gateway = gateway
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        running: Callable[[], LoadedPolicy],
+        apply: Callable[[LoadedPolicy], None],
+    ) -> None:
+        self._running = running
+        self._apply = apply
         self.path = Path(path)
         self.status = ReloadStatus(last_success_at=time.time())
         self._lock = asyncio.Lock()
@@ -52,11 +62,11 @@ class PolicyReloader:
     async def reload(self) -> str:
         """Try to load the file now; returns 'ok', 'unchanged' or 'failed'."""
         async with self._lock:
-            self.status.last_attempt_at = time.time()
+            self._update(last_attempt_at=time.time())
             try:
                 loaded = load_policy(self.path)
-                if loaded.sha256 == self.gateway.loaded.sha256:
-                    self.status.unchanged += 1
+                if loaded.sha256 == self._running().sha256:
+                    self._update(unchanged=self.status.unchanged + 1)
                     if self.status.last_result == "failed":
                         # The bad edit was reverted: the file and the running policy agree
                         # again, so the stale failure must not stay on /policy and the dashboard.
@@ -70,22 +80,23 @@ class PolicyReloader:
                     else:
                         log.info("policy %s unchanged (sha256 %s)", self.path, loaded.sha256[:12])
                     return "unchanged"
-                self.gateway.apply(loaded)
+                self._apply(loaded)
             except (PolicyError, ValueError) as exc:
-                self.status.failed += 1
-                self.status.last_result = "failed"
-                self.status.last_error = str(exc)
+                self._update(
+                    failed=self.status.failed + 1, last_result="failed", last_error=str(exc)
+                )
                 log.error("policy reload failed, keeping the running policy:\n%s", exc)
                 return "failed"
-            self.status.succeeded += 1
+            self._update(succeeded=self.status.succeeded + 1)
             self._succeeded()
             log.info("policy reloaded from %s (sha256 %s)", self.path, loaded.sha256[:12])
             return "ok"
 
     def _succeeded(self) -> None:
-        self.status.last_result = "ok"
-        self.status.last_error = None
-        self.status.last_success_at = time.time()
+        self._update(last_result="ok", last_error=None, last_success_at=time.time())
+
+    def _update(self, **changes: Any) -> None:
+        self.status = self.status.model_copy(update=changes)
 
     def _file_signature(self) -> tuple[int, int, int] | None:
         try:

@@ -15,9 +15,12 @@ from aiohttp import web
 
 from gateway.admin import AdminState, make_admin_app
 from gateway.admin_auth import AdminAuth, AdminTokenError
-from gateway.clock import Clock, MonotonicClock
-from gateway.demo_upstream import start_demo_upstream
+from gateway.clock import Clock
+from gateway.demo_upstream import DemoUpstream
+from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
+from gateway.observability.shared import default_shared_dir
+from gateway.observability.worker import WorkerState
 from gateway.policy import Policy, split_host_port
 from gateway.policy_loader import LoadedPolicy
 from gateway.proxy import ProxyHandler
@@ -25,7 +28,7 @@ from gateway.redact import redact_text
 from gateway.reload import PolicyReloader
 from gateway.runtime import Runtime, build_runtime, uses_demo
 from gateway.server import GatewayServer
-from gateway.stores import LimitStore, MemoryStore, build_store
+from gateway.stores import LimitStore, build_store
 
 log = logging.getLogger("gateway")
 
@@ -97,7 +100,11 @@ async def _start_site(site: web.TCPSite, what: str, host: str, port: int) -> Non
 
 
 class Gateway:
-    """One worker's listeners and runtime; tests start it in process, the CLI per worker."""
+    """One worker's listeners and runtime; tests start it in process, the CLI per worker.
+
+    Built in one pass (inside a running event loop): every part exists once ``__init__``
+    returns and each is handed only what it reads; ``start`` binds the listeners.
+    """
 
     def __init__(
         self,
@@ -114,20 +121,6 @@ class Gateway:
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
-        try:
-            self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
-        except ValueError as exc:  # a store URL the client refuses; it may hold a password
-            raise StartupError(f"store: {redact_text(str(exc))}") from None
-        # The limiter's clock (the store's, when it has one) and whether a verdict's ``now_us``
-        # is an instant on it (the memory store's; Redis decides on its own TIME): the access
-        # log's ``t_us``.
-        self.clock: Clock = getattr(self.store, "clock", None) or clock or MonotonicClock()
-        self.verdicts_on_clock = isinstance(self.store, MemoryStore)
-        self.reloader = PolicyReloader(self, policy_path) if policy_path else None
-        self._demo_address: tuple[str, int] | None = None
-        self._watch_stop = asyncio.Event()
-        self._watcher: asyncio.Task[None] | None = None
-        self._retired: list[Runtime] = []
         self.listen = listen_address(listen, ENV_LISTEN, settings.listen)
         self.admin_listen = listen_address(admin_listen, ENV_ADMIN_LISTEN, settings.admin_listen)
         try:
@@ -137,39 +130,72 @@ class Gateway:
         self.reuse_port = reuse_port
         self.worker_id = worker_id
         self.workers = workers
-        self._demo_runner: web.AppRunner | None = None
-        self._proxy_runner: web.ServerRunner | None = None
-        self._admin_runner: web.AppRunner | None = None
-        self.handler: ProxyHandler | None = None
-        self.admin_state: AdminState | None = None
-        self.server: GatewayServer | None = None
         self.proxy_port = 0
         self.admin_port = 0
-        self.observability = Observability(self)
+        try:
+            self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
+        except ValueError as exc:  # a store URL the client refuses; it may hold a password
+            raise StartupError(f"store: {redact_text(str(exc))}") from None
+        self._demo = DemoUpstream() if uses_demo(loaded) else None
+        self._demo_address = self._demo.address if self._demo is not None else None
+        self._watch_stop = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+        self._retired: list[Runtime] = []
+
+        try:
+            self.handler = ProxyHandler(build_runtime(loaded, self.store, self._demo_address))
+            self.server = GatewayServer(
+                self.handler,
+                header_timeout=settings.header_timeout,
+                max_connections=settings.max_connections,
+                max_body_size=settings.max_body_size,
+                keepalive_timeout=settings.keepalive_timeout,
+                max_line_size=settings.max_header_size,
+                max_field_size=settings.max_header_size,
+                max_headers=settings.max_headers,
+                auto_decompress=False,
+                access_log=None,  # the observability wrapper writes the access log line
+            )
+            self.reloader = (
+                PolicyReloader(policy_path, running=lambda: self.loaded, apply=self.apply)
+                if policy_path
+                else None
+            )
+            self.observability = Observability(
+                WorkerState(
+                    worker_id=worker_id,
+                    current=self.handler,
+                    store=self.store,
+                    connections=self.server,
+                    reloader=self.reloader,
+                    # The access log's ``t_us``: the limiter's instants (the store's clock).
+                    limiter_clock=self.store.clock,
+                ),
+                shared_dir=default_shared_dir(reuse_port),
+            )
+            self.observability.wrap(self.handler)
+            self.admin_state = AdminState(
+                handler=self.handler,
+                worker_id=worker_id,
+                reloader=self.reloader,
+                auth=self.admin_auth,
+            )
+            admin_app = make_admin_app(self.admin_state)
+            install_dashboard(admin_app, self.observability)
+            self._proxy_runner = web.ServerRunner(
+                self.server, shutdown_timeout=settings.shutdown_timeout
+            )
+            self._admin_runner = web.AppRunner(admin_app, access_log=None)
+        except BaseException:
+            if self._demo is not None:
+                self._demo.discard()  # its port was bound for the runtime just built
+            raise
 
     async def start(self) -> None:
-        settings = self.loaded.policy.server
-        if uses_demo(self.loaded):
-            self._demo_runner, self._demo_address = await start_demo_upstream()
-        runtime = build_runtime(self.loaded, self.store, self._demo_address)
+        if self._demo is not None:
+            await self._demo.start()
         # Before the listeners open: no request pays for connecting to the store.
         await self.store.prepare()
-        self.handler = ProxyHandler(runtime)
-        self.server = GatewayServer(
-            self.observability.wrap(self.handler),
-            header_timeout=settings.header_timeout,
-            max_connections=settings.max_connections,
-            max_body_size=settings.max_body_size,
-            keepalive_timeout=settings.keepalive_timeout,
-            max_line_size=settings.max_header_size,
-            max_field_size=settings.max_header_size,
-            max_headers=settings.max_headers,
-            auto_decompress=False,
-            access_log=None,  # the observability wrapper writes the access log line
-        )
-        self._proxy_runner = web.ServerRunner(
-            self.server, shutdown_timeout=settings.shutdown_timeout
-        )
         await self._proxy_runner.setup()
         host, port = self.listen
         site = web.TCPSite(
@@ -178,15 +204,6 @@ class Gateway:
         await _start_site(site, "proxy", host, port)
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
-        self.admin_state = AdminState(
-            handler=self.handler,
-            worker_id=self.worker_id,
-            reloader=self.reloader,
-            auth=self.admin_auth,
-        )
-        admin_app = make_admin_app(self.admin_state)
-        self.observability.install(admin_app)
-        self._admin_runner = web.AppRunner(admin_app, access_log=None)
         await self._admin_runner.setup()
         admin_host, admin_port = self.admin_listen
         admin_site = web.TCPSite(
@@ -198,7 +215,7 @@ class Gateway:
             "listen": _host_port(self.listen[0], self.proxy_port),
             "admin_listen": _host_port(admin_host, self.admin_port),
             "workers": self.workers,
-            "shutdown_timeout": settings.shutdown_timeout,
+            "shutdown_timeout": self.loaded.policy.server.shutdown_timeout,
         }
         if self.reloader is not None:
             self._watcher = asyncio.get_running_loop().create_task(
@@ -212,7 +229,6 @@ class Gateway:
         Requests in flight finish under the runtime they started with; its upstream pools that
         the new runtime does not share are closed once those requests are done.
         """
-        assert self.handler is not None
         if uses_demo(loaded) and self._demo_address is None:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
         if loaded.policy.store != self.loaded.policy.store:
@@ -228,12 +244,10 @@ class Gateway:
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
-        if self.server is not None:
-            self.server.reconfigure(loaded.policy.server)
+        self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
         self.admin_auth = admin_auth
-        if self.admin_state is not None:
-            self.admin_state.auth = admin_auth
+        self.admin_state.auth = admin_auth
         asyncio.get_running_loop().create_task(self._retire(previous))
 
     async def _retire(self, runtime: Runtime) -> None:
@@ -248,7 +262,6 @@ class Gateway:
             await runtime.idle()
         finally:
             self._retired.remove(runtime)
-        assert self.handler is not None
         in_use = {
             id(target.pool)
             for other in (self.handler.runtime, *self._retired)
@@ -259,31 +272,30 @@ class Gateway:
         )
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish within the shutdown deadline."""
-        if self.admin_state is not None:
-            self.admin_state.ready = False
+        """Stop accepting, let in-flight requests finish within the shutdown deadline.
+
+        Safe after a failed ``start``: only what was set up is cleaned up."""
+        self.admin_state.ready = False
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.cancel()
-        if self.handler is not None:
-            # Queued requests that could not be served before the deadline get 503 now, rather
-            # than being cut off when it passes.
-            deadline = asyncio.get_running_loop().time() + max(
-                self.loaded.policy.server.shutdown_timeout - 0.5, 0.0
-            )
-            for runtime in (self.handler.runtime, *self._retired):
-                runtime.engine.queue.release_after(deadline)
-        if self._proxy_runner is not None:
+        # Queued requests that could not be served before the deadline get 503 now, rather
+        # than being cut off when it passes.
+        deadline = asyncio.get_running_loop().time() + max(
+            self.loaded.policy.server.shutdown_timeout - 0.5, 0.0
+        )
+        for runtime in (self.handler.runtime, *self._retired):
+            runtime.engine.queue.release_after(deadline)
+        if self._proxy_runner.server is not None:
             await self._proxy_runner.cleanup()
-        if self._admin_runner is not None:
+        if self._admin_runner.server is not None:
             await self._admin_runner.cleanup()
-        if self.handler is not None:
-            await self.handler.runtime.close()
+        await self.handler.runtime.close()
         for runtime in list(self._retired):
             await runtime.close()
         await self.store.close()
-        if self._demo_runner is not None:
-            await self._demo_runner.cleanup()
+        if self._demo is not None:
+            await self._demo.close()
 
 
 def _host_port(host: str, port: int) -> str:
@@ -362,8 +374,10 @@ async def serve(
         loaded.sha256[:12],
     )
     if gateway.admin_auth.token is not None:
-        log.info("admin listener requires the admin token (except on %s)",
-                 ", ".join(gateway.admin_auth.public_paths) or "no path")
+        log.info(
+            "admin listener requires the admin token (except on %s)",
+            ", ".join(gateway.admin_auth.public_paths) or "no path",
+        )
     warn_if_unreachable(gateway)
     if on_started is not None:
         on_started(gateway)

@@ -86,9 +86,9 @@ class ChunkSizes:
 
 
 class _MessageQueue(list[Any]):
-    """aiohttp's per-connection queue of parsed requests, as a list: an empty ``deque`` takes
-    760 bytes, an empty list 56, and this queue holds one or two entries (pipelining). On 10,000
-    connections held in a shaping queue that is 7 MB."""
+    """aiohttp's per-connection queue of parsed requests, as a list: an empty ``deque`` is many
+    times the size of an empty list, and this queue holds one or two entries (pipelining), on
+    every connection a shaping queue holds (bench/README.md)."""
 
     __slots__ = ()
 

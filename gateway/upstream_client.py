@@ -1,7 +1,8 @@
 """The upstream leg: an HTTP/1.1 keep-alive connection pool on asyncio protocols and httptools.
 
-Forwarding through ``aiohttp.ClientSession`` costs most of a proxy's time per request (about 4x the
-throughput is left on the table), so the gateway talks to its upstreams through this small client:
+Forwarding through ``aiohttp.ClientSession`` costs most of a proxy's time per request (see
+bench/README.md for the measured difference), so the gateway talks to its upstreams through this
+small client:
 one ``asyncio.Protocol`` per connection, httptools' C parser (llhttp) calling straight into the
 response object, no Task per request, and a fast path where a small response that arrives in one
 read is handed over whole (``body_complete``) so the gateway can answer with one write.

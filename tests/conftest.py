@@ -11,6 +11,9 @@ from aiohttp import web
 
 from gateway.policy_loader import LoadedPolicy, parse_policy
 from gateway.serve import Gateway
+from tests.support import policy_for
+
+__all__ = ["policy_for"]  # importers of tests.conftest find it here too
 
 
 @dataclass
@@ -92,17 +95,6 @@ async def make_upstream() -> AsyncIterator[Callable[[], Awaitable[RecordingUpstr
     yield make
     for rec in started:
         await rec.runner.cleanup()
-
-
-def policy_for(upstream_url: str, extra: str = "", server: str = "") -> str:
-    """A policy text with one upstream ``backend`` and a catch-all route."""
-    return (
-        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
-        + server
-        + f"upstreams:\n  backend:\n    url: {upstream_url}\n    connect_timeout: 2s\n"
-        "    read_timeout: 5s\n"
-        "routes:\n  - name: all\n    upstream: backend\n" + extra
-    )
 
 
 @dataclass

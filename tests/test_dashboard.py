@@ -25,7 +25,7 @@ from gateway.policy_loader import load_policy
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream
 from tests.redis_harness import RedisServer
-from tests.test_metrics import (
+from tests.support import (
     PER_IP_BURST_4,
     TIMEOUT,
     Samples,

@@ -307,9 +307,7 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile(
         "version-unknown-major", _line(b"GET /target HTTP/9.1"), statuses=frozenset({400, 505})
     ),
-    Hostile(
-        "version-missing-http-0.9", b"GET /target\r\n\r\n", statuses=frozenset({400, 505})
-    ),
+    Hostile("version-missing-http-0.9", b"GET /target\r\n\r\n", statuses=frozenset({400, 505})),
     Hostile("version-http-0.9", _line(b"GET /target HTTP/0.9"), statuses=frozenset({505})),
     Hostile("version-http-2.0", _line(b"GET /target HTTP/2.0"), statuses=frozenset({505})),
     Hostile("request-line-trailing-space", _line(b"GET /target HTTP/1.1 ")),
@@ -442,7 +440,6 @@ async def _wait_for(condition: Callable[[], bool], what: str, within_s: float = 
 async def _gateway_idle(gw: RunningGateway) -> None:
     """Wait (bounded) until the gateway has let go of every client connection."""
     server = gw.gateway.server
-    assert server is not None
     await _wait_for(lambda: server.open_connections == 0, "the gateway to close its connections")
 
 

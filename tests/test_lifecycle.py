@@ -149,7 +149,6 @@ async def test_slow_clients_cut_at_header_deadline_while_others_are_served(
         f"/normal/{i}" for i in range(30)
     )
     server = gw.gateway.server
-    assert server is not None
     assert server.header_timeouts >= 5
     assert_no_errors_logged(caplog)
 
@@ -220,7 +219,6 @@ async def test_connection_cap_refuses_extra_connections_with_503(
         policy_for(upstream.url, server=f"  max_connections: {cap}\n  header_timeout: 30s\n")
     )
     server = gw.gateway.server
-    assert server is not None
     idle = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(cap)]
     try:
         await wait_for(lambda: server.open_connections == cap, "the idle connections to register")

@@ -95,7 +95,7 @@ async def test_dry_run_limit_counts_but_never_enforces(
     async with aiohttp.ClientSession() as session:
         statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(8)]
     assert statuses == [200] * 6 + [429] * 2
-    engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
+    engine = gw.gateway.handler.runtime.engine
     candidate = next(x for x in engine.limits if x.name == "candidate")
     # The candidate (burst 1) would have let 2 through: the other 6 would have been rejected.
     assert candidate.counters.dry_run_rejected == 6
@@ -176,7 +176,7 @@ async def test_client_leaving_the_queue_gets_its_charge_back(
         "    max_delay: 30s\n",
     )
     gw = await start_gateway(policy, clock=clock)
-    engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
+    engine = gw.gateway.handler.runtime.engine
     shaped = engine.limits[0]
     async with aiohttp.ClientSession() as session:
         assert (await _get(session, gw.url + "/"))[0] == 200

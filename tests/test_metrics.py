@@ -8,15 +8,12 @@ admits b + 1 at one instant), never from running the implementation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import signal
-import socket
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -41,58 +38,21 @@ from gateway.observability.snapshot import (
     merge,
 )
 from gateway.observability.stats import QUEUE_WAIT_BUCKETS, RequestStats, StoreStats
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT = aiohttp.ClientTimeout(total=10)
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-# -- helpers shared with test_dashboard and test_prometheus ---------------------------------------
-
-
-def parse_metrics(text: str) -> Samples:
-    """Every sample of a Prometheus text exposition: (name, labels) -> value."""
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
-
-
-async def scrape(session: aiohttp.ClientSession, admin_url: str) -> tuple[Samples, str]:
-    async with session.get(admin_url + "/metrics") as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        text = await resp.text()
-    return parse_metrics(text), text
-
-
-async def get_status(session: aiohttp.ClientSession, url: str, **kwargs: object) -> int:
-    async with session.get(url, **kwargs) as resp:  # type: ignore[arg-type]
-        await resp.read()
-        return resp.status
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def limited_policy(upstream_url: str, limits: str, server: str = "") -> str:
-    return policy_for(upstream_url, server=server) + "limits:\n" + limits
-
-
-PER_IP_BURST_4 = (
-    "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 4\n    nodelay: true\n"
+from tests.conftest import GatewayFactory, RecordingUpstream
+from tests.support import (
+    PER_IP_BURST_4,
+    TIMEOUT,
+    Samples,
+    Workers,
+    free_port,
+    get_status,
+    limited_policy,
+    replace_file,
+    run_workers,
+    scrape,
+    scrape_until,
+    value,
 )
-
 
 # -- the space-saving sketch ----------------------------------------------------------------------
 
@@ -424,13 +384,6 @@ async def test_upstream_errors_are_counted_by_reason(start_gateway: GatewayFacto
     assert value(samples, "gateway_requests_total", route="slow", method="GET", status="5xx") == 1
 
 
-def replace_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` at once (a rename), so a watcher never reads half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 async def test_reloads_are_counted_by_result_and_logged(
     upstream: RecordingUpstream, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -547,81 +500,10 @@ async def test_text_access_log_carries_a_delayed_requests_delay(
 # -- several workers ------------------------------------------------------------------------------
 
 
-Workers = tuple[str, str, Callable[[], list[int]]]
-
-
-@contextlib.asynccontextmanager
-async def run_workers(upstream_url: str, tmp_path: Path, extra: str = "") -> AsyncIterator[Workers]:
-    """``gateway run --workers 2`` as a subprocess; yields proxy URL, admin URL, worker pids.
-
-    ``extra``: policy text after the one route (a ``store:``, ``limits:``). Snapshots go to
-    ``tmp_path/metrics``.
-    """
-    port, admin_port = free_port(), free_port()
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(
-        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
-        f"upstreams:\n  backend:\n    url: {upstream_url}\n"
-        "routes:\n  - name: all\n    upstream: backend\n" + extra
-    )
-    log_path = tmp_path / "gateway.log"
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "2",
-            cwd=REPO_ROOT,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env={**os.environ, "GATEWAY_METRICS_DIR": str(tmp_path / "metrics")},
-        )  # fmt: skip
-
-    def workers() -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:
-                    continue
-                fields = stat.rsplit(")", 1)[1].split()
-                if int(fields[1]) == proc.pid and fields[0] != "Z":
-                    pids.append(int(entry))
-        return pids
-
-    try:
-        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", workers
-    finally:
-        for pid in workers():
-            os.kill(pid, signal.SIGKILL)
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()
-
-
 @pytest.fixture
 async def two_workers(upstream: RecordingUpstream, tmp_path: Path) -> AsyncIterator[Workers]:
     async with run_workers(upstream.url, tmp_path) as workers:
         yield workers
-
-
-async def scrape_until(
-    session: aiohttp.ClientSession,
-    admin_url: str,
-    condition: Callable[[Samples], bool],
-    within_s: float = 10.0,
-) -> Samples:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    samples: Samples = {}
-    while loop.time() < deadline:
-        try:
-            samples, _ = await scrape(session, admin_url)
-        except (aiohttp.ClientError, AssertionError):
-            samples = {}
-        if samples and condition(samples):
-            return samples
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"no scrape met the condition within {within_s}s: {samples}")
 
 
 def published_pids(metrics_dir: Path) -> set[int]:
@@ -633,6 +515,18 @@ def published_pids(metrics_dir: Path) -> set[int]:
         except (OSError, ValueError):
             continue
     return pids
+
+
+def published_ok_requests(metrics_dir: Path) -> int:
+    """The 2xx requests counted in the workers' snapshot files."""
+    total = 0
+    for file in metrics_dir.glob("worker-*.json"):
+        try:
+            requests = json.loads(file.read_text())["requests"]
+        except (OSError, ValueError):
+            continue
+        total += sum(count for _, _, status_class, count in requests if status_class == 2)
+    return total
 
 
 async def _wait_for(condition: Callable[[], bool], what: str, within_s: float) -> None:
@@ -674,7 +568,11 @@ async def test_every_scrape_sees_the_whole_gateway_across_workers_and_restarts(
             )
             assert value(samples, "gateway_workers") == 2
         # A worker killed outright is restarted, and its predecessor's counts stay in the sum.
-        await asyncio.sleep(1.5)  # both have published their final figures (once a second)
+        await _wait_for(
+            lambda: published_ok_requests(metrics_dir) == requests,
+            "both workers' final figures published",
+            5.0,
+        )
         victim = workers()[0]
         os.kill(victim, signal.SIGKILL)
 

@@ -20,7 +20,7 @@ import yaml
 
 from gateway.clock import FakeClock
 from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.test_metrics import TIMEOUT, free_port, get_status, limited_policy
+from tests.support import TIMEOUT, free_port, get_status, limited_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "contrib" / "grafana"

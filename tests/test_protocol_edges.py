@@ -38,9 +38,7 @@ _UPSTREAM_REPLIES: dict[bytes, bytes] = {
     b"/close-delimited": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"x" * 1000,
     b"/truncated": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % _LARGE + b"x" * 70000,
     b"/typed": b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nServer: upstream/1\r\n"
-    b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % _LARGE
-    + b"x" * _LARGE
-    + b"\r\n0\r\n\r\n",
+    b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % _LARGE + b"x" * _LARGE + b"\r\n0\r\n\r\n",
 }
 
 

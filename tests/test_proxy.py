@@ -498,7 +498,6 @@ async def test_keepalive_reuses_upstream_connections(
         r.peer_port for r in upstream.requests
     ]
     handler = gw.gateway.handler
-    assert handler is not None
     assert handler.runtime.upstreams["backend"].pool.open_connections == 1
 
 

@@ -59,7 +59,7 @@ async def test_shutdown_answers_queued_requests_with_503(
     queued = asyncio.create_task(
         exchange(gw.port, b"GET /q HTTP/1.1\r\nHost: h\r\n\r\n", read_for=10)
     )
-    limit = gw.gateway.handler.runtime.engine.limits[0]  # type: ignore[union-attr]
+    limit = gw.gateway.handler.runtime.engine.limits[0]
     for _ in range(200):
         if limit.counters.waiting:
             break

@@ -30,7 +30,7 @@ async def test_requests_decided_together_never_overfill_the_queue(
         "    dry_run: true\n"
     )
     gw = await start_gateway(policy)
-    engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
+    engine = gw.gateway.handler.runtime.engine
     shaped = next(limit for limit in engine.limits if limit.name == "shaped")
     most_waiting = 0
 
@@ -83,7 +83,7 @@ async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
         prefix = f"queue-{window}:"
         policy += f"store:\n  url: {server.url}\n  key_prefix: '{prefix}'\n  timeout: 2s\n"
     gw = await start_gateway(policy, clock=clock)
-    engine = gw.gateway.handler.runtime.engine  # type: ignore[union-attr]
+    engine = gw.gateway.handler.runtime.engine
     shaped = next(limit for limit in engine.limits if limit.name == "shaped")
     async with aiohttp.ClientSession() as session:
         async with session.get(gw.url + "/") as resp:

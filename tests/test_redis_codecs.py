@@ -12,24 +12,24 @@ from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
-from gateway.stores.redis.codecs import codec_for, divided
-from tests.test_redis_store import T0_US
+from gateway.stores.redis.codecs import codec_for
+from tests.support import T0_US
 
 
 def test_each_limit_divided_between_replicas_is_never_more_lenient() -> None:
-    assert divided(LeakyBucket(10, 1, 20, 10), 2) == LeakyBucket(5, 1, 10, 5)
+    assert LeakyBucket(10, 1, 20, 10).share(2) == LeakyBucket(5, 1, 10, 5)
     # 10r/s over 3: 200r/m (3.33 r/s), burst 20 -> 6, delay 10 -> 3
-    assert divided(LeakyBucket(10, 1, 20, 10), 3) == LeakyBucket(200, 60, 6, 3)
-    assert divided(LeakyBucket(1, 60, 5, None), 4) == LeakyBucket(1, 60, 1, None)
-    assert divided(SlidingWindow(600, 60.0), 4) == SlidingWindow(150, 60.0)
-    assert divided(FixedWindow(5, 1.0), 10) == FixedWindow(1, 1.0)
-    assert divided(SlidingLog(9, 2.0), 2) == SlidingLog(4, 2.0)
-    assert divided(TokenBucket(1000, 1, 2000), 3) == TokenBucket(1000, 3, 666)
-    bucket = divided(TokenBucket(1000, 1, 2000), 3)
+    assert LeakyBucket(10, 1, 20, 10).share(3) == LeakyBucket(200, 60, 6, 3)
+    assert LeakyBucket(1, 60, 5, None).share(4) == LeakyBucket(1, 60, 1, None)
+    assert SlidingWindow(600, 60.0).share(4) == SlidingWindow(150, 60.0)
+    assert FixedWindow(5, 1.0).share(10) == FixedWindow(1, 1.0)
+    assert SlidingLog(9, 2.0).share(2) == SlidingLog(4, 2.0)
+    assert TokenBucket(1000, 1, 2000).share(3) == TokenBucket(1000, 3, 666)
+    bucket = TokenBucket(1000, 1, 2000).share(3)
     assert isinstance(bucket, TokenBucket) and bucket.tokens(None, 0) == 666
-    assert divided(WarmingUpTokenBucket(6, 1, 2.0), 2) == WarmingUpTokenBucket(6, 2, 2.0)
+    assert WarmingUpTokenBucket(6, 1, 2.0).share(2) == WarmingUpTokenBucket(6, 2, 2.0)
     limit = LeakyBucket(5, 1, 3, None)
-    assert divided(limit, 1) is limit
+    assert limit.share(1) is limit
 
 
 def test_limits_whose_arithmetic_would_not_be_exact_in_lua_are_refused() -> None:

@@ -48,15 +48,13 @@ from gateway.stores.redis.store import load_script, parse_store_url
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
-from tests.test_metrics import scrape
+from tests.support import T0_US, scrape
 
 # The harness's fixtures, made visible to pytest in this module.
 redis_server = redis_harness.redis_server
 redis_cluster = redis_harness.redis_cluster
 redis_factory = redis_harness.redis_factory
 
-# An epoch-sized start, like Redis TIME: the Lua arithmetic must stay exact at this magnitude.
-T0_US = 1_763_000_000_000_000
 STORE_KINDS = ("memory", "redis", "redis-py", "cluster")
 _prefixes = itertools.count()
 

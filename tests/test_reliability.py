@@ -116,9 +116,7 @@ async def _slowloris_round(port: int, connections: int, header_timeout_s: float)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /slow HTTP/1.1\r\nHost: h\r\nX-Padding: aaaa")
         opened.append((reader, writer))
-    ends = await asyncio.gather(
-        *(_end_of(reader, header_timeout_s + 5.0) for reader, _ in opened)
-    )
+    ends = await asyncio.gather(*(_end_of(reader, header_timeout_s + 5.0) for reader, _ in opened))
     for _, writer in opened:
         writer.close()
     return sum(1 for end in ends if end in ("eof", "reset"))
@@ -168,8 +166,7 @@ async def test_reload_storm_under_load_loses_nothing_and_retires_old_pools(
     first, second = await make_upstream(), await make_upstream()
     path = tmp_path / "policy.yaml"
     limit = (
-        "limits:\n  per_ip:\n    algorithm: leaky_bucket\n    rate: {rate}r/s\n"
-        "    burst: 100000\n"
+        "limits:\n  per_ip:\n    algorithm: leaky_bucket\n    rate: {rate}r/s\n    burst: 100000\n"
     )
 
     def policy(i: int) -> str:
@@ -261,9 +258,7 @@ class _GatewayThread:
     async def start(self) -> None:
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
             fuzz_id = request.headers.get("X-Fuzz-Id", "").encode("latin-1")
-            self.seen.append(
-                (request.method.encode(), request.raw_path.encode("latin-1"), fuzz_id)
-            )
+            self.seen.append((request.method.encode(), request.raw_path.encode("latin-1"), fuzz_id))
             await request.read()
             return web.Response(text="upstream")
 

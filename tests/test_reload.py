@@ -228,7 +228,7 @@ async def test_a_changed_rate_rescales_state_in_redis(
     inspect = redis.Redis.from_url(redis_server.url)
 
     def stored() -> tuple[str, bytes]:
-        (limit,) = gw.gateway.handler.runtime.engine.limits  # type: ignore[union-attr]
+        (limit,) = gw.gateway.handler.runtime.engine.limits
         key = redis_store.plan(limit).redis_key("127.0.0.1")
         raw: bytes = inspect.get(key)
         return key, raw[: len(codec_for(limit.algorithm).params)]
@@ -380,7 +380,7 @@ async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is
         path.write_text(policy_for(upstream.url, server="  header_timeout: 3s\n"))
         async with session.post(gw.admin_url + "/reload") as resp:
             assert (await resp.json()) == {"result": "ok", "error": None}
-    assert gw.gateway.server is not None and gw.gateway.server.header_timeout == 3.0
+    assert gw.gateway.server.header_timeout == 3.0
 
 
 def test_a_log_file_beside_the_policy_stays_quiet_while_idle(tmp_path: Path) -> None:

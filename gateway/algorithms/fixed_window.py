@@ -70,6 +70,11 @@ class FixedWindow:
     def name(self) -> str:
         return "fixed_window"
 
+    def share(self, replicas: int) -> FixedWindow:
+        if replicas == 1:
+            return self
+        return FixedWindow(max(self.limit // replicas, 1), self.window_us / 1e6)
+
     def __repr__(self) -> str:
         return f"FixedWindow(limit={self.limit}, window_s={self.window_us / 1e6:g})"
 

@@ -118,6 +118,16 @@ class LeakyBucket:
         """nginx's stored rate: milli-requests per second, truncated."""
         return self._rate_milli
 
+    def share(self, replicas: int) -> LeakyBucket:
+        if replicas == 1:
+            return self
+        burst = self.burst // replicas
+        delay = None if self.delay is None else min(self.delay // replicas, burst)
+        if self.period_s == 1 and self.rate % replicas == 0:
+            return LeakyBucket(self.rate // replicas, 1, burst, delay)
+        per_minute = self.rate * (60 // self.period_s)
+        return LeakyBucket(max(per_minute // replicas, 1), 60, burst, delay)
+
     def __repr__(self) -> str:
         unit = "s" if self.period_s == 1 else "m"
         shaping = "nodelay" if self.delay is None else f"delay={self.delay}"

@@ -53,6 +53,11 @@ class SlidingLog:
     def name(self) -> str:
         return "sliding_log"
 
+    def share(self, replicas: int) -> SlidingLog:
+        if replicas == 1:
+            return self
+        return SlidingLog(max(self.limit // replicas, 1), self.window_us / 1e6)
+
     def __repr__(self) -> str:
         return f"SlidingLog(limit={self.limit}, window_s={self.window_us / 1e6:g})"
 

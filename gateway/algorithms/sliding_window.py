@@ -46,6 +46,11 @@ class SlidingWindow:
     def name(self) -> str:
         return "sliding_window"
 
+    def share(self, replicas: int) -> SlidingWindow:
+        if replicas == 1:
+            return self
+        return SlidingWindow(max(self.limit // replicas, 1), self.window_us / 1e6)
+
     def __repr__(self) -> str:
         return f"SlidingWindow(limit={self.limit}, window_s={self.window_us / 1e6:g})"
 

@@ -100,6 +100,7 @@ class _Bucket:
 
     __slots__ = ()
     _rate: _Rate
+    _max_delay_ticks: int | float
 
     def _key(self) -> tuple[object, ...]:
         raise NotImplementedError
@@ -115,6 +116,25 @@ class _Bucket:
     @property
     def period_s(self) -> float:
         return self._rate.period_us / 1e6
+
+    # The exact tick clock (``_Rate``) and the bounds in ticks, as the Lua mirror needs them.
+    @property
+    def ticks_per_us(self) -> int:
+        return self._rate.ticks_per_us
+
+    @property
+    def interval_ticks(self) -> int:
+        """One token, in ticks."""
+        return self._rate.interval_ticks
+
+    @property
+    def ticks_per_s(self) -> float:
+        return self._rate.ticks_per_s
+
+    @property
+    def max_delay_ticks(self) -> int | float:
+        """The longest wait in queue mode, in ticks (infinity: no bound)."""
+        return self._max_delay_ticks
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -162,6 +182,22 @@ class TokenBucket(_Bucket):
         self.max_delay_s = max_delay_s
         self._max_delay_ticks = self._rate.us_to_ticks(_max_delay_us(max_delay_s))
         self._max_credit_ticks = capacity * self._rate.interval_ticks
+
+    @property
+    def max_credit_ticks(self) -> int:
+        """A full bucket, in ticks."""
+        return self._max_credit_ticks
+
+    def share(self, replicas: int) -> TokenBucket:
+        if replicas == 1:
+            return self
+        return TokenBucket(
+            self.rate,
+            self.period_s * replicas,
+            max(self.capacity // replicas, 1),
+            mode=self.mode,
+            max_delay_s=self.max_delay_s,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -326,6 +362,26 @@ class WarmingUpTokenBucket(_Bucket):
         )
         self.slope = (cold_interval_us - stable_interval_us) / (
             self.max_permits - self.threshold_permits
+        )
+
+    @property
+    def warmup_ticks(self) -> int:
+        return self._warmup_ticks
+
+    @property
+    def credit_bits(self) -> int:
+        """Bits of the packed state that hold the credit (below them: next-free ticks)."""
+        return self._credit_bits
+
+    def share(self, replicas: int) -> WarmingUpTokenBucket:
+        if replicas == 1:
+            return self
+        return WarmingUpTokenBucket(
+            self.rate,
+            self.period_s * replicas,
+            self.warmup_s,
+            mode=self.mode,
+            max_delay_s=self.max_delay_s,
         )
 
     def __repr__(self) -> str:

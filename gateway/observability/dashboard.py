@@ -46,7 +46,7 @@ async def _state(request: web.Request) -> web.Response:
         {
             "state": dashboard_state(snapshot),
             "history": list(obs.timeline.points),
-            "worker": obs.gateway.worker_id,
+            "worker": obs.worker_id,
         }
     )
 
@@ -73,8 +73,10 @@ async def _events(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def add_routes(app: web.Application, obs: Observability) -> None:
+def install(app: web.Application, obs: Observability) -> None:
+    """Add ``/metrics`` and ``/dashboard`` to the admin app; the observer's tick runs with it."""
     app[OBSERVABILITY] = obs
+    obs.run_with(app)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/dashboard", _dashboard_redirect)
     app.router.add_get("/dashboard/", _dashboard_page)

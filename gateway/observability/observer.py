@@ -20,20 +20,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from gateway.observability.prometheus import make_registry
-from gateway.observability.shared import SnapshotDirectory, default_shared_dir
+from gateway.observability.shared import SnapshotDirectory
 from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
 from gateway.observability.timeline import Timeline
-from gateway.observability.worker import ObservedHandler, WorkerMetrics
-
-if TYPE_CHECKING:
-    from gateway.proxy import ProxyHandler
-    from gateway.serve import Gateway
+from gateway.observability.worker import ObservedHandler, ObservedProxy, WorkerMetrics, WorkerState
 
 log = logging.getLogger("gateway.observability")
 
@@ -45,24 +41,22 @@ SUBSCRIBER_BACKLOG = 30  # messages kept for a dashboard that reads slowly; olde
 class Observability:
     """Everything a worker adds for ``/metrics`` and ``/dashboard``.
 
-    ``shared_dir``: where workers exchange snapshots; ``"auto"`` is ``$GATEWAY_METRICS_DIR``, or a
-    per-supervisor directory when the gateway runs several workers (``reuse_port``), or none.
+    ``shared_dir``: where workers exchange snapshots (``shared.default_shared_dir``), or none for a
+    lone worker.
     """
 
     def __init__(
         self,
-        gateway: Gateway,
+        state: WorkerState,
         *,
-        shared_dir: Path | Literal["auto"] | None = "auto",
+        shared_dir: Path | None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.gateway = gateway
-        self.metrics = WorkerMetrics(gateway)
+        self.worker_id = state.worker_id
+        self.metrics = WorkerMetrics(state)
         self.wall_clock = wall_clock
-        if shared_dir == "auto":
-            shared_dir = default_shared_dir(gateway.reuse_port)
         self.directory = (
-            SnapshotDirectory(shared_dir, gateway.worker_id) if shared_dir is not None else None
+            SnapshotDirectory(shared_dir, state.worker_id) if shared_dir is not None else None
         )
         self._base: WorkerSnapshot | None = (
             self.directory.previous() if self.directory is not None else None
@@ -72,18 +66,14 @@ class Observability:
         self.latest: GatewaySnapshot | None = None
         self._subscribers: set[asyncio.Queue[bytes | None]] = set()
 
-    # -- hooks for serve.py ------------------------------------------------------------------
+    # -- hooks for the gateway ---------------------------------------------------------------
 
-    def wrap(self, handler: ProxyHandler) -> ProxyHandler:
-        """Make the proxy handler report each request it finishes; returns the handler."""
+    def wrap(self, handler: ObservedProxy) -> None:
+        """Make the proxy handler report each request it finishes."""
         handler.observer = ObservedHandler(handler, self.metrics).finished
-        return handler
 
-    def install(self, admin_app: web.Application) -> None:
-        """Add ``/metrics`` and ``/dashboard`` to the admin app; the tick runs with the app."""
-        from gateway.observability.dashboard import add_routes
-
-        add_routes(admin_app, self)
+    def run_with(self, admin_app: web.Application) -> None:
+        """Run the tick while the admin app runs (``dashboard.install`` adds the routes)."""
         admin_app.cleanup_ctx.append(self._lifetime)
         admin_app.on_shutdown.append(self._close_streams)
 
@@ -200,7 +190,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             name: {
                 "algorithm": limit.algorithm,
                 "dry_run": limit.dry_run,
-                **limit.decisions(),
+                **limit.decisions()._asdict(),
                 "waiting": limit.waiting,
                 "tracked_keys": limit.tracked_keys,
                 "evictions": limit.evictions,

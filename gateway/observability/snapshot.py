@@ -13,15 +13,17 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict
 
+from gateway.limits import DecisionCounts
 from gateway.observability.stats import (
     QUEUE_WAIT_BUCKETS,
     REQUEST_DURATION_BUCKETS,
     STORE_LATENCY_BUCKETS,
     Histogram,
 )
+from gateway.reload import ReloadStatus
 
-# Results of the ``gateway_limit_decisions_total`` counter, in ``LimitCounters`` field order.
-DECISION_RESULTS = ("allowed", "delayed", "rejected", "dry_run_delayed", "dry_run_rejected")
+# Results of the ``gateway_limit_decisions_total`` counter: ``LimitData`` has a field of each name.
+DECISION_RESULTS: tuple[str, ...] = DecisionCounts._fields
 
 
 class _Model(BaseModel):
@@ -95,8 +97,8 @@ class LimitData(_Model):
     tracked_keys: int = 0  # gauge
     wait: HistogramData = HistogramData.empty(QUEUE_WAIT_BUCKETS)
 
-    def decisions(self) -> dict[str, int]:
-        return {result: getattr(self, result) for result in DECISION_RESULTS}
+    def decisions(self) -> DecisionCounts:
+        return DecisionCounts(**{result: getattr(self, result) for result in DECISION_RESULTS})
 
 
 class StoreData(_Model):
@@ -122,16 +124,6 @@ class StoreData(_Model):
         )
 
 
-class ReloadData(_Model):
-    succeeded: int = 0
-    failed: int = 0
-    unchanged: int = 0
-    last_result: str = "none"
-    last_error: str | None = None
-    last_success_at: float | None = None
-    last_attempt_at: float | None = None
-
-
 class HitterData(_Model):
     key: str
     count: int
@@ -154,7 +146,7 @@ class WorkerSnapshot(_Model):
     limits: dict[str, LimitData] = {}
     top_keys: dict[str, tuple[HitterData, ...]] = {}
     store: StoreData
-    reload: ReloadData | None = None
+    reload: ReloadStatus | None = None
     connections_open: int = 0  # gauge
     connections_refused: int = 0
     header_timeouts: int = 0
@@ -216,7 +208,7 @@ class GatewaySnapshot(_Model):
     # state -> workers in it
     store_states: dict[str, int]
     store: StoreData
-    reload: ReloadData | None
+    reload: ReloadStatus | None
     connections_open: int
     connections_refused: int
     header_timeouts: int
@@ -314,7 +306,7 @@ def _worst_state(states: Counter[str]) -> str:
     return "ok"
 
 
-def _merge_reloads(reloads: list[ReloadData]) -> ReloadData | None:
+def _merge_reloads(reloads: list[ReloadStatus]) -> ReloadStatus | None:
     """Every worker watches the same file: the gateway reloaded as often as its busiest
     worker did, and its last result is the latest attempt's."""
     if not reloads:

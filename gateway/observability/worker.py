@@ -13,11 +13,15 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiohttp.web_request import BaseRequest
 
+from gateway.clock import Clock
 from gateway.keys import shown_key
+from gateway.limits import DecisionCounts
 from gateway.logs import JSON_LINE, json_line
 from gateway.observability.hooks import (
     CLIENT_IP,
@@ -31,7 +35,6 @@ from gateway.observability.snapshot import (
     HistogramData,
     HitterData,
     LimitData,
-    ReloadData,
     StoreData,
     WorkerSnapshot,
 )
@@ -40,13 +43,13 @@ from gateway.observability.stats import (
     UNMATCHED_ROUTE,
     QueueWaits,
     RequestStats,
+    StoreStats,
 )
 
 if TYPE_CHECKING:
     from gateway.engine import Outcome
-    from gateway.proxy import ProxyHandler
+    from gateway.reload import ReloadStatus
     from gateway.runtime import Runtime
-    from gateway.serve import Gateway
 
 access_log = logging.getLogger("gateway.access")
 JSON_EXTRA: Final = {JSON_LINE: True}
@@ -58,30 +61,91 @@ TOP_KEYS_PERIOD_S = 60.0
 
 
 class _RunningTotals:
-    """Totals of counters that can start again from zero (a limit a reload re-created), kept
-    growing by adding each source's increase since it was last read."""
+    """Totals of decision counts that can start again from zero (a limit a reload re-created),
+    kept growing by adding each source's increase since it was last read."""
 
     __slots__ = ("_last", "_totals")
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[object, tuple[int, ...]]] = {}
-        self._totals: dict[str, list[int]] = {}
+        self._last: dict[str, tuple[object, DecisionCounts]] = {}
+        self._totals: dict[str, DecisionCounts] = {}
 
-    def read(self, name: str, source: object, values: tuple[int, ...]) -> tuple[int, ...]:
+    def read(self, name: str, source: object, values: DecisionCounts) -> DecisionCounts:
         last = self._last.get(name)
-        totals = self._totals.setdefault(name, [0] * len(values))
-        previous = last[1] if last is not None and last[0] is source else (0,) * len(values)
-        for index, (value, before) in enumerate(zip(values, previous, strict=True)):
-            totals[index] += max(0, value - before)
+        previous = last[1] if last is not None and last[0] is source else DecisionCounts()
+        totals = DecisionCounts._make(
+            total + max(0, value - before)
+            for total, value, before in zip(
+                self._totals.get(name, DecisionCounts()), values, previous, strict=True
+            )
+        )
+        self._totals[name] = totals
         self._last[name] = (source, values)
-        return tuple(totals)
+        return totals
+
+
+class CurrentRuntime(Protocol):
+    """Holds the runtime in force (the proxy handler does; a reload swaps it)."""
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+
+class ObservedProxy(CurrentRuntime, Protocol):
+    """The proxy handler as the observer sees it: told about every finished request."""
+
+    observer: Callable[[BaseRequest, int, float], None] | None
+
+
+class StoreFigures(Protocol):
+    """What the metrics read from the limit store (``stores.LimitStore`` has it all)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def stats(self) -> StoreStats: ...
+    def tracked_keys(self, limit_name: str) -> int: ...
+    def evictions(self, limit_name: str) -> int: ...
+    @property
+    def verdicts_on_clock(self) -> bool: ...
+
+
+class ConnectionCounts(Protocol):
+    """The client listener's connection figures (``GatewayServer`` keeps them)."""
+
+    @property
+    def open_connections(self) -> int: ...
+    @property
+    def refused_connections(self) -> int: ...
+    @property
+    def header_timeouts(self) -> int: ...
+
+
+class ReloadSource(Protocol):
+    """Whatever reloads the policy file and keeps the status of its attempts."""
+
+    @property
+    def status(self) -> ReloadStatus: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """What a worker's figures are read from at snapshot time, as uvicorn hands its protocols a
+    ``ServerState``: each part counts for itself, and the metrics read them, never the gateway."""
+
+    worker_id: int
+    current: CurrentRuntime
+    store: StoreFigures
+    connections: ConnectionCounts
+    limiter_clock: Clock
+    reloader: ReloadSource | None = None
 
 
 class WorkerMetrics:
-    """What this worker counted, and what it reads from the gateway at snapshot time."""
+    """What this worker counted, and what it reads from its parts at snapshot time."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
         self.started_at = time.time()
         self.requests = RequestStats()
         self.queue_waits = QueueWaits()
@@ -118,65 +182,43 @@ class WorkerMetrics:
             sketch.rotate(now)
 
     def snapshot(self, now: float) -> WorkerSnapshot:
-        gateway = self.gateway
-        handler = gateway.handler
-        store = gateway.store
+        state = self.state
+        runtime = state.current.runtime
+        store = state.store
         limits: dict[str, LimitData] = {}
         top_keys: dict[str, tuple[HitterData, ...]] = {}
-        sha256 = gateway.loaded.sha256
-        source = gateway.loaded.source
-        loaded_at = self.started_at
         # Every (route, reason) pair from the start, so a dashboard query finds the series.
         upstream_errors = dict.fromkeys(
             (
                 (route.name, reason)
-                for route in gateway.loaded.policy.routes
+                for route in runtime.loaded.policy.routes
                 for reason in UPSTREAM_ERROR_REASONS
             ),
             0,
         )
         upstream_errors.update(self.requests.upstream_errors)
-        if handler is not None:
-            runtime = handler.runtime
-            sha256 = runtime.loaded.sha256
-            source = runtime.loaded.source
-            loaded_at = runtime.loaded_at
-            for limit in runtime.engine.limits:
-                name = limit.name
-                counters = limit.counters
-                decided = self._decisions.read(
-                    name,
-                    counters,
-                    (
-                        counters.allowed,
-                        counters.delayed,
-                        counters.rejected,
-                        counters.dry_run_delayed,
-                        counters.dry_run_rejected,
-                    ),
+        for limit in runtime.engine.limits:
+            name = limit.name
+            counters = limit.counters
+            decided = self._decisions.read(name, counters, counters.decisions())
+            wait = self.queue_waits.by_limit.get(name)
+            limits[name] = LimitData(
+                algorithm=limit.spec.algorithm,
+                dry_run=limit.spec.dry_run,
+                **decided._asdict(),
+                evictions=store.evictions(name),
+                waiting=counters.waiting,
+                tracked_keys=store.tracked_keys(name),
+                wait=HistogramData.of(wait)
+                if wait is not None
+                else HistogramData.empty(QUEUE_WAIT_BUCKETS),
+            )
+            sketch = self.top_keys.get(name)
+            if sketch is not None:
+                top_keys[name] = tuple(
+                    HitterData(key=h.key, count=h.count, error=h.error)
+                    for h in sketch.top(TOP_KEYS_SHOWN)
                 )
-                wait = self.queue_waits.by_limit.get(name)
-                limits[name] = LimitData(
-                    algorithm=limit.spec.algorithm,
-                    dry_run=limit.spec.dry_run,
-                    allowed=decided[0],
-                    delayed=decided[1],
-                    rejected=decided[2],
-                    dry_run_delayed=decided[3],
-                    dry_run_rejected=decided[4],
-                    evictions=store.evictions(name),
-                    waiting=counters.waiting,
-                    tracked_keys=store.tracked_keys(name),
-                    wait=HistogramData.of(wait)
-                    if wait is not None
-                    else HistogramData.empty(QUEUE_WAIT_BUCKETS),
-                )
-                sketch = self.top_keys.get(name)
-                if sketch is not None:
-                    top_keys[name] = tuple(
-                        HitterData(key=h.key, count=h.count, error=h.error)
-                        for h in sketch.top(TOP_KEYS_SHOWN)
-                    )
         stats = store.stats
         store_data = StoreData(
             name=store.name,
@@ -186,26 +228,15 @@ class WorkerMetrics:
             latency=HistogramData.of(stats.latency),
             transitions=dict(stats.transitions),
         )
-        reload = None
-        if gateway.reloader is not None:
-            status = gateway.reloader.status
-            reload = ReloadData(
-                succeeded=status.succeeded,
-                failed=status.failed,
-                unchanged=status.unchanged,
-                last_result=status.last_result,
-                last_error=status.last_error,
-                last_success_at=status.last_success_at,
-                last_attempt_at=status.last_attempt_at,
-            )
-        server = gateway.server
+        reload = state.reloader.status if state.reloader is not None else None
+        connections = state.connections
         return WorkerSnapshot(
-            worker=gateway.worker_id,
+            worker=state.worker_id,
             pid=os.getpid(),
             at=now,
             started_at=self.started_at,
-            policy_sha256=sha256,
-            policy_source=source,
+            policy_sha256=runtime.loaded.sha256,
+            policy_source=runtime.loaded.source,
             requests=tuple(
                 (route, method, status_class, count)
                 for (route, method, status_class), count in self.requests.requests.items()
@@ -214,14 +245,14 @@ class WorkerMetrics:
             upstream_errors=tuple(
                 (route, reason, count) for (route, reason), count in upstream_errors.items()
             ),
-            policy_loaded_at=loaded_at,
+            policy_loaded_at=runtime.loaded_at,
             limits=limits,
             top_keys=top_keys,
             store=store_data,
             reload=reload,
-            connections_open=server.open_connections if server is not None else 0,
-            connections_refused=server.refused_connections if server is not None else 0,
-            header_timeouts=server.header_timeouts if server is not None else 0,
+            connections_open=connections.open_connections,
+            connections_refused=connections.refused_connections,
+            header_timeouts=connections.header_timeouts,
         )
 
 
@@ -234,7 +265,7 @@ class ObservedHandler:
 
     __slots__ = ("_metrics", "_proxy")
 
-    def __init__(self, proxy: ProxyHandler, metrics: WorkerMetrics) -> None:
+    def __init__(self, proxy: CurrentRuntime, metrics: WorkerMetrics) -> None:
         self._proxy = proxy
         self._metrics = metrics
 
@@ -253,13 +284,13 @@ class ObservedHandler:
         if upstream_error is not None:
             metrics.requests.upstream_error(route, upstream_error)
         if runtime.settings.access_log:
-            gateway = metrics.gateway
+            state = metrics.state
             t_us = None
-            if outcome is not None and gateway.verdicts_on_clock:
+            if outcome is not None and state.store.verdicts_on_clock:
                 verdict = outcome.verdict
                 t_us = verdict.now_us if verdict is not None else None
             if t_us is None:  # not decided in process: when it arrived, on the same clock
-                t_us = gateway.clock.now_us() - round(duration_s * 1_000_000)
+                t_us = state.limiter_clock.now_us() - round(duration_s * 1_000_000)
             _log_access(request, status, duration_s, route, outcome, upstream_error, runtime, t_us)
 
 

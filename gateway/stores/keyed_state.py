@@ -20,14 +20,13 @@ generation first and stopping at the first key that is not idle. Every operation
 amount of work; only a policy reload (``rescale``, and ``resize`` to another bound) visits
 every key.
 
-Why not an ``OrderedDict`` (exact LRU, ``move_to_end``): its linked list costs a 32-byte node
-per key and an 8-byte slot per hash-table slot, and once churn has made CPython resize a dict
-that has seen deletions to three times its size, 225-255 bytes per key at the worst point
-(1,000,000 IPv4 keys, ``python bench/bench_algorithms.py``). Here ``young`` only grows and
-``old`` only shrinks (``popitem`` trims trailing holes), and each generation holds at most half
-the bound: 170-186 bytes per key. The price: a key used out of ``mid`` or ``old`` is a pop and
-an insert, plus a move, where the ordered dict relinks a node; on uniformly random keys over a
-full table of 1,000,000 that made a decision 10-25 % slower, on skewed keys as fast.
+Why not an ``OrderedDict`` (exact LRU, ``move_to_end``): its linked list costs a node per key
+on top of the hash table, and once churn has made CPython resize a dict that has seen deletions
+to three times its size, it takes more memory per key at the worst point. Here ``young`` only
+grows and ``old`` only shrinks (``popitem`` trims trailing holes), and each generation holds at
+most half the bound. The price: a key used out of ``mid`` or ``old`` is a pop and an insert,
+plus a move, where the ordered dict relinks a node: slower on uniformly random keys over a full
+table, as fast on skewed keys. The figures are in bench/README.md.
 """
 
 from __future__ import annotations

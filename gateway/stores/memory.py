@@ -16,6 +16,7 @@ class MemoryStore:
     """State in this process: one bounded LRU table of per-key states per limit."""
 
     name = "memory"
+    verdicts_on_clock = True
 
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or MonotonicClock()

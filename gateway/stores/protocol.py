@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from gateway.algorithms.combine import CombinedDecision
+from gateway.clock import Clock
 from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 
@@ -26,6 +27,10 @@ class LimitStore(Protocol):
     name: str
     # What the metrics read: calls, errors, call latency and what answers.
     stats: StoreStats
+    # The clock the store decides (or falls back) by, and whether a verdict's ``now_us`` is an
+    # instant on it (in process) or on another (Redis ``TIME``): the access log's ``t_us``.
+    clock: Clock
+    verdicts_on_clock: bool
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """Decide all checks at one instant; with ``commit``, store the new states if allowed.

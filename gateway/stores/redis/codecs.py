@@ -1,4 +1,8 @@
-"""One codec per algorithm: its parameters for Lua, and the script's reply as a Decision."""
+"""One codec per algorithm: its parameters for Lua, and the script's reply as a Decision.
+
+Codecs read only what the algorithms publish (their properties); a limit's share when Redis is
+down is the algorithm's own ``share(replicas)``.
+"""
 
 from __future__ import annotations
 
@@ -114,9 +118,8 @@ class _WindowCodec:
 
 def _ticks(algorithm: TokenBucket | WarmingUpTokenBucket) -> tuple[int, int, float]:
     """``(ticks_per_us, interval_ticks, ticks_per_s)`` of a token bucket's exact tick clock."""
-    rate = algorithm._rate
-    _exact("ticks per second", rate.ticks_per_us * 1_000_000)
-    return rate.ticks_per_us, rate.interval_ticks, rate.ticks_per_s
+    _exact("ticks per second", algorithm.ticks_per_us * 1_000_000)
+    return algorithm.ticks_per_us, algorithm.interval_ticks, algorithm.ticks_per_s
 
 
 class TokenBucketCodec:
@@ -124,7 +127,7 @@ class TokenBucketCodec:
 
     def __init__(self, algorithm: TokenBucket) -> None:
         tpu, interval, ticks_per_s = _ticks(algorithm)
-        max_credit = algorithm._max_credit_ticks
+        max_credit = algorithm.max_credit_ticks
         _exact("4 * bucket capacity in ticks", 4 * max_credit)
         self._tpu = tpu
         self._ticks_per_s = ticks_per_s
@@ -136,7 +139,7 @@ class TokenBucketCodec:
             max_credit,
             1 if algorithm.mode == "queue" else 0,
             algorithm.capacity,
-            algorithm._max_delay_ticks,
+            algorithm.max_delay_ticks,
         )
 
     def decision(
@@ -167,18 +170,18 @@ class WarmingUpCodec:
 
     def __init__(self, algorithm: WarmingUpTokenBucket) -> None:
         tpu, interval, ticks_per_s = _ticks(algorithm)
-        warmup_ticks = algorithm._warmup_ticks
+        warmup_ticks = algorithm.warmup_ticks
         _exact("4 * warm-up in ticks", 4 * (warmup_ticks + interval))
         self._tpu = tpu
         self._ticks_per_s = ticks_per_s
-        self._credit_bits = algorithm._credit_bits
+        self._credit_bits = algorithm.credit_bits
         self.nominal_limit = 1
         self.params = b"W" + struct.pack(
             "<ddddddd",
             tpu,
             interval,
             warmup_ticks,
-            algorithm._max_delay_ticks,
+            algorithm.max_delay_ticks,
             algorithm.stable_interval_us,
             algorithm.threshold_permits,
             algorithm.slope,
@@ -220,36 +223,3 @@ def codec_for(algorithm: Algorithm[Any]) -> Codec:
     if isinstance(algorithm, TokenBucket):
         return TokenBucketCodec(algorithm)
     raise ValueError(f"the Redis store has no Lua mirror of {algorithm!r}")
-
-
-def divided(algorithm: Algorithm[Any], replicas: int) -> Algorithm[Any]:
-    """This replica's share of a limit when each replica enforces it alone (Redis is down):
-    rates and capacities divided by ``replicas``, rounded down (never more lenient)."""
-    if replicas == 1:
-        return algorithm
-    if isinstance(algorithm, LeakyBucket):
-        burst = algorithm.burst // replicas
-        delay = None if algorithm.delay is None else min(algorithm.delay // replicas, burst)
-        if algorithm.period_s == 1 and algorithm.rate % replicas == 0:
-            return LeakyBucket(algorithm.rate // replicas, 1, burst, delay)
-        per_minute = algorithm.rate * (60 // algorithm.period_s)
-        return LeakyBucket(max(per_minute // replicas, 1), 60, burst, delay)
-    if isinstance(algorithm, SlidingLog | SlidingWindow | FixedWindow):
-        return type(algorithm)(max(algorithm.limit // replicas, 1), algorithm.window_us / 1e6)
-    if isinstance(algorithm, WarmingUpTokenBucket):
-        return WarmingUpTokenBucket(
-            algorithm.rate,
-            algorithm.period_s * replicas,
-            algorithm.warmup_s,
-            mode=algorithm.mode,
-            max_delay_s=algorithm.max_delay_s,
-        )
-    if isinstance(algorithm, TokenBucket):
-        return TokenBucket(
-            algorithm.rate,
-            algorithm.period_s * replicas,
-            max(algorithm.capacity // replicas, 1),
-            mode=algorithm.mode,
-            max_delay_s=algorithm.max_delay_s,
-        )
-    raise ValueError(f"cannot divide {algorithm!r} between replicas")

@@ -25,7 +25,7 @@ from gateway.observability.stats import StoreStats
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
 from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClient, is_noscript
-from gateway.stores.redis.codecs import Codec, codec_for, divided
+from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 
 FailureMode = Literal["local", "allow", "deny"]
@@ -90,6 +90,7 @@ class RedisStore:
     """The ``LimitStore`` for several replicas: state in Redis or a Redis Cluster."""
 
     name = "redis"
+    verdicts_on_clock = False  # decided on Redis TIME
 
     def __init__(
         self,
@@ -187,7 +188,7 @@ class RedisStore:
             key_head=self.key_prefix + "{",
             key_tail=f"}}{limit.name}:{fingerprint(limit, codec)}:",
             tag_index=tag_index,
-            local=dataclasses.replace(limit, algorithm=divided(limit.algorithm, self.replicas)),
+            local=dataclasses.replace(limit, algorithm=limit.algorithm.share(self.replicas)),
         )
 
     def plan(self, limit: CompiledLimit) -> LimitPlan:

@@ -1,0 +1,154 @@
+"""What several test files share (fixtures stay in conftest.py): policies, scrapes of
+``/metrics``, a ``--workers 2`` gateway as a subprocess, and a few constants."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = aiohttp.ClientTimeout(total=10)
+# An epoch-sized start, like Redis TIME: the Lua arithmetic must stay exact at this magnitude.
+T0_US = 1_763_000_000_000_000
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def policy_for(upstream_url: str, extra: str = "", server: str = "") -> str:
+    """A policy text with one upstream ``backend`` and a catch-all route."""
+    return (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        + server
+        + f"upstreams:\n  backend:\n    url: {upstream_url}\n    connect_timeout: 2s\n"
+        "    read_timeout: 5s\n"
+        "routes:\n  - name: all\n    upstream: backend\n" + extra
+    )
+
+
+def parse_metrics(text: str) -> Samples:
+    """Every sample of a Prometheus text exposition: (name, labels) -> value."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+async def scrape(session: aiohttp.ClientSession, admin_url: str) -> tuple[Samples, str]:
+    async with session.get(admin_url + "/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    return parse_metrics(text), text
+
+
+async def get_status(session: aiohttp.ClientSession, url: str, **kwargs: object) -> int:
+    async with session.get(url, **kwargs) as resp:  # type: ignore[arg-type]
+        await resp.read()
+        return resp.status
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def limited_policy(upstream_url: str, limits: str, server: str = "") -> str:
+    return policy_for(upstream_url, server=server) + "limits:\n" + limits
+
+
+PER_IP_BURST_4 = (
+    "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 4\n    nodelay: true\n"
+)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` at once (a rename), so a watcher never reads half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+async def scrape_until(
+    session: aiohttp.ClientSession,
+    admin_url: str,
+    condition: Callable[[Samples], bool],
+    within_s: float = 10.0,
+) -> Samples:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    samples: Samples = {}
+    while loop.time() < deadline:
+        try:
+            samples, _ = await scrape(session, admin_url)
+        except (aiohttp.ClientError, AssertionError):
+            samples = {}
+        if samples and condition(samples):
+            return samples
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no scrape met the condition within {within_s}s: {samples}")
+
+
+Workers = tuple[str, str, Callable[[], list[int]]]
+
+
+@contextlib.asynccontextmanager
+async def run_workers(upstream_url: str, tmp_path: Path, extra: str = "") -> AsyncIterator[Workers]:
+    """``gateway run --workers 2`` as a subprocess; yields proxy URL, admin URL, worker pids.
+
+    ``extra``: policy text after the one route (a ``store:``, ``limits:``). Snapshots go to
+    ``tmp_path/metrics``.
+    """
+    port, admin_port = free_port(), free_port()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
+        f"upstreams:\n  backend:\n    url: {upstream_url}\n"
+        "routes:\n  - name: all\n    upstream: backend\n" + extra
+    )
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "2",
+            cwd=REPO_ROOT,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env={**os.environ, "GATEWAY_METRICS_DIR": str(tmp_path / "metrics")},
+        )  # fmt: skip
+
+    def workers() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                fields = stat.rsplit(")", 1)[1].split()
+                if int(fields[1]) == proc.pid and fields[0] != "Z":
+                    pids.append(int(entry))
+        return pids
+
+    try:
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", workers
+    finally:
+        for pid in workers():
+            os.kill(pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
