@@ -10,6 +10,7 @@ command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v wrk >/dev/null 2>&1 || need+=(wrk)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)      # rediss:// tests make a CA
+command -v jq >/dev/null 2>&1 || need+=(jq)                # JSON access log read by jq
 [ -x /usr/bin/chromium ] || need+=(chromium)            # dashboard tests (headless)
 [ -x /usr/bin/prometheus ] || need+=(prometheus)        # PromQL of the Grafana dashboard
 if [ ${#need[@]} -gt 0 ]; then
