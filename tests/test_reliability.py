@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.policy_loader import parse_policy
@@ -371,6 +371,23 @@ def raw_requests(draw: st.DrawFn) -> bytes:
     return sep.join([line, *headers]) + sep + sep + draw(_BODY)
 
 
+_CONTENT_LENGTH_5 = re.compile(rb"(?im)^content-length:[ \t]*5[ \t]*\r?$")
+_TRANSFER_ENCODING = re.compile(rb"(?im)^transfer-encoding\s*:")
+
+
+def _frames_smuggled_as_next_request(data: bytes) -> bool:
+    """Whether a ``/smuggled`` request after a 5-byte body is the client's own next request:
+    the head frames the body by ``Content-Length: 5`` alone, so what follows those 5 bytes
+    (``0\\r\\n\\r\\n``) is not body but a pipelined request the client wrote."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    return (
+        body.startswith(b"0\r\n\r\nGET /smuggled ")
+        and len(_CONTENT_LENGTH_5.findall(head)) == 1
+        and not _TRANSFER_ENCODING.search(head)
+        and b"Connection: close" not in head
+    )
+
+
 def _exchange(port: int, data: bytes) -> bytes:
     """Send ``data``; read until the gateway closes or 0.3 s pass without a byte."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
@@ -397,6 +414,12 @@ def _exchange(port: int, data: bytes) -> bytes:
     database=None,
 )
 @given(data=raw_requests())
+# Content-Length 5 frames the body as "0\r\n\r\n": the request after it is the client's own,
+# pipelined, and is forwarded (as nginx does); it must not be mistaken for a smuggled one.
+@example(
+    data=b"POST /fuzz HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\n"
+    b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n"
+)
 def test_fuzzed_raw_requests_get_4xx_or_are_forwarded_as_sent(
     fuzz_gateway: _GatewayThread, data: bytes
 ) -> None:
@@ -408,9 +431,17 @@ def test_fuzzed_raw_requests_get_4xx_or_are_forwarded_as_sent(
     fuzz_id = b"%d" % fuzz_gateway.examples
     line, sep, rest = data.partition(b"\n")
     data = line + sep + b"X-Fuzz-Id: " + fuzz_id + b"\r" * line.endswith(b"\r") + sep + rest
+    seen_before = len(fuzz_gateway.seen)
     reply = _exchange(fuzz_gateway.port, data)
     statuses = {int(s) for s in _STATUS_LINE_RE.findall(reply)}
     assert statuses <= _FUZZ_STATUSES, (statuses, data, reply[:300])
+    if _frames_smuggled_as_next_request(data):
+        # The client's own second request (it carries no X-Fuzz-Id), answered in this exchange.
+        fuzz_gateway.seen[seen_before:] = [
+            seen
+            for seen in fuzz_gateway.seen[seen_before:]
+            if not (seen[1].startswith(b"/smuggled") and seen[2] == b"")
+        ]
     for method, path, seen_id in list(fuzz_gateway.seen):
         assert not path.startswith(b"/smuggled"), (data, fuzz_gateway.seen[-3:])
         if seen_id == fuzz_id:
