@@ -39,6 +39,8 @@ UNLIMITED = "unlimited"  # routed, but no enforced limit applies (or access.allo
 UNROUTED = "unrouted"  # no route: the proxy's 404
 
 _EMPTY_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+# Resolved addresses kept by ``Simulation.client_ip`` before it starts afresh.
+_PEERS_KEPT = 1 << 16
 
 
 @dataclass
@@ -100,6 +102,9 @@ class Simulation:
                 if ":" in part and part.split(":", 1)[0] in ("header", "query")
             }
         )
+        # Each logged address as the resolver reads it (a pure function of the address when
+        # no forwarding header is read), so a client seen again costs one dict lookup.
+        self._peers: dict[str, str] = {}
         # The engine's outcome for the request decided last (None: no limit was asked).
         self.last: Outcome | None = None
         self._waiting: list[tuple[int, int, Outcome]] = []
@@ -120,7 +125,13 @@ class Simulation:
         if self.forwarded_for and request.forwarded_for:
             hops = [hop.strip() for hop in request.forwarded_for.split(",")]
             return self.resolver.resolve(hops[-1], [", ".join(hops[:-1])] if len(hops) > 1 else [])
-        return self.resolver.resolve(request.address, ())
+        address = request.address
+        resolved = self._peers.get(address)
+        if resolved is None:
+            if len(self._peers) >= _PEERS_KEPT:
+                self._peers.clear()
+            resolved = self._peers[address] = self.resolver.resolve(address, ())
+        return resolved
 
     async def decide(self, request: Request, client_ip: str) -> str:
         """Decide one request at its instant; returns what came of it."""
