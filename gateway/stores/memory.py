@@ -50,18 +50,14 @@ class MemoryStore:
             tables.append(table)
             states.append(state)
             items.append((limit.algorithm, state))
-        verdict = decide_all(items, now_us)
+        # Stamped with the instant decided at: a delayed request's refund needs it, and the
+        # access log records it so ``gateway replay`` can decide the same request at the same
+        # instant.
+        verdict = decide_all(items, now_us, stamp_us=now_us)
         if verdict.delay_s > 0.0:
             verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-        # The instant decided at: a delayed request's refund needs it, and the access log
-        # records it so ``gateway replay`` can decide the same request at the same instant.
-        # Built directly: ``_replace`` costs twice as much, on every request.
-        allowed, delay_s, retry_after_s, rejected_by, delayed_by, decisions, new_states, _ = verdict
-        verdict = CombinedDecision(
-            allowed, delay_s, retry_after_s, rejected_by, delayed_by, decisions, new_states, now_us
-        )
-        if commit and allowed:
-            for check, table, state in zip(checks, tables, new_states, strict=True):
+        if commit and verdict.allowed:
+            for check, table, state in zip(checks, tables, verdict.states, strict=True):
                 table.put(check.key, state, now_us)
         return verdict
 
