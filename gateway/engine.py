@@ -284,8 +284,8 @@ class LimitEngine:
                 verdict=verdict,
             )
         if commit:
-            for index, check in enumerate(enforced):
-                if verdict.decisions[index].delay_s > 0.0:
+            for check, decision in zip(enforced, verdict.decisions, strict=True):
+                if decision.delay_s > 0.0:
                     check.limit.counters.delayed += 1
                 else:
                     check.limit.counters.allowed += 1
