@@ -132,6 +132,8 @@ class LimitEngine:
         access: Access = policy.access
         self.allow = Networks(access.allow)
         self.deny = Networks(access.deny)
+        # Whether either access list has entries: one attribute read on the request path.
+        self._screens = bool(self.allow) or bool(self.deny)
         old = {limit.name: limit for limit in previous.limits} if previous else {}
         limits = []
         for name, spec in policy.limits.items():
@@ -193,10 +195,11 @@ class LimitEngine:
     ) -> Outcome:
         """What to do with a request. ``commit=False`` is a look (``explain``): the same verdict,
         with nothing charged, counted or held, and no key moved in the store's LRU order."""
-        if self.deny and self.deny.contains(client_ip):
-            return Outcome(status=403, reason="client address is denied")
-        if self.allow and self.allow.contains(client_ip):
-            return ALLOW
+        if self._screens:
+            if self.deny and self.deny.contains(client_ip):
+                return Outcome(status=403, reason="client address is denied")
+            if self.allow and self.allow.contains(client_ip):
+                return ALLOW
         enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
@@ -281,8 +284,8 @@ class LimitEngine:
                 verdict=verdict,
             )
         if commit:
-            for index, check in enumerate(enforced):
-                if verdict.decisions[index].delay_s > 0.0:
+            for check, decision in zip(enforced, verdict.decisions, strict=True):
+                if decision.delay_s > 0.0:
                     check.limit.counters.delayed += 1
                 else:
                     check.limit.counters.allowed += 1

@@ -684,3 +684,40 @@ def test_bytes_that_are_not_utf8_do_not_break_the_reports(
     assert main(["replay", "--config", str(policy), "--html", str(report), str(log)]) == 0
     assert "client-\ufffd (1)" in capsys.readouterr().out
     assert "client-\ufffd" in report.read_text(encoding="utf-8")
+
+
+def test_decisions_do_not_depend_on_the_per_line_caches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Simulation`` keeps each resolved address and routed request line, and starts afresh
+    past a bound: with bounds of 2, eight clients over five request lines (one in absolute
+    form) are decided exactly as with the default bounds."""
+    import gateway.replay.simulate as simulate
+
+    loaded = load_policy(
+        write_policy(
+            tmp_path,
+            NGINX_NODELAY + "  api:\n    algorithm: sliding_window\n    limit: 3\n    window: 1s\n"
+            "    key: [client_ip]\n    match: {path_prefix: /api/}\n",
+        )
+    )
+    targets = ("/", "/api/a", "/api/b?x=1", "http://example.test/api/c", "/static/app.js")
+    requests = [
+        Request(n * 100_000, "log", n, f"192.0.2.{n % 8}", "GET", targets[n % 5], None, (), None)
+        for n in range(400)
+    ]
+
+    async def decide_all(simulation: Simulation) -> list[str]:
+        return [
+            await simulation.decide(request, simulation.client_ip(request)) for request in requests
+        ]
+
+    default = Simulation(loaded)
+    expected = asyncio.run(decide_all(default))
+    monkeypatch.setattr(simulate, "_PEERS_KEPT", 2)
+    monkeypatch.setattr(simulate, "_ROUTED_KEPT", 2)
+    bounded = Simulation(loaded)
+    assert asyncio.run(decide_all(bounded)) == expected
+    assert bounded.counters() == default.counters()
+    assert {"allowed", "rejected"} <= set(expected)
+    assert len(bounded._peers) <= 2 and len(bounded._routed) <= 2

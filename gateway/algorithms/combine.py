@@ -59,19 +59,24 @@ class CombinedDecision(NamedTuple):
 
 
 def decide_all(
-    items: Sequence[tuple[Algorithm[Any], Any]], now_us: int, cost: int = 1
+    items: Sequence[tuple[Algorithm[Any], Any]],
+    now_us: int,
+    cost: int = 1,
+    *,
+    stamp_us: int | None = None,
 ) -> CombinedDecision:
-    """Check every ``(algorithm, state)`` at ``now_us``; commit all or nothing (nginx's rule)."""
+    """Check every ``(algorithm, state)`` at ``now_us``; commit all or nothing (nginx's rule).
+    ``stamp_us`` is the verdict's ``now_us`` (a store's, set here rather than by a copy)."""
     if len(items) == 1:
         algorithm, state = items[0]
         decision, new_state = algorithm.decide(state, now_us, cost)
         if decision.allowed:
             delayed = 0 if decision.delay_s > 0.0 else None
             return CombinedDecision(
-                True, decision.delay_s, 0.0, (), delayed, (decision,), (new_state,)
+                True, decision.delay_s, 0.0, (), delayed, (decision,), (new_state,), stamp_us
             )
         return CombinedDecision(
-            False, 0.0, decision.retry_after_s, (0,), None, (decision,), (state,)
+            False, 0.0, decision.retry_after_s, (0,), None, (decision,), (state,), stamp_us
         )
     decisions: list[Decision] = []
     new_states: list[Any] = []
@@ -79,11 +84,14 @@ def decide_all(
         decision, new_state = algorithm.decide(state, now_us, cost)
         decisions.append(decision)
         new_states.append(new_state)
-    return combine(decisions, new_states, [state for _, state in items])
+    return combine(decisions, new_states, [state for _, state in items], stamp_us)
 
 
 def combine(
-    decisions: Sequence[Decision], new_states: Sequence[Any], input_states: Sequence[Any]
+    decisions: Sequence[Decision],
+    new_states: Sequence[Any],
+    input_states: Sequence[Any],
+    stamp_us: int | None = None,
 ) -> CombinedDecision:
     """The verdict of decisions taken at one instant (by ``decide_all``, or by a store's
     script): all admit or none is charged, the longest delay wins."""
@@ -91,7 +99,14 @@ def combine(
     if rejected_by:
         retry_after_s = max([decisions[index].retry_after_s for index in rejected_by])
         return CombinedDecision(
-            False, 0.0, retry_after_s, rejected_by, None, tuple(decisions), tuple(input_states)
+            False,
+            0.0,
+            retry_after_s,
+            rejected_by,
+            None,
+            tuple(decisions),
+            tuple(input_states),
+            stamp_us,
         )
     delay_s = 0.0
     delayed_by = None
@@ -100,7 +115,9 @@ def combine(
         if decision.delay_s >= delay_s and decision.delay_s > 0.0:
             delay_s = decision.delay_s
             delayed_by = index
-    return CombinedDecision(True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states))
+    return CombinedDecision(
+        True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), stamp_us
+    )
 
 
 def refuse_long_delays(
@@ -124,5 +141,12 @@ def refuse_long_delays(
         return verdict
     retry_after_s = max(verdict.decisions[index].delay_s for index in over)
     return CombinedDecision(
-        False, 0.0, retry_after_s, over, None, verdict.decisions, tuple(input_states)
+        False,
+        0.0,
+        retry_after_s,
+        over,
+        None,
+        verdict.decisions,
+        tuple(input_states),
+        verdict.now_us,
     )

@@ -25,6 +25,7 @@ from gateway.client_ip import ClientIPResolver, client_key
 from gateway.clock import FakeClock
 from gateway.engine import LimitEngine, Outcome
 from gateway.keys import RequestFacts
+from gateway.policy import Route
 from gateway.policy_loader import LoadedPolicy
 from gateway.replay.logs import US, Request
 from gateway.routing import RouteTable, normalise_host, routing_path
@@ -39,6 +40,10 @@ UNLIMITED = "unlimited"  # routed, but no enforced limit applies (or access.allo
 UNROUTED = "unrouted"  # no route: the proxy's 404
 
 _EMPTY_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+# Resolved addresses kept by ``Simulation.client_ip`` before it starts afresh.
+_PEERS_KEPT = 1 << 16
+# Likewise routed request lines kept by ``Simulation.decide``.
+_ROUTED_KEPT = 1 << 16
 
 
 @dataclass
@@ -100,6 +105,11 @@ class Simulation:
                 if ":" in part and part.split(":", 1)[0] in ("header", "query")
             }
         )
+        # Each logged address as the resolver reads it (a pure function of the address when
+        # no forwarding header is read), so a client seen again costs one dict lookup.
+        self._peers: dict[str, str] = {}
+        # What ``_route`` found for each (method, target, host) seen, likewise.
+        self._routed: dict[tuple[str, str, str | None], tuple[str, str, str, Route | None]] = {}
         # The engine's outcome for the request decided last (None: no limit was asked).
         self.last: Outcome | None = None
         self._waiting: list[tuple[int, int, Outcome]] = []
@@ -120,7 +130,13 @@ class Simulation:
         if self.forwarded_for and request.forwarded_for:
             hops = [hop.strip() for hop in request.forwarded_for.split(",")]
             return self.resolver.resolve(hops[-1], [", ".join(hops[:-1])] if len(hops) > 1 else [])
-        return self.resolver.resolve(request.address, ())
+        address = request.address
+        resolved = self._peers.get(address)
+        if resolved is None:
+            if len(self._peers) >= _PEERS_KEPT:
+                self._peers.clear()
+            resolved = self._peers[address] = self.resolver.resolve(address, ())
+        return resolved
 
     async def decide(self, request: Request, client_ip: str) -> str:
         """Decide one request at its instant; returns what came of it."""
@@ -145,18 +161,15 @@ class Simulation:
 
         self.last = None
         method = request.method
-        target = request.target
-        host_header = request.host
         if method == "CONNECT":
             return self._count(DENIED)
-        if not target.startswith("/") and "://" in target:
-            authority, slash, rest = target.split("://", 1)[1].partition("/")
-            if host_header is None:
-                host_header = authority
-            target = slash + rest if slash else "/"
-        host = normalise_host(host_header)
-        path = routing_path(target)
-        route = self.routes.match(host, path, method)
+        where = (method, request.target, request.host)
+        routed = self._routed.get(where)
+        if routed is None:
+            if len(self._routed) >= _ROUTED_KEPT:
+                self._routed.clear()
+            routed = self._routed[where] = self._route(*where)
+        host, path, target, route = routed
         if route is None:
             return self._count(UNROUTED)
         if not engine.active:
@@ -207,6 +220,20 @@ class Simulation:
             heapq.heappush(waiting, (now_us + round(outcome.delay_s * US), self._seq, outcome))
             return self._count(DELAYED)
         return self._count(ALLOWED)
+
+    def _route(
+        self, method: str, target: str, host_header: str | None
+    ) -> tuple[str, str, str, Route | None]:
+        """The request's host, routing path, target (origin form) and route, as the proxy
+        finds them: a pure function of the request line and its host, so kept per line."""
+        if not target.startswith("/") and "://" in target:
+            authority, slash, rest = target.split("://", 1)[1].partition("/")
+            if host_header is None:
+                host_header = authority
+            target = slash + rest if slash else "/"
+        host = normalise_host(host_header)
+        path = routing_path(target)
+        return host, path, target, self.routes.match(host, path, method)
 
     def _count(self, what: str) -> str:
         self.tally.outcomes[what] += 1

@@ -34,21 +34,28 @@ class MemoryStore:
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         now_us = self.clock.now_us()
         self.stats.calls += 1
-        tables = [self._table(check.limit) for check in checks]
-        # A look (commit=False, for /explain) leaves the keys' places in the LRU order alone.
-        states = [
-            table.get(check.key) if commit else table.peek(check.key)
-            for check, table in zip(checks, tables, strict=True)
-        ]
-        verdict = decide_all(
-            [(check.limit.algorithm, state) for check, state in zip(checks, states, strict=True)],
-            now_us,
-        )
+        # One pass over the checks (the request path): each limit's table, the key's state
+        # and the (algorithm, state) pair ``decide_all`` takes.
+        known = self.tables
+        tables: list[KeyedState[Any]] = []
+        states: list[Any] = []
+        items: list[tuple[Any, Any]] = []
+        for check in checks:
+            limit = check.limit
+            table = known.get(limit.name)
+            if table is None:
+                table = self._table(limit)
+            # A look (commit=False, for /explain) leaves the keys' places in the LRU order alone.
+            state = table.get(check.key) if commit else table.peek(check.key)
+            tables.append(table)
+            states.append(state)
+            items.append((limit.algorithm, state))
+        # Stamped with the instant decided at: a delayed request's refund needs it, and the
+        # access log records it so ``gateway replay`` can decide the same request at the same
+        # instant.
+        verdict = decide_all(items, now_us, stamp_us=now_us)
         if verdict.delay_s > 0.0:
             verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-        # The instant decided at: a delayed request's refund needs it, and the access log
-        # records it so ``gateway replay`` can decide the same request at the same instant.
-        verdict = verdict._replace(now_us=now_us)
         if commit and verdict.allowed:
             for check, table, state in zip(checks, tables, verdict.states, strict=True):
                 table.put(check.key, state, now_us)
