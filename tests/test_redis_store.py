@@ -15,7 +15,6 @@ expiry, hash tags in the cluster, and failure: a stopped or frozen Redis, the th
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
@@ -56,7 +55,7 @@ redis_cluster = redis_harness.redis_cluster
 redis_factory = redis_harness.redis_factory
 
 STORE_KINDS = ("memory", "redis", "redis-py", "cluster")
-_prefixes = itertools.count()
+_prefixes = redis_harness.key_prefixes()
 
 
 def compiled(
