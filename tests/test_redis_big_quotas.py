@@ -15,12 +15,14 @@ import struct
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.leaky_bucket import LeakyBucket, pack_state
 from gateway.algorithms.sliding_log import SlidingLog, pack_log
 from gateway.algorithms.sliding_window import SlidingWindow
+from gateway.algorithms.token_bucket import TokenBucket
 from gateway.stores.redis.codecs import codec_for
 from tests import redis_harness
 from tests.support import T0_US
@@ -232,3 +234,65 @@ def test_large_quotas_are_rescaled_on_reload_as_in_python(
     finally:
         if backend.inspect is not None:
             close_client(backend.inspect)
+
+
+def _accepted(algorithm: Any) -> bool:
+    try:
+        codec_for(algorithm)
+    except ValueError:
+        return False
+    return True
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    rate=st.one_of(st.sampled_from([1, 100_000, 2_000_000, 10**9]), st.integers(1, 10**9)),
+    period_s=st.one_of(
+        st.sampled_from([1, 3_600, 86_400, 30 * 86_400]), st.integers(1, 30 * 86_400)
+    ),
+    mode=st.sampled_from(["reject", "queue"]),
+)
+def test_token_bucket_quotas_match_python_at_the_extremes(
+    request: pytest.FixtureRequest, data: st.DataObject, rate: int, period_s: int, mode: str
+) -> None:
+    """A daily, hourly or monthly quota as a bucket of up to 10**9 tokens: times are kept
+    relative to now, so only the bucket in ticks must stay below 2**53 (a rate sharing no
+    factor with its period is refused at load, see test_redis_codecs)."""
+    capacity = data.draw(st.one_of(st.just(rate), near(rate, 10**9), st.integers(1, 10**9)))
+    max_delay_s = data.draw(st.sampled_from([float("inf"), 0.0, 1.0, float(period_s)]))
+    algorithm = TokenBucket(rate, period_s, max(capacity, 1), mode=mode, max_delay_s=max_delay_s)  # type: ignore[arg-type]
+    assume(_accepted(algorithm))
+    window_us = period_s * 10**6
+    start_us, ops = data.draw(scenario(window_us))
+    tpu = algorithm.ticks_per_us
+    full = algorithm.max_credit_ticks
+    # A theoretical arrival time near a full bucket, an empty one, or a debt (queue mode).
+    offset = data.draw(
+        st.one_of(near(full, full), st.integers(0, 3), st.integers(-algorithm.interval_ticks, 0))
+    )
+    tat = start_us * tpu - offset
+    seed = (struct.pack("<dd", tat // tpu, tat % tpu), tat)
+    run(request, algorithm, start_us, ops, seed)
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    rate=st.one_of(st.sampled_from([1, 1_000, 10**6, 10**7]), st.integers(1, 10**7)),
+    period_s=st.sampled_from([1, 60]),
+)
+def test_leaky_bucket_quotas_match_python_at_the_extremes(
+    request: pytest.FixtureRequest, data: st.DataObject, rate: int, period_s: int
+) -> None:
+    """High rates and bursts up to the codec's bound, after idle times of up to 30 days (the
+    drain ``rate * ms`` passes 2**53 there)."""
+    burst = data.draw(st.one_of(st.sampled_from([0, 10**9, 9 * 10**9 - 3]), st.integers(0, 10**6)))
+    delay = data.draw(st.sampled_from([None, 0, burst // 2]))
+    algorithm = LeakyBucket(rate, period_s, burst, delay)
+    assume(_accepted(algorithm))
+    start_us, ops = data.draw(scenario(30 * DAY_US))
+    excess = data.draw(near(burst * 1000, burst * 1000))
+    last_ms = start_us // 1000 - data.draw(st.one_of(near(0, 30 * 86_400_000), st.just(0)))
+    seed = (struct.pack("<dd", excess, last_ms), pack_state(excess, last_ms))
+    run(request, algorithm, start_us, ops, seed)

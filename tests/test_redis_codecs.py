@@ -43,6 +43,13 @@ def test_limits_whose_arithmetic_would_not_be_exact_in_lua_are_refused() -> None
     codec_for(SlidingWindow(10**9, 30 * 86_400.0))
     codec_for(FixedWindow(100_000, 86_400.0))
     codec_for(SlidingLog(2**52 - 1, (2**51 - 1) / 1e6))
+    # Token buckets keep times relative to now: the bucket in ticks bounds them. A round
+    # quota's rate divides its period in microseconds (a tick is a microsecond or more); a
+    # prime rate over 30 days makes ticks of 1 / 999_999_937 us, a bucket of 2.6e21 ticks.
+    for rate, period_s in ((10**9, 30 * 86_400), (100_000, 86_400), (2_000_000, 3_600)):
+        codec_for(TokenBucket(rate, period_s, rate))
+    with pytest.raises(ValueError, match=r"4 \* bucket capacity in ticks .*2\*\*53"):
+        codec_for(TokenBucket(999_999_937, 30 * 86_400, 10**9))
 
 
 def test_state_codecs_read_back_what_the_python_algorithm_holds() -> None:
