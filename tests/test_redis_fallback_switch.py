@@ -21,6 +21,7 @@ from gateway.algorithms.token_bucket import TokenBucket
 from gateway.circuit import CircuitBreaker
 from gateway.limits import Check
 from gateway.stores import RedisStore
+from gateway.stores.redis.fallback import Owed
 from tests import redis_harness
 from tests.redis_harness import RedisFactory
 from tests.test_redis_store import compiled
@@ -121,3 +122,14 @@ async def test_a_carried_back_charge_fills_a_limit_at_most(
         assert not (await store.decide([Check(limit, "over")])).allowed
     finally:
         await store.close()
+
+
+def test_what_is_owed_is_bounded_in_keys() -> None:
+    limit = compiled("owed", FixedWindow(QUOTA, MONTH_S))
+    owed = Owed(max_keys=2)
+    owed.add([Check(limit, "a"), Check(limit, "b")])
+    owed.add([Check(limit, "a")], 3)
+    owed.add([Check(limit, "c")], 5)  # a third key: not kept, counted
+    assert owed.dropped == 5 and len(owed) == 2
+    assert sorted((check.key, cost) for check, cost in owed.take()) == [("a", 4), ("b", 1)]
+    assert not owed

@@ -382,13 +382,18 @@ class RedisStore:
             owed = self.owed.take()
             for start in range(0, len(owed), _CARRY_BACK_BATCH):
                 batch = owed[start : start + _CARRY_BACK_BATCH]
-                results = await asyncio.gather(
-                    *(
-                        self._eval(b"c", (check,), (self.plan(check.limit),), cost=cost)
-                        for check, cost in batch
-                    ),
-                    return_exceptions=True,
-                )
+                try:
+                    results = await asyncio.gather(
+                        *(
+                            self._eval(b"c", (check,), (self.plan(check.limit),), cost=cost)
+                            for check, cost in batch
+                        ),
+                        return_exceptions=True,
+                    )
+                except asyncio.CancelledError:  # the client hung up: owed still, maybe twice
+                    for check, cost in owed[start:]:
+                        self.owed.add((check,), cost)
+                    raise
                 failure: BaseException | None = None
                 for (check, cost), result in zip(batch, results, strict=True):
                     if isinstance(result, BaseException):
