@@ -15,6 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,18 @@ import redis
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 START_TIMEOUT_S = 10.0
+
+
+def key_prefixes() -> Iterator[str]:
+    """Ids for key prefixes, unique in the session's shared servers. A module counter is not:
+    pytest imports a test module as ``test_redis_store`` and its importers import it again as
+    ``tests.test_redis_store``, two counters from 0; a store then met the keys another left
+    (kept 10 minutes under a test clock, up to two 30-day windows for large quotas)."""
+    run = uuid.uuid4().hex[:8]
+    n = 0
+    while True:
+        yield f"{run}.{n}"
+        n += 1
 
 
 def free_port() -> int:

@@ -101,7 +101,7 @@ def test_a_limit_too_large_for_redis_is_one_line_from_run_not_a_traceback() -> N
     result = _gateway("run", "--config", str(path), *LOOPBACK)
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"{path}:10: limits.huge: (2 * limit + 1) * window")
+    assert result.stderr.startswith(f"{path}:10: limits.huge: 2 * limit + 1 (9.0072e+15)")
 
 
 def _one_line_no_traceback(result: subprocess.CompletedProcess[str]) -> str:

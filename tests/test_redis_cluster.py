@@ -14,7 +14,6 @@ issued in order, each with its own instant, so the exact answer does not depend 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -30,13 +29,13 @@ from gateway.limits import Check, CompiledLimit
 from gateway.stores import MemoryStore, RedisStore, StoreUnavailableError
 from gateway.stores.redis.store import StoreReplyError
 from gateway.stores.redis.store import _checked as checked
-from tests.redis_harness import RedisClusterHarness, RedisServer
+from tests.redis_harness import RedisClusterHarness, RedisServer, key_prefixes
 from tests.test_redis_store import T0_US, compiled
 
 CLIENTS = ("thin", "redis-py")
 RATES = {"a": 22.0, "b": 12.5, "c": 7.7}
 TRACE_S = 6.0
-_prefixes = itertools.count()
+_prefixes = key_prefixes()
 
 
 def trace() -> list[tuple[int, str]]:

@@ -33,11 +33,23 @@ def test_each_limit_divided_between_replicas_is_never_more_lenient() -> None:
 
 
 def test_limits_whose_arithmetic_would_not_be_exact_in_lua_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"too large for the Redis store.*2\*\*53"):
-        codec_for(SlidingWindow(10**9, 3600.0))
+    with pytest.raises(ValueError, match=r"2 \* limit \+ 1 .*too large for the Redis store"):
+        codec_for(SlidingWindow(2**52, 60.0))
+    with pytest.raises(ValueError, match=r"4 \* window in microseconds .*2\*\*53"):
+        codec_for(FixedWindow(10, 2.0**51 / 1e6))
     with pytest.raises(ValueError, match="too large for the Redis store"):
         codec_for(TokenBucket(999_983, 1, 10**10))
-    codec_for(SlidingWindow(10**6, 3600.0))  # a million an hour is fine
+    # Realistic quotas: a billion in 30 days, a daily quota, the largest limit and window.
+    codec_for(SlidingWindow(10**9, 30 * 86_400.0))
+    codec_for(FixedWindow(100_000, 86_400.0))
+    codec_for(SlidingLog(2**52 - 1, (2**51 - 1) / 1e6))
+    # Token buckets keep times relative to now: the bucket in ticks bounds them. A round
+    # quota's rate divides its period in microseconds (a tick is a microsecond or more); a
+    # prime rate over 30 days makes ticks of 1 / 999_999_937 us, a bucket of 2.6e21 ticks.
+    for rate, period_s in ((10**9, 30 * 86_400), (100_000, 86_400), (2_000_000, 3_600)):
+        codec_for(TokenBucket(rate, period_s, rate))
+    with pytest.raises(ValueError, match=r"4 \* bucket capacity in ticks .*2\*\*53"):
+        codec_for(TokenBucket(999_999_937, 30 * 86_400, 10**9))
 
 
 def test_state_codecs_read_back_what_the_python_algorithm_holds() -> None:

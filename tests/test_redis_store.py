@@ -15,7 +15,6 @@ expiry, hash tags in the cluster, and failure: a stopped or frozen Redis, the th
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
@@ -56,7 +55,7 @@ redis_cluster = redis_harness.redis_cluster
 redis_factory = redis_harness.redis_factory
 
 STORE_KINDS = ("memory", "redis", "redis-py", "cluster")
-_prefixes = itertools.count()
+_prefixes = redis_harness.key_prefixes()
 
 
 def compiled(
@@ -191,20 +190,36 @@ def refunded(algorithm: Algorithm[Any], state: Any, now_us: int, charged_us: int
     return algorithm.refund(state, now_us, charged_us=charged_us)
 
 
-async def run_against_python(backend: Backend, stack: list[str], ops: list[Op]) -> None:
+async def run_against_python(
+    backend: Backend,
+    stack: list[str],
+    ops: list[Op],
+    *,
+    algorithms: dict[str, Any] = ALGORITHMS,
+    start_us: int = T0_US,
+    seeds: dict[str, list[tuple[bytes, Any]]] | None = None,
+) -> None:
     """Apply ``ops`` to a store and to the pure algorithms (combined by ``decide_all``, a delay
     over its bound refused by ``refuse_long_delays``); every verdict, and for Redis every
-    stored state, must be the same."""
+    stored state, must be the same. ``seeds`` (Redis only) starts keys in given states: per
+    key, one ``(stored state, Python state)`` per limit of the stack."""
     if backend.kind == "memory":
         # It drops idle keys, which no request can tell from kept ones while time goes forward
         # (its clock is monotonic). Under a test clock Redis keeps every key 10 minutes, so
         # for Redis the clock also steps back.
         ops = [(max(step_us, 0), op, key, bound) for step_us, op, key, bound in ops]
-    clock = FakeClock(T0_US)
-    limits = [compiled(f"l{i}", ALGORITHMS[name]()) for i, name in enumerate(stack)]
+    clock = FakeClock(start_us)
+    limits = [compiled(f"l{i}", algorithms[name]()) for i, name in enumerate(stack)]
     store = backend.make(clock)
     store.configure(limits, ())
     reference: dict[tuple[int, str], Any] = {}
+    for key, states in (seeds or {}).items():
+        assert isinstance(store, RedisStore) and backend.inspect is not None
+        for i, (stored, state) in enumerate(states):
+            check = Check(limits[i], key)
+            params = store.plan(limits[i]).codec.params
+            backend.inspect.set(store.redis_key(check), params + stored, px=10**11)
+            reference[(i, key)] = state
     # The instant each key was last charged: what a refund after a client left would pass.
     charged_at: dict[str, int] = {}
     try:
@@ -229,7 +244,7 @@ async def run_against_python(backend: Backend, stack: list[str], ops: list[Op]) 
                     want = refuse_long_delays(
                         want, [state for _, state in items], [bound] * len(items)
                     )
-                assert verdict_of(got) == verdict_of(want), (op, now_us - T0_US)
+                assert verdict_of(got) == verdict_of(want), (op, now_us - start_us)
                 if want.allowed and want.delay_s > 0.0:
                     # A delayed verdict carries the instant it was decided at, for a refund.
                     assert got.now_us == now_us
@@ -580,13 +595,20 @@ rescale_operations = st.lists(
 )
 
 
-async def run_rescale_against_python(backend: Backend, family: str, ops: list[RescaleOp]) -> None:
+async def run_rescale_against_python(
+    backend: Backend,
+    family: str,
+    ops: list[RescaleOp],
+    *,
+    table: dict[str, list[Any]] = VARIANTS,
+    start_us: int = T0_US,
+) -> None:
     """Two replicas share one limit in Redis and reload it at different moments. A state
     written under other parameters is rescaled when a replica next touches it, as the Python
     algorithm's ``rescale`` does at that instant (and stays rescaled, even if the request is
     rejected); every verdict and every stored value (parameters, then state) must agree."""
-    variants = VARIANTS[family]
-    clock = FakeClock(T0_US)
+    variants = table[family]
+    clock = FakeClock(start_us)
     prefix = f"rescale{next(_prefixes)}:"
     stores = [backend.make(clock, key_prefix=prefix) for _ in range(2)]
     limits = [compiled("lim", variants[0]()) for _ in stores]
@@ -744,8 +766,9 @@ async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
         first = await store.decide([Check(limit, "k")])
         assert loop.time() - started < 0.5  # connection refused: no need to wait at all
         assert first.allowed and first.decisions[0].limit == 3  # 9 / 3 replicas
+        # The share already holds the request this replica admitted through Redis.
         verdicts = [await store.decide([Check(limit, "k")]) for _ in range(4)]
-        assert [v.allowed for v in verdicts] == [True, True, False, False]
+        assert [v.allowed for v in verdicts] == [True, False, False, False]
         assert store.breaker.state == "open"
         # What the metrics read: the state, failed calls, and successful calls timed.
         assert store.stats.state == "open" and store.stats.errors == 2 and store.stats.calls == 1
@@ -939,14 +962,15 @@ async def test_password_and_database_from_the_url(redis_factory: RedisFactory, c
 
 
 async def test_tracked_keys_counts_the_local_fallback(redis_factory: RedisFactory) -> None:
-    """tracked_keys reports keys held in this process; Redis keys expire on their own."""
+    """tracked_keys reports keys held in this process (the fallback's, charged with what
+    Redis admitted too); Redis keys expire on their own."""
     server = redis_factory.start()
     limit = compiled("tk", FixedWindow(5, 60.0))
     store = RedisStore(server.url, breaker=fast_breaker())
     store.configure([limit], ())
     try:
         await store.decide([Check(limit, "a")])
-        assert store.tracked_keys("tk") == 0
+        assert store.tracked_keys("tk") == 1
         server.stop()
         await store.decide([Check(limit, "a")])
         await store.decide([Check(limit, "b")])

@@ -88,10 +88,11 @@ class _WindowCodec:
     __slots__ = ("_algorithm", "_limit", "nominal_limit", "params")
 
     def __init__(self, code: bytes, algorithm: FixedWindow | SlidingWindow | SlidingLog) -> None:
-        _exact(
-            "(2 * limit + 1) * window in microseconds",
-            (2 * algorithm.limit + 1) * algorithm.window_us,
-        )
+        # Counts stay below 2 * limit + cost; instants below now + 2 * window, which leaves
+        # the clock half the range (2**52 microseconds is the year 2112). Products of a count
+        # and a span (a sliding window's weighing) are exact in the scripts' limbs.
+        _exact("2 * limit + 1", 2 * algorithm.limit + 1)
+        _exact("4 * window in microseconds", 4 * algorithm.window_us)
         self._algorithm = algorithm
         self._limit = self.nominal_limit = algorithm.limit
         self.params = code + struct.pack("<dd", algorithm.limit, algorithm.window_us)

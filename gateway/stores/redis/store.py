@@ -26,6 +26,7 @@ from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
 from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClient, is_noscript
 from gateway.stores.redis.codecs import Codec, codec_for
+from gateway.stores.redis.fallback import CarryBackFailedError, Owed
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 
 FailureMode = Literal["local", "allow", "deny"]
@@ -36,6 +37,8 @@ _INF: Final = float("inf")
 # An overridden clock (tests) has nothing to do with the clock Redis expires keys by.
 _OVERRIDE_MIN_TTL_MS: Final = 600_000
 _MAX_RECOVERIES: Final = 3
+# Fallback admissions charged back to Redis: script calls in flight together.
+_CARRY_BACK_BATCH: Final = 32
 # Getting ready at start (several round trips, every master) may take longer than one call.
 _PREPARE_TIMEOUT_S: Final = 2.0
 _LUA_FILES: Final = (
@@ -66,6 +69,7 @@ class RedisStoreCounters:
     allowed_open: int = 0  # admitted without a decision (on_failure: allow)
     denied_closed: int = 0  # refused without a decision (on_failure: deny)
     recoveries: int = 0  # calls sent again after NOSCRIPT (a new Redis) or MOVED
+    carried_back: int = 0  # fallback admissions charged to Redis once it answered again
 
 
 def parse_store_url(url: str) -> tuple[str, bool]:
@@ -132,7 +136,12 @@ class RedisStore:
         # For the metrics: calls, errors, call latency, and the circuit's state.
         self.stats = StoreStats()
         self.counters = RedisStoreCounters()
+        # on_failure local: the fallback's state, kept charged with what this replica admits
+        # through Redis too, so it starts from this replica's recent admissions, not empty.
         self.local = MemoryStore(self.clock)
+        self.owed = Owed()
+        self._carrying_back = asyncio.Lock()
+        self._carry_back_failures = 0
         self._min_ttl = b"%d" % _OVERRIDE_MIN_TTL_MS if time_source is not None else b"0"
         self.script = load_script()
         self.sha = hashlib.sha1(self.script.encode()).hexdigest()
@@ -215,6 +224,8 @@ class RedisStore:
             return await self._unavailable(checks, commit, "circuit open")
         probe = breaker.probe_out
         try:
+            if self.owed or self._carrying_back.locked():
+                await self._carry_back()
             reply = await self._eval(b"d" if commit else b"p", checks, plans)
         except asyncio.CancelledError:  # the client hung up: a probe must not stay out
             breaker.cancelled(probe)
@@ -223,7 +234,10 @@ class RedisStore:
             self._failed(exc)
             return await self._unavailable(checks, commit, _describe(exc))
         self._answered()
-        return _verdict(checks, plans, reply)
+        verdict = _verdict(checks, plans, reply)
+        if commit and verdict.allowed and self.on_failure == "local":
+            await self.local.decide([self._local_check(check) for check in checks])
+        return verdict
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         """Dry-run limits, one script call each, all in flight together. They are never
@@ -316,6 +330,8 @@ class RedisStore:
         checks: Sequence[Check],
         plans: Sequence[LimitPlan],
         charged_us: bytes = b"",
+        *,
+        cost: int = 1,
     ) -> list[int]:
         """One script call for all ``checks``; raises if Redis does not answer."""
         keys = [
@@ -325,7 +341,7 @@ class RedisStore:
         now = b"" if time_source is None else b"%d" % time_source.now_us()
         self.counters.calls += 1
         call_id = self.counters.calls
-        argv = [b"%s%d" % (mode, call_id), now, b"1", self._min_ttl]
+        argv = [b"%s%d" % (mode, call_id), now, b"%d" % cost, self._min_ttl]
         argv += [plan.codec.params for plan in plans]
         argv += [_bound(check.max_delay_s) for check in checks]
         if mode == b"r":
@@ -349,9 +365,47 @@ class RedisStore:
             reply = await client.submit(keys, argv, asking=asking)
         if isinstance(reply, Exception):
             raise reply
-        result = _checked(reply, call_id, 1 if mode == b"r" else 1 + 5 * len(checks))
+        result = _checked(reply, call_id, 1 if mode in (b"r", b"c") else 1 + 5 * len(checks))
         self.stats.observe(loop.time() - started)
         return result
+
+    async def _carry_back(self) -> None:
+        """Charge Redis with what the fallback admitted (one call per limit and key, a few in
+        flight), before any decision there; raises, keeping what was not charged, if Redis
+        fails. Concurrent requests wait for it, so none is decided on Redis before it."""
+        failures = self._carry_back_failures
+        async with self._carrying_back:
+            if self._carry_back_failures != failures:
+                # It failed while this request waited: Redis is not answering, do not wait
+                # for another timeout (the circuit may still be closed, below its threshold).
+                raise CarryBackFailedError("charging the fallback's admissions to Redis failed")
+            owed = self.owed.take()
+            for start in range(0, len(owed), _CARRY_BACK_BATCH):
+                batch = owed[start : start + _CARRY_BACK_BATCH]
+                try:
+                    results = await asyncio.gather(
+                        *(
+                            self._eval(b"c", (check,), (self.plan(check.limit),), cost=cost)
+                            for check, cost in batch
+                        ),
+                        return_exceptions=True,
+                    )
+                except asyncio.CancelledError:  # the client hung up: owed still, maybe twice
+                    for check, cost in owed[start:]:
+                        self.owed.add((check,), cost)
+                    raise
+                failure: BaseException | None = None
+                for (check, cost), result in zip(batch, results, strict=True):
+                    if isinstance(result, BaseException):
+                        self.owed.add((check,), cost)
+                        failure = failure or result
+                    else:
+                        self.counters.carried_back += cost
+                if failure is not None:
+                    for check, cost in owed[start + len(batch) :]:
+                        self.owed.add((check,), cost)
+                    self._carry_back_failures += 1
+                    raise failure
 
     def _answered(self) -> None:
         """Redis answered a call."""
@@ -388,7 +442,10 @@ class RedisStore:
     ) -> CombinedDecision:
         mode = self.on_failure
         if mode == "local":
-            return await self._local_decide(checks, commit)
+            verdict = await self._local_decide(checks, commit)
+            if commit and verdict.allowed:
+                self.owed.add(checks)
+            return verdict
         if mode == "allow":
             self.counters.allowed_open += 1
             decisions = tuple(

@@ -4,6 +4,8 @@
 --
 -- KEYS[i]    the state key of limit i (one hash tag for all: one slot in a cluster)
 -- ARGV[1]    'd' decide and commit, 'p' decide and commit nothing (explain), 'r' refund,
+--            'c' charge (what the local fallback admitted while Redis was away: as much of
+--            the cost as each limit still has room for, however long it delays),
 --            then the call's number, echoed last in the reply: the client checks each reply
 --            is its own call's, so no reply can ever be taken for another call's verdict
 -- ARGV[2]    now in microseconds; '' reads Redis TIME, the one clock all replicas share
@@ -70,6 +72,36 @@ if mode == 'r' then
     local state, idle_in_us = nil, 0
     if raw then
       state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost, charged_us)
+    end
+    if state then
+      store(KEYS[i], p, state, idle_in_us)
+    elseif rescaled then
+      store(KEYS[i], p, raw, rescaled_idle_us)
+    end
+  end
+  return {now_us, call_id}
+end
+
+if mode == 'c' then
+  for i = 1, n do
+    local p = ARGV[4 + i]
+    local raw, rescaled, rescaled_idle_us = load(i, p)
+    local algorithm = ALG[string.sub(p, 1, 1)]
+    local ok, state, idle_in_us = algorithm.decide(p, raw, now_us, cost)
+    if ok == 0 then
+      -- Every algorithm admits any smaller cost than one it admits: the largest cost that
+      -- fits, by bisection (at most 53 decisions, no Redis calls).
+      state = nil
+      local lo, hi = 0, cost - 1
+      while lo < hi do
+        local mid = hi - floor((hi - lo) / 2)
+        local fits, mid_state, mid_idle_us = algorithm.decide(p, raw, now_us, mid)
+        if fits == 1 then
+          lo, state, idle_in_us = mid, mid_state, mid_idle_us
+        else
+          hi = mid - 1
+        end
+      end
     end
     if state then
       store(KEYS[i], p, state, idle_in_us)

@@ -21,6 +21,9 @@ MAKE['L'] = function()
         if ms < 0 then
           if ms < -60000 then ms = 1 else ms = 0 end
         end
+        -- rate * ms may pass 2^53 (a high rate, a long idle time), rounded; but then the drain
+        -- is over 2^53 / 1000, more than any excess the codec allows (burst_milli + 2000 below
+        -- 2^53 / 1000), and the excess is 0 either way.
         excess = prev_excess - floor(rate * ms / 1000) + 1000
         if excess < 0 then excess = 0 end
         if ms ~= 0 then last_ms = now_ms end

@@ -14,56 +14,84 @@ local function ceil_div(a, b)
   return -floor(-a / b)
 end
 
--- Rescaling (a reload changed a limit's parameters) multiplies a count by a ratio of two
--- parameters: a * b can pass 2^53 where the result does not. Then exact integers in base 2^24
--- limbs check the quotient the doubles estimate. (Their functions are made only on that path:
--- Redis runs this whole file, making every function in it, on every call.)
---
--- a * b / c rounded down (up: rounded up, Python's -(-a * b // c)), for integers
--- 0 <= a, b < 2^53, 0 < c < 2^53, the quotient below 2^53.
-local function muldiv(a, b, c, up)
-  local product = a * b
-  local q = floor(product / c)
-  if product < 9007199254740992 then
-    if up and q * c ~= product then return q + 1 end
-    return q
-  end
+-- Some products pass 2^53 where the results do not: a rescale (a reload changed a limit's
+-- parameters) multiplies a count by a ratio of two parameters, a sliding window weighs a count
+-- of up to 2^53 by a span of microseconds. Then exact integers in base 2^24 limbs (least
+-- significant first) check the quotient the doubles estimate. The limb functions are made
+-- only on that path, once per call: Redis runs this whole file, making every function in it,
+-- on every call.
+local WIDE
+local function wide()
+  if WIDE then return WIDE end
   local LIMB = 16777216
-  local function limbs_of(x) -- x < 2^72: three limbs, least significant first
+  local w = {}
+  function w.of(x) -- an integer 0 <= x < 2^72: three limbs
     local l0 = x % LIMB
     x = (x - l0) / LIMB
     local l1 = x % LIMB
     return {l0, l1, (x - l1) / LIMB}
   end
-  local function big_mul(x, y) -- x, y < 2^53: x * y in six limbs
-    local xl, yl = limbs_of(x), limbs_of(y)
-    local r = {0, 0, 0, 0, 0, 0}
-    for i = 1, 3 do
-      for j = 1, 3 do
-        r[i + j - 1] = r[i + j - 1] + xl[i] * yl[j] -- each term < 2^48, at most 3 per limb
-      end
-    end
-    for k = 1, 5 do
-      local carry = floor(r[k] / LIMB)
-      r[k] = r[k] - carry * LIMB
-      r[k + 1] = r[k + 1] + carry
+  local function carry(r)
+    for k = 1, #r - 1 do
+      local c = floor(r[k] / LIMB)
+      r[k] = r[k] - c * LIMB
+      r[k + 1] = r[k + 1] + c
     end
     return r
   end
-  local function big_cmp(x, y)
-    for k = 6, 1, -1 do
-      if x[k] ~= y[k] then
-        if x[k] < y[k] then return -1 end
+  function w.mul(x, y) -- each term < 2^48, at most 6 per limb for numbers of up to 6 limbs
+    local r = {}
+    for k = 1, #x + #y do r[k] = 0 end
+    for i = 1, #x do
+      for j = 1, #y do
+        r[i + j - 1] = r[i + j - 1] + x[i] * y[j]
+      end
+    end
+    return carry(r)
+  end
+  function w.add(x, y)
+    local r = {}
+    for k = 1, math.max(#x, #y) + 1 do r[k] = (x[k] or 0) + (y[k] or 0) end
+    return carry(r)
+  end
+  function w.cmp(x, y)
+    for k = math.max(#x, #y), 1, -1 do
+      local a, b = x[k] or 0, y[k] or 0
+      if a ~= b then
+        if a < b then return -1 end
         return 1
       end
     end
     return 0
   end
-  local exact = big_mul(a, b) -- q is within a few units of the quotient
-  while big_cmp(big_mul(q, c), exact) > 0 do q = q - 1 end
-  while big_cmp(big_mul(q + 1, c), exact) <= 0 do q = q + 1 end
-  if up and big_cmp(big_mul(q, c), exact) ~= 0 then return q + 1 end
-  return q
+  function w.value(x) -- the nearest double, about
+    local v = 0
+    for k = #x, 1, -1 do v = v * LIMB + x[k] end
+    return v
+  end
+  -- num / den rounded down (up: rounded up), for wide integers, the quotient below 2^53.
+  function w.div(num, den, up)
+    local q = floor(w.value(num) / w.value(den)) -- within a few units of the quotient
+    while q > 0 and w.cmp(w.mul(w.of(q), den), num) > 0 do q = q - 1 end
+    while w.cmp(w.mul(w.of(q + 1), den), num) <= 0 do q = q + 1 end
+    if up and w.cmp(w.mul(w.of(q), den), num) ~= 0 then return q + 1 end
+    return q
+  end
+  WIDE = w
+  return w
+end
+
+-- a * b / c rounded down (up: rounded up, Python's -(-a * b // c)), for integers
+-- 0 <= a, b < 2^53, 0 < c < 2^53, the quotient below 2^53.
+local function muldiv(a, b, c, up)
+  local product = a * b
+  if product < 9007199254740992 then
+    local q = floor(product / c)
+    if up and q * c ~= product then return q + 1 end
+    return q
+  end
+  local w = wide()
+  return w.div(w.mul(w.of(a), w.of(b)), w.of(c), up)
 end
 
 -- Each algorithm file sets MAKE[code] to a function returning

@@ -21,8 +21,8 @@ MAKE['S'] = function()
       local elapsed_us = now_us - start_us
       if elapsed_us < 0 then elapsed_us = 0 end
       -- The previous window's count, weighted by the share of it still inside the sliding
-      -- window, rounded down.
-      local weighted = floor(previous * (window_us - elapsed_us) / window_us)
+      -- window, rounded down (a product that can pass 2^53: a large limit, a long window).
+      local weighted = muldiv(previous, window_us - elapsed_us, window_us)
       local used = weighted + current + cost
       if used > limit then
         local remaining = limit - weighted - current
@@ -37,11 +37,12 @@ MAKE['S'] = function()
         local admit_us
         local room = limit - cost - current
         if room >= 0 then
-          -- Later in this window, once previous * weight_us // window_us <= room.
-          admit_us = start_us + window_us - floor(((room + 1) * window_us - 1) / previous)
+          -- Later in this window, once previous * weight_us // window_us <= room:
+          -- ((room + 1) * window_us - 1) // previous, which is the ceiling less one.
+          admit_us = start_us + window_us - (muldiv(room + 1, window_us, previous, true) - 1)
         else
           -- Next window, where the current count becomes the previous one.
-          local weight_max_us = floor(((limit - cost + 1) * window_us - 1) / current)
+          local weight_max_us = muldiv(limit - cost + 1, window_us, current, true) - 1
           if weight_max_us > window_us then weight_max_us = window_us end
           admit_us = start_us + 2 * window_us - weight_max_us
         end
@@ -89,8 +90,19 @@ MAKE['S'] = function()
       end
       local elapsed_us = now_us - index * old_window_us
       if elapsed_us < 0 then elapsed_us = 0 end
+      -- ceil((previous * (old_window_us - elapsed_us) + current * old_window_us) * limit
+      -- / (old_limit * old_window_us)), in limbs when a product passes 2^53.
       local used = previous * (old_window_us - elapsed_us) + current * old_window_us
-      local count = muldiv(used, limit, old_limit * old_window_us, true)
+      local count
+      if used < 9007199254740992 and old_limit * old_window_us < 9007199254740992 then
+        count = muldiv(used, limit, old_limit * old_window_us, true)
+      else
+        local w = wide()
+        local wide_used = w.add(w.mul(w.of(previous), w.of(old_window_us - elapsed_us)),
+          w.mul(w.of(current), w.of(old_window_us)))
+        count = w.div(w.mul(wide_used, w.of(limit)),
+          w.mul(w.of(old_limit), w.of(old_window_us)), true)
+      end
       if count > limit then count = limit end
       if count == 0 then return nil, 0 end
       index = floor(now_us / window_us)

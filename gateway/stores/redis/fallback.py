@@ -1,0 +1,55 @@
+"""What the local fallback admitted while Redis could not answer, owed to Redis.
+
+Redis never sees the requests the fallback admits: when it answers again, its windows and
+buckets would admit a full quota on top of them. The store keeps a count per limit and key
+(bounded) and charges it to Redis, one script call per limit and key, before its next decision
+there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from gateway.limits import Check, CompiledLimit
+
+MAX_OWED_KEYS: Final = 10_000
+
+
+class CarryBackFailedError(Exception):
+    """Charging the fallback's admissions failed while a request waited for it."""
+
+
+class Owed:
+    """Admissions per ``(limit, key)`` not yet charged to Redis; at most ``max_keys`` pairs
+    (admissions for further pairs are only counted in ``dropped``)."""
+
+    __slots__ = ("_entries", "dropped", "max_keys")
+
+    def __init__(self, max_keys: int = MAX_OWED_KEYS) -> None:
+        self.max_keys = max_keys
+        self.dropped = 0
+        self._entries: dict[tuple[str, str], tuple[CompiledLimit, int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, checks: Sequence[Check], cost: int = 1) -> None:
+        entries = self._entries
+        for check in checks:
+            pair = (check.limit.name, check.key)
+            entry = entries.get(pair)
+            if entry is None and len(entries) >= self.max_keys:
+                self.dropped += cost
+                continue
+            # The newest limit object: a reload in between charges under its parameters.
+            entries[pair] = (check.limit, cost + (entry[1] if entry is not None else 0))
+
+    def take(self) -> list[tuple[Check, int]]:
+        """Everything owed, forgotten here: the caller charges it or ``add``s it back."""
+        taken = [(Check(limit, key), cost) for (_, key), (limit, cost) in self._entries.items()]
+        self._entries = {}
+        return taken

@@ -1,0 +1,135 @@
+"""The local fallback at each switch (issue 17, item 6): a real Redis frozen (SIGSTOP) and
+resumed under bounded load, with one replica. Entering the outage, the fallback's state
+already holds what this replica admitted through Redis; leaving it, Redis is charged with what
+the fallback admitted before it decides again. Across the outage a quota is admitted once,
+not once per side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.leaky_bucket import LeakyBucket
+from gateway.algorithms.sliding_log import SlidingLog
+from gateway.algorithms.sliding_window import SlidingWindow
+from gateway.algorithms.token_bucket import TokenBucket
+from gateway.circuit import CircuitBreaker
+from gateway.limits import Check
+from gateway.stores import RedisStore
+from gateway.stores.redis.fallback import Owed
+from tests import redis_harness
+from tests.redis_harness import RedisFactory
+from tests.test_redis_store import compiled
+
+redis_factory = redis_harness.redis_factory
+
+QUOTA = 40
+MONTH_S = 30 * 86_400.0
+# Long windows and slow refills: nothing comes back during the test, so the quota is exact.
+ALGORITHMS: dict[str, Callable[[], Any]] = {
+    "fixed_window": lambda: FixedWindow(QUOTA, MONTH_S),
+    "sliding_window": lambda: SlidingWindow(QUOTA, MONTH_S),
+    "sliding_log": lambda: SlidingLog(QUOTA, MONTH_S),
+    "token_bucket": lambda: TokenBucket(QUOTA, MONTH_S, QUOTA),
+}
+CLIENTS = 8
+
+
+def breaker() -> CircuitBreaker:
+    return CircuitBreaker("test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4)
+
+
+async def burst(store: RedisStore, check: Check, requests: int) -> int:
+    """``requests`` decisions from ``CLIENTS`` concurrent clients; how many were admitted."""
+    admitted = 0
+
+    async def client(count: int) -> None:
+        nonlocal admitted
+        for _ in range(count):
+            verdict = await store.decide([check])  # awaited before `admitted` is read
+            admitted += verdict.allowed
+
+    shares = [requests // CLIENTS + (i < requests % CLIENTS) for i in range(CLIENTS)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(client(share) for share in shares))
+    return admitted
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+async def test_a_quota_is_admitted_once_across_an_outage(
+    redis_factory: RedisFactory, name: str
+) -> None:
+    server = redis_factory.start()
+    limit = compiled("switch", ALGORITHMS[name]())
+    store = RedisStore(server.url, timeout_s=0.05, breaker=breaker())
+    store.configure([limit], ())
+    check = Check(limit, "k")
+    loop = asyncio.get_running_loop()
+    try:
+        before = await burst(store, check, QUOTA // 2)
+        assert before == QUOTA // 2 and store.counters.local_decisions == 0
+
+        server.pause()
+        # A timeout or two, then the open circuit: all decided here. The fallback has room
+        # for the other half only (it started empty: a whole quota).
+        during = await burst(store, check, 3 * QUOTA)
+        assert store.breaker.state == "open" and store.counters.local_decisions >= 3 * QUOTA
+        assert during == QUOTA - before, (before, during)
+
+        server.resume()
+        after = 0
+        deadline = loop.time() + 10.0
+        while store.breaker.state != "closed" and loop.time() < deadline:
+            after += await burst(store, check, CLIENTS)
+            await asyncio.sleep(0.05)
+        assert store.breaker.state == "closed"
+        # Redis was charged with what the fallback admitted before it decided again (it once
+        # admitted a second half on top).
+        after += await burst(store, check, 3 * QUOTA)
+        assert after == 0, (before, during, after)
+        assert store.counters.carried_back == during
+        assert not store.owed
+    finally:
+        server.resume()
+        await store.close()
+
+
+@pytest.mark.parametrize("name", [*sorted(ALGORITHMS), "leaky_bucket"])
+async def test_a_carried_back_charge_fills_a_limit_at_most(
+    redis_factory: RedisFactory, name: str
+) -> None:
+    """Charged back: the whole count when it fits, else as much as fits (the limit full)."""
+    server = redis_factory.start()
+    make = ALGORITHMS.get(name) or (lambda: LeakyBucket(1, 60, QUOTA - 1, None))
+    limit = compiled("charge", make())
+    store = RedisStore(server.url, timeout_s=2.0)
+    store.configure([limit], ())
+    try:
+        store.owed.add([Check(limit, "fits")], QUOTA - 3)
+        first = await store.decide([Check(limit, "fits")])
+        assert store.counters.carried_back == QUOTA - 3 and not store.owed
+        assert first.allowed and first.decisions[0].remaining == 2
+        store.owed.add([Check(limit, "fits")], 10 * QUOTA)
+        assert not (await store.decide([Check(limit, "fits")])).allowed
+        # An untouched key, charged past its limit at once, is full, not left empty.
+        store.owed.add([Check(limit, "over")], QUOTA + 1)
+        assert not (await store.decide([Check(limit, "over")])).allowed
+    finally:
+        await store.close()
+
+
+def test_what_is_owed_is_bounded_in_keys() -> None:
+    limit = compiled("owed", FixedWindow(QUOTA, MONTH_S))
+    owed = Owed(max_keys=2)
+    owed.add([Check(limit, "a"), Check(limit, "b")])
+    owed.add([Check(limit, "a")], 3)
+    owed.add([Check(limit, "c")], 5)  # a third key: not kept, counted
+    assert owed.dropped == 5 and len(owed) == 2
+    assert sorted((check.key, cost) for check, cost in owed.take()) == [("a", 4), ("b", 1)]
+    assert not owed
