@@ -86,8 +86,12 @@ headers:
 """
 
 
-PER_IP_BINDS = Load("per-ip binds", 20, 20, 2000, 100, clients=4, connections=4)
-GLOBAL_BINDS = Load("global binds", 200, 50, 200, 100, clients=8, connections=3)
+# Rates low enough that a loaded 2-core machine still offers twice what they allow (three
+# gateways, Redis and the clients share it: 212 requests a second was seen in a full suite),
+# and bursts of several seconds of the rate: a client stalled behind a busy gateway loses
+# nothing until its bucket has drained (at 1 s, a loaded run admitted 2.6% less than allowed).
+PER_IP_BINDS = Load("per-ip binds", 10, 40, 2000, 100, clients=4, connections=4)
+GLOBAL_BINDS = Load("global binds", 200, 50, 100, 300, clients=8, connections=3)
 
 
 # --- the launcher: one gateway process on a RedisStore ----------------------------------------
