@@ -17,8 +17,10 @@ Three databases:
   once whichever worker reloads first), each limit's slot, identity and algorithm, and each
   table's key count and evictions.
 
-Bounded like an nginx zone: a new key first lets up to two of its table's oldest keys expire
-when idle, then evicts the least recently used one if the table is full.
+Bounded like an nginx zone: a new key in a full table takes the place of the table's least
+recently used key, counted as an eviction unless that key's state was idle. Idle keys are not
+dropped before the table is full (nginx drops up to two on every new key): a page of the map
+they hold costs nothing until it is needed, and not looking saves the request path a cursor.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from gateway.observability.stats import StoreStats
 
 ENV_SHARED_DIR: Final = "GATEWAY_SHARED_DIR"
 DIR_PREFIX: Final = "gateway-limits-"
-EXPIRE_ON_INSERT: Final = 2  # idle keys looked at, oldest first, for each new key (as nginx)
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
 # for keys up to ``MAX_KEY_BYTES``; the map is sparse, only pages in use take memory.
 MAP_BYTES_PER_KEY: Final = 2048
@@ -66,6 +67,7 @@ class _Table(NamedTuple):
     identity: tuple[str, tuple[str, ...], str]
     algorithm: Any
     max_keys: int
+    prefix: bytes = b""  # the slot as the keys' prefix (not stored)
 
 
 def runtime_dir(supervisor_pid: int | None = None) -> Path:
@@ -103,17 +105,18 @@ def clean_runtime_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-def encode_state(tick: int, state: Any) -> bytes:
-    """``tick | tag | payload``: states are ints (packed by their algorithm) or bytes."""
+def encode_payload(state: Any) -> bytes:
+    """``tag | payload``: states are ints (packed by their algorithm) or bytes."""
     if isinstance(state, int):
-        return (
-            _TICK.pack(tick)
-            + b"i"
-            + state.to_bytes((state.bit_length() + 8) // 8, "little", signed=True)
-        )
+        return b"i" + state.to_bytes((state.bit_length() + 8) // 8, "little", signed=True)
     if isinstance(state, bytes):
-        return _TICK.pack(tick) + b"b" + state
+        return b"b" + state
     raise TypeError(f"a state of type {type(state).__name__} cannot be shared")
+
+
+def encode_state(tick: int, state: Any) -> bytes:
+    """``tick | tag | payload``."""
+    return _TICK.pack(tick) + encode_payload(state)
 
 
 def decode_state(raw: bytes) -> tuple[int, Any]:
@@ -157,7 +160,7 @@ class SharedStore:
         self._state: Any = None
         self._lru: Any = None
         self._meta: Any = None
-        self._generation = -1
+        self._generation: bytes | None = b"unread"
         self._tables: dict[str, _Table] = {}
         self._limits: Sequence[CompiledLimit] = ()
 
@@ -225,7 +228,7 @@ class SharedStore:
             else:
                 slot = self._read_int(txn, _NEXT_SLOT)
                 txn.put(_NEXT_SLOT, _TICK.pack(slot + 1), db=self._meta)
-            record = _Table(slot, limit.identity, limit.algorithm, limit.spec.max_keys)
+            record = (slot, limit.identity, limit.algorithm, limit.spec.max_keys)
             txn.put(b"table:" + limit.name.encode(), pickle.dumps(record), db=self._meta)
         for name, table in tables.items():
             if name in kept:
@@ -241,12 +244,16 @@ class SharedStore:
                 for raw_name, raw in cursor:
                     if not raw_name.startswith(b"table:"):
                         break
-                    tables[raw_name[6:].decode()] = _Table(*pickle.loads(raw))
+                    slot, identity, algorithm, max_keys = pickle.loads(raw)
+                    tables[raw_name[6:].decode()] = _Table(
+                        slot, identity, algorithm, max_keys, _SLOT.pack(slot)
+                    )
         return tables
 
     def _load_tables(self, txn: Any) -> None:
         self._tables = self._read_tables(txn)
-        self._generation = self._read_int(txn, _GENERATION)
+        raw = txn.get(_GENERATION, db=self._meta)
+        self._generation = None if raw is None else bytes(raw)
 
     def _read_int(self, txn: Any, name: bytes) -> int:
         raw = txn.get(name, db=self._meta)
@@ -270,7 +277,7 @@ class SharedStore:
             tick, state = decode_state(raw)
             new_state = algorithm.rescale(state, table.algorithm, now_us)
             if new_state is None:
-                self._forget(txn, table.slot, key, tick)
+                self._forget(txn, table.slot, key, _TICK.pack(tick))
             else:
                 txn.put(key, encode_state(tick, new_state), db=self._state)
 
@@ -296,11 +303,11 @@ class SharedStore:
         _, evictions = self._counts(txn, slot)
         txn.put(b"counts:" + prefix, _COUNTS.pack(0, evictions), db=self._meta)
 
-    def _forget(self, txn: Any, slot: int, key: bytes, tick: int) -> None:
+    def _forget(self, txn: Any, slot: int, key: bytes, tick: bytes) -> None:
         """Drop one key (``key`` with its slot prefix)."""
         prefix = _SLOT.pack(slot)
         txn.delete(key, db=self._state)
-        txn.delete(prefix + _TICK.pack(tick) + key[4:], db=self._lru)
+        txn.delete(prefix + tick + key[4:], db=self._lru)
         count, evictions = self._counts(txn, slot)
         txn.put(b"counts:" + prefix, _COUNTS.pack(count - 1, evictions), db=self._meta)
 
@@ -318,7 +325,7 @@ class SharedStore:
 
     def _refresh(self, txn: Any) -> None:
         """Another worker adopted a policy: read the tables it left."""
-        if self._read_int(txn, _GENERATION) != self._generation:
+        if txn.get(_GENERATION, db=self._meta) != self._generation:
             self._load_tables(txn)
 
     # -- the request path ------------------------------------------------------------------
@@ -338,90 +345,68 @@ class SharedStore:
             self._refresh(txn)
             tables = self._tables
             keys: list[bytes | None] = []
-            ticks: list[int | None] = []
+            raws: list[bytes | None] = []
             states: list[Any] = []
             items: list[tuple[Algorithm[Any], Any]] = []
             for check in checks:
                 limit = check.limit
                 table = tables.get(limit.name)
-                state = None
-                tick = None
-                key = None
+                state = raw = key = None
                 # A table another worker's newer policy made for other keys or another
                 # algorithm: not this request's; it is decided afresh and stored nowhere
                 # until this worker reloads too.
                 if table is not None and table.identity == limit.identity:
-                    key = _SLOT.pack(table.slot) + key_bytes(check.key)
+                    key = table.prefix + key_bytes(check.key)
                     raw = txn.get(key, db=state_db)
                     if raw is not None:
-                        tick, state = decode_state(raw)
+                        state = decode_state(raw)[1]
                 keys.append(key)
-                ticks.append(tick)
+                raws.append(raw)
                 states.append(state)
                 items.append((limit.algorithm, state))
             verdict = decide_all(items, now_us, stamp_us=now_us)
             if verdict.delay_s > 0.0:
                 verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
             if commit and verdict.allowed:
-                now_tick = now_us // TICK_US
-                for check, key, tick, state in zip(
-                    checks, keys, ticks, verdict.states, strict=True
-                ):
-                    if key is not None:
-                        self._store(txn, check.limit, key, tick, now_tick, state, now_us)
+                now_tick = _TICK.pack(now_us // TICK_US)
+                for check, key, raw, state in zip(checks, keys, raws, verdict.states, strict=True):
+                    if key is None:
+                        continue
+                    if state is None:
+                        if raw is not None:
+                            self._forget(txn, tables[check.limit.name].slot, key, raw[:8])
+                    elif raw is None:
+                        self._insert(txn, tables[check.limit.name], key, now_us, now_tick)
+                        txn.put(key, now_tick + encode_payload(state), db=state_db)
+                    else:
+                        if raw[:8] != now_tick:  # used in another tick: it moves in the LRU
+                            lru = self._lru
+                            txn.delete(key[:4] + raw[:8] + key[4:], db=lru)
+                            txn.put(key[:4] + now_tick + key[4:], b"", db=lru)
+                        txn.put(key, now_tick + encode_payload(state), db=state_db)
         return verdict
 
-    def _store(
-        self,
-        txn: Any,
-        limit: CompiledLimit,
-        key: bytes,
-        tick: int | None,
-        now_tick: int,
-        state: Any,
-        now_us: int,
-    ) -> None:
-        table = self._tables[limit.name]
-        prefix = key[:4]
-        if state is None:
-            if tick is not None:
-                self._forget(txn, table.slot, key, tick)
-            return
-        if tick is None:
-            self._insert(txn, table, key, now_us)
-        elif tick != now_tick:
-            txn.delete(prefix + _TICK.pack(tick) + key[4:], db=self._lru)
-        else:
-            txn.put(key, encode_state(now_tick, state), db=self._state)
-            return
-        txn.put(key, encode_state(now_tick, state), db=self._state)
-        txn.put(prefix + _TICK.pack(now_tick) + key[4:], b"", db=self._lru)
-
-    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int) -> None:
-        """Make room for a new key: expire idle keys, evict the least recently used if full."""
-        prefix = key[:4]
-        count, evictions = self._counts(txn, table.slot)
+    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: bytes) -> None:
+        """Count a new key, making room in a full table first: its least recently used key
+        goes (an expiry if its state is idle, an eviction if it still mattered)."""
+        prefix = table.prefix
+        counts_key = b"counts:" + prefix
+        raw_counts = txn.get(counts_key, db=self._meta)
+        count, evictions = (0, 0) if raw_counts is None else _COUNTS.unpack(raw_counts)
         is_idle = table.algorithm.is_idle
-        for _ in range(EXPIRE_ON_INSERT):
+        while count >= table.max_keys:
             oldest = self._oldest(txn, prefix)
             if oldest is None:
                 break
             state_key = prefix + oldest[12:]
             raw = txn.get(state_key, db=self._state)
             if raw is not None and not is_idle(decode_state(raw)[1], now_us):
-                break
+                evictions += 1
             txn.delete(oldest, db=self._lru)
             txn.delete(state_key, db=self._state)
             count -= 1
-        while count >= table.max_keys:
-            oldest = self._oldest(txn, prefix)
-            if oldest is None:
-                break
-            txn.delete(oldest, db=self._lru)
-            txn.delete(prefix + oldest[12:], db=self._state)
-            count -= 1
-            evictions += 1
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count + 1, evictions), db=self._meta)
+        txn.put(counts_key, _COUNTS.pack(count + 1, evictions), db=self._meta)
+        txn.put(prefix + now_tick + key[4:], b"", db=self._lru)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
@@ -437,7 +422,7 @@ class SharedStore:
                 # whose states this request's charge is no part of: nothing to give back then.
                 if table is None or type(table.algorithm) is not type(check.limit.algorithm):
                     continue
-                key = _SLOT.pack(table.slot) + key_bytes(check.key)
+                key = table.prefix + key_bytes(check.key)
                 raw = txn.get(key, db=self._state)
                 if raw is None:
                     continue
