@@ -261,8 +261,9 @@ environment:
   GATEWAY_CONFIG      policy file when --config is not given
   GATEWAY_LOG_LEVEL   default of --log-level (INFO)
   GATEWAY_LOG_FORMAT  default of --log-format (text)
-  GATEWAY_STORE_URL   overrides the policy's store.url (memory, redis://...)
+  GATEWAY_STORE_URL   overrides the policy's store.url (memory, shared, redis://...)
   GATEWAY_METRICS_DIR where --workers N processes share their metrics
+  GATEWAY_SHARED_DIR  where --workers N processes share their limit state (/dev/shm)
   GATEWAY_LOOP        asyncio to use the standard event loop instead of uvloop
   GATEWAY_LISTEN      proxy listener, over the policy's server.listen (the image: 0.0.0.0:8080)
   GATEWAY_ADMIN_LISTEN admin listener, over server.admin_listen (the image: 0.0.0.0:9090)
