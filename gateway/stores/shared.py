@@ -340,9 +340,11 @@ class SharedStore:
         now_us = self.clock.now_us()
         self.stats.calls += 1
         env = self._env_for_requests()
-        state_db = self._state
-        with env.begin(write=commit) as txn:
-            self._refresh(txn)
+        # The state database as the transaction's default: its calls take no ``db=``
+        # (keyword arguments cost the binding a parse on every call).
+        with env.begin(write=commit, db=self._state) as txn:
+            if txn.get(_GENERATION, None, self._meta) != self._generation:
+                self._load_tables(txn)  # another worker adopted a policy
             tables = self._tables
             keys: list[bytes | None] = []
             raws: list[bytes | None] = []
@@ -357,7 +359,7 @@ class SharedStore:
                 # until this worker reloads too.
                 if table is not None and table.identity == limit.identity:
                     key = table.prefix + key_bytes(check.key)
-                    raw = txn.get(key, db=state_db)
+                    raw = txn.get(key)
                     if raw is not None:
                         state = decode_state(raw)[1]
                 keys.append(key)
@@ -377,13 +379,13 @@ class SharedStore:
                             self._forget(txn, tables[check.limit.name].slot, key, raw[:8])
                     elif raw is None:
                         self._insert(txn, tables[check.limit.name], key, now_us, now_tick)
-                        txn.put(key, now_tick + encode_payload(state), db=state_db)
+                        txn.put(key, now_tick + encode_payload(state))
                     else:
                         if raw[:8] != now_tick:  # used in another tick: it moves in the LRU
                             lru = self._lru
                             txn.delete(key[:4] + raw[:8] + key[4:], db=lru)
                             txn.put(key[:4] + now_tick + key[4:], b"", db=lru)
-                        txn.put(key, now_tick + encode_payload(state), db=state_db)
+                        txn.put(key, now_tick + encode_payload(state))
         return verdict
 
     def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: bytes) -> None:
