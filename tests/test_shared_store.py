@@ -274,3 +274,37 @@ async def test_memory_per_key_bounds_a_million_keys(state_dir: Path) -> None:
     await store.close()
     assert per_key < MAP_BYTES_PER_KEY / 4  # room to spare in the map
     assert per_key * 1_000_000 < MAP_BYTES_BASE + MAP_BYTES_PER_KEY * 1_000_000
+
+
+def _reload_with_more_keys(path: str, done: Any) -> None:
+    async def run() -> None:
+        store = SharedStore(Path(path))
+        store.configure([bounded(limit, 200_000) for limit in _stack()], ())
+        assert (await store.decide([Check(limit, "k") for limit in _stack()])).allowed
+        await store.close()
+
+    asyncio.run(run())
+    done.put(True)
+
+
+async def test_a_worker_adopts_the_map_another_grew_on_reload(state_dir: Path) -> None:
+    """A reload that raises ``max_keys`` grows the map in the worker that adopts it first;
+    the others go on deciding meanwhile, and map as much when they adopt it too."""
+    store = SharedStore(state_dir)
+    small = [bounded(limit, 10) for limit in _stack()]
+    store.configure(small, ())
+    assert store._env is not None
+    before = store._env.info()["map_size"]
+    # Spawned: a forked child would inherit this process's handle on the environment.
+    spawn = multiprocessing.get_context("spawn")
+    done = spawn.Queue()
+    other = spawn.Process(target=_reload_with_more_keys, args=(str(state_dir), done))
+    other.start()
+    assert done.get(timeout=60)
+    other.join(10)
+    assert (await store.decide([Check(limit, "k") for limit in small])).allowed
+    large = [bounded(limit, 200_000) for limit in _stack()]
+    store.configure(large, small)
+    assert store._env.info()["map_size"] > before
+    assert (await store.decide([Check(limit, "k") for limit in large])).allowed
+    await store.close()

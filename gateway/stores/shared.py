@@ -205,7 +205,7 @@ class SharedStore:
         env = self._open(map_size)
         wanted = policy_hash(limits)
         now_us = self.clock.now_us()
-        with env.begin(write=True) as txn:
+        with self._begin(env, True) as txn:
             if txn.get(_POLICY, db=self._meta) != wanted:
                 self._apply(txn, limits, now_us)
                 txn.put(_POLICY, wanted, db=self._meta)
@@ -336,13 +336,31 @@ class SharedStore:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
         return env
 
+    @staticmethod
+    def _begin(env: lmdb.Environment, write: bool, db: Any = None) -> Any:
+        try:
+            return env.begin(write=write, db=db)
+        except lmdb.MapResizedError:
+            # Another worker grew the map (a reload raised ``max_keys``): map as much.
+            env.set_mapsize(0)
+            return env.begin(write=write, db=db)
+
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         now_us = self.clock.now_us()
         self.stats.calls += 1
+        try:
+            return self._decide(checks, commit, now_us)
+        except lmdb.MapFullError:
+            # Another worker adopted a policy with more keys and grew the map first: map as
+            # much (the size it wrote) and decide again; nothing was committed.
+            self._env_for_requests().set_mapsize(0)
+            return self._decide(checks, commit, now_us)
+
+    def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
         env = self._env_for_requests()
         # The state database as the transaction's default: its calls take no ``db=``
         # (keyword arguments cost the binding a parse on every call).
-        with env.begin(write=commit, db=self._state) as txn:
+        with self._begin(env, commit, self._state) as txn:
             if txn.get(_GENERATION, None, self._meta) != self._generation:
                 self._load_tables(txn)  # another worker adopted a policy
             tables = self._tables
@@ -416,7 +434,7 @@ class SharedStore:
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         now_us = self.clock.now_us()
         env = self._env_for_requests()
-        with env.begin(write=True) as txn:
+        with self._begin(env, True) as txn:
             self._refresh(txn)
             for check in checks:
                 table = self._tables.get(check.limit.name)
@@ -440,7 +458,7 @@ class SharedStore:
         table = self._tables.get(limit_name)
         if env is None or table is None or not self.reports_counts:
             return (0, 0)
-        with env.begin() as txn:
+        with self._begin(env, False) as txn:
             return self._counts(txn, table.slot)
 
     def tracked_keys(self, limit_name: str) -> int:
