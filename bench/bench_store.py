@@ -17,7 +17,16 @@ Targets:
 * ``memory``: the in-process store;
 * ``redis``: ``RedisStore`` on one ``redis-server``, with its own pipelined hiredis client;
 * ``redis-py``: the same with redis-py's asyncio pipelines instead (to compare);
-* ``redis-cluster``: ``RedisStore`` on a 3-master Redis Cluster (with ``--cluster``).
+* ``redis-cluster``: ``RedisStore`` on a 3-master Redis Cluster (with ``--cluster``);
+* ``memory-1w``: ``gateway run --workers 1`` with the in-process store (``memory`` through the
+  CLI, to compare with the CLI targets below);
+* ``shared-1w``, ``shared-2w``: ``gateway run --workers 1`` / ``2`` with ``store.url: shared``
+  (the workers share one LMDB state on ``/dev/shm``), on one core / on both;
+* ``redis-2w``: ``gateway run --workers 2`` on the Redis server;
+* ``bare-2w``: ``gateway run --workers 2`` with no limits, the ceiling of the two above.
+
+The multi-worker targets run the CLI (its supervisor and forked workers); their CPU time is
+the whole process group's.
 
 ``serve`` is the launcher the harness runs for each target. The CLI selects a store too
 (``store.url`` or ``GATEWAY_STORE_URL``), but not the client nor ``max_in_flight``, and it
@@ -30,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -53,6 +63,12 @@ MEMORY = "memory"
 REDIS = "redis"
 REDIS_PY = "redis-py"
 REDIS_CLUSTER = "redis-cluster"
+MEMORY_1W = "memory-1w"
+SHARED_1W = "shared-1w"
+SHARED_2W = "shared-2w"
+REDIS_2W = "redis-2w"
+BARE_2W = "bare-2w"
+CLI_TARGETS = (MEMORY_1W, SHARED_1W, SHARED_2W, REDIS_2W, BARE_2W)
 STATS_RE = re.compile(r"^STORE_STATS (.*)$", re.MULTILINE)
 
 POLICY = """\
@@ -243,10 +259,41 @@ def start_gateway(
     return bp.RunningTarget(name, f"http://127.0.0.1:{port}/", started, shlex.join(argv[2:]))
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def start_cli_gateway(
+    procs: bp.Processes,
+    name: str,
+    policy: Path,
+    workers: int,
+    cpus: str,
+    env: dict[str, str],
+) -> bp.RunningTarget:
+    """``gateway run --workers N`` (the supervisor and its workers in one process group)."""
+    port, admin_port = bp.free_port(), bp.free_port()
+    argv = [sys.executable, "-m", "gateway", "run", "--config", str(policy)]
+    argv += ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"]
+    argv += ["--workers", str(workers)]
+    old = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        started = procs.start(name, bp.pinned(cpus, argv), cwd=REPO_ROOT)
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        bp.wait_ready(started, [bp.healthz(admin_port), bp.serves_body(port)], bp.READY_TIMEOUT_S)
+    except BaseException:
+        procs.stop(started)
+        raise
+    note = " ".join(f"{k}=..." for k in env) + " " + shlex.join(argv[2:])
+    return bp.RunningTarget(name, f"http://127.0.0.1:{port}/", started, note)
+
+
+def target_cpu_seconds(target: bp.RunningTarget) -> float:
+    """The CPU time of a target's whole process group (a supervisor and its workers)."""
+    return bp.process_group_cpu(target.started.proc.pid)[0]
 
 
 def store_stats(target: bp.RunningTarget) -> dict[str, Any] | None:
@@ -293,7 +340,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--targets",
         default=f"{MEMORY},{REDIS},{REDIS_PY}",
-        help=f"comma list from {MEMORY},{REDIS},{REDIS_PY} (--cluster adds {REDIS_CLUSTER})",
+        help=f"comma list from {MEMORY},{REDIS},{REDIS_PY},{','.join(CLI_TARGETS)} "
+        f"(--cluster adds {REDIS_CLUSTER})",
     )
     parser.add_argument("--pin", choices=("split", "none"), default="split")
     parser.add_argument("--json", type=Path, help="write all runs and the summary here")
@@ -350,6 +398,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     client="redis-py",
                 ),
             }
+            bare = work_dir / "bare.yaml"
+            bare.write_text(POLICY.split("limits:")[0].format(upstream_port=harness.upstream_port))
+            shared_env = {"GATEWAY_SHARED_DIR": str(work_dir), "GATEWAY_STORE_URL": "shared"}
+            redis_env = {"GATEWAY_STORE_URL": f"redis://127.0.0.1:{redis_port}"}
+            cli = (
+                (MEMORY_1W, policy, 1, plan.single_proxy, {"GATEWAY_STORE_URL": "memory"}),
+                (SHARED_1W, policy, 1, plan.single_proxy, shared_env),
+                (SHARED_2W, policy, 2, plan.multi_proxy, shared_env),
+                (REDIS_2W, policy, 2, plan.multi_proxy, redis_env),
+                (BARE_2W, bare, 2, plan.multi_proxy, {}),
+            )
+            for name, policy_file, workers, cpus, env in cli:
+                starters[name] = functools.partial(
+                    start_cli_gateway, procs, name, policy_file, workers, cpus, env
+                )
             starters = {name: start for name, start in starters.items() if name in args.targets}
             if args.cluster:
                 cluster_port = start_cluster(procs, work_dir, plan.upstream)
@@ -372,11 +435,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for round_no in range(1, args.repeats + 1):
                 for connections in args.connections:
                     for target in running:
-                        cpu_before = cpu_seconds(target.started.proc.pid)
+                        cpu_before = target_cpu_seconds(target)
                         result = bp.run_wrk(
                             target.url, connections, args.duration, args.threads, plan.wrk
                         )
-                        cpu_us = (cpu_seconds(target.started.proc.pid) - cpu_before) * 1e6
+                        cpu_us = (target_cpu_seconds(target) - cpu_before) * 1e6
                         cpu_per_request.setdefault((target.name, connections), []).append(
                             cpu_us / max(result.requests, 1)
                         )

@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import time
@@ -23,6 +24,8 @@ from gateway.logs import configure as configure_logging
 from gateway.policy import Policy, Route, Upstream, policy_json_schema, split_host_port
 from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
 from gateway.preflight import build_problems
+from gateway.stores import shared_store_selected
+from gateway.stores.shared import clean_runtime_dir, runtime_dir
 
 log = logging.getLogger("gateway")
 
@@ -130,6 +133,11 @@ def _supervise(
                 os.kill(proc.pid, signal.SIGHUP)
 
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
+    shared_dir = None
+    if shared_store_selected(loaded.policy.store, workers):
+        # The workers' shared limit state starts empty, as in-process state does.
+        shared_dir = runtime_dir(os.getpid())
+        clean_runtime_dir(shared_dir)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_sighup)
@@ -155,6 +163,8 @@ def _supervise(
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
+    if shared_dir is not None:
+        shutil.rmtree(shared_dir, ignore_errors=True)
     return 1 if failed else 0
 
 
@@ -251,8 +261,9 @@ environment:
   GATEWAY_CONFIG      policy file when --config is not given
   GATEWAY_LOG_LEVEL   default of --log-level (INFO)
   GATEWAY_LOG_FORMAT  default of --log-format (text)
-  GATEWAY_STORE_URL   overrides the policy's store.url (memory, redis://...)
+  GATEWAY_STORE_URL   overrides the policy's store.url (memory, shared, redis://...)
   GATEWAY_METRICS_DIR where --workers N processes share their metrics
+  GATEWAY_SHARED_DIR  where --workers N processes share their limit state (/dev/shm)
   GATEWAY_LOOP        asyncio to use the standard event loop instead of uvloop
   GATEWAY_LISTEN      proxy listener, over the policy's server.listen (the image: 0.0.0.0:8080)
   GATEWAY_ADMIN_LISTEN admin listener, over server.admin_listen (the image: 0.0.0.0:9090)

@@ -462,7 +462,7 @@ class Access(_Model):
         return value
 
 
-_STORE_URL_RE = re.compile(r"^(memory|(redis|rediss)(\+cluster)?://\S+)$")
+_STORE_URL_RE = re.compile(r"^(memory|shared|(redis|rediss)(\+cluster)?://\S+)$")
 
 
 class StoreSettings(_Model):
@@ -470,8 +470,9 @@ class StoreSettings(_Model):
 
     url: str = Field(
         "memory",
-        description="memory, redis://host:port/db, rediss://..., or redis+cluster://host:port "
-        "for a Redis Cluster (GATEWAY_STORE_URL overrides it)",
+        description="memory (shared by the workers when --workers N > 1), shared (one state "
+        "for the workers of this machine), redis://host:port/db, rediss://..., or "
+        "redis+cluster://host:port for a Redis Cluster (GATEWAY_STORE_URL overrides it)",
     )
     on_failure: Literal["local", "allow", "deny"] = Field(
         "local",
@@ -497,8 +498,8 @@ class StoreSettings(_Model):
     def _check_url(cls, value: str) -> str:
         if not _STORE_URL_RE.match(value):
             raise ValueError(
-                f"invalid store url {redact_url(value)!r}: expected memory, redis://, rediss:// or "
-                "redis+cluster://"
+                f"invalid store url {redact_url(value)!r}: expected memory, shared, redis://, "
+                "rediss:// or redis+cluster://"
             )
         return value
 

@@ -13,29 +13,14 @@ from gateway.algorithms.registry import build_algorithm
 from gateway.engine import LimitEngine
 from gateway.policy import Policy
 from gateway.redact import redact_text
-from gateway.stores import build_store, store_url
+from gateway.stores import build_store
 
 Loc = tuple[str | int, ...]
-
-
-def workers_problem(policy: Policy, workers: int) -> str | None:
-    """Why ``workers`` processes cannot run this policy, if they cannot."""
-    if workers > 1 and policy.limits and store_url(policy.store) == "memory":
-        # Each worker would hold its own copy of every limit, and a client's keep-alive
-        # connection stays on one worker: dividing the limits by N would be wrong per client.
-        return (
-            f"{workers} workers with in-process limit state would enforce every limit once per "
-            "worker; use a shared store (Redis) or run one worker"
-        )
-    return None
 
 
 def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc, str]]:
     """Build the store and the limit engine as ``run`` does; each refusal with its place."""
     workers = workers or policy.server.workers
-    problem = workers_problem(policy, workers)
-    if problem is not None:
-        return [(("server", "workers"), problem)]
     try:
         store = build_store(policy.store, workers=workers)
     except ValueError as exc:  # it may quote the store URL, password and all

@@ -133,7 +133,9 @@ class Gateway:
         self.proxy_port = 0
         self.admin_port = 0
         try:
-            self.store: LimitStore = store or build_store(loaded.policy.store, clock, workers)
+            self.store: LimitStore = store or build_store(
+                loaded.policy.store, clock, workers, open_shared=True, worker_id=worker_id
+            )
         except ValueError as exc:  # a store URL the client refuses; it may hold a password
             raise StartupError(f"store: {redact_text(str(exc))}") from None
         self._demo = DemoUpstream() if uses_demo(loaded) else None

@@ -107,11 +107,13 @@ Workers = tuple[str, str, Callable[[], list[int]]]
 
 
 @contextlib.asynccontextmanager
-async def run_workers(upstream_url: str, tmp_path: Path, extra: str = "") -> AsyncIterator[Workers]:
-    """``gateway run --workers 2`` as a subprocess; yields proxy URL, admin URL, worker pids.
+async def run_workers(
+    upstream_url: str, tmp_path: Path, extra: str = "", processes: int = 2
+) -> AsyncIterator[Workers]:
+    """``gateway run --workers N`` as a subprocess; yields proxy URL, admin URL, worker pids.
 
     ``extra``: policy text after the one route (a ``store:``, ``limits:``). Snapshots go to
-    ``tmp_path/metrics``.
+    ``tmp_path/metrics``, the shared limit state under ``tmp_path/shared``.
     """
     port, admin_port = free_port(), free_port()
     policy = tmp_path / "policy.yaml"
@@ -123,12 +125,17 @@ async def run_workers(upstream_url: str, tmp_path: Path, extra: str = "") -> Asy
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "2",
+            sys.executable, "-m", "gateway", "run", "--config", str(policy),
+            "--workers", str(processes),
             cwd=REPO_ROOT,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,
             stderr=log,
-            env={**os.environ, "GATEWAY_METRICS_DIR": str(tmp_path / "metrics")},
+            env={
+                **os.environ,
+                "GATEWAY_METRICS_DIR": str(tmp_path / "metrics"),
+                "GATEWAY_SHARED_DIR": str(tmp_path / "shared"),
+            },
         )  # fmt: skip
 
     def workers() -> list[int]:

@@ -33,15 +33,6 @@ def _gateway(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_several_workers_with_in_process_limits_are_refused() -> None:
-    result = _gateway("run", "--config", "policies/default.yaml", "--workers", "2")
-    assert result.returncode == 1
-    assert result.stderr.strip() == (
-        "gateway: --workers 2: 2 workers with in-process limit state would enforce every limit "
-        "once per worker; use a shared store (Redis) or run one worker"
-    )
-
-
 def test_run_without_a_policy_says_what_to_give() -> None:
     result = _gateway("run")
     assert result.returncode == 1

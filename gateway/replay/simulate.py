@@ -90,7 +90,8 @@ class Simulation:
             policy.server.trusted_proxies, header=policy.server.client_ip_header
         )
         self.forwarded_for = forwarded_for
-        self.live_store = store_url(policy.store) != "memory"
+        # The shared store decides as one process does: only Redis is another story.
+        self.live_store = store_url(policy.store) not in ("memory", "shared")
         self.matches_host = any(r.match.host is not None for r in policy.routes) or any(
             spec.match.host is not None for spec in policy.limits.values()
         )

@@ -10,14 +10,17 @@ from gateway.policy import StoreSettings
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import LimitStore, StoreUnavailableError
 from gateway.stores.redis import RedisStore
+from gateway.stores.shared import SharedStore, worker_runtime_dir
 
 __all__ = [
     "STORE_URL_ENV",
     "LimitStore",
     "MemoryStore",
     "RedisStore",
+    "SharedStore",
     "StoreUnavailableError",
     "build_store",
+    "shared_store_selected",
     "store_url",
 ]
 
@@ -30,15 +33,31 @@ def store_url(settings: StoreSettings) -> str:
     return os.environ.get(STORE_URL_ENV) or settings.url
 
 
+def shared_store_selected(settings: StoreSettings, workers: int) -> bool:
+    """``shared``, or in-process state with several workers: they share one state then."""
+    url = store_url(settings)
+    return url == "shared" or (url == "memory" and workers > 1)
+
+
 def build_store(
-    settings: StoreSettings, clock: Clock | None = None, workers: int = 1
+    settings: StoreSettings,
+    clock: Clock | None = None,
+    workers: int = 1,
+    *,
+    open_shared: bool = False,
+    worker_id: int = 0,
 ) -> LimitStore:
     """The store a policy names.
 
     ``store.replicas`` counts gateway instances; each of an instance's ``workers`` processes
     falls back to its own in-process limits, so the ``local`` fallback divides by both.
+    The shared store opens its runtime directory with ``open_shared`` (a worker), not when
+    built to be checked.
     """
     url = store_url(settings)
+    if shared_store_selected(settings, workers):
+        shared_dir = worker_runtime_dir(workers) if open_shared else None
+        return SharedStore(shared_dir, clock, reports_counts=worker_id == 0)
     if url == "memory":
         return MemoryStore(clock)
     return RedisStore(

@@ -1,0 +1,476 @@
+"""Limit state shared by the worker processes of one gateway on one machine, exactly.
+
+The states live in an LMDB environment (a memory-mapped B+tree with cross-process write
+transactions) under a runtime directory the supervisor cleans at start. A request's checks are
+decided in one write transaction: every state is read, the same pure algorithms as the
+in-process store decide at one instant, and every new state is written (allowed) or none
+(rejected). LMDB serialises write transactions across processes with a robust mutex, so a
+worker killed mid-transaction leaves nothing behind: its uncommitted writes are never seen.
+
+Three databases:
+
+- ``state``: ``slot | key`` -> ``tick | state``; ``slot`` (4 bytes) names a limit's table,
+  ``tick`` (8 bytes, in 100 ms) is the key's last use.
+- ``lru``: ``slot | tick | key`` -> empty: each table's keys by last use, oldest first. A key
+  moves in it at most once per tick, so a hot key costs one put per request.
+- ``meta``: the policy in force (its hash and a generation number, so that a reload rescales
+  once whichever worker reloads first), each limit's slot, identity and algorithm, and each
+  table's key count and evictions.
+
+Bounded like an nginx zone: a new key in a full table takes the place of the table's least
+recently used key, counted as an eviction unless that key's state was idle. Idle keys are not
+dropped before the table is full (nginx drops up to two on every new key): a page of the map
+they hold costs nothing until it is needed, and not looking saves the request path a cursor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import struct
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final, NamedTuple
+
+import lmdb
+
+from gateway.algorithms.base import Algorithm
+from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
+from gateway.clock import Clock, MonotonicClock
+from gateway.limits import Check, CompiledLimit
+from gateway.observability.stats import StoreStats
+
+ENV_SHARED_DIR: Final = "GATEWAY_SHARED_DIR"
+DIR_PREFIX: Final = "gateway-limits-"
+# Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
+# for keys up to ``MAX_KEY_BYTES``; the map is sparse, only pages in use take memory.
+MAP_BYTES_PER_KEY: Final = 2048
+MAP_BYTES_BASE: Final = 64 << 20
+MAX_KEY_BYTES: Final = 400  # LMDB keys stop at 511 bytes: longer limit keys are hashed
+TICK_US: Final = 100_000  # LRU order to 100 ms: a hot key moves in it at most 10 times a second
+
+_SLOT = struct.Struct(">I")
+_TICK = struct.Struct(">Q")
+_COUNTS = struct.Struct("<qq")
+_POLICY: Final = b"policy"
+_GENERATION: Final = b"generation"
+_NEXT_SLOT: Final = b"next_slot"
+
+
+class _Table(NamedTuple):
+    """A limit's record in ``meta``."""
+
+    slot: int
+    identity: tuple[str, tuple[str, ...], str]
+    algorithm: Any
+    max_keys: int
+    prefix: bytes = b""  # the slot as the keys' prefix (not stored)
+
+
+def runtime_dir(supervisor_pid: int | None = None) -> Path:
+    """The directory of one gateway's shared state, named after its supervisor, under
+    ``$GATEWAY_SHARED_DIR``, else ``/dev/shm`` (a temporary directory when there is none)."""
+    configured = os.environ.get(ENV_SHARED_DIR)
+    if configured:
+        base = Path(configured)
+    elif Path("/dev/shm").is_dir():
+        base = Path("/dev/shm")
+    else:
+        base = Path(tempfile.gettempdir())
+    return base / f"{DIR_PREFIX}{supervisor_pid or os.getpid()}"
+
+
+def worker_runtime_dir(workers: int) -> Path:
+    """Where this process finds the shared state: a worker of ``--workers N`` its
+    supervisor's directory (cleaned by the supervisor before it started the workers), a lone
+    process its own, cleaned now."""
+    if workers > 1:
+        return runtime_dir(os.getppid())
+    path = runtime_dir(os.getpid())
+    clean_runtime_dir(path)
+    return path
+
+
+def clean_runtime_dir(path: Path) -> None:
+    """Start from empty state: remove what a previous gateway left, and the directories of
+    supervisors that have exited (one killed cannot clean up after itself)."""
+    shutil.rmtree(path, ignore_errors=True)
+    for directory in path.parent.glob(f"{DIR_PREFIX}*"):
+        pid = directory.name.removeprefix(DIR_PREFIX)
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def encode_payload(state: Any) -> bytes:
+    """``tag | payload``: states are ints (packed by their algorithm) or bytes."""
+    if isinstance(state, int):
+        return b"i" + state.to_bytes((state.bit_length() + 8) // 8, "little", signed=True)
+    if isinstance(state, bytes):
+        return b"b" + state
+    raise TypeError(f"a state of type {type(state).__name__} cannot be shared")
+
+
+def encode_state(tick: int, state: Any) -> bytes:
+    """``tick | tag | payload``."""
+    return _TICK.pack(tick) + encode_payload(state)
+
+
+def decode_state(raw: bytes) -> tuple[int, Any]:
+    tick = _TICK.unpack_from(raw)[0]
+    if raw[8:9] == b"i":
+        return tick, int.from_bytes(raw[9:], "little", signed=True)
+    return tick, bytes(raw[9:])
+
+
+def key_bytes(key: str) -> bytes:
+    raw = key.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_KEY_BYTES:
+        return b"#" + hashlib.blake2b(raw, digest_size=32).digest()
+    return raw
+
+
+def policy_hash(limits: Sequence[CompiledLimit]) -> bytes:
+    described = [
+        (limit.name, limit.identity, limit.algorithm, limit.spec.max_keys) for limit in limits
+    ]
+    return hashlib.sha256(pickle.dumps(described)).digest()
+
+
+class SharedStore:
+    """State shared by a gateway's workers in one LMDB environment (see the module)."""
+
+    name = "shared"
+    verdicts_on_clock = True
+
+    def __init__(
+        self, path: Path | None, clock: Clock | None = None, *, reports_counts: bool = True
+    ) -> None:
+        # ``path`` None: build and validate only (``gateway check``), nothing opened.
+        self.path = path
+        self.clock: Clock = clock or MonotonicClock()
+        self.stats = StoreStats()
+        # Tracked keys and evictions are the shared tables': one worker reports them, so
+        # that the metrics summed over workers count each once.
+        self.reports_counts = reports_counts
+        self._env: lmdb.Environment | None = None
+        self._state: Any = None
+        self._lru: Any = None
+        self._meta: Any = None
+        self._generation: bytes | None = b"unread"
+        self._tables: dict[str, _Table] = {}
+        self._limits: Sequence[CompiledLimit] = ()
+
+    # -- opening and reloads -------------------------------------------------------------
+
+    def _open(self, map_size: int) -> lmdb.Environment:
+        env = self._env
+        if env is None:
+            assert self.path is not None
+            self.path.mkdir(parents=True, exist_ok=True)
+            env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                max_dbs=4,
+                sync=False,  # state starts empty at every start: nothing to make durable
+                metasync=False,
+                writemap=True,
+                readahead=False,
+                meminit=False,
+                max_readers=256,
+            )
+            self._state = env.open_db(b"state")
+            self._lru = env.open_db(b"lru")
+            self._meta = env.open_db(b"meta")
+            self._env = env
+        elif env.info()["map_size"] < map_size:
+            env.set_mapsize(map_size)
+        return env
+
+    def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
+        """Adopt a policy's limits. The first worker to adopt a policy keeps, rescales or frees
+        each table's state (the environment records the algorithms it was made under, so
+        ``previous`` is not needed); the others find it done by its hash."""
+        for limit in limits:
+            probe = limit.algorithm.decide(None, 0)[1]
+            if probe is not None and not isinstance(probe, int | bytes):
+                raise ValueError(f"the shared store cannot hold {limit.spec.algorithm} states")
+        self._limits = tuple(limits)
+        if self.path is None:
+            return
+        map_size = MAP_BYTES_BASE + MAP_BYTES_PER_KEY * sum(lim.spec.max_keys for lim in limits)
+        env = self._open(map_size)
+        wanted = policy_hash(limits)
+        now_us = self.clock.now_us()
+        with self._begin(env, True) as txn:
+            if txn.get(_POLICY, db=self._meta) != wanted:
+                self._apply(txn, limits, now_us)
+                txn.put(_POLICY, wanted, db=self._meta)
+                generation = self._read_int(txn, _GENERATION) + 1
+                txn.put(_GENERATION, _TICK.pack(generation), db=self._meta)
+            self._load_tables(txn)
+
+    def _apply(self, txn: Any, limits: Sequence[CompiledLimit], now_us: int) -> None:
+        tables = self._read_tables(txn)
+        kept: set[str] = set()
+        for limit in limits:
+            table = tables.get(limit.name)
+            if table is not None and table.identity == limit.identity:
+                if table.algorithm != limit.algorithm:
+                    self._rescale(txn, table, limit.algorithm, now_us)
+                if limit.spec.max_keys < table.max_keys:
+                    self._shrink(txn, table.slot, limit.spec.max_keys)
+                slot = table.slot
+                kept.add(limit.name)
+            else:
+                slot = self._read_int(txn, _NEXT_SLOT)
+                txn.put(_NEXT_SLOT, _TICK.pack(slot + 1), db=self._meta)
+            record = (slot, limit.identity, limit.algorithm, limit.spec.max_keys)
+            txn.put(b"table:" + limit.name.encode(), pickle.dumps(record), db=self._meta)
+        for name, table in tables.items():
+            if name in kept:
+                continue
+            self._drop_slot(txn, table.slot)
+            if name not in {limit.name for limit in limits}:
+                txn.delete(b"table:" + name.encode(), db=self._meta)
+
+    def _read_tables(self, txn: Any) -> dict[str, _Table]:
+        tables: dict[str, _Table] = {}
+        with txn.cursor(db=self._meta) as cursor:
+            if cursor.set_range(b"table:"):
+                for raw_name, raw in cursor:
+                    if not raw_name.startswith(b"table:"):
+                        break
+                    slot, identity, algorithm, max_keys = pickle.loads(raw)
+                    tables[raw_name[6:].decode()] = _Table(
+                        slot, identity, algorithm, max_keys, _SLOT.pack(slot)
+                    )
+        return tables
+
+    def _load_tables(self, txn: Any) -> None:
+        self._tables = self._read_tables(txn)
+        raw = txn.get(_GENERATION, db=self._meta)
+        self._generation = None if raw is None else bytes(raw)
+
+    def _read_int(self, txn: Any, name: bytes) -> int:
+        raw = txn.get(name, db=self._meta)
+        return 0 if raw is None else int(_TICK.unpack(raw)[0])
+
+    def _slot_keys(self, txn: Any, db: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        items: list[tuple[bytes, bytes]] = []
+        with txn.cursor(db=db) as cursor:
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if not key.startswith(prefix):
+                        break
+                    items.append((bytes(key), bytes(value)))
+        return items
+
+    def _rescale(self, txn: Any, table: _Table, algorithm: Any, now_us: int) -> None:
+        """Carry each key's state over with ``algorithm.rescale``; visits every key (reloads
+        only)."""
+        prefix = _SLOT.pack(table.slot)
+        for key, raw in self._slot_keys(txn, self._state, prefix):
+            tick, state = decode_state(raw)
+            new_state = algorithm.rescale(state, table.algorithm, now_us)
+            if new_state is None:
+                self._forget(txn, table.slot, key, _TICK.pack(tick))
+            else:
+                txn.put(key, encode_state(tick, new_state), db=self._state)
+
+    def _shrink(self, txn: Any, slot: int, max_keys: int) -> None:
+        count, evictions = self._counts(txn, slot)
+        prefix = _SLOT.pack(slot)
+        while count > max_keys:
+            oldest = self._oldest(txn, prefix)
+            if oldest is None:
+                break
+            txn.delete(oldest, db=self._lru)
+            txn.delete(prefix + oldest[12:], db=self._state)
+            count -= 1
+            evictions += 1
+        txn.put(b"counts:" + prefix, _COUNTS.pack(count, evictions), db=self._meta)
+
+    def _drop_slot(self, txn: Any, slot: int) -> None:
+        prefix = _SLOT.pack(slot)
+        for db in (self._state, self._lru):
+            for key, _ in self._slot_keys(txn, db, prefix):
+                txn.delete(key, db=db)
+        # Evictions never go down: they stay with the slot's counts, the keys go.
+        _, evictions = self._counts(txn, slot)
+        txn.put(b"counts:" + prefix, _COUNTS.pack(0, evictions), db=self._meta)
+
+    def _forget(self, txn: Any, slot: int, key: bytes, tick: bytes) -> None:
+        """Drop one key (``key`` with its slot prefix)."""
+        prefix = _SLOT.pack(slot)
+        txn.delete(key, db=self._state)
+        txn.delete(prefix + tick + key[4:], db=self._lru)
+        count, evictions = self._counts(txn, slot)
+        txn.put(b"counts:" + prefix, _COUNTS.pack(count - 1, evictions), db=self._meta)
+
+    def _counts(self, txn: Any, slot: int) -> tuple[int, int]:
+        raw = txn.get(b"counts:" + _SLOT.pack(slot), db=self._meta)
+        return (0, 0) if raw is None else _COUNTS.unpack(raw)
+
+    def _oldest(self, txn: Any, prefix: bytes) -> bytes | None:
+        with txn.cursor(db=self._lru) as cursor:
+            if cursor.set_range(prefix):
+                key = bytes(cursor.key())
+                if key.startswith(prefix):
+                    return key
+        return None
+
+    def _refresh(self, txn: Any) -> None:
+        """Another worker adopted a policy: read the tables it left."""
+        if txn.get(_GENERATION, db=self._meta) != self._generation:
+            self._load_tables(txn)
+
+    # -- the request path ------------------------------------------------------------------
+
+    def _env_for_requests(self) -> lmdb.Environment:
+        env = self._env
+        if env is None:
+            raise RuntimeError("the shared store has no runtime directory (configure first)")
+        return env
+
+    @staticmethod
+    def _begin(env: lmdb.Environment, write: bool, db: Any = None) -> Any:
+        try:
+            return env.begin(write=write, db=db)
+        except lmdb.MapResizedError:
+            # Another worker grew the map (a reload raised ``max_keys``): map as much.
+            env.set_mapsize(0)
+            return env.begin(write=write, db=db)
+
+    async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        now_us = self.clock.now_us()
+        self.stats.calls += 1
+        try:
+            return self._decide(checks, commit, now_us)
+        except lmdb.MapFullError:
+            # Another worker adopted a policy with more keys and grew the map first: map as
+            # much (the size it wrote) and decide again; nothing was committed.
+            self._env_for_requests().set_mapsize(0)
+            return self._decide(checks, commit, now_us)
+
+    def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
+        env = self._env_for_requests()
+        # The state database as the transaction's default: its calls take no ``db=``
+        # (keyword arguments cost the binding a parse on every call).
+        with self._begin(env, commit, self._state) as txn:
+            if txn.get(_GENERATION, None, self._meta) != self._generation:
+                self._load_tables(txn)  # another worker adopted a policy
+            tables = self._tables
+            keys: list[bytes | None] = []
+            raws: list[bytes | None] = []
+            states: list[Any] = []
+            items: list[tuple[Algorithm[Any], Any]] = []
+            for check in checks:
+                limit = check.limit
+                table = tables.get(limit.name)
+                state = raw = key = None
+                # A table another worker's newer policy made for other keys or another
+                # algorithm: not this request's; it is decided afresh and stored nowhere
+                # until this worker reloads too.
+                if table is not None and table.identity == limit.identity:
+                    key = table.prefix + key_bytes(check.key)
+                    raw = txn.get(key)
+                    if raw is not None:
+                        state = decode_state(raw)[1]
+                keys.append(key)
+                raws.append(raw)
+                states.append(state)
+                items.append((limit.algorithm, state))
+            verdict = decide_all(items, now_us, stamp_us=now_us)
+            if verdict.delay_s > 0.0:
+                verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
+            if commit and verdict.allowed:
+                now_tick = _TICK.pack(now_us // TICK_US)
+                for check, key, raw, state in zip(checks, keys, raws, verdict.states, strict=True):
+                    if key is None:
+                        continue
+                    if state is None:
+                        if raw is not None:
+                            self._forget(txn, tables[check.limit.name].slot, key, raw[:8])
+                    elif raw is None:
+                        self._insert(txn, tables[check.limit.name], key, now_us, now_tick)
+                        txn.put(key, now_tick + encode_payload(state))
+                    else:
+                        if raw[:8] != now_tick:  # used in another tick: it moves in the LRU
+                            lru = self._lru
+                            txn.delete(key[:4] + raw[:8] + key[4:], db=lru)
+                            txn.put(key[:4] + now_tick + key[4:], b"", db=lru)
+                        txn.put(key, now_tick + encode_payload(state))
+        return verdict
+
+    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: bytes) -> None:
+        """Count a new key, making room in a full table first: its least recently used key
+        goes (an expiry if its state is idle, an eviction if it still mattered)."""
+        prefix = table.prefix
+        counts_key = b"counts:" + prefix
+        raw_counts = txn.get(counts_key, db=self._meta)
+        count, evictions = (0, 0) if raw_counts is None else _COUNTS.unpack(raw_counts)
+        is_idle = table.algorithm.is_idle
+        while count >= table.max_keys:
+            oldest = self._oldest(txn, prefix)
+            if oldest is None:
+                break
+            state_key = prefix + oldest[12:]
+            raw = txn.get(state_key, db=self._state)
+            if raw is not None and not is_idle(decode_state(raw)[1], now_us):
+                evictions += 1
+            txn.delete(oldest, db=self._lru)
+            txn.delete(state_key, db=self._state)
+            count -= 1
+        txn.put(counts_key, _COUNTS.pack(count + 1, evictions), db=self._meta)
+        txn.put(prefix + now_tick + key[4:], b"", db=self._lru)
+
+    async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
+        return [await self.decide((check,)) for check in checks]
+
+    async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        now_us = self.clock.now_us()
+        env = self._env_for_requests()
+        with self._begin(env, True) as txn:
+            self._refresh(txn)
+            for check in checks:
+                table = self._tables.get(check.limit.name)
+                # A reload may have removed the limit, or given its name another algorithm
+                # whose states this request's charge is no part of: nothing to give back then.
+                if table is None or type(table.algorithm) is not type(check.limit.algorithm):
+                    continue
+                key = table.prefix + key_bytes(check.key)
+                raw = txn.get(key, db=self._state)
+                if raw is None:
+                    continue
+                tick, state = decode_state(raw)
+                # The table's algorithm: rescaled by a reload that changed its parameters.
+                state = table.algorithm.refund(state, now_us, charged_us=charged_us)
+                txn.put(key, encode_state(tick, state), db=self._state)
+
+    # -- what the metrics read ---------------------------------------------------------------
+
+    def _table_counts(self, limit_name: str) -> tuple[int, int]:
+        env = self._env
+        table = self._tables.get(limit_name)
+        if env is None or table is None or not self.reports_counts:
+            return (0, 0)
+        with self._begin(env, False) as txn:
+            return self._counts(txn, table.slot)
+
+    def tracked_keys(self, limit_name: str) -> int:
+        return self._table_counts(limit_name)[0]
+
+    def evictions(self, limit_name: str) -> int:
+        return self._table_counts(limit_name)[1]
+
+    async def prepare(self) -> None:
+        """Opened by ``configure``: nothing more to get ready."""
+
+    async def close(self) -> None:
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()

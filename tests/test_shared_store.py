@@ -1,0 +1,310 @@
+"""The shared store (LMDB) on its own: the same decisions as the pure algorithms, one atomic
+check-then-commit across real processes, a writer killed mid-transaction, reloads rescaled once,
+and the bound on keys with least-recently-used eviction.
+
+Processes are real (``multiprocessing`` with fork); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.leaky_bucket import LeakyBucket
+from gateway.algorithms.sliding_window import SlidingWindow
+from gateway.algorithms.token_bucket import TokenBucket
+from gateway.clock import FakeClock
+from gateway.limits import Check, CompiledLimit
+from gateway.stores import LimitStore, MemoryStore, SharedStore
+from gateway.stores.shared import decode_state, encode_state
+from tests.support import T0_US
+from tests.test_redis_store import Backend, Op, compiled, operations, run_against_python, stacks
+
+FORK = multiprocessing.get_context("fork")
+
+
+class SharedBackend(Backend):
+    def make(self, fake_clock: FakeClock | None = None, **options: Any) -> LimitStore:
+        return SharedStore(Path(tempfile.mkdtemp(dir=self.url)), fake_clock)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "limits"
+    path.mkdir()
+    yield path
+
+
+def bounded(limit: CompiledLimit, max_keys: int) -> CompiledLimit:
+    return dataclasses.replace(limit, spec=limit.spec.model_copy(update={"max_keys": max_keys}))
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(stack=stacks, ops=operations)
+def test_decisions_match_the_python_algorithms(
+    tmp_path: Path, stack: list[str], ops: list[Op]
+) -> None:
+    """As the in-process store: it drops idle keys, which no request can tell from kept ones
+    while time goes forward, so the clock only goes forward here."""
+    forward = [(max(step_us, 0), op, key, bound) for step_us, op, key, bound in ops]
+    asyncio.run(run_against_python(SharedBackend("shared", str(tmp_path), None), stack, forward))
+
+
+def test_states_survive_their_encoding() -> None:
+    for state in (0, 1, -1, 2**44 + 17, 2**130 + 3, -(2**70), b"", b"\x00\x01log"):
+        assert decode_state(encode_state(12345, state)) == (12345, state)
+
+
+def _hammer(path: str, rounds: int, admitted: Any) -> None:
+    """One worker: ``rounds`` requests on one key through its own store."""
+
+    async def run() -> int:
+        store = SharedStore(Path(path))
+        store.configure(_stack(), ())
+        count = 0
+        for _ in range(rounds):
+            checks = [Check(limit, "one") for limit in _stack()]
+            count += (await store.decide(checks)).allowed
+        await store.close()
+        return count
+
+    admitted.put(asyncio.run(run()))
+
+
+def _stack() -> list[CompiledLimit]:
+    # Nothing refills within a test (a minute): the count admitted is exact whatever the timing.
+    return [
+        compiled("per_ip", LeakyBucket(1, 60, 149, None)),
+        compiled("route", SlidingWindow(300, 3600.0)),
+        compiled("global", TokenBucket(1, 3600, 200)),
+    ]
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_processes_on_one_key_admit_exactly_the_limit(state_dir: Path, workers: int) -> None:
+    """Each process checks and commits in one write transaction: together they admit exactly
+    what one process would (the leaky bucket's burst + 1), never more."""
+    admitted = FORK.Queue()
+    procs = [
+        FORK.Process(target=_hammer, args=(str(state_dir), 120, admitted)) for _ in range(workers)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    assert sum(admitted.get(timeout=5) for _ in procs) == 150
+
+
+def _die_holding_the_write_lock(path: str, ready: Any) -> None:
+    async def run() -> None:
+        store = SharedStore(Path(path))
+        store.configure(_stack(), ())
+        assert (await store.decide([Check(limit, "k") for limit in _stack()])).allowed
+        env = store._env  # its environment, written to directly
+        assert env is not None
+        txn = env.begin(write=True)
+        txn.put(b"uncommitted", b"x", db=env.open_db(b"meta", txn=txn))
+        ready.put(True)
+        signal.pause()  # killed here, the writer's lock held and its writes uncommitted
+
+    asyncio.run(run())
+
+
+def _decide_once(path: str, result: Any) -> None:
+    async def run() -> tuple[bool, int]:
+        store = SharedStore(Path(path))
+        store.configure(_stack(), ())
+        verdict = await store.decide([Check(limit, "k") for limit in _stack()])
+        return verdict.allowed, verdict.decisions[0].remaining
+
+    result.put(asyncio.run(run()))
+
+
+def test_a_writer_killed_mid_transaction_leaves_the_lock_and_state_intact(state_dir: Path) -> None:
+    """LMDB's writer mutex is robust on Linux: a process SIGKILLed while it holds the write
+    lock does not block the others, and what it had not committed is gone."""
+    ready = FORK.Queue()
+    victim = FORK.Process(target=_die_holding_the_write_lock, args=(str(state_dir), ready))
+    victim.start()
+    assert ready.get(timeout=20)
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    result = FORK.Queue()
+    survivor = FORK.Process(target=_decide_once, args=(str(state_dir), result))
+    survivor.start()
+    survivor.join(20)
+    alive = survivor.is_alive()
+    if alive:
+        survivor.kill()
+    assert not alive, "the write lock of the killed process was never released"
+    # The victim's committed request counts (149 of a burst of 149 + 1 left); the second
+    # request is this one: 148 left.
+    assert result.get(timeout=5) == (True, 148)
+    env = lmdb.open(str(state_dir), max_dbs=4)
+    try:
+        with env.begin() as txn:
+            assert txn.get(b"uncommitted", db=env.open_db(b"meta", txn=txn)) is None
+    finally:
+        env.close()
+
+
+async def test_a_reload_rescales_once_whichever_worker_adopts_it(state_dir: Path) -> None:
+    """The first ``configure`` of a new policy rescales the states (as the in-process store
+    does); the same policy adopted again (by the other workers) finds it done."""
+    clock = FakeClock(T0_US)
+    store, reference = SharedStore(state_dir, clock), MemoryStore(clock)
+    old = compiled("win", FixedWindow(10, 3600.0))
+    new = compiled("win", FixedWindow(20, 3600.0))  # the same usage, twice the limit
+    for each in (store, reference):
+        each.configure([old], ())
+        for _ in range(4):
+            assert (await each.decide([Check(old, "k")])).allowed
+        each.configure([new], [old])
+    want = (await reference.decide([Check(new, "k")], commit=False)).decisions[0]
+    assert want.remaining == 11  # rescaled: 8 of 20 used, and this request
+    assert (await store.decide([Check(new, "k")], commit=False)).decisions[0] == want
+    store.configure([new], [old])  # a second worker adopting the same policy
+    store.configure([new], [])  # a worker restarted on it
+    assert (await store.decide([Check(new, "k")], commit=False)).decisions[0] == want
+    await store.close()
+
+
+async def test_a_limit_given_another_key_starts_afresh_and_a_removed_one_is_freed(
+    state_dir: Path,
+) -> None:
+    store = SharedStore(state_dir, FakeClock(T0_US))
+    old = compiled("win", FixedWindow(2, 3600.0))
+    store.configure([old], ())
+    for _ in range(2):
+        assert (await store.decide([Check(old, "k")])).allowed
+    assert not (await store.decide([Check(old, "k")])).allowed
+    other = compiled("win", FixedWindow(2, 3600.0), key=("header:X-Key",))
+    store.configure([other], [old])
+    assert (await store.decide([Check(other, "k")])).allowed
+    assert store.tracked_keys("win") == 1
+    store.configure([], [other])
+    assert store.tracked_keys("win") == 0
+    await store.close()
+
+
+async def test_a_full_table_evicts_its_least_recently_used_keys(state_dir: Path) -> None:
+    clock = FakeClock(T0_US)
+    store = SharedStore(state_dir, clock)
+    limit = bounded(compiled("small", FixedWindow(100, 3600.0)), 50)
+    store.configure([limit], ())
+    for index in range(200):
+        assert (await store.decide([Check(limit, f"k{index}")])).allowed
+        clock.advance(0.2)  # another LRU tick for every key
+        if index % 10 == 0:
+            # k0 is used again and again: it is never the least recently used.
+            assert (await store.decide([Check(limit, "k0")])).allowed
+    assert store.tracked_keys("small") == 50
+    assert store.evictions("small") == 150
+    # The 49 most recent keys and k0 kept, with their counts; the others start afresh.
+    for index in range(151, 200):
+        verdict = await store.decide([Check(limit, f"k{index}")], commit=False)
+        assert verdict.decisions[0].remaining == 98
+    assert (await store.decide([Check(limit, "k0")], commit=False)).decisions[0].remaining < 90
+    fresh = await store.decide([Check(limit, "k150")], commit=False)
+    assert fresh.decisions[0].remaining == 99
+    await store.close()
+
+
+async def test_idle_keys_make_room_without_counting_as_evictions(state_dir: Path) -> None:
+    """A full table's least recently used key makes room for a new one; when its state is
+    idle (a fresh key would have the same), that is no eviction."""
+    clock = FakeClock(T0_US)
+    store = SharedStore(state_dir, clock)
+    limit = bounded(compiled("fast", LeakyBucket(10, 1, 0, None)), 10)
+    store.configure([limit], ())
+    for index in range(100):
+        assert (await store.decide([Check(limit, f"k{index}")])).allowed
+        clock.advance(1.0)  # each key is idle (drained) by the next one's turn
+    assert store.evictions("fast") == 0
+    assert store.tracked_keys("fast") == 10
+    await store.close()
+
+
+async def test_memory_per_key_bounds_a_million_keys(state_dir: Path) -> None:
+    """The map is sized from ``max_keys``: the pages 10,000 keys take (the figure per key, with
+    keys as long as an IPv6 address) times a million stays within the map a million keys get,
+    and churn through twice the bound takes no more pages than the bound (freed pages are
+    used again)."""
+    from gateway.stores.shared import MAP_BYTES_BASE, MAP_BYTES_PER_KEY
+
+    clock = FakeClock(T0_US)
+    store = SharedStore(state_dir, clock)
+    limit = bounded(compiled("per_ip", LeakyBucket(1, 60, 10, None)), 10_000)
+    store.configure([limit], ())
+
+    def pages_used() -> int:
+        assert store._env is not None
+        return int(store._env.info()["last_pgno"]) + 1
+
+    for index in range(30_000):
+        key = f"2001:db8:85a3::8a2e:370:{index:x}"
+        assert (await store.decide([Check(limit, key)])).allowed
+        if index % 1000 == 999:
+            clock.advance(0.2)
+        if index == 9_999:
+            full = pages_used()
+    assert store.tracked_keys("per_ip") == 10_000
+    assert store.evictions("per_ip") == 20_000
+    assert store._env is not None
+    per_key = full * store._env.stat()["psize"] / 10_000
+    assert pages_used() < 1.5 * full
+    await store.close()
+    assert per_key < MAP_BYTES_PER_KEY / 4  # room to spare in the map
+    assert per_key * 1_000_000 < MAP_BYTES_BASE + MAP_BYTES_PER_KEY * 1_000_000
+
+
+def _reload_with_more_keys(path: str, done: Any) -> None:
+    async def run() -> None:
+        store = SharedStore(Path(path))
+        store.configure([bounded(limit, 200_000) for limit in _stack()], ())
+        assert (await store.decide([Check(limit, "k") for limit in _stack()])).allowed
+        await store.close()
+
+    asyncio.run(run())
+    done.put(True)
+
+
+async def test_a_worker_adopts_the_map_another_grew_on_reload(state_dir: Path) -> None:
+    """A reload that raises ``max_keys`` grows the map in the worker that adopts it first;
+    the others go on deciding meanwhile, and map as much when they adopt it too."""
+    store = SharedStore(state_dir)
+    small = [bounded(limit, 10) for limit in _stack()]
+    store.configure(small, ())
+    assert store._env is not None
+    before = store._env.info()["map_size"]
+    # Spawned: a forked child would inherit this process's handle on the environment.
+    spawn = multiprocessing.get_context("spawn")
+    done = spawn.Queue()
+    other = spawn.Process(target=_reload_with_more_keys, args=(str(state_dir), done))
+    other.start()
+    assert done.get(timeout=60)
+    other.join(10)
+    assert (await store.decide([Check(limit, "k") for limit in small])).allowed
+    large = [bounded(limit, 200_000) for limit in _stack()]
+    store.configure(large, small)
+    assert store._env.info()["map_size"] > before
+    assert (await store.decide([Check(limit, "k") for limit in large])).allowed
+    await store.close()
