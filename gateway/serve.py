@@ -17,6 +17,7 @@ from gateway.admin import AdminState, make_admin_app
 from gateway.admin_auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
 from gateway.demo_upstream import DemoUpstream
+from gateway.heap import freeze_startup_heap
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
 from gateway.observability.shared import default_shared_dir
@@ -223,6 +224,7 @@ class Gateway:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
             )
+        freeze_startup_heap()
         self.admin_state.ready = True
 
     def apply(self, loaded: LoadedPolicy) -> None:
