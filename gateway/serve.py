@@ -224,7 +224,6 @@ class Gateway:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
             )
-        freeze_startup_heap()
         self.admin_state.ready = True
 
     def apply(self, loaded: LoadedPolicy) -> None:
@@ -350,6 +349,7 @@ async def serve(
     except StartupError:
         await gateway.stop()  # whatever had started (a listener bound before the other failed)
         raise
+    freeze_startup_heap()  # this process serves from here on (not a gateway started in tests)
     tasks: set[asyncio.Task[str]] = set()
     reloader = gateway.reloader
     if reloader is not None:
