@@ -7,9 +7,9 @@ the limit-specific steps the proxy handler takes for one request, in a loop on o
 with the in-process store: the request's key facts and ``LimitEngine.evaluate`` (awaited, as
 the handler does), ``LimitEngine.headers`` and their encoding into the response head, and the
 observer's ``finished`` (the metrics). Each step is timed in this thread's CPU time (reading the
-clock costs some 0.3 µs, the same in every step and policy). Prints µs per request for each step and in all, the
-median over ``--rounds``, and the difference to the policy with no limits. ``--profile FILE``
-writes a cProfile of the three-limit loop (``python -m pstats FILE``).
+clock costs some 0.3 µs, the same in every step and policy). Prints µs per request for each
+step and in all, the median over ``--rounds``, and the difference to the policy with no
+limits. ``--profile FILE`` writes a cProfile of the three-limit loop (``python -m pstats FILE``).
 """
 
 from __future__ import annotations
