@@ -35,6 +35,7 @@ from gateway.routing import CompiledMatch, compile_match
 from gateway.stores import LimitStore, StoreUnavailableError
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
+_ADVERTISED_MAX = 1024
 
 
 @dataclass(slots=True)
@@ -128,7 +129,14 @@ class LimitEngine:
         previous: LimitEngine | None = None,
     ) -> None:
         self.store = store
+        # The in-process store decides without waiting: called directly, no coroutine per request.
+        self._decide_now: Callable[[Sequence[Check]], CombinedDecision] | None = getattr(
+            store, "decide_now", None
+        )
         self.headers_config: RateLimitHeaders = policy.headers
+        # (limit name, advertised quota) -> the limit's RateLimit-Policy item, the start of its
+        # RateLimit item, and its window in whole seconds: the same on every response.
+        self._advertised: dict[tuple[str, int], tuple[str, str, int]] = {}
         access: Access = policy.access
         self.allow = Networks(access.allow)
         self.deny = Networks(access.deny)
@@ -212,6 +220,8 @@ class LimitEngine:
                 # Both at once: with the Redis store their script calls go out in one
                 # pipeline, so a dry-run limit adds no round trip to the request's wait.
                 _, outcome = await asyncio.gather(self._dry_run(dry), self._enforce(enforced))
+            elif self._decide_now is not None:
+                outcome = self._settle(enforced, self._decide_now(enforced), True)
             else:
                 outcome = await self._enforce(enforced)
         except BaseException:
@@ -264,6 +274,10 @@ class LimitEngine:
                 retry_after_s=exc.retry_after_s,
                 reason="rate-limit store unavailable",
             )
+        return self._settle(enforced, verdict, commit)
+
+    def _settle(self, enforced: list[Check], verdict: CombinedDecision, commit: bool) -> Outcome:
+        """The outcome of the store's verdict, counted per limit when ``commit``."""
         if not verdict.allowed:
             first = enforced[verdict.rejected_by[0]]
             if commit:
@@ -359,19 +373,35 @@ class LimitEngine:
         headers: list[tuple[str, str]] = []
         if retry_after_s > 0.0 and config.retry_after:
             headers.append(("Retry-After", str(max(1, math.ceil(retry_after_s)))))
+        if not (config.ietf or config.x_ratelimit):
+            return headers
         rejecting = outcome.verdict.rejected_by if outcome.status else ()
-        windows = [max(1, math.ceil(check.limit.window_s)) for check in checks]
-        resets = [
-            _reset_header(decision, windows[index], index in rejecting)
-            for index, decision in enumerate(decisions)
-        ]
+        advertised = self._advertised
+        policy_items: list[str] = []
+        state_items: list[str] = []
+        resets: list[int] = []
+        for index, (check, decision) in enumerate(zip(checks, decisions, strict=True)):
+            name = check.limit.name
+            parts = advertised.get((name, decision.limit))
+            if parts is None:
+                if len(advertised) >= _ADVERTISED_MAX:  # quotas that vary per key: stay bounded
+                    advertised.clear()
+                window = max(1, math.ceil(check.limit.window_s))
+                parts = advertised[name, decision.limit] = (
+                    f'"{name}";q={decision.limit};w={window}',
+                    f'"{name}";r=',
+                    window,
+                )
+            policy_item, state_start, window = parts
+            if rejecting and index in rejecting:
+                reset = _reset_header(decision, window, True)
+            else:
+                reset = min(math.ceil(decision.reset_s), window)
+            resets.append(reset)
+            policy_items.append(policy_item)
+            remaining = decision.remaining
+            state_items.append(f"{state_start}{remaining if remaining > 0 else 0};t={reset}")
         if config.ietf:
-            policy_items = []
-            state_items = []
-            for index, (check, decision) in enumerate(zip(checks, decisions, strict=True)):
-                name = check.limit.name
-                policy_items.append(f'"{name}";q={decision.limit};w={windows[index]}')
-                state_items.append(f'"{name}";r={max(0, decision.remaining)};t={resets[index]}')
             headers.append(("RateLimit-Policy", ", ".join(policy_items)))
             headers.append(("RateLimit", ", ".join(state_items)))
         if config.x_ratelimit:

@@ -78,8 +78,12 @@ class CompiledLimit:
         return (self.spec.algorithm, self.spec.key, self.spec.on_missing_key)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Check:
+    """One request's check against one limit. Treated as immutable (hashed by value); not
+    ``frozen``: a frozen dataclass's ``__init__`` goes through ``object.__setattr__`` per field
+    and several of these are built for every limited request."""
+
     limit: CompiledLimit
     key: str
     # The longest this request may wait on this limit: 0 when its queue is full.

@@ -17,6 +17,7 @@ from gateway.admin import AdminState, make_admin_app
 from gateway.admin_auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
 from gateway.demo_upstream import DemoUpstream
+from gateway.heap import freeze_startup_heap
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
 from gateway.observability.shared import default_shared_dir
@@ -348,6 +349,7 @@ async def serve(
     except StartupError:
         await gateway.stop()  # whatever had started (a listener bound before the other failed)
         raise
+    freeze_startup_heap()  # this process serves from here on (not a gateway started in tests)
     tasks: set[asyncio.Task[str]] = set()
     reloader = gateway.reloader
     if reloader is not None:

@@ -80,7 +80,24 @@ def decide_all(
         )
     decisions: list[Decision] = []
     new_states: list[Any] = []
-    for algorithm, state in items:
+    delay_s = 0.0
+    delayed_by = None
+    for index, (algorithm, state) in enumerate(items):
+        decision, new_state = algorithm.decide(state, now_us, cost)
+        if not decision.allowed:
+            break
+        decisions.append(decision)
+        new_states.append(new_state)
+        # ">=": on equal delays the later limit is named, as nginx's account loop does.
+        if decision.delay_s >= delay_s and decision.delay_s > 0.0:
+            delay_s = decision.delay_s
+            delayed_by = index
+    else:  # all admit (the common case): ``combine``'s answer without its passes
+        return CombinedDecision(
+            True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), stamp_us
+        )
+    # Some limit rejects: every limit is still decided, for a Retry-After good for all.
+    for algorithm, state in items[len(decisions) :]:
         decision, new_state = algorithm.decide(state, now_us, cost)
         decisions.append(decision)
         new_states.append(new_state)

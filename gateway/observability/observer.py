@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
+from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
 from gateway.observability.shared import SnapshotDirectory
 from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
@@ -65,6 +66,7 @@ class Observability:
         self.timeline = Timeline()
         self.latest: GatewaySnapshot | None = None
         self._subscribers: set[asyncio.Queue[bytes | None]] = set()
+        self._probe: LoopLagProbe | None = None
 
     # -- hooks for the gateway ---------------------------------------------------------------
 
@@ -102,10 +104,15 @@ class Observability:
         # The history starts from the figures at start-up, so the first second is drawn too.
         self.timeline.add(self.gateway_snapshot())
         task = asyncio.get_running_loop().create_task(self._run())
+        probe = self._probe = probe_from_environment(self.worker_id)  # benchmarks only
+        if probe is not None:
+            probe.start()
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if probe is not None:
+            await probe.stop()
         if self.directory is not None:
             self._publish()  # the last figures, for the totals and for a successor
 
@@ -114,13 +121,21 @@ class Observability:
             now = self.wall_clock()
             await asyncio.sleep(TICK_S - now % TICK_S)
             try:
+                started = time.perf_counter()
                 self.metrics.rotate(self.wall_clock())
                 if self.directory is not None:
                     self._publish()
+                    self._note_tick(started)
                     await asyncio.sleep(GATHER_DELAY_S)
+                    started = time.perf_counter()
                 self._gather()
+                self._note_tick(started)
             except Exception:  # one bad tick must not stop the next
                 log.exception("observability tick failed")
+
+    def _note_tick(self, started: float) -> None:
+        if self._probe is not None:
+            self._probe.note_tick(time.perf_counter() - started)
 
     def _publish(self) -> None:
         assert self.directory is not None

@@ -32,8 +32,26 @@ class MemoryStore:
         return table
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        return self.decide_now(checks, commit=commit)
+
+    def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        """``decide`` without the coroutine: nothing here waits, so the engine calls this
+        directly on the request path and saves a coroutine object per request."""
         now_us = self.clock.now_us()
         self.stats.calls += 1
+        if len(checks) == 1:  # the common case, without the lists
+            check = checks[0]
+            limit = check.limit
+            table = self.tables.get(limit.name)
+            if table is None:
+                table = self._table(limit)
+            state = table.get(check.key) if commit else table.peek(check.key)
+            verdict = decide_all(((limit.algorithm, state),), now_us, stamp_us=now_us)
+            if verdict.delay_s > 0.0:
+                verdict = refuse_long_delays(verdict, (state,), (check.max_delay_s,))
+            if commit and verdict.allowed:
+                table.put(check.key, verdict.states[0], now_us)
+            return verdict
         # One pass over the checks (the request path): each limit's table, the key's state
         # and the (algorithm, state) pair ``decide_all`` takes.
         known = self.tables
