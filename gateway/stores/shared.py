@@ -346,6 +346,11 @@ class SharedStore:
             return env.begin(write=write, db=db)
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        return self.decide_now(checks, commit=commit)
+
+    def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        """``decide`` without the coroutine: an LMDB transaction never waits on the loop, so
+        the engine calls this directly on the request path, as for the in-process store."""
         now_us = self.clock.now_us()
         self.stats.calls += 1
         try:
