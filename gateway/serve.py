@@ -17,7 +17,7 @@ from gateway.admin import AdminState, make_admin_app
 from gateway.admin_auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
 from gateway.demo_upstream import DemoUpstream
-from gateway.heap import freeze_startup_heap
+from gateway.heap import freeze_startup_heap, refreeze_heap
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
 from gateway.observability.shared import default_shared_dir
@@ -273,6 +273,7 @@ class Gateway:
         await runtime.close(
             keep={name for name, t in runtime.upstreams.items() if id(t.pool) in in_use}
         )
+        refreeze_heap()
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish within the shutdown deadline.
