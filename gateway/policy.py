@@ -186,6 +186,11 @@ class ServerSettings(_Model):
     shutdown_timeout: Duration = Field(
         30.0, description="on SIGTERM, how long in-flight requests may take to finish"
     )
+    websocket_idle_timeout: Timeout = Field(
+        300.0,
+        description="a proxied WebSocket connection with no byte either way for this long is "
+        "closed (nginx's proxy_read_timeout on an upgraded connection)",
+    )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
