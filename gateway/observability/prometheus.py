@@ -276,7 +276,12 @@ class GatewayCollector(Collector):
             last_success.add_metric([], reload.last_success_at)
         else:  # no policy file to reload: the policy was loaded when the gateway started
             last_success.add_metric([], snap.policy_loaded_at)
-        yield from (reloads, last_success)
+        successful = GaugeMetricFamily(
+            "gateway_policy_last_reload_successful",
+            "0 while the latest reload attempt failed (the previous policy still runs), else 1.",
+        )
+        successful.add_metric([], 0 if reload is not None and reload.last_result == "failed" else 1)
+        yield from (reloads, last_success, successful)
 
 
 def make_registry(snapshot: Callable[[], GatewaySnapshot]) -> CollectorRegistry:
