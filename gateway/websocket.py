@@ -382,6 +382,7 @@ class _Relay:
     """Both ends of one upgraded connection, its idle timer, and its figures."""
 
     __slots__ = (
+        "_finished",
         "_idle_timeout_s",
         "_timer",
         "client",
@@ -414,6 +415,7 @@ class _Relay:
         self.last_activity = loop.time()
         self._timer: asyncio.TimerHandle | None = None
         self.done: asyncio.Future[None] = loop.create_future()
+        self._finished = False
 
     def start(self, early_from_client: bytes) -> None:
         stats = self.stats
@@ -421,9 +423,9 @@ class _Relay:
         stats.total += 1
         client, upstream = self.client, self.upstream
         client.relay = upstream.relay = self
+        self.client_transport.set_protocol(client)
         for transport in (self.client_transport, self.upstream_transport):
             transport.set_write_buffer_limits(high=HIGH_WATER, low=LOW_WATER)
-        self.client_transport.set_protocol(client)
         # aiohttp may have paused reading to bound what it kept aside; the relay reads now.
         self.client_transport.resume_reading()
         if early_from_client:
@@ -484,10 +486,12 @@ class _Relay:
                 transport.close()
 
     def _finish(self) -> None:
-        if self.done.done():
+        if self._finished:  # not ``done.done()``: a cancelled wait cancels that future too
             return
+        self._finished = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self.stats.open -= 1
-        self.done.set_result(None)
+        if not self.done.done():
+            self.done.set_result(None)

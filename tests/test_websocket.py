@@ -386,3 +386,28 @@ async def test_metrics_count_websocket_connections_and_bytes(
             gw.admin_url,
             lambda s: value(s, "gateway_websocket_connections_open") == 0,
         )
+
+
+async def test_shutdown_gives_open_websockets_the_shutdown_timeout_then_closes_them(
+    ws_upstream: WsUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await _gateway(start_gateway, ws_upstream.url, server="  shutdown_timeout: 1s\n")
+    loop = asyncio.get_running_loop()
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.ws_connect(gw.url + "/ws") as ws,
+    ):
+        await ws.send_str("hi")
+        assert await ws.receive_str() == "hi"
+        started = loop.time()
+        stopping = asyncio.create_task(gw.gateway.stop())
+        await asyncio.sleep(0.3)
+        await ws.send_str("still relayed while draining")
+        assert await ws.receive_str() == "still relayed while draining"
+        async with asyncio.timeout(5):
+            msg = await ws.receive()
+            await stopping
+        assert msg.type in (WSMsgType.CLOSED, WSMsgType.CLOSE, WSMsgType.ERROR)
+        assert 0.9 < loop.time() - started < 4
+    await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+    await _wait_for(lambda: len(ws_upstream.closes) == 1)
