@@ -128,6 +128,9 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_body_timeout.yaml": "zero_body_timeout.yaml:3: server.body_timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
+    "zero_websocket_idle_timeout.yaml": "zero_websocket_idle_timeout.yaml:3: "
+    "server.websocket_idle_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_connect_timeout.yaml": "zero_connect_timeout.yaml:4: upstreams.backend.connect_timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_read_timeout.yaml": "zero_read_timeout.yaml:4: upstreams.backend.read_timeout: "
