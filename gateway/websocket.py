@@ -165,11 +165,16 @@ async def forward_websocket(
     protocol._message_tail = b""
     relay.start(early)
     _release_when_done(protocol)
+    # The relay needs nothing more of this runtime: a reload need not wait for the connection
+    # to end before it retires it (the proxy handler counts the request done at the end).
+    runtime.request_done()
     try:
         await relay.done
     except BaseException:  # cancelled: the gateway is shutting down
         relay.abort()
         raise
+    finally:
+        runtime.inflight += 1
     return cast(web.StreamResponse, PreparedResponse(101, b"", False))
 
 

@@ -411,3 +411,28 @@ async def test_shutdown_gives_open_websockets_the_shutdown_timeout_then_closes_t
         assert 0.9 < loop.time() - started < 4
     await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
     await _wait_for(lambda: len(ws_upstream.closes) == 1)
+
+
+async def test_a_reload_does_not_wait_for_open_websockets(
+    ws_upstream: WsUpstream, start_gateway: GatewayFactory
+) -> None:
+    """The relay holds nothing of the policy it was admitted under: the old runtime retires
+    (its pools closed) while the WebSocket goes on."""
+    from gateway.policy_loader import parse_policy
+
+    gw = await _gateway(start_gateway, ws_upstream.url)
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.ws_connect(gw.url + "/ws") as ws,
+    ):
+        await ws.send_str("before")
+        assert await ws.receive_str() == "before"
+        old = gw.gateway.handler.runtime
+        gw.gateway.apply(parse_policy(policy_for(ws_upstream.url) + "# changed\n", "test.yaml"))
+        assert gw.gateway.handler.runtime is not old
+        await _wait_for(lambda: not gw.gateway._retired)
+        assert old.inflight == 0
+        await ws.send_str("after")
+        assert await ws.receive_str() == "after"
+    await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+    assert old.inflight == 0
