@@ -438,8 +438,11 @@ class _Relay:
         if upstream.early:
             early, upstream.early = upstream.early, b""
             upstream.relay_data(early)
-        if upstream.lost:  # the upstream closed before the relay began
+        # The upstream may have ended or closed between its 101 and now.
+        if upstream.lost:
             self.side_lost(upstream)
+        elif upstream.eof:
+            self.side_ended(upstream)
         self._timer = self.loop.call_at(self.last_activity + self._idle_timeout_s, self._idle)
 
     def other(self, side: _Side) -> _Side:

@@ -436,3 +436,39 @@ async def test_a_reload_does_not_wait_for_open_websockets(
         assert await ws.receive_str() == "after"
     await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
     assert old.inflight == 0
+
+
+async def test_bytes_sent_in_the_same_packet_as_the_101_reach_the_client(
+    start_gateway: GatewayFactory,
+) -> None:
+    """An upstream that writes its first frame in the same packet as its 101 (read with the
+    head, before the relay exists), then half-closes at once: the bytes and the end of stream
+    reach the client, and the client can still answer."""
+
+    replies: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"\r\nfirst"
+        )
+        writer.write_eof()
+        try:
+            replies.append(await reader.read())
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        gw = await _gateway(start_gateway, url)
+        reader, writer, head = await _handshake(gw.port)
+        assert head.startswith(b"HTTP/1.1 101 ")
+        async with asyncio.timeout(5):
+            assert await reader.read() == b"first"  # then the end of stream
+        writer.write(b"reply")
+        writer.write_eof()
+        await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+        assert replies == [b"reply"]
+        writer.close()
