@@ -48,7 +48,7 @@ from gateway.upstream_client import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.websocket import forward_websocket, wants_websocket
+from gateway.websocket import forward_upgrade, wants_upgrade
 
 if TYPE_CHECKING:
     from gateway.engine import Outcome
@@ -149,8 +149,8 @@ class ProxyHandler:
                         raise
                     finally:
                         engine.leave_queue(outcome)
-                if request._message.upgrade and wants_websocket(request, admitted.framing):
-                    response = await forward_websocket(
+                if request._message.upgrade and wants_upgrade(request, admitted.framing, runtime):
+                    response = await forward_upgrade(
                         request,
                         runtime,
                         admitted.upstream,

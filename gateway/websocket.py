@@ -51,27 +51,26 @@ LOW_WATER = 64 * 1024
 # A refusal of the handshake (401, 403, 426 ...) is buffered whole, up to this.
 MAX_REFUSAL_BODY = 1024 * 1024
 _MAX_HEAD_BYTES = 64 * 1024
-_UPGRADE_REQUEST = b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
 _DATE = HttpDate()
 
 
-def wants_websocket(request: BaseRequest, framing: RequestFraming) -> bool:
+def wants_upgrade(request: BaseRequest, framing: RequestFraming, runtime: Runtime) -> bool:
     """An upgrade the gateway honours: an HTTP/1.1 ``GET`` without a body, one ``Upgrade``
-    header saying ``websocket``. Any other (``h2c`` above all: a proxy that passed it on would
-    let a client talk HTTP/2 to the upstream past every check) is forwarded as a plain request,
-    its ``Upgrade`` dropped as hop-by-hop, as before."""
+    header naming a protocol of ``server.upgrade_protocols`` (``websocket``). Any other (``h2c``
+    above all: a proxy that passed it on would let a client talk HTTP/2 to the upstream past
+    every check) is forwarded as a plain request, its ``Upgrade`` dropped as hop-by-hop."""
     if request.method != "GET" or request.version != HttpVersion11 or framing.has_body:
         return False
     upgrade = request.headers.getall("Upgrade", ())
     return (
         len(upgrade) == 1
-        and upgrade[0].strip().lower() == "websocket"
+        and upgrade[0].strip().lower() in runtime.settings.upgrade_protocols
         and isinstance(request.protocol, GatewayProtocol)
         and request.transport is not None
     )
 
 
-async def forward_websocket(
+async def forward_upgrade(
     request: BaseRequest,
     runtime: Runtime,
     upstream: UpstreamTarget,
@@ -82,6 +81,8 @@ async def forward_websocket(
 ) -> web.StreamResponse:
     """Forward the handshake; on a 101 relay until both sides close, else relay the answer."""
     loop = asyncio.get_running_loop()
+    token = request.headers["Upgrade"].strip().lower().encode("latin-1")
+    upgrade_headers = b"Connection: Upgrade\r\nUpgrade: " + token + b"\r\n\r\n"
     head = build_request_head(
         "GET",
         upstream.base_path + target if upstream.base_path else target,
@@ -92,7 +93,7 @@ async def forward_websocket(
         underscores=runtime.settings.underscores_in_headers,
     )
     # build_request_head drops Connection and Upgrade (hop-by-hop): this hop asks for them anew.
-    head = head[:-2] + _UPGRADE_REQUEST
+    head = head[:-2] + upgrade_headers
     limit_headers = (
         runtime.engine.headers(outcome)
         if outcome is not None and outcome.verdict is not None
@@ -137,9 +138,9 @@ async def forward_websocket(
             _DATE.now(),
         )
         return cast(web.StreamResponse, PreparedResponse(up_side.status, data + body, keep_alive))
-    if not _switches_to_websocket(up_side.headers):
+    if not _switches_to(token, up_side.headers):
         up_transport.abort()
-        return _upstream_failed(request, UpstreamProtocolError("101 without Upgrade: websocket"))
+        return _upstream_failed(request, UpstreamProtocolError("101 to another protocol"))
 
     protocol = request.protocol
     transport = request.transport
@@ -149,7 +150,7 @@ async def forward_websocket(
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
     for name, value in limit_headers or ():
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-    lines.append(_UPGRADE_REQUEST)
+    lines.append(upgrade_headers)
     transport.write(b"".join(lines))
 
     relay = _Relay(
@@ -187,13 +188,16 @@ def _upstream_failed(request: BaseRequest, exc: UpstreamError) -> web.StreamResp
     return error_response(502, "upstream connection failed")
 
 
-def _switches_to_websocket(headers: list[tuple[bytes, bytes]]) -> bool:
+def _switches_to(token: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
+    """The 101 switches to the protocol asked for, and says so (``Connection: upgrade``): a
+    proxy that tunnelled on any 101 could be led to tunnel a connection the upstream keeps
+    speaking HTTP on."""
     upgrade = [v for n, v in headers if n.lower() == b"upgrade"]
     connection = {
         t.strip().lower() for n, v in headers if n.lower() == b"connection" for t in v.split(b",")
     }
-    websocket = len(upgrade) == 1 and upgrade[0].strip().lower() == b"websocket"
-    return websocket and b"upgrade" in connection
+    same = len(upgrade) == 1 and upgrade[0].strip().lower() == token
+    return same and b"upgrade" in connection
 
 
 def _release_when_done(protocol: GatewayProtocol) -> None:

@@ -211,15 +211,17 @@ async def test_non_101_answer_is_relayed_and_the_connection_stays_http(
         b"Content-Length: 2\r\n\r\nab",
         # HTTP/1.0 has no Upgrade.
         b"GET / HTTP/1.0\r\nHost: h\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+        # a protocol server.upgrade_protocols does not name
+        b"GET / HTTP/1.1\r\nHost: h\r\nConnection: Upgrade\r\nUpgrade: x-tunnel\r\n\r\n",
     ],
-    ids=["h2c", "post", "get-with-body", "http10"],
+    ids=["h2c", "post", "get-with-body", "http10", "unlisted"],
 )
 async def test_other_upgrades_are_forwarded_as_plain_requests(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, request_bytes: bytes
 ) -> None:
     gw = await _gateway(start_gateway, upstream.url)
     pipelined = b"GET /next HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
-    if b"h2c" in request_bytes or b"HTTP/1.0" in request_bytes:
+    if b"GET / HTTP/1." in request_bytes and b"Content-Length" not in request_bytes:
         # aiohttp's parser stops at any upgrade request (llhttp pauses there) and reads no
         # request pipelined behind one it does not switch for; HTTP/1.0 closes anyway.
         pipelined = b""
@@ -238,14 +240,15 @@ async def test_other_upgrades_are_forwarded_as_plain_requests(
 
 async def _raw_upstream(
     serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    protocol: bytes = b"websocket",
 ) -> tuple[asyncio.Server, str]:
     """An upstream that answers the handshake with a bare 101 and then runs ``serve``."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(
-            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-            b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n"
+            b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: %s\r\n"
+            b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n" % protocol
         )
         try:
             await serve(reader, writer)
@@ -257,9 +260,11 @@ async def _raw_upstream(
     return server, f"http://127.0.0.1:{port}"
 
 
-async def _handshake(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+async def _handshake(
+    port: int, protocol: bytes = b"websocket"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(_HANDSHAKE)
+    writer.write(_HANDSHAKE.replace(b"Upgrade: websocket", b"Upgrade: " + protocol))
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     return reader, writer, head
 
@@ -471,4 +476,30 @@ async def test_bytes_sent_in_the_same_packet_as_the_101_reach_the_client(
         writer.write_eof()
         await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
         assert replies == [b"reply"]
+        writer.close()
+
+
+async def test_a_protocol_the_policy_lists_is_relayed_and_a_101_to_another_is_refused(
+    start_gateway: GatewayFactory,
+) -> None:
+    async def shout(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write((await reader.read()).upper())
+        await writer.drain()
+
+    server = "  upgrade_protocols: [websocket, X-Tunnel]\n"
+    tunnel, tunnel_url = await _raw_upstream(shout, protocol=b"x-tunnel")
+    liar, liar_url = await _raw_upstream(shout, protocol=b"websocket")
+    async with tunnel, liar:
+        gw = await _gateway(start_gateway, tunnel_url, server=server)
+        reader, writer, head = await _handshake(gw.port, b"x-tunnel")
+        assert head.startswith(b"HTTP/1.1 101 ") and b"\r\nUpgrade: x-tunnel\r\n" in head
+        writer.write(b"quiet")
+        writer.write_eof()
+        async with asyncio.timeout(5):
+            assert await reader.read() == b"QUIET"
+        writer.close()
+        # An upstream that switches to a protocol other than the one asked for is not tunnelled.
+        gw = await _gateway(start_gateway, liar_url, server=server)
+        reader, writer, head = await _handshake(gw.port, b"x-tunnel")
+        assert status_of(head) == 502
         writer.close()
