@@ -1,11 +1,12 @@
-"""WebSocket proxying: the ``Upgrade: websocket`` handshake forwarded on an upstream connection
-of its own, then bytes relayed both ways until both sides have closed.
+"""WebSocket proxying: the ``Upgrade: websocket`` handshake (or another protocol
+``server.upgrade_protocols`` lists) forwarded on an upstream connection of its own, then bytes
+relayed both ways until both sides have closed.
 
 The limits decide the handshake like any request (a refused one gets its 429 and rate-limit
 headers, from the proxy handler). The upstream connection is never pooled: after a 101 it no
-longer speaks HTTP. Only a 101 whose ``Upgrade`` is ``websocket`` switches the client connection
-to the relay; any other answer is relayed as an ordinary response, and the client's connection
-stays HTTP (aiohttp parses what follows as the next request).
+longer speaks HTTP. Only a 101 whose ``Upgrade`` is the protocol asked for switches the client
+connection to the relay; any other answer is relayed as an ordinary response, and the client's
+connection stays HTTP (aiohttp parses what follows as the next request).
 
 Flow control is the transports' own: when the write buffer toward one side passes
 ``HIGH_WATER``, reading from the other side stops until it drains below ``LOW_WATER``. An end of
