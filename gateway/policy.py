@@ -112,6 +112,8 @@ _UPSTREAM_URL_RE = re.compile(
     r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+)(:\d{1,5})?(/[^\s?#]*)?$"
 )
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+# An Upgrade protocol name (RFC 9110 token, without a version: "websocket").
+_TOKEN_RE = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~\-]{1,64}")
 
 
 # Names of upstreams and limits: they appear in headers (RateLimit-Policy quotes the limit's
@@ -186,6 +188,16 @@ class ServerSettings(_Model):
     shutdown_timeout: Duration = Field(
         30.0, description="on SIGTERM, how long in-flight requests may take to finish"
     )
+    upgrade_protocols: tuple[str, ...] = Field(
+        ("websocket",),
+        description="protocols an Upgrade request may switch to, proxied as a byte relay "
+        "after the upstream's 101 (h2c is refused); [] forwards every Upgrade as a plain request",
+    )
+    websocket_idle_timeout: Timeout = Field(
+        300.0,
+        description="a proxied WebSocket connection with no byte either way for this long is "
+        "closed (nginx's proxy_read_timeout on an upgraded connection)",
+    )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
@@ -224,6 +236,19 @@ class ServerSettings(_Model):
             except ValueError:
                 raise ValueError(f"invalid CIDR {cidr!r} in trusted_proxies") from None
         return value
+
+    @field_validator("upgrade_protocols")
+    @classmethod
+    def _check_upgrade_protocols(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for token in value:
+            if _TOKEN_RE.fullmatch(token) is None:
+                raise ValueError(f"invalid protocol {token!r}: expected a token like websocket")
+            if token.lower() == "h2c":
+                raise ValueError(
+                    "h2c cannot be proxied: an upgraded HTTP/2 connection would reach the "
+                    "upstream past every check and limit of the gateway"
+                )
+        return tuple(token.lower() for token in value)
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:

@@ -29,6 +29,7 @@ from gateway.keys import RequestFacts
 from gateway.observability.hooks import (
     CLIENT_IP,
     LIMIT_OUTCOME,
+    LOCAL_ANSWER,
     ROUTE_NAME,
     UPSTREAM_ERROR,
     upstream_error_reason,
@@ -47,6 +48,7 @@ from gateway.upstream_client import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.websocket import forward_upgrade, wants_upgrade
 
 if TYPE_CHECKING:
     from gateway.engine import Outcome
@@ -147,11 +149,23 @@ class ProxyHandler:
                         raise
                     finally:
                         engine.leave_queue(outcome)
-                response = await self._forward(request, runtime, admitted)
+                if request._message.upgrade and wants_upgrade(request, admitted.framing, runtime):
+                    response = await forward_upgrade(
+                        request,
+                        runtime,
+                        admitted.upstream,
+                        admitted.target,
+                        admitted.framing,
+                        admitted.forwarded,
+                        outcome,
+                    )
+                else:
+                    response = await self._forward(request, runtime, admitted)
             status = response.status
             return response
         except ShuttingDown:
             status = 503
+            request[LOCAL_ANSWER] = True
             return error_response(
                 503, "the gateway is shutting down", close=True, headers={"Retry-After": "1"}
             )
@@ -319,6 +333,7 @@ class ProxyHandler:
             )
         except BodyTooLarge:
             refusal = error_response(413, "request body too large", close=True)
+            request[LOCAL_ANSWER] = True
             if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
                 # The rest of an oversized chunk is not worth a lingering read.
                 return await _answer_and_close(request, refusal)
@@ -408,6 +423,7 @@ async def _refuse(
 ) -> web.Response:
     """Answer before the body is read. A client waiting for ``100 Continue`` will send no body,
     so the connection is closed right after the answer instead of lingering for one."""
+    request[LOCAL_ANSWER] = True
     if framing.expect_continue:
         return await _answer_and_close(request, response)
     return response
@@ -415,6 +431,7 @@ async def _refuse(
 
 async def _answer_and_close(request: BaseRequest, response: web.Response) -> web.Response:
     """Send ``response`` and close at once, skipping aiohttp's lingering read of the body."""
+    request[LOCAL_ANSWER] = True
     if request.transport is not None:
         await response.prepare(request)
         await response.write_eof()

@@ -17,6 +17,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
+from gateway.observability.stats import UpgradeStats
 from gateway.policy import ServerSettings
 from gateway.responses import SERVER
 
@@ -165,6 +166,11 @@ class GatewayProtocol(RequestHandler):
                 # leaves the body being read waiting forever; fail that read instead.
                 body.set_exception(RequestPayloadError(message.message))
 
+    @property
+    def upgrades(self) -> UpgradeStats:
+        """The listener's counters of upgraded connections, for the WebSocket relay."""
+        return self._gw_server.upgrades
+
     def request_started(self, body: StreamReader | None = None) -> None:
         """Called by the proxy handler once a request's headers are in: the deadline is met."""
         self._body = body
@@ -265,6 +271,7 @@ class GatewayServer(web.Server):
         self.open_connections = 0
         self.refused_connections = 0
         self.header_timeouts = 0
+        self.upgrades = UpgradeStats()  # WebSocket connections (gateway/websocket.py)
 
     def reconfigure(self, settings: ServerSettings) -> None:
         """Apply a reloaded policy's connection settings; connections opened from now on get

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import ssl as ssl_module
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator
-from typing import cast
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import TypeVar, cast
 
 import httptools
 
@@ -42,6 +42,8 @@ _HTTP10 = (1, 0)
 _IDEMPOTENT_PREFIXES = (b"GET ", b"HEAD ", b"OPTIONS ", b"TRACE ", b"PUT ", b"DELETE ")
 # Timers may fire a little early (uvloop counts in milliseconds); closer than this is "due".
 _TIMER_SLACK_S = 0.001
+
+_P = TypeVar("_P", bound=asyncio.BaseProtocol)
 
 
 class UpstreamError(Exception):
@@ -657,6 +659,35 @@ class UpstreamPool:
                 raise
         conn = await self._acquire(fresh=True)
         return await conn.exchange(head, body, body_chunked, expect_no_body)
+
+    async def connect_unpooled(
+        self, protocol_factory: Callable[[], _P]
+    ) -> tuple[asyncio.Transport, _P]:
+        """A connection of its own to this upstream (a protocol switch: it never returns to the
+        pool and takes no pool slot), within the connect timeout, failing as ``request`` does."""
+        if self._closed:
+            raise UpstreamClosed("the upstream pool is closed")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                transport, protocol = await loop.create_connection(
+                    protocol_factory,
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._server_hostname,
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(f"connecting to {self._host}:{self._port} timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectError(
+                f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+            ) from exc
+        return transport, protocol
+
+    @property
+    def read_timeout_s(self) -> float:
+        return self._read_timeout_s
 
     async def close(self) -> None:
         """Close every connection (cutting any still in use) and refuse further requests."""

@@ -382,6 +382,70 @@ async def test_upstream_errors_are_counted_by_reason(start_gateway: GatewayFacto
     assert value(samples, "gateway_upstream_errors_total", route="slow", reason="timeout") == 1
     assert value(samples, "gateway_upstream_errors_total", route="flaky", reason="reset") == 1
     assert value(samples, "gateway_requests_total", route="slow", method="GET", status="5xx") == 1
+    for route, code in (("down", "502"), ("slow", "504"), ("flaky", "502")):
+        assert value(samples, "gateway_local_responses_total", route=route, code=code) == 1
+
+
+async def test_the_gateways_own_answers_are_counted_by_exact_code(
+    start_gateway: GatewayFactory,
+) -> None:
+    """A limit's 429, a missing route's 404, the access list's 403 and a body's 413 are told
+    apart by code; the same codes from the upstream are relayed, not counted as the gateway's."""
+
+    async def answer(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(status=int(request.path.rsplit("/", 1)[1]))
+
+    runner = web.ServerRunner(web.Server(answer))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n  max_body_size: 10\n"
+        f"upstreams:\n  backend:\n    url: http://127.0.0.1:{port}\n"
+        "routes:\n  - name: api\n    match: {path_prefix: /api/}\n    upstream: backend\n"
+        "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: 5\n    window: 1h\n"
+        "access:\n  deny: [127.0.0.2/32]\n"
+    )
+    try:
+        gw = await start_gateway(policy)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            for code in (429, 404, 503):  # the upstream's own answers, relayed
+                assert await get_status(session, gw.url + f"/api/{code}") == code
+            assert await get_status(session, gw.url + "/elsewhere") == 404
+            async with session.post(gw.url + "/api/200", data=b"x" * 11) as resp:
+                assert resp.status == 413
+            for _ in range(3):
+                assert await get_status(session, gw.url + "/api/200") in (200, 429)
+        denied = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+        async with aiohttp.ClientSession(timeout=TIMEOUT, connector=denied) as session:
+            assert await get_status(session, gw.url + "/api/200") == 403
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            samples = await scrape_until(
+                session,
+                gw.admin_url,
+                lambda s: (
+                    (
+                        "gateway_local_responses_total",
+                        frozenset({("route", "api"), ("code", "429")}),
+                    )
+                    in s
+                ),
+            )
+    finally:
+        await runner.cleanup()
+    local = {
+        (dict(labels)["route"], dict(labels)["code"]): count
+        for (name, labels), count in samples.items()
+        if name == "gateway_local_responses_total"
+    }
+    # 5 admitted (3 relayed answers, the 413's request, one 200), then 2 rejected
+    assert local == {
+        ("_unmatched", "404"): 1,
+        ("api", "403"): 1,
+        ("api", "413"): 1,
+        ("api", "429"): 2,
+    }
+    assert value(samples, "gateway_requests_total", route="api", method="GET", status="4xx") == 5
 
 
 async def test_reloads_are_counted_by_result_and_logged(
@@ -567,6 +631,16 @@ async def test_every_scrape_sees_the_whole_gateway_across_workers_and_restarts(
                 session, admin_url, lambda s: _ok_requests(s) == requests, 5
             )
             assert value(samples, "gateway_workers") == 2
+        # Each worker's own process figures, told apart by a worker label.
+        cpu = {
+            dict(labels)["worker"]: v
+            for (name, labels), v in samples.items()
+            if name == "process_cpu_seconds_total"
+        }
+        assert len(cpu) == 2 and all(seconds > 0 for seconds in cpu.values())
+        for worker in cpu:
+            assert value(samples, "process_resident_memory_bytes", worker=worker) > 10_000_000
+            assert value(samples, "process_open_fds", worker=worker) > 3
         # A worker killed outright is restarted, and its predecessor's counts stay in the sum.
         await _wait_for(
             lambda: published_ok_requests(metrics_dir) == requests,

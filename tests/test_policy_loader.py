@@ -124,6 +124,12 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_body_timeout.yaml": "zero_body_timeout.yaml:3: server.body_timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
+    "upgrade_h2c.yaml": "upgrade_h2c.yaml:3: server.upgrade_protocols: h2c cannot be proxied: "
+    "an upgraded HTTP/2 connection would reach the upstream past every check and limit of the "
+    "gateway",
+    "zero_websocket_idle_timeout.yaml": "zero_websocket_idle_timeout.yaml:3: "
+    "server.websocket_idle_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_connect_timeout.yaml": "zero_connect_timeout.yaml:4: upstreams.backend.connect_timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_read_timeout.yaml": "zero_read_timeout.yaml:4: upstreams.backend.read_timeout: "

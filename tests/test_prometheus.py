@@ -25,6 +25,8 @@ from tests.support import TIMEOUT, free_port, get_status, limited_policy
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "contrib" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "gateway.json"
+ALERTS = ROOT / "contrib" / "prometheus" / "alerts.yml"
+ALERTS_TEST = ROOT / "contrib" / "prometheus" / "alerts_test.yml"
 PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = "/usr/bin/promtool"
 RATE_INTERVAL = "1m"  # what the test puts for Grafana's $__rate_interval
@@ -56,7 +58,13 @@ def substitute(expr: str) -> str:
 
 
 def metric_names(expr: str) -> set[str]:
-    return set(re.findall(r"\b(gateway_[a-z0-9_]+)\b", expr))
+    return set(re.findall(r"\b((?:gateway|process)_[a-z0-9_]+)\b", expr))
+
+
+def alert_exprs() -> list[tuple[str, str]]:
+    """(alert name, expr) of every rule in the shipped alert rules."""
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [(rule["alert"], rule["expr"]) for group in groups for rule in group["rules"]]
 
 
 def rejection_ratio_query() -> str:
@@ -177,6 +185,14 @@ async def test_dashboard_rejection_ratio_query_returns_what_the_traffic_implies(
             assert not missing, (title, missing)
         for query in variable_queries():
             assert metric_names(query) <= exported, query
+        # so does every shipped alert rule
+        for alert, expr in alert_exprs():
+            await prometheus.query(expr)
+            missing = metric_names(expr) - exported
+            assert not missing, (alert, missing)
+        # the limit's rejections are told from other answers by their exact code
+        rejected = 'sum(gateway_local_responses_total{code="429"})'
+        await prometheus.wait_for(rejected, 30.0)
         # and the panels that the traffic concerns show it
         decisions = next(e for t, e in panel_queries() if t == "Decisions per second")
         assert await prometheus.query(substitute(decisions))
@@ -225,6 +241,22 @@ def test_shipped_prometheus_config_is_valid_and_scrapes_the_compose_gateway() ->
     host, port = targets["targets"][0].split(":")
     assert host in base
     assert any(mapping.endswith(f":{port}") for mapping in base[host]["ports"])
+
+
+def test_alert_rules_are_valid_and_fire_on_what_they_watch() -> None:
+    """``promtool check rules``, then ``promtool test rules``: each alert fires on the series
+    that should raise it (and not before its ``for``), and stays quiet on the others."""
+    for command in (["check", "rules", str(ALERTS)], ["test", "rules", str(ALERTS_TEST)]):
+        checked = subprocess.run(
+            [PROMTOOL, *command], capture_output=True, text=True, timeout=60, cwd=ALERTS.parent
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert {name for name, _ in alert_exprs()} >= {
+        "GatewayHighRejectionRatio",
+        "GatewayStoreDegraded",
+        "GatewayPolicyReloadFailed",
+        "GatewayUpstreamErrors",
+    }
 
 
 def test_compose_profile_wires_prometheus_and_grafana_to_shipped_files() -> None:

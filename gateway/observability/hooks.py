@@ -26,6 +26,9 @@ ROUTE_NAME: Final = web.RequestKey("route", str)
 CLIENT_IP: Final = web.RequestKey("client_ip", str)
 LIMIT_OUTCOME: Final = web.RequestKey("limit_outcome", Outcome)
 UPSTREAM_ERROR: Final = web.RequestKey("upstream_error", str)
+# Set on the few answers of the gateway's own that the facts above do not already tell apart
+# from an upstream's answer (413, 408, 400 on a routed request; 503 while shutting down).
+LOCAL_ANSWER: Final = web.RequestKey("local_answer", bool)
 
 # The bounded set of reasons the ``reason`` label of upstream errors takes.
 UPSTREAM_ERROR_REASONS: Final = ("connect", "timeout", "reset", "protocol", "other")

@@ -30,6 +30,19 @@ from gateway.observability.stats import (
 )
 
 RELOAD_RESULTS = ("ok", "failed", "unchanged")
+# (name, help, type) of the process metrics, as prometheus-client's ProcessCollector names them.
+_PROCESS_METRICS = (
+    ("process_cpu_seconds", "Total user and system CPU time spent in seconds.", "counter"),
+    ("process_resident_memory_bytes", "Resident memory size in bytes.", "gauge"),
+    ("process_virtual_memory_bytes", "Virtual memory size in bytes.", "gauge"),
+    ("process_open_fds", "Number of open file descriptors.", "gauge"),
+    ("process_max_fds", "Maximum number of open file descriptors.", "gauge"),
+    (
+        "process_start_time_seconds",
+        "Start time of the process since unix epoch in seconds.",
+        "gauge",
+    ),
+)
 
 
 def _buckets(histogram: HistogramData, bounds: tuple[float, ...]) -> list[tuple[str, float]]:
@@ -91,6 +104,17 @@ class GatewayCollector(Collector):
         for route, reason, count in snap.upstream_errors:
             upstream_errors.add_metric([route, reason], count)
         yield upstream_errors
+        local = CounterMetricFamily(
+            "gateway_local_responses",
+            "Answers the gateway gave itself rather than relaying the upstream's, by route and "
+            "exact status code: 429 a limit, 403 the access list, 404 no route, 502/504 the "
+            "upstream failed, 503 store down or shutting down, 400/408/413/417 the request, "
+            "499 the client left first. Also counted by class in gateway_requests_total.",
+            labels=["route", "code"],
+        )
+        for route, code, count in snap.local_responses:
+            local.add_metric([route, str(code)], count)
+        yield local
 
         yield from self._limits(snap)
         yield from self._store(snap)
@@ -112,6 +136,47 @@ class GatewayCollector(Collector):
         )
         header_timeouts.add_metric([], snap.header_timeouts)
         yield header_timeouts
+        yield from self._websockets(snap)
+        yield from self._processes(snap)
+
+    def _websockets(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        ws = snap.websockets
+        open_ws = GaugeMetricFamily(
+            "gateway_websocket_connections_open", "Proxied WebSocket connections open now."
+        )
+        open_ws.add_metric([], ws.open)
+        total = CounterMetricFamily(
+            "gateway_websocket_connections",
+            "WebSocket connections proxied (handshakes the upstream answered with 101).",
+        )
+        total.add_metric([], ws.total)
+        relayed = CounterMetricFamily(
+            "gateway_websocket_bytes",
+            "Bytes relayed on WebSocket connections, by direction.",
+            labels=["direction"],
+        )
+        relayed.add_metric(["client_to_upstream"], ws.bytes_from_client)
+        relayed.add_metric(["upstream_to_client"], ws.bytes_from_upstream)
+        idle = CounterMetricFamily(
+            "gateway_websocket_idle_timeouts",
+            "WebSocket connections closed after server.websocket_idle_timeout without a byte.",
+        )
+        idle.add_metric([], ws.idle_timeouts)
+        yield from (open_ws, total, relayed, idle)
+
+    def _processes(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        """prometheus-client's process metrics, one series per worker (label ``worker``)."""
+        for name, help_text, kind in _PROCESS_METRICS:
+            family: Metric = (
+                CounterMetricFamily(name, help_text, labels=["worker"])
+                if kind == "counter"
+                else GaugeMetricFamily(name, help_text, labels=["worker"])
+            )
+            for process in snap.processes:
+                figure = process.figures.get(name)
+                if figure is not None:
+                    family.add_metric([str(process.worker)], figure)  # type: ignore[attr-defined]
+            yield family
 
     def _limits(self, snap: GatewaySnapshot) -> Iterator[Metric]:
         decisions = CounterMetricFamily(
@@ -211,7 +276,12 @@ class GatewayCollector(Collector):
             last_success.add_metric([], reload.last_success_at)
         else:  # no policy file to reload: the policy was loaded when the gateway started
             last_success.add_metric([], snap.policy_loaded_at)
-        yield from (reloads, last_success)
+        successful = GaugeMetricFamily(
+            "gateway_policy_last_reload_successful",
+            "0 while the latest reload attempt failed (the previous policy still runs), else 1.",
+        )
+        successful.add_metric([], 0 if reload is not None and reload.last_result == "failed" else 1)
+        yield from (reloads, last_success, successful)
 
 
 def make_registry(snapshot: Callable[[], GatewaySnapshot]) -> CollectorRegistry:

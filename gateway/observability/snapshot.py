@@ -124,6 +124,33 @@ class StoreData(_Model):
         )
 
 
+class UpgradeData(_Model):
+    """Upgraded (WebSocket) connections: ``open`` a gauge, the rest counters."""
+
+    open: int = 0
+    total: int = 0
+    bytes_from_client: int = 0
+    bytes_from_upstream: int = 0
+    idle_timeouts: int = 0
+
+    def plus(self, other: UpgradeData, *, gauge: bool = True) -> UpgradeData:
+        return UpgradeData(
+            open=self.open + (other.open if gauge else 0),
+            total=self.total + other.total,
+            bytes_from_client=self.bytes_from_client + other.bytes_from_client,
+            bytes_from_upstream=self.bytes_from_upstream + other.bytes_from_upstream,
+            idle_timeouts=self.idle_timeouts + other.idle_timeouts,
+        )
+
+
+class ProcessData(_Model):
+    """One worker process's own figures (``process.PROCESS_FIGURES``), read from /proc."""
+
+    worker: int
+    pid: int
+    figures: dict[str, float] = {}
+
+
 class HitterData(_Model):
     key: str
     count: int
@@ -143,9 +170,13 @@ class WorkerSnapshot(_Model):
     durations: dict[str, HistogramData] = {}
     # (route, reason, count)
     upstream_errors: tuple[tuple[str, str, int], ...] = ()
+    # (route, exact status, count) of the answers the gateway gave itself
+    local_responses: tuple[tuple[str, int, int], ...] = ()
     limits: dict[str, LimitData] = {}
     top_keys: dict[str, tuple[HitterData, ...]] = {}
     store: StoreData
+    websockets: UpgradeData = UpgradeData()
+    process: dict[str, float] = {}  # gauges of this worker's process, read at ``at``
     reload: ReloadStatus | None = None
     connections_open: int = 0  # gauge
     connections_refused: int = 0
@@ -157,6 +188,8 @@ class WorkerSnapshot(_Model):
         requests.update({(r, m, s): n for r, m, s, n in self.requests})
         errors = Counter({(r, reason): n for r, reason, n in base.upstream_errors})
         errors.update({(r, reason): n for r, reason, n in self.upstream_errors})
+        local = Counter({(r, code): n for r, code, n in base.local_responses})
+        local.update({(r, code): n for r, code, n in self.local_responses})
         durations = dict(base.durations)
         for route, histogram in self.durations.items():
             old = durations.get(route)
@@ -172,9 +205,11 @@ class WorkerSnapshot(_Model):
             update={
                 "requests": tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
                 "upstream_errors": tuple((r, x, n) for (r, x), n in sorted(errors.items())),
+                "local_responses": tuple((r, c, n) for (r, c), n in sorted(local.items())),
                 "durations": durations,
                 "limits": limits,
                 "store": store,
+                "websockets": self.websockets.plus(base.websockets, gauge=False),
                 "connections_refused": self.connections_refused + base.connections_refused,
                 "header_timeouts": self.header_timeouts + base.header_timeouts,
             }
@@ -202,6 +237,7 @@ class GatewaySnapshot(_Model):
     requests: tuple[tuple[str, str, int, int], ...]
     durations: dict[str, HistogramData]
     upstream_errors: tuple[tuple[str, str, int], ...]
+    local_responses: tuple[tuple[str, int, int], ...] = ()
     limits: dict[str, LimitData]
     top_keys: dict[str, tuple[HitterData, ...]]
     store_name: str
@@ -212,6 +248,8 @@ class GatewaySnapshot(_Model):
     connections_open: int
     connections_refused: int
     header_timeouts: int
+    websockets: UpgradeData = UpgradeData()
+    processes: tuple[ProcessData, ...] = ()  # of live workers
 
 
 def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> GatewaySnapshot:
@@ -227,6 +265,8 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
     live_ids = {id(s) for s in live}
     requests: Counter[tuple[str, str, int]] = Counter()
     errors: Counter[tuple[str, str]] = Counter()
+    local: Counter[tuple[str, int]] = Counter()
+    websockets = UpgradeData()
     durations: dict[str, HistogramData] = {}
     limits: dict[str, LimitData] = {}
     hitters: dict[str, Counter[str]] = {}
@@ -235,6 +275,8 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
     for snap in snapshots:
         requests.update({(r, m, s): n for r, m, s, n in snap.requests})
         errors.update({(r, reason): n for r, reason, n in snap.upstream_errors})
+        local.update({(r, code): n for r, code, n in snap.local_responses})
+        websockets = websockets.plus(snap.websockets, gauge=id(snap) in live_ids)
         for route, histogram in snap.durations.items():
             old = durations.get(route)
             durations[route] = old.plus(histogram) if old is not None else histogram
@@ -287,6 +329,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         requests=tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
         durations=durations,
         upstream_errors=tuple((r, x, n) for (r, x), n in sorted(errors.items())),
+        local_responses=tuple((r, c, n) for (r, c), n in sorted(local.items())),
         limits=limits,
         top_keys=top_keys,
         store_name=store.name,
@@ -296,6 +339,12 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         connections_open=sum(s.connections_open for s in live),
         connections_refused=sum(s.connections_refused for s in snapshots),
         header_timeouts=sum(s.header_timeouts for s in snapshots),
+        websockets=websockets,
+        processes=tuple(
+            ProcessData(worker=s.worker, pid=s.pid, figures=s.process)
+            for s in sorted(live, key=lambda s: s.worker)
+            if s.process
+        ),
     )
 
 

@@ -50,7 +50,7 @@ class Histogram:
 class RequestStats:
     """Requests by (route, method, status class), durations by route, upstream errors."""
 
-    __slots__ = ("durations", "requests", "upstream_errors")
+    __slots__ = ("durations", "local", "requests", "upstream_errors")
 
     def __init__(self) -> None:
         # (route, method, status // 100) -> count
@@ -58,6 +58,8 @@ class RequestStats:
         self.durations: dict[str, Histogram] = {}
         # (route, reason) -> count
         self.upstream_errors: dict[tuple[str, str], int] = {}
+        # (route, exact status) -> count, of the answers the gateway gave itself
+        self.local: dict[tuple[str, int], int] = {}
 
     def record(self, route: str, method: str, status: int, duration_s: float) -> None:
         key = (route, KNOWN_METHODS.get(method, OTHER_METHOD), status // 100)
@@ -71,6 +73,24 @@ class RequestStats:
     def upstream_error(self, route: str, reason: str) -> None:
         key = (route, reason)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def local_answer(self, route: str, status: int) -> None:
+        key = (route, status)
+        self.local[key] = self.local.get(key, 0) + 1
+
+
+class UpgradeStats:
+    """Upgraded (WebSocket) connections: open now, opened in all, bytes relayed each way, and
+    how many the idle timeout closed. The relay adds to these as bytes pass (one int add)."""
+
+    __slots__ = ("bytes_from_client", "bytes_from_upstream", "idle_timeouts", "open", "total")
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.total = 0
+        self.bytes_from_client = 0
+        self.bytes_from_upstream = 0
+        self.idle_timeouts = 0
 
 
 class QueueWaits:

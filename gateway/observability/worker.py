@@ -26,16 +26,19 @@ from gateway.logs import JSON_LINE, json_line
 from gateway.observability.hooks import (
     CLIENT_IP,
     LIMIT_OUTCOME,
+    LOCAL_ANSWER,
     ROUTE_NAME,
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
 )
+from gateway.observability.process import read_process
 from gateway.observability.sketch import RecentTopKeys
 from gateway.observability.snapshot import (
     HistogramData,
     HitterData,
     LimitData,
     StoreData,
+    UpgradeData,
     WorkerSnapshot,
 )
 from gateway.observability.stats import (
@@ -44,6 +47,7 @@ from gateway.observability.stats import (
     QueueWaits,
     RequestStats,
     StoreStats,
+    UpgradeStats,
 )
 
 if TYPE_CHECKING:
@@ -119,6 +123,8 @@ class ConnectionCounts(Protocol):
     def refused_connections(self) -> int: ...
     @property
     def header_timeouts(self) -> int: ...
+    @property
+    def upgrades(self) -> UpgradeStats: ...
 
 
 class ReloadSource(Protocol):
@@ -230,6 +236,7 @@ class WorkerMetrics:
         )
         reload = state.reloader.status if state.reloader is not None else None
         connections = state.connections
+        upgrades = connections.upgrades
         return WorkerSnapshot(
             worker=state.worker_id,
             pid=os.getpid(),
@@ -245,6 +252,9 @@ class WorkerMetrics:
             upstream_errors=tuple(
                 (route, reason, count) for (route, reason), count in upstream_errors.items()
             ),
+            local_responses=tuple(
+                (route, code, count) for (route, code), count in self.requests.local.items()
+            ),
             policy_loaded_at=runtime.loaded_at,
             limits=limits,
             top_keys=top_keys,
@@ -253,6 +263,14 @@ class WorkerMetrics:
             connections_open=connections.open_connections,
             connections_refused=connections.refused_connections,
             header_timeouts=connections.header_timeouts,
+            websockets=UpgradeData(
+                open=upgrades.open,
+                total=upgrades.total,
+                bytes_from_client=upgrades.bytes_from_client,
+                bytes_from_upstream=upgrades.bytes_from_upstream,
+                idle_timeouts=upgrades.idle_timeouts,
+            ),
+            process=read_process(),
         )
 
 
@@ -283,6 +301,14 @@ class ObservedHandler:
         upstream_error = request.get(UPSTREAM_ERROR) if status >= 500 else None
         if upstream_error is not None:
             metrics.requests.upstream_error(route, upstream_error)
+        if status >= 400 and (
+            upstream_error is not None
+            or route == UNMATCHED_ROUTE
+            or (outcome is not None and outcome.status)
+            or status == 499
+            or LOCAL_ANSWER in request
+        ):
+            metrics.requests.local_answer(route, status)
         if runtime.settings.access_log:
             state = metrics.state
             t_us = None
