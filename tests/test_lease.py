@@ -25,7 +25,7 @@ from gateway.limits import Check, CompiledLimit, LimitCounters
 from gateway.policy import Policy
 from gateway.stores import RedisStore
 from gateway.stores.redis.lease import load_lease_script
-from gateway.stores.redis.lease_grant import grant_size
+from gateway.stores.redis.lease_grant import grant_size, want_within
 from tests import redis_harness
 from tests.redis_harness import RedisServer
 from tests.support import T0_US
@@ -137,6 +137,8 @@ def test_the_script_grants_what_the_python_mirror_computes(
     low_water_pm: int,
 ) -> None:
     remaining = data.draw(st.integers(0, quota))
+    # The window ends in 999,877 us; an interval longer than that scales the want down.
+    interval_us = data.draw(st.integers(1, 2_000_000))
     prefix = f"mirror{next(_prefixes)}:"
     window_us = 1_000_000
     now_us = T0_US + 123
@@ -160,9 +162,12 @@ def test_the_script_grants_what_the_python_mirror_computes(
             share_pm,
             low_water_pm,
             window_us,
+            interval_us,
         ],
     )
-    expected = grant_size(remaining, quota, want, asking, share_pm, low_water_pm)
+    lasts_us = (index + 1) * window_us - now_us
+    wanted = want_within(want, lasts_us, interval_us)
+    expected = grant_size(remaining, quota, wanted, asking, share_pm, low_water_pm)
     assert reply == [
         expected,
         index,

@@ -106,7 +106,11 @@ class Lease:
     granted_us: int = 0
     expires_us: int = 0
     blocked_until_us: int = 0  # nothing to grant until then: reject locally
-    rate_per_us: float = 0.0  # units spent per microsecond while leases lasted
+    # Requests that wanted a unit, counted per lease interval (this one and the one before):
+    # what this replica asks for is what they would have spent over the last interval.
+    period_start_us: int = 0
+    period_demand: int = 0
+    previous_demand: int = 0
     generation: int = 0
     fetching: asyncio.Future[None] | None = None
     unused_back: int = 0  # units of an expired lease to give back with the next call
@@ -288,14 +292,14 @@ class LeaseBook:
         lease = self._lease(plan, check.key)
         counters = self.counters[plan.name]
         fetched = False
+        if commit:
+            _demand(lease, plan.interval_us, self.clock.now_us())
         while True:
             now_us = self.clock.now_us()
             if lease.units > 0 and now_us < lease.expires_us:
                 lease.units -= 1
                 counters.decided += 1
                 remaining = lease.units
-                if lease.units == 0:
-                    self._spent(lease, now_us)
                 reset_s = (lease.expires_us - now_us) / 1e6
                 decision = Decision(True, 0.0, 0.0, plan.quota, remaining, reset_s)
                 return decision, _Taken(lease, lease.generation)
@@ -337,20 +341,11 @@ class LeaseBook:
             lease = table[key] = Lease()
         return lease
 
-    def _spent(self, lease: Lease, now_us: int) -> None:
-        """A lease ran out: how fast it was spent sizes the next ask."""
-        elapsed_us = max(now_us - lease.granted_us, 1)
-        rate = lease.size / elapsed_us
-        lease.rate_per_us = rate if lease.rate_per_us == 0.0 else (lease.rate_per_us + rate) / 2
-
     def _expired(self, plan: LeasePlan, lease: Lease) -> None:
         counters = self.counters[plan.name]
         counters.expired += 1
         lease.unused_back += lease.units
         lease.back_index = lease.index
-        spent = lease.size - lease.units
-        elapsed_us = max(lease.expires_us - lease.granted_us, 1)
-        lease.rate_per_us = (lease.rate_per_us + spent / elapsed_us) / 2
         lease.units = 0
         lease.generation += 1
 
@@ -381,7 +376,8 @@ class LeaseBook:
         if not breaker.allow():
             raise LeaseUnavailableError("circuit open")
         probe = breaker.probe_out
-        want = math.ceil(lease.rate_per_us * plan.interval_us) if lease.rate_per_us else 0
+        # The requests before this one: none yet (a new key) asks for a fair share.
+        want = max(_recent_demand(lease, plan.interval_us, now_us) - 1, 0)
         back, back_index = lease.unused_back, lease.back_index
         try:
             reply = await self._call(b"g", plan, key, want, back, back_index)
@@ -436,6 +432,7 @@ class LeaseBook:
             plan.share_pm,
             plan.low_water_pm,
             plan.recent_us,
+            b"%d" % plan.interval_us,
         ]
         self.counters[plan.name].calls += 1
         loop = asyncio.get_running_loop()
@@ -530,6 +527,29 @@ class LeaseBook:
                 async with asyncio.timeout(1.0):
                     await asyncio.gather(*returns)
         self.leases.clear()
+
+
+def _demand(lease: Lease, interval_us: int, now_us: int) -> None:
+    """Count a request that wants a unit of this lease, in the interval it falls in."""
+    elapsed_us = now_us - lease.period_start_us
+    if elapsed_us >= interval_us:
+        lease.previous_demand = lease.period_demand if elapsed_us < 2 * interval_us else 0
+        lease.period_demand = 0
+        lease.period_start_us = now_us - elapsed_us % interval_us
+    lease.period_demand += 1
+
+
+def _recent_demand(lease: Lease, interval_us: int, now_us: int) -> int:
+    """Requests over the last interval: this interval's, and the one before's weighted by its
+    overlap (a sliding window's estimate); 0 for none (then a fair share is asked)."""
+    elapsed_us = now_us - lease.period_start_us
+    if elapsed_us >= 2 * interval_us:
+        return 0
+    if elapsed_us >= interval_us:
+        current, previous, elapsed_us = 0, lease.period_demand, elapsed_us - interval_us
+    else:
+        current, previous = lease.period_demand, lease.previous_demand
+    return current + math.ceil(previous * (interval_us - elapsed_us) / interval_us)
 
 
 def _describe(exc: BaseException) -> str:

@@ -27,6 +27,14 @@ def permille(fraction: float) -> int:
     return round(fraction * PERMILLE)
 
 
+def want_within(want: int, lasts_us: int, interval_us: int) -> int:
+    """What a replica that spends ``want`` units per ``interval_us`` would spend before a lease
+    lasting ``lasts_us`` ends (a window about to end): no more is worth handing it."""
+    if want > 0 and lasts_us < interval_us:
+        return -(-want * lasts_us // interval_us)
+    return want
+
+
 def grant_size(
     remaining: int, quota: int, want: int, asking: int, share_pm: int, low_water_pm: int
 ) -> int:

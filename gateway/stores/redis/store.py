@@ -28,7 +28,7 @@ from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClien
 from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.fallback import CarryBackFailedError, Owed
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
-from gateway.stores.redis.lease import LeaseBook, load_lease_script
+from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
 
 FailureMode = Literal["local", "allow", "deny"]
 FAILURE_MODES: Final = ("local", "allow", "deny")
@@ -336,6 +336,12 @@ class RedisStore:
     def tracked_keys(self, limit_name: str) -> int:
         """Keys held in this process (the local fallback's); keys in Redis expire by TTL."""
         return self.local.tracked_keys(limit_name)
+
+    def lease_counters(self, limit_name: str) -> LeaseCounters | None:
+        """What this replica's leases of a leased limit did; None for a limit not leased."""
+        if limit_name not in self.leases.plans:
+            return None
+        return self.leases.counters.get(limit_name)
 
     def evictions(self, limit_name: str) -> int:
         """The local fallback's: Redis expires its keys by TTL and evicts none."""

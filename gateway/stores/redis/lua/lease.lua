@@ -17,6 +17,7 @@
 --           lease was granted in (F, S; '' none)
 -- ARGV[10]  share, ARGV[11] low water, in permille (lease_grant.py is the Python mirror)
 -- ARGV[12]  how long an ask counts as recent, in us; T: also how long a lease lasts
+-- ARGV[13]  the interval ARGV[7] is sized for, in us: a window ending sooner scales it down
 -- Reply     granted, window number (T: 0), lease lasts us, remaining after, retry in us
 --           (nothing granted: when to ask again), call's number
 local floor = math.floor
@@ -37,9 +38,17 @@ local back_index = tonumber(ARGV[9])
 local share_pm = tonumber(ARGV[10])
 local low_water_pm = tonumber(ARGV[11])
 local recent_us = tonumber(ARGV[12])
+local interval_us = tonumber(ARGV[13]) or 0
 
 local function ceil_div(a, b)
   return -floor(-a / b)
+end
+
+-- lease_grant.want_within: what the replica would spend before its lease ends
+local function want_within(lasts)
+  if want > 0 and lasts < interval_us then
+    want = ceil_div(want * lasts, interval_us)
+  end
 end
 
 -- lease_grant.grant_size
@@ -81,6 +90,7 @@ if kind == 'F' then
   end
   lasts_us = (index + 1) * span - now_us
   if mode == 'g' then
+    want_within(lasts_us)
     granted = grant_size(quota - given, asking)
     given = given + granted
   end
@@ -112,6 +122,7 @@ elseif kind == 'S' then
   local weighted = floor(previous * (span - (now_us - start_us)) / span)
   lasts_us = start_us + span - now_us
   if mode == 'g' then
+    want_within(lasts_us)
     granted = grant_size(quota - weighted - current, asking)
     current = current + granted
   end
