@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
@@ -27,8 +28,9 @@ from gateway.stores import RedisStore
 from gateway.stores.redis.lease import load_lease_script
 from gateway.stores.redis.lease_grant import grant_size, want_within
 from tests import redis_harness
+from tests.conftest import GatewayFactory, RecordingUpstream
 from tests.redis_harness import RedisServer
-from tests.support import T0_US
+from tests.support import T0_US, Samples, get_status, limited_policy, scrape_until, value
 
 redis_server = redis_harness.redis_server
 _prefixes = itertools.count()
@@ -389,3 +391,44 @@ async def test_redis_down_spends_the_lease_then_follows_on_failure(
 
 redis_factory = redis_harness.redis_factory
 del asyncio
+
+
+# --- metrics and the dashboard ----------------------------------------------------------------
+
+
+async def test_lease_metrics_and_dashboard_state(
+    redis_server: RedisServer, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """A gateway leasing its global limit: 50 requests take one lease of the fair share and
+    make one Redis call; /metrics and the dashboard's state show it beside the limit."""
+    limits = f"""\
+  global:
+    algorithm: fixed_window
+    limit: 1000
+    window: 1m
+    key: [global]
+    lease: {{}}
+store:
+  url: {redis_server.url}
+  key_prefix: "metrics{next(_prefixes)}:"
+  timeout: 2s
+"""
+    gateway = await start_gateway(limited_policy(upstream.url, limits))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):
+            assert await get_status(session, gateway.url + "/") == 200
+
+        def leased(samples: Samples) -> bool:
+            return value(samples, "gateway_limit_lease_decisions_total", limit="global") == 50
+
+        samples = await scrape_until(session, gateway.admin_url, leased)
+        assert value(samples, "gateway_limit_leases_total", limit="global", event="granted") == 1
+        # No history yet: half of the quota split among the replicas asking (one).
+        assert value(samples, "gateway_limit_lease_size", limit="global") == 500
+        assert value(samples, "gateway_limit_lease_store_calls_total", limit="global") == 1
+        async with session.get(gateway.admin_url + "/dashboard/state") as response:
+            state = await response.json()
+        lease = state["state"]["limits"]["global"]["lease"]
+        assert lease["granted"] == 1 and lease["last_size"] == 500 and lease["decided"] == 50
+    page = (Path(__file__).parent.parent / "gateway/static/dashboard/index.html").read_text()
+    assert 'data-field="lease-calls"' in page
