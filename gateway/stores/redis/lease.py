@@ -117,6 +117,10 @@ class Lease:
     back_index: int = 0
 
 
+# A limit not asked yet, in the decisions being gathered.
+_NOT_ASKED: Final = Decision(True, 0.0, 0.0, 0, 0, 0.0)
+
+
 class LeaseUnavailableError(Exception):
     """Redis did not answer an ask, and the lease is spent: ``on_failure`` decides."""
 
@@ -157,14 +161,6 @@ def plan_for(limit: CompiledLimit, settings: LeaseSettings, key_prefix: str) -> 
         window_s=window_us / 1e6,
         key_head=f"{key_prefix}{{{limit.name}:lease:{kind.decode()}:",
     )
-
-
-@dataclass(slots=True)
-class _Taken:
-    """A unit taken from a lease for a request still being decided."""
-
-    lease: Lease
-    generation: int
 
 
 class LeaseBook:
@@ -234,17 +230,26 @@ class LeaseBook:
         """Leased checks from their leases, the others by ``exact`` (one script call); the
         whole request by ``unavailable`` when a lease is spent and Redis cannot grant more.
         ``nominal`` is a limit's quota, shown for a limit not asked (a lease rejected)."""
-        leased = [self.leased(check.limit) for check in checks]
+        plans = self.plans
+        leased: list[bool] = []
+        others: list[Check] = []
+        for check in checks:
+            plan = plans.get(check.limit.name)
+            if plan is not None and plan.algorithm is check.limit.algorithm:
+                leased.append(True)
+            else:
+                leased.append(False)
+                others.append(check)
         decisions: list[Decision] = []
-        taken: list[_Taken] = []
+        taken: list[tuple[Lease, int]] = []
         rejected = False
         try:
             for check, is_leased in zip(checks, leased, strict=True):
                 if not is_leased:
-                    quota = nominal(check)
-                    decisions.append(Decision(True, 0.0, 0.0, quota, quota, 0.0))
+                    decisions.append(_NOT_ASKED)  # replaced by its verdict below
                     continue
-                decision, unit = await self._take(check, commit)
+                took = self._take_now(check, commit)
+                decision, unit = took if took is not None else await self._take(check, commit)
                 decisions.append(decision)
                 if unit is not None:
                     taken.append(unit)
@@ -257,37 +262,72 @@ class LeaseBook:
             raise
         if rejected or not commit:
             self._give_back(taken)
-        others = [check for check, is_leased in zip(checks, leased, strict=True) if not is_leased]
-        if others and not rejected:
-            # Rejected by a lease, the others are not asked: charged to none, as ever.
-            try:
-                verdict = await exact(others, commit)
-            except BaseException:
-                self._give_back(taken)
-                raise
-            places = [i for i, is_leased in enumerate(leased) if not is_leased]
-            for place, decision in zip(places, verdict.decisions, strict=True):
-                decisions[place] = decision
+        if rejected or not others:
+            # Rejected by a lease, the others are not asked: charged to none, as ever; they
+            # show their quota.
+            for index, is_leased in enumerate(leased):
+                if not is_leased:
+                    quota = nominal(checks[index])
+                    decisions[index] = Decision(True, 0.0, 0.0, quota, quota, 0.0)
             states = (None,) * len(decisions)
-            if not verdict.allowed:
-                # As the script decided (a delay over its bound included): charged to none.
-                self._give_back(taken)
-                return CombinedDecision(
-                    False,
-                    0.0,
-                    verdict.retry_after_s,
-                    tuple(places[i] for i in verdict.rejected_by),
-                    None,
-                    tuple(decisions),
-                    states,
-                    verdict.now_us,
-                )
-            # A delayed request's refund needs the script's instant.
-            return combine(decisions, states, states, verdict.now_us)
+            return combine(decisions, states, states)
+        try:
+            verdict = await exact(others, commit)
+        except BaseException:
+            self._give_back(taken)
+            raise
+        places = [index for index, is_leased in enumerate(leased) if not is_leased]
+        for place, decision in zip(places, verdict.decisions, strict=True):
+            decisions[place] = decision
         states = (None,) * len(decisions)
-        return combine(decisions, states, states)
+        if not verdict.allowed:
+            # As the script decided (a delay over its bound included): charged to none.
+            self._give_back(taken)
+            return CombinedDecision(
+                False,
+                0.0,
+                verdict.retry_after_s,
+                tuple(places[index] for index in verdict.rejected_by),
+                None,
+                tuple(decisions),
+                states,
+                verdict.now_us,
+            )
+        # Leases never delay: the delay is the script's; a delayed request's refund needs the
+        # script's instant.
+        delayed_by = verdict.delayed_by
+        return CombinedDecision(
+            True,
+            verdict.delay_s,
+            0.0,
+            (),
+            places[delayed_by] if delayed_by is not None else None,
+            tuple(decisions),
+            states,
+            verdict.now_us,
+        )
 
-    async def _take(self, check: Check, commit: bool) -> tuple[Decision, _Taken | None]:
+    def _take_now(self, check: Check, commit: bool) -> tuple[Decision, tuple[Lease, int]] | None:
+        """A unit from a live lease, with no wait; None when there is none to take."""
+        if not commit:
+            return None
+        plan = self.plans[check.limit.name]
+        table = self.leases.get(plan.name)
+        lease = table.get(check.key) if table is not None else None
+        if lease is None:
+            return None
+        now_us = self.clock.now_us()
+        _demand(lease, plan.interval_us, now_us)
+        if lease.units <= 0 or now_us >= lease.expires_us:
+            lease.period_demand -= 1  # counted again on the way that waits
+            return None
+        lease.units -= 1
+        self.counters[plan.name].decided += 1
+        reset_s = (lease.expires_us - now_us) / 1e6
+        decision = Decision(True, 0.0, 0.0, plan.quota, lease.units, reset_s)
+        return decision, (lease, lease.generation)
+
+    async def _take(self, check: Check, commit: bool) -> tuple[Decision, tuple[Lease, int] | None]:
         plan = self.plans[check.limit.name]
         lease = self._lease(plan, check.key)
         counters = self.counters[plan.name]
@@ -302,7 +342,7 @@ class LeaseBook:
                 remaining = lease.units
                 reset_s = (lease.expires_us - now_us) / 1e6
                 decision = Decision(True, 0.0, 0.0, plan.quota, remaining, reset_s)
-                return decision, _Taken(lease, lease.generation)
+                return decision, (lease, lease.generation)
             if now_us < lease.blocked_until_us or fetched or not commit:
                 counters.decided += 1
                 retry_s = max(lease.blocked_until_us - now_us, _MIN_RETRY_US) / 1e6
@@ -349,12 +389,12 @@ class LeaseBook:
         lease.units = 0
         lease.generation += 1
 
-    def _give_back(self, taken: list[_Taken]) -> None:
+    def _give_back(self, taken: list[tuple[Lease, int]]) -> None:
         """Units taken for a request that is not going ahead: back to their leases, unless a
         lease has been replaced since (then the unit is lost to this window: never over)."""
-        for unit in taken:
-            if unit.lease.generation == unit.generation:
-                unit.lease.units += 1
+        for lease, generation in taken:
+            if lease.generation == generation:
+                lease.units += 1
         taken.clear()
 
     async def refund(self, checks: Sequence[Check]) -> None:
