@@ -390,7 +390,6 @@ async def test_redis_down_spends_the_lease_then_follows_on_failure(
 
 
 redis_factory = redis_harness.redis_factory
-del asyncio
 
 
 # --- metrics and the dashboard ----------------------------------------------------------------
@@ -432,3 +431,54 @@ store:
         assert lease["granted"] == 1 and lease["last_size"] == 500 and lease["decided"] == 50
     page = (Path(__file__).parent.parent / "gateway/static/dashboard/index.html").read_text()
     assert 'data-field="lease-calls"' in page
+
+
+async def test_an_expired_bucket_lease_goes_back_with_the_sweep(redis_server: RedisServer) -> None:
+    """A token bucket lease left unspent is given back once its interval is over (the sweep,
+    as no ask of this replica took it back): the other replica can take those tokens."""
+    clock = FakeClock(T0_US)
+    limit = leased_limit(
+        {"algorithm": "token_bucket", "rate": "1r/s", "burst": 100, "key": ["global"], "lease": {}}
+    )
+    first, second = replicas(redis_server, clock, limit, 2)
+    check = Check(limit, "g")
+    try:
+        assert (await first.decide([check])).allowed
+        held = first.leases.leases["global"]["g"].units
+        assert held == 49  # a fair share of 100 (half, one replica asking) less the one spent
+        clock.advance(first.leases.plans["global"].interval_us * 2 / 1e6)
+        await first.leases.sweep()
+        counters = first.leases.counters["global"]
+        assert (counters.expired, counters.returned, counters.units_returned) == (1, 1, 49)
+        # 99 tokens back in the bucket, plus what 200 s of refill... capped at the capacity.
+        admitted = 0
+        for _ in range(120):
+            admitted += (await second.decide([check])).allowed
+        assert admitted == 100
+    finally:
+        for store in (first, second):
+            await store.close()
+
+
+async def test_a_bucket_lease_that_arrives_late_is_still_spent(
+    redis_factory: redis_harness.RedisFactory,
+) -> None:
+    """A token bucket lease lasts its interval from its arrival: an ask held up longer than
+    that (a frozen Redis, a stalled machine) still admits the request that asked, instead of
+    rejecting it with the lease just granted."""
+    server = redis_factory.start()
+    clock = FakeClock(T0_US)
+    limit = leased_limit(
+        {"algorithm": "token_bucket", "rate": "10r/s", "burst": 100, "key": ["global"], "lease": {}}
+    )
+    (store,) = replicas(server, clock, limit, 1)
+    check = Check(limit, "g")
+    try:
+        server.pause()
+        asked = asyncio.ensure_future(store.decide([check]))
+        await asyncio.sleep(0.1)  # the call is out, Redis frozen
+        clock.advance(store.leases.plans["global"].interval_us * 3 / 1e6)
+        server.resume()
+        assert (await asked).allowed
+    finally:
+        await store.close()

@@ -331,20 +331,23 @@ class LeaseBook:
         plan = self.plans[check.limit.name]
         lease = self._lease(plan, check.key)
         counters = self.counters[plan.name]
-        fetched = False
+        # Asks this request made: one, or two when the first lease came back already over
+        # (its window ended while the call was on its way).
+        fetches = 0
         if commit:
             _demand(lease, plan.interval_us, self.clock.now_us())
         while True:
             now_us = self.clock.now_us()
             if lease.units > 0 and now_us < lease.expires_us:
                 lease.units -= 1
-                counters.decided += 1
+                counters.decided += commit
                 remaining = lease.units
                 reset_s = (lease.expires_us - now_us) / 1e6
                 decision = Decision(True, 0.0, 0.0, plan.quota, remaining, reset_s)
                 return decision, (lease, lease.generation)
-            if now_us < lease.blocked_until_us or fetched or not commit:
-                counters.decided += 1
+            spent = fetches >= 2 or (fetches == 1 and lease.units == 0)
+            if now_us < lease.blocked_until_us or spent or not commit:
+                counters.decided += commit
                 retry_s = max(lease.blocked_until_us - now_us, _MIN_RETRY_US) / 1e6
                 if not commit and now_us >= lease.blocked_until_us:
                     # A look (explain): the next request would ask for a lease.
@@ -367,7 +370,7 @@ class LeaseBook:
                 raise LeaseUnavailableError(str(exc)) from exc
             finally:
                 lease.fetching = None
-            fetched = True
+            fetches += 1
 
     def _lease(self, plan: LeasePlan, key: str) -> Lease:
         table = self.leases.get(plan.name)
@@ -442,7 +445,10 @@ class LeaseBook:
         lease.index = index
         if granted > 0:
             lease.units = lease.size = granted
-            lease.expires_us = now_us + lasts_us
+            # A window's lease ends with its window: counted from the ask, so never later than
+            # in Redis. A bucket's tokens are this replica's once taken: from their arrival.
+            start_us = now_us if plan.kind != b"T" else self.clock.now_us()
+            lease.expires_us = start_us + lasts_us
             lease.blocked_until_us = 0
             counters.granted += 1
             counters.units_granted += granted
@@ -503,18 +509,21 @@ class LeaseBook:
     # -- returns --
 
     async def sweep(self) -> None:
-        """Give back the unused part of every expired lease (one call each)."""
+        """Give back the unused part of leases expired an interval ago and not followed by an
+        ask (which gives them back itself), one call each; a fixed window's are only counted."""
         now_us = self.clock.now_us()
         for name, table in list(self.leases.items()):
             plan = self.plans.get(name)
             if plan is None:
                 continue
             for key, lease in list(table.items()):
-                if lease.fetching is not None:
+                if lease.fetching is not None or now_us < lease.expires_us + plan.interval_us:
                     continue
-                if lease.units > 0 and now_us >= lease.expires_us:
+                if lease.units > 0:
                     self._expired(plan, lease)
-                if lease.unused_back and self.breaker.state == "closed":
+                if plan.kind == b"F":
+                    lease.unused_back = 0  # its window is over: nothing to give back to
+                elif lease.unused_back and self.breaker.state == "closed":
                     await self._return(plan, key, lease, b"r")
 
     async def _return(self, plan: LeasePlan, key: str, lease: Lease, mode: bytes) -> None:
