@@ -386,7 +386,7 @@ class LeaseSettings(_Model):
     interval: Timeout | None = Field(
         None,
         description="a replica asks for what it spent over this long; a token bucket's lease "
-        "expires after it (default: a tenth of the window, or of the bucket's refill time)",
+        "expires after it (default: a fifth of the window, or of the bucket's refill time)",
     )
 
 

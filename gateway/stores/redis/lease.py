@@ -143,7 +143,7 @@ def plan_for(limit: CompiledLimit, settings: LeaseSettings, key_prefix: str) -> 
     else:
         return None
     interval_us = (
-        round(settings.interval * 1e6) if settings.interval else max(round(window_us / 10), 1)
+        round(settings.interval * 1e6) if settings.interval else max(round(window_us / 5), 1)
     )
     # Windows: an ask is recent within the window. A token bucket's lease lasts an interval,
     # and a replica asking once per lease counts as asking lately.
