@@ -39,7 +39,14 @@ CONNECTIONS = (7, 2, 1)
 STRANDED_BOUND = LIMIT // 2  # one grant is at most half of what remains (lease.share)
 
 
-def policy(upstream_url: str, store_url: str, prefix: str, on_failure: str = "local") -> str:
+def policy(
+    upstream_url: str,
+    store_url: str,
+    prefix: str,
+    on_failure: str = "local",
+    limit: int = LIMIT,
+    window: str = "1s",
+) -> str:
     return f"""\
 server:
   listen: 127.0.0.1:0
@@ -53,8 +60,8 @@ routes:
 limits:
   global:
     algorithm: fixed_window
-    limit: {LIMIT}
-    window: 1s
+    limit: {limit}
+    window: {window}
     key: [global]
     lease: {{}}
 headers:
@@ -83,10 +90,10 @@ def _ready(gateway: Gateway) -> bool:
 
 
 @contextlib.contextmanager
-def gateways(policy_path: Path) -> Iterator[list[Gateway]]:
+def gateways(policy_path: Path, count: int = len(CONNECTIONS)) -> Iterator[list[Gateway]]:
     started: list[Gateway] = []
     try:
-        for _ in CONNECTIONS:
+        for _ in range(count):
             port, admin_port = free_port(), free_port()
             argv = [sys.executable, "-m", "gateway", "run", "--config", str(policy_path)]
             argv += ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"]
@@ -327,3 +334,43 @@ async def test_a_replica_killed_holding_a_lease_strands_at_most_its_bound(
     assert after
     for count, sent in zip(after, offered[killed_window + 1 :], strict=True):
         assert count >= 0.98 * min(sent, LIMIT), (windows, offered)
+
+
+async def test_redis_down_replicas_spend_their_leases_then_follow_on_failure(
+    redis_factory: RedisFactory, upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    """Two replicas hold leases when Redis stops: each admits what its lease holds, then
+    answers as ``on_failure: deny`` says (503), never more than the limit in all."""
+    server = redis_factory.start()
+    path = tmp_path / "policy.yaml"
+    # A long window, so that the whole test stays in one; each replica's first ask gets a fair
+    # share: half of what remains split among the replicas that asked.
+    path.write_text(
+        policy(upstream.url, server.url, f"down{os.getpid()}:", "deny", limit=200, window="10s")
+    )
+    with gateways(path, count=2) as started:
+        if time.time() % 10 > 6:  # too near the end of a window: wait for the next
+            await asyncio.sleep(10.2 - time.time() % 10)
+        async with aiohttp.ClientSession() as session:
+
+            async def get(gateway: Gateway) -> int:
+                async with session.get(f"http://127.0.0.1:{gateway.port}/") as response:
+                    await response.read()
+                    return response.status
+
+            # The first to ask gets half of the 200 (alone in asking), the second half of the
+            # 100 left split between the two.
+            assert await get(started[0]) == 200
+            assert await get(started[1]) == 200
+            server.stop()
+            statuses: list[list[int]] = [[], []]
+            for index, gateway in enumerate(started):
+                for _ in range(150):
+                    status = await get(gateway)
+                    statuses[index].append(status)
+                    if status != 200:
+                        break
+    # Each spent the lease it held (less the unit its first request took), then deny.
+    assert [replica.count(200) for replica in statuses] == [99, 24]
+    assert [replica[-1] for replica in statuses] == [503, 503]
+    assert len(upstream.requests) == 100 + 25
