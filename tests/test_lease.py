@@ -482,3 +482,53 @@ async def test_a_bucket_lease_that_arrives_late_is_still_spent(
         assert (await asked).allowed
     finally:
         await store.close()
+
+
+async def test_a_request_rejected_by_a_stacked_limit_is_charged_to_no_lease(
+    redis_server: RedisServer,
+) -> None:
+    """nginx's rule across a leased and an exact limit: a request the exact limit rejects
+    gives its unit back to the lease; one the lease rejects is not charged to the other."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    leased = leased_limit(
+        {"algorithm": "fixed_window", "limit": 3, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    policy = Policy.model_validate(
+        {"limits": {"per_ip": {"algorithm": "fixed_window", "limit": 2, "window": "1s"}}}
+    )
+    spec = policy.limits["per_ip"]
+    exact = CompiledLimit(
+        "per_ip",
+        spec,
+        build_algorithm(spec),
+        KeyBuilder(spec.key),
+        None,
+        None,
+        1.0,
+        LimitCounters(),
+    )
+    store = RedisStore(
+        redis_server.url,
+        key_prefix=f"stack{next(_prefixes)}:",
+        timeout_s=2.0,
+        clock=clock,
+        time_source=clock,
+    )
+    store.configure([exact, leased], ())
+    try:
+        verdicts = [await store.decide([Check(exact, "a"), Check(leased, "g")]) for _ in range(4)]
+        assert [v.allowed for v in verdicts] == [True, True, False, False]
+        assert verdicts[2].rejected_by == (0,)
+        lease = store.leases.leases["global"]["g"]
+        # A first lease of 2 (half of 3) spent by the two admitted; then a lease of the last
+        # unit, which the two rejected took in turn and gave back.
+        assert store.leases.counters["global"].units_granted == 3
+        assert (lease.size, lease.units) == (1, 1)
+        # The lease's last unit, then nothing left: the third client is charged nothing.
+        assert (await store.decide([Check(exact, "b"), Check(leased, "g")])).allowed
+        rejected = await store.decide([Check(exact, "c"), Check(leased, "g")])
+        assert not rejected.allowed and rejected.rejected_by == (1,)
+        look = await store.decide([Check(exact, "c")], commit=False)
+        assert look.decisions[0].remaining == 1  # nothing charged to "c": 2 - 1 for the look
+    finally:
+        await store.close()

@@ -24,7 +24,8 @@ Bounds:
 
 Stacked limits keep nginx's rule: a request takes a unit from each leased limit, then the
 others are decided in one script call as usual; a request rejected anywhere gives its units
-back to the leases, so it is charged to none. Dry-run limits are decided per request.
+back to the leases, so it is charged to none (a request delayed by another limit whose client
+then leaves keeps its unit: lost, never over). Dry-run limits are decided per request.
 """
 
 from __future__ import annotations
@@ -400,15 +401,11 @@ class LeaseBook:
                 lease.units += 1
         taken.clear()
 
-    async def refund(self, checks: Sequence[Check]) -> None:
-        """A queued request (delayed by another limit) that did not go on: its unit back."""
-        for check in checks:
-            plan = self.plans.get(check.limit.name)
-            if plan is None:
-                continue
-            lease = self.leases.get(plan.name, {}).get(check.key)
-            if lease is not None and self.clock.now_us() < lease.expires_us:
-                lease.units += 1
+    def refund(self, checks: Sequence[Check]) -> None:
+        """A queued request (delayed by another limit) that did not go on keeps its leased
+        unit: the lease it came from may have been replaced since, and a unit put into another
+        lease would be one Redis never handed out. Lost to this lease, never over the limit."""
+        del checks
 
     # -- Redis --
 

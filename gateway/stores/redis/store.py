@@ -309,7 +309,7 @@ class RedisStore:
         with which windows give back exactly what that decision charged; without it they keep
         the charge. Buckets give it back either way."""
         if self.leases.plans and any(self.leases.leased(check.limit) for check in checks):
-            await self.leases.refund([c for c in checks if self.leases.leased(c.limit)])
+            self.leases.refund([c for c in checks if self.leases.leased(c.limit)])
             checks = [c for c in checks if not self.leases.leased(c.limit)]
         if not checks:
             return
