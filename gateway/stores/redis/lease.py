@@ -241,6 +241,8 @@ class LeaseBook:
             else:
                 leased.append(False)
                 others.append(check)
+        if len(others) == len(checks):
+            return await exact(checks, commit)
         decisions: list[Decision] = []
         taken: list[tuple[Lease, int]] = []
         rejected = False

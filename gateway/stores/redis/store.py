@@ -238,16 +238,14 @@ class RedisStore:
     # -- the LimitStore protocol --
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
-        leases = self.leases
-        if leases.plans and any(leases.leased(check.limit) for check in checks):
-            return await leases.decide(
-                checks,
-                commit,
-                self._decide_exact,
-                self._unavailable,
-                lambda check: self.plan(check.limit).codec.nominal_limit,
+        if self.leases.plans:  # some limit is leased: the lease book sorts the checks
+            return await self.leases.decide(
+                checks, commit, self._decide_exact, self._unavailable, self._nominal
             )
         return await self._decide_exact(checks, commit)
+
+    def _nominal(self, check: Check) -> int:
+        return self.plan(check.limit).codec.nominal_limit
 
     async def _decide_exact(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
         """One script call for all ``checks`` (none of them leased)."""
