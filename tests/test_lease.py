@@ -17,6 +17,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from playwright.async_api import Browser
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.cli import main
@@ -27,12 +28,14 @@ from gateway.policy import Policy
 from gateway.stores import RedisStore
 from gateway.stores.redis.lease import load_lease_script
 from gateway.stores.redis.lease_grant import grant_size, want_within
-from tests import redis_harness
+from tests import redis_harness, test_dashboard
 from tests.conftest import GatewayFactory, RecordingUpstream
 from tests.redis_harness import RedisServer
 from tests.support import T0_US, Samples, get_status, limited_policy, scrape_until, value
+from tests.test_dashboard import field, wait_until
 
 redis_server = redis_harness.redis_server
+browser = test_dashboard.browser
 _prefixes = itertools.count()
 
 shares = st.integers(1, 1000)
@@ -395,11 +398,15 @@ redis_factory = redis_harness.redis_factory
 # --- metrics and the dashboard ----------------------------------------------------------------
 
 
-async def test_lease_metrics_and_dashboard_state(
-    redis_server: RedisServer, upstream: RecordingUpstream, start_gateway: GatewayFactory
+async def test_lease_metrics_and_dashboard(
+    redis_server: RedisServer,
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    browser: Browser,
 ) -> None:
     """A gateway leasing its global limit: 50 requests take one lease of the fair share and
-    make one Redis call; /metrics and the dashboard's state show it beside the limit."""
+    make one Redis call; /metrics, the dashboard's state and the page (in Chromium) show it
+    beside the limit."""
     limits = f"""\
   global:
     algorithm: fixed_window
@@ -429,8 +436,20 @@ store:
             state = await response.json()
         lease = state["state"]["limits"]["global"]["lease"]
         assert lease["granted"] == 1 and lease["last_size"] == 500 and lease["decided"] == 50
-    page = (Path(__file__).parent.parent / "gateway/static/dashboard/index.html").read_text()
-    assert 'data-field="lease-calls"' in page
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gateway.admin_url + "/dashboard/")
+
+    async def lease_shown() -> bool:
+        if not await page.locator("#limit-global .lease").is_visible():
+            return False
+        return await field(page, "global", "lease-size") == "500"
+
+    await wait_until(page, lease_shown, "the lease line beside the limit")
+    assert await field(page, "global", "lease-granted") == "1"
+    assert await field(page, "global", "lease-calls") == "0.0200"  # 1 call for 50 requests
+    assert not errors
 
 
 async def test_an_expired_bucket_lease_goes_back_with_the_sweep(redis_server: RedisServer) -> None:
