@@ -490,7 +490,10 @@ class RedisStore:
         if mode == "local":
             verdict = await self._local_decide(checks, commit)
             if commit and verdict.allowed:
-                self.owed.add(checks)
+                # Not a leased limit's: its quota is counted in lease keys, which the
+                # carry-back (per-request script calls) does not charge.
+                leases = self.leases
+                self.owed.add([c for c in checks if not leases.leased(c.limit)])
             return verdict
         if mode == "allow":
             self.counters.allowed_open += 1
