@@ -132,15 +132,17 @@ class Tally:
 
 
 def saturated(tally: Tally, first: float, last: float) -> list[bool]:
-    """For each whole window between ``first`` and ``last``: was every replica offered
-    requests in each tenth of it, and the limit at least twice in all? (A load generator
-    starved of CPU on a busy machine offers less, or in bursts; then a replica's lease may
-    rightly stay unspent when its window ends.)"""
+    """For each whole window between ``first`` and ``last``: was every replica offered at
+    least 3 requests in each tenth of it, and the limit at least twice in all? The load is
+    closed-loop, so a replica's requests pause when its process does: on a busy shared
+    machine a process is sometimes not scheduled for a good part of a second, and what it
+    holds then stays unspent when the window ends (at most its lease: the bound a replica
+    that stops for good strands, see the SIGKILL test)."""
     slices = [Counter(int(t * 10) for t in sent_at) for sent_at in tally.sent_at]
     offered = Counter(int(t) for sent_at in tally.sent_at for t in sent_at)
     return [
         offered[window] >= 2 * LIMIT
-        and all(counts[window * 10 + tenth] > 0 for counts in slices for tenth in range(10))
+        and all(counts[window * 10 + tenth] >= 3 for counts in slices for tenth in range(10))
         for window in range(int(first) + 1, int(last))
     ]
 
@@ -262,7 +264,7 @@ async def test_three_replicas_with_uneven_traffic_admit_the_limit_each_window(
     tally = Tally([0, 0, 0])
     with gateways(path) as started:
         first = await window_start()
-        calls_at = await press(started, 30.0, tally, windows_wanted=10, server=server)
+        calls_at = await press(started, 40.0, tally, windows_wanted=10, server=server)
         last = time.time()
     windows = per_window(arrivals, first, last)
     offered = per_window([t for sent_at in tally.sent_at for t in sent_at], first, last)
