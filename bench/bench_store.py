@@ -18,6 +18,11 @@ Targets:
 * ``redis``: ``RedisStore`` on one ``redis-server``, with its own pipelined hiredis client;
 * ``redis-py``: the same with redis-py's asyncio pipelines instead (to compare);
 * ``redis-cluster``: ``RedisStore`` on a 3-master Redis Cluster (with ``--cluster``);
+* ``redis-leased``, ``redis-cluster-leased``: the same three limits with the global one leased
+  (``lease: {}``): the two per-client limits still make one script call per request, the
+  global one takes batches of its quota now and then. On the cluster the per-client calls
+  then carry the client's address as their hash tag (no longer the fixed tag a global limit
+  forces), and the table below the main one gives each master's script calls per request.
 * ``memory-1w``: ``gateway run --workers 1`` with the in-process store (``memory`` through the
   CLI, to compare with the CLI targets below);
 * ``shared-1w``, ``shared-2w``: ``gateway run --workers 1`` / ``2`` with ``store.url: shared``
@@ -69,6 +74,8 @@ SHARED_2W = "shared-2w"
 REDIS_2W = "redis-2w"
 BARE_2W = "bare-2w"
 CLI_TARGETS = (MEMORY_1W, SHARED_1W, SHARED_2W, REDIS_2W, BARE_2W)
+REDIS_LEASED = "redis-leased"
+REDIS_CLUSTER_LEASED = "redis-cluster-leased"
 STATS_RE = re.compile(r"^STORE_STATS (.*)$", re.MULTILINE)
 
 POLICY = """\
@@ -102,6 +109,7 @@ limits:
     burst: 1000000
     key: [global]
 """
+LEASE = "    lease: {}\n"
 
 
 # --- the launcher -------------------------------------------------------------------------------
@@ -134,8 +142,10 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         if isinstance(store, RedisStore):
+            lease_calls = sum(c.calls for c in store.leases.counters.values())
             counters = {
                 **dataclasses.asdict(store.counters),
+                "lease_calls": lease_calls,
                 "round_trips": store.round_trips,
                 "circuit_transitions": store.breaker.transitions,
             }
@@ -183,7 +193,7 @@ def start_redis(procs: bp.Processes, work_dir: Path, cpus: str) -> tuple[bp.Star
     return started, port
 
 
-def start_cluster(procs: bp.Processes, work_dir: Path, cpus: str) -> int:
+def start_cluster(procs: bp.Processes, work_dir: Path, cpus: str) -> list[int]:
     """Three cluster-enabled redis-servers joined by ``redis-cli --cluster create``."""
     import subprocess
     import time
@@ -219,9 +229,24 @@ def start_cluster(procs: bp.Processes, work_dir: Path, cpus: str) -> int:
             for p in ports
         ]
         if all("cluster_state:ok" in info for info in infos):
-            return ports[0]
+            return ports
         time.sleep(0.1)
     raise bp.StartError("cluster did not reach cluster_state:ok within 30 s")
+
+
+def script_calls(port: int) -> int:
+    """EVALSHA and EVAL calls a Redis server has answered."""
+    import subprocess
+
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "INFO", "commandstats"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    ).stdout
+    found = re.findall(r"^cmdstat_(?:evalsha|eval):calls=(\d+)", out, re.MULTILINE)
+    return sum(int(n) for n in found)
 
 
 def _redis_ping(port: int) -> bool:
@@ -375,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bp.start_with_retries(harness.start_upstream)
             policy = work_dir / "policy.yaml"
             policy.write_text(POLICY.format(upstream_port=harness.upstream_port))
+            leased = work_dir / "leased.yaml"
+            leased.write_text(POLICY.format(upstream_port=harness.upstream_port) + LEASE)
             _, redis_port = start_redis(procs, work_dir, plan.upstream)
             starters: dict[str, Callable[[], bp.RunningTarget]] = {
                 MEMORY: lambda: start_gateway(
@@ -397,6 +424,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.in_flight,
                     client="redis-py",
                 ),
+                REDIS_LEASED: lambda: start_gateway(
+                    procs,
+                    REDIS_LEASED,
+                    leased,
+                    f"redis://127.0.0.1:{redis_port}",
+                    plan.single_proxy,
+                    args.in_flight,
+                ),
             }
             bare = work_dir / "bare.yaml"
             bare.write_text(POLICY.split("limits:")[0].format(upstream_port=harness.upstream_port))
@@ -414,16 +449,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     start_cli_gateway, procs, name, policy_file, workers, cpus, env
                 )
             starters = {name: start for name, start in starters.items() if name in args.targets}
+            cluster_ports: list[int] = []
             if args.cluster:
-                cluster_port = start_cluster(procs, work_dir, plan.upstream)
+                cluster_ports = start_cluster(procs, work_dir, plan.upstream)
+                cluster_url = f"redis+cluster://127.0.0.1:{cluster_ports[0]}"
                 starters[REDIS_CLUSTER] = lambda: start_gateway(
-                    procs,
-                    REDIS_CLUSTER,
-                    policy,
-                    f"redis+cluster://127.0.0.1:{cluster_port}",
-                    plan.single_proxy,
-                    args.in_flight,
+                    procs, REDIS_CLUSTER, policy, cluster_url, plan.single_proxy, args.in_flight
                 )
+                if REDIS_LEASED in args.targets:
+                    starters[REDIS_CLUSTER_LEASED] = lambda: start_gateway(
+                        procs,
+                        REDIS_CLUSTER_LEASED,
+                        leased,
+                        cluster_url,
+                        plan.single_proxy,
+                        args.in_flight,
+                    )
+            # Script calls each cluster master answered during each target's measured runs.
+            node_calls: dict[str, list[int]] = {}
             running = [bp.start_with_retries(start) for start in starters.values()]
             if args.warmup > 0:
                 for target in running:
@@ -436,10 +479,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for connections in args.connections:
                     for target in running:
                         cpu_before = target_cpu_seconds(target)
+                        nodes_before = [script_calls(port) for port in cluster_ports]
                         result = bp.run_wrk(
                             target.url, connections, args.duration, args.threads, plan.wrk
                         )
                         cpu_us = (target_cpu_seconds(target) - cpu_before) * 1e6
+                        if "cluster" in target.name:
+                            calls_now = [script_calls(port) for port in cluster_ports]
+                            sums = node_calls.setdefault(target.name, [0] * len(cluster_ports))
+                            for index, (after, before) in enumerate(
+                                zip(calls_now, nodes_before, strict=True)
+                            ):
+                                sums[index] += after - before
+                            node_calls[target.name + " requests"] = [
+                                node_calls.get(target.name + " requests", [0])[0] + result.requests
+                            ]
                         cpu_per_request.setdefault((target.name, connections), []).append(
                             cpu_us / max(result.requests, 1)
                         )
@@ -476,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         served = requests.get(s.target, 0)
         calls = rts = local = "-"
         if counters and served:
-            calls = f"{counters['calls'] / served:.3f}"
+            calls = f"{(counters['calls'] + counters.get('lease_calls', 0)) / served:.4f}"
             rts = f"{counters['round_trips'] / served:.3f}"
             local = str(counters["local_decisions"])
         lines.append(
@@ -488,6 +542,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         document["summary"].append(
             {**dataclasses.asdict(s), "vs_memory": ratio, "cpu_us_per_request": cpu_us}
         )
+    for name in (REDIS_CLUSTER, REDIS_CLUSTER_LEASED):
+        if name in node_calls:
+            measured = node_calls[name + " requests"][0]
+            per_node = ", ".join(f"{calls / max(measured, 1):.3f}" for calls in node_calls[name])
+            lines.append(f"\n{name}: script calls per request on each master: {per_node}")
+    document["node_calls"] = node_calls
     document["store_stats"] = stats
     document["wrk_requests"] = requests
     document["loadavg"] = {"before": loadavg_before, "after": os.getloadavg()}

@@ -369,7 +369,42 @@ class LimitMatch(RouteMatch):
         return value
 
 
+class LeaseSettings(_Model):
+    """Quota leasing on the Redis store: each replica takes batches of the limit's quota and
+    decides from them locally (``gateway/stores/redis/lease.py`` says how grants are sized)."""
+
+    share: float = Field(
+        0.5, gt=0, le=1, description="a grant is at most this fraction of what remains"
+    )
+    low_water: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="below this fraction of the quota left, grants are split evenly among the "
+        "replicas that asked recently",
+    )
+    interval: Timeout | None = Field(
+        None,
+        description="a replica asks for what it spent over this long; a token bucket's lease "
+        "expires after it (default: a fifth of the window, or of the bucket's refill time)",
+    )
+
+
+# Why an algorithm cannot be leased: a grant is a batch of whole admissions taken ahead.
+_NOT_LEASABLE = {
+    "leaky_bucket": "leaky_bucket cannot be leased: its delays are computed per request from "
+    "the shared state (nginx-exact), a batch taken ahead cannot shape them",
+    "sliding_log": "sliding_log cannot be leased: it is exact per request timestamp, a batch "
+    "taken ahead has none",
+}
+
+
 class _LimitBase(_Model):
+    lease: LeaseSettings | None = Field(
+        None,
+        description="take batches of this limit from the Redis store and decide locally "
+        "(fixed_window, sliding_window, token_bucket in reject mode); {} for the defaults",
+    )
     key: tuple[str, ...] = Field(
         ("client_ip",),
         description="parts joined into the key: client_ip, header:NAME, query:NAME, route, "
@@ -406,6 +441,20 @@ class _LimitBase(_Model):
                     "route, method, global or const:TEXT"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _leasable(self) -> _LimitBase:
+        if self.lease is None:
+            return self
+        algorithm = getattr(self, "algorithm", "")
+        if algorithm in _NOT_LEASABLE:
+            raise ValueError(_NOT_LEASABLE[algorithm])
+        if getattr(self, "mode", "reject") != "reject" or getattr(self, "warmup", None):
+            raise ValueError(
+                "a token_bucket with mode: queue or warmup cannot be leased: its delays and "
+                "ramp are computed per request; lease one in reject mode without warmup"
+            )
+        return self
 
 
 class LeakyBucketLimit(_LimitBase):

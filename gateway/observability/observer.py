@@ -209,6 +209,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
                 "waiting": limit.waiting,
                 "tracked_keys": limit.tracked_keys,
                 "evictions": limit.evictions,
+                "lease": limit.lease.model_dump() if limit.lease is not None else None,
                 "top_keys": [h.model_dump() for h in snapshot.top_keys.get(name, ())],
             }
             for name, limit in snapshot.limits.items()

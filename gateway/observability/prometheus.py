@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from gateway import __version__
 from gateway.observability.hooks import UPSTREAM_ERROR_REASONS
+from gateway.observability.leases import lease_metrics
 from gateway.observability.snapshot import DECISION_RESULTS, GatewaySnapshot, HistogramData
 from gateway.observability.stats import (
     QUEUE_WAIT_BUCKETS,
@@ -214,6 +215,7 @@ class GatewayCollector(Collector):
             evictions.add_metric([name], limit.evictions)
             dry_run.add_metric([name], 1 if limit.dry_run else 0)
         yield from (decisions, wait, depth, tracked, evictions, dry_run)
+        yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:
         store = snap.store

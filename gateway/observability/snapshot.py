@@ -14,6 +14,7 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict
 
 from gateway.limits import DecisionCounts
+from gateway.observability.leases import LeaseData, plus
 from gateway.observability.stats import (
     QUEUE_WAIT_BUCKETS,
     REQUEST_DURATION_BUCKETS,
@@ -96,6 +97,7 @@ class LimitData(_Model):
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
     wait: HistogramData = HistogramData.empty(QUEUE_WAIT_BUCKETS)
+    lease: LeaseData | None = None  # a leased limit's leases (lease: on the Redis store)
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(**{result: getattr(self, result) for result in DECISION_RESULTS})
@@ -222,6 +224,7 @@ def _add_limit_counters(limit: LimitData, base: LimitData) -> LimitData:
     }
     update["evictions"] = limit.evictions + base.evictions
     update["wait"] = limit.wait.plus(base.wait)
+    update["lease"] = plus(limit.lease, base.lease)
     return limit.model_copy(update=update)
 
 

@@ -31,6 +31,7 @@ from gateway.observability.hooks import (
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
 )
+from gateway.observability.leases import lease_data
 from gateway.observability.process import read_process
 from gateway.observability.sketch import RecentTopKeys
 from gateway.observability.snapshot import (
@@ -215,6 +216,7 @@ class WorkerMetrics:
                 evictions=store.evictions(name),
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
+                lease=lease_data(store, name),
                 wait=HistogramData.of(wait)
                 if wait is not None
                 else HistogramData.empty(QUEUE_WAIT_BUCKETS),

@@ -171,6 +171,16 @@
     setField(node, "rejected-total", fmtInt(dryRun ? info.dry_run_rejected : info.rejected));
     setField(node, "tracked-keys", fmtInt(info.tracked_keys));
     setField(node, "evictions", fmtInt(info.evictions));
+    const lease = info.lease;
+    node.querySelector(".lease").hidden = !lease;
+    if (lease) {
+      setField(node, "lease-granted", fmtInt(lease.granted));
+      setField(node, "lease-size", fmtInt(lease.last_size));
+      setField(node, "lease-returned", fmtInt(lease.returned));
+      setField(node, "lease-expired", fmtInt(lease.expired));
+      const decided = info.allowed + info.rejected;
+      setField(node, "lease-calls", decided ? fmt(lease.calls / decided, 4) : "—");
+    }
 
     const tbody = node.querySelector(".top tbody");
     tbody.replaceChildren(

@@ -28,6 +28,7 @@ from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClien
 from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.fallback import CarryBackFailedError, Owed
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
+from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
 
 FailureMode = Literal["local", "allow", "deny"]
 FAILURE_MODES: Final = ("local", "allow", "deny")
@@ -160,6 +161,23 @@ class RedisStore:
             )
         else:
             raise ValueError(f"client must be 'thin' or 'redis-py', got {client!r}")
+        # Leased limits (``lease:``): their own script, on a client of their own.
+        lease_script = load_lease_script()
+        self.leases = LeaseBook(
+            ThinClient(
+                redis_url,
+                lease_script,
+                hashlib.sha1(lease_script.encode()).hexdigest(),
+                1,
+                timeout_s,
+                cluster=cluster,
+            ),
+            key_prefix=key_prefix,
+            clock=self.clock,
+            breaker=self.breaker,
+            stats=self.stats,
+            time_source=time_source,
+        )
         self._plans: dict[str, LimitPlan] = {}
         self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
         self._tag_part: str | None = None
@@ -174,8 +192,10 @@ class RedisStore:
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         """New plans for a new policy (ValueError, before any change, if a limit cannot run in
         Redis); the local fallback keeps or rescales its state as the memory store does."""
-        tag_part = tag_scheme(limits)
+        # Leased limits make no per-request call: the tag comes from the others' keys.
+        tag_part = tag_scheme([limit for limit in limits if limit.spec.lease is None])
         plans = {limit.name: self._build_plan(limit, tag_part) for limit in limits}
+        self.leases.configure(limits)
         old_local = [self.plan(limit).local for limit in previous]
         self.local.configure([plan.local for plan in plans.values()], old_local)
         self._tag_part = tag_part
@@ -218,6 +238,19 @@ class RedisStore:
     # -- the LimitStore protocol --
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        if self.leases.plans:  # some limit is leased: the lease book sorts the checks
+            return await self.leases.decide(
+                checks, commit, self._decide_exact, self._unavailable, self._nominal
+            )
+        return await self._decide_exact(checks, commit)
+
+    def _nominal(self, check: Check) -> int:
+        return self.plan(check.limit).codec.nominal_limit
+
+    async def _decide_exact(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
+        """One script call for all ``checks`` (none of them leased)."""
+        if not checks:
+            return CombinedDecision(True, 0.0, 0.0, (), None, (), ())
         plans = [self.plan(check.limit) for check in checks]
         breaker = self.breaker
         if not breaker.allow():
@@ -273,6 +306,9 @@ class RedisStore:
         ``charged_us`` is the verdict's ``now_us`` (the Redis ``TIME`` the script decided at),
         with which windows give back exactly what that decision charged; without it they keep
         the charge. Buckets give it back either way."""
+        if self.leases.plans and any(self.leases.leased(check.limit) for check in checks):
+            self.leases.refund([c for c in checks if self.leases.leased(c.limit)])
+            checks = [c for c in checks if not self.leases.leased(c.limit)]
         if not checks:
             return
         plans = [self.plan(check.limit) for check in checks]
@@ -299,6 +335,12 @@ class RedisStore:
         """Keys held in this process (the local fallback's); keys in Redis expire by TTL."""
         return self.local.tracked_keys(limit_name)
 
+    def lease_counters(self, limit_name: str) -> LeaseCounters | None:
+        """What this replica's leases of a leased limit did; None for a limit not leased."""
+        if limit_name not in self.leases.plans:
+            return None
+        return self.leases.counters.get(limit_name)
+
     def evictions(self, limit_name: str) -> int:
         """The local fallback's: Redis expires its keys by TTL and evicts none."""
         return self.local.evictions(limit_name)
@@ -313,12 +355,16 @@ class RedisStore:
         try:
             async with asyncio.timeout(_PREPARE_TIMEOUT_S):
                 await self.client.prepare()
+                if self.leases.plans:
+                    await self.leases.client.prepare()
         except Exception as exc:
             log.warning(
                 "redis store not prepared (%s): calls will connect on demand", _describe(exc)
             )
 
     async def close(self) -> None:
+        await self.leases.close()  # graceful shutdown: unused leases go back
+        await self.leases.client.close()
         await self.local.close()
         await self.client.close()
 
@@ -444,7 +490,10 @@ class RedisStore:
         if mode == "local":
             verdict = await self._local_decide(checks, commit)
             if commit and verdict.allowed:
-                self.owed.add(checks)
+                # Not a leased limit's: its quota is counted in lease keys, which the
+                # carry-back (per-request script calls) does not charge.
+                leases = self.leases
+                self.owed.add([c for c in checks if not leases.leased(c.limit)])
             return verdict
         if mode == "allow":
             self.counters.allowed_open += 1

@@ -1,0 +1,553 @@
+"""Quota leasing: the grant arithmetic (pure, property tests), its Lua mirror, the policy's
+refusals in ``gateway check``, and two Redis stores (two replicas) leasing one limit on a real
+Redis with a fake clock. The multi-process tests are in ``test_lease_replicas.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from playwright.async_api import Browser
+
+from gateway.algorithms.registry import build_algorithm
+from gateway.cli import main
+from gateway.clock import FakeClock
+from gateway.keys import KeyBuilder
+from gateway.limits import Check, CompiledLimit, LimitCounters
+from gateway.policy import Policy
+from gateway.stores import RedisStore
+from gateway.stores.redis.lease import load_lease_script
+from gateway.stores.redis.lease_grant import grant_size, want_within
+from tests import redis_harness, test_dashboard
+from tests.conftest import GatewayFactory, RecordingUpstream
+from tests.redis_harness import RedisServer
+from tests.support import T0_US, Samples, get_status, limited_policy, scrape_until, value
+from tests.test_dashboard import field, wait_until
+
+redis_server = redis_harness.redis_server
+browser = test_dashboard.browser
+_prefixes = itertools.count()
+
+shares = st.integers(1, 1000)
+low_waters = st.integers(0, 999)
+
+
+# --- the grant arithmetic ---------------------------------------------------------------------
+
+
+@given(
+    quota=st.integers(1, 10**9),
+    data=st.data(),
+    want=st.integers(0, 10**9),
+    asking=st.integers(1, 64),
+    share_pm=shares,
+    low_water_pm=low_waters,
+)
+def test_a_grant_never_exceeds_its_share_of_what_remains(
+    quota: int, data: st.DataObject, want: int, asking: int, share_pm: int, low_water_pm: int
+) -> None:
+    remaining = data.draw(st.integers(0, quota))
+    granted = grant_size(remaining, quota, want, asking, share_pm, low_water_pm)
+    assert 0 <= granted <= remaining
+    assert granted <= math.ceil(remaining * share_pm / 1000)
+    if remaining > 0:
+        assert granted >= 1  # the last units can still be had
+    if want > 0:
+        assert granted <= want
+    if remaining * 1000 <= quota * low_water_pm:  # near exhaustion: split among the askers
+        assert granted <= math.ceil(math.ceil(remaining * share_pm / 1000) / asking)
+
+
+@settings(max_examples=200)
+@given(
+    quota=st.integers(1, 5000),
+    share_pm=shares,
+    low_water_pm=low_waters,
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 4), st.sampled_from(["ask", "spend", "return"]), st.integers(0, 500)
+        ),
+        max_size=200,
+    ),
+)
+def test_live_leases_and_spent_units_never_exceed_the_quota(
+    quota: int, share_pm: int, low_water_pm: int, steps: list[tuple[int, str, int]]
+) -> None:
+    """Five replicas ask (wanting what they like), spend and give back in any order within one
+    window: what they hold plus what they spent never passes the quota."""
+    held = [0] * 5
+    spent = 0
+    given_out = 0  # what the script counts: granted minus returned
+    for replica, action, amount in steps:
+        if action == "ask":
+            granted = grant_size(quota - given_out, quota, amount, 5, share_pm, low_water_pm)
+            held[replica] += granted
+            given_out += granted
+        elif action == "spend":
+            used = min(amount, held[replica])
+            held[replica] -= used
+            spent += used
+        else:
+            back = min(amount, held[replica])
+            held[replica] -= back
+            given_out -= back
+        assert sum(held) + spent == given_out <= quota
+
+
+def test_grants_shrink_near_exhaustion() -> None:
+    """A busy replica takes at most half of what remains; under the low water the rest is
+    spread over the replicas asking rather than stranded on one."""
+    assert grant_size(1000, 1000, 900, 3, 500, 100) == 500
+    assert grant_size(100, 1000, 900, 3, 500, 100) == 17  # ceil(ceil(100 / 2) / 3)
+    assert grant_size(1, 1000, 900, 3, 500, 100) == 1
+    assert grant_size(0, 1000, 900, 3, 500, 100) == 0
+    assert grant_size(1000, 1000, 0, 4, 500, 100) == 125  # no history: a fair share
+
+
+@pytest.fixture
+def plain(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    quota=st.integers(1, 10**6),
+    data=st.data(),
+    want=st.integers(0, 10**6),
+    asking=st.integers(1, 6),
+    share_pm=shares,
+    low_water_pm=low_waters,
+)
+def test_the_script_grants_what_the_python_mirror_computes(
+    plain: redis.Redis,
+    quota: int,
+    data: st.DataObject,
+    want: int,
+    asking: int,
+    share_pm: int,
+    low_water_pm: int,
+) -> None:
+    remaining = data.draw(st.integers(0, quota))
+    # The window ends in 999,877 us; an interval longer than that scales the want down.
+    interval_us = data.draw(st.integers(1, 2_000_000))
+    prefix = f"mirror{next(_prefixes)}:"
+    window_us = 1_000_000
+    now_us = T0_US + 123
+    index = now_us // window_us
+    plain.set(prefix + "state", struct.pack("<dd", index, quota - remaining))
+    for other in range(asking - 1):
+        plain.zadd(prefix + "askers", {f"other{other}": now_us})
+    script = plain.register_script(load_lease_script())
+    reply: Any = script(
+        keys=[prefix + "state", prefix + "askers"],
+        args=[
+            "g7",
+            now_us,
+            "F",
+            quota,
+            window_us,
+            "me",
+            want,
+            0,
+            "",
+            share_pm,
+            low_water_pm,
+            window_us,
+            interval_us,
+        ],
+    )
+    lasts_us = (index + 1) * window_us - now_us
+    wanted = want_within(want, lasts_us, interval_us)
+    expected = grant_size(remaining, quota, wanted, asking, share_pm, low_water_pm)
+    assert reply == [
+        expected,
+        index,
+        (index + 1) * window_us - now_us,
+        remaining - expected,
+        0 if expected else (index + 1) * window_us - now_us,
+        7,
+    ]
+    plain.delete(prefix + "state", prefix + "askers")
+
+
+# --- the policy -------------------------------------------------------------------------------
+
+POLICY = """\
+upstreams:
+  backend:
+    url: http://127.0.0.1:8000
+routes:
+  - name: api
+    upstream: backend
+limits:
+  global:
+{limit}
+    key: [global]
+    lease: {{}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("limit", "reason"),
+    [
+        (
+            "    algorithm: leaky_bucket\n    rate: 10r/s",
+            "leaky_bucket cannot be leased: its delays are computed per request from the shared "
+            "state (nginx-exact), a batch taken ahead cannot shape them",
+        ),
+        (
+            "    algorithm: sliding_log\n    limit: 10\n    window: 1s",
+            "sliding_log cannot be leased: it is exact per request timestamp, a batch taken "
+            "ahead has none",
+        ),
+        (
+            "    algorithm: token_bucket\n    rate: 10r/s\n    burst: 5\n    mode: queue",
+            "a token_bucket with mode: queue or warmup cannot be leased: its delays and ramp are "
+            "computed per request; lease one in reject mode without warmup",
+        ),
+    ],
+    ids=["leaky_bucket", "sliding_log", "token_bucket queue"],
+)
+def test_check_refuses_a_lease_the_algorithm_cannot_keep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str, reason: str
+) -> None:
+    path = tmp_path / "leased.yaml"
+    path.write_text(POLICY.format(limit=limit))
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"{path}:8: limits.global: {reason}"
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [
+        "    algorithm: fixed_window\n    limit: 10\n    window: 1s",
+        "    algorithm: sliding_window\n    limit: 10\n    window: 1s",
+        "    algorithm: token_bucket\n    rate: 10r/s\n    burst: 5",
+    ],
+    ids=["fixed_window", "sliding_window", "token_bucket"],
+)
+def test_check_accepts_a_lease_on_windows_and_buckets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str
+) -> None:
+    path = tmp_path / "leased.yaml"
+    path.write_text(POLICY.format(limit=limit) + "store:\n  url: redis://127.0.0.1:1/0\n")
+    assert main(["check", str(path)]) == 0, capsys.readouterr().err
+
+
+# --- two replicas on one Redis, a fake clock --------------------------------------------------
+
+
+def leased_limit(spec_yaml: dict[str, Any]) -> CompiledLimit:
+    policy = Policy.model_validate({"limits": {"global": spec_yaml}})
+    spec = policy.limits["global"]
+    return CompiledLimit(
+        "global",
+        spec,
+        build_algorithm(spec),
+        KeyBuilder(spec.key),
+        None,
+        None,
+        1.0,
+        LimitCounters(),
+    )
+
+
+def replicas(
+    server: RedisServer, clock: FakeClock, limit: CompiledLimit, n: int
+) -> list[RedisStore]:
+    prefix = f"lease{next(_prefixes)}:"
+    stores = [
+        RedisStore(server.url, key_prefix=prefix, timeout_s=2.0, clock=clock, time_source=clock)
+        for _ in range(n)
+    ]
+    for store in stores:
+        store.configure([limit], ())
+    return stores
+
+
+async def test_replicas_sharing_a_leased_window_admit_exactly_the_limit(
+    redis_server: RedisServer,
+) -> None:
+    """Three replicas, uneven traffic (6:3:1), three windows: each window admits exactly its
+    limit, in far fewer Redis calls than requests, and rejections past exhaustion cost none."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    limit = leased_limit(
+        {"algorithm": "fixed_window", "limit": 200, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    stores = replicas(redis_server, clock, limit, 3)
+    check = Check(limit, "g")
+    weights = [6, 3, 1]
+    try:
+        for _window in range(3):
+            admitted = 0
+            requests = 0
+            calls_before = sum(s.stats.calls for s in stores)
+            for step in range(100):  # 100 steps of 10 ms, 10 requests each
+                for store, weight in zip(stores, weights, strict=True):
+                    for _ in range(weight):
+                        verdict = await store.decide([check])
+                        admitted += verdict.allowed
+                        requests += 1
+                clock.advance(0.01)
+                del step
+            calls = sum(s.stats.calls for s in stores) - calls_before
+            assert admitted == 200
+            assert calls / requests <= 0.05, (calls, requests)
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_a_replica_that_stops_gives_its_lease_back(redis_server: RedisServer) -> None:
+    """Graceful shutdown returns the unused units: the other replica can spend them in the same
+    window. A replica that vanishes without closing strands at most its lease."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    limit = leased_limit(
+        {"algorithm": "fixed_window", "limit": 100, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    first, second = replicas(redis_server, clock, limit, 2)
+    check = Check(limit, "g")
+    try:
+        assert (await first.decide([check])).allowed
+        held = first.leases.leases["global"]["g"].units
+        assert held >= 1
+        await first.close()
+        assert first.leases.counters["global"].units_returned == held
+        admitted = 0
+        for _ in range(150):
+            admitted += (await second.decide([check])).allowed
+        assert admitted == 99  # everything but the one unit the first replica spent
+    finally:
+        await second.close()
+
+
+async def test_a_leased_token_bucket_never_passes_capacity_plus_refill(
+    redis_server: RedisServer,
+) -> None:
+    clock = FakeClock(T0_US)
+    limit = leased_limit(
+        {"algorithm": "token_bucket", "rate": "100r/s", "burst": 50, "key": ["global"], "lease": {}}
+    )
+    stores = replicas(redis_server, clock, limit, 2)
+    check = Check(limit, "g")
+    admitted = 0
+    try:
+        for _step in range(200):  # 2 s in 10 ms steps, 5 requests per replica per step
+            for store in stores:
+                for _ in range(5):
+                    admitted += (await store.decide([check])).allowed
+            clock.advance(0.01)
+        # Capacity + 2 s of refill at most; and the leases are spent, not stranded.
+        assert 50 + 200 - 10 <= admitted <= 50 + 200
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_redis_down_spends_the_lease_then_follows_on_failure(
+    redis_factory: redis_harness.RedisFactory,
+) -> None:
+    server = redis_factory.start()
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    limit = leased_limit(
+        {"algorithm": "fixed_window", "limit": 100, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    prefix = f"lease{next(_prefixes)}:"
+    store = RedisStore(
+        server.url,
+        key_prefix=prefix,
+        timeout_s=0.5,
+        clock=clock,
+        time_source=clock,
+        on_failure="deny",
+    )
+    store.configure([limit], ())
+    check = Check(limit, "g")
+    try:
+        assert (await store.decide([check])).allowed
+        held = store.leases.leases["global"]["g"].units
+        server.stop()
+        for _ in range(held):
+            assert (await store.decide([check])).allowed  # spent from the lease, no call
+        from gateway.stores import StoreUnavailableError
+
+        with pytest.raises(StoreUnavailableError):
+            await store.decide([check])
+    finally:
+        await store.close()
+
+
+redis_factory = redis_harness.redis_factory
+
+
+# --- metrics and the dashboard ----------------------------------------------------------------
+
+
+async def test_lease_metrics_and_dashboard(
+    redis_server: RedisServer,
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    browser: Browser,
+) -> None:
+    """A gateway leasing its global limit: 50 requests take one lease of the fair share and
+    make one Redis call; /metrics, the dashboard's state and the page (in Chromium) show it
+    beside the limit."""
+    limits = f"""\
+  global:
+    algorithm: fixed_window
+    limit: 1000
+    window: 1m
+    key: [global]
+    lease: {{}}
+store:
+  url: {redis_server.url}
+  key_prefix: "metrics{next(_prefixes)}:"
+  timeout: 2s
+"""
+    gateway = await start_gateway(limited_policy(upstream.url, limits))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):
+            assert await get_status(session, gateway.url + "/") == 200
+
+        def leased(samples: Samples) -> bool:
+            return value(samples, "gateway_limit_lease_decisions_total", limit="global") == 50
+
+        samples = await scrape_until(session, gateway.admin_url, leased)
+        assert value(samples, "gateway_limit_leases_total", limit="global", event="granted") == 1
+        # No history yet: half of the quota split among the replicas asking (one).
+        assert value(samples, "gateway_limit_lease_size", limit="global") == 500
+        assert value(samples, "gateway_limit_lease_store_calls_total", limit="global") == 1
+        async with session.get(gateway.admin_url + "/dashboard/state") as response:
+            state = await response.json()
+        lease = state["state"]["limits"]["global"]["lease"]
+        assert lease["granted"] == 1 and lease["last_size"] == 500 and lease["decided"] == 50
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gateway.admin_url + "/dashboard/")
+
+    async def lease_shown() -> bool:
+        if not await page.locator("#limit-global .lease").is_visible():
+            return False
+        return await field(page, "global", "lease-size") == "500"
+
+    await wait_until(page, lease_shown, "the lease line beside the limit")
+    assert await field(page, "global", "lease-granted") == "1"
+    assert await field(page, "global", "lease-calls") == "0.0200"  # 1 call for 50 requests
+    assert not errors
+
+
+async def test_an_expired_bucket_lease_goes_back_with_the_sweep(redis_server: RedisServer) -> None:
+    """A token bucket lease left unspent is given back once its interval is over (the sweep,
+    as no ask of this replica took it back): the other replica can take those tokens."""
+    clock = FakeClock(T0_US)
+    limit = leased_limit(
+        {"algorithm": "token_bucket", "rate": "1r/s", "burst": 100, "key": ["global"], "lease": {}}
+    )
+    first, second = replicas(redis_server, clock, limit, 2)
+    check = Check(limit, "g")
+    try:
+        assert (await first.decide([check])).allowed
+        held = first.leases.leases["global"]["g"].units
+        assert held == 49  # a fair share of 100 (half, one replica asking) less the one spent
+        clock.advance(first.leases.plans["global"].interval_us * 2 / 1e6)
+        await first.leases.sweep()
+        counters = first.leases.counters["global"]
+        assert (counters.expired, counters.returned, counters.units_returned) == (1, 1, 49)
+        # 99 tokens back in the bucket, plus what 200 s of refill... capped at the capacity.
+        admitted = 0
+        for _ in range(120):
+            admitted += (await second.decide([check])).allowed
+        assert admitted == 100
+    finally:
+        for store in (first, second):
+            await store.close()
+
+
+async def test_a_bucket_lease_that_arrives_late_is_still_spent(
+    redis_factory: redis_harness.RedisFactory,
+) -> None:
+    """A token bucket lease lasts its interval from its arrival: an ask held up longer than
+    that (a frozen Redis, a stalled machine) still admits the request that asked, instead of
+    rejecting it with the lease just granted."""
+    server = redis_factory.start()
+    clock = FakeClock(T0_US)
+    limit = leased_limit(
+        {"algorithm": "token_bucket", "rate": "10r/s", "burst": 100, "key": ["global"], "lease": {}}
+    )
+    (store,) = replicas(server, clock, limit, 1)
+    check = Check(limit, "g")
+    try:
+        server.pause()
+        asked = asyncio.ensure_future(store.decide([check]))
+        await asyncio.sleep(0.1)  # the call is out, Redis frozen
+        clock.advance(store.leases.plans["global"].interval_us * 3 / 1e6)
+        server.resume()
+        assert (await asked).allowed
+    finally:
+        await store.close()
+
+
+async def test_a_request_rejected_by_a_stacked_limit_is_charged_to_no_lease(
+    redis_server: RedisServer,
+) -> None:
+    """nginx's rule across a leased and an exact limit: a request the exact limit rejects
+    gives its unit back to the lease; one the lease rejects is not charged to the other."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    leased = leased_limit(
+        {"algorithm": "fixed_window", "limit": 3, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    policy = Policy.model_validate(
+        {"limits": {"per_ip": {"algorithm": "fixed_window", "limit": 2, "window": "1s"}}}
+    )
+    spec = policy.limits["per_ip"]
+    exact = CompiledLimit(
+        "per_ip",
+        spec,
+        build_algorithm(spec),
+        KeyBuilder(spec.key),
+        None,
+        None,
+        1.0,
+        LimitCounters(),
+    )
+    store = RedisStore(
+        redis_server.url,
+        key_prefix=f"stack{next(_prefixes)}:",
+        timeout_s=2.0,
+        clock=clock,
+        time_source=clock,
+    )
+    store.configure([exact, leased], ())
+    try:
+        verdicts = [await store.decide([Check(exact, "a"), Check(leased, "g")]) for _ in range(4)]
+        assert [v.allowed for v in verdicts] == [True, True, False, False]
+        assert verdicts[2].rejected_by == (0,)
+        lease = store.leases.leases["global"]["g"]
+        # A first lease of 2 (half of 3) spent by the two admitted; then a lease of the last
+        # unit, which the two rejected took in turn and gave back.
+        assert store.leases.counters["global"].units_granted == 3
+        assert (lease.size, lease.units) == (1, 1)
+        # The lease's last unit, then nothing left: the third client is charged nothing.
+        assert (await store.decide([Check(exact, "b"), Check(leased, "g")])).allowed
+        rejected = await store.decide([Check(exact, "c"), Check(leased, "g")])
+        assert not rejected.allowed and rejected.rejected_by == (1,)
+        look = await store.decide([Check(exact, "c")], commit=False)
+        assert look.decisions[0].remaining == 1  # nothing charged to "c": 2 - 1 for the look
+    finally:
+        await store.close()
