@@ -39,28 +39,32 @@ class Overrides(Generic[L]):
     def __init__(
         self, limit: Any, build_algorithm: Callable[[Any], Any], entries: Mapping[str, Any]
     ) -> None:
-        specs = tier_specs(limit.spec, dict(entries))
-        variants: dict[str, L] = {}
-        self._exact: dict[str, L] = {}
+        tiers = tier_specs(limit.spec, dict(entries))
+        # One variant per tier, its table named by the tier so that a reload keeps (or
+        # rescales) its keys.
+        variants: dict[str, L] = {
+            tier: dataclasses.replace(
+                limit,
+                spec=spec,
+                algorithm=build_algorithm(spec),
+                window_s=_window_s(spec),
+                table=f"{limit.name}~{tier}",
+            )
+            for tier, spec in tiers.specs.items()
+        }
+        of_value = tiers.of_value
         prefixes: dict[int, dict[int, dict[int, L]]] = {4: {}, 6: {}}
-        cidrs = limit.spec.key == ("client_ip",)
-        for value, (tier, spec) in specs.items():
-            variant = variants.get(tier)
-            if variant is None:
-                # Its table named by the tier, so that a reload keeps (or rescales) its keys.
-                variant = variants[tier] = dataclasses.replace(
-                    limit,
-                    spec=spec,
-                    algorithm=build_algorithm(spec),
-                    window_s=_window_s(spec),
-                    table=f"{limit.name}~{tier}",
-                )
-            if cidrs and "/" in value:
+        if limit.spec.key == ("client_ip",) and any("/" in value for value in of_value):
+            self._exact: dict[str, L] = {}
+            for value, tier in of_value.items():
+                if "/" not in value:
+                    self._exact[value] = variants[tier]
+                    continue
                 network = ipaddress.ip_network(value, strict=False)
                 by_length = prefixes[network.version].setdefault(network.prefixlen, {})
-                by_length[int(network.network_address)] = variant
-            else:
-                self._exact[value] = variant
+                by_length[int(network.network_address)] = variants[tier]
+        else:
+            self._exact = {value: variants[tier] for value, tier in of_value.items()}
         self.variants: tuple[L, ...] = tuple(variants.values())
         self._v4: tuple[tuple[int, dict[int, L]], ...] = _longest_first(prefixes[4])
         self._v6: tuple[tuple[int, dict[int, L]], ...] = _longest_first(prefixes[6])

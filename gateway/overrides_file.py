@@ -22,6 +22,18 @@ _LINE_RE = re.compile(
 )
 
 
+# The same, over a whole file at once: a few times faster than a loop over its lines.
+_ALL_LINES_RE = re.compile(
+    r'^(?:"([^"\\\n]*)"|([^\s"\'#{}\[\],&*!|>%@`][^\s#]*?))'
+    r":[ \t]+([A-Za-z0-9][A-Za-z0-9_.\-]*)[ \t]*(?:#[^\n]*)?$",
+    re.MULTILINE,
+)
+
+
+# Lines that hold no entry: blank, a comment, a document start.
+_IGNORED_RE = re.compile(r"^[ \t]*(?:#[^\n]*|---[ \t]*)?$", re.MULTILINE)
+
+
 class OverridesFileError(ValueError):
     """A problem in an overrides file, with its line when known."""
 
@@ -66,20 +78,22 @@ def line_of(text: str, value: str) -> int | None:
 
 
 def _simple_lines(text: str, file: str) -> dict[str, Any] | None:
-    entries: dict[str, Any] = {}
-    match = _LINE_RE.match
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw or raw.lstrip().startswith("#") or raw.strip() in ("", "---"):
-            continue
-        found = match(raw)
-        if found is None:
-            return None  # not the simple form: YAML decides
-        value = found.group("quoted")
-        if value is None:
-            value = found.group("plain")
-        if value in entries:
-            raise OverridesFileError(file, number, f"duplicate key {value!r}")
-        entries[value] = found.group("plan")
+    found = _ALL_LINES_RE.findall(text)
+    lines = text.count("\n") + 1  # the last, maybe empty, line counts in both
+    meaningful = lines - len(_IGNORED_RE.findall(text))
+    if len(found) != meaningful:
+        return None  # not the simple form throughout: YAML decides
+    entries = {quoted or plain: plan for quoted, plain, plan in found}
+    if len(entries) != len(found):
+        seen: set[str] = set()
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = _LINE_RE.match(raw)
+            if line is None:
+                continue
+            value = line.group("quoted") or line.group("plain")
+            if value in seen:
+                raise OverridesFileError(file, number, f"duplicate key {value!r}")
+            seen.add(value)
     return entries
 
 

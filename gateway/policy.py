@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NamedTuple, get_args
 
 from pydantic import (
     AfterValidator,
@@ -616,46 +616,58 @@ class OverrideError(ValueError):
         super().__init__(f"override {entry!r}: {reason}")
 
 
-def tier_specs(spec: Any, overrides: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    """Each override's tier: a name that stays the same across reloads (the plan's, or its
-    numbers') and its spec, one object per tier; ValueError naming the first bad plan or
-    override."""
+class Tiers(NamedTuple):
+    """Overrides resolved: each key value's tier, and each tier's spec. A tier's name stays
+    the same across reloads: the plan's, or ``=`` and a digest of its numbers."""
+
+    of_value: dict[str, str]
+    specs: dict[str, Any]
+
+
+def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
+    """``overrides`` resolved against the limit's plans; ValueError naming the first bad plan
+    or override (``OverrideError`` for an override)."""
     plans: dict[str, Any] = {}
     for name, params in spec.plans.items():
         try:
             plans[name] = variant_spec(spec, params)
         except ValueError as exc:
             raise ValueError(f"plan {name!r}: {exc}") from None
-    by_params: dict[str, tuple[str, Any]] = {}
-    plans_named: dict[str, tuple[str, Any]] = {}
-    specs: dict[str, tuple[str, Any]] = {}
+    specs: dict[str, Any] = {}
+    of_value: dict[str, str] = {}
+    by_params: dict[str, str] = {}
     networks = spec.key == ("client_ip",)
     for value, target in overrides.items():
-        if isinstance(target, str):
-            plan = plans.get(target)
-            if plan is None:
-                known = ", ".join(sorted(plans)) or "none defined"
-                raise OverrideError(value, f"unknown plan {target!r} (plans: {known})")
-            tier = plans_named.get(target)
-            if tier is None:
-                tier = plans_named[target] = (target, plan)
-        else:
-            signature = repr(sorted(target.items()))
-            tier = by_params.get(signature)
-            if tier is None:
-                try:
-                    custom = variant_spec(spec, target)
-                except ValueError as exc:
-                    raise OverrideError(value, str(exc)) from None
-                digest = hashlib.blake2s(signature.encode(), digest_size=4).hexdigest()
-                tier = by_params[signature] = ("=" + digest, custom)
-        if networks and "/" in value:
+        if target.__class__ is str:
+            if target not in specs:
+                plan = plans.get(target)
+                if plan is None:
+                    known = ", ".join(sorted(plans)) or "none defined"
+                    raise OverrideError(value, f"unknown plan {target!r} (plans: {known})")
+                specs[target] = plan
+            of_value[value] = target
+            continue
+        if not isinstance(target, dict):
+            raise OverrideError(value, "expected a plan's name or a mapping of parameters")
+        signature = repr(sorted(target.items()))
+        tier = by_params.get(signature)
+        if tier is None:
             try:
-                ipaddress.ip_network(value, strict=False)
-            except ValueError:
-                raise OverrideError(value, "invalid CIDR") from None
-        specs[value] = tier
-    return specs
+                custom = variant_spec(spec, target)
+            except ValueError as exc:
+                raise OverrideError(value, str(exc)) from None
+            tier = "=" + hashlib.blake2s(signature.encode(), digest_size=4).hexdigest()
+            by_params[signature] = tier
+            specs[tier] = custom
+        of_value[value] = tier
+    if networks:
+        for value in of_value:
+            if "/" in value:
+                try:
+                    ipaddress.ip_network(value, strict=False)
+                except ValueError:
+                    raise OverrideError(value, "invalid CIDR") from None
+    return Tiers(of_value, specs)
 
 
 # The names ``algorithm:`` takes, for error messages.

@@ -220,8 +220,7 @@ async def test_a_queued_weighted_request_is_refunded_whole(
         writer.close()
         await _wait_until(lambda: shaped.counters.waiting == 0)
         explained = {
-            e["name"]: e["next_request"]
-            for e in (await _explain(session, gw.admin_url))["limits"]
+            e["name"]: e["next_request"] for e in (await _explain(session, gw.admin_url))["limits"]
         }
     # One request of cost 3 served, the queued one's 3 given back: the next would leave the
     # window 10 - 3 - 3, and the bucket 10 - 5 (its first unit is free, nginx's rule); with
@@ -413,7 +412,9 @@ def test_100k_overrides_load_quickly(tmp_path: Path) -> None:
     lines = [f"key-{i:06d}: {('gold', 'silver')[i % 2]}\n" for i in range(100_000)]
     (tmp_path / "tiers.yaml").write_text("".join(lines))
     path = _overrides_policy(tmp_path, "http://127.0.0.1:9")
-    text = path.read_text().replace("gold: {limit: 3}", "gold: {limit: 3}\n      silver: {limit: 2}")
+    text = path.read_text().replace(
+        "gold: {limit: 3}", "gold: {limit: 3}\n      silver: {limit: 2}"
+    )
     path.write_text(text)
     started = time.perf_counter()
     loaded = load_policy(path)
@@ -438,8 +439,9 @@ def test_cidr_lookup_is_the_longest_matching_prefix(
     networks: list[tuple[int, int]], address: int
 ) -> None:
     policy = parse_policy(
-        policy_for("http://127.0.0.1:9", "limits:\n  l:\n    algorithm: token_bucket\n"
-                   "    rate: 1r/s\n"),
+        policy_for(
+            "http://127.0.0.1:9", "limits:\n  l:\n    algorithm: token_bucket\n    rate: 1r/s\n"
+        ),
         "test.yaml",
     ).policy
     spec = policy.limits["l"]
