@@ -265,6 +265,7 @@ async def test_exemptions_bypass_one_limit_only(
         statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(4)]
         assert statuses == [200, 200, 200, 429]
         status, headers = await _get(session, gw.url + "/")
+        assert status == 429
         assert '"tight"' not in headers.get("RateLimit-Policy", "")
         seen = await _explain(session, gw.admin_url, client_ip="10.1.1.1")
         assert seen["limits"][0]["next_request"]["remaining"] == 0
