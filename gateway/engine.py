@@ -52,6 +52,8 @@ class Outcome:
     verdict: CombinedDecision | None = None
     # True while ``checks`` hold their places against ``max_queue`` (until ``enter_queue``).
     holds_places: bool = False
+    # Dry-run checks that would have rejected this request: the keys a candidate limit hits.
+    would_reject: Sequence[Check] = ()
 
 
 ALLOW = Outcome()
@@ -225,13 +227,19 @@ class LimitEngine:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
             if dry:
-                await self._dry_run(dry)
+                would_reject = await self._dry_run(dry)
+                if would_reject:
+                    return Outcome(would_reject=would_reject)
             return ALLOW
         try:
             if dry:
                 # Both at once: with the Redis store their script calls go out in one
                 # pipeline, so a dry-run limit adds no round trip to the request's wait.
-                _, outcome = await asyncio.gather(self._dry_run(dry), self._enforce(enforced))
+                would_reject, outcome = await asyncio.gather(
+                    self._dry_run(dry), self._enforce(enforced)
+                )
+                if would_reject:
+                    outcome.would_reject = would_reject
             elif self._decide_now is not None:
                 outcome = self._settle(enforced, self._decide_now(enforced), True)
             else:
@@ -365,17 +373,21 @@ class LimitEngine:
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
         await asyncio.shield(self.store.refund(outcome.checks, charged_us))
 
-    async def _dry_run(self, dry: list[Check]) -> None:
+    async def _dry_run(self, dry: list[Check]) -> list[Check]:
+        """Count what each dry-run limit would have done; the checks that would reject."""
         verdicts = await self.store.decide_each(dry)
+        would_reject = []
         for check, verdict in zip(dry, verdicts, strict=True):
             decision = verdict.decisions[0]
             counters = check.limit.counters
             if not decision.allowed:
                 counters.dry_run_rejected += 1
+                would_reject.append(check)
             elif decision.delay_s > 0.0:
                 counters.dry_run_delayed += 1
             else:
                 counters.allowed += 1
+        return would_reject
 
     def headers(self, outcome: Outcome) -> list[tuple[str, str]]:
         """The rate-limit response headers for an outcome.

@@ -473,3 +473,33 @@ async def _wait_until(condition: Callable[[], bool], within_s: float = 2.0) -> N
             return
         await asyncio.sleep(0.01)
     assert condition()
+
+
+async def test_dry_run_limits_show_whom_they_would_hit(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """A candidate limit in dry run: the keys it would have rejected are on the dashboard's
+    top keys and in the /metrics aggregates, while every request goes through."""
+    limits = """limits:
+  candidate:
+    algorithm: fixed_window
+    limit: 2
+    window: 1h
+    key: ['header:X-Api-Key']
+    top_keys: plain
+    dry_run: true
+"""
+    gw = await start_gateway(policy_for(upstream.url, limits), clock=FakeClock())
+    async with aiohttp.ClientSession() as session:
+        for key, count in (("heavy", 7), ("light", 3), ("quiet", 2)):
+            for _ in range(count):
+                assert (await _get(session, gw.url + "/", {"X-Api-Key": key}))[0] == 200
+        async with session.get(gw.admin_url + "/dashboard/state") as resp:
+            state = (await resp.json())["state"]
+        async with session.get(gw.admin_url + "/metrics") as resp:
+            metrics = await resp.text()
+    top = state["limits"]["candidate"]["top_keys"]
+    assert [(h["key"], h["count"]) for h in top] == [("heavy", 5), ("light", 1)]
+    assert 'gateway_limit_top_keys{limit="candidate"} 2.0' in metrics
+    assert 'gateway_limit_top_key_rejections{limit="candidate"} 5.0' in metrics
+    assert "heavy" not in metrics
