@@ -42,11 +42,11 @@ class MemoryStore:
         if len(checks) == 1:  # the common case, without the lists
             check = checks[0]
             limit = check.limit
-            table = self.tables.get(limit.name)
+            table = self.tables.get(limit.table)
             if table is None:
                 table = self._table(limit)
             state = table.get(check.key) if commit else table.peek(check.key)
-            verdict = decide_all(((limit.algorithm, state),), now_us, stamp_us=now_us)
+            verdict = decide_all(((limit.algorithm, state),), now_us, check.cost, stamp_us=now_us)
             if verdict.delay_s > 0.0:
                 verdict = refuse_long_delays(verdict, (state,), (check.max_delay_s,))
             if commit and verdict.allowed:
