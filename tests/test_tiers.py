@@ -24,11 +24,11 @@ from gateway.engine import LimitEngine
 from gateway.overrides import Overrides
 from gateway.policy_loader import PolicyError, load_policy, parse_policy
 from gateway.redact import REDACTED
-from gateway.reload import PolicyReloader
 from gateway.stores import MemoryStore
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisServer
+from tests.support import replace_file
 
 redis_server = redis_harness.redis_server
 
@@ -327,6 +327,7 @@ async def test_overrides_file_is_loaded_and_reloaded_on_change(
     path = _overrides_policy(tmp_path, upstream.url)
     gw = await start_gateway(load_policy(path), clock=FakeClock(), policy_path=str(path))
     gateway = gw.gateway
+    first_sha = gateway.loaded.sha256
 
     async with aiohttp.ClientSession() as session:
 
@@ -336,17 +337,17 @@ async def test_overrides_file_is_loaded_and_reloaded_on_change(
 
         assert await admitted("key-a") == 2
         assert await admitted("key-b") == 1
-        reloader = PolicyReloader(path, running=lambda: gateway.loaded, apply=gateway.apply)
-        assert await reloader.reload() == "unchanged"
-        tiers.write_text("key-a: gold\nkey-b: gold\n")
-        assert await reloader.reload() == "ok"
+        # Only the overrides file changes: the watcher reloads the policy.
+        replace_file(tiers, "key-a: gold\nkey-b: gold\n")
+        await _wait_until(lambda: gateway.loaded.sha256 != first_sha, within_s=10.0)
         # In process a key that changes tier starts afresh in its tier's table: 2 of 3.
         assert await admitted("key-b") == 2
-        # A bad edit of the file keeps the running overrides.
-        tiers.write_text("key-a: gold\nkey-c: platinum\n")
-        assert await reloader.reload() == "failed"
-        assert reloader.status.last_error is not None
-        assert reloader.status.last_error.startswith(f"{tiers}:2: override 'key-c': unknown plan")
+        # A bad edit of the file keeps the running overrides, and says where it is.
+        replace_file(tiers, "key-a: gold\nkey-c: platinum\n")
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert resp.status == 422
+            error = (await resp.json())["error"]
+        assert error.startswith(f"{tiers}:2: override 'key-c': unknown plan 'platinum'")
         assert await admitted("key-b") == 1
 
 
