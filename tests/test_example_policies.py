@@ -147,7 +147,8 @@ async def test_layered_policy_explain_gives_the_combined_verdict(
 async def test_tiers_policy_gives_plans_their_quota(
     tmp_path: Path, start_gateway: GatewayFactory
 ) -> None:
-    (tmp_path / "tiers-keys.yaml").write_text((POLICIES / "tiers-keys.yaml").read_text())
+    (tmp_path / "tiers").mkdir()
+    (tmp_path / "tiers" / "keys.yaml").write_text((POLICIES / "tiers" / "keys.yaml").read_text())
     (tmp_path / "tiers.yaml").write_text(_local("tiers.yaml"))
     gw = await start_gateway(load_policy(tmp_path / "tiers.yaml"), clock=FakeClock())
     async with aiohttp.ClientSession() as session:
