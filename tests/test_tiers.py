@@ -18,17 +18,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
 from gateway.engine import LimitEngine
+from gateway.limits import Check
 from gateway.overrides import Overrides
 from gateway.policy_loader import PolicyError, load_policy, parse_policy
 from gateway.redact import REDACTED
-from gateway.stores import MemoryStore
+from gateway.stores import MemoryStore, RedisStore
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisServer
 from tests.support import replace_file
+from tests.test_redis_store import compiled
 
 redis_server = redis_harness.redis_server
 
@@ -504,3 +507,22 @@ async def test_dry_run_limits_show_whom_they_would_hit(
     assert 'gateway_limit_top_keys{limit="candidate"} 2.0' in metrics
     assert 'gateway_limit_top_key_rejections{limit="candidate"} 5.0' in metrics
     assert "heavy" not in metrics
+
+
+async def test_weighted_requests_admitted_by_the_fallback_are_carried_back_whole(
+    redis_server: RedisServer,
+) -> None:
+    """What the local fallback admitted is charged to Redis when it answers again: a
+    weighted request owes its cost, not one unit."""
+    limit = compiled("weighted_owed", FixedWindow(10, 3600.0))
+    store = RedisStore(redis_server.url, timeout_s=2.0, key_prefix=f"owed{time.monotonic_ns()}:")
+    store.configure([limit], ())
+    try:
+        store.owed.add([Check(limit, "k", cost=3)])
+        store.owed.add([Check(limit, "k", cost=4)])
+        verdict = await store.decide([Check(limit, "k", cost=2)])
+        # 3 + 4 carried back, then this request's 2: 1 left of 10.
+        assert verdict.allowed and verdict.decisions[0].remaining == 1
+        assert store.counters.carried_back == 7
+    finally:
+        await store.close()
