@@ -27,6 +27,7 @@ from gateway.overrides import Overrides
 from gateway.policy_loader import PolicyError, load_policy, parse_policy
 from gateway.redact import REDACTED
 from gateway.stores import MemoryStore, RedisStore
+from gateway.stores.shared import SharedStore
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisServer
@@ -36,15 +37,21 @@ from tests.test_redis_store import compiled
 redis_server = redis_harness.redis_server
 
 STORES = ("memory", "redis")
+# The per-key parameters and costs of every store, the workers' shared one included.
+ALL_STORES = ("memory", "redis", "shared")
 _prefixes = itertools.count()
 
 
 def _store(request: pytest.FixtureRequest, store: str) -> str:
-    if store == "memory":
+    if store in ("memory", "shared"):
         return ""
     server: RedisServer = request.getfixturevalue("redis_server")
     prefix = f"tiers{next(_prefixes)}-{time.monotonic_ns()}:"
     return f"store:\n  url: {server.url}\n  key_prefix: '{prefix}'\n  timeout: 2s\n"
+
+
+def _shared(store: str, tmp_path: Path, clock: FakeClock) -> dict[str, Any]:
+    return {"store": SharedStore(tmp_path / "shared", clock)} if store == "shared" else {}
 
 
 async def _get(
@@ -76,15 +83,20 @@ TIERED = """limits:
 """
 
 
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", ALL_STORES)
 async def test_overrides_give_keys_their_own_quota_and_headers(
     upstream: RecordingUpstream,
     start_gateway: GatewayFactory,
     request: pytest.FixtureRequest,
     store: str,
+    tmp_path: Path,
 ) -> None:
     clock = FakeClock()
-    gw = await start_gateway(policy_for(upstream.url, TIERED + _store(request, store)), clock=clock)
+    gw = await start_gateway(
+        policy_for(upstream.url, TIERED + _store(request, store)),
+        clock=clock,
+        **_shared(store, tmp_path, clock),
+    )
     async with aiohttp.ClientSession() as session:
         admitted = {}
         policies = {}
@@ -110,7 +122,7 @@ async def test_overrides_give_keys_their_own_quota_and_headers(
         assert entry["next_request"]["remaining"] == 0
         plain = (await _explain(session, gw.admin_url, header="X-Api-Key: new"))["limits"][0]
         assert "override" not in plain and plain["next_request"]["remaining"] == 1
-        if store == "memory":  # Redis decides on its own clock (TIME)
+        if store != "redis":  # Redis decides on its own clock (TIME)
             clock.advance(3600.0)
             assert (await _get(session, gw.url + "/", {"X-Api-Key": "key-gold"}))[0] == 200
 
@@ -147,7 +159,7 @@ async def test_cidr_overrides_longest_prefix_wins(
         assert outside["limits"][0]["next_request"]["limit"] == 1
 
 
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", ALL_STORES)
 @pytest.mark.parametrize(
     ("algorithm", "params", "quota"),
     [
@@ -166,13 +178,19 @@ async def test_cost_is_charged_by_every_algorithm(
     algorithm: str,
     params: str,
     quota: int,
+    tmp_path: Path,
 ) -> None:
+    if store == "shared" and algorithm == "sliding_log":
+        pytest.skip("the shared store holds no sliding_log states")
     limits = (
         f"limits:\n  weighted:\n    algorithm: {algorithm}\n    {params}\n"
         "    cost: {default: 1, methods: {POST: 4}}\n"
     )
+    clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, limits + _store(request, store)), clock=FakeClock()
+        policy_for(upstream.url, limits + _store(request, store)),
+        clock=clock,
+        **_shared(store, tmp_path, clock),
     )
     async with aiohttp.ClientSession() as session:
         status, headers = await _get(session, gw.url + "/", method="POST")
