@@ -538,6 +538,11 @@ class _LimitBase(_Model):
                 "a token_bucket with mode: queue or warmup cannot be leased: its delays and "
                 "ramp are computed per request; lease one in reject mode without warmup"
             )
+        if self.overrides or self.overrides_file or self.cost != 1:
+            # A lease is a batch of one parameter set's unit admissions.
+            raise ValueError(
+                "a leased limit takes no overrides, overrides_file or cost (not supported yet)"
+            )
         return self
 
 

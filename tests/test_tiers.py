@@ -544,3 +544,11 @@ async def test_weighted_requests_admitted_by_the_fallback_are_carried_back_whole
         assert store.counters.carried_back == 7
     finally:
         await store.close()
+
+
+def test_a_leased_limit_refuses_tiers_and_cost() -> None:
+    limit = "algorithm: fixed_window\n    limit: 5\n    window: 1m\n    lease: {}\n    cost: 2\n"
+    text = policy_for("http://127.0.0.1:9", "limits:\n  l:\n    " + limit)
+    with pytest.raises(PolicyError) as raised:
+        parse_policy(text, "test.yaml")
+    assert "a leased limit takes no overrides, overrides_file or cost" in str(raised.value)
