@@ -13,7 +13,7 @@ from gateway.admin_auth import AdminAuth, auth_middleware, login_routes
 from gateway.client_ip import client_key
 from gateway.engine import Explanation, LimitEngine, LimitLook
 from gateway.keys import RequestFacts
-from gateway.policy import Policy
+from gateway.policy import OVERRIDE_PARAMS, Policy
 from gateway.redact import REDACTED, redact_url
 from gateway.responses import SERVER
 from gateway.routing import normalise_host
@@ -74,8 +74,14 @@ async def _policy(request: web.Request) -> web.Response:
 
 
 def redacted_policy(policy: Policy) -> dict[str, Any]:
-    """The policy as JSON with its secrets out: the store URL's password, the admin token."""
+    """The policy as JSON with its secrets out: the store URL's password, the admin token,
+    the header values that exempt a request from a limit."""
     data = policy.model_dump(mode="json")
+    for name, limit in policy.limits.items():
+        if limit.exempt_headers:
+            data["limits"][name]["exempt_headers"] = {
+                header: [REDACTED] * len(values) for header, values in limit.exempt_headers.items()
+            }
     data["store"]["url"] = redact_url(policy.store.url)
     if policy.server.admin_token is not None:
         data["server"]["admin_token"] = REDACTED
@@ -147,8 +153,16 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
     if not look.applies:
         return entry
     entry["key"] = look.key
+    if look.key is not None and limit.tiering is None and limit.table != limit.name:
+        # An override's variant: its own parameters, not the limit's.
+        spec = limit.spec.model_dump(mode="json")
+        entry["override"] = {name: spec[name] for name in OVERRIDE_PARAMS if name in spec}
+    if look.key is not None and not look.exempt:
+        entry["cost"] = look.cost
     if look.key is None:
         entry["skipped"] = "a key part is missing (on_missing_key: skip)"
+    elif look.exempt:
+        entry["exempt"] = "exempt from this limit (exempt / exempt_headers)"
     elif look.unavailable is not None:
         entry["next_request"] = {"allowed": False, "status": 503, "reason": look.unavailable}
     elif look.decision is not None:

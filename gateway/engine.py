@@ -21,6 +21,7 @@ from gateway.algorithms.combine import CombinedDecision
 from gateway.delay_queue import DelayQueue
 from gateway.keys import KeyBuilder, RequestFacts
 from gateway.limits import Check, CompiledLimit, LimitCounters
+from gateway.overrides import compile_tiering
 from gateway.policy import (
     Access,
     LeakyBucketLimit,
@@ -51,6 +52,8 @@ class Outcome:
     verdict: CombinedDecision | None = None
     # True while ``checks`` hold their places against ``max_queue`` (until ``enter_queue``).
     holds_places: bool = False
+    # Dry-run checks that would have rejected this request: the keys a candidate limit hits.
+    would_reject: Sequence[Check] = ()
 
 
 ALLOW = Outcome()
@@ -67,6 +70,10 @@ class LimitLook:
     key: str | None = None
     decision: Decision | None = None
     unavailable: str | None = None
+    # The limit's ``exempt`` / ``exempt_headers`` let this request through.
+    exempt: bool = False
+    # What this request would take from the quota (``cost``).
+    cost: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,18 +153,18 @@ class LimitEngine:
         limits = []
         for name, spec in policy.limits.items():
             kept = old.get(name)
-            limits.append(
-                CompiledLimit(
-                    name=name,
-                    spec=spec,
-                    algorithm=build_algorithm(spec),
-                    keys=KeyBuilder(spec.key, spec.on_missing_key),
-                    match=_compile_limit_match(spec.match),
-                    routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
-                    window_s=_window_s(spec),
-                    counters=kept.counters if kept is not None else LimitCounters(),
-                )
+            limit = CompiledLimit(
+                name=name,
+                spec=spec,
+                algorithm=build_algorithm(spec),
+                keys=KeyBuilder(spec.key, spec.on_missing_key),
+                match=_compile_limit_match(spec.match),
+                routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
+                window_s=_window_s(spec),
+                counters=kept.counters if kept is not None else LimitCounters(),
             )
+            limit.tiering = compile_tiering(limit, build_algorithm)
+            limits.append(limit)
         self.limits: tuple[CompiledLimit, ...] = tuple(limits)
         self.queue = DelayQueue()
         self.ipv6_prefix = policy.ipv6_prefix
@@ -178,17 +185,24 @@ class LimitEngine:
             key = limit.keys.build(facts)
             if key is None:
                 continue
+            cost = 1
+            tiering = limit.tiering
+            if tiering is not None:
+                resolved = tiering.resolve(limit, key, facts)
+                if resolved is None:
+                    continue  # exempt from this limit
+                limit, cost = resolved
             spec = limit.spec
             if spec.dry_run:
-                dry.append(Check(limit, key))
+                dry.append(Check(limit, key, cost=cost))
             else:
                 if limit.queue_full():
-                    enforced.append(Check(limit, key, 0.0))
+                    enforced.append(Check(limit, key, 0.0, cost=cost))
                 elif not reserve:
-                    enforced.append(Check(limit, key, spec.max_delay))
+                    enforced.append(Check(limit, key, spec.max_delay, cost=cost))
                 else:
                     limit.counters.deciding += 1
-                    enforced.append(Check(limit, key, spec.max_delay, True))
+                    enforced.append(Check(limit, key, spec.max_delay, True, cost))
         return enforced, dry
 
     async def evaluate(
@@ -213,13 +227,19 @@ class LimitEngine:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
             if dry:
-                await self._dry_run(dry)
+                would_reject = await self._dry_run(dry)
+                if would_reject:
+                    return Outcome(would_reject=would_reject)
             return ALLOW
         try:
             if dry:
                 # Both at once: with the Redis store their script calls go out in one
                 # pipeline, so a dry-run limit adds no round trip to the request's wait.
-                _, outcome = await asyncio.gather(self._dry_run(dry), self._enforce(enforced))
+                would_reject, outcome = await asyncio.gather(
+                    self._dry_run(dry), self._enforce(enforced)
+                )
+                if would_reject:
+                    outcome.would_reject = would_reject
             elif self._decide_now is not None:
                 outcome = self._settle(enforced, self._decide_now(enforced), True)
             else:
@@ -255,12 +275,19 @@ class LimitEngine:
             if key is None:
                 looks.append(LimitLook(limit, applies=True))
                 continue
+            cost = 1
+            if limit.tiering is not None:
+                resolved = limit.tiering.resolve(limit, key, facts)
+                if resolved is None:
+                    looks.append(LimitLook(limit, applies=True, key=key, exempt=True))
+                    continue
+                limit, cost = resolved
             try:
-                verdict = await self.store.decide((Check(limit, key),), commit=False)
+                verdict = await self.store.decide((Check(limit, key, cost=cost),), commit=False)
             except StoreUnavailableError as exc:  # on_failure: deny, and the store is down
-                looks.append(LimitLook(limit, applies=True, key=key, unavailable=str(exc)))
+                looks.append(LimitLook(limit, True, key, unavailable=str(exc), cost=cost))
                 continue
-            looks.append(LimitLook(limit, applies=True, key=key, decision=verdict.decisions[0]))
+            looks.append(LimitLook(limit, True, key, verdict.decisions[0], cost=cost))
         return Explanation(outcome, access, tuple(looks))
 
     async def _enforce(self, enforced: list[Check], *, commit: bool = True) -> Outcome:
@@ -346,17 +373,21 @@ class LimitEngine:
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
         await asyncio.shield(self.store.refund(outcome.checks, charged_us))
 
-    async def _dry_run(self, dry: list[Check]) -> None:
+    async def _dry_run(self, dry: list[Check]) -> list[Check]:
+        """Count what each dry-run limit would have done; the checks that would reject."""
         verdicts = await self.store.decide_each(dry)
+        would_reject = []
         for check, verdict in zip(dry, verdicts, strict=True):
             decision = verdict.decisions[0]
             counters = check.limit.counters
             if not decision.allowed:
                 counters.dry_run_rejected += 1
+                would_reject.append(check)
             elif decision.delay_s > 0.0:
                 counters.dry_run_delayed += 1
             else:
                 counters.allowed += 1
+        return would_reject
 
     def headers(self, outcome: Outcome) -> list[tuple[str, str]]:
         """The rate-limit response headers for an outcome.

@@ -7,11 +7,13 @@ store needs nothing from the engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
 from gateway.keys import KeyBuilder
+from gateway.overrides import Tiering
 from gateway.policy import Limit, Route
 from gateway.routing import CompiledMatch
 
@@ -61,6 +63,14 @@ class CompiledLimit:
     routes: frozenset[str] | None
     window_s: float
     counters: LimitCounters
+    # Exemptions, cost and overrides; None for a limit with none of them.
+    tiering: Tiering | None = None
+    # The name of this limit's state table: ``name``, or ``name~N`` for an override's variant.
+    table: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            self.table = self.name
 
     def applies(self, route: Route, host: str, path: str, method: str) -> bool:
         if self.routes is not None and route.name not in self.routes:
@@ -90,3 +100,14 @@ class Check:
     max_delay_s: float = math.inf
     # Whether this check holds a place in ``limit.counters.deciding``.
     reserved: bool = False
+    # Units this request takes from the quota (the limit's ``cost``).
+    cost: int = 1
+
+
+def with_variants(limits: Sequence[CompiledLimit]) -> Iterator[CompiledLimit]:
+    """Each limit, then its overrides' variants (each with a state table of its own)."""
+    for limit in limits:
+        yield limit
+        tiering = limit.tiering
+        if tiering is not None and tiering.overrides is not None:
+            yield from tiering.overrides.variants

@@ -6,9 +6,10 @@ swaps whole. Cross-references (a route naming an upstream) are checked in ``poli
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NamedTuple, get_args
 
 from pydantic import (
     AfterValidator,
@@ -17,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -399,6 +401,28 @@ _NOT_LEASABLE = {
 }
 
 
+_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+
+
+class Cost(_Model):
+    """What one request costs a limit: by route name, else by method, else ``default``."""
+
+    default: int = Field(1, ge=1)
+    routes: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    methods: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+
+    @field_validator("methods")
+    @classmethod
+    def _upper(cls, value: dict[str, int]) -> dict[str, int]:
+        return {method.upper(): cost for method, cost in value.items()}
+
+    def of(self, route: str, method: str) -> int:
+        cost = self.routes.get(route)
+        if cost is None:
+            cost = self.methods.get(method, self.default)
+        return cost
+
+
 class _LimitBase(_Model):
     lease: LeaseSettings | None = Field(
         None,
@@ -429,6 +453,66 @@ class _LimitBase(_Model):
         "(often API keys): hashed (sha256, 12 hex digits) or plain",
     )
 
+    cost: int | Cost = Field(
+        1,
+        description="units one request takes from the quota: a number, or a default with "
+        "per-route and per-method costs",
+    )
+    exempt: tuple[str, ...] = Field(
+        (), description="CIDRs of clients this limit does not apply to (other limits still do)"
+    )
+    exempt_headers: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict,
+        description="header name -> values (e.g. an internal service token) whose requests "
+        "this limit does not apply to; compared in constant time, never logged",
+    )
+    plans: dict[Name, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="named parameter sets (rate/burst, or limit/window) overrides can name",
+    )
+    overrides: dict[str, Name | dict[str, Any]] = Field(
+        default_factory=dict,
+        description="key value (or CIDR for a client_ip key) -> a plan's name or its own "
+        "parameters; the most specific CIDR wins",
+    )
+    overrides_file: str | None = Field(
+        None,
+        description="YAML or JSON file of more overrides (relative to the policy file), "
+        "reloaded with the policy",
+    )
+
+    @field_validator("cost")
+    @classmethod
+    def _check_cost(cls, value: int | Cost) -> int | Cost:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"cost must be at least 1, got {value}")
+        return value
+
+    @field_validator("exempt")
+    @classmethod
+    def _check_exempt(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"invalid CIDR {cidr!r} in exempt") from None
+        return value
+
+    @field_validator("exempt_headers")
+    @classmethod
+    def _check_exempt_headers(cls, value: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        for name, secrets in value.items():
+            if not _HEADER_NAME_RE.match(name):
+                raise ValueError(f"invalid header name {name!r} in exempt_headers")
+            if not secrets or any(not s for s in secrets):
+                raise ValueError(f"exempt_headers {name!r}: give one or more non-empty values")
+        return value
+
+    @model_validator(mode="after")
+    def _check_overrides(self) -> _LimitBase:
+        tier_specs(self, self.overrides)
+        return self
+
     @field_validator("key")
     @classmethod
     def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -453,6 +537,11 @@ class _LimitBase(_Model):
             raise ValueError(
                 "a token_bucket with mode: queue or warmup cannot be leased: its delays and "
                 "ramp are computed per request; lease one in reject mode without warmup"
+            )
+        if self.overrides or self.overrides_file or self.cost != 1:
+            # A lease is a batch of one parameter set's unit admissions.
+            raise ValueError(
+                "a leased limit takes no overrides, overrides_file or cost (not supported yet)"
             )
         return self
 
@@ -498,6 +587,92 @@ class TokenBucketLimit(_LimitBase):
     burst: int = Field(1, ge=1, description="bucket capacity in tokens")
     mode: Literal["reject", "queue"] = "reject"
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
+
+
+# What a plan or an override may set: the algorithm's numbers, nothing about keys or matching.
+OVERRIDE_PARAMS = frozenset({"rate", "burst", "limit", "window", "nodelay", "delay", "warmup"})
+
+
+def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
+    """``spec`` with a plan's or an override's parameters (ValueError naming what is wrong)."""
+    model = type(spec)
+    unknown = sorted(set(params) - (OVERRIDE_PARAMS & set(model.model_fields)))
+    if unknown:
+        allowed = sorted(OVERRIDE_PARAMS & set(model.model_fields))
+        raise ValueError(
+            f"{', '.join(map(repr, unknown))} cannot be set for {spec.algorithm} "
+            f"(expected {', '.join(allowed)})"
+        )
+    fields = {name: getattr(spec, name) for name in OVERRIDE_PARAMS if name in model.model_fields}
+    try:
+        checked = model.model_validate({"algorithm": spec.algorithm, **fields, **params})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
+    return spec.model_copy(update={name: getattr(checked, name) for name in params})
+
+
+class OverrideError(ValueError):
+    """A bad override: ``entry`` is its key value, so a loader can find its line."""
+
+    def __init__(self, entry: str, reason: str) -> None:
+        self.entry = entry
+        super().__init__(f"override {entry!r}: {reason}")
+
+
+class Tiers(NamedTuple):
+    """Overrides resolved: each key value's tier, and each tier's spec. A tier's name stays
+    the same across reloads: the plan's, or ``=`` and a digest of its numbers."""
+
+    of_value: dict[str, str]
+    specs: dict[str, Any]
+
+
+def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
+    """``overrides`` resolved against the limit's plans; ValueError naming the first bad plan
+    or override (``OverrideError`` for an override)."""
+    plans: dict[str, Any] = {}
+    for name, params in spec.plans.items():
+        try:
+            plans[name] = variant_spec(spec, params)
+        except ValueError as exc:
+            raise ValueError(f"plan {name!r}: {exc}") from None
+    specs: dict[str, Any] = {}
+    of_value: dict[str, str] = {}
+    by_params: dict[str, str] = {}
+    networks = spec.key == ("client_ip",)
+    for value, target in overrides.items():
+        if target.__class__ is str:
+            if target not in specs:
+                plan = plans.get(target)
+                if plan is None:
+                    known = ", ".join(sorted(plans)) or "none defined"
+                    raise OverrideError(value, f"unknown plan {target!r} (plans: {known})")
+                specs[target] = plan
+            of_value[value] = target
+            continue
+        if not isinstance(target, dict):
+            raise OverrideError(value, "expected a plan's name or a mapping of parameters")
+        signature = repr(sorted(target.items()))
+        tier = by_params.get(signature)
+        if tier is None:
+            try:
+                custom = variant_spec(spec, target)
+            except ValueError as exc:
+                raise OverrideError(value, str(exc)) from None
+            tier = "=" + hashlib.blake2s(signature.encode(), digest_size=4).hexdigest()
+            by_params[signature] = tier
+            specs[tier] = custom
+        of_value[value] = tier
+    if networks:
+        for value in of_value:
+            if "/" in value:
+                try:
+                    ipaddress.ip_network(value, strict=False)
+                except ValueError:
+                    raise OverrideError(value, "invalid CIDR") from None
+    return Tiers(of_value, specs)
 
 
 # The names ``algorithm:`` takes, for error messages.

@@ -20,7 +20,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from gateway.algorithms.registry import build_algorithm
-from gateway.policy import ALGORITHMS, Policy
+from gateway.overrides_file import OverridesFileError, line_of, read_overrides, resolve_path
+from gateway.policy import ALGORITHMS, OverrideError, Policy, tier_specs
 from gateway.preflight import build_problems
 
 Loc = tuple[str | int, ...]
@@ -57,6 +58,8 @@ class LoadedPolicy:
     policy: Policy
     source: str
     sha256: str
+    # Files the policy names (overrides_file): a change to one reloads the policy too.
+    files: tuple[str, ...] = ()
 
 
 def format_loc(loc: Loc) -> str:
@@ -322,6 +325,7 @@ def parse_policy(text: str, file: str = "<policy>") -> LoadedPolicy:
                 loc, reason = _tag_problem(loc, error)
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         raise PolicyError(file, problems) from None
+    policy, files, digest_parts = _with_overrides_files(policy, file, lines)
     ref_problems = _check_references(policy) or build_problems(policy)
     if ref_problems:
         raise PolicyError(
@@ -331,8 +335,45 @@ def parse_policy(text: str, file: str = "<policy>") -> LoadedPolicy:
                 for loc, reason in ref_problems
             ],
         )
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    return LoadedPolicy(policy=policy, source=file, sha256=digest)
+    digest = hashlib.sha256(text.encode())
+    for part in digest_parts:
+        digest.update(b"\0" + part.encode())
+    return LoadedPolicy(policy=policy, source=file, sha256=digest.hexdigest(), files=files)
+
+
+def _with_overrides_files(
+    policy: Policy, file: str, lines: dict[Loc, int]
+) -> tuple[Policy, tuple[str, ...], list[str]]:
+    """The policy with each limit's ``overrides_file`` read into its ``overrides`` (the
+    policy's own entries win), the files read, and their names and texts for the digest."""
+    limits = dict(policy.limits)
+    files: list[str] = []
+    digest_parts: list[str] = []
+    for name, spec in policy.limits.items():
+        if spec.overrides_file is None:
+            continue
+        path = resolve_path(file, spec.overrides_file)
+        try:
+            entries, text = read_overrides(path)
+        except OverridesFileError as exc:
+            raise PolicyError(exc.file, [PolicyProblem(exc.line, "", exc.reason)]) from None
+        try:
+            tier_specs(spec, entries)
+        except OverrideError as exc:
+            raise PolicyError(
+                str(path), [PolicyProblem(line_of(text, exc.entry), "", str(exc))]
+            ) from None
+        except ValueError as exc:
+            loc: Loc = ("limits", name, "overrides_file")
+            raise PolicyError(
+                file, [PolicyProblem(_line_for(lines, loc), format_loc(loc), str(exc))]
+            ) from None
+        limits[name] = spec.model_copy(update={"overrides": {**entries, **spec.overrides}})
+        files.append(str(path))
+        digest_parts += [str(path), text]
+    if not files:
+        return policy, (), []
+    return policy.model_copy(update={"limits": limits}), tuple(files), digest_parts
 
 
 def load_policy(path: str | Path) -> LoadedPolicy:

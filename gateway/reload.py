@@ -98,12 +98,10 @@ class PolicyReloader:
     def _update(self, **changes: Any) -> None:
         self.status = self.status.model_copy(update=changes)
 
-    def _file_signature(self) -> tuple[int, int, int] | None:
-        try:
-            stat = self.path.stat()  # follows symlinks: a config map swaps the target
-        except OSError:
-            return None
-        return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    def _file_signature(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """The policy file's, then those of the files it names (``overrides_file``)."""
+        paths: tuple[str | Path, ...] = (self.path, *self._running().files)
+        return tuple(_signature(path) for path in paths)
 
     async def watch(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
         """Reload whenever the file's directory changes; runs until ``stop`` is set.
@@ -113,6 +111,8 @@ class PolicyReloader:
         """
         directory = self.path.resolve().parent
         names = {self.path.name, self.path.resolve().name}
+        # The files the policy names that live beside it (others are caught by the stat check).
+        names |= {Path(path).name for path in self._running().files}
         async for changes in watchfiles.awatch(
             directory,
             watch_filter=None,
@@ -130,6 +130,14 @@ class PolicyReloader:
             if current != self._seen or any(_concerns(path, names) for _, path in changes):
                 self._seen = current
                 await self.reload()
+
+
+def _signature(path: str | Path) -> tuple[int, int, int] | None:
+    try:
+        stat = Path(path).stat()  # follows symlinks: a config map swaps the target
+    except OSError:
+        return None
+    return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
 
 
 def _concerns(path: str, names: set[str]) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 
 from gateway.clock import FakeClock
-from gateway.policy_loader import parse_policy
+from gateway.policy_loader import load_policy, parse_policy
 from tests.conftest import GatewayFactory, RecordingUpstream
 
 POLICIES = Path(__file__).parent.parent / "policies"
@@ -142,3 +142,27 @@ async def test_layered_policy_explain_gives_the_combined_verdict(
     assert items == {"status": 200, "delay_s": 0.1, "delayed_by": "per_ip"}
     # Outside /api/ only per_ip and global apply, and they delay the same.
     assert elsewhere["delayed_by"] == "per_ip"
+
+
+async def test_tiers_policy_gives_plans_their_quota(
+    tmp_path: Path, start_gateway: GatewayFactory
+) -> None:
+    (tmp_path / "tiers").mkdir()
+    (tmp_path / "tiers" / "keys.yaml").write_text((POLICIES / "tiers" / "keys.yaml").read_text())
+    (tmp_path / "tiers.yaml").write_text(_local("tiers.yaml"))
+    gw = await start_gateway(load_policy(tmp_path / "tiers.yaml"), clock=FakeClock())
+    async with aiohttp.ClientSession() as session:
+
+        async def served(key: str, path: str = "/api/hello") -> int:
+            statuses = []
+            for _ in range(25):
+                async with session.get(gw.url + path, headers={"X-API-Key": key}) as resp:
+                    statuses.append(resp.status)
+            return statuses.count(200)
+
+        # Burst 10 for anyone, 20 for silver (from the generated file), 100 for gold.
+        assert await served("anyone") == 10
+        assert await served("key-0001") == 20
+        assert await served("key-7f3a") == 25
+        # A search costs 10: one fits in the default burst of 10.
+        assert await served("another", "/api/search") == 1

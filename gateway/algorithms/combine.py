@@ -64,12 +64,14 @@ def decide_all(
     cost: int = 1,
     *,
     stamp_us: int | None = None,
+    costs: Sequence[int] | None = None,
 ) -> CombinedDecision:
     """Check every ``(algorithm, state)`` at ``now_us``; commit all or nothing (nginx's rule).
-    ``stamp_us`` is the verdict's ``now_us`` (a store's, set here rather than by a copy)."""
+    ``stamp_us`` is the verdict's ``now_us`` (a store's, set here rather than by a copy);
+    ``costs``, one per item, replaces ``cost`` when limits weigh the request differently."""
     if len(items) == 1:
         algorithm, state = items[0]
-        decision, new_state = algorithm.decide(state, now_us, cost)
+        decision, new_state = algorithm.decide(state, now_us, costs[0] if costs else cost)
         if decision.allowed:
             delayed = 0 if decision.delay_s > 0.0 else None
             return CombinedDecision(
@@ -83,7 +85,7 @@ def decide_all(
     delay_s = 0.0
     delayed_by = None
     for index, (algorithm, state) in enumerate(items):
-        decision, new_state = algorithm.decide(state, now_us, cost)
+        decision, new_state = algorithm.decide(state, now_us, costs[index] if costs else cost)
         if not decision.allowed:
             break
         decisions.append(decision)
@@ -97,8 +99,9 @@ def decide_all(
             True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), stamp_us
         )
     # Some limit rejects: every limit is still decided, for a Retry-After good for all.
-    for algorithm, state in items[len(decisions) :]:
-        decision, new_state = algorithm.decide(state, now_us, cost)
+    for index in range(len(decisions), len(items)):
+        algorithm, state = items[index]
+        decision, new_state = algorithm.decide(state, now_us, costs[index] if costs else cost)
         decisions.append(decision)
         new_states.append(new_state)
     return combine(decisions, new_states, [state for _, state in items], stamp_us)

@@ -206,7 +206,22 @@ class GatewayCollector(Collector):
         dry_run = GaugeMetricFamily(
             "gateway_limit_dry_run", "1 for a dry-run (never enforced) limit.", labels=["limit"]
         )
+        # Aggregates of the top-keys view (never the keys: labels are config names only), for
+        # enforced limits and for dry-run ones, whose view holds the keys they would limit.
+        limited_keys = GaugeMetricFamily(
+            "gateway_limit_top_keys",
+            "Keys in a limit's recent top limited keys (dry-run: keys it would have limited).",
+            labels=["limit"],
+        )
+        top_key_hits = GaugeMetricFamily(
+            "gateway_limit_top_key_rejections",
+            "Recent rejections (dry-run: would-be rejections) of a limit's most limited key.",
+            labels=["limit"],
+        )
         for name, limit in sorted(snap.limits.items()):
+            top = snap.top_keys.get(name, ())
+            limited_keys.add_metric([name], len(top))
+            top_key_hits.add_metric([name], max((h.count for h in top), default=0))
             for result in DECISION_RESULTS:
                 decisions.add_metric([name, result], getattr(limit, result))
             wait.add_metric([name], _buckets(limit.wait, QUEUE_WAIT_BUCKETS), limit.wait.total)
@@ -214,7 +229,7 @@ class GatewayCollector(Collector):
             tracked.add_metric([name], limit.tracked_keys)
             evictions.add_metric([name], limit.evictions)
             dry_run.add_metric([name], 1 if limit.dry_run else 0)
-        yield from (decisions, wait, depth, tracked, evictions, dry_run)
+        yield from (decisions, wait, depth, tracked, evictions, dry_run, limited_keys, top_key_hits)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:

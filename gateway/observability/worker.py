@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -21,7 +21,7 @@ from aiohttp.web_request import BaseRequest
 
 from gateway.clock import Clock
 from gateway.keys import shown_key
-from gateway.limits import DecisionCounts
+from gateway.limits import Check, DecisionCounts
 from gateway.logs import JSON_LINE, json_line
 from gateway.observability.hooks import (
     CLIENT_IP,
@@ -167,7 +167,11 @@ class WorkerMetrics:
             refused = [checks[index] for index in verdict.rejected_by]
         else:  # refused by a full queue: the verdict allowed it
             refused = [c for c in checks if c.limit.name == outcome.rejected_by]
-        for check in refused:
+        self.note_keys(refused)
+
+    def note_keys(self, checks: Iterable[Check]) -> None:
+        """Count the keys of checks that refused a request (or, dry-run, would have)."""
+        for check in checks:
             sketch = self.top_keys.get(check.limit.name)
             if sketch is None:
                 sketch = self.top_keys[check.limit.name] = RecentTopKeys(
@@ -296,6 +300,8 @@ class ObservedHandler:
         metrics.requests.record(route, request.method, status, duration_s)
         outcome = request.get(LIMIT_OUTCOME) if runtime.engine.active else None
         if outcome is not None:
+            if outcome.would_reject:
+                metrics.note_keys(outcome.would_reject)
             if outcome.rejected_by is not None:
                 metrics.note_limited(outcome)
             elif outcome.delay_s > 0.0 and not outcome.status:

@@ -7,7 +7,7 @@ from typing import Any
 
 from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
-from gateway.limits import Check, CompiledLimit
+from gateway.limits import Check, CompiledLimit, with_variants
 from gateway.observability.stats import StoreStats
 from gateway.stores.keyed_state import KeyedState
 
@@ -26,9 +26,9 @@ class MemoryStore:
         self._dropped_evictions: dict[str, int] = {}
 
     def _table(self, limit: CompiledLimit) -> KeyedState[Any]:
-        table = self.tables.get(limit.name)
+        table = self.tables.get(limit.table)
         if table is None:
-            table = self.tables[limit.name] = KeyedState(limit.spec.max_keys, limit.algorithm)
+            table = self.tables[limit.table] = KeyedState(limit.spec.max_keys, limit.algorithm)
         return table
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
@@ -42,11 +42,11 @@ class MemoryStore:
         if len(checks) == 1:  # the common case, without the lists
             check = checks[0]
             limit = check.limit
-            table = self.tables.get(limit.name)
+            table = self.tables.get(limit.table)
             if table is None:
                 table = self._table(limit)
             state = table.get(check.key) if commit else table.peek(check.key)
-            verdict = decide_all(((limit.algorithm, state),), now_us, stamp_us=now_us)
+            verdict = decide_all(((limit.algorithm, state),), now_us, check.cost, stamp_us=now_us)
             if verdict.delay_s > 0.0:
                 verdict = refuse_long_delays(verdict, (state,), (check.max_delay_s,))
             if commit and verdict.allowed:
@@ -58,9 +58,12 @@ class MemoryStore:
         tables: list[KeyedState[Any]] = []
         states: list[Any] = []
         items: list[tuple[Any, Any]] = []
+        costs: list[int] | None = None
         for check in checks:
             limit = check.limit
-            table = known.get(limit.name)
+            if check.cost != 1 and costs is None:
+                costs = [c.cost for c in checks]
+            table = known.get(limit.table)
             if table is None:
                 table = self._table(limit)
             # A look (commit=False, for /explain) leaves the keys' places in the LRU order alone.
@@ -71,7 +74,7 @@ class MemoryStore:
         # Stamped with the instant decided at: a delayed request's refund needs it, and the
         # access log records it so ``gateway replay`` can decide the same request at the same
         # instant.
-        verdict = decide_all(items, now_us, stamp_us=now_us)
+        verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
         if verdict.delay_s > 0.0:
             verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
         if commit and verdict.allowed:
@@ -85,7 +88,7 @@ class MemoryStore:
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         now_us = self.clock.now_us()
         for check in checks:
-            table = self.tables.get(check.limit.name)
+            table = self.tables.get(check.limit.table)
             # A reload may have removed the limit, or given its name another algorithm whose
             # states this request's charge is no part of: nothing to give back then.
             if table is None or type(table.algorithm) is not type(check.limit.algorithm):
@@ -94,22 +97,22 @@ class MemoryStore:
             if state is None:
                 continue
             # The table's algorithm: rescaled by a reload that changed its parameters.
-            state = table.algorithm.refund(state, now_us, charged_us=charged_us)
+            state = table.algorithm.refund(state, now_us, check.cost, charged_us=charged_us)
             table.put(check.key, state, now_us)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         now_us = self.clock.now_us()
-        old = {limit.name: limit for limit in previous}
+        old = {limit.table: limit for limit in with_variants(previous)}
         tables: dict[str, KeyedState[Any]] = {}
-        for limit in limits:
-            before = old.get(limit.name)
-            table = self.tables.get(limit.name)
+        for limit in with_variants(limits):
+            before = old.get(limit.table)
+            table = self.tables.get(limit.table)
             if before is None or table is None or before.identity != limit.identity:
                 continue  # a new limit, or a different key or algorithm: start afresh
             table.resize(limit.spec.max_keys)
             if before.algorithm != limit.algorithm:
                 table.rescale(limit.algorithm, before.algorithm, now_us)
-            tables[limit.name] = table
+            tables[limit.table] = table
         for name, table in self.tables.items():
             if tables.get(name) is not table:
                 self._dropped_evictions[name] = (
@@ -117,14 +120,25 @@ class MemoryStore:
                 )
         self.tables = tables
 
+    def _tables_of(self, limit_name: str) -> list[KeyedState[Any]]:
+        """A limit's table and its overrides' (``name~N``)."""
+        tables = self.tables
+        found = [tables[limit_name]] if limit_name in tables else []
+        prefix = limit_name + "~"
+        if len(tables) > 1:
+            found += [table for name, table in tables.items() if name.startswith(prefix)]
+        return found
+
     def tracked_keys(self, limit_name: str) -> int:
-        table = self.tables.get(limit_name)
-        return len(table) if table is not None else 0
+        return sum(len(table) for table in self._tables_of(limit_name))
 
     def evictions(self, limit_name: str) -> int:
-        table = self.tables.get(limit_name)
-        current = table.evictions if table is not None else 0
-        return self._dropped_evictions.get(limit_name, 0) + current
+        current = sum(table.evictions for table in self._tables_of(limit_name))
+        dropped = self._dropped_evictions
+        prefix = limit_name + "~"
+        return current + sum(
+            n for name, n in dropped.items() if name == limit_name or name.startswith(prefix)
+        )
 
     async def prepare(self) -> None:
         """Nothing to get ready in process."""

@@ -40,7 +40,7 @@ import lmdb
 from gateway.algorithms.base import Algorithm
 from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
-from gateway.limits import Check, CompiledLimit
+from gateway.limits import Check, CompiledLimit, with_variants
 from gateway.observability.stats import StoreStats
 
 ENV_SHARED_DIR: Final = "GATEWAY_SHARED_DIR"
@@ -135,7 +135,7 @@ def key_bytes(key: str) -> bytes:
 
 def policy_hash(limits: Sequence[CompiledLimit]) -> bytes:
     described = [
-        (limit.name, limit.identity, limit.algorithm, limit.spec.max_keys) for limit in limits
+        (limit.table, limit.identity, limit.algorithm, limit.spec.max_keys) for limit in limits
     ]
     return hashlib.sha256(pickle.dumps(described)).digest()
 
@@ -193,7 +193,9 @@ class SharedStore:
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         """Adopt a policy's limits. The first worker to adopt a policy keeps, rescales or frees
         each table's state (the environment records the algorithms it was made under, so
-        ``previous`` is not needed); the others find it done by its hash."""
+        ``previous`` is not needed); the others find it done by its hash. Overrides' variants
+        have tables of their own."""
+        limits = tuple(with_variants(limits))
         for limit in limits:
             probe = limit.algorithm.decide(None, 0)[1]
             if probe is not None and not isinstance(probe, int | bytes):
@@ -217,24 +219,24 @@ class SharedStore:
         tables = self._read_tables(txn)
         kept: set[str] = set()
         for limit in limits:
-            table = tables.get(limit.name)
+            table = tables.get(limit.table)
             if table is not None and table.identity == limit.identity:
                 if table.algorithm != limit.algorithm:
                     self._rescale(txn, table, limit.algorithm, now_us)
                 if limit.spec.max_keys < table.max_keys:
                     self._shrink(txn, table.slot, limit.spec.max_keys)
                 slot = table.slot
-                kept.add(limit.name)
+                kept.add(limit.table)
             else:
                 slot = self._read_int(txn, _NEXT_SLOT)
                 txn.put(_NEXT_SLOT, _TICK.pack(slot + 1), db=self._meta)
             record = (slot, limit.identity, limit.algorithm, limit.spec.max_keys)
-            txn.put(b"table:" + limit.name.encode(), pickle.dumps(record), db=self._meta)
+            txn.put(b"table:" + limit.table.encode(), pickle.dumps(record), db=self._meta)
         for name, table in tables.items():
             if name in kept:
                 continue
             self._drop_slot(txn, table.slot)
-            if name not in {limit.name for limit in limits}:
+            if name not in {limit.table for limit in limits}:
                 txn.delete(b"table:" + name.encode(), db=self._meta)
 
     def _read_tables(self, txn: Any) -> dict[str, _Table]:
@@ -375,7 +377,7 @@ class SharedStore:
             items: list[tuple[Algorithm[Any], Any]] = []
             for check in checks:
                 limit = check.limit
-                table = tables.get(limit.name)
+                table = tables.get(limit.table)
                 state = raw = key = None
                 # A table another worker's newer policy made for other keys or another
                 # algorithm: not this request's; it is decided afresh and stored nowhere
@@ -389,7 +391,8 @@ class SharedStore:
                 raws.append(raw)
                 states.append(state)
                 items.append((limit.algorithm, state))
-            verdict = decide_all(items, now_us, stamp_us=now_us)
+            costs = [c.cost for c in checks] if any(c.cost != 1 for c in checks) else None
+            verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
             if verdict.delay_s > 0.0:
                 verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
             if commit and verdict.allowed:
@@ -399,9 +402,9 @@ class SharedStore:
                         continue
                     if state is None:
                         if raw is not None:
-                            self._forget(txn, tables[check.limit.name].slot, key, raw[:8])
+                            self._forget(txn, tables[check.limit.table].slot, key, raw[:8])
                     elif raw is None:
-                        self._insert(txn, tables[check.limit.name], key, now_us, now_tick)
+                        self._insert(txn, tables[check.limit.table], key, now_us, now_tick)
                         txn.put(key, now_tick + encode_payload(state))
                     else:
                         if raw[:8] != now_tick:  # used in another tick: it moves in the LRU
@@ -442,7 +445,7 @@ class SharedStore:
         with self._begin(env, True) as txn:
             self._refresh(txn)
             for check in checks:
-                table = self._tables.get(check.limit.name)
+                table = self._tables.get(check.limit.table)
                 # A reload may have removed the limit, or given its name another algorithm
                 # whose states this request's charge is no part of: nothing to give back then.
                 if table is None or type(table.algorithm) is not type(check.limit.algorithm):
@@ -453,7 +456,7 @@ class SharedStore:
                     continue
                 tick, state = decode_state(raw)
                 # The table's algorithm: rescaled by a reload that changed its parameters.
-                state = table.algorithm.refund(state, now_us, charged_us=charged_us)
+                state = table.algorithm.refund(state, now_us, check.cost, charged_us=charged_us)
                 txn.put(key, encode_state(tick, state), db=self._state)
 
     # -- what the metrics read ---------------------------------------------------------------

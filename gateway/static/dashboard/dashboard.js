@@ -198,8 +198,12 @@
     );
     const none = node.querySelector(".top .none");
     none.hidden = info.top_keys.length > 0;
-    // The engine counts a dry-run limit's verdicts but does not say which keys they were for.
-    none.textContent = dryRun ? "not tracked for dry-run limits" : "no key limited lately";
+    // A dry-run limit's view holds the keys it would have rejected.
+    none.textContent = dryRun ? "no key would have been limited lately" : "no key limited lately";
+    const summary = node.querySelector(".top summary");
+    summary.textContent = dryRun
+      ? "keys it would have limited, last 1–2 minutes"
+      : "top limited keys, last 1–2 minutes";
 
     const s = seriesFor(name, dryRun);
     view.rates.setData([s.x, s.allowed, s.delayed, s.rejected]);

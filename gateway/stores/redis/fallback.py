@@ -42,11 +42,12 @@ class Owed:
         for check in checks:
             pair = (check.limit.name, check.key)
             entry = entries.get(pair)
+            charge = cost * check.cost  # a weighted request owes its cost
             if entry is None and len(entries) >= self.max_keys:
-                self.dropped += cost
+                self.dropped += charge
                 continue
             # The newest limit object: a reload in between charges under its parameters.
-            entries[pair] = (check.limit, cost + (entry[1] if entry is not None else 0))
+            entries[pair] = (check.limit, charge + (entry[1] if entry is not None else 0))
 
     def take(self) -> list[tuple[Check, int]]:
         """Everything owed, forgotten here: the caller charges it or ``add``s it back."""

@@ -20,7 +20,7 @@ from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.circuit import CircuitBreaker
 from gateway.clock import Clock, MonotonicClock
-from gateway.limits import Check, CompiledLimit
+from gateway.limits import Check, CompiledLimit, with_variants
 from gateway.observability.stats import StoreStats
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
@@ -194,9 +194,9 @@ class RedisStore:
         Redis); the local fallback keeps or rescales its state as the memory store does."""
         # Leased limits make no per-request call: the tag comes from the others' keys.
         tag_part = tag_scheme([limit for limit in limits if limit.spec.lease is None])
-        plans = {limit.name: self._build_plan(limit, tag_part) for limit in limits}
+        plans = {limit.table: self._build_plan(limit, tag_part) for limit in with_variants(limits)}
         self.leases.configure(limits)
-        old_local = [self.plan(limit).local for limit in previous]
+        old_local = [self.plan(limit).local for limit in with_variants(previous)]
         self.local.configure([plan.local for plan in plans.values()], old_local)
         self._tag_part = tag_part
         self._plans = plans
@@ -217,16 +217,19 @@ class RedisStore:
             key_head=self.key_prefix + "{",
             key_tail=f"}}{limit.name}:{fingerprint(limit, codec)}:",
             tag_index=tag_index,
-            local=dataclasses.replace(limit, algorithm=limit.algorithm.share(self.replicas)),
+            # Without the tiering: the variants have plans (and local tables) of their own.
+            local=dataclasses.replace(
+                limit, algorithm=limit.algorithm.share(self.replicas), tiering=None
+            ),
         )
 
     def plan(self, limit: CompiledLimit) -> LimitPlan:
         """The plan for a limit of the current policy, or of the one before (requests in
         flight across a reload)."""
-        plan = self._plans.get(limit.name)
+        plan = self._plans.get(limit.table)
         if plan is not None and plan.algorithm is limit.algorithm:
             return plan
-        stale_key = (limit.name, limit.algorithm)
+        stale_key = (limit.table, limit.algorithm)
         plan = self._stale_plans.get(stale_key)
         if plan is None:
             plan = self._stale_plans[stale_key] = self._build_plan(limit, self._tag_part)
@@ -387,7 +390,12 @@ class RedisStore:
         now = b"" if time_source is None else b"%d" % time_source.now_us()
         self.counters.calls += 1
         call_id = self.counters.calls
-        argv = [b"%s%d" % (mode, call_id), now, b"%d" % cost, self._min_ttl]
+        # One cost for every limit, or one per limit when limits weigh the request differently.
+        if any(check.cost != 1 for check in checks):
+            costs = b" ".join([b"%d" % (cost * check.cost) for check in checks])
+        else:
+            costs = b"%d" % cost
+        argv = [b"%s%d" % (mode, call_id), now, costs, self._min_ttl]
         argv += [plan.codec.params for plan in plans]
         argv += [_bound(check.max_delay_s) for check in checks]
         if mode == b"r":

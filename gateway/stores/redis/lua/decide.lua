@@ -9,7 +9,8 @@
 --            then the call's number, echoed last in the reply: the client checks each reply
 --            is its own call's, so no reply can ever be taken for another call's verdict
 -- ARGV[2]    now in microseconds; '' reads Redis TIME, the one clock all replicas share
--- ARGV[3]    cost of the request
+-- ARGV[3]    cost of the request: one number for every limit, or one per limit separated
+--            by spaces (limits may weigh a request differently)
 -- ARGV[4]    least time to live in ms for written keys (0: expire as soon as idle)
 -- ARGV[4+i]  limit i's parameters: algorithm letter, then its numbers. A key holds the
 --            parameters it was written under, then the state: a state written under other
@@ -29,7 +30,9 @@ if not now_us then
   local t = redis.call('TIME')
   now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local cost = tonumber(ARGV[3])
+local costs = {}
+for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
+local function cost_of(i) return costs[i] or costs[1] end
 local min_ttl_ms = tonumber(ARGV[4])
 local n = #KEYS
 
@@ -71,7 +74,7 @@ if mode == 'r' then
     local raw, rescaled, rescaled_idle_us = load(i, p)
     local state, idle_in_us = nil, 0
     if raw then
-      state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost, charged_us)
+      state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost_of(i), charged_us)
     end
     if state then
       store(KEYS[i], p, state, idle_in_us)
@@ -87,6 +90,7 @@ if mode == 'c' then
     local p = ARGV[4 + i]
     local raw, rescaled, rescaled_idle_us = load(i, p)
     local algorithm = ALG[string.sub(p, 1, 1)]
+    local cost = cost_of(i)
     local ok, state, idle_in_us = algorithm.decide(p, raw, now_us, cost)
     if ok == 0 then
       -- Every algorithm admits any smaller cost than one it admits: the largest cost that
@@ -123,7 +127,7 @@ for i = 1, n do
   local raw, was_rescaled, rescaled_idle_us = load(i, p)
   if was_rescaled then rescaled[i] = {raw, rescaled_idle_us} end
   local ok, state, idle_in_us, a, b, c, d, delay_s =
-    ALG[string.sub(p, 1, 1)].decide(p, raw, now_us, cost)
+    ALG[string.sub(p, 1, 1)].decide(p, raw, now_us, cost_of(i))
   if ok == 0 then allowed = false end
   local bound = tonumber(ARGV[4 + n + i])
   if delay_s and bound and delay_s > bound then too_long = true end

@@ -1,0 +1,177 @@
+"""Per-limit tiers, costs and exemptions, compiled for the hot path.
+
+An override gives one key value (or, for a ``client_ip`` key, a CIDR) its own parameters. Each
+distinct parameter set becomes one variant of the limit: a ``CompiledLimit`` with the same name
+and counters and its own algorithm and state table, so a request's check simply names the
+variant and every store decides it as it decides any limit. Lookups are one dict probe for
+exact values and one per distinct prefix length for CIDRs (longest prefix wins), whatever the
+number of overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import ipaddress
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+from gateway.policy import Cost, tier_specs
+
+# A compiled limit (``gateway.limits.CompiledLimit``, which holds a ``Tiering``: generic here
+# so that this module needs nothing from it).
+L = TypeVar("L")
+
+
+def _window_s(spec: Any) -> float:
+    # The engine's rule, repeated to keep this module free of the engine.
+    if spec.algorithm in ("fixed_window", "sliding_window", "sliding_log"):
+        return float(spec.window)
+    quota = spec.burst + 1 if spec.algorithm == "leaky_bucket" else spec.burst
+    return float(quota / spec.rate.per_second)
+
+
+class Overrides(Generic[L]):
+    """Key value -> the variant of a limit that decides it; ``None`` when the key has none."""
+
+    __slots__ = ("_exact", "_v4", "_v6", "variants")
+
+    def __init__(
+        self, limit: Any, build_algorithm: Callable[[Any], Any], entries: Mapping[str, Any]
+    ) -> None:
+        tiers = tier_specs(limit.spec, dict(entries))
+        # One variant per tier, its table named by the tier so that a reload keeps (or
+        # rescales) its keys.
+        variants: dict[str, L] = {
+            tier: dataclasses.replace(
+                limit,
+                spec=spec,
+                algorithm=build_algorithm(spec),
+                window_s=_window_s(spec),
+                table=f"{limit.name}~{tier}",
+            )
+            for tier, spec in tiers.specs.items()
+        }
+        of_value = tiers.of_value
+        prefixes: dict[int, dict[int, dict[int, L]]] = {4: {}, 6: {}}
+        if limit.spec.key == ("client_ip",) and any("/" in value for value in of_value):
+            self._exact: dict[str, L] = {}
+            for value, tier in of_value.items():
+                if "/" not in value:
+                    self._exact[value] = variants[tier]
+                    continue
+                network = ipaddress.ip_network(value, strict=False)
+                by_length = prefixes[network.version].setdefault(network.prefixlen, {})
+                by_length[int(network.network_address)] = variants[tier]
+        else:
+            self._exact = {value: variants[tier] for value, tier in of_value.items()}
+        self.variants: tuple[L, ...] = tuple(variants.values())
+        self._v4: tuple[tuple[int, dict[int, L]], ...] = _longest_first(prefixes[4])
+        self._v6: tuple[tuple[int, dict[int, L]], ...] = _longest_first(prefixes[6])
+
+    def __len__(self) -> int:
+        return len(self._exact) + sum(len(t) for _, t in self._v4 + self._v6)
+
+    def resolve(self, key: str) -> L | None:
+        variant = self._exact.get(key)
+        if variant is not None or not (self._v4 or self._v6):
+            return variant
+        # An IPv6 client key is its network, 'addr/prefix': its address part is looked up.
+        try:
+            address = ipaddress.ip_address(key.partition("/")[0])
+        except ValueError:
+            return None
+        table, bits = (self._v4, 32) if address.version == 4 else (self._v6, 128)
+        number = int(address)
+        for length, networks in table:
+            variant = networks.get(number >> (bits - length) << (bits - length))
+            if variant is not None:
+                return variant
+        return None
+
+
+def _longest_first(tables: dict[int, dict[int, L]]) -> tuple[tuple[int, dict[int, L]], ...]:
+    return tuple(sorted(tables.items(), reverse=True))
+
+
+class Exemptions:
+    """Who bypasses one limit: client CIDRs, or a header holding one of the configured values
+    (compared in constant time; the values never leave this object)."""
+
+    __slots__ = ("_headers", "_networks")
+
+    def __init__(self, cidrs: tuple[str, ...], headers: Mapping[str, tuple[str, ...]]) -> None:
+        self._networks = tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
+        self._headers = tuple(
+            (name, tuple(v.encode() for v in values)) for name, values in headers.items()
+        )
+
+    def __repr__(self) -> str:
+        return f"Exemptions({len(self._networks)} networks, {len(self._headers)} headers)"
+
+    def exempt(self, client_ip: str, headers: Mapping[str, str]) -> bool:
+        if self._networks:
+            try:
+                address = ipaddress.ip_address(client_ip.partition("/")[0])
+            except ValueError:
+                address = None
+            if address is not None and any(address in n for n in self._networks):
+                return True
+        for name, secrets in self._headers:
+            sent = headers.get(name)
+            if sent is None:
+                continue
+            given = sent.encode("utf-8", "surrogateescape")
+            # Every value compared, so the time taken tells nothing about which one matched.
+            matched = False
+            for secret in secrets:
+                matched |= hmac.compare_digest(given, secret)
+            if matched:
+                return True
+        return False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tiering:
+    """What a limit needs beyond its own parameters on each request: exemptions, cost, tiers.
+    ``None`` on a limit that uses none of them, so such limits pay one attribute test."""
+
+    exemptions: Exemptions | None
+    cost: int | Cost
+    overrides: Overrides[Any] | None
+
+    def resolve(self, limit: L, key: str, facts: Any) -> tuple[L, int] | None:
+        """The variant of ``limit`` that decides this request and its cost; ``None`` when the
+        request is exempt from the limit."""
+        exemptions = self.exemptions
+        if exemptions is not None and exemptions.exempt(facts.client_key, facts.headers):
+            return None
+        overrides = self.overrides
+        if overrides is not None:
+            variant = overrides.resolve(key)
+            if variant is not None:
+                limit = variant
+        cost = self.cost
+        return limit, cost if isinstance(cost, int) else cost.of(facts.route, facts.method)
+
+
+def compile_tiering(
+    limit: Any,
+    build_algorithm: Callable[[Any], Any],
+    extra_overrides: Mapping[str, Any] | None = None,
+) -> Tiering | None:
+    spec = limit.spec
+    entries: dict[str, Any] = dict(spec.overrides)
+    if extra_overrides:
+        entries.update(extra_overrides)
+    if not (spec.exempt or spec.exempt_headers or entries or spec.cost != 1):
+        return None
+    exemptions = (
+        Exemptions(spec.exempt, spec.exempt_headers)
+        if (spec.exempt or spec.exempt_headers)
+        else None
+    )
+    overrides: Overrides[Any] | None = (
+        Overrides(limit, build_algorithm, entries) if entries else None
+    )
+    return Tiering(exemptions, spec.cost, overrides)
