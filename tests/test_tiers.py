@@ -180,8 +180,6 @@ async def test_cost_is_charged_by_every_algorithm(
     quota: int,
     tmp_path: Path,
 ) -> None:
-    if store == "shared" and algorithm == "sliding_log":
-        pytest.skip("the shared store holds no sliding_log states")
     limits = (
         f"limits:\n  weighted:\n    algorithm: {algorithm}\n    {params}\n"
         "    cost: {default: 1, methods: {POST: 4}}\n"
