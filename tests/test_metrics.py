@@ -15,7 +15,7 @@ import os
 import re
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -721,3 +721,27 @@ async def test_totals_never_go_down_whichever_worker_answers(two_workers: Worker
         for _ in range(4):
             samples, _ = await scrape(session, admin_url)
             assert _requests_total(samples) == sent
+
+
+def test_stale_metrics_directories_go_even_when_another_worker_removes_one_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers of one gateway start together and each cleans what exited gateways left: a
+    directory listed by one may be gone (removed by another) before it is reached. That raised
+    in the worker, which died with a traceback and was restarted."""
+    from gateway.observability.shared import DIR_PREFIX, _remove_dirs_of_gone_supervisors
+
+    gone = [pid for pid in range(4_000_000, 4_000_100) if not Path(f"/proc/{pid}").exists()]
+    stale = tmp_path / f"{DIR_PREFIX}{gone[0]}"
+    stale.mkdir()
+    (stale / "worker-0.json").write_text("{}")
+    removed_meanwhile = tmp_path / f"{DIR_PREFIX}{gone[1]}"
+    listed = Path.glob
+
+    def glob(self: Path, pattern: str) -> Iterator[Path]:
+        yield removed_meanwhile  # listed, then removed by another worker before we reach it
+        yield from listed(self, pattern)
+
+    monkeypatch.setattr(Path, "glob", glob)
+    _remove_dirs_of_gone_supervisors(tmp_path)
+    assert not stale.exists()

@@ -9,9 +9,9 @@ one. A worker that restarts under the same id starts from its predecessor's coun
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -45,10 +45,9 @@ def _remove_dirs_of_gone_supervisors(base: Path) -> None:
         pid = directory.name.removeprefix(DIR_PREFIX)
         if not pid.isdigit() or Path(f"/proc/{pid}").exists():
             continue
-        for file in directory.iterdir():
-            file.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            directory.rmdir()
+        # The workers of one gateway start together and clean the same directories: another
+        # may remove this one (or its files) while we do.
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class SnapshotDirectory:
