@@ -89,7 +89,10 @@ def _worker_main(
             )
         )
     except StartupError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
+        # One write, line and newline together: the workers of --workers N fail at once on
+        # one stderr, and print()'s two writes interleaved their lines.
+        sys.stderr.write(f"gateway: {exc}\n")
+        sys.stderr.flush()
         raise SystemExit(EXIT_STARTUP) from None
 
 
