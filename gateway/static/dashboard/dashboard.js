@@ -115,9 +115,12 @@
     for (const point of dash.history.slice(-RATIO_WINDOW)) {
       const lim = point.limits[name];
       if (!lim) continue;
+      // Points hold rates over their own dt seconds (1 s, longer on a busy machine): counts
+      // are rate x dt, or a point that lasted longer would weigh less than its requests.
+      const dt = point.dt || 1;
       const r = dryRun ? lim.dry_run_rejected : lim.rejected;
-      refused += r;
-      total += lim.allowed + (dryRun ? lim.dry_run_delayed : lim.delayed) + r;
+      refused += r * dt;
+      total += (lim.allowed + (dryRun ? lim.dry_run_delayed : lim.delayed) + r) * dt;
     }
     return total > 0 ? refused / total : null;
   }
