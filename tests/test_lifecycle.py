@@ -464,7 +464,8 @@ def _policy_file(upstream_url: str, server: str = "") -> str:
 async def _can_connect(port: int) -> bool:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
-    except (ConnectionRefusedError, TimeoutError):
+    except (ConnectionRefusedError, ConnectionResetError, TimeoutError):
+        # Reset: the connection reached the backlog of a listener that then closed.
         return False
     writer.close()
     return True
