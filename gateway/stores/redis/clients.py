@@ -103,6 +103,32 @@ def is_noscript(error: Exception) -> bool:
     return isinstance(error, NoScriptError) or str(error).startswith("NOSCRIPT")
 
 
+MAX_RECOVERIES: Final = 3
+
+
+async def submit_recovering(
+    client: ScriptClient, keys: Sequence[bytes], argv: Sequence[bytes]
+) -> tuple[Any, int]:
+    """One script call, sent again where Redis says where to: a new cluster client may meet
+    MOVED, then NOSCRIPT on the right node; a slot being migrated answers ASK. A few rounds;
+    anything else Redis refuses is raised. Returns the reply (or the error it still is) and
+    how many times the call was sent again."""
+    reply = await client.submit(keys, argv)
+    asking = ""
+    recoveries = 0
+    for _ in range(MAX_RECOVERIES):
+        if not isinstance(reply, Exception):
+            break
+        target = await client.recover(reply)
+        if target is None:
+            raise reply
+        # The script loaded, a call that was ASKed goes to the same node again.
+        asking = target or (asking if is_noscript(reply) else "")
+        recoveries += 1
+        reply = await client.submit(keys, argv, asking=asking)
+    return reply, recoveries
+
+
 class PipelineClient:
     """redis-py (``redis.asyncio``, hiredis parser): each batch is one ``Pipeline`` (or
     ``ClusterPipeline``), at most ``max_in_flight`` outstanding. Kept to compare against."""

@@ -50,7 +50,7 @@ from gateway.clock import Clock
 from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 from gateway.policy import LeaseSettings
-from gateway.stores.redis.clients import ScriptClient
+from gateway.stores.redis.clients import ScriptClient, submit_recovering
 from gateway.stores.redis.lease_grant import permille
 
 log = logging.getLogger("gateway.store")
@@ -58,7 +58,6 @@ log = logging.getLogger("gateway.store")
 _INF: Final = float("inf")
 # A grant of nothing without a time to ask again still waits this long (never a busy loop).
 _MIN_RETRY_US: Final = 1000
-_MAX_RECOVERIES: Final = 3
 
 
 def load_lease_script() -> str:
@@ -482,17 +481,7 @@ class LeaseBook:
         self.counters[plan.name].calls += 1
         loop = asyncio.get_running_loop()
         started = loop.time()
-        client = self.client
-        reply = await client.submit(keys, argv)
-        asking = ""
-        for _ in range(_MAX_RECOVERIES):
-            if not isinstance(reply, Exception):
-                break
-            target = await client.recover(reply)
-            if target is None:
-                raise reply
-            asking = target
-            reply = await client.submit(keys, argv, asking=asking)
+        reply, _ = await submit_recovering(self.client, keys, argv)
         if isinstance(reply, Exception):
             raise reply
         if (

@@ -24,7 +24,12 @@ from gateway.limits import Check, CompiledLimit, with_variants
 from gateway.observability.stats import StoreStats
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
-from gateway.stores.redis.clients import PipelineClient, ScriptClient, ThinClient, is_noscript
+from gateway.stores.redis.clients import (
+    PipelineClient,
+    ScriptClient,
+    ThinClient,
+    submit_recovering,
+)
 from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.fallback import CarryBackFailedError, Owed
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
@@ -37,7 +42,6 @@ log = logging.getLogger("gateway.store")
 _INF: Final = float("inf")
 # An overridden clock (tests) has nothing to do with the clock Redis expires keys by.
 _OVERRIDE_MIN_TTL_MS: Final = 600_000
-_MAX_RECOVERIES: Final = 3
 # Fallback admissions charged back to Redis: script calls in flight together.
 _CARRY_BACK_BATCH: Final = 32
 # Getting ready at start (several round trips, every master) may take longer than one call.
@@ -402,21 +406,8 @@ class RedisStore:
             argv.append(charged_us)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        client = self.client
-        reply = await client.submit(keys, argv)
-        # A new cluster client may meet MOVED, then NOSCRIPT on the right node; a slot being
-        # migrated answers ASK: a few rounds. Anything else Redis refuses is a failure.
-        asking = ""
-        for _ in range(_MAX_RECOVERIES):
-            if not isinstance(reply, Exception):
-                break
-            target = await client.recover(reply)
-            if target is None:
-                raise reply
-            # The script loaded, a call that was ASKed goes to the same node again.
-            asking = target or (asking if is_noscript(reply) else "")
-            self.counters.recoveries += 1
-            reply = await client.submit(keys, argv, asking=asking)
+        reply, recoveries = await submit_recovering(self.client, keys, argv)
+        self.counters.recoveries += recoveries
         if isinstance(reply, Exception):
             raise reply
         result = _checked(reply, call_id, 1 if mode in (b"r", b"c") else 1 + 5 * len(checks))
