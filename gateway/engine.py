@@ -140,6 +140,8 @@ class LimitEngine:
         self._decide_now: Callable[[Sequence[Check]], CombinedDecision] | None = getattr(
             store, "decide_now", None
         )
+        # The proxy calls ``evaluate_now`` then, not ``evaluate``.
+        self.decides_now = self._decide_now is not None
         self.headers_config: RateLimitHeaders = policy.headers
         # (limit name, advertised quota) -> the limit's RateLimit-Policy item, the start of its
         # RateLimit item, and its window in whole seconds: the same on every response.
@@ -217,17 +219,18 @@ class LimitEngine:
     ) -> Outcome:
         """What to do with a request. ``commit=False`` is a look (``explain``): the same verdict,
         with nothing charged, counted or held, and no key moved in the store's LRU order."""
+        if commit and self.decides_now:
+            return self.evaluate_now(facts, route, host, path, client_ip)
         if self._screens:
-            if self.deny and self.deny.contains(client_ip):
-                return Outcome(status=403, reason="client address is denied")
-            if self.allow and self.allow.contains(client_ip):
-                return ALLOW
+            screened = self._screen(client_ip)
+            if screened is not None:
+                return screened
         enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
             if dry:
-                would_reject = await self._dry_run(dry)
+                would_reject = self._count_dry_run(dry, await self.store.decide_each(dry))
                 if would_reject:
                     return Outcome(would_reject=would_reject)
             return ALLOW
@@ -235,25 +238,53 @@ class LimitEngine:
             if dry:
                 # Both at once: with the Redis store their script calls go out in one
                 # pipeline, so a dry-run limit adds no round trip to the request's wait.
-                would_reject, outcome = await asyncio.gather(
-                    self._dry_run(dry), self._enforce(enforced)
+                verdicts, outcome = await asyncio.gather(
+                    self.store.decide_each(dry), self._enforce(enforced)
                 )
+                would_reject = self._count_dry_run(dry, verdicts)
                 if would_reject:
                     outcome.would_reject = would_reject
-            elif self._decide_now is not None:
-                outcome = self._settle(enforced, self._decide_now(enforced), True)
             else:
                 outcome = await self._enforce(enforced)
         except BaseException:
             _release(enforced)
             raise
-        if outcome.status or outcome.delay_s <= 0.0:
+        return _hold_or_release(outcome, enforced)
+
+    def evaluate_now(
+        self, facts: RequestFacts, route: Route, host: str, path: str, client_ip: str
+    ) -> Outcome:
+        """``evaluate`` where the store decides without waiting (``decides_now``: in process,
+        or the shared store): no coroutine per request, and nothing between the checks' places
+        and the verdict."""
+        decide_now = self._decide_now
+        assert decide_now is not None
+        if self._screens:
+            screened = self._screen(client_ip)
+            if screened is not None:
+                return screened
+        enforced, dry = self.checks_for(facts, route, host, path)
+        would_reject: list[Check] = []
+        if dry:
+            would_reject = self._count_dry_run(dry, [decide_now((check,)) for check in dry])
+        if not enforced:
+            return Outcome(would_reject=would_reject) if would_reject else ALLOW
+        try:
+            outcome = self._settle(enforced, decide_now(enforced), True)
+        except BaseException:
             _release(enforced)
-        else:
-            # Held until ``enter_queue`` turns them into places in the queue: the proxy calls it
-            # next, with no await in between.
-            outcome.holds_places = True
-        return outcome
+            raise
+        if would_reject:
+            outcome.would_reject = would_reject
+        return _hold_or_release(outcome, enforced)
+
+    def _screen(self, client_ip: str) -> Outcome | None:
+        """The access lists' word on a client, if they have one."""
+        if self.deny and self.deny.contains(client_ip):
+            return Outcome(status=403, reason="client address is denied")
+        if self.allow and self.allow.contains(client_ip):
+            return ALLOW
+        return None
 
     async def explain(
         self, facts: RequestFacts, route: Route, host: str, path: str, client_ip: str
@@ -373,9 +404,9 @@ class LimitEngine:
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
         await asyncio.shield(self.store.refund(outcome.checks, charged_us))
 
-    async def _dry_run(self, dry: list[Check]) -> list[Check]:
+    @staticmethod
+    def _count_dry_run(dry: list[Check], verdicts: Sequence[CombinedDecision]) -> list[Check]:
         """Count what each dry-run limit would have done; the checks that would reject."""
-        verdicts = await self.store.decide_each(dry)
         would_reject = []
         for check, verdict in zip(dry, verdicts, strict=True):
             decision = verdict.decisions[0]
@@ -465,6 +496,17 @@ def _delaying(outcome: Outcome) -> Iterator[Check]:
         return iter(())
     decisions = outcome.verdict.decisions
     return (c for c, d in zip(outcome.checks, decisions, strict=True) if d.delay_s > 0.0)
+
+
+def _hold_or_release(outcome: Outcome, enforced: list[Check]) -> Outcome:
+    """A delayed request keeps its checks' places until ``enter_queue`` turns them into places
+    in the queue (the proxy calls it next, with no await in between); any other gives them
+    back now."""
+    if outcome.status or outcome.delay_s <= 0.0:
+        _release(enforced)
+    else:
+        outcome.holds_places = True
+    return outcome
 
 
 def _release(checks: Sequence[Check]) -> None:

@@ -247,7 +247,10 @@ class ProxyHandler:
                 request.headers,
                 lambda: request.query,
             )
-            outcome = await engine.evaluate(facts, route, host, path, client_ip)
+            if engine.decides_now:
+                outcome = engine.evaluate_now(facts, route, host, path, client_ip)
+            else:
+                outcome = await engine.evaluate(facts, route, host, path, client_ip)
             request[LIMIT_OUTCOME] = outcome
             if outcome.status:
                 # Marked to close: aiohttp still reads an unread body for up to its

@@ -34,7 +34,7 @@ async def test_a_blocked_loop_shows_as_lag_in_the_line_of_its_second() -> None:
     out = _Kept()
     probe = LoopLagProbe(out, worker_id=3)
     probe.start()
-    probe.note_tick(0.0004)
+    probe.note_tick(0.0004, 0.0003)
     await asyncio.sleep(0.05)
     time.sleep(0.03)  # noqa: ASYNC251  (the loop held for 30 ms, as a long callback would)
     # Its line is written once the wall-clock second ends: poll for it, 3 s at most.
@@ -48,3 +48,4 @@ async def test_a_blocked_loop_shows_as_lag_in_the_line_of_its_second() -> None:
     assert all(r["worker"] == 3 and len(r["counts"]) == len(BUCKETS_MS) + 1 for r in records)
     assert max(r["max_ms"] for r in records) >= 25.0
     assert max(r["tick_max_ms"] for r in records) == pytest.approx(0.4)
+    assert max(r["tick_cpu_max_ms"] for r in records) == pytest.approx(0.3)

@@ -745,3 +745,22 @@ def test_stale_metrics_directories_go_even_when_another_worker_removes_one_first
     monkeypatch.setattr(Path, "glob", glob)
     _remove_dirs_of_gone_supervisors(tmp_path)
     assert not stale.exists()
+
+
+def test_a_snapshot_written_late_from_a_thread_never_replaces_a_newer_one(tmp_path: Path) -> None:
+    """The tick writes its snapshot from a thread while the loop may answer a scrape, which
+    publishes a newer one at once: the older write, finishing last, must not bring the file
+    back to fewer requests (another worker's scrape would show a counter going down)."""
+    from gateway.observability.shared import SnapshotDirectory
+
+    mine = SnapshotDirectory(tmp_path, worker_id=0)
+    other = SnapshotDirectory(tmp_path, worker_id=1)
+    older = _worker(0, 100.0, allowed=7, waiting=0, requests=10)
+    newer = _worker(0, 100.2, allowed=9, waiting=0, requests=12)
+    mine.publish(newer, taken=2)  # the scrape's, taken after the tick's snapshot
+    mine.publish(older, taken=1)  # the tick's thread, done last
+    (seen,) = other.others()
+    assert seen.requests == (("all", "GET", 2, 12),)
+    mine.publish(_worker(0, 101.0, allowed=9, waiting=0, requests=15), taken=3)
+    (seen,) = other.others()
+    assert seen.requests == (("all", "GET", 2, 15),)

@@ -4,7 +4,9 @@ Off unless ``GATEWAY_LOOP_LAG_FILE`` names a file. Then a task sleeps ``INTERVAL
 and records how much later than asked it woke (the time the loop spent on other work it could
 not interrupt), and how long each once-a-second observability tick took. Once a second it
 appends one JSON line per worker to the file: the second, the lag histogram of that second
-(counts per bucket of ``BUCKETS_MS``), its largest lag and the longest tick. A reader adds up
+(counts per bucket of ``BUCKETS_MS``), its largest lag and the longest tick, in wall time and in
+this thread's CPU time (on a busy machine a tick's wall time includes time the process waited
+for a core; its CPU time is the work the tick itself did). A reader adds up
 the lines of the seconds it cares about (``bench/bench_proxy.py`` does, per load run).
 """
 
@@ -33,11 +35,14 @@ class LoopLagProbe:
         self._counts = [0] * (len(BUCKETS_MS) + 1)
         self._max_ms = 0.0
         self._tick_max_ms = 0.0
+        self._tick_cpu_max_ms = 0.0
+        self._tick_cpu_max_ms = 0.0
         self._task: asyncio.Task[None] | None = None
 
-    def note_tick(self, seconds: float) -> None:
-        """How long one once-a-second observability tick held the loop."""
+    def note_tick(self, seconds: float, cpu_seconds: float) -> None:
+        """How long one once-a-second observability tick held the loop, and its CPU time."""
         self._tick_max_ms = max(self._tick_max_ms, seconds * 1000.0)
+        self._tick_cpu_max_ms = max(self._tick_cpu_max_ms, cpu_seconds * 1000.0)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -71,12 +76,14 @@ class LoopLagProbe:
             "counts": self._counts,
             "max_ms": round(self._max_ms, 3),
             "tick_max_ms": round(self._tick_max_ms, 3),
+            "tick_cpu_max_ms": round(self._tick_cpu_max_ms, 3),
         }
         self._out.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._out.flush()
         self._counts = [0] * (len(BUCKETS_MS) + 1)
         self._max_ms = 0.0
         self._tick_max_ms = 0.0
+        self._tick_cpu_max_ms = 0.0
 
 
 def probe_from_environment(worker_id: int) -> LoopLagProbe | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -67,6 +68,8 @@ class Observability:
         self.latest: GatewaySnapshot | None = None
         self._subscribers: set[asyncio.Queue[bytes | None]] = set()
         self._probe: LoopLagProbe | None = None
+        self._publishing: asyncio.Future[None] | None = None
+        self._taken = itertools.count(1)  # numbers the snapshots published, in order
 
     # -- hooks for the gateway ---------------------------------------------------------------
 
@@ -95,7 +98,7 @@ class Observability:
         own = self.worker_snapshot()
         if self.directory is None:
             return merge([own], own.at)
-        self.directory.publish(own)
+        self.directory.publish(own, next(self._taken))
         return merge([own, *self.directory.others()], own.at)
 
     # -- the tick ----------------------------------------------------------------------------
@@ -114,35 +117,59 @@ class Observability:
         if probe is not None:
             await probe.stop()
         if self.directory is not None:
-            self._publish()  # the last figures, for the totals and for a successor
+            if self._publishing is not None:  # a tick's write, still running on its thread
+                with contextlib.suppress(Exception):
+                    await self._publishing
+            # The last figures, for the totals and for a successor: written after the tick's.
+            self.directory.publish(self.worker_snapshot(), next(self._taken))
 
     async def _run(self) -> None:
+        """Once a second: this worker's figures published for the others (written from a
+        thread: the loop only takes the snapshot), then, once every worker has published, all
+        of them added up for the dashboard's timeline. Each part holds the loop on its own."""
         while True:
             now = self.wall_clock()
             await asyncio.sleep(TICK_S - now % TICK_S)
             try:
-                started = time.perf_counter()
+                started = time.perf_counter(), time.thread_time()
                 self.metrics.rotate(self.wall_clock())
-                if self.directory is not None:
-                    self._publish()
+                directory = self.directory
+                if directory is None:
+                    self._gather(self.gateway_snapshot())
                     self._note_tick(started)
-                    await asyncio.sleep(GATHER_DELAY_S)
-                    started = time.perf_counter()
-                self._gather()
+                    continue
+                await self._publish_from_thread(directory, started)
+                await asyncio.sleep(GATHER_DELAY_S)
+                started = time.perf_counter(), time.thread_time()
+                # Published before it is shown: a scrape another worker answers next adds up
+                # these figures of this one, or later ones, never fewer than shown here.
+                own = await self._publish_from_thread(directory, started)
+                started = time.perf_counter(), time.thread_time()
+                self._gather(merge([own, *directory.others()], own.at))
                 self._note_tick(started)
             except Exception:  # one bad tick must not stop the next
                 log.exception("observability tick failed")
 
-    def _note_tick(self, started: float) -> None:
+    async def _publish_from_thread(
+        self, directory: SnapshotDirectory, started: tuple[float, float]
+    ) -> WorkerSnapshot:
+        """This worker's figures now, written for the others from a thread (the loop takes only
+        the snapshot; ``started`` is when its part of the tick began)."""
+        own = self.worker_snapshot()
+        taken = next(self._taken)
+        self._note_tick(started)
+        publishing = self._publishing = asyncio.get_running_loop().run_in_executor(
+            None, directory.publish, own, taken
+        )
+        await asyncio.shield(publishing)  # cancelled or not, it ends before the last publish
+        return own
+
+    def _note_tick(self, started: tuple[float, float]) -> None:
         if self._probe is not None:
-            self._probe.note_tick(time.perf_counter() - started)
+            wall, cpu = started
+            self._probe.note_tick(time.perf_counter() - wall, time.thread_time() - cpu)
 
-    def _publish(self) -> None:
-        assert self.directory is not None
-        self.directory.publish(self.worker_snapshot())
-
-    def _gather(self) -> None:
-        snapshot = self.gateway_snapshot()
+    def _gather(self, snapshot: GatewaySnapshot) -> None:
         self.latest = snapshot
         point = self.timeline.add(snapshot)
         if point is None or not self._subscribers:

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -51,28 +52,38 @@ def _remove_dirs_of_gone_supervisors(base: Path) -> None:
 
 
 class SnapshotDirectory:
-    __slots__ = ("_own", "path", "worker_id")
+    __slots__ = ("_lock", "_own", "_written", "path", "worker_id")
 
     def __init__(self, path: Path, worker_id: int) -> None:
         self.path = path
         self.worker_id = worker_id
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._own = path / f"worker-{worker_id}.json"
+        # Publishes come from the loop (scrapes) and from a thread (the tick): the number of the
+        # newest snapshot written, so an older one finishing late never replaces it.
+        self._lock = threading.Lock()
+        self._written = 0
 
     def previous(self) -> WorkerSnapshot | None:
         """The last snapshot a worker with our id left, if any (we restarted)."""
         return _read(self._own)
 
-    def publish(self, snapshot: WorkerSnapshot) -> None:
+    def publish(self, snapshot: WorkerSnapshot, taken: int) -> None:
+        """Write this worker's snapshot, the ``taken``-th this worker took (numbers grow with
+        time), unless a later one is written already."""
         data = snapshot.model_dump_json().encode()
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".worker-{self.worker_id}.")
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-            os.replace(tmp, self._own)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with self._lock:
+            if taken <= self._written:
+                return
+            fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".worker-{self.worker_id}.")
+            try:
+                with os.fdopen(fd, "wb") as file:
+                    file.write(data)
+                os.replace(tmp, self._own)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self._written = taken
 
     def others(self) -> list[WorkerSnapshot]:
         """Every other worker's latest snapshot."""

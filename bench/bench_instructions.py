@@ -1,0 +1,152 @@
+"""Instructions per request of a gateway worker, counted by valgrind (callgrind): the cost of a
+limit in a figure that machine load does not move, for before/after comparisons on a shared
+machine where req/s and even CPU time wander by 10% from one run to the next.
+
+    python bench/bench_instructions.py --requests 2000
+    python bench/bench_instructions.py --requests 2000 --baseline-root ../before
+
+For each policy of ``limit_policies`` (no limits, one never-binding limit, three stacked, in
+process) it starts ``bench/upstream.py`` and one gateway worker under callgrind, sends some
+requests to warm it, zeroes the counters, sends ``--requests`` keep-alive requests one at a
+time, and dumps the count. Printed: instructions per request, and the difference to the
+gateway with no limits. ``--baseline-root`` counts another checkout's gateway the same way.
+
+What it does not show: instructions are not time (a cache miss costs hundreds of cycles and
+counts as one), and one request at a time has no concurrency (no batches of ready
+connections, hardly any garbage collection). It is the figure for "did this change make the
+request path do less", next to ``bench_proxy.py``'s req/s, p99 and CPU per request. Needs
+valgrind (Debian's ``valgrind`` package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from limit_policies import NO_LIMITS, ONE_LIMIT, THREE_LIMITS, policy_text  # noqa: E402
+
+HOST = "127.0.0.1"
+KINDS = (NO_LIMITS, ONE_LIMIT, THREE_LIMITS)
+WARM_REQUESTS = 300
+START_TIMEOUT_S = 180.0  # a Python start under valgrind takes tens of seconds
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_serving(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode} before serving")
+        try:
+            send(port, 1)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"not serving on {port} after {timeout_s:.0f} s")
+
+
+def send(port: int, requests: int) -> None:
+    """``requests`` GETs on one keep-alive connection, one at a time."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=60)
+    try:
+        for _ in range(requests):
+            conn.request("GET", "/api/items")
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                raise RuntimeError(f"got {response.status}")
+    finally:
+        conn.close()
+
+
+@contextmanager
+def running(argv: list[str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def count(root: Path, kind: str, upstream: str, requests: int, work: Path) -> float:
+    """Instructions per request of one gateway worker (``root``'s code) on ``kind``'s policy."""
+    policy = work / f"{kind}.yaml"
+    policy.write_text(policy_text(kind, upstream))
+    port, admin_port = free_port(), free_port()
+    out = work / f"callgrind-{root.name}-{kind}.out"
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+    argv += [sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "1"]
+    argv += ["--listen", f"{HOST}:{port}", "--admin-listen", f"{HOST}:{admin_port}"]
+    with running(argv, root, work / f"gateway-{root.name}-{kind}.log") as proc:
+        wait_serving(port, proc, START_TIMEOUT_S)
+        send(port, WARM_REQUESTS)
+        # valgrind runs the program in its own process: the pid is the gateway's.
+        subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
+        send(port, requests)
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+    dumps = sorted(work.glob(f"{out.name}.*"))  # the explicit dump is part 1
+    for line in dumps[0].read_text().splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1]) / requests
+    raise RuntimeError(f"no summary in {dumps[0]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--baseline-root", type=Path, help="another checkout, counted too")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("needs valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    roots = [REPO_ROOT] + ([args.baseline_root.resolve()] if args.baseline_root else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        upstream_port = free_port()
+        upstream_argv = [sys.executable, str(BENCH_DIR / "upstream.py")]
+        upstream_argv += ["--port", str(upstream_port)]
+        with running(upstream_argv, REPO_ROOT, work / "upstream.log") as upstream:
+            wait_serving(upstream_port, upstream, 30.0)
+            upstream_url = f"http://{HOST}:{upstream_port}"
+            rows = []
+            for root in roots:
+                counts = {}
+                for kind in KINDS:
+                    counts[kind] = count(root, kind, upstream_url, args.requests, work)
+                    print(f"bench: {root} {kind}: {counts[kind]:,.0f} instructions/request")
+                rows.append((root, counts))
+    print("\n| checkout | policy | instructions per request | over no limits |")
+    print("|---|---|---:|---:|")
+    for root, counts in rows:
+        for kind in KINDS:
+            extra = counts[kind] - counts[NO_LIMITS]
+            print(f"| {root.name} | {kind} | {counts[kind]:,.0f} | {extra:+,.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
