@@ -689,9 +689,10 @@ def test_bytes_that_are_not_utf8_do_not_break_the_reports(
 def test_decisions_do_not_depend_on_the_per_line_caches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``Simulation`` keeps each resolved address and routed request line, and starts afresh
-    past a bound: with bounds of 2, eight clients over five request lines (one in absolute
-    form) are decided exactly as with the default bounds."""
+    """``Simulation`` keeps each resolved address, routed request line and the facts built
+    for a client's request line, and starts afresh past a bound: with bounds of 2, eight
+    clients over five request lines (one in absolute form) are decided exactly as with the
+    default bounds."""
     import gateway.replay.simulate as simulate
 
     loaded = load_policy(
@@ -716,8 +717,9 @@ def test_decisions_do_not_depend_on_the_per_line_caches(
     expected = asyncio.run(decide_all(default))
     monkeypatch.setattr(simulate, "_PEERS_KEPT", 2)
     monkeypatch.setattr(simulate, "_ROUTED_KEPT", 2)
+    monkeypatch.setattr(simulate, "_FACTS_KEPT", 2)
     bounded = Simulation(loaded)
     assert asyncio.run(decide_all(bounded)) == expected
     assert bounded.counters() == default.counters()
     assert {"allowed", "rejected"} <= set(expected)
-    assert len(bounded._peers) <= 2 and len(bounded._routed) <= 2
+    assert len(bounded._peers) <= 2 and len(bounded._routed) <= 2 and len(bounded._facts) <= 2
