@@ -46,9 +46,8 @@ _PEERS_KEPT = 1 << 16
 _ROUTED_KEPT = 1 << 16
 # Likewise what the engine is handed for each (client, request line, host) seen.
 _FACTS_KEPT = 1 << 16
-_UNSEEN: Any = object()
-# A request's route, host, routing path and facts; None when no route matches.
-_Found = tuple[Route, str, str, RequestFacts] | None
+# A request's route, host, routing path and facts; no route and no facts when none matches.
+_Found = tuple[Route | None, str, str, RequestFacts | None]
 
 
 @dataclass
@@ -168,23 +167,24 @@ class Simulation:
         if method == "CONNECT":
             outcomes[DENIED] += 1
             return DENIED
+        found: _Found | None
         if request.headers:
             found = self._facts_of(request, client_ip)
         else:
             # Without headers, what the engine is handed is a pure function of these.
             where = (client_ip, method, request.target, request.host)
-            found = self._facts.get(where, _UNSEEN)
-            if found is _UNSEEN:
+            found = self._facts.get(where)
+            if found is None:
                 if len(self._facts) >= _FACTS_KEPT:
                     self._facts.clear()
                 found = self._facts[where] = self._facts_of(request, client_ip)
-        if found is None:
+        route, host, path, facts = found
+        if route is None or facts is None:
             outcomes[UNROUTED] += 1
             return UNROUTED
         if not engine.active:
             outcomes[UNLIMITED] += 1
             return UNLIMITED
-        route, host, path, facts = found
         outcome = self.last = await engine.evaluate(facts, route, host, path, client_ip)
         if outcome.status:
             if outcome.rejected_by is None:
@@ -241,7 +241,7 @@ class Simulation:
 
     def _facts_of(self, request: Request, client_ip: str) -> _Found:
         """The route, host, routing path and facts the proxy's ``_admit`` hands the engine
-        for this request (``None``: no route)."""
+        for this request."""
         method = request.method
         where = (method, request.target, request.host)
         routed = self._routed.get(where)
@@ -251,7 +251,7 @@ class Simulation:
             routed = self._routed[where] = self._route(*where)
         host, path, target, route = routed
         if route is None:
-            return None
+            return None, host, path, None
         headers = (
             CIMultiDictProxy(CIMultiDict(request.headers)) if request.headers else _EMPTY_HEADERS
         )
