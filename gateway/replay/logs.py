@@ -9,6 +9,7 @@ its file, line number and reason (``Malformed``), never fatal.
 from __future__ import annotations
 
 import calendar
+import codecs
 import gzip
 import heapq
 import io
@@ -210,7 +211,6 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
     The hot loop of a replay: a request line, like a time, is split once while it repeats (a
     log has few distinct ones), and records are built as plain tuples."""
     name = opened.name
-    match = _COMBINED.fullmatch
     extras = _EXTRA.findall
     split_lines: dict[str, tuple[str, str] | None] = {}
     last_text = ""
@@ -219,80 +219,81 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
     group: list[_Pending] = []
     number = 0
     try:
-        for number, raw_line in enumerate(opened.text, 1):
-            line = raw_line.rstrip("\r\n")
-            found = match(line)
-            if found is None:
-                if line.strip():
-                    stats.bad(name, number, "not an nginx combined log line")
-                continue
-            address, time_text, request_line, rest = found.groups()
-            try:
-                request = split_lines[request_line]
-            except KeyError:
-                if len(split_lines) >= _REQUEST_LINES_KEPT:
-                    split_lines.clear()
-                request = split_lines[request_line] = _split_request_line(request_line)
-            if request is None:
-                stats.bad(name, number, f"request line {request_line[:60]!r} is not METHOD TARGET")
-                continue
-            if time_text != last_text:
-                try:
-                    last_second = parse_time_local(time_text)
-                except ValueError as exc:
-                    stats.bad(name, number, str(exc))
+        for first, rows in _combined_pieces(opened):
+            for number, row in enumerate(rows, first):
+                if isinstance(row, str):
+                    if row.strip():
+                        stats.bad(name, number, "not an nginx combined log line")
                     continue
-                last_text = time_text
-            method, target = request
-            if not rest:
+                address, time_text, request_line, rest = row
+                try:
+                    request = split_lines[request_line]
+                except KeyError:
+                    if len(split_lines) >= _REQUEST_LINES_KEPT:
+                        split_lines.clear()
+                    request = split_lines[request_line] = _split_request_line(request_line)
+                if request is None:
+                    stats.bad(
+                        name, number, f"request line {request_line[:60]!r} is not METHOD TARGET"
+                    )
+                    continue
+                if time_text != last_text:
+                    try:
+                        last_second = parse_time_local(time_text)
+                    except ValueError as exc:
+                        stats.bad(name, number, str(exc))
+                        continue
+                    last_text = time_text
+                method, target = request
+                if not rest:
+                    if group_second != last_second:
+                        if group:
+                            yield from _spread(group, group_second, stats, name)
+                            group.clear()
+                        group_second = last_second
+                    group.append((0, number, address, method, target, None))
+                    continue
+                forwarded_for: str | None = None
+                msec_us: int | None = None
+                request_time_us = 0
+                seen_number = False
+                for quoted, bare in extras(rest):
+                    if bare:
+                        try:
+                            value = float(bare)
+                        except ValueError:
+                            continue
+                        if value >= _EPOCH_FLOOR:
+                            msec_us = round(value * US)
+                        elif not seen_number and value >= 0.0:
+                            request_time_us = round(value * US)
+                            seen_number = True
+                    elif forwarded_for is None and quoted not in ("", "-"):
+                        forwarded_for = quoted
+                if forwarded_for is not None:
+                    stats.has_forwarded_for = True
+                if msec_us is not None:
+                    if group:
+                        yield from _spread(group, group_second, stats, name)
+                        group.clear()
+                    yield Request(
+                        msec_us - request_time_us,
+                        name,
+                        number,
+                        address,
+                        method,
+                        target,
+                        None,
+                        (),
+                        forwarded_for,
+                    )
+                    continue
                 if group_second != last_second:
                     if group:
                         yield from _spread(group, group_second, stats, name)
                         group.clear()
                     group_second = last_second
-                group.append((0, number, address, method, target, None))
-                continue
-            forwarded_for: str | None = None
-            msec_us: int | None = None
-            request_time_us = 0
-            seen_number = False
-            for quoted, bare in extras(rest):
-                if bare:
-                    try:
-                        value = float(bare)
-                    except ValueError:
-                        continue
-                    if value >= _EPOCH_FLOOR:
-                        msec_us = round(value * US)
-                    elif not seen_number and value >= 0.0:
-                        request_time_us = round(value * US)
-                        seen_number = True
-                elif forwarded_for is None and quoted not in ("", "-"):
-                    forwarded_for = quoted
-            if forwarded_for is not None:
-                stats.has_forwarded_for = True
-            if msec_us is not None:
-                if group:
-                    yield from _spread(group, group_second, stats, name)
-                    group.clear()
-                yield Request(
-                    msec_us - request_time_us,
-                    name,
-                    number,
-                    address,
-                    method,
-                    target,
-                    None,
-                    (),
-                    forwarded_for,
-                )
-                continue
-            if group_second != last_second:
-                if group:
-                    yield from _spread(group, group_second, stats, name)
-                    group.clear()
-                group_second = last_second
-            group.append((request_time_us, number, address, method, target, forwarded_for))
+                group.append((request_time_us, number, address, method, target, forwarded_for))
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
     except OSError as exc:
@@ -301,6 +302,62 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
         stats.lines += number
     if group:
         yield from _spread(group, group_second, stats, name)
+
+
+# The log read in pieces of about this many bytes, each matched as a whole.
+_PIECE_BYTES = 1 << 16
+_COMBINED_LINES = re.compile(f"^(?:{_COMBINED.pattern})$", re.MULTILINE)
+_Row = tuple[str, str, str, str]
+
+
+def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
+    """The lines of a combined log in pieces, each with the number of its first line: per
+    line the pattern's four groups, or the line itself (without its end) when they do not
+    match.
+
+    Where the log's bytes can be read as they come (``read1``), a piece of whole lines is
+    matched at once (``findall``): when every line of it matched, each match is its line's
+    (a match cannot span lines and leave the count whole), else the piece goes line by line.
+    The pieces are decoded as ``open_log``'s text reader decodes, and a read that fails loses
+    only the line it cut, as reading line by line does."""
+    buffer = getattr(opened.text, "buffer", None)
+    read1 = getattr(buffer, "read1", None)
+    match = _COMBINED.fullmatch
+    if read1 is None:
+        for number, raw_line in enumerate(opened.text, 1):
+            line = raw_line.rstrip("\r\n")
+            found = match(line)
+            yield number, [line if found is None else cast(_Row, found.groups())]
+        return
+    findall = _COMBINED_LINES.findall
+    decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+    carry = ""
+    first = 1
+    while True:
+        data = read1(_PIECE_BYTES)
+        text = carry + decode(data, final=not data)
+        end = len(text) if not data else text.rfind("\n") + 1
+        carry = text[end:]
+        piece = text[:end]
+        if piece:
+            lines = piece.count("\n") + (not piece.endswith("\n"))  # the last may have no end
+            rows: list[_Row | str] | None = None
+            if "\r" not in piece:
+                rows = findall(piece)
+                if len(rows) != lines:
+                    rows = None
+            if rows is None:
+                if piece.endswith("\n"):
+                    piece = piece[:-1]
+                rows = []
+                for line in piece.split("\n"):
+                    line = line.rstrip("\r")
+                    found = match(line)
+                    rows.append(line if found is None else cast(_Row, found.groups()))
+            yield first, rows
+            first += lines
+        if not data:
+            return
 
 
 def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> list[Request]:
