@@ -5,7 +5,9 @@
 Writes an nginx ``combined`` log (and, with ``--format jsonl``, JSON lines) of ``--lines``
 requests from ``--clients`` addresses at ``--rate`` requests per second, with bursts, into a
 temporary directory, then times ``gateway replay`` on it in process (the log read from disk,
-the reports built; generation not timed). Prints lines/s for each round and the median.
+the reports built; generation not timed). Prints lines/s for each round and the median, and
+the process's CPU time per million lines beside the wall time (on a shared machine the CPU
+time is the steadier figure).
 
 Each round also times the decisions alone, side by side: the same requests read into memory
 first, then only ``Simulation.decide`` (routing, keys and the engine's ``evaluate``). The ratio
@@ -84,11 +86,13 @@ def read_all(log: Path) -> list[Request]:
         close_log(opened)
 
 
-async def decide_only(requests: list[Request], simulation: Simulation) -> float:
+async def decide_only(requests: list[Request], simulation: Simulation) -> tuple[float, float]:
+    """Wall and CPU seconds of deciding ``requests``."""
     began = time.perf_counter()
+    cpu_began = time.process_time()
     for request in requests:
         await simulation.decide(request, simulation.client_ip(request))
-    return time.perf_counter() - began
+    return time.perf_counter() - began, time.process_time() - cpu_began
 
 
 def main() -> int:
@@ -114,20 +118,25 @@ def main() -> int:
             file=sys.stderr,
         )
         rates = []
+        cpu_per_million = []
         decide_rates = []
         summary = {}
         requests = read_all(log)
         for round_ in range(args.rounds):
-            decide_s = asyncio.run(decide_only(requests, Simulation(loaded)))
+            decide_s, decide_cpu_s = asyncio.run(decide_only(requests, Simulation(loaded)))
             decide_rates.append(len(requests) / decide_s)
             began = time.perf_counter()
+            cpu_began = time.process_time()
             run = asyncio.run(replay([str(log)], [Simulation(loaded)], show_progress=False))
             summary = document(run)
             elapsed = time.perf_counter() - began
+            cpu_s = time.process_time() - cpu_began
             rates.append(args.lines / elapsed)
+            cpu_per_million.append(cpu_s * 1e6 / args.lines)
             print(
-                f"round {round_ + 1}: {elapsed:.2f} s, {args.lines / elapsed:,.0f} lines/s; "
-                f"decisions alone {decide_s:.2f} s, {len(requests) / decide_s:,.0f}/s "
+                f"round {round_ + 1}: {elapsed:.2f} s, {args.lines / elapsed:,.0f} lines/s, "
+                f"CPU {cpu_s:.2f} s; decisions alone {decide_s:.2f} s "
+                f"(CPU {decide_cpu_s:.2f} s), {len(requests) / decide_s:,.0f}/s "
                 f"(rejected {summary['policies'][0]['outcomes']['rejected']:,}, "
                 f"delayed {summary['policies'][0]['outcomes']['delayed']:,})",
                 file=sys.stderr,
@@ -138,7 +147,8 @@ def main() -> int:
     print(
         f"replay {args.lines:,} {args.format} lines on {Path(args.policy).name}: "
         f"median {median:,.0f} lines/s (min {min(rates):,.0f}, max {max(rates):,.0f}, "
-        f"{args.rounds} rounds; {1e6 / median:.1f} s per million lines); decisions alone "
+        f"{args.rounds} rounds; {1e6 / median:.1f} s per million lines, CPU "
+        f"{statistics.median(cpu_per_million):.1f} s per million); decisions alone "
         f"median {statistics.median(decide_rates):,.0f}/s; replay/decisions-alone "
         f"{statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
     )
@@ -151,6 +161,7 @@ def main() -> int:
                     "policy": args.policy,
                     "lines_per_s": rates,
                     "median_lines_per_s": median,
+                    "cpu_s_per_million_lines": cpu_per_million,
                     "decisions_alone_per_s": decide_rates,
                     "replay_over_decisions_alone": ratios,
                 },

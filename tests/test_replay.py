@@ -689,9 +689,10 @@ def test_bytes_that_are_not_utf8_do_not_break_the_reports(
 def test_decisions_do_not_depend_on_the_per_line_caches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``Simulation`` keeps each resolved address and routed request line, and starts afresh
-    past a bound: with bounds of 2, eight clients over five request lines (one in absolute
-    form) are decided exactly as with the default bounds."""
+    """``Simulation`` keeps each resolved address, routed request line and the facts built
+    for a client's request line, and starts afresh past a bound: with bounds of 2, eight
+    clients over five request lines (one in absolute form) are decided exactly as with the
+    default bounds."""
     import gateway.replay.simulate as simulate
 
     loaded = load_policy(
@@ -716,8 +717,67 @@ def test_decisions_do_not_depend_on_the_per_line_caches(
     expected = asyncio.run(decide_all(default))
     monkeypatch.setattr(simulate, "_PEERS_KEPT", 2)
     monkeypatch.setattr(simulate, "_ROUTED_KEPT", 2)
+    monkeypatch.setattr(simulate, "_FACTS_KEPT", 2)
     bounded = Simulation(loaded)
     assert asyncio.run(decide_all(bounded)) == expected
     assert bounded.counters() == default.counters()
     assert {"allowed", "rejected"} <= set(expected)
-    assert len(bounded._peers) <= 2 and len(bounded._routed) <= 2
+    assert len(bounded._peers) <= 2 and len(bounded._routed) <= 2 and len(bounded._facts) <= 2
+
+
+_LINE_PARTS = st.sampled_from(
+    [
+        combined("203.0.113.1", 0),
+        combined("203.0.113.2", 1, "POST", "/api/login"),
+        combined("203.0.113.3", 1, extra=' "198.51.100.7" 0.250'),
+        combined("203.0.113.4", 2, extra=" 1700000002.500 0.100"),
+        combined("203.0.113.5", 2).replace("\n", "\r\n"),
+        combined("caf\u00e9", 3),
+        combined("203.0.113.6", 3, path="/a b"),
+        '203.0.113.7 - - [14/Nov/2023:22:13:23 +0000] "\\x16\\x03" 400 0 "-" "-"\n',
+        combined("203.0.113.8", 4).replace("[", "[99/Foo/2023:"),
+        '203.0.113.9 - - [14/Nov/2023:22:13:24 +0000] "GET / HTTP/1.1" 200 1 "a\nb" "c"\n',
+        "not a log line\n",
+        "\n",
+        "   \n",
+    ]
+)
+
+
+@given(
+    parts=st.lists(_LINE_PARTS, max_size=40),
+    cut_end=st.booleans(),
+    bad_byte=st.integers(min_value=-1, max_value=4000),
+    piece_bytes=st.sampled_from([1, 5, 64, 333, 1 << 16]),
+)
+def test_combined_log_read_in_pieces_is_read_as_line_by_line(
+    parts: list[str], cut_end: bool, bad_byte: int, piece_bytes: int
+) -> None:
+    """A combined log read from bytes, piece by piece, gives the records, line numbers,
+    malformed lines and counts that reading the same text line by line gives, wherever the
+    pieces end (inside a line, a CRLF, a multi-byte character)."""
+    import gateway.replay.logs as logs
+
+    data = "".join(parts).encode("utf-8")
+    if cut_end:
+        data = data.rstrip(b"\n")
+    if 0 <= bad_byte < len(data):
+        data = data[:bad_byte] + b"\xc3" + data[bad_byte:]  # a cut UTF-8 sequence
+    text = data.decode("utf-8", "replace")
+
+    def read(opened: Opened) -> tuple[list[Request], tuple[object, ...]]:
+        stats = ReadStats()
+        records = list(read_log(opened, "combined", stats))
+        kept = tuple(stats.malformed_kept)
+        return records, (stats.lines, stats.malformed, kept, stats.has_forwarded_for)
+
+    empty = io.BufferedReader(io.BytesIO())
+    expected = read(Opened("log", io.StringIO(text, newline="\n"), empty, None))
+    old_size = logs._PIECE_BYTES
+    logs._PIECE_BYTES = piece_bytes
+    try:
+        raw = io.BufferedReader(io.BytesIO(data))
+        wrapped = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="\n")
+        assert read(Opened("log", wrapped, raw, None)) == expected
+    finally:
+        logs._PIECE_BYTES = old_size

@@ -9,6 +9,7 @@ its file, line number and reason (``Malformed``), never fatal.
 from __future__ import annotations
 
 import calendar
+import codecs
 import gzip
 import heapq
 import io
@@ -16,6 +17,7 @@ import json
 import re
 import sys
 import zlib
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -179,14 +181,8 @@ def parse_time_local(text: str) -> int:
     return seconds - offset
 
 
-class _Pending(NamedTuple):
-    second: int
-    request_time_us: int
-    line: int
-    address: str
-    method: str
-    target: str
-    forwarded_for: str | None
+# Distinct request lines kept split by ``read_combined`` before it starts afresh.
+_REQUEST_LINES_KEPT = 1 << 16
 
 
 def _split_request_line(request_line: str) -> tuple[str, str] | None:
@@ -202,100 +198,193 @@ def _split_request_line(request_line: str) -> tuple[str, str] | None:
     return method, target
 
 
+# One request of a second not yet spread: (request_time_us, line, address, method, target,
+# forwarded_for).
+_Pending = tuple[int, int, str, str, str, str | None]
+
+
 def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
     """nginx ``combined``: ``$time_local`` has whole seconds, so the requests logged in one
     second are spread evenly across it (unless a ``$msec`` field gives the instant); a
-    ``$request_time`` field moves each back to when it arrived."""
+    ``$request_time`` field moves each back to when it arrived.
+
+    The hot loop of a replay: a request line, like a time, is split once while it repeats (a
+    log has few distinct ones), and records are built as plain tuples."""
     name = opened.name
-    match = _COMBINED.fullmatch
     extras = _EXTRA.findall
+    split_lines: dict[str, tuple[str, str] | None] = {}
     last_text = ""
     last_second = 0
+    group_second = 0
     group: list[_Pending] = []
-    for number, raw_line in numbered_lines(opened, stats):
-        stats.lines += 1
-        line = raw_line.rstrip("\r\n")
-        if not line.strip():
-            continue
-        found = match(line)
-        if found is None:
-            stats.bad(name, number, "not an nginx combined log line")
-            continue
-        address, time_text, request_line, rest = found.groups()
-        request = _split_request_line(request_line)
-        if request is None:
-            stats.bad(name, number, f"request line {request_line[:60]!r} is not METHOD TARGET")
-            continue
-        if time_text != last_text:
-            try:
-                last_second = parse_time_local(time_text)
-            except ValueError as exc:
-                stats.bad(name, number, str(exc))
-                continue
-            last_text = time_text
-        forwarded_for: str | None = None
-        msec_us: int | None = None
-        request_time_us = 0
-        if rest:
-            seen_number = False
-            for quoted, bare in extras(rest):
-                if bare:
+    number = 0
+    try:
+        for first, rows in _combined_pieces(opened):
+            for number, row in enumerate(rows, first):
+                if isinstance(row, str):
+                    if row.strip():
+                        stats.bad(name, number, "not an nginx combined log line")
+                    continue
+                address, time_text, request_line, rest = row
+                try:
+                    request = split_lines[request_line]
+                except KeyError:
+                    if len(split_lines) >= _REQUEST_LINES_KEPT:
+                        split_lines.clear()
+                    request = split_lines[request_line] = _split_request_line(request_line)
+                if request is None:
+                    stats.bad(
+                        name, number, f"request line {request_line[:60]!r} is not METHOD TARGET"
+                    )
+                    continue
+                if time_text != last_text:
                     try:
-                        value = float(bare)
-                    except ValueError:
+                        last_second = parse_time_local(time_text)
+                    except ValueError as exc:
+                        stats.bad(name, number, str(exc))
                         continue
-                    if value >= _EPOCH_FLOOR:
-                        msec_us = round(value * US)
-                    elif not seen_number and value >= 0.0:
-                        request_time_us = round(value * US)
-                        seen_number = True
-                elif forwarded_for is None and quoted not in ("", "-"):
-                    forwarded_for = quoted
-        if forwarded_for is not None:
-            stats.has_forwarded_for = True
-        method, target = request
-        if msec_us is not None:
-            yield from _spread(group, stats, name)
-            group.clear()
-            yield Request(
-                msec_us - request_time_us,
+                    last_text = time_text
+                method, target = request
+                if not rest:
+                    if group_second != last_second:
+                        if group:
+                            yield from _spread(group, group_second, stats, name)
+                            group.clear()
+                        group_second = last_second
+                    group.append((0, number, address, method, target, None))
+                    continue
+                forwarded_for: str | None = None
+                msec_us: int | None = None
+                request_time_us = 0
+                seen_number = False
+                for quoted, bare in extras(rest):
+                    if bare:
+                        try:
+                            value = float(bare)
+                        except ValueError:
+                            continue
+                        if value >= _EPOCH_FLOOR:
+                            msec_us = round(value * US)
+                        elif not seen_number and value >= 0.0:
+                            request_time_us = round(value * US)
+                            seen_number = True
+                    elif forwarded_for is None and quoted not in ("", "-"):
+                        forwarded_for = quoted
+                if forwarded_for is not None:
+                    stats.has_forwarded_for = True
+                if msec_us is not None:
+                    if group:
+                        yield from _spread(group, group_second, stats, name)
+                        group.clear()
+                    yield Request(
+                        msec_us - request_time_us,
+                        name,
+                        number,
+                        address,
+                        method,
+                        target,
+                        None,
+                        (),
+                        forwarded_for,
+                    )
+                    continue
+                if group_second != last_second:
+                    if group:
+                        yield from _spread(group, group_second, stats, name)
+                        group.clear()
+                    group_second = last_second
+                group.append((request_time_us, number, address, method, target, forwarded_for))
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
+    except OSError as exc:
+        stats.notes.append(f"{opened.name}: read error after line {number}: {exc}")
+    finally:
+        stats.lines += number
+    if group:
+        yield from _spread(group, group_second, stats, name)
+
+
+# The log read in pieces of about this many bytes, each matched as a whole.
+_PIECE_BYTES = 1 << 16
+_COMBINED_LINES = re.compile(f"^(?:{_COMBINED.pattern})$", re.MULTILINE)
+_Row = tuple[str, str, str, str]
+
+
+def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
+    """The lines of a combined log in pieces, each with the number of its first line: per
+    line the pattern's four groups, or the line itself (without its end) when they do not
+    match.
+
+    Where the log's bytes can be read as they come (``read1``), a piece of whole lines is
+    matched at once (``findall``): when every line of it matched, each match is its line's
+    (a match cannot span lines and leave the count whole), else the piece goes line by line.
+    The pieces are decoded as ``open_log``'s text reader decodes, and a read that fails loses
+    only the line it cut, as reading line by line does."""
+    buffer = getattr(opened.text, "buffer", None)
+    read1 = getattr(buffer, "read1", None)
+    match = _COMBINED.fullmatch
+    if read1 is None:
+        for number, raw_line in enumerate(opened.text, 1):
+            line = raw_line.rstrip("\r\n")
+            found = match(line)
+            yield number, [line if found is None else cast(_Row, found.groups())]
+        return
+    findall = _COMBINED_LINES.findall
+    decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+    carry = ""
+    first = 1
+    while True:
+        data = read1(_PIECE_BYTES)
+        text = carry + decode(data, final=not data)
+        end = len(text) if not data else text.rfind("\n") + 1
+        carry = text[end:]
+        piece = text[:end]
+        if piece:
+            lines = piece.count("\n") + (not piece.endswith("\n"))  # the last may have no end
+            rows: list[_Row | str] | None = None
+            if "\r" not in piece:
+                rows = findall(piece)
+                if len(rows) != lines:
+                    rows = None
+            if rows is None:
+                if piece.endswith("\n"):
+                    piece = piece[:-1]
+                rows = []
+                for line in piece.split("\n"):
+                    line = line.rstrip("\r")
+                    found = match(line)
+                    rows.append(line if found is None else cast(_Row, found.groups()))
+            yield first, rows
+            first += lines
+        if not data:
+            return
+
+
+def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> list[Request]:
+    """The requests logged in one second, spread evenly across it."""
+    stats.spread_seconds = True
+    count = len(group)
+    base = second * US
+    new = tuple.__new__  # ``Request(...)`` without its Python-level ``__new__``
+    return [
+        new(
+            Request,
+            (
+                base + index * US // count - request_time_us,
                 name,
-                number,
+                line,
                 address,
                 method,
                 target,
                 None,
                 (),
                 forwarded_for,
-            )
-            continue
-        if group and group[0].second != last_second:
-            yield from _spread(group, stats, name)
-            group.clear()
-        group.append(
-            _Pending(last_second, request_time_us, number, address, method, target, forwarded_for)
+            ),
         )
-    yield from _spread(group, stats, name)
-
-
-def _spread(group: list[_Pending], stats: ReadStats, name: str) -> Iterator[Request]:
-    count = len(group)
-    if not count:
-        return
-    stats.spread_seconds = True
-    base = group[0].second * US
-    for index, pending in enumerate(group):
-        yield Request(
-            base + index * US // count - pending.request_time_us,
-            name,
-            pending.line,
-            pending.address,
-            pending.method,
-            pending.target,
-            None,
-            (),
-            pending.forwarded_for,
+        for index, (request_time_us, line, address, method, target, forwarded_for) in enumerate(
+            group
         )
+    ]
 
 
 # -- JSON logs ---------------------------------------------------------------------------------
@@ -453,26 +542,59 @@ def in_time_order(
 ) -> Iterator[Request]:
     """Records by instant (ties in log order), reordered within ``window_us``: a log line is
     written when its request ends, up to its delay and the upstream's time after it began.
-    A record older than the window allows is decided at the latest instant already replayed."""
+    A record older than the window allows is decided at the latest instant already replayed.
+
+    While records come in order (most logs, most of the time) they wait in a FIFO, which is
+    already in (instant, arrival) order; the first one out of order turns what waits into a
+    heap, used until it drains. The order out is the heap's either way."""
+    queue: deque[Request] = deque()
+    append = queue.append
+    popleft = queue.popleft
     heap: list[tuple[int, int, Request]] = []
     push = heapq.heappush
     pop = heapq.heappop
     newest = -(1 << 62)
     emitted = -(1 << 62)
-    for seq, record in enumerate(records):
-        stats.requests += 1
-        t_us = record.t_us
-        if t_us < emitted:
-            stats.late += 1
-            t_us = emitted
-            record = record._replace(t_us=t_us)
-        push(heap, (t_us, seq, record))
-        if t_us > newest:
-            newest = t_us
-            horizon = newest - window_us
-            while heap and heap[0][0] <= horizon:
-                item = pop(heap)
-                emitted = item[0]
-                yield item[2]
-    while heap:
-        yield pop(heap)[2]
+    last_in = -(1 << 62)  # the instant of the queue's last record
+    seq = 0
+    late = 0
+    try:
+        for record in records:
+            seq += 1
+            t_us = record[0]
+            if t_us < emitted:
+                late += 1
+                t_us = emitted
+                record = record._replace(t_us=t_us)
+            if heap:
+                push(heap, (t_us, seq, record))
+            elif t_us >= last_in:
+                append(record)
+                last_in = t_us
+            else:
+                # The queue holds the last len(queue) records, in order: a sorted list is a heap.
+                first = seq - len(queue)
+                heap = [(r[0], first + i, r) for i, r in enumerate(queue)]
+                queue.clear()
+                push(heap, (t_us, seq, record))
+            if t_us > newest:
+                newest = t_us
+                horizon = newest - window_us
+                if heap:
+                    while heap and heap[0][0] <= horizon:
+                        item = pop(heap)
+                        emitted = item[0]
+                        yield item[2]
+                    if not heap:
+                        last_in = emitted
+                else:
+                    while queue and queue[0][0] <= horizon:
+                        record = popleft()
+                        emitted = record[0]
+                        yield record
+        while heap:
+            yield pop(heap)[2]
+        yield from queue
+    finally:
+        stats.requests += seq
+        stats.late += late

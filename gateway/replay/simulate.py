@@ -44,6 +44,10 @@ _EMPTY_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
 _PEERS_KEPT = 1 << 16
 # Likewise routed request lines kept by ``Simulation.decide``.
 _ROUTED_KEPT = 1 << 16
+# Likewise what the engine is handed for each (client, request line, host) seen.
+_FACTS_KEPT = 1 << 16
+# A request's route, host, routing path and facts; no route and no facts when none matches.
+_Found = tuple[Route | None, str, str, RequestFacts | None]
 
 
 @dataclass
@@ -111,11 +115,14 @@ class Simulation:
         self._peers: dict[str, str] = {}
         # What ``_route`` found for each (method, target, host) seen, likewise.
         self._routed: dict[tuple[str, str, str | None], tuple[str, str, str, Route | None]] = {}
+        # What ``_facts_of`` found for each (client, method, target, host) seen, likewise.
+        self._facts: dict[tuple[str, str, str, str | None], _Found] = {}
         # The engine's outcome for the request decided last (None: no limit was asked).
         self.last: Outcome | None = None
         self._waiting: list[tuple[int, int, Outcome]] = []
         self._seq = 0
         self._second: int | None = None
+        self._per_second: list[int] = [0, 0, 0]  # (requests, delayed, rejected) this second
         self._counted: dict[str, tuple[int, int, int, int, int]] = {}
         self.tally = Tally()
         for limit in self.engine.limits:
@@ -146,49 +153,43 @@ class Simulation:
         engine = self.engine
         while waiting and waiting[0][0] <= now_us:
             engine.free_places(heapq.heappop(waiting)[2])
-        second = now_us // US
-        if second != self._second:
-            self._close_second()
-            self._second = second
+        if now_us // US != self._second:
+            self._start_second(now_us)
         self.clock.set(now_us)
         tally = self.tally
-        if tally.first_us is None:
-            tally.first_us = now_us
         tally.last_us = now_us
-        per_second = tally.series.get(second)
-        if per_second is None:
-            per_second = tally.series[second] = [0, 0, 0]
+        per_second = self._per_second
         per_second[0] += 1
+        outcomes = tally.outcomes
 
         self.last = None
         method = request.method
         if method == "CONNECT":
-            return self._count(DENIED)
-        where = (method, request.target, request.host)
-        routed = self._routed.get(where)
-        if routed is None:
-            if len(self._routed) >= _ROUTED_KEPT:
-                self._routed.clear()
-            routed = self._routed[where] = self._route(*where)
-        host, path, target, route = routed
-        if route is None:
-            return self._count(UNROUTED)
+            outcomes[DENIED] += 1
+            return DENIED
+        found: _Found | None
+        if request.headers:
+            found = self._facts_of(request, client_ip)
+        else:
+            # Without headers, what the engine is handed is a pure function of these.
+            where = (client_ip, method, request.target, request.host)
+            found = self._facts.get(where)
+            if found is None:
+                if len(self._facts) >= _FACTS_KEPT:
+                    self._facts.clear()
+                found = self._facts[where] = self._facts_of(request, client_ip)
+        route, host, path, facts = found
+        if route is None or facts is None:
+            outcomes[UNROUTED] += 1
+            return UNROUTED
         if not engine.active:
-            return self._count(UNLIMITED)
-        headers = (
-            CIMultiDictProxy(CIMultiDict(request.headers)) if request.headers else _EMPTY_HEADERS
-        )
-        facts = RequestFacts(
-            client_key(client_ip, engine.ipv6_prefix),
-            route.name,
-            method,
-            headers,
-            _query_of(target) if self.reads_query else _no_query,
-        )
+            outcomes[UNLIMITED] += 1
+            return UNLIMITED
         outcome = self.last = await engine.evaluate(facts, route, host, path, client_ip)
         if outcome.status:
             if outcome.rejected_by is None:
-                return self._count(DENIED)
+                outcomes[DENIED] += 1
+                return DENIED
             per_second[2] += 1
             tally.rejected_by[outcome.rejected_by] += 1
             verdict = outcome.verdict
@@ -200,10 +201,12 @@ class Simulation:
                 for index in indices:
                     check = checks[index]
                     tally.limits[check.limit.name].rejected_keys[check.key] += 1
-            return self._count(REJECTED)
+            outcomes[REJECTED] += 1
+            return REJECTED
         verdict = outcome.verdict
         if verdict is None:
-            return self._count(UNLIMITED)
+            outcomes[UNLIMITED] += 1
+            return UNLIMITED
         if outcome.delay_s > 0.0:
             per_second[1] += 1
             tally.delays_ms.append(outcome.delay_s * 1000.0)
@@ -219,8 +222,47 @@ class Simulation:
                     )
             self._seq += 1
             heapq.heappush(waiting, (now_us + round(outcome.delay_s * US), self._seq, outcome))
-            return self._count(DELAYED)
-        return self._count(ALLOWED)
+            outcomes[DELAYED] += 1
+            return DELAYED
+        outcomes[ALLOWED] += 1
+        return ALLOWED
+
+    def _start_second(self, now_us: int) -> None:
+        """Close the second just ended; count from here in the one ``now_us`` falls in."""
+        self._close_second()
+        second = self._second = now_us // US
+        tally = self.tally
+        if tally.first_us is None:
+            tally.first_us = now_us
+        per_second = tally.series.get(second)
+        if per_second is None:
+            per_second = tally.series[second] = [0, 0, 0]
+        self._per_second = per_second
+
+    def _facts_of(self, request: Request, client_ip: str) -> _Found:
+        """The route, host, routing path and facts the proxy's ``_admit`` hands the engine
+        for this request."""
+        method = request.method
+        where = (method, request.target, request.host)
+        routed = self._routed.get(where)
+        if routed is None:
+            if len(self._routed) >= _ROUTED_KEPT:
+                self._routed.clear()
+            routed = self._routed[where] = self._route(*where)
+        host, path, target, route = routed
+        if route is None:
+            return None, host, path, None
+        headers = (
+            CIMultiDictProxy(CIMultiDict(request.headers)) if request.headers else _EMPTY_HEADERS
+        )
+        facts = RequestFacts(
+            client_key(client_ip, self.engine.ipv6_prefix),
+            route.name,
+            method,
+            headers,
+            _query_of(target) if self.reads_query else _no_query,
+        )
+        return route, host, path, facts
 
     def _route(
         self, method: str, target: str, host_header: str | None
@@ -235,10 +277,6 @@ class Simulation:
         host = normalise_host(host_header)
         path = routing_path(target)
         return host, path, target, self.routes.match(host, path, method)
-
-    def _count(self, what: str) -> str:
-        self.tally.outcomes[what] += 1
-        return what
 
     def _close_second(self) -> None:
         """Note each limit's counters' growth over the second just ended (the engine's own
