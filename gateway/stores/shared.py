@@ -450,12 +450,13 @@ class SharedStore:
                 raw = get(key)
                 if raw is None:
                     tick = state = None
-                elif len(raw) == 16:
-                    tick, state = unpack(raw)
+                else:
+                    try:
+                        tick, state = unpack(raw)
+                    except struct.error:  # not 16 bytes: tagged
+                        tick = _TAGGED
                     if tick >= _TAGGED:
                         tick, state = decode_state(raw)
-                else:
-                    tick, state = decode_state(raw)
                 found.append((key, tick, limit))
                 items.append((limit.algorithm, state))
             verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
