@@ -20,6 +20,7 @@ from typing import Any
 import lmdb
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket
@@ -40,7 +41,9 @@ FORK = multiprocessing.get_context("fork")
 
 class SharedBackend(Backend):
     def make(self, fake_clock: FakeClock | None = None, **options: Any) -> LimitStore:
-        return SharedStore(Path(tempfile.mkdtemp(dir=self.url)), fake_clock)
+        # ``kind`` "shared-2w": as a worker of two decides (on a snapshot, then written).
+        workers = 2 if self.kind == "shared-2w" else 1
+        return SharedStore(Path(tempfile.mkdtemp(dir=self.url)), fake_clock, workers=workers)
 
 
 @pytest.fixture
@@ -59,14 +62,15 @@ def bounded(limit: CompiledLimit, max_keys: int) -> CompiledLimit:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(stack=stacks, ops=operations)
+@given(stack=stacks, ops=operations, kind=st.sampled_from(["shared", "shared-2w"]))
 def test_decisions_match_the_python_algorithms(
-    tmp_path: Path, stack: list[str], ops: list[Op]
+    tmp_path: Path, stack: list[str], ops: list[Op], kind: str
 ) -> None:
     """As the in-process store: it drops idle keys, which no request can tell from kept ones
-    while time goes forward, so the clock only goes forward here."""
+    while time goes forward, so the clock only goes forward here. Both request paths: one
+    write transaction, and a worker's snapshot then write."""
     forward = [(max(step_us, 0), op, key, bound) for step_us, op, key, bound in ops]
-    asyncio.run(run_against_python(SharedBackend("shared", str(tmp_path), None), stack, forward))
+    asyncio.run(run_against_python(SharedBackend(kind, str(tmp_path), None), stack, forward))
 
 
 def test_states_survive_their_encoding() -> None:
@@ -78,11 +82,11 @@ def test_states_survive_their_encoding() -> None:
     assert len(encode_state(12345, 2**63 - 1)) == 16
 
 
-def _hammer(path: str, rounds: int, admitted: Any) -> None:
+def _hammer(path: str, rounds: int, admitted: Any, workers: int) -> None:
     """One worker: ``rounds`` requests on one key through its own store."""
 
     async def run() -> int:
-        store = SharedStore(Path(path))
+        store = SharedStore(Path(path), workers=workers)
         store.configure(_stack(), ())
         count = 0
         for _ in range(rounds):
@@ -104,12 +108,18 @@ def _stack() -> list[CompiledLimit]:
 
 
 @pytest.mark.parametrize("workers", [2, 4])
-def test_processes_on_one_key_admit_exactly_the_limit(state_dir: Path, workers: int) -> None:
-    """Each process checks and commits in one write transaction: together they admit exactly
-    what one process would (the leaky bucket's burst + 1), never more."""
+@pytest.mark.parametrize("optimistic", [False, True])
+def test_processes_on_one_key_admit_exactly_the_limit(
+    state_dir: Path, workers: int, optimistic: bool
+) -> None:
+    """Each process checks and commits in one write transaction (or decides on a snapshot and
+    writes only if nothing it read changed): together they admit exactly what one process
+    would (the leaky bucket's burst + 1), never more."""
     admitted = FORK.Queue()
+    told = workers if optimistic else 1
     procs = [
-        FORK.Process(target=_hammer, args=(str(state_dir), 120, admitted)) for _ in range(workers)
+        FORK.Process(target=_hammer, args=(str(state_dir), 120, admitted, told))
+        for _ in range(workers)
     ]
     for proc in procs:
         proc.start()
@@ -117,6 +127,43 @@ def test_processes_on_one_key_admit_exactly_the_limit(state_dir: Path, workers: 
         proc.join(30)
         assert proc.exitcode == 0
     assert sum(admitted.get(timeout=5) for _ in procs) == 150
+
+
+class _RacedStore(SharedStore):
+    """A worker's store in which another request commits between its snapshot and its write
+    (``race``, once): the interleaving two workers meet at random, made to happen."""
+
+    race: list[Check] | None = None
+    raced: bool | None = None
+
+    def _read_and_decide(self, txn: Any, checks: Any, now_us: int) -> Any:
+        result = super()._read_and_decide(txn, checks, now_us)
+        race, self.race = self.race, None
+        if race is not None:
+            self.raced = self._decide(race, True, now_us).allowed
+        return result
+
+
+async def test_a_commit_between_a_snapshot_and_its_write_is_decided_again(
+    state_dir: Path,
+) -> None:
+    """A worker decides on a snapshot; when another request commits before it writes, what
+    it read is read again under the lock and, being changed, decided again: one request of
+    a limit of one is admitted, not two."""
+    store = _RacedStore(state_dir, FakeClock(T0_US), workers=2)
+    once = compiled("once", FixedWindow(1, 3600.0))
+    store.configure([once], ())
+    store.race = [Check(once, "k")]
+    verdict = await store.decide([Check(once, "k")])
+    assert store.raced is True  # the other request, committed first
+    assert not verdict.allowed
+    assert not (await store.decide([Check(once, "k")])).allowed
+    # A commit that touched none of its keys: the snapshot's verdict stands.
+    store.race = [Check(once, "other")]
+    assert (await store.decide([Check(once, "third")])).allowed
+    assert store.raced is True
+    assert store.tracked_keys("once") == 3
+    await store.close()
 
 
 def _die_holding_the_write_lock(path: str, ready: Any) -> None:

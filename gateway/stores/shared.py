@@ -70,6 +70,11 @@ _DROPPED: Final = b"dropped:"  # table name -> evictions of its tables reloads d
 _MAX_STATE_KEY: Final = 4 + MAX_KEY_BYTES
 
 
+# A check's state key (None: stored nowhere), its last LRU tick (None: a new key), its limit
+# and the bytes read (to see whether another process changed them).
+_Found = tuple[bytes | None, int | None, CompiledLimit, bytes | None]
+
+
 class _Table(NamedTuple):
     """A limit's record in ``meta``."""
 
@@ -165,7 +170,12 @@ class SharedStore:
     verdicts_on_clock = True
 
     def __init__(
-        self, path: Path | None, clock: Clock | None = None, *, reports_counts: bool = True
+        self,
+        path: Path | None,
+        clock: Clock | None = None,
+        *,
+        reports_counts: bool = True,
+        workers: int = 1,
     ) -> None:
         # ``path`` None: build and validate only (``gateway check``), nothing opened.
         self.path = path
@@ -174,6 +184,8 @@ class SharedStore:
         # Tracked keys and evictions are the shared tables': one worker reports them, so
         # that the metrics summed over workers count each once.
         self.reports_counts = reports_counts
+        # Several processes write: decide outside the writers' lock (``_decide_optimistic``).
+        self._optimistic = workers > 1
         self._env: lmdb.Environment | None = None
         self._state: Any = None
         self._lru: Any = None
@@ -408,83 +420,135 @@ class SharedStore:
             return self._decide(checks, commit, now_us)
 
     def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
-        # The request path: one transaction, the generation and each check's state read,
-        # states packed in 16 bytes, and a known key used in the same LRU tick (the hot case)
-        # written with one put; new, moved and forgotten keys take ``_write_moved``.
-        # The state database is the transaction's default and every py-lmdb call takes
-        # positional arguments (keywords cost the binding a parse per call).
+        """One write transaction: read, decide, write (the lone process's path, and the
+        others' when a concurrent commit changed what they decided on)."""
         env = self._env
         if env is None:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
+        if commit and self._optimistic:
+            return self._decide_optimistic(env, checks, now_us)
+        txn = self._begin(env, commit, self._state)
         try:
-            txn = env.begin(self._state, None, commit)
-        except lmdb.MapResizedError:
-            txn = self._begin(env, commit, self._state)
-        try:
-            if txn.get(_GENERATION, None, self._meta) != self._generation:
-                self._load_tables(txn)  # another worker adopted a policy
-            by_limit = self._by_limit
-            get = txn.get
-            unpack = _TICK_STATE.unpack
-            # Each check's state key (None: stored nowhere), last LRU tick (None: a new key)
-            # and limit.
-            found: list[tuple[bytes | None, int | None, CompiledLimit]] = []
-            items: list[tuple[Algorithm[Any], Any]] = []
-            costs: list[int] | None = None
-            for check in checks:
-                limit = check.limit
-                entry = by_limit.get(limit.table)
-                if entry is None or entry[0] is not limit:
-                    self._table_of(limit)
-                    entry = by_limit[limit.table]
-                prefix = entry[2]
-                if check.cost != 1 and costs is None:
-                    costs = [c.cost for c in checks]
-                if prefix is None:
-                    found.append((None, None, limit))
-                    items.append((limit.algorithm, None))
-                    continue
-                key = prefix + check.key.encode("utf-8", "surrogatepass")
-                if len(key) > _MAX_STATE_KEY:
-                    key = prefix + key_bytes(check.key)
-                raw = get(key)
-                if raw is None:
-                    tick = state = None
-                else:
-                    try:
-                        tick, state = unpack(raw)
-                    except struct.error:  # not 16 bytes: tagged
-                        tick = _TAGGED
-                    if tick >= _TAGGED:
-                        tick, state = decode_state(raw)
-                found.append((key, tick, limit))
-                items.append((limit.algorithm, state))
-            verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
-            if verdict.delay_s > 0.0:
-                verdict = refuse_long_delays(
-                    verdict, [state for _, state in items], [c.max_delay_s for c in checks]
-                )
+            verdict, found = self._read_and_decide(txn, checks, now_us)
             if not (commit and verdict.allowed):
                 txn.abort()
                 return verdict
-            now_tick = now_us // TICK_US
-            put = txn.put
-            pack = _TICK_STATE.pack
-            for (known, tick, limit), state in zip(found, verdict.states, strict=True):
-                if known is None:
-                    continue
-                if tick == now_tick and state is not None:
-                    try:
-                        put(known, pack(now_tick, state))
-                    except struct.error:  # a state that does not fit 64 bits
-                        put(known, encode_state(now_tick, state))
-                else:
-                    self._write_moved(txn, limit, known, tick, state, now_us, now_tick)
+            self._write_states(txn, found, verdict.states, now_us)
             txn.commit()
         except BaseException:
             txn.abort()
             raise
         return verdict
+
+    def _decide_optimistic(
+        self, env: lmdb.Environment, checks: Sequence[Check], now_us: int
+    ) -> CombinedDecision:
+        """Decide on a snapshot (a read transaction: no lock), then write in a write
+        transaction that holds the writers' lock only for the writes. If another process
+        committed in between (the write transaction's id is not the snapshot's next), the
+        states are read again and, if any differs, decided again under the lock: the
+        verdict is always one on the states it is written over. A rejection writes nothing
+        and stands on its snapshot.
+
+        Why: the lock is held for a fraction of the decision, so a worker preempted while
+        holding it (workers share cores with everything else) blocks the others far less
+        often."""
+        snapshot = self._begin(env, False, self._state)
+        try:
+            verdict, found = self._read_and_decide(snapshot, checks, now_us)
+            seen = snapshot.id()
+        finally:
+            snapshot.abort()
+        if not verdict.allowed:
+            return verdict
+        txn = self._begin(env, True, self._state)
+        try:
+            if txn.id() != seen + 1 and self._changed_since(txn, found):
+                verdict, found = self._read_and_decide(txn, checks, now_us)
+                if not verdict.allowed:
+                    txn.abort()
+                    return verdict
+            self._write_states(txn, found, verdict.states, now_us)
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
+        return verdict
+
+    def _changed_since(self, txn: Any, found: Sequence[_Found]) -> bool:
+        """Whether the policy or any state read (``found``) is not what ``txn`` holds."""
+        get = txn.get
+        if get(_GENERATION, None, self._meta) != self._generation:
+            return True
+        return any(key is not None and get(key) != raw for key, _, _, raw in found)
+
+    def _read_and_decide(
+        self, txn: Any, checks: Sequence[Check], now_us: int
+    ) -> tuple[CombinedDecision, list[_Found]]:
+        # The request path: the generation and each check's state read, states packed in 16
+        # bytes. The state database is the transaction's default and every py-lmdb call
+        # takes positional arguments (keywords cost the binding a parse per call).
+        if txn.get(_GENERATION, None, self._meta) != self._generation:
+            self._load_tables(txn)  # another worker adopted a policy
+        by_limit = self._by_limit
+        get = txn.get
+        unpack = _TICK_STATE.unpack
+        found: list[_Found] = []
+        items: list[tuple[Algorithm[Any], Any]] = []
+        costs: list[int] | None = None
+        for check in checks:
+            limit = check.limit
+            entry = by_limit.get(limit.table)
+            if entry is None or entry[0] is not limit:
+                self._table_of(limit)
+                entry = by_limit[limit.table]
+            prefix = entry[2]
+            if check.cost != 1 and costs is None:
+                costs = [c.cost for c in checks]
+            if prefix is None:
+                found.append((None, None, limit, None))
+                items.append((limit.algorithm, None))
+                continue
+            key = prefix + check.key.encode("utf-8", "surrogatepass")
+            if len(key) > _MAX_STATE_KEY:
+                key = prefix + key_bytes(check.key)
+            raw = get(key)
+            if raw is None:
+                tick = state = None
+            else:
+                try:
+                    tick, state = unpack(raw)
+                except struct.error:  # not 16 bytes: tagged
+                    tick = _TAGGED
+                if tick >= _TAGGED:
+                    tick, state = decode_state(raw)
+            found.append((key, tick, limit, raw))
+            items.append((limit.algorithm, state))
+        verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
+        if verdict.delay_s > 0.0:
+            verdict = refuse_long_delays(
+                verdict, [state for _, state in items], [c.max_delay_s for c in checks]
+            )
+        return verdict, found
+
+    def _write_states(
+        self, txn: Any, found: Sequence[_Found], states: Sequence[Any], now_us: int
+    ) -> None:
+        """Write an admitted request's states: a known key used in the same LRU tick (the
+        hot case) with one put; new, moved and forgotten keys take ``_write_moved``."""
+        now_tick = now_us // TICK_US
+        put = txn.put
+        pack = _TICK_STATE.pack
+        for (key, tick, limit, _), state in zip(found, states, strict=True):
+            if key is None:
+                continue
+            if tick == now_tick and state is not None:
+                try:
+                    put(key, pack(now_tick, state))
+                except struct.error:  # a state that does not fit 64 bits
+                    put(key, encode_state(now_tick, state))
+            else:
+                self._write_moved(txn, limit, key, tick, state, now_us, now_tick)
 
     def _write_moved(
         self,
