@@ -136,8 +136,8 @@ class _RacedStore(SharedStore):
     race: list[Check] | None = None
     raced: bool | None = None
 
-    def _read_and_decide(self, txn: Any, checks: Any, now_us: int) -> Any:
-        result = super()._read_and_decide(txn, checks, now_us)
+    def _read_and_decide(self, txn: Any, checks: Any, now_us: int, write: bool) -> Any:
+        result = super()._read_and_decide(txn, checks, now_us, write)
         race, self.race = self.race, None
         if race is not None:
             self.raced = self._decide(race, True, now_us).allowed

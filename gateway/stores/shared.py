@@ -427,14 +427,16 @@ class SharedStore:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
         if commit and self._optimistic:
             return self._decide_optimistic(env, checks, now_us)
-        txn = self._begin(env, commit, self._state)
         try:
-            verdict, found = self._read_and_decide(txn, checks, now_us)
-            if not (commit and verdict.allowed):
+            txn = env.begin(self._state, None, commit)
+        except lmdb.MapResizedError:
+            txn = self._begin(env, commit, self._state)
+        try:
+            verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
+            if commit and verdict.allowed:
+                txn.commit()
+            else:
                 txn.abort()
-                return verdict
-            self._write_states(txn, found, verdict.states, now_us)
-            txn.commit()
         except BaseException:
             txn.abort()
             raise
@@ -455,7 +457,7 @@ class SharedStore:
         often."""
         snapshot = self._begin(env, False, self._state)
         try:
-            verdict, found = self._read_and_decide(snapshot, checks, now_us)
+            verdict, found = self._read_and_decide(snapshot, checks, now_us, False)
             seen = snapshot.id()
         finally:
             snapshot.abort()
@@ -464,11 +466,12 @@ class SharedStore:
         txn = self._begin(env, True, self._state)
         try:
             if txn.id() != seen + 1 and self._changed_since(txn, found):
-                verdict, found = self._read_and_decide(txn, checks, now_us)
+                verdict = self._read_and_decide(txn, checks, now_us, True)[0]
                 if not verdict.allowed:
                     txn.abort()
                     return verdict
-            self._write_states(txn, found, verdict.states, now_us)
+            else:
+                self._write_states(txn, found, verdict.states, now_us)
             txn.commit()
         except BaseException:
             txn.abort()
@@ -483,8 +486,9 @@ class SharedStore:
         return any(key is not None and get(key) != raw for key, _, _, raw in found)
 
     def _read_and_decide(
-        self, txn: Any, checks: Sequence[Check], now_us: int
+        self, txn: Any, checks: Sequence[Check], now_us: int, write: bool
     ) -> tuple[CombinedDecision, list[_Found]]:
+        """Read the states in ``txn``, decide, and with ``write`` write them if admitted."""
         # The request path: the generation and each check's state read, states packed in 16
         # bytes. The state database is the transaction's default and every py-lmdb call
         # takes positional arguments (keywords cost the binding a parse per call).
@@ -529,6 +533,8 @@ class SharedStore:
             verdict = refuse_long_delays(
                 verdict, [state for _, state in items], [c.max_delay_s for c in checks]
             )
+        if write and verdict.allowed:
+            self._write_states(txn, found, verdict.states, now_us)
         return verdict, found
 
     def _write_states(
