@@ -6,6 +6,8 @@ decided in one write transaction: every state is read, the same pure algorithms 
 in-process store decide at one instant, and every new state is written (allowed) or none
 (rejected). LMDB serialises write transactions across processes with a robust mutex, so a
 worker killed mid-transaction leaves nothing behind: its uncommitted writes are never seen.
+A worker of several reads and decides on a snapshot first and takes that mutex only to write,
+deciding again under it if another process changed what it read (``_decide_optimistic``).
 
 Three databases:
 
@@ -14,8 +16,9 @@ Three databases:
 - ``lru``: ``slot | tick | key`` -> empty: each table's keys by last use, oldest first. A key
   moves in it at most once per tick, so a hot key costs one put per request.
 - ``meta``: the policy in force (its hash and a generation number, so that a reload rescales
-  once whichever worker reloads first), each limit's slot, identity and algorithm, and each
-  table's key count and evictions.
+  once whichever worker reloads first), each limit's slot, identity and algorithm, each
+  table's key count, evictions and expiries, and (``dropped:``) the evictions of tables a
+  reload dropped, by name, so that a limit's evictions never go down.
 
 Bounded like an nginx zone: a new key first looks at the table's two least recently used
 keys and drops those whose state is idle (a fresh key would decide the same: an expiry, as
