@@ -328,6 +328,23 @@ async def test_idle_keys_expire_before_the_table_is_full(state_dir: Path) -> Non
     await store.close()
 
 
+async def test_keys_used_lately_are_not_expired_even_when_idle(state_dir: Path) -> None:
+    """A key used in the last LRU tick or two stays even if its state has drained already
+    (a high rate): dropping it would have its next request count it in again, for nothing."""
+    clock = FakeClock(T0_US)
+    store = SharedStore(state_dir, clock)
+    fast = bounded(compiled("fast", LeakyBucket(1000, 1, 0, None)), 1000)  # idle after 1 ms
+    store.configure([fast], ())
+    for index in range(5):
+        assert (await store.decide([Check(fast, f"k{index}")])).allowed
+        clock.advance(0.01)
+    assert store._counts_of("fast") == (5, 0, 0)
+    clock.advance(1.0)
+    assert (await store.decide([Check(fast, "late")])).allowed
+    assert store._counts_of("fast") == (4, 0, 2)  # the two oldest, idle and long unused
+    await store.close()
+
+
 def _tiered(store: LimitStore, path: Path) -> CompiledLimit:
     """A policy's limit with two plans (variant tables ``per_key~gold``, ``per_key~silver``),
     configured in ``store``."""

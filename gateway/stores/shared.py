@@ -577,20 +577,24 @@ class SharedStore:
             if tick is not None:
                 self._forget(txn, table.slot, key, tick)
             return
-        packed_tick = _TICK.pack(now_tick)
         if tick is None:
-            self._insert(txn, table, key, now_us, packed_tick)
+            self._insert(txn, table, key, now_us, now_tick)
         else:
             lru = self._lru
             txn.delete(key[:4] + _TICK.pack(tick) + key[4:], b"", lru)
-            txn.put(key[:4] + packed_tick + key[4:], b"", True, True, False, lru)
+            txn.put(key[:4] + _TICK.pack(now_tick) + key[4:], b"", True, True, False, lru)
         txn.put(key, encode_state(now_tick, state), True, True, False, self._state)
 
-    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: bytes) -> None:
+    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: int) -> None:
         """Count a new key. First the table's least recently used keys are looked at: up to
-        ``EXPIRE_ON_INSERT`` idle ones are dropped (expiries), and in a full table as many
-        as make room (evictions, unless idle)."""
+        ``EXPIRE_ON_INSERT`` idle ones not used in this tick or the one before are dropped
+        (expiries), and in a full table as many as make room (evictions, unless idle).
+
+        Keys used that lately are left alone: a busy key whose state drains within the
+        interval between its requests (a high rate) would otherwise be dropped and counted
+        in again on every request, paying for both."""
         prefix = table.prefix
+        recent = _TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
         state_db = self._state
         count, evictions, expiries = self._counts(txn, table.slot)
         is_idle = table.algorithm.is_idle
@@ -602,7 +606,7 @@ class SharedStore:
                 if not oldest.startswith(prefix):
                     break
                 full = count >= table.max_keys
-                if not full and looked >= EXPIRE_ON_INSERT:
+                if not full and (looked >= EXPIRE_ON_INSERT or oldest[4:12] >= recent):
                     break
                 state_key = prefix + oldest[12:]
                 raw = txn.get(state_key, None, state_db)
@@ -619,7 +623,7 @@ class SharedStore:
                 count -= 1
         txn.put(b"counts:" + prefix, _COUNTS.pack(count + 1, evictions, expiries),
                 True, True, False, self._meta)  # fmt: skip
-        txn.put(prefix + now_tick + key[4:], b"", True, True, False, self._lru)
+        txn.put(prefix + _TICK.pack(now_tick) + key[4:], b"", True, True, False, self._lru)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
