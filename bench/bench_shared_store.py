@@ -7,8 +7,11 @@ Each round decides ``--requests`` requests through each store in turn (interleav
 median round reported) with the bench's three never-binding limits (leaky bucket per client,
 sliding window per client, global token bucket) over ``--keys`` client keys, on the real
 monotonic clock. ``shared`` is the ``SharedStore`` on ``/dev/shm`` (a temporary directory
-when there is none); ``memory`` the in-process store; ``lmdb get+put`` one write transaction
-of one get and one put in the same kind of environment: the floor an LMDB store pays.
+when there is none), as a lone process uses it (one write transaction per request);
+``shared, worker of 2`` the same store as a worker of ``--workers 2`` uses it (decided on a
+snapshot, then written), here without a second worker, so what it adds when nothing races;
+``memory`` the in-process store; ``lmdb get+put`` one write transaction of one get and one
+put in the same kind of environment: the floor an LMDB store pays.
 """
 
 from __future__ import annotations
@@ -96,9 +99,11 @@ async def main(argv: Sequence[str] | None = None) -> int:
     base = SHM
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         shared = SharedStore(Path(tmp) / "shared")
+        worker = SharedStore(Path(tmp) / "worker", workers=2)
         rounds = {
             "memory": store_round(MemoryStore(), args.requests, args.keys),
             "shared": store_round(shared, args.requests, args.keys),
+            "shared, worker of 2": store_round(worker, args.requests, args.keys),
             "lmdb get+put": lmdb_round(Path(tmp) / "raw", args.requests, args.keys),
         }
         times: dict[str, list[float]] = {name: [] for name in rounds}
@@ -106,6 +111,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
             for name, run in rounds.items():
                 times[name].append(await run())
         await shared.close()
+        await worker.close()
     print(f"| store ({args.requests:,} requests x {args.repeats}, {args.keys} keys) "
           "| us per request (median) | min | max |")  # fmt: skip
     print("|---|---:|---:|---:|")

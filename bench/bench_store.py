@@ -392,7 +392,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu_per_request: dict[tuple[str, int], list[float]] = {}
     stats: dict[str, dict[str, Any] | None] = {}
     requests: dict[str, int] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
+    # The shared store's state where a gateway keeps it by default: memory (``/dev/shm``), not
+    # the disk the work directory is on.
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-store-") as tmp,
+        tempfile.TemporaryDirectory(prefix="bench-store-", dir=shm) as shared_tmp,
+    ):
         work_dir = Path(tmp)
         procs = bp.Processes(work_dir)
         try:
@@ -435,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             bare = work_dir / "bare.yaml"
             bare.write_text(POLICY.split("limits:")[0].format(upstream_port=harness.upstream_port))
-            shared_env = {"GATEWAY_SHARED_DIR": str(work_dir), "GATEWAY_STORE_URL": "shared"}
+            shared_env = {"GATEWAY_SHARED_DIR": shared_tmp, "GATEWAY_STORE_URL": "shared"}
             redis_env = {"GATEWAY_STORE_URL": f"redis://127.0.0.1:{redis_port}"}
             cli = (
                 (MEMORY_1W, policy, 1, plan.single_proxy, {"GATEWAY_STORE_URL": "memory"}),

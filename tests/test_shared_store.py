@@ -20,16 +20,20 @@ from typing import Any
 import lmdb
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket
+from gateway.algorithms.registry import build_algorithm
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import FakeClock
+from gateway.engine import LimitEngine
 from gateway.limits import Check, CompiledLimit
+from gateway.policy_loader import parse_policy
 from gateway.stores import LimitStore, MemoryStore, SharedStore
 from gateway.stores.shared import decode_state, encode_state
-from tests.support import T0_US
+from tests.support import T0_US, policy_for
 from tests.test_redis_store import Backend, Op, compiled, operations, run_against_python, stacks
 
 FORK = multiprocessing.get_context("fork")
@@ -37,7 +41,9 @@ FORK = multiprocessing.get_context("fork")
 
 class SharedBackend(Backend):
     def make(self, fake_clock: FakeClock | None = None, **options: Any) -> LimitStore:
-        return SharedStore(Path(tempfile.mkdtemp(dir=self.url)), fake_clock)
+        # ``kind`` "shared-2w": as a worker of two decides (on a snapshot, then written).
+        workers = 2 if self.kind == "shared-2w" else 1
+        return SharedStore(Path(tempfile.mkdtemp(dir=self.url)), fake_clock, workers=workers)
 
 
 @pytest.fixture
@@ -56,26 +62,31 @@ def bounded(limit: CompiledLimit, max_keys: int) -> CompiledLimit:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(stack=stacks, ops=operations)
+@given(stack=stacks, ops=operations, kind=st.sampled_from(["shared", "shared-2w"]))
 def test_decisions_match_the_python_algorithms(
-    tmp_path: Path, stack: list[str], ops: list[Op]
+    tmp_path: Path, stack: list[str], ops: list[Op], kind: str
 ) -> None:
     """As the in-process store: it drops idle keys, which no request can tell from kept ones
-    while time goes forward, so the clock only goes forward here."""
+    while time goes forward, so the clock only goes forward here. Both request paths: one
+    write transaction, and a worker's snapshot then write."""
     forward = [(max(step_us, 0), op, key, bound) for step_us, op, key, bound in ops]
-    asyncio.run(run_against_python(SharedBackend("shared", str(tmp_path), None), stack, forward))
+    asyncio.run(run_against_python(SharedBackend(kind, str(tmp_path), None), stack, forward))
 
 
 def test_states_survive_their_encoding() -> None:
-    for state in (0, 1, -1, 2**44 + 17, 2**130 + 3, -(2**70), b"", b"\x00\x01log"):
+    """Packed in 16 bytes when the state fits 64 bits, tagged otherwise (bytes of any length,
+    those whose tagged form is 16 bytes long too)."""
+    for state in (0, 1, -1, 2**44 + 17, 2**63 - 1, -(2**63), 2**63, 2**130 + 3, -(2**70),
+                  b"", b"\x00\x01log", b"7 bytes", b"8 bytes!"):  # fmt: skip
         assert decode_state(encode_state(12345, state)) == (12345, state)
+    assert len(encode_state(12345, 2**63 - 1)) == 16
 
 
-def _hammer(path: str, rounds: int, admitted: Any) -> None:
+def _hammer(path: str, rounds: int, admitted: Any, workers: int) -> None:
     """One worker: ``rounds`` requests on one key through its own store."""
 
     async def run() -> int:
-        store = SharedStore(Path(path))
+        store = SharedStore(Path(path), workers=workers)
         store.configure(_stack(), ())
         count = 0
         for _ in range(rounds):
@@ -97,12 +108,18 @@ def _stack() -> list[CompiledLimit]:
 
 
 @pytest.mark.parametrize("workers", [2, 4])
-def test_processes_on_one_key_admit_exactly_the_limit(state_dir: Path, workers: int) -> None:
-    """Each process checks and commits in one write transaction: together they admit exactly
-    what one process would (the leaky bucket's burst + 1), never more."""
+@pytest.mark.parametrize("optimistic", [False, True])
+def test_processes_on_one_key_admit_exactly_the_limit(
+    state_dir: Path, workers: int, optimistic: bool
+) -> None:
+    """Each process checks and commits in one write transaction (or decides on a snapshot and
+    writes only if nothing it read changed): together they admit exactly what one process
+    would (the leaky bucket's burst + 1), never more."""
     admitted = FORK.Queue()
+    told = workers if optimistic else 1
     procs = [
-        FORK.Process(target=_hammer, args=(str(state_dir), 120, admitted)) for _ in range(workers)
+        FORK.Process(target=_hammer, args=(str(state_dir), 120, admitted, told))
+        for _ in range(workers)
     ]
     for proc in procs:
         proc.start()
@@ -110,6 +127,43 @@ def test_processes_on_one_key_admit_exactly_the_limit(state_dir: Path, workers: 
         proc.join(30)
         assert proc.exitcode == 0
     assert sum(admitted.get(timeout=5) for _ in procs) == 150
+
+
+class _RacedStore(SharedStore):
+    """A worker's store in which another request commits between its snapshot and its write
+    (``race``, once): the interleaving two workers meet at random, made to happen."""
+
+    race: list[Check] | None = None
+    raced: bool | None = None
+
+    def _read_and_decide(self, txn: Any, checks: Any, now_us: int, write: bool) -> Any:
+        result = super()._read_and_decide(txn, checks, now_us, write)
+        race, self.race = self.race, None
+        if race is not None:
+            self.raced = self._decide(race, True, now_us).allowed
+        return result
+
+
+async def test_a_commit_between_a_snapshot_and_its_write_is_decided_again(
+    state_dir: Path,
+) -> None:
+    """A worker decides on a snapshot; when another request commits before it writes, what
+    it read is read again under the lock and, being changed, decided again: one request of
+    a limit of one is admitted, not two."""
+    store = _RacedStore(state_dir, FakeClock(T0_US), workers=2)
+    once = compiled("once", FixedWindow(1, 3600.0))
+    store.configure([once], ())
+    store.race = [Check(once, "k")]
+    verdict = await store.decide([Check(once, "k")])
+    assert store.raced is True  # the other request, committed first
+    assert not verdict.allowed
+    assert not (await store.decide([Check(once, "k")])).allowed
+    # A commit that touched none of its keys: the snapshot's verdict stands.
+    store.race = [Check(once, "other")]
+    assert (await store.decide([Check(once, "third")])).allowed
+    assert store.raced is True
+    assert store.tracked_keys("once") == 3
+    await store.close()
 
 
 def _die_holding_the_write_lock(path: str, ready: Any) -> None:
@@ -230,16 +284,128 @@ async def test_a_full_table_evicts_its_least_recently_used_keys(state_dir: Path)
 
 async def test_idle_keys_make_room_without_counting_as_evictions(state_dir: Path) -> None:
     """A full table's least recently used key makes room for a new one; when its state is
-    idle (a fresh key would have the same), that is no eviction."""
+    idle (a fresh key would have the same), that is an expiry, no eviction."""
     clock = FakeClock(T0_US)
     store = SharedStore(state_dir, clock)
     limit = bounded(compiled("fast", LeakyBucket(10, 1, 0, None)), 10)
     store.configure([limit], ())
-    for index in range(100):
+    for index in range(10):
         assert (await store.decide([Check(limit, f"k{index}")])).allowed
-        clock.advance(1.0)  # each key is idle (drained) by the next one's turn
+    assert store.tracked_keys("fast") == 10  # all busy: nothing expired yet
+    clock.advance(1.0)  # every key idle (drained)
+    for index in range(10, 15):  # each new key drops two idle ones
+        assert (await store.decide([Check(limit, f"k{index}")])).allowed
+    assert (store.tracked_keys("fast"), store.evictions("fast")) == (5, 0)
+    assert store._counts_of("fast") == (5, 0, 10)  # keys, evictions, expiries
+    await store.close()
+
+
+async def test_idle_keys_expire_before_the_table_is_full(state_dir: Path) -> None:
+    """Each new key drops up to two idle least recently used keys (as nginx does), so a
+    table of a thousand keys does not fill with clients long gone; busy keys stay, and
+    dropping idle ones changes no decision."""
+    clock = FakeClock(T0_US)
+    store, reference = SharedStore(state_dir, clock), MemoryStore(clock)
+    limit = bounded(compiled("fast", LeakyBucket(10, 1, 2, None)), 1000)
+    for each in (store, reference):
+        each.configure([limit], ())
+    for index in range(100):
+        for each in (store, reference):
+            assert (await each.decide([Check(limit, f"k{index}")])).allowed
+        clock.advance(1.0)  # the key just used is idle by the next one's turn
+    assert store.tracked_keys("fast") == 1  # the last: the 99 before it expired
     assert store.evictions("fast") == 0
-    assert store.tracked_keys("fast") == 10
+    assert store._counts_of("fast") == (1, 0, 99)
+    # Busy keys (used within the last 100 ms) are not dropped by a new key.
+    for name in ("a", "b", "a", "c", "d"):
+        for each in (store, reference):
+            verdict = await each.decide([Check(limit, name)])
+        assert verdict.allowed
+    assert store.tracked_keys("fast") == 4  # k99 expired; a, b, c, d busy
+    for name in ("a", "b", "k5"):
+        want = (await reference.decide([Check(limit, name)], commit=False)).decisions[0]
+        assert (await store.decide([Check(limit, name)], commit=False)).decisions[0] == want
+    await store.close()
+
+
+async def test_keys_used_lately_are_not_expired_even_when_idle(state_dir: Path) -> None:
+    """A key used in the last LRU tick or two stays even if its state has drained already
+    (a high rate): dropping it would have its next request count it in again, for nothing."""
+    clock = FakeClock(T0_US)
+    store = SharedStore(state_dir, clock)
+    fast = bounded(compiled("fast", LeakyBucket(1000, 1, 0, None)), 1000)  # idle after 1 ms
+    store.configure([fast], ())
+    for index in range(5):
+        assert (await store.decide([Check(fast, f"k{index}")])).allowed
+        clock.advance(0.01)
+    assert store._counts_of("fast") == (5, 0, 0)
+    clock.advance(1.0)
+    assert (await store.decide([Check(fast, "late")])).allowed
+    assert store._counts_of("fast") == (4, 0, 2)  # the two oldest, idle and long unused
+    await store.close()
+
+
+def _tiered(store: LimitStore, path: Path) -> CompiledLimit:
+    """A policy's limit with two plans (variant tables ``per_key~gold``, ``per_key~silver``),
+    configured in ``store``."""
+    policy = parse_policy(
+        policy_for(
+            "http://127.0.0.1:9",
+            "limits:\n  per_key:\n    algorithm: fixed_window\n    limit: 5\n    window: 1h\n"
+            "    key: ['header:X-Api-Key']\n    max_keys: 3\n"
+            "    plans:\n      gold: {limit: 50}\n      silver: {limit: 20}\n"
+            "    overrides:\n      key-gold: gold\n      key-silver: silver\n",
+        ),
+        str(path),
+    ).policy
+    limits = LimitEngine(policy, store, build_algorithm).limits
+    store.configure(limits, ())
+    return limits[0]
+
+
+@pytest.mark.parametrize("kind", ["memory", "shared"])
+async def test_a_limits_counts_include_its_plans_tables(state_dir: Path, kind: str) -> None:
+    """Tracked keys and evictions of a limit count its own table and its plans' (one table
+    each), as the in-process store counts them."""
+    clock = FakeClock(T0_US)
+    store: LimitStore = MemoryStore(clock) if kind == "memory" else SharedStore(state_dir, clock)
+    limit = _tiered(store, state_dir / "policy.yaml")
+    assert limit.tiering is not None and limit.tiering.overrides is not None
+    gold, silver = limit.tiering.overrides.variants
+    assert (gold.table, silver.table) == ("per_key~gold", "per_key~silver")
+    for index in range(5):  # 5 keys in each table of 3: 2 evictions each
+        for each in (limit, gold, silver):
+            assert (await store.decide([Check(each, f"k{index}")])).allowed
+    assert store.tracked_keys("per_key") == 9
+    assert store.evictions("per_key") == 6
+    await store.close()
+
+
+async def test_evictions_never_go_down_when_a_reload_starts_a_limit_afresh(
+    state_dir: Path,
+) -> None:
+    """/metrics exports evictions as a counter: a reload that gives a limit a new table (a
+    different key) or removes it keeps the count the old table reached, as in process."""
+    clock = FakeClock(T0_US)
+    store = SharedStore(state_dir, clock)
+    old = bounded(compiled("small", FixedWindow(100, 3600.0)), 2)
+    store.configure([old], ())
+    for index in range(6):
+        assert (await store.decide([Check(old, f"k{index}")])).allowed
+    assert store.evictions("small") == 4
+    new = bounded(compiled("small", FixedWindow(100, 3600.0), key=("header:X-Key",)), 2)
+    store.configure([new], [old])  # another key: the limit starts afresh in a new table
+    assert store.evictions("small") == 4
+    assert store.tracked_keys("small") == 0
+    for index in range(6):
+        assert (await store.decide([Check(new, f"k{index}")])).allowed
+    assert store.evictions("small") == 8
+    store.configure([], [new])  # the limit removed
+    assert store.evictions("small") == 8
+    store.configure([old], [])  # and back
+    assert store.evictions("small") == 8
+    # A limit whose name begins with another's is not counted with it.
+    assert store.evictions("smal") == 0
     await store.close()
 
 

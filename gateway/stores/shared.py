@@ -6,6 +6,8 @@ decided in one write transaction: every state is read, the same pure algorithms 
 in-process store decide at one instant, and every new state is written (allowed) or none
 (rejected). LMDB serialises write transactions across processes with a robust mutex, so a
 worker killed mid-transaction leaves nothing behind: its uncommitted writes are never seen.
+A worker of several reads and decides on a snapshot first and takes that mutex only to write,
+deciding again under it if another process changed what it read (``_decide_optimistic``).
 
 Three databases:
 
@@ -14,13 +16,18 @@ Three databases:
 - ``lru``: ``slot | tick | key`` -> empty: each table's keys by last use, oldest first. A key
   moves in it at most once per tick, so a hot key costs one put per request.
 - ``meta``: the policy in force (its hash and a generation number, so that a reload rescales
-  once whichever worker reloads first), each limit's slot, identity and algorithm, and each
-  table's key count and evictions.
+  once whichever worker reloads first), each limit's slot, identity and algorithm, each
+  table's key count, evictions and expiries, and (``dropped:``) the evictions of tables a
+  reload dropped, by name, so that a limit's evictions never go down.
 
-Bounded like an nginx zone: a new key in a full table takes the place of the table's least
-recently used key, counted as an eviction unless that key's state was idle. Idle keys are not
-dropped before the table is full (nginx drops up to two on every new key): a page of the map
-they hold costs nothing until it is needed, and not looking saves the request path a cursor.
+Bounded like an nginx zone: a new key first looks at the table's two least recently used
+keys and drops those whose state is idle (a fresh key would decide the same: an expiry, as
+nginx's ``ngx_http_limit_req_expire``), so a table does not fill with dead keys; in a full
+table it then takes the place of the least recently used key, counted as an eviction unless
+that key's state was idle. Only new keys pay for the look; a known key's request does not.
+
+States are packed in 16 bytes, ``tick | state`` (a signed 64-bit state), when they fit; any
+other state is tagged (``tick | tag | payload``, the tick's top bit set to say so).
 """
 
 from __future__ import annotations
@@ -54,10 +61,21 @@ TICK_US: Final = 100_000  # LRU order to 100 ms: a hot key moves in it at most 1
 
 _SLOT = struct.Struct(">I")
 _TICK = struct.Struct(">Q")
-_COUNTS = struct.Struct("<qq")
+_TICK_STATE = struct.Struct(">Qq")  # a state that fits 64 bits, as almost every one does
+_TAGGED: Final = 1 << 63  # on the tick: the state is tagged, not packed
+_COUNTS = struct.Struct("<qqq")  # keys, evictions, expiries
+# Idle keys looked at, least recently used first, each time a new key is added (as nginx).
+EXPIRE_ON_INSERT: Final = 2
 _POLICY: Final = b"policy"
 _GENERATION: Final = b"generation"
 _NEXT_SLOT: Final = b"next_slot"
+_DROPPED: Final = b"dropped:"  # table name -> evictions of its tables reloads dropped
+_MAX_STATE_KEY: Final = 4 + MAX_KEY_BYTES
+
+
+# A check's state key (None: stored nowhere), its last LRU tick (None: a new key), its limit
+# and the bytes read (to see whether another process changed them).
+_Found = tuple[bytes | None, int | None, CompiledLimit, bytes | None]
 
 
 class _Table(NamedTuple):
@@ -115,12 +133,20 @@ def encode_payload(state: Any) -> bytes:
 
 
 def encode_state(tick: int, state: Any) -> bytes:
-    """``tick | tag | payload``."""
-    return _TICK.pack(tick) + encode_payload(state)
+    """``tick | state`` (16 bytes) for a state that fits 64 bits, else ``tick | tag |
+    payload`` with the tick's top bit set."""
+    try:
+        return _TICK_STATE.pack(tick, state)
+    except struct.error:  # a larger int, or bytes
+        return _TICK.pack(tick | _TAGGED) + encode_payload(state)
 
 
 def decode_state(raw: bytes) -> tuple[int, Any]:
-    tick = _TICK.unpack_from(raw)[0]
+    if len(raw) == 16:
+        tick, state = _TICK_STATE.unpack(raw)
+        if tick < _TAGGED:
+            return tick, state
+    tick = _TICK.unpack_from(raw)[0] & ~_TAGGED
     if raw[8:9] == b"i":
         return tick, int.from_bytes(raw[9:], "little", signed=True)
     return tick, bytes(raw[9:])
@@ -147,7 +173,12 @@ class SharedStore:
     verdicts_on_clock = True
 
     def __init__(
-        self, path: Path | None, clock: Clock | None = None, *, reports_counts: bool = True
+        self,
+        path: Path | None,
+        clock: Clock | None = None,
+        *,
+        reports_counts: bool = True,
+        workers: int = 1,
     ) -> None:
         # ``path`` None: build and validate only (``gateway check``), nothing opened.
         self.path = path
@@ -156,12 +187,17 @@ class SharedStore:
         # Tracked keys and evictions are the shared tables': one worker reports them, so
         # that the metrics summed over workers count each once.
         self.reports_counts = reports_counts
+        # Several processes write: decide outside the writers' lock (``_decide_optimistic``).
+        self._optimistic = workers > 1
         self._env: lmdb.Environment | None = None
         self._state: Any = None
         self._lru: Any = None
         self._meta: Any = None
         self._generation: bytes | None = b"unread"
         self._tables: dict[str, _Table] = {}
+        # Table name -> (the limit last seen under it, its table or None, the table's key
+        # prefix or None): the request path's look-up (see ``_table_of``).
+        self._by_limit: dict[str, tuple[CompiledLimit, _Table | None, bytes | None]] = {}
         self._limits: Sequence[CompiledLimit] = ()
 
     # -- opening and reloads -------------------------------------------------------------
@@ -235,7 +271,7 @@ class SharedStore:
         for name, table in tables.items():
             if name in kept:
                 continue
-            self._drop_slot(txn, table.slot)
+            self._drop_slot(txn, name, table.slot)
             if name not in {limit.table for limit in limits}:
                 txn.delete(b"table:" + name.encode(), db=self._meta)
 
@@ -254,8 +290,24 @@ class SharedStore:
 
     def _load_tables(self, txn: Any) -> None:
         self._tables = self._read_tables(txn)
+        self._by_limit = {}
         raw = txn.get(_GENERATION, db=self._meta)
         self._generation = None if raw is None else bytes(raw)
+
+    def _table_of(self, limit: CompiledLimit) -> _Table | None:
+        """The table holding ``limit``'s states, or None: a table another worker's newer
+        policy made for other keys or another algorithm is not this limit's (its requests are
+        decided afresh and stored nowhere until this worker adopts that policy too).
+        Remembered for the last limit object seen under each table name until the tables
+        change (the request path compares the object, not its identity tuple)."""
+        entry = self._by_limit.get(limit.table)
+        if entry is not None and entry[0] is limit:
+            return entry[1]
+        table = self._tables.get(limit.table)
+        if table is not None and table.identity != limit.identity:
+            table = None
+        self._by_limit[limit.table] = (limit, table, None if table is None else table.prefix)
+        return table
 
     def _read_int(self, txn: Any, name: bytes) -> int:
         raw = txn.get(name, db=self._meta)
@@ -279,12 +331,12 @@ class SharedStore:
             tick, state = decode_state(raw)
             new_state = algorithm.rescale(state, table.algorithm, now_us)
             if new_state is None:
-                self._forget(txn, table.slot, key, _TICK.pack(tick))
+                self._forget(txn, table.slot, key, tick)
             else:
                 txn.put(key, encode_state(tick, new_state), db=self._state)
 
     def _shrink(self, txn: Any, slot: int, max_keys: int) -> None:
-        count, evictions = self._counts(txn, slot)
+        count, evictions, expiries = self._counts(txn, slot)
         prefix = _SLOT.pack(slot)
         while count > max_keys:
             oldest = self._oldest(txn, prefix)
@@ -294,28 +346,34 @@ class SharedStore:
             txn.delete(prefix + oldest[12:], db=self._state)
             count -= 1
             evictions += 1
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count, evictions), db=self._meta)
+        txn.put(b"counts:" + prefix, _COUNTS.pack(count, evictions, expiries), db=self._meta)
 
-    def _drop_slot(self, txn: Any, slot: int) -> None:
+    def _drop_slot(self, txn: Any, name: str, slot: int) -> None:
+        """Free a table a reload removed or gave other keys; its evictions stay counted under
+        its name (``dropped:``), so that a limit's evictions never go down."""
         prefix = _SLOT.pack(slot)
         for db in (self._state, self._lru):
             for key, _ in self._slot_keys(txn, db, prefix):
                 txn.delete(key, db=db)
-        # Evictions never go down: they stay with the slot's counts, the keys go.
-        _, evictions = self._counts(txn, slot)
-        txn.put(b"counts:" + prefix, _COUNTS.pack(0, evictions), db=self._meta)
+        _, evictions, _ = self._counts(txn, slot)
+        txn.delete(b"counts:" + prefix, db=self._meta)
+        if evictions:
+            dropped_key = _DROPPED + name.encode()
+            txn.put(dropped_key, _TICK.pack(self._read_int(txn, dropped_key) + evictions),
+                    db=self._meta)  # fmt: skip
 
-    def _forget(self, txn: Any, slot: int, key: bytes, tick: bytes) -> None:
+    def _forget(self, txn: Any, slot: int, key: bytes, tick: int) -> None:
         """Drop one key (``key`` with its slot prefix)."""
         prefix = _SLOT.pack(slot)
         txn.delete(key, db=self._state)
-        txn.delete(prefix + tick + key[4:], db=self._lru)
-        count, evictions = self._counts(txn, slot)
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count - 1, evictions), db=self._meta)
+        txn.delete(prefix + _TICK.pack(tick) + key[4:], db=self._lru)
+        count, evictions, expiries = self._counts(txn, slot)
+        txn.put(b"counts:" + prefix, _COUNTS.pack(count - 1, evictions, expiries), db=self._meta)
 
-    def _counts(self, txn: Any, slot: int) -> tuple[int, int]:
+    def _counts(self, txn: Any, slot: int) -> tuple[int, int, int]:
+        """A table's keys, evictions and expiries."""
         raw = txn.get(b"counts:" + _SLOT.pack(slot), db=self._meta)
-        return (0, 0) if raw is None else _COUNTS.unpack(raw)
+        return (0, 0, 0) if raw is None else _COUNTS.unpack(raw)
 
     def _oldest(self, txn: Any, prefix: bytes) -> bytes | None:
         with txn.cursor(db=self._lru) as cursor:
@@ -340,12 +398,13 @@ class SharedStore:
 
     @staticmethod
     def _begin(env: lmdb.Environment, write: bool, db: Any = None) -> Any:
+        # Positional arguments: py-lmdb parses keywords on every call.
         try:
-            return env.begin(write=write, db=db)
+            return env.begin(db, None, write)
         except lmdb.MapResizedError:
             # Another worker grew the map (a reload raised ``max_keys``): map as much.
             env.set_mapsize(0)
-            return env.begin(write=write, db=db)
+            return env.begin(db, None, write)
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         return self.decide_now(checks, commit=commit)
@@ -364,77 +423,207 @@ class SharedStore:
             return self._decide(checks, commit, now_us)
 
     def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
-        env = self._env_for_requests()
-        # The state database as the transaction's default: its calls take no ``db=``
-        # (keyword arguments cost the binding a parse on every call).
-        with self._begin(env, commit, self._state) as txn:
-            if txn.get(_GENERATION, None, self._meta) != self._generation:
-                self._load_tables(txn)  # another worker adopted a policy
-            tables = self._tables
-            keys: list[bytes | None] = []
-            raws: list[bytes | None] = []
-            states: list[Any] = []
-            items: list[tuple[Algorithm[Any], Any]] = []
-            for check in checks:
-                limit = check.limit
-                table = tables.get(limit.table)
-                state = raw = key = None
-                # A table another worker's newer policy made for other keys or another
-                # algorithm: not this request's; it is decided afresh and stored nowhere
-                # until this worker reloads too.
-                if table is not None and table.identity == limit.identity:
-                    key = table.prefix + key_bytes(check.key)
-                    raw = txn.get(key)
-                    if raw is not None:
-                        state = decode_state(raw)[1]
-                keys.append(key)
-                raws.append(raw)
-                states.append(state)
-                items.append((limit.algorithm, state))
-            costs = [c.cost for c in checks] if any(c.cost != 1 for c in checks) else None
-            verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
-            if verdict.delay_s > 0.0:
-                verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
+        """One write transaction: read, decide, write (the lone process's path, and the
+        others' when a concurrent commit changed what they decided on)."""
+        env = self._env
+        if env is None:
+            raise RuntimeError("the shared store has no runtime directory (configure first)")
+        if commit and self._optimistic:
+            return self._decide_optimistic(env, checks, now_us)
+        try:
+            txn = env.begin(self._state, None, commit)
+        except lmdb.MapResizedError:
+            txn = self._begin(env, commit, self._state)
+        try:
+            verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
             if commit and verdict.allowed:
-                now_tick = _TICK.pack(now_us // TICK_US)
-                for check, key, raw, state in zip(checks, keys, raws, verdict.states, strict=True):
-                    if key is None:
-                        continue
-                    if state is None:
-                        if raw is not None:
-                            self._forget(txn, tables[check.limit.table].slot, key, raw[:8])
-                    elif raw is None:
-                        self._insert(txn, tables[check.limit.table], key, now_us, now_tick)
-                        txn.put(key, now_tick + encode_payload(state))
-                    else:
-                        if raw[:8] != now_tick:  # used in another tick: it moves in the LRU
-                            lru = self._lru
-                            txn.delete(key[:4] + raw[:8] + key[4:], db=lru)
-                            txn.put(key[:4] + now_tick + key[4:], b"", db=lru)
-                        txn.put(key, now_tick + encode_payload(state))
+                txn.commit()
+            else:
+                txn.abort()
+        except BaseException:
+            txn.abort()
+            raise
         return verdict
 
-    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: bytes) -> None:
-        """Count a new key, making room in a full table first: its least recently used key
-        goes (an expiry if its state is idle, an eviction if it still mattered)."""
+    def _decide_optimistic(
+        self, env: lmdb.Environment, checks: Sequence[Check], now_us: int
+    ) -> CombinedDecision:
+        """Decide on a snapshot (a read transaction: no lock), then write in a write
+        transaction that holds the writers' lock only for the writes. If another process
+        committed in between (the write transaction's id is not the snapshot's next), the
+        states are read again and, if any differs, decided again under the lock: the
+        verdict is always one on the states it is written over. A rejection writes nothing
+        and stands on its snapshot.
+
+        Why: the lock is held for a fraction of the decision, so a worker preempted while
+        holding it (workers share cores with everything else) blocks the others far less
+        often."""
+        snapshot = self._begin(env, False, self._state)
+        try:
+            verdict, found = self._read_and_decide(snapshot, checks, now_us, False)
+            seen = snapshot.id()
+        finally:
+            snapshot.abort()
+        if not verdict.allowed:
+            return verdict
+        txn = self._begin(env, True, self._state)
+        try:
+            if txn.id() != seen + 1 and self._changed_since(txn, found):
+                verdict = self._read_and_decide(txn, checks, now_us, True)[0]
+                if not verdict.allowed:
+                    txn.abort()
+                    return verdict
+            else:
+                self._write_states(txn, found, verdict.states, now_us)
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
+        return verdict
+
+    def _changed_since(self, txn: Any, found: Sequence[_Found]) -> bool:
+        """Whether the policy or any state read (``found``) is not what ``txn`` holds."""
+        get = txn.get
+        if get(_GENERATION, None, self._meta) != self._generation:
+            return True
+        return any(key is not None and get(key) != raw for key, _, _, raw in found)
+
+    def _read_and_decide(
+        self, txn: Any, checks: Sequence[Check], now_us: int, write: bool
+    ) -> tuple[CombinedDecision, list[_Found]]:
+        """Read the states in ``txn``, decide, and with ``write`` write them if admitted."""
+        # The request path: the generation and each check's state read, states packed in 16
+        # bytes. The state database is the transaction's default and every py-lmdb call
+        # takes positional arguments (keywords cost the binding a parse per call).
+        if txn.get(_GENERATION, None, self._meta) != self._generation:
+            self._load_tables(txn)  # another worker adopted a policy
+        by_limit = self._by_limit
+        get = txn.get
+        unpack = _TICK_STATE.unpack
+        found: list[_Found] = []
+        items: list[tuple[Algorithm[Any], Any]] = []
+        costs: list[int] | None = None
+        for check in checks:
+            limit = check.limit
+            entry = by_limit.get(limit.table)
+            if entry is None or entry[0] is not limit:
+                self._table_of(limit)
+                entry = by_limit[limit.table]
+            prefix = entry[2]
+            if check.cost != 1 and costs is None:
+                costs = [c.cost for c in checks]
+            if prefix is None:
+                found.append((None, None, limit, None))
+                items.append((limit.algorithm, None))
+                continue
+            key = prefix + check.key.encode("utf-8", "surrogatepass")
+            if len(key) > _MAX_STATE_KEY:
+                key = prefix + key_bytes(check.key)
+            raw = get(key)
+            if raw is None:
+                tick = state = None
+            else:
+                try:
+                    tick, state = unpack(raw)
+                except struct.error:  # not 16 bytes: tagged
+                    tick = _TAGGED
+                if tick >= _TAGGED:
+                    tick, state = decode_state(raw)
+            found.append((key, tick, limit, raw))
+            items.append((limit.algorithm, state))
+        verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
+        if verdict.delay_s > 0.0:
+            verdict = refuse_long_delays(
+                verdict, [state for _, state in items], [c.max_delay_s for c in checks]
+            )
+        if write and verdict.allowed:
+            self._write_states(txn, found, verdict.states, now_us)
+        return verdict, found
+
+    def _write_states(
+        self, txn: Any, found: Sequence[_Found], states: Sequence[Any], now_us: int
+    ) -> None:
+        """Write an admitted request's states: a known key used in the same LRU tick (the
+        hot case) with one put; new, moved and forgotten keys take ``_write_moved``."""
+        now_tick = now_us // TICK_US
+        put = txn.put
+        pack = _TICK_STATE.pack
+        for (key, tick, limit, _), state in zip(found, states, strict=True):
+            if key is None:
+                continue
+            if tick == now_tick and state is not None:
+                try:
+                    put(key, pack(now_tick, state))
+                except struct.error:  # a state that does not fit 64 bits
+                    put(key, encode_state(now_tick, state))
+            else:
+                self._write_moved(txn, limit, key, tick, state, now_us, now_tick)
+
+    def _write_moved(
+        self,
+        txn: Any,
+        limit: CompiledLimit,
+        key: bytes,
+        tick: int | None,
+        state: Any,
+        now_us: int,
+        now_tick: int,
+    ) -> None:
+        """Write a state whose key is new, was last used in another LRU tick (it moves in the
+        LRU index), or is forgotten (``state`` None)."""
+        table = self._table_of(limit)
+        assert table is not None  # ``key`` was made from it in this transaction
+        if state is None:
+            if tick is not None:
+                self._forget(txn, table.slot, key, tick)
+            return
+        if tick is None:
+            self._insert(txn, table, key, now_us, now_tick)
+        else:
+            lru = self._lru
+            txn.delete(key[:4] + _TICK.pack(tick) + key[4:], b"", lru)
+            txn.put(key[:4] + _TICK.pack(now_tick) + key[4:], b"", True, True, False, lru)
+        txn.put(key, encode_state(now_tick, state), True, True, False, self._state)
+
+    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: int) -> None:
+        """Count a new key. First the table's least recently used keys are looked at: up to
+        ``EXPIRE_ON_INSERT`` idle ones not used in this tick or the one before are dropped
+        (expiries), and in a full table as many as make room (evictions, unless idle).
+
+        Keys used that lately are left alone: a busy key whose state drains within the
+        interval between its requests (a high rate) would otherwise be dropped and counted
+        in again on every request, paying for both."""
         prefix = table.prefix
-        counts_key = b"counts:" + prefix
-        raw_counts = txn.get(counts_key, db=self._meta)
-        count, evictions = (0, 0) if raw_counts is None else _COUNTS.unpack(raw_counts)
+        recent = _TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
+        state_db = self._state
+        count, evictions, expiries = self._counts(txn, table.slot)
         is_idle = table.algorithm.is_idle
-        while count >= table.max_keys:
-            oldest = self._oldest(txn, prefix)
-            if oldest is None:
-                break
-            state_key = prefix + oldest[12:]
-            raw = txn.get(state_key, db=self._state)
-            if raw is not None and not is_idle(decode_state(raw)[1], now_us):
-                evictions += 1
-            txn.delete(oldest, db=self._lru)
-            txn.delete(state_key, db=self._state)
-            count -= 1
-        txn.put(counts_key, _COUNTS.pack(count + 1, evictions), db=self._meta)
-        txn.put(prefix + now_tick + key[4:], b"", db=self._lru)
+        looked = 0
+        with txn.cursor(self._lru) as cursor:
+            found = cursor.set_range(prefix)
+            while found:
+                oldest = cursor.key()
+                if not oldest.startswith(prefix):
+                    break
+                full = count >= table.max_keys
+                if not full and (looked >= EXPIRE_ON_INSERT or oldest[4:12] >= recent):
+                    break
+                state_key = prefix + oldest[12:]
+                raw = txn.get(state_key, None, state_db)
+                idle = raw is None or is_idle(decode_state(raw)[1], now_us)
+                if not (idle or full):
+                    break
+                looked += 1
+                if idle:
+                    expiries += 1
+                else:
+                    evictions += 1
+                txn.delete(state_key, b"", state_db)
+                found = cursor.delete()  # and on to the next oldest
+                count -= 1
+        txn.put(b"counts:" + prefix, _COUNTS.pack(count + 1, evictions, expiries),
+                True, True, False, self._meta)  # fmt: skip
+        txn.put(prefix + _TICK.pack(now_tick) + key[4:], b"", True, True, False, self._lru)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
@@ -461,19 +650,48 @@ class SharedStore:
 
     # -- what the metrics read ---------------------------------------------------------------
 
-    def _table_counts(self, limit_name: str) -> tuple[int, int]:
+    def _limit_counts(self, limit_name: str) -> tuple[int, int]:
+        """A limit's tracked keys and evictions over its tables (its own and its overrides'
+        variants, ``name~N``, as the in-process store counts them), the evictions of tables a
+        reload dropped included."""
         env = self._env
-        table = self._tables.get(limit_name)
-        if env is None or table is None or not self.reports_counts:
+        if env is None or not self.reports_counts:
             return (0, 0)
+        variant = limit_name + "~"
+        slots = [
+            table.slot
+            for name, table in self._tables.items()
+            if name == limit_name or name.startswith(variant)
+        ]
+        keys = evictions = 0
         with self._begin(env, False) as txn:
+            for slot in slots:
+                count, evicted, _ = self._counts(txn, slot)
+                keys += count
+                evictions += evicted
+            with txn.cursor(self._meta) as cursor:
+                found = cursor.set_range(_DROPPED + limit_name.encode())
+                while found:
+                    name = bytes(cursor.key())
+                    if not name.startswith(_DROPPED + limit_name.encode()):
+                        break
+                    table_name = name[len(_DROPPED) :].decode()
+                    if table_name == limit_name or table_name.startswith(variant):
+                        evictions += _TICK.unpack(cursor.value())[0]
+                    found = cursor.next()
+        return keys, evictions
+
+    def _counts_of(self, table_name: str) -> tuple[int, int, int]:
+        """One table's keys, evictions and expiries (for inspection)."""
+        table = self._tables[table_name]
+        with self._begin(self._env_for_requests(), False) as txn:
             return self._counts(txn, table.slot)
 
     def tracked_keys(self, limit_name: str) -> int:
-        return self._table_counts(limit_name)[0]
+        return self._limit_counts(limit_name)[0]
 
     def evictions(self, limit_name: str) -> int:
-        return self._table_counts(limit_name)[1]
+        return self._limit_counts(limit_name)[1]
 
     async def prepare(self) -> None:
         """Opened by ``configure``: nothing more to get ready."""
