@@ -61,8 +61,12 @@ _MIN_RETRY_US: Final = 1000
 
 
 def load_lease_script() -> str:
+    """The lease script Redis runs: the shared prelude (helpers, the call header), then
+    ``lease.lua``."""
     folder = resources.files("gateway.stores.redis") / "lua"
-    return (folder / "lease.lua").read_text(encoding="utf-8")
+    return "\n".join(
+        (folder / name).read_text(encoding="utf-8") for name in ("prelude.lua", "lease.lua")
+    )
 
 
 @dataclass(slots=True)

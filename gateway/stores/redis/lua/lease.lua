@@ -1,7 +1,8 @@
 -- Quota leasing: a replica takes a batch of a limit's quota (a lease) and decides from it
 -- locally; this script grants leases and takes back what was left unused, atomically.
--- A script of its own (gateway/stores/redis/lease.py loads it), not part of decide.lua: the
--- state it keeps is a count of what was handed out, not an algorithm's per-request state.
+-- A script of its own (gateway/stores/redis/lease.py loads it after prelude.lua, which parses
+-- ARGV[1] and ARGV[2]), not part of decide.lua: the state it keeps is a count of what was
+-- handed out, not an algorithm's per-request state.
 --
 -- KEYS[1]   the limit key's lease state
 -- KEYS[2]   the replicas that asked recently (a sorted set: replica -> last ask, in us)
@@ -20,14 +21,7 @@
 -- ARGV[13]  the interval ARGV[7] is sized for, in us: a window ending sooner scales it down
 -- Reply     granted, window number (T: 0), lease lasts us, remaining after, retry in us
 --           (nothing granted: when to ask again), call's number
-local floor = math.floor
-local mode = string.sub(ARGV[1], 1, 1)
-local call_id = tonumber(string.sub(ARGV[1], 2)) or 0
-local now_us = tonumber(ARGV[2])
-if not now_us then
-  local t = redis.call('TIME')
-  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+-- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
 local kind = ARGV[3]
 local quota = tonumber(ARGV[4])
 local span = tonumber(ARGV[5])
@@ -39,10 +33,6 @@ local share_pm = tonumber(ARGV[10])
 local low_water_pm = tonumber(ARGV[11])
 local recent_us = tonumber(ARGV[12])
 local interval_us = tonumber(ARGV[13]) or 0
-
-local function ceil_div(a, b)
-  return -floor(-a / b)
-end
 
 -- lease_grant.want_within: what the replica would spend before its lease ends
 local function want_within(lasts)
