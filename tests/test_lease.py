@@ -26,6 +26,7 @@ from gateway.keys import KeyBuilder
 from gateway.limits import Check, CompiledLimit, LimitCounters
 from gateway.policy import Policy
 from gateway.stores import RedisStore
+from gateway.stores.redis.clients import PipelineClient, ThinClient
 from gateway.stores.redis.lease import load_lease_script
 from gateway.stores.redis.lease_grant import grant_size, want_within
 from tests import redis_harness, test_dashboard
@@ -549,5 +550,64 @@ async def test_a_request_rejected_by_a_stacked_limit_is_charged_to_no_lease(
         assert not rejected.allowed and rejected.rejected_by == (1,)
         look = await store.decide([Check(exact, "c")], commit=False)
         assert look.decisions[0].remaining == 1  # nothing charged to "c": 2 - 1 for the look
+    finally:
+        await store.close()
+
+
+async def test_a_reload_that_changes_a_leased_limit_gives_its_leases_back(
+    redis_server: RedisServer,
+) -> None:
+    """A reload that changes a leased limit's parameters drops its leases: their unused units
+    go back to Redis (as at shutdown), so the other replica can spend them in the same window;
+    left to expire, they would be stranded until the window ends."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    spec = {"algorithm": "fixed_window", "limit": 100, "window": "1s", "key": ["global"]}
+    limit = leased_limit({**spec, "lease": {}})
+    first, second = replicas(redis_server, clock, limit, 2)
+    check = Check(limit, "g")
+    try:
+        assert (await first.decide([check])).allowed
+        held = first.leases.leases["global"]["g"].units
+        assert held == 49  # a fair share of 100 (half, one replica asking) less the one spent
+        changed = leased_limit({**spec, "limit": 120, "lease": {}})
+        first.configure([changed], [limit])
+        await first.leases.returns_done()
+        counters = first.leases.counters["global"]
+        assert (counters.returned, counters.units_returned) == (1, held)
+        admitted = 0
+        for _ in range(150):
+            admitted += (await second.decide([check])).allowed
+        assert admitted == 99  # all but the unit the first replica spent
+    finally:
+        for store in (first, second):
+            await store.close()
+
+
+@pytest.mark.parametrize("client", ["thin", "redis-py"])
+async def test_lease_calls_go_through_the_configured_client(
+    redis_server: RedisServer, client: Any
+) -> None:
+    """``client: redis-py`` makes the lease calls with redis-py too, not the thin client."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    limit = leased_limit(
+        {"algorithm": "fixed_window", "limit": 100, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    store = RedisStore(
+        redis_server.url,
+        key_prefix=f"client{next(_prefixes)}:",
+        timeout_s=2.0,
+        clock=clock,
+        time_source=clock,
+        client=client,
+    )
+    store.configure([limit], ())
+    try:
+        for _ in range(60):  # two leases of the fair share: two calls
+            assert (await store.decide([Check(limit, "g")])).allowed
+        expected = PipelineClient if client == "redis-py" else ThinClient
+        assert type(store.leases.client) is expected
+        assert type(store.client) is expected
+        assert store.leases.counters["global"].calls == 2
+        assert store.leases.client.round_trips == 2
     finally:
         await store.close()

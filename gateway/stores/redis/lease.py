@@ -35,7 +35,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Final
@@ -194,12 +194,15 @@ class LeaseBook:
         self.max_keys: dict[str, int] = {}
         self._calls = 0
         self._sweeper: asyncio.Task[None] | None = None
+        # Returns of the leases a reload dropped, in flight.
+        self._returning: set[asyncio.Task[None]] = set()
 
     # -- configuration --
 
     def configure(self, limits: Sequence[CompiledLimit]) -> None:
-        """The leased limits of a new policy; leases of a limit whose parameters changed are
-        dropped (left to expire in Redis: at most one lease per replica and key)."""
+        """The leased limits of a new policy; the leases of a limit whose parameters changed,
+        or that is no longer leased, are given back to Redis (as at shutdown), not left to
+        expire there."""
         plans: dict[str, LeasePlan] = {}
         for limit in limits:
             settings = limit.spec.lease
@@ -214,8 +217,38 @@ class LeaseBook:
         for name in list(self.leases):
             old, new = self.plans.get(name), plans.get(name)
             if new is None or old is None or old.algorithm != new.algorithm:
-                del self.leases[name]
+                table = self.leases.pop(name)
+                if old is not None:
+                    self._give_all_back(old, table, b"q" if new is None else b"r")
         self.plans = plans
+
+    def _give_all_back(self, plan: LeasePlan, table: dict[str, Lease], mode: bytes) -> None:
+        """The unused units of a reload's dropped leases go back under the plan they were
+        granted by, in the background. A request in flight that gives its unit back to one of
+        them later loses it (never over)."""
+        now_us = self.clock.now_us()
+        unused: list[Coroutine[Any, Any, None]] = []
+        for key, lease in table.items():
+            _unspent(lease, now_us)
+            lease.generation += 1
+            if lease.unused_back:
+                unused.append(self._return(plan, key, lease, mode))
+        if not unused:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # configured outside the loop: no lease was ever taken
+            for call in unused:
+                call.close()
+            return
+        task = loop.create_task(_gather(unused))
+        self._returning.add(task)
+        task.add_done_callback(self._returning.discard)
+
+    async def returns_done(self) -> None:
+        """Wait for the returns of the leases the last reloads dropped."""
+        while self._returning:
+            await asyncio.gather(*self._returning, return_exceptions=True)
 
     def leased(self, limit: CompiledLimit) -> bool:
         plan = self.plans.get(limit.name)
@@ -557,17 +590,26 @@ class LeaseBook:
             if plan is None:
                 continue
             for key, lease in table.items():
-                if lease.units > 0 and now_us < lease.expires_us:
-                    lease.unused_back += lease.units
-                    lease.back_index = lease.index
-                    lease.units = 0
+                _unspent(lease, now_us)
                 if lease.unused_back:
                     returns.append(self._return(plan, key, lease, b"q"))
-        if returns:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await asyncio.gather(*returns)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await asyncio.gather(*returns)
+                await self.returns_done()
         self.leases.clear()
+
+
+def _unspent(lease: Lease, now_us: int) -> None:
+    """A live lease's units, set aside to be given back."""
+    if lease.units > 0 and now_us < lease.expires_us:
+        lease.unused_back += lease.units
+        lease.back_index = lease.index
+        lease.units = 0
+
+
+async def _gather(calls: Sequence[Awaitable[None]]) -> None:
+    await asyncio.gather(*calls)
 
 
 def _demand(lease: Lease, interval_us: int, now_us: int) -> None:

@@ -165,17 +165,21 @@ class RedisStore:
             )
         else:
             raise ValueError(f"client must be 'thin' or 'redis-py', got {client!r}")
-        # Leased limits (``lease:``): their own script, on a client of their own.
+        # Leased limits (``lease:``): their own script, on a client of their own (one call in
+        # flight: asks are rare), of the kind configured.
         lease_script = load_lease_script()
+        lease_sha = hashlib.sha1(lease_script.encode()).hexdigest()
+        lease_client: ScriptClient
+        if client == "thin":
+            lease_client = ThinClient(
+                redis_url, lease_script, lease_sha, 1, timeout_s, cluster=cluster
+            )
+        else:
+            lease_client = PipelineClient(
+                _redis_py(redis_url, cluster, 1, timeout_s), lease_script, lease_sha, 1, timeout_s
+            )
         self.leases = LeaseBook(
-            ThinClient(
-                redis_url,
-                lease_script,
-                hashlib.sha1(lease_script.encode()).hexdigest(),
-                1,
-                timeout_s,
-                cluster=cluster,
-            ),
+            lease_client,
             key_prefix=key_prefix,
             clock=self.clock,
             breaker=self.breaker,
