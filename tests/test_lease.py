@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from playwright.async_api import Browser
 
 from gateway.algorithms.registry import build_algorithm
+from gateway.circuit import CircuitBreaker
 from gateway.cli import main
 from gateway.clock import FakeClock
 from gateway.keys import KeyBuilder
@@ -610,4 +611,80 @@ async def test_lease_calls_go_through_the_configured_client(
         assert store.leases.counters["global"].calls == 2
         assert store.leases.client.round_trips == 2
     finally:
+        await store.close()
+
+
+LEASED_OUTAGE: dict[str, dict[str, Any]] = {
+    # Long windows and a slow refill: nothing comes back during the test, so the quota is exact.
+    "fixed_window": {"algorithm": "fixed_window", "limit": 40, "window": "720h"},
+    "sliding_window": {"algorithm": "sliding_window", "limit": 40, "window": "720h"},
+    "token_bucket": {"algorithm": "token_bucket", "rate": "1r/m", "burst": 40},
+}
+
+
+async def burst(store: RedisStore, check: Check, requests: int, clients: int = 8) -> int:
+    """``requests`` decisions from ``clients`` concurrent clients; how many were admitted."""
+    admitted = 0
+
+    async def client(count: int) -> None:
+        nonlocal admitted
+        for _ in range(count):
+            verdict = await store.decide([check])  # awaited before `admitted` is read
+            admitted += verdict.allowed
+
+    shares = [requests // clients + (i < requests % clients) for i in range(clients)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(client(share) for share in shares))
+    return admitted
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("name", sorted(LEASED_OUTAGE))
+async def test_a_leased_quota_is_admitted_once_across_an_outage(
+    redis_factory: redis_harness.RedisFactory, name: str
+) -> None:
+    """A real Redis frozen (SIGSTOP) while the replica holds a lease, then resumed, with
+    ``on_failure: local``: the replica spends its lease, then the fallback admits only what
+    its share has left after what the leases admitted (seeded); once Redis answers again, what
+    the fallback admitted is charged to the lease state before the next grant (carried back).
+    Across the outage the quota is admitted once: 40, not 40 per side."""
+    server = redis_factory.start()
+    limit = leased_limit({**LEASED_OUTAGE[name], "key": ["global"], "lease": {}})
+    store = RedisStore(
+        server.url,
+        key_prefix=f"outage{next(_prefixes)}:",
+        timeout_s=0.05,
+        breaker=CircuitBreaker(
+            "test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4
+        ),
+    )
+    store.configure([limit], ())
+    check = Check(limit, "g")
+    loop = asyncio.get_running_loop()
+    try:
+        # One lease of the fair share (20, half of 40 with one replica asking), 10 spent.
+        before = await burst(store, check, 10)
+        held = store.leases.leases["global"]["g"].units
+        assert (before, held) == (10, 10)
+
+        server.pause()
+        during = await burst(store, check, 120)
+        assert store.breaker.state == "open" and store.counters.local_decisions > 0
+        # The lease's 10, then the fallback's quota (40) less the 20 the leases admitted.
+        assert during == 10 + 20, during
+
+        server.resume()
+        after = 0
+        deadline = loop.time() + 10.0
+        while store.breaker.state != "closed" and loop.time() < deadline:
+            after += await burst(store, check, 8)
+            await asyncio.sleep(0.05)
+        assert store.breaker.state == "closed"
+        # Redis was charged with what the fallback admitted before the next grant: nothing
+        # is left (without it, the fallback's 20 are granted again).
+        after += await burst(store, check, 120)
+        assert after == 0, (before, during, after)
+        assert not store.leases.owed and store.leases.carried_back > 0
+    finally:
+        server.resume()
         await store.close()

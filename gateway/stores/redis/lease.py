@@ -20,7 +20,10 @@ Bounds:
   quota, for the rest of that window (or, for a token bucket, until the bucket refills).
 * Leases are returned, unused part and all, when they expire (with the replica's next ask,
   or by the sweep every lease interval) and when the store closes (graceful shutdown).
-* When Redis fails the replica spends what it holds, then ``on_failure`` decides.
+* When Redis fails the replica spends what it holds, then ``on_failure`` decides. With
+  ``local``, the fallback's state is first charged with what this replica admitted from its
+  leases (so its share starts from there, not empty), and what the fallback admits is owed
+  to Redis: charged to the lease state before this replica's next ask, as much as remains.
 
 Stacked limits keep nginx's rule: a request takes a unit from each leased limit, then the
 others are decided in one script call as usual; a request rejected anywhere gives its units
@@ -51,6 +54,7 @@ from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 from gateway.policy import LeaseSettings
 from gateway.stores.redis.clients import ScriptClient, submit_recovering
+from gateway.stores.redis.fallback import Owed
 from gateway.stores.redis.lease_grant import permille
 
 log = logging.getLogger("gateway.store")
@@ -58,6 +62,8 @@ log = logging.getLogger("gateway.store")
 _INF: Final = float("inf")
 # A grant of nothing without a time to ask again still waits this long (never a busy loop).
 _MIN_RETRY_US: Final = 1000
+# Fallback admissions charged back to the lease states: calls in flight together.
+_CARRY_BACK_BATCH: Final = 32
 
 
 def load_lease_script() -> str:
@@ -88,6 +94,7 @@ class LeasePlan:
     """A leased limit ready for the lease script."""
 
     name: str
+    limit: CompiledLimit
     algorithm: Algorithm[Any]
     kind: bytes  # F, S or T
     quota: int
@@ -119,6 +126,9 @@ class Lease:
     fetching: asyncio.Future[None] | None = None
     unused_back: int = 0  # units of an expired lease to give back with the next call
     back_index: int = 0
+    # Units taken from this lease not yet charged to the local fallback's state (``seed``):
+    # charged at the next ask, or when the fallback decides this key.
+    unseeded: int = 0
 
 
 # A limit not asked yet, in the decisions being gathered.
@@ -154,6 +164,7 @@ def plan_for(limit: CompiledLimit, settings: LeaseSettings, key_prefix: str) -> 
     recent_us = round(window_us) if kind != b"T" else interval_us
     return LeasePlan(
         name=limit.name,
+        limit=limit,
         algorithm=algorithm,
         kind=kind,
         quota=quota,
@@ -194,6 +205,13 @@ class LeaseBook:
         self.max_keys: dict[str, int] = {}
         self._calls = 0
         self._sweeper: asyncio.Task[None] | None = None
+        # on_failure local: charges the fallback's state with units admitted from a lease
+        # (limit, key, units); None otherwise.
+        self.seed: Callable[[CompiledLimit, str, int], None] | None = None
+        # What the fallback admitted on leased limits, owed to their lease states.
+        self.owed = Owed()
+        self.carried_back = 0  # units of it charged to Redis
+        self._carrying_back = asyncio.Lock()
         # Returns of the leases a reload dropped, in flight.
         self._returning: set[asyncio.Task[None]] = set()
 
@@ -295,6 +313,8 @@ class LeaseBook:
                 rejected = rejected or not decision.allowed
         except LeaseUnavailableError as exc:
             self._give_back(taken)
+            if self.seed is not None:
+                self._seed_checks(checks, leased)
             return await unavailable(checks, commit, str(exc))
         except BaseException:
             self._give_back(taken)
@@ -361,6 +381,7 @@ class LeaseBook:
             lease.period_demand -= 1  # counted again on the way that waits
             return None
         lease.units -= 1
+        lease.unseeded += 1
         self.counters[plan.name].decided += 1
         reset_s = (lease.expires_us - now_us) / 1e6
         decision = Decision(True, 0.0, 0.0, plan.quota, lease.units, reset_s)
@@ -379,6 +400,7 @@ class LeaseBook:
             now_us = self.clock.now_us()
             if lease.units > 0 and now_us < lease.expires_us:
                 lease.units -= 1
+                lease.unseeded += 1
                 counters.decided += commit
                 remaining = lease.units
                 reset_s = (lease.expires_us - now_us) / 1e6
@@ -437,7 +459,22 @@ class LeaseBook:
         for lease, generation in taken:
             if lease.generation == generation:
                 lease.units += 1
+                lease.unseeded -= 1
         taken.clear()
+
+    def _seed_checks(self, checks: Sequence[Check], leased: Sequence[bool]) -> None:
+        """The fallback is about to decide these checks: their leases' admissions first."""
+        for check, is_leased in zip(checks, leased, strict=True):
+            if is_leased:
+                table = self.leases.get(check.limit.name)
+                lease = table.get(check.key) if table is not None else None
+                if lease is not None:
+                    self._seed(self.plans[check.limit.name], check.key, lease)
+
+    def _seed(self, plan: LeasePlan, key: str, lease: Lease) -> None:
+        if lease.unseeded > 0 and self.seed is not None:
+            self.seed(plan.limit, key, lease.unseeded)
+        lease.unseeded = 0
 
     def refund(self, checks: Sequence[Check]) -> None:
         """A queued request (delayed by another limit) that did not go on keeps its leased
@@ -458,6 +495,8 @@ class LeaseBook:
         want = max(_recent_demand(lease, plan.interval_us, now_us) - 1, 0)
         back, back_index = lease.unused_back, lease.back_index
         try:
+            if self.owed or self._carrying_back.locked():
+                await self._carry_back()
             reply = await self._call(b"g", plan, key, want, back, back_index)
         except asyncio.CancelledError:
             breaker.cancelled(probe)
@@ -475,6 +514,9 @@ class LeaseBook:
             counters.units_returned += back
             lease.unused_back = 0
         granted, index, lasts_us, _remaining, retry_us = reply
+        if plan.kind == b"F" and now_us >= lease.expires_us:
+            lease.unseeded = 0  # admitted in a window that has ended
+        self._seed(plan, key, lease)
         lease.generation += 1
         lease.granted_us = now_us
         lease.index = index
@@ -530,6 +572,40 @@ class LeaseBook:
             raise LeaseUnavailableError(f"unexpected reply to lease call {call_id}")
         self.stats.observe(loop.time() - started)
         return reply[:5]
+
+    async def _carry_back(self) -> None:
+        """Charge the lease states with what the fallback admitted (one call per limit and
+        key, a few in flight), before this replica asks again; raises, keeping what was not
+        charged, if Redis fails. Asks made meanwhile wait for it."""
+        async with self._carrying_back:
+            owed = self.owed.take()
+            for start in range(0, len(owed), _CARRY_BACK_BATCH):
+                batch = owed[start : start + _CARRY_BACK_BATCH]
+                try:
+                    results = await asyncio.gather(
+                        *(self._charge(check, units) for check, units in batch),
+                        return_exceptions=True,
+                    )
+                except asyncio.CancelledError:  # owed still, maybe twice: never under
+                    for check, units in owed[start:]:
+                        self.owed.add((check,), units)
+                    raise
+                failure: BaseException | None = None
+                for (check, units), result in zip(batch, results, strict=True):
+                    if isinstance(result, BaseException):
+                        self.owed.add((check,), units)
+                        failure = failure or result
+                if failure is not None:
+                    for check, units in owed[start + len(batch) :]:
+                        self.owed.add((check,), units)
+                    raise failure
+
+    async def _charge(self, check: Check, units: int) -> None:
+        plan = self.plans.get(check.limit.name)
+        if plan is None:  # no longer leased: its lease state is left to expire
+            return
+        reply = await self._call(b"c", plan, check.key, units, 0, 0)
+        self.carried_back += reply[0]
 
     # -- returns --
 

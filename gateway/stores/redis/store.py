@@ -186,6 +186,8 @@ class RedisStore:
             stats=self.stats,
             time_source=time_source,
         )
+        if on_failure == "local":
+            self.leases.seed = self._seed_local
         self._plans: dict[str, LimitPlan] = {}
         self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
         self._tag_part: str | None = None
@@ -486,6 +488,15 @@ class RedisStore:
             [self._local_check(check) for check in checks], commit=commit
         )
 
+    def _seed_local(self, limit: CompiledLimit, key: str, units: int) -> None:
+        """Charge the fallback's state with ``units`` a lease admitted, as many as it has
+        room for (as the carry-back charges Redis)."""
+        check = self._local_check(Check(limit, key))
+        look = self.local.decide_now([check], commit=False)
+        room = look.decisions[0].remaining + 1 if look.allowed else 0
+        if min(units, room) > 0:
+            self.local.decide_now([dataclasses.replace(check, cost=min(units, room))])
+
     async def _unavailable(
         self, checks: Sequence[Check], commit: bool, reason: str
     ) -> CombinedDecision:
@@ -493,10 +504,12 @@ class RedisStore:
         if mode == "local":
             verdict = await self._local_decide(checks, commit)
             if commit and verdict.allowed:
-                # Not a leased limit's: its quota is counted in lease keys, which the
-                # carry-back (per-request script calls) does not charge.
+                # A leased limit's quota is counted in its lease state: owed there.
                 leases = self.leases
-                self.owed.add([c for c in checks if not leases.leased(c.limit)])
+                if leases.plans:
+                    leases.owed.add([c for c in checks if leases.leased(c.limit)])
+                    checks = [c for c in checks if not leases.leased(c.limit)]
+                self.owed.add(checks)
             return verdict
         if mode == "allow":
             self.counters.allowed_open += 1
