@@ -286,26 +286,21 @@ class LeaseBook:
         whole request by ``unavailable`` when a lease is spent and Redis cannot grant more.
         ``nominal`` is a limit's quota, shown for a limit not asked (a lease rejected)."""
         plans = self.plans
-        leased: list[bool] = []
-        others: list[Check] = []
-        for check in checks:
-            plan = plans.get(check.limit.name)
-            if plan is not None and plan.algorithm is check.limit.algorithm:
-                leased.append(True)
-            else:
-                leased.append(False)
-                others.append(check)
-        if len(others) == len(checks):
-            return await exact(checks, commit)
+        # One pass: the others' places, and the leased checks' units (a live lease's without
+        # a wait, the common case, else after an ask).
+        places: list[int] = []
         decisions: list[Decision] = []
         taken: list[tuple[Lease, int]] = []
         rejected = False
         try:
-            for check, is_leased in zip(checks, leased, strict=True):
-                if not is_leased:
+            for index, check in enumerate(checks):
+                limit = check.limit
+                plan = plans.get(limit.name)
+                if plan is None or plan.algorithm is not limit.algorithm:
+                    places.append(index)
                     decisions.append(_NOT_ASKED)  # replaced by its verdict below
                     continue
-                took = self._take_now(check, commit)
+                took = self._take_now(plan, check, commit)
                 decision, unit = took if took is not None else await self._take(check, commit)
                 decisions.append(decision)
                 if unit is not None:
@@ -314,28 +309,29 @@ class LeaseBook:
         except LeaseUnavailableError as exc:
             self._give_back(taken)
             if self.seed is not None:
-                self._seed_checks(checks, leased)
+                self._seed_checks(checks)
             return await unavailable(checks, commit, str(exc))
         except BaseException:
             self._give_back(taken)
             raise
+        if len(places) == len(checks):  # none leased
+            return await exact(checks, commit)
         if rejected or not commit:
             self._give_back(taken)
-        if rejected or not others:
+        if rejected or not places:
             # Rejected by a lease, the others are not asked: charged to none, as ever; they
             # show their quota.
-            for index, is_leased in enumerate(leased):
-                if not is_leased:
-                    quota = nominal(checks[index])
-                    decisions[index] = Decision(True, 0.0, 0.0, quota, quota, 0.0)
+            for index in places:
+                quota = nominal(checks[index])
+                decisions[index] = Decision(True, 0.0, 0.0, quota, quota, 0.0)
             states = (None,) * len(decisions)
             return combine(decisions, states, states)
+        others = [checks[index] for index in places]
         try:
             verdict = await exact(others, commit)
         except BaseException:
             self._give_back(taken)
             raise
-        places = [index for index, is_leased in enumerate(leased) if not is_leased]
         for place, decision in zip(places, verdict.decisions, strict=True):
             decisions[place] = decision
         states = (None,) * len(decisions)
@@ -366,11 +362,12 @@ class LeaseBook:
             verdict.now_us,
         )
 
-    def _take_now(self, check: Check, commit: bool) -> tuple[Decision, tuple[Lease, int]] | None:
+    def _take_now(
+        self, plan: LeasePlan, check: Check, commit: bool
+    ) -> tuple[Decision, tuple[Lease, int]] | None:
         """A unit from a live lease, with no wait; None when there is none to take."""
         if not commit:
             return None
-        plan = self.plans[check.limit.name]
         table = self.leases.get(plan.name)
         lease = table.get(check.key) if table is not None else None
         if lease is None:
@@ -462,10 +459,10 @@ class LeaseBook:
                 lease.unseeded -= 1
         taken.clear()
 
-    def _seed_checks(self, checks: Sequence[Check], leased: Sequence[bool]) -> None:
+    def _seed_checks(self, checks: Sequence[Check]) -> None:
         """The fallback is about to decide these checks: their leases' admissions first."""
-        for check, is_leased in zip(checks, leased, strict=True):
-            if is_leased:
+        for check in checks:
+            if self.leased(check.limit):
                 table = self.leases.get(check.limit.name)
                 lease = table.get(check.key) if table is not None else None
                 if lease is not None:

@@ -188,6 +188,8 @@ class RedisStore:
         )
         if on_failure == "local":
             self.leases.seed = self._seed_local
+        # What the lease book calls back, bound once rather than on every request.
+        self._lease_callbacks = (self._decide_exact, self._unavailable, self._nominal)
         self._plans: dict[str, LimitPlan] = {}
         self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
         self._tag_part: str | None = None
@@ -252,9 +254,7 @@ class RedisStore:
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         if self.leases.plans:  # some limit is leased: the lease book sorts the checks
-            return await self.leases.decide(
-                checks, commit, self._decide_exact, self._unavailable, self._nominal
-            )
+            return await self.leases.decide(checks, commit, *self._lease_callbacks)
         return await self._decide_exact(checks, commit)
 
     def _nominal(self, check: Check) -> int:
@@ -407,8 +407,9 @@ class RedisStore:
         self.counters.calls += 1
         call_id = self.counters.calls
         # One cost for every limit, or one per limit when limits weigh the request differently.
-        if any(check.cost != 1 for check in checks):
-            costs = b" ".join([b"%d" % (cost * check.cost) for check in checks])
+        weights = [check.cost for check in checks]
+        if weights.count(1) != len(weights):
+            costs = b" ".join([b"%d" % (cost * weight) for weight in weights])
         else:
             costs = b"%d" % cost
         argv = [b"%s%d" % (mode, call_id), now, costs, self._min_ttl]
@@ -573,7 +574,7 @@ def _checked(reply: Any, call_id: int, length: int) -> list[int]:
     if (
         not isinstance(reply, list)
         or len(reply) != length + 1
-        or not all(type(value) is int for value in reply)
+        or {*map(type, reply)} != {int}  # every value an int (a bool is not)
     ):
         raise StoreReplyError(f"unexpected reply to script call {call_id}: {_sketch(reply)}")
     if reply[-1] != call_id:
