@@ -19,7 +19,8 @@ Bounds:
   when it was made (half, by default), so a dead replica strands at most ``share`` of the
   quota, for the rest of that window (or, for a token bucket, until the bucket refills).
 * Leases are returned, unused part and all, when they expire (with the replica's next ask,
-  or by the sweep every lease interval) and when the store closes (graceful shutdown).
+  or by the sweep every lease interval), when the store closes (graceful shutdown), and when a
+  reload changes their limit's parameters or removes its ``lease:``.
 * When Redis fails the replica spends what it holds, then ``on_failure`` decides. With
   ``local``, the fallback's state is first charged with what this replica admitted from its
   leases (so its share starts from there, not empty), and what the fallback admits is owed
