@@ -996,7 +996,7 @@ class LoadRun:
 
 
 async def load_while(
-    url: str, phases: list[tuple[float, Any]], workers: int = 8, max_requests: int = 20_000
+    url: str, phases: list[tuple[float, Any]], workers: int = 8, max_requests: int = 200_000
 ) -> LoadRun:
     """Requests from ``workers`` clients until the last phase ends; each phase's action runs
     when the phase starts, and its duration counts from when the action is done (starting or
