@@ -688,3 +688,41 @@ async def test_a_leased_quota_is_admitted_once_across_an_outage(
     finally:
         server.resume()
         await store.close()
+
+
+async def test_a_slow_replica_is_granted_what_it_spends_not_what_it_is_asked(
+    redis_server: RedisServer,
+) -> None:
+    """Closed-loop clients on a fake clock: a fast replica (an admitted request takes 1 ms, a
+    rejected one 0.1 ms) and a slow one (20 ms and 0.5 ms). The slow one's rejections, once a
+    window is spent, come back 40 times as fast as its admissions: sized by the requests it saw,
+    its next grant was more than it could spend before the window ended (275 of 300 admitted in
+    every other window). Sized by how fast it spent its last lease, every window admits 300."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    limit = leased_limit(
+        {"algorithm": "fixed_window", "limit": 300, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    stores = replicas(redis_server, clock, limit, 2)
+    costs_us = [(1_000, 100), (20_000, 500)]  # (admitted, rejected) per replica
+    next_us = [clock.now_us(), clock.now_us() + 50]
+    end_us = clock.now_us() + 5_000_000
+    check = Check(limit, "g")
+    admitted: dict[int, int] = {}
+    try:
+        for _ in range(200_000):  # bounded: about 40,000 requests in the 5 s
+            replica = min(range(2), key=lambda index: next_us[index])
+            at_us = next_us[replica]
+            if at_us >= end_us:
+                break
+            clock.advance((at_us - clock.now_us()) / 1e6)
+            verdict = await stores[replica].decide([check])
+            if verdict.allowed:
+                admitted[at_us // 1_000_000] = admitted.get(at_us // 1_000_000, 0) + 1
+            next_us[replica] = at_us + costs_us[replica][0 if verdict.allowed else 1]
+        windows = [admitted[index] for index in sorted(admitted)]
+        assert len(windows) == 5
+        # The first window's grants are sized with no history (a fair share).
+        assert windows[1:] == [300] * 4, windows
+    finally:
+        for store in stores:
+            await store.close()

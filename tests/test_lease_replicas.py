@@ -229,17 +229,17 @@ async def test_three_replicas_with_uneven_traffic_admit_the_limit_each_window(
     tally = Tally([0, 0, 0])
     with gateways(path) as started:
         first = await window_start()
-        calls_at = await press(started, 40.0, tally, windows_wanted=11, server=server)
+        calls_at = await press(started, 40.0, tally, windows_wanted=10, server=server)
         last = time.time()
     windows = per_window(arrivals, first, last)
     offered = per_window([t for sent_at in tally.sent_at for t in sent_at], first, last)
     requests = sum(tally.sent)
     share = [round(100 * sent / requests) for sent in tally.sent]
     full = saturated(tally, first, last)
-    # The first whole window is the leases' warm-up: the replicas size their first asks with no
-    # history of their own. It admitted 287 of 300 in one CI run (offered 2,401 there, 2,700 to
-    # 4,000 in the later ones); it is reported, not held to the 2% of the steady windows.
-    full[0] = False
+    # The first whole window is held to the bound too. It once admitted 287 of 300 in a CI run
+    # (offered 2,401 there): a slow replica was granted, by the requests it saw (rejections
+    # included), more than it could spend before the window ended. Grants are now capped by
+    # how fast a replica spends (test_lease.py, the slow replica).
     counted = [count for count, ok in zip(windows, full, strict=True) if ok]
     # Redis calls per request in the saturated windows (their calls sampled at each start).
     indices = [i for i, ok in zip(range(int(first) + 1, int(last)), full, strict=True) if ok]

@@ -130,6 +130,13 @@ class Lease:
     # Units taken from this lease not yet charged to the local fallback's state (``seed``):
     # charged at the next ask, or when the fallback decides this key.
     unseeded: int = 0
+    # How fast this replica spends a lease: units taken from the current one since it arrived
+    # (and when the last was), and the rate of the last lease that showed one (units per us;
+    # 0: not known yet).
+    arrived_us: int = 0
+    taken: int = 0
+    last_take_us: int = 0
+    spend_per_us: float = 0.0
 
 
 # A limit not asked yet, in the decisions being gathered.
@@ -380,6 +387,8 @@ class LeaseBook:
             return None
         lease.units -= 1
         lease.unseeded += 1
+        lease.taken += 1
+        lease.last_take_us = now_us
         self.counters[plan.name].decided += 1
         reset_s = (lease.expires_us - now_us) / 1e6
         decision = Decision(True, 0.0, 0.0, plan.quota, lease.units, reset_s)
@@ -399,6 +408,8 @@ class LeaseBook:
             if lease.units > 0 and now_us < lease.expires_us:
                 lease.units -= 1
                 lease.unseeded += 1
+                lease.taken += 1
+                lease.last_take_us = now_us
                 counters.decided += commit
                 remaining = lease.units
                 reset_s = (lease.expires_us - now_us) / 1e6
@@ -458,6 +469,7 @@ class LeaseBook:
             if lease.generation == generation:
                 lease.units += 1
                 lease.unseeded -= 1
+                lease.taken -= 1
         taken.clear()
 
     def _seed_checks(self, checks: Sequence[Check]) -> None:
@@ -491,6 +503,13 @@ class LeaseBook:
         probe = breaker.probe_out
         # The requests before this one: none yet (a new key) asks for a fair share.
         want = max(_recent_demand(lease, plan.interval_us, now_us) - 1, 0)
+        # No more than this replica spends in an interval: its requests count rejections too,
+        # which in a closed loop come back far faster than admissions, and a grant larger than
+        # the replica can spend before its window ends is stranded there.
+        if lease.taken >= 2 and lease.last_take_us > lease.arrived_us:
+            lease.spend_per_us = lease.taken / (lease.last_take_us - lease.arrived_us)
+        if want > 0 and lease.spend_per_us > 0.0:
+            want = min(want, max(math.ceil(lease.spend_per_us * plan.interval_us), 1))
         back, back_index = lease.unused_back, lease.back_index
         try:
             if self.owed or self._carrying_back.locked():
@@ -517,6 +536,8 @@ class LeaseBook:
         self._seed(plan, key, lease)
         lease.generation += 1
         lease.granted_us = now_us
+        lease.arrived_us = self.clock.now_us()
+        lease.taken = 0
         lease.index = index
         if granted > 0:
             lease.units = lease.size = granted
