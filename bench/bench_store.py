@@ -23,6 +23,9 @@ Targets:
   global one takes batches of its quota now and then. On the cluster the per-client calls
   then carry the client's address as their hash tag (no longer the fixed tag a global limit
   forces), and the table below the main one gives each master's script calls per request.
+* ``memory-global``, ``redis-global``, ``redis-leased-global``: the global limit alone, in
+  process, per request on Redis, and leased (their "vs memory" is against ``memory-global``):
+  what leasing costs once no other limit makes a call per request.
 * ``memory-1w``: ``gateway run --workers 1`` with the in-process store (``memory`` through the
   CLI, to compare with the CLI targets below);
 * ``shared-1w``, ``shared-2w``: ``gateway run --workers 1`` / ``2`` with ``store.url: shared``
@@ -76,6 +79,9 @@ BARE_2W = "bare-2w"
 CLI_TARGETS = (MEMORY_1W, SHARED_1W, SHARED_2W, REDIS_2W, BARE_2W)
 REDIS_LEASED = "redis-leased"
 REDIS_CLUSTER_LEASED = "redis-cluster-leased"
+MEMORY_GLOBAL = "memory-global"
+REDIS_GLOBAL = "redis-global"
+REDIS_LEASED_GLOBAL = "redis-leased-global"
 STATS_RE = re.compile(r"^STORE_STATS (.*)$", re.MULTILINE)
 
 POLICY = """\
@@ -110,6 +116,8 @@ limits:
     key: [global]
 """
 LEASE = "    lease: {}\n"
+# The global limit alone (the last of the three).
+GLOBAL_ONLY = POLICY.split("  per_ip:")[0] + "  global:" + POLICY.split("  global:")[1]
 
 
 # --- the launcher -------------------------------------------------------------------------------
@@ -365,7 +373,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--targets",
         default=f"{MEMORY},{REDIS},{REDIS_PY}",
-        help=f"comma list from {MEMORY},{REDIS},{REDIS_PY},{','.join(CLI_TARGETS)} "
+        help=f"comma list from {MEMORY},{REDIS},{REDIS_PY},{REDIS_LEASED},{MEMORY_GLOBAL},"
+        f"{REDIS_GLOBAL},{REDIS_LEASED_GLOBAL},{','.join(CLI_TARGETS)} "
         f"(--cluster adds {REDIS_CLUSTER})",
     )
     parser.add_argument("--pin", choices=("split", "none"), default="split")
@@ -408,6 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy.write_text(POLICY.format(upstream_port=harness.upstream_port))
             leased = work_dir / "leased.yaml"
             leased.write_text(POLICY.format(upstream_port=harness.upstream_port) + LEASE)
+            global_only = work_dir / "global.yaml"
+            global_only.write_text(GLOBAL_ONLY.format(upstream_port=harness.upstream_port))
+            global_leased = work_dir / "global-leased.yaml"
+            global_leased.write_text(
+                GLOBAL_ONLY.format(upstream_port=harness.upstream_port) + LEASE
+            )
             _, redis_port = start_redis(procs, work_dir, plan.upstream)
             starters: dict[str, Callable[[], bp.RunningTarget]] = {
                 MEMORY: lambda: start_gateway(
@@ -439,6 +454,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.in_flight,
                 ),
             }
+            redis_url = f"redis://127.0.0.1:{redis_port}"
+            for name, policy_file, store_url in (
+                (MEMORY_GLOBAL, global_only, "memory"),
+                (REDIS_GLOBAL, global_only, redis_url),
+                (REDIS_LEASED_GLOBAL, global_leased, redis_url),
+            ):
+                starters[name] = functools.partial(
+                    start_gateway,
+                    procs,
+                    name,
+                    policy_file,
+                    store_url,
+                    plan.single_proxy,
+                    args.in_flight,
+                )
             bare = work_dir / "bare.yaml"
             bare.write_text(POLICY.split("limits:")[0].format(upstream_port=harness.upstream_port))
             shared_env = {"GATEWAY_SHARED_DIR": shared_tmp, "GATEWAY_STORE_URL": "shared"}
@@ -526,10 +556,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| decided locally | failed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    memory_rps = {s.connections: s.requests_per_s for s in summaries if s.target == MEMORY}
+    memory_rps = {
+        (s.target, s.connections): s.requests_per_s
+        for s in summaries
+        if s.target in (MEMORY, MEMORY_GLOBAL)
+    }
     document: dict[str, Any] = {"summary": [], "command": shlex.join([sys.executable, *sys.argv])}
     for s in summaries:
-        ratio = s.requests_per_s / memory_rps[s.connections] if memory_rps.get(s.connections) else 0
+        baseline = memory_rps.get(
+            (MEMORY_GLOBAL if s.target.endswith("-global") else MEMORY, s.connections)
+        )
+        ratio = s.requests_per_s / baseline if baseline else 0
         cpu_us = statistics.median(cpu_per_request[(s.target, s.connections)])
         counters = stats.get(s.target)
         # Counters cover warm-up too (and a few readiness probes): divide by all wrk served.

@@ -1,15 +1,20 @@
 """What several test files share (fixtures stay in conftest.py): policies, scrapes of
-``/metrics``, a ``--workers 2`` gateway as a subprocess, and a few constants."""
+``/metrics``, a ``--workers 2`` gateway as a subprocess, several gateway processes started
+together, and a few constants."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
+import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -159,3 +164,62 @@ async def run_workers(
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
+
+
+@dataclasses.dataclass
+class GatewayProcess:
+    """One gateway process of ``gateway_processes``; ``output`` (stdout and stderr) once it
+    has stopped."""
+
+    popen: subprocess.Popen[str]
+    port: int
+    admin_port: int
+    output: str = ""
+
+
+def _ready(process: GatewayProcess) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{process.admin_port}/readyz", timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def gateway_processes(
+    argv_for: Callable[[int, int], list[str]], count: int
+) -> Iterator[list[GatewayProcess]]:
+    """``count`` gateway processes, each started with ``argv_for(port, admin_port)`` (after
+    the interpreter) and ready (``/readyz``); at the end stopped with SIGTERM, then SIGKILL
+    after 15 s, their output kept."""
+    started: list[GatewayProcess] = []
+    try:
+        for _ in range(count):
+            port, admin_port = free_port(), free_port()
+            popen = subprocess.Popen(
+                [sys.executable, *argv_for(port, admin_port)],
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            started.append(GatewayProcess(popen, port, admin_port))
+        # Starting is not what the tests measure: several interpreters importing the gateway
+        # on a busy 2-core machine have taken over 20 s, so the deadline only catches a hang.
+        deadline = time.monotonic() + 90
+        for process in started:
+            while not _ready(process):
+                if process.popen.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"a gateway did not start on port {process.port}")
+                time.sleep(0.05)
+        yield started
+    finally:
+        for process in started:
+            if process.popen.poll() is None:
+                process.popen.send_signal(signal.SIGTERM)
+        for process in started:
+            try:
+                process.output, _ = process.popen.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.popen.kill()
+                process.output, _ = process.popen.communicate(timeout=5)

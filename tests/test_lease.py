@@ -20,12 +20,14 @@ from hypothesis import strategies as st
 from playwright.async_api import Browser
 
 from gateway.algorithms.registry import build_algorithm
+from gateway.circuit import CircuitBreaker
 from gateway.cli import main
 from gateway.clock import FakeClock
 from gateway.keys import KeyBuilder
 from gateway.limits import Check, CompiledLimit, LimitCounters
 from gateway.policy import Policy
 from gateway.stores import RedisStore
+from gateway.stores.redis.clients import PipelineClient, ThinClient
 from gateway.stores.redis.lease import load_lease_script
 from gateway.stores.redis.lease_grant import grant_size, want_within
 from tests import redis_harness, test_dashboard
@@ -551,3 +553,176 @@ async def test_a_request_rejected_by_a_stacked_limit_is_charged_to_no_lease(
         assert look.decisions[0].remaining == 1  # nothing charged to "c": 2 - 1 for the look
     finally:
         await store.close()
+
+
+async def test_a_reload_that_changes_a_leased_limit_gives_its_leases_back(
+    redis_server: RedisServer,
+) -> None:
+    """A reload that changes a leased limit's parameters drops its leases: their unused units
+    go back to Redis (as at shutdown), so the other replica can spend them in the same window;
+    left to expire, they would be stranded until the window ends."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    spec = {"algorithm": "fixed_window", "limit": 100, "window": "1s", "key": ["global"]}
+    limit = leased_limit({**spec, "lease": {}})
+    first, second = replicas(redis_server, clock, limit, 2)
+    check = Check(limit, "g")
+    try:
+        assert (await first.decide([check])).allowed
+        held = first.leases.leases["global"]["g"].units
+        assert held == 49  # a fair share of 100 (half, one replica asking) less the one spent
+        changed = leased_limit({**spec, "limit": 120, "lease": {}})
+        first.configure([changed], [limit])
+        await first.leases.returns_done()
+        counters = first.leases.counters["global"]
+        assert (counters.returned, counters.units_returned) == (1, held)
+        admitted = 0
+        for _ in range(150):
+            admitted += (await second.decide([check])).allowed
+        assert admitted == 99  # all but the unit the first replica spent
+    finally:
+        for store in (first, second):
+            await store.close()
+
+
+@pytest.mark.parametrize("client", ["thin", "redis-py"])
+async def test_lease_calls_go_through_the_configured_client(
+    redis_server: RedisServer, client: Any
+) -> None:
+    """``client: redis-py`` makes the lease calls with redis-py too, not the thin client."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    limit = leased_limit(
+        {"algorithm": "fixed_window", "limit": 100, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    store = RedisStore(
+        redis_server.url,
+        key_prefix=f"client{next(_prefixes)}:",
+        timeout_s=2.0,
+        clock=clock,
+        time_source=clock,
+        client=client,
+    )
+    store.configure([limit], ())
+    try:
+        for _ in range(60):  # two leases of the fair share: two calls
+            assert (await store.decide([Check(limit, "g")])).allowed
+        expected = PipelineClient if client == "redis-py" else ThinClient
+        assert type(store.leases.client) is expected
+        assert type(store.client) is expected
+        assert store.leases.counters["global"].calls == 2
+        assert store.leases.client.round_trips == 2
+    finally:
+        await store.close()
+
+
+LEASED_OUTAGE: dict[str, dict[str, Any]] = {
+    # Long windows and a slow refill: nothing comes back during the test, so the quota is exact.
+    "fixed_window": {"algorithm": "fixed_window", "limit": 40, "window": "720h"},
+    "sliding_window": {"algorithm": "sliding_window", "limit": 40, "window": "720h"},
+    "token_bucket": {"algorithm": "token_bucket", "rate": "1r/m", "burst": 40},
+}
+
+
+async def burst(store: RedisStore, check: Check, requests: int, clients: int = 8) -> int:
+    """``requests`` decisions from ``clients`` concurrent clients; how many were admitted."""
+    admitted = 0
+
+    async def client(count: int) -> None:
+        nonlocal admitted
+        for _ in range(count):
+            verdict = await store.decide([check])  # awaited before `admitted` is read
+            admitted += verdict.allowed
+
+    shares = [requests // clients + (i < requests % clients) for i in range(clients)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(client(share) for share in shares))
+    return admitted
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("name", sorted(LEASED_OUTAGE))
+async def test_a_leased_quota_is_admitted_once_across_an_outage(
+    redis_factory: redis_harness.RedisFactory, name: str
+) -> None:
+    """A real Redis frozen (SIGSTOP) while the replica holds a lease, then resumed, with
+    ``on_failure: local``: the replica spends its lease, then the fallback admits only what
+    its share has left after what the leases admitted (seeded); once Redis answers again, what
+    the fallback admitted is charged to the lease state before the next grant (carried back).
+    Across the outage the quota is admitted once: 40, not 40 per side."""
+    server = redis_factory.start()
+    limit = leased_limit({**LEASED_OUTAGE[name], "key": ["global"], "lease": {}})
+    store = RedisStore(
+        server.url,
+        key_prefix=f"outage{next(_prefixes)}:",
+        timeout_s=0.05,
+        breaker=CircuitBreaker(
+            "test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4
+        ),
+    )
+    store.configure([limit], ())
+    check = Check(limit, "g")
+    loop = asyncio.get_running_loop()
+    try:
+        # One lease of the fair share (20, half of 40 with one replica asking), 10 spent.
+        before = await burst(store, check, 10)
+        held = store.leases.leases["global"]["g"].units
+        assert (before, held) == (10, 10)
+
+        server.pause()
+        during = await burst(store, check, 120)
+        assert store.breaker.state == "open" and store.counters.local_decisions > 0
+        # The lease's 10, then the fallback's quota (40) less the 20 the leases admitted.
+        assert during == 10 + 20, during
+
+        server.resume()
+        after = 0
+        deadline = loop.time() + 10.0
+        while store.breaker.state != "closed" and loop.time() < deadline:
+            after += await burst(store, check, 8)
+            await asyncio.sleep(0.05)
+        assert store.breaker.state == "closed"
+        # Redis was charged with what the fallback admitted before the next grant: nothing
+        # is left (without it, the fallback's 20 are granted again).
+        after += await burst(store, check, 120)
+        assert after == 0, (before, during, after)
+        assert not store.leases.owed and store.leases.carried_back > 0
+    finally:
+        server.resume()
+        await store.close()
+
+
+async def test_a_slow_replica_is_granted_what_it_spends_not_what_it_is_asked(
+    redis_server: RedisServer,
+) -> None:
+    """Closed-loop clients on a fake clock: a fast replica (an admitted request takes 1 ms, a
+    rejected one 0.1 ms) and a slow one (20 ms and 0.5 ms). The slow one's rejections, once a
+    window is spent, come back 40 times as fast as its admissions: sized by the requests it saw,
+    its next grant was more than it could spend before the window ended (275 of 300 admitted in
+    every other window). Sized by how fast it spent its last lease, every window admits 300."""
+    clock = FakeClock(T0_US - T0_US % 1_000_000)
+    limit = leased_limit(
+        {"algorithm": "fixed_window", "limit": 300, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    stores = replicas(redis_server, clock, limit, 2)
+    costs_us = [(1_000, 100), (20_000, 500)]  # (admitted, rejected) per replica
+    next_us = [clock.now_us(), clock.now_us() + 50]
+    end_us = clock.now_us() + 5_000_000
+    check = Check(limit, "g")
+    admitted: dict[int, int] = {}
+    try:
+        for _ in range(200_000):  # bounded: about 40,000 requests in the 5 s
+            replica = min(range(2), key=lambda index: next_us[index])
+            at_us = next_us[replica]
+            if at_us >= end_us:
+                break
+            clock.advance((at_us - clock.now_us()) / 1e6)
+            verdict = await stores[replica].decide([check])
+            if verdict.allowed:
+                admitted[at_us // 1_000_000] = admitted.get(at_us // 1_000_000, 0) + 1
+            next_us[replica] = at_us + costs_us[replica][0 if verdict.allowed else 1]
+        windows = [admitted[index] for index in sorted(admitted)]
+        assert len(windows) == 5
+        # The first window's grants are sized with no history (a fair share).
+        assert windows[1:] == [300] * 4, windows
+    finally:
+        for store in stores:
+            await store.close()

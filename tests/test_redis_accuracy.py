@@ -21,11 +21,9 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -33,7 +31,9 @@ import pytest
 
 from tests import redis_harness
 from tests.conftest import RecordingUpstream
-from tests.redis_harness import RedisClusterHarness, RedisServer, free_port
+from tests.redis_harness import RedisClusterHarness, RedisServer
+from tests.support import GatewayProcess as Process
+from tests.support import gateway_processes
 
 redis_server = redis_harness.redis_server
 redis_cluster = redis_harness.redis_cluster
@@ -141,58 +141,22 @@ def main(argv: Sequence[str]) -> int:
 # --- the test ---------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Process:
-    popen: subprocess.Popen[str]
-    port: int
-    admin_port: int
-    output: str = ""
-
-
-def _ready(process: Process) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{process.admin_port}/readyz", timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def gateways(policy: Path, store_url: str, key_prefix: str) -> Iterator[list[Process]]:
+def gateways(
+    policy: Path, store_url: str, key_prefix: str
+) -> contextlib.AbstractContextManager[list[Process]]:
     """Three gateway processes on one store, stopped (SIGTERM, then SIGKILL) at the end."""
-    started: list[Process] = []
-    try:
-        for _ in range(REPLICAS):
-            port, admin_port = free_port(), free_port()
-            argv = [sys.executable, "-m", "tests.test_redis_accuracy", "serve"]
-            argv += ["--policy", str(policy), "--store", store_url, "--key-prefix", key_prefix]
-            argv += ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"]
-            # A generous timeout: this measures sharing, and a fallback would blur it (asserted
-            # below: no decision was made locally).
-            argv += ["--timeout", "0.5"]
-            popen = subprocess.Popen(
-                argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            started.append(Process(popen, port, admin_port))
-        # Starting is not what this measures: three interpreters importing the gateway on a
-        # busy 2-core machine have taken over 20 s, so the deadline only catches a hang.
-        deadline = time.monotonic() + 90
-        for process in started:
-            while not _ready(process):
-                if process.popen.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"a gateway did not start on port {process.port}")
-                time.sleep(0.05)
-        yield started
-    finally:
-        for process in started:
-            if process.popen.poll() is None:
-                process.popen.send_signal(signal.SIGTERM)
-        for process in started:
-            try:
-                process.output, _ = process.popen.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.popen.kill()
-                process.output, _ = process.popen.communicate(timeout=5)
+
+    def argv(port: int, admin_port: int) -> list[str]:
+        return [
+            *("-m", "tests.test_redis_accuracy", "serve", "--policy", str(policy)),
+            *("--store", store_url, "--key-prefix", key_prefix),
+            *("--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"),
+            # A generous timeout: this measures sharing, and a fallback would blur it
+            # (asserted below: no decision was made locally).
+            *("--timeout", "0.5"),
+        ]
+
+    return gateway_processes(argv, REPLICAS)
 
 
 def store_stats(process: Process) -> dict[str, object]:

@@ -19,8 +19,12 @@ Bounds:
   when it was made (half, by default), so a dead replica strands at most ``share`` of the
   quota, for the rest of that window (or, for a token bucket, until the bucket refills).
 * Leases are returned, unused part and all, when they expire (with the replica's next ask,
-  or by the sweep every lease interval) and when the store closes (graceful shutdown).
-* When Redis fails the replica spends what it holds, then ``on_failure`` decides.
+  or by the sweep every lease interval), when the store closes (graceful shutdown), and when a
+  reload changes their limit's parameters or removes its ``lease:``.
+* When Redis fails the replica spends what it holds, then ``on_failure`` decides. With
+  ``local``, the fallback's state is first charged with what this replica admitted from its
+  leases (so its share starts from there, not empty), and what the fallback admits is owed
+  to Redis: charged to the lease state before this replica's next ask, as much as remains.
 
 Stacked limits keep nginx's rule: a request takes a unit from each leased limit, then the
 others are decided in one script call as usual; a request rejected anywhere gives its units
@@ -35,7 +39,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Final
@@ -51,6 +55,7 @@ from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 from gateway.policy import LeaseSettings
 from gateway.stores.redis.clients import ScriptClient, submit_recovering
+from gateway.stores.redis.fallback import Owed
 from gateway.stores.redis.lease_grant import permille
 
 log = logging.getLogger("gateway.store")
@@ -58,11 +63,17 @@ log = logging.getLogger("gateway.store")
 _INF: Final = float("inf")
 # A grant of nothing without a time to ask again still waits this long (never a busy loop).
 _MIN_RETRY_US: Final = 1000
+# Fallback admissions charged back to the lease states: calls in flight together.
+_CARRY_BACK_BATCH: Final = 32
 
 
 def load_lease_script() -> str:
+    """The lease script Redis runs: the shared prelude (helpers, the call header), then
+    ``lease.lua``."""
     folder = resources.files("gateway.stores.redis") / "lua"
-    return (folder / "lease.lua").read_text(encoding="utf-8")
+    return "\n".join(
+        (folder / name).read_text(encoding="utf-8") for name in ("prelude.lua", "lease.lua")
+    )
 
 
 @dataclass(slots=True)
@@ -84,6 +95,7 @@ class LeasePlan:
     """A leased limit ready for the lease script."""
 
     name: str
+    limit: CompiledLimit
     algorithm: Algorithm[Any]
     kind: bytes  # F, S or T
     quota: int
@@ -115,6 +127,16 @@ class Lease:
     fetching: asyncio.Future[None] | None = None
     unused_back: int = 0  # units of an expired lease to give back with the next call
     back_index: int = 0
+    # Units taken from this lease not yet charged to the local fallback's state (``seed``):
+    # charged at the next ask, or when the fallback decides this key.
+    unseeded: int = 0
+    # How fast this replica spends a lease: units taken from the current one since it arrived
+    # (and when the last was), and the rate of the last lease that showed one (units per us;
+    # 0: not known yet).
+    arrived_us: int = 0
+    taken: int = 0
+    last_take_us: int = 0
+    spend_per_us: float = 0.0
 
 
 # A limit not asked yet, in the decisions being gathered.
@@ -150,6 +172,7 @@ def plan_for(limit: CompiledLimit, settings: LeaseSettings, key_prefix: str) -> 
     recent_us = round(window_us) if kind != b"T" else interval_us
     return LeasePlan(
         name=limit.name,
+        limit=limit,
         algorithm=algorithm,
         kind=kind,
         quota=quota,
@@ -190,12 +213,22 @@ class LeaseBook:
         self.max_keys: dict[str, int] = {}
         self._calls = 0
         self._sweeper: asyncio.Task[None] | None = None
+        # on_failure local: charges the fallback's state with units admitted from a lease
+        # (limit, key, units); None otherwise.
+        self.seed: Callable[[CompiledLimit, str, int], None] | None = None
+        # What the fallback admitted on leased limits, owed to their lease states.
+        self.owed = Owed()
+        self.carried_back = 0  # units of it charged to Redis
+        self._carrying_back = asyncio.Lock()
+        # Returns of the leases a reload dropped, in flight.
+        self._returning: set[asyncio.Task[None]] = set()
 
     # -- configuration --
 
     def configure(self, limits: Sequence[CompiledLimit]) -> None:
-        """The leased limits of a new policy; leases of a limit whose parameters changed are
-        dropped (left to expire in Redis: at most one lease per replica and key)."""
+        """The leased limits of a new policy; the leases of a limit whose parameters changed,
+        or that is no longer leased, are given back to Redis (as at shutdown), not left to
+        expire there."""
         plans: dict[str, LeasePlan] = {}
         for limit in limits:
             settings = limit.spec.lease
@@ -210,8 +243,38 @@ class LeaseBook:
         for name in list(self.leases):
             old, new = self.plans.get(name), plans.get(name)
             if new is None or old is None or old.algorithm != new.algorithm:
-                del self.leases[name]
+                table = self.leases.pop(name)
+                if old is not None:
+                    self._give_all_back(old, table, b"q" if new is None else b"r")
         self.plans = plans
+
+    def _give_all_back(self, plan: LeasePlan, table: dict[str, Lease], mode: bytes) -> None:
+        """The unused units of a reload's dropped leases go back under the plan they were
+        granted by, in the background. A request in flight that gives its unit back to one of
+        them later loses it (never over)."""
+        now_us = self.clock.now_us()
+        unused: list[Coroutine[Any, Any, None]] = []
+        for key, lease in table.items():
+            _unspent(lease, now_us)
+            lease.generation += 1
+            if lease.unused_back:
+                unused.append(self._return(plan, key, lease, mode))
+        if not unused:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # configured outside the loop: no lease was ever taken
+            for call in unused:
+                call.close()
+            return
+        task = loop.create_task(_gather(unused))
+        self._returning.add(task)
+        task.add_done_callback(self._returning.discard)
+
+    async def returns_done(self) -> None:
+        """Wait for the returns of the leases the last reloads dropped."""
+        while self._returning:
+            await asyncio.gather(*self._returning, return_exceptions=True)
 
     def leased(self, limit: CompiledLimit) -> bool:
         plan = self.plans.get(limit.name)
@@ -231,26 +294,21 @@ class LeaseBook:
         whole request by ``unavailable`` when a lease is spent and Redis cannot grant more.
         ``nominal`` is a limit's quota, shown for a limit not asked (a lease rejected)."""
         plans = self.plans
-        leased: list[bool] = []
-        others: list[Check] = []
-        for check in checks:
-            plan = plans.get(check.limit.name)
-            if plan is not None and plan.algorithm is check.limit.algorithm:
-                leased.append(True)
-            else:
-                leased.append(False)
-                others.append(check)
-        if len(others) == len(checks):
-            return await exact(checks, commit)
+        # One pass: the others' places, and the leased checks' units (a live lease's without
+        # a wait, the common case, else after an ask).
+        places: list[int] = []
         decisions: list[Decision] = []
         taken: list[tuple[Lease, int]] = []
         rejected = False
         try:
-            for check, is_leased in zip(checks, leased, strict=True):
-                if not is_leased:
+            for index, check in enumerate(checks):
+                limit = check.limit
+                plan = plans.get(limit.name)
+                if plan is None or plan.algorithm is not limit.algorithm:
+                    places.append(index)
                     decisions.append(_NOT_ASKED)  # replaced by its verdict below
                     continue
-                took = self._take_now(check, commit)
+                took = self._take_now(plan, check, commit)
                 decision, unit = took if took is not None else await self._take(check, commit)
                 decisions.append(decision)
                 if unit is not None:
@@ -258,27 +316,30 @@ class LeaseBook:
                 rejected = rejected or not decision.allowed
         except LeaseUnavailableError as exc:
             self._give_back(taken)
+            if self.seed is not None:
+                self._seed_checks(checks)
             return await unavailable(checks, commit, str(exc))
         except BaseException:
             self._give_back(taken)
             raise
+        if len(places) == len(checks):  # none leased
+            return await exact(checks, commit)
         if rejected or not commit:
             self._give_back(taken)
-        if rejected or not others:
+        if rejected or not places:
             # Rejected by a lease, the others are not asked: charged to none, as ever; they
             # show their quota.
-            for index, is_leased in enumerate(leased):
-                if not is_leased:
-                    quota = nominal(checks[index])
-                    decisions[index] = Decision(True, 0.0, 0.0, quota, quota, 0.0)
+            for index in places:
+                quota = nominal(checks[index])
+                decisions[index] = Decision(True, 0.0, 0.0, quota, quota, 0.0)
             states = (None,) * len(decisions)
             return combine(decisions, states, states)
+        others = [checks[index] for index in places]
         try:
             verdict = await exact(others, commit)
         except BaseException:
             self._give_back(taken)
             raise
-        places = [index for index, is_leased in enumerate(leased) if not is_leased]
         for place, decision in zip(places, verdict.decisions, strict=True):
             decisions[place] = decision
         states = (None,) * len(decisions)
@@ -309,11 +370,12 @@ class LeaseBook:
             verdict.now_us,
         )
 
-    def _take_now(self, check: Check, commit: bool) -> tuple[Decision, tuple[Lease, int]] | None:
+    def _take_now(
+        self, plan: LeasePlan, check: Check, commit: bool
+    ) -> tuple[Decision, tuple[Lease, int]] | None:
         """A unit from a live lease, with no wait; None when there is none to take."""
         if not commit:
             return None
-        plan = self.plans[check.limit.name]
         table = self.leases.get(plan.name)
         lease = table.get(check.key) if table is not None else None
         if lease is None:
@@ -324,6 +386,9 @@ class LeaseBook:
             lease.period_demand -= 1  # counted again on the way that waits
             return None
         lease.units -= 1
+        lease.unseeded += 1
+        lease.taken += 1
+        lease.last_take_us = now_us
         self.counters[plan.name].decided += 1
         reset_s = (lease.expires_us - now_us) / 1e6
         decision = Decision(True, 0.0, 0.0, plan.quota, lease.units, reset_s)
@@ -342,6 +407,9 @@ class LeaseBook:
             now_us = self.clock.now_us()
             if lease.units > 0 and now_us < lease.expires_us:
                 lease.units -= 1
+                lease.unseeded += 1
+                lease.taken += 1
+                lease.last_take_us = now_us
                 counters.decided += commit
                 remaining = lease.units
                 reset_s = (lease.expires_us - now_us) / 1e6
@@ -400,7 +468,23 @@ class LeaseBook:
         for lease, generation in taken:
             if lease.generation == generation:
                 lease.units += 1
+                lease.unseeded -= 1
+                lease.taken -= 1
         taken.clear()
+
+    def _seed_checks(self, checks: Sequence[Check]) -> None:
+        """The fallback is about to decide these checks: their leases' admissions first."""
+        for check in checks:
+            if self.leased(check.limit):
+                table = self.leases.get(check.limit.name)
+                lease = table.get(check.key) if table is not None else None
+                if lease is not None:
+                    self._seed(self.plans[check.limit.name], check.key, lease)
+
+    def _seed(self, plan: LeasePlan, key: str, lease: Lease) -> None:
+        if lease.unseeded > 0 and self.seed is not None:
+            self.seed(plan.limit, key, lease.unseeded)
+        lease.unseeded = 0
 
     def refund(self, checks: Sequence[Check]) -> None:
         """A queued request (delayed by another limit) that did not go on keeps its leased
@@ -419,8 +503,17 @@ class LeaseBook:
         probe = breaker.probe_out
         # The requests before this one: none yet (a new key) asks for a fair share.
         want = max(_recent_demand(lease, plan.interval_us, now_us) - 1, 0)
+        # No more than this replica spends in an interval: its requests count rejections too,
+        # which in a closed loop come back far faster than admissions, and a grant larger than
+        # the replica can spend before its window ends is stranded there.
+        if lease.taken >= 2 and lease.last_take_us > lease.arrived_us:
+            lease.spend_per_us = lease.taken / (lease.last_take_us - lease.arrived_us)
+        if want > 0 and lease.spend_per_us > 0.0:
+            want = min(want, max(math.ceil(lease.spend_per_us * plan.interval_us), 1))
         back, back_index = lease.unused_back, lease.back_index
         try:
+            if self.owed or self._carrying_back.locked():
+                await self._carry_back()
             reply = await self._call(b"g", plan, key, want, back, back_index)
         except asyncio.CancelledError:
             breaker.cancelled(probe)
@@ -438,8 +531,13 @@ class LeaseBook:
             counters.units_returned += back
             lease.unused_back = 0
         granted, index, lasts_us, _remaining, retry_us = reply
+        if plan.kind == b"F" and now_us >= lease.expires_us:
+            lease.unseeded = 0  # admitted in a window that has ended
+        self._seed(plan, key, lease)
         lease.generation += 1
         lease.granted_us = now_us
+        lease.arrived_us = self.clock.now_us()
+        lease.taken = 0
         lease.index = index
         if granted > 0:
             lease.units = lease.size = granted
@@ -493,6 +591,40 @@ class LeaseBook:
             raise LeaseUnavailableError(f"unexpected reply to lease call {call_id}")
         self.stats.observe(loop.time() - started)
         return reply[:5]
+
+    async def _carry_back(self) -> None:
+        """Charge the lease states with what the fallback admitted (one call per limit and
+        key, a few in flight), before this replica asks again; raises, keeping what was not
+        charged, if Redis fails. Asks made meanwhile wait for it."""
+        async with self._carrying_back:
+            owed = self.owed.take()
+            for start in range(0, len(owed), _CARRY_BACK_BATCH):
+                batch = owed[start : start + _CARRY_BACK_BATCH]
+                try:
+                    results = await asyncio.gather(
+                        *(self._charge(check, units) for check, units in batch),
+                        return_exceptions=True,
+                    )
+                except asyncio.CancelledError:  # owed still, maybe twice: never under
+                    for check, units in owed[start:]:
+                        self.owed.add((check,), units)
+                    raise
+                failure: BaseException | None = None
+                for (check, units), result in zip(batch, results, strict=True):
+                    if isinstance(result, BaseException):
+                        self.owed.add((check,), units)
+                        failure = failure or result
+                if failure is not None:
+                    for check, units in owed[start + len(batch) :]:
+                        self.owed.add((check,), units)
+                    raise failure
+
+    async def _charge(self, check: Check, units: int) -> None:
+        plan = self.plans.get(check.limit.name)
+        if plan is None:  # no longer leased: its lease state is left to expire
+            return
+        reply = await self._call(b"c", plan, check.key, units, 0, 0)
+        self.carried_back += reply[0]
 
     # -- returns --
 
@@ -553,17 +685,26 @@ class LeaseBook:
             if plan is None:
                 continue
             for key, lease in table.items():
-                if lease.units > 0 and now_us < lease.expires_us:
-                    lease.unused_back += lease.units
-                    lease.back_index = lease.index
-                    lease.units = 0
+                _unspent(lease, now_us)
                 if lease.unused_back:
                     returns.append(self._return(plan, key, lease, b"q"))
-        if returns:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await asyncio.gather(*returns)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await asyncio.gather(*returns)
+                await self.returns_done()
         self.leases.clear()
+
+
+def _unspent(lease: Lease, now_us: int) -> None:
+    """A live lease's units, set aside to be given back."""
+    if lease.units > 0 and now_us < lease.expires_us:
+        lease.unused_back += lease.units
+        lease.back_index = lease.index
+        lease.units = 0
+
+
+async def _gather(calls: Sequence[Awaitable[None]]) -> None:
+    await asyncio.gather(*calls)
 
 
 def _demand(lease: Lease, interval_us: int, now_us: int) -> None:

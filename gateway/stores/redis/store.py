@@ -165,23 +165,31 @@ class RedisStore:
             )
         else:
             raise ValueError(f"client must be 'thin' or 'redis-py', got {client!r}")
-        # Leased limits (``lease:``): their own script, on a client of their own.
+        # Leased limits (``lease:``): their own script, on a client of their own (one call in
+        # flight: asks are rare), of the kind configured.
         lease_script = load_lease_script()
+        lease_sha = hashlib.sha1(lease_script.encode()).hexdigest()
+        lease_client: ScriptClient
+        if client == "thin":
+            lease_client = ThinClient(
+                redis_url, lease_script, lease_sha, 1, timeout_s, cluster=cluster
+            )
+        else:
+            lease_client = PipelineClient(
+                _redis_py(redis_url, cluster, 1, timeout_s), lease_script, lease_sha, 1, timeout_s
+            )
         self.leases = LeaseBook(
-            ThinClient(
-                redis_url,
-                lease_script,
-                hashlib.sha1(lease_script.encode()).hexdigest(),
-                1,
-                timeout_s,
-                cluster=cluster,
-            ),
+            lease_client,
             key_prefix=key_prefix,
             clock=self.clock,
             breaker=self.breaker,
             stats=self.stats,
             time_source=time_source,
         )
+        if on_failure == "local":
+            self.leases.seed = self._seed_local
+        # What the lease book calls back, bound once rather than on every request.
+        self._lease_callbacks = (self._decide_exact, self._unavailable, self._nominal)
         self._plans: dict[str, LimitPlan] = {}
         self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
         self._tag_part: str | None = None
@@ -246,9 +254,7 @@ class RedisStore:
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         if self.leases.plans:  # some limit is leased: the lease book sorts the checks
-            return await self.leases.decide(
-                checks, commit, self._decide_exact, self._unavailable, self._nominal
-            )
+            return await self.leases.decide(checks, commit, *self._lease_callbacks)
         return await self._decide_exact(checks, commit)
 
     def _nominal(self, check: Check) -> int:
@@ -276,7 +282,13 @@ class RedisStore:
         self._answered()
         verdict = _verdict(checks, plans, reply)
         if commit and verdict.allowed and self.on_failure == "local":
-            await self.local.decide([self._local_check(check) for check in checks])
+            # Nothing there waits: decided without a coroutine.
+            self.local.decide_now(
+                [
+                    Check(plan.local, check.key, check.max_delay_s, check.reserved, check.cost)
+                    for check, plan in zip(checks, plans, strict=True)
+                ]
+            )
         return verdict
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
@@ -395,8 +407,9 @@ class RedisStore:
         self.counters.calls += 1
         call_id = self.counters.calls
         # One cost for every limit, or one per limit when limits weigh the request differently.
-        if any(check.cost != 1 for check in checks):
-            costs = b" ".join([b"%d" % (cost * check.cost) for check in checks])
+        weights = [check.cost for check in checks]
+        if weights.count(1) != len(weights):
+            costs = b" ".join([b"%d" % (cost * weight) for weight in weights])
         else:
             costs = b"%d" % cost
         argv = [b"%s%d" % (mode, call_id), now, costs, self._min_ttl]
@@ -474,13 +487,24 @@ class RedisStore:
     # -- when Redis cannot decide --
 
     def _local_check(self, check: Check) -> Check:
-        return dataclasses.replace(check, limit=self.plan(check.limit).local)
+        # Not dataclasses.replace, ten times as long on the request path (bench/README.md).
+        local = self.plan(check.limit).local
+        return Check(local, check.key, check.max_delay_s, check.reserved, check.cost)
 
     async def _local_decide(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
         self.counters.local_decisions += 1
         return await self.local.decide(
             [self._local_check(check) for check in checks], commit=commit
         )
+
+    def _seed_local(self, limit: CompiledLimit, key: str, units: int) -> None:
+        """Charge the fallback's state with ``units`` a lease admitted, as many as it has
+        room for (as the carry-back charges Redis)."""
+        check = self._local_check(Check(limit, key))
+        look = self.local.decide_now([check], commit=False)
+        room = look.decisions[0].remaining + 1 if look.allowed else 0
+        if min(units, room) > 0:
+            self.local.decide_now([dataclasses.replace(check, cost=min(units, room))])
 
     async def _unavailable(
         self, checks: Sequence[Check], commit: bool, reason: str
@@ -489,10 +513,12 @@ class RedisStore:
         if mode == "local":
             verdict = await self._local_decide(checks, commit)
             if commit and verdict.allowed:
-                # Not a leased limit's: its quota is counted in lease keys, which the
-                # carry-back (per-request script calls) does not charge.
+                # A leased limit's quota is counted in its lease state: owed there.
                 leases = self.leases
-                self.owed.add([c for c in checks if not leases.leased(c.limit)])
+                if leases.plans:
+                    leases.owed.add([c for c in checks if leases.leased(c.limit)])
+                    checks = [c for c in checks if not leases.leased(c.limit)]
+                self.owed.add(checks)
             return verdict
         if mode == "allow":
             self.counters.allowed_open += 1
@@ -548,7 +574,7 @@ def _checked(reply: Any, call_id: int, length: int) -> list[int]:
     if (
         not isinstance(reply, list)
         or len(reply) != length + 1
-        or not all(type(value) is int for value in reply)
+        or {*map(type, reply)} != {int}  # every value an int (a bool is not)
     ):
         raise StoreReplyError(f"unexpected reply to script call {call_id}: {_sketch(reply)}")
     if reply[-1] != call_id:

@@ -23,13 +23,7 @@
 --            which lets the windows give back exactly that charge
 -- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four, then
 --            the call's number.
-local mode = string.sub(ARGV[1], 1, 1)
-local call_id = tonumber(string.sub(ARGV[1], 2)) or 0
-local now_us = tonumber(ARGV[2])
-if not now_us then
-  local t = redis.call('TIME')
-  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+-- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
 local costs = {}
 for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
 local function cost_of(i) return costs[i] or costs[1] end

@@ -1,12 +1,15 @@
 -- Quota leasing: a replica takes a batch of a limit's quota (a lease) and decides from it
 -- locally; this script grants leases and takes back what was left unused, atomically.
--- A script of its own (gateway/stores/redis/lease.py loads it), not part of decide.lua: the
--- state it keeps is a count of what was handed out, not an algorithm's per-request state.
+-- A script of its own (gateway/stores/redis/lease.py loads it after prelude.lua, which parses
+-- ARGV[1] and ARGV[2]), not part of decide.lua: the state it keeps is a count of what was
+-- handed out, not an algorithm's per-request state.
 --
 -- KEYS[1]   the limit key's lease state
 -- KEYS[2]   the replicas that asked recently (a sorted set: replica -> last ask, in us)
 -- ARGV[1]   'g' grant (after taking back ARGV[8]), 'r' take back only, 'q' take back and
---           leave (graceful shutdown); then the call's number, echoed last in the reply
+--           leave (graceful shutdown), 'c' charge ARGV[7] units, as many as remain (what the
+--           local fallback admitted while Redis was away); then the call's number, echoed
+--           last in the reply
 -- ARGV[2]   now in microseconds; '' reads Redis TIME, the one clock all replicas share
 -- ARGV[3]   'F' fixed window, 'S' sliding window, 'T' token bucket
 -- ARGV[4]   the quota: the window's limit, or the bucket's capacity
@@ -18,16 +21,9 @@
 -- ARGV[10]  share, ARGV[11] low water, in permille (lease_grant.py is the Python mirror)
 -- ARGV[12]  how long an ask counts as recent, in us; T: also how long a lease lasts
 -- ARGV[13]  the interval ARGV[7] is sized for, in us: a window ending sooner scales it down
--- Reply     granted, window number (T: 0), lease lasts us, remaining after, retry in us
+-- Reply     granted (charged), window number (T: 0), lease lasts us, remaining after, retry in us
 --           (nothing granted: when to ask again), call's number
-local floor = math.floor
-local mode = string.sub(ARGV[1], 1, 1)
-local call_id = tonumber(string.sub(ARGV[1], 2)) or 0
-local now_us = tonumber(ARGV[2])
-if not now_us then
-  local t = redis.call('TIME')
-  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+-- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
 local kind = ARGV[3]
 local quota = tonumber(ARGV[4])
 local span = tonumber(ARGV[5])
@@ -39,10 +35,6 @@ local share_pm = tonumber(ARGV[10])
 local low_water_pm = tonumber(ARGV[11])
 local recent_us = tonumber(ARGV[12])
 local interval_us = tonumber(ARGV[13]) or 0
-
-local function ceil_div(a, b)
-  return -floor(-a / b)
-end
 
 -- lease_grant.want_within: what the replica would spend before its lease ends
 local function want_within(lasts)
@@ -64,6 +56,19 @@ local function grant_size(remaining, asking)
 end
 
 local asking = 1
+
+-- What this call takes of what remains: a grant, sized ('g'; want_within first, for a lease
+-- that lasts until ``lasts``), or a charge of the units wanted, as many as remain ('c').
+local function take(remaining, lasts)
+  if mode == 'c' then
+    if remaining <= 0 then return 0 end
+    if want < remaining then return want end
+    return remaining
+  end
+  if lasts then want_within(lasts) end
+  return grant_size(remaining, asking)
+end
+
 if mode == 'g' then
   redis.call('ZADD', KEYS[2], now_us, replica)
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_us - recent_us)
@@ -89,9 +94,8 @@ if kind == 'F' then
     if given < 0 then given = 0 end
   end
   lasts_us = (index + 1) * span - now_us
-  if mode == 'g' then
-    want_within(lasts_us)
-    granted = grant_size(quota - given, asking)
+  if mode == 'g' or mode == 'c' then
+    granted = take(quota - given, lasts_us)
     given = given + granted
   end
   remaining = quota - given
@@ -121,9 +125,8 @@ elseif kind == 'S' then
   local start_us = index * span
   local weighted = floor(previous * (span - (now_us - start_us)) / span)
   lasts_us = start_us + span - now_us
-  if mode == 'g' then
-    want_within(lasts_us)
-    granted = grant_size(quota - weighted - current, asking)
+  if mode == 'g' or mode == 'c' then
+    granted = take(quota - weighted - current, lasts_us)
     current = current + granted
   end
   remaining = quota - weighted - current
@@ -154,8 +157,8 @@ else
   if back > 0 then empty_at = empty_at - back * span end
   if empty_at < now_us - full_span then empty_at = now_us - full_span end
   lasts_us = recent_us
-  if mode == 'g' then
-    granted = grant_size(floor((now_us - empty_at) / span), asking)
+  if mode == 'g' or mode == 'c' then
+    granted = take(floor((now_us - empty_at) / span), nil)
     empty_at = empty_at + granted * span
   end
   remaining = floor((now_us - empty_at) / span)

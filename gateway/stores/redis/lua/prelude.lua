@@ -1,5 +1,6 @@
--- Shared by every algorithm below: the whole file set is sent to Redis as ONE script
--- (gateway/stores/redis/store.py joins prelude, the algorithms and decide.lua, in that order).
+-- Shared by both scripts: the decision script (gateway/stores/redis/store.py joins prelude, the
+-- algorithms and decide.lua, in that order, into ONE script) and the lease script (prelude,
+-- then lease.lua: gateway/stores/redis/lease.py).
 --
 -- Lua numbers are IEEE doubles: every integer here stays below 2^53 (the Python side refuses
 -- parameters that could leave that range), so the arithmetic is the Python algorithms'
@@ -12,6 +13,18 @@ local pack_state = struct.pack
 -- Python's -(-a // b): a / b rounded up.
 local function ceil_div(a, b)
   return -floor(-a / b)
+end
+
+-- Every call's header. ARGV[1]: the mode, one letter, then the call's number, which the reply
+-- echoes last (the client checks each reply is its own call's, so no reply can ever be taken
+-- for another call's). ARGV[2]: now in microseconds; '' reads Redis TIME, the one clock all
+-- replicas share.
+local mode = string.sub(ARGV[1], 1, 1)
+local call_id = tonumber(string.sub(ARGV[1], 2)) or 0
+local now_us = tonumber(ARGV[2])
+if not now_us then
+  local t = redis.call('TIME')
+  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
 -- Some products pass 2^53 where the results do not: a rescale (a reload changed a limit's

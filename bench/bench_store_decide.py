@@ -1,0 +1,173 @@
+"""The store's own CPU per request, outside the server: ``store.decide`` for the three example
+limits (bench_store.py's policy), in process, per request on Redis, and with the global limit
+leased.
+
+    python bench/bench_store_decide.py --decides 30000 --rounds 5
+
+64 callers await ``store.decide`` together on one uvloop (so the Redis client pipelines as it
+does under load), each for its share of ``--decides``; the figure is this thread's CPU time over
+the decisions made, in µs per decision, the median over rounds run in turn. A ``redis-server``
+of its own on a free port (``--redis URL`` for another). The in-process store's figure is the
+floor: the difference is what a Redis call, or a lease, costs the gateway per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import uvloop
+
+from gateway.algorithms.registry import build_algorithm
+from gateway.keys import KeyBuilder
+from gateway.limits import Check, CompiledLimit, LimitCounters
+from gateway.policy import Policy
+from gateway.stores import LimitStore, MemoryStore, RedisStore
+
+CALLERS = 64
+KINDS = ("memory", "redis", "redis-leased")
+_prefixes = itertools.count()
+
+
+def example_limits(leased: bool) -> list[CompiledLimit]:
+    specs = {
+        "per_ip": {
+            "algorithm": "leaky_bucket",
+            "rate": "1000000r/s",
+            "burst": 1000000,
+            "nodelay": True,
+            "key": ["client_ip"],
+        },
+        "api": {
+            "algorithm": "sliding_window",
+            "limit": 1000000,
+            "window": "1s",
+            "key": ["client_ip"],
+        },
+        "global": {
+            "algorithm": "token_bucket",
+            "rate": "1000000r/s",
+            "burst": 1000000,
+            "key": ["global"],
+            **({"lease": {}} if leased else {}),
+        },
+    }
+    policy = Policy.model_validate({"limits": specs})
+    return [
+        CompiledLimit(
+            name,
+            spec,
+            build_algorithm(spec),
+            KeyBuilder(spec.key),
+            None,
+            None,
+            1.0,
+            LimitCounters(),
+        )
+        for name, spec in policy.limits.items()
+    ]
+
+
+async def cpu_per_decide(kind: str, url: str, decides: int) -> float:
+    limits = example_limits(kind == "redis-leased")
+    store: LimitStore
+    if kind == "memory":
+        store = MemoryStore()
+    else:
+        store = RedisStore(url, key_prefix=f"decide{next(_prefixes)}:{time.time()}:", timeout_s=0.5)
+    store.configure(limits, ())
+    checks = [
+        Check(limits[0], "203.0.113.7"),
+        Check(limits[1], "203.0.113.7"),
+        Check(limits[2], ""),
+    ]
+
+    async def caller(count: int) -> None:
+        for _ in range(count):
+            if not (await store.decide(checks)).allowed:
+                raise RuntimeError("a decision was a rejection: the limits are set never to bind")
+
+    try:
+        await asyncio.gather(*(caller(200) for _ in range(CALLERS)))  # connect, first leases
+        each = decides // CALLERS
+        started = time.thread_time()
+        await asyncio.gather(*(caller(each) for _ in range(CALLERS)))
+        return (time.thread_time() - started) / (each * CALLERS) * 1e6
+    finally:
+        await store.close()
+
+
+async def measure(url: str, decides: int, rounds: int) -> dict[str, list[float]]:
+    figures: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for _ in range(rounds):
+        for kind in KINDS:
+            figures[kind].append(await cpu_per_decide(kind, url, decides))
+    return figures
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decides", type=int, default=30000, help="decisions per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--redis", help="a Redis URL (default: start redis-server)")
+    args = parser.parse_args()
+    server: subprocess.Popen[bytes] | None = None
+    url = args.redis
+    with tempfile.TemporaryDirectory(prefix="bench-decide-") as tmp:
+        if url is None:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                print("bench_store_decide.py: redis-server not found", file=sys.stderr)
+                return 2
+            port = free_port()
+            argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", ""]
+            argv += ["--appendonly", "no", "--dir", tmp]
+            server = subprocess.Popen(
+                argv,
+                stdout=subprocess.DEVNULL,
+            )
+            url = f"redis://127.0.0.1:{port}"
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        try:
+            figures = uvloop.run(measure(url, args.decides, args.rounds))
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(10)
+    floor = statistics.median(figures["memory"])
+    print("| store | CPU µs / decide (median) | rounds | over memory |")
+    print("|---|---:|---|---:|")
+    for kind, values in figures.items():
+        median = statistics.median(values)
+        rounded = ", ".join(f"{value:.1f}" for value in values)
+        print(f"| {kind} | {median:.2f} | {rounded} | {median - floor:+.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
