@@ -1,6 +1,6 @@
 """What several test files share (fixtures stay in conftest.py): policies, scrapes of
 ``/metrics``, a ``--workers 2`` gateway as a subprocess, several gateway processes started
-together, and a few constants."""
+together, bursts of concurrent decisions, and a few constants."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from gateway.limits import Check
+    from gateway.stores import RedisStore
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -223,3 +228,19 @@ def gateway_processes(
             except subprocess.TimeoutExpired:
                 process.popen.kill()
                 process.output, _ = process.popen.communicate(timeout=5)
+
+
+async def burst(store: RedisStore, check: Check, requests: int, clients: int = 8) -> int:
+    """``requests`` decisions from ``clients`` concurrent clients; how many were admitted."""
+    admitted = 0
+
+    async def client(count: int) -> None:
+        nonlocal admitted
+        for _ in range(count):
+            verdict = await store.decide([check])  # awaited before `admitted` is read
+            admitted += verdict.allowed
+
+    shares = [requests // clients + (i < requests % clients) for i in range(clients)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(client(share) for share in shares))
+    return admitted

@@ -33,7 +33,15 @@ from gateway.stores.redis.lease_grant import grant_size, want_within
 from tests import redis_harness, test_dashboard
 from tests.conftest import GatewayFactory, RecordingUpstream
 from tests.redis_harness import RedisServer
-from tests.support import T0_US, Samples, get_status, limited_policy, scrape_until, value
+from tests.support import (
+    T0_US,
+    Samples,
+    burst,
+    get_status,
+    limited_policy,
+    scrape_until,
+    value,
+)
 from tests.test_dashboard import field, wait_until
 
 redis_server = redis_harness.redis_server
@@ -620,22 +628,6 @@ LEASED_OUTAGE: dict[str, dict[str, Any]] = {
     "sliding_window": {"algorithm": "sliding_window", "limit": 40, "window": "720h"},
     "token_bucket": {"algorithm": "token_bucket", "rate": "1r/m", "burst": 40},
 }
-
-
-async def burst(store: RedisStore, check: Check, requests: int, clients: int = 8) -> int:
-    """``requests`` decisions from ``clients`` concurrent clients; how many were admitted."""
-    admitted = 0
-
-    async def client(count: int) -> None:
-        nonlocal admitted
-        for _ in range(count):
-            verdict = await store.decide([check])  # awaited before `admitted` is read
-            admitted += verdict.allowed
-
-    shares = [requests // clients + (i < requests % clients) for i in range(clients)]
-    async with asyncio.timeout(20):
-        await asyncio.gather(*(client(share) for share in shares))
-    return admitted
 
 
 @pytest.mark.reliability

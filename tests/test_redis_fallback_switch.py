@@ -24,6 +24,7 @@ from gateway.stores import RedisStore
 from gateway.stores.redis.fallback import Owed
 from tests import redis_harness
 from tests.redis_harness import RedisFactory
+from tests.support import burst
 from tests.test_redis_store import compiled
 
 redis_factory = redis_harness.redis_factory
@@ -42,22 +43,6 @@ CLIENTS = 8
 
 def breaker() -> CircuitBreaker:
     return CircuitBreaker("test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4)
-
-
-async def burst(store: RedisStore, check: Check, requests: int) -> int:
-    """``requests`` decisions from ``CLIENTS`` concurrent clients; how many were admitted."""
-    admitted = 0
-
-    async def client(count: int) -> None:
-        nonlocal admitted
-        for _ in range(count):
-            verdict = await store.decide([check])  # awaited before `admitted` is read
-            admitted += verdict.allowed
-
-    shares = [requests // CLIENTS + (i < requests % CLIENTS) for i in range(CLIENTS)]
-    async with asyncio.timeout(20):
-        await asyncio.gather(*(client(share) for share in shares))
-    return admitted
 
 
 @pytest.mark.reliability
