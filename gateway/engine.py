@@ -142,6 +142,11 @@ class LimitEngine:
         )
         # The proxy calls ``evaluate_now`` then, not ``evaluate``.
         self.decides_now = self._decide_now is not None
+        # A store that decides some requests without a wait (leased limits) and the others
+        # by a call: tried first on ``evaluate``'s path.
+        self._try_decide_now: Callable[[Sequence[Check]], CombinedDecision | None] | None = getattr(
+            store, "try_decide_now", None
+        )
         self.headers_config: RateLimitHeaders = policy.headers
         # (limit name, advertised quota) -> the limit's RateLimit-Policy item, the start of its
         # RateLimit item, and its window in whole seconds: the same on every response.
@@ -245,7 +250,12 @@ class LimitEngine:
                 if would_reject:
                     outcome.would_reject = would_reject
             else:
-                outcome = await self._enforce(enforced)
+                at_hand = self._try_decide_now
+                verdict = at_hand(enforced) if at_hand is not None else None
+                if verdict is not None:
+                    outcome = self._settle(enforced, verdict, True)
+                else:
+                    outcome = await self._enforce(enforced)
         except BaseException:
             _release(enforced)
             raise

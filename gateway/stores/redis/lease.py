@@ -370,6 +370,18 @@ class LeaseBook:
             verdict.now_us,
         )
 
+    def decide_now(self, check: Check) -> CombinedDecision | None:
+        """``decide`` for a request whose one enforced check is leased, when its lease has a
+        unit now (the common case): no call and no wait. None when it has not (``decide``
+        then asks): nothing is taken or counted."""
+        plan = self.plans.get(check.limit.name)
+        if plan is None or plan.algorithm is not check.limit.algorithm:
+            return None
+        took = self._take_now(plan, check, True)
+        if took is None:
+            return None
+        return CombinedDecision(True, 0.0, 0.0, (), None, (took[0],), (None,), None)
+
     def _take_now(
         self, plan: LeasePlan, check: Check, commit: bool
     ) -> tuple[Decision, tuple[Lease, int]] | None:

@@ -252,6 +252,13 @@ class RedisStore:
 
     # -- the LimitStore protocol --
 
+    def try_decide_now(self, checks: Sequence[Check]) -> CombinedDecision | None:
+        """A verdict without a wait where one is at hand (a request whose one check is a leased
+        limit with a unit left in its lease); None otherwise, and ``decide`` decides."""
+        if len(checks) == 1 and self.leases.plans:
+            return self.leases.decide_now(checks[0])
+        return None
+
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         if self.leases.plans:  # some limit is leased: the lease book sorts the checks
             return await self.leases.decide(checks, commit, *self._lease_callbacks)
