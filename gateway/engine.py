@@ -274,15 +274,15 @@ class LimitEngine:
             if screened is not None:
                 return screened
         enforced, dry = self.checks_for(facts, route, host, path)
-        would_reject: list[Check] = []
-        if dry:
-            would_reject = self._count_dry_run(dry, [decide_now((check,)) for check in dry])
-        if not enforced:
-            return Outcome(would_reject=would_reject) if would_reject else ALLOW
         try:
+            would_reject: list[Check] = []
+            if dry:
+                would_reject = self._count_dry_run(dry, [decide_now((check,)) for check in dry])
+            if not enforced:
+                return Outcome(would_reject=would_reject) if would_reject else ALLOW
             outcome = self._settle(enforced, decide_now(enforced), True)
         except BaseException:
-            _release(enforced)
+            _release(enforced)  # a store error: the places held for the queue go back
             raise
         if would_reject:
             outcome.would_reject = would_reject

@@ -19,6 +19,7 @@ from gateway.policy import Route
 from gateway.policy_loader import parse_policy
 from gateway.routing import RouteTable
 from gateway.stores import MemoryStore
+from gateway.stores.shared import SharedStore
 from tests.support import policy_for
 
 ROUTES = (
@@ -34,7 +35,7 @@ class Bench:
         text = policy_for("http://127.0.0.1:1", extra=extra).replace(
             "routes:\n  - name: all\n    upstream: backend\n", "routes:\n" + ROUTES
         )
-        policy = parse_policy(text + "limits:\n" + limits, "test.yaml").policy
+        policy = self.policy = parse_policy(text + "limits:\n" + limits, "test.yaml").policy
         self.clock = FakeClock()
         self.store = MemoryStore(self.clock)
         self.engine = LimitEngine(policy, self.store, build_algorithm)
@@ -199,3 +200,20 @@ def test_explain_gives_the_verdict_evaluate_then_gives(
                 bench.engine.leave_queue(outcome)
 
     asyncio.run(run())
+
+
+async def test_a_store_error_gives_back_the_queue_places_the_request_held() -> None:
+    """A store that cannot decide (here the shared store before its runtime directory is
+    open) raises out of ``evaluate``; the places the request's checks held against
+    ``max_queue`` go back, or every such error would shrink the queue for good. The dry-run
+    limit is decided first, so its error comes before the enforced limits' decision."""
+    bench = Bench(
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 5\n    max_queue: 3\n"
+        + _nodelay("shadow", 0, "    dry_run: true\n")
+    )
+    store = SharedStore(None, bench.clock)
+    engine = LimitEngine(bench.policy, store, build_algorithm)
+    assert engine.decides_now
+    with pytest.raises(RuntimeError, match="runtime directory"):
+        await engine.evaluate(*bench.request())
+    assert all(limit.counters.deciding == 0 for limit in engine.limits)
