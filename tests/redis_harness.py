@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 START_TIMEOUT_S = 10.0
@@ -37,14 +39,6 @@ def key_prefixes() -> Iterator[str]:
     while True:
         yield f"{run}.{n}"
         n += 1
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now (another process may still take it: callers retry)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _ping(port: int, timeout_s: float = 0.5) -> bool:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -71,7 +72,29 @@ async def get_status(session: aiohttp.ClientSession, url: str, **kwargs: object)
         return resp.status
 
 
+def _below_ephemeral_ports() -> range:
+    """Ports the kernel never hands out as the local end of an outgoing connection."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10_000, max(low, 11_000))
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a process started next to listen on. Taken below the
+    ephemeral range: a port that ``bind(0)`` picks is also one an outgoing connection (another
+    gateway's to Redis or to an upstream) may take as its local end in the second or two
+    before the process binds it, which then fails to start with "address in use"."""
+    ports = _below_ephemeral_ports()
+    for _ in range(100):
+        port = random.choice(ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -215,7 +238,12 @@ def gateway_processes(
         for process in started:
             while not _ready(process):
                 if process.popen.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"a gateway did not start on port {process.port}")
+                    process.popen.kill()
+                    output, _ = process.popen.communicate(timeout=15)
+                    raise RuntimeError(
+                        f"a gateway did not start on port {process.port}"
+                        f" (exit {process.popen.returncode}): {output[-2000:]}"
+                    )
                 time.sleep(0.05)
         yield started
     finally:

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -26,16 +25,11 @@ from gateway.cli import EXIT_STARTUP
 from gateway.policy import ServerSettings, StoreSettings, split_host_port
 from gateway.policy_loader import load_policy, parse_policy
 from tests.conftest import GatewayFactory
+from tests.support import free_port
 from tests.test_packaging import _final_stage, dockerfile_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = aiohttp.ClientTimeout(total=5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

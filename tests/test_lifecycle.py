@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -27,6 +26,7 @@ from aiohttp.test_utils import RawTestServer
 
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.rawhttp import status_of
+from tests.support import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -41,13 +41,6 @@ def assert_no_errors_logged(caplog: pytest.LogCaptureFixture) -> None:
     """Cutting a connection is routine: it must not raise in a loop callback or log errors."""
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def wait_for(condition: Callable[[], bool], what: str, within_s: float = 5.0) -> None:
