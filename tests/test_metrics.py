@@ -31,6 +31,7 @@ from gateway.clock import FakeClock
 from gateway.observability.prometheus import make_registry
 from gateway.observability.sketch import RecentTopKeys, SpaceSaving
 from gateway.observability.snapshot import (
+    GatewaySnapshot,
     HistogramData,
     LimitData,
     StoreData,
@@ -47,6 +48,7 @@ from tests.support import (
     free_port,
     get_status,
     limited_policy,
+    policy_for,
     replace_file,
     run_workers,
     scrape,
@@ -764,3 +766,37 @@ def test_a_snapshot_written_late_from_a_thread_never_replaces_a_newer_one(tmp_pa
     mine.publish(_worker(0, 101.0, allowed=9, waiting=0, requests=15), taken=3)
     (seen,) = other.others()
     assert seen.requests == (("all", "GET", 2, 15),)
+
+
+async def test_the_tick_never_shows_fewer_than_a_scrape_published_during_its_write(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tick writes this worker's snapshot from a thread; a scrape answered meanwhile
+    publishes (and shows) newer figures. The sum the tick then feeds the dashboard must not
+    hold the older ones, or the live page's totals would go back after the scrape's."""
+    monkeypatch.setenv("GATEWAY_METRICS_DIR", str(tmp_path / "metrics"))
+    gw = await start_gateway(policy_for(upstream.url))
+    obs = gw.gateway.observability
+    directory = obs.directory
+    assert directory is not None
+
+    async def requests(count: int) -> None:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            for _ in range(count):
+                assert await get_status(session, gw.url + "/") == 200
+
+    def total(snapshot: GatewaySnapshot) -> int:
+        return sum(count for *_, count in snapshot.requests)
+
+    await requests(3)
+    own = await obs._publish_from_thread(directory, (0.0, 0.0))  # the tick's write
+    await requests(2)
+    assert total(obs.gateway_snapshot()) == 5  # a scrape in between, published and shown
+    assert total(obs._tick_sum(directory, own)) == 5
+    # Without a scrape in between, the tick adds up what it published itself.
+    own = await obs._publish_from_thread(directory, (0.0, 0.0))
+    await requests(1)
+    assert total(obs._tick_sum(directory, own)) == 5

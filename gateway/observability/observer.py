@@ -70,6 +70,7 @@ class Observability:
         self._probe: LoopLagProbe | None = None
         self._publishing: asyncio.Future[None] | None = None
         self._taken = itertools.count(1)  # numbers the snapshots published, in order
+        self._last_taken = 0  # the tick's last
 
     # -- hooks for the gateway ---------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class Observability:
                 # these figures of this one, or later ones, never fewer than shown here.
                 own = await self._publish_from_thread(directory, started)
                 started = time.perf_counter(), time.thread_time()
-                self._gather(merge([own, *directory.others()], own.at))
+                self._gather(self._tick_sum(directory, own))
                 self._note_tick(started)
             except Exception:  # one bad tick must not stop the next
                 log.exception("observability tick failed")
@@ -156,13 +157,20 @@ class Observability:
         """This worker's figures now, written for the others from a thread (the loop takes only
         the snapshot; ``started`` is when its part of the tick began)."""
         own = self.worker_snapshot()
-        taken = next(self._taken)
+        taken = self._last_taken = next(self._taken)
         self._note_tick(started)
         publishing = self._publishing = asyncio.get_running_loop().run_in_executor(
             None, directory.publish, own, taken
         )
         await asyncio.shield(publishing)  # cancelled or not, it ends before the last publish
         return own
+
+    def _tick_sum(self, directory: SnapshotDirectory, own: WorkerSnapshot) -> GatewaySnapshot:
+        """Every worker's figures added up, with ``own`` as the tick just published it; afresh
+        if a scrape published newer ones meanwhile (and may have shown them: never fewer)."""
+        if directory.written > self._last_taken:
+            return self.gateway_snapshot()
+        return merge([own, *directory.others()], own.at)
 
     def _note_tick(self, started: tuple[float, float]) -> None:
         if self._probe is not None:

@@ -68,6 +68,11 @@ class SnapshotDirectory:
         """The last snapshot a worker with our id left, if any (we restarted)."""
         return _read(self._own)
 
+    @property
+    def written(self) -> int:
+        """The number of the newest snapshot written."""
+        return self._written
+
     def publish(self, snapshot: WorkerSnapshot, taken: int) -> None:
         """Write this worker's snapshot, the ``taken``-th this worker took (numbers grow with
         time), unless a later one is written already."""
