@@ -8,6 +8,7 @@ Tests that stop, pause or restart Redis start their own with ``redis_factory``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -252,6 +253,26 @@ class RedisClusterHarness:
         raise RuntimeError(
             f"127.0.0.1:{node.port} did not take slot {slot} in {timeout_s:g} s: {nodes}"
         )
+
+    def promote(self, slot: int, replica: RedisServer) -> None:
+        """``CLUSTER FAILOVER`` on ``replica`` of the master serving ``slot``, once it is in
+        sync, until it serves the slot. Redis drops a manual failover that does not finish in
+        5 s (the replica catching up, the election), which a busy machine can take: asked
+        again then, up to three times."""
+        deadline = time.monotonic() + 20
+        while "master_link_status:up" not in _cli(replica.port, "INFO", "replication"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"127.0.0.1:{replica.port} did not sync with its master")
+            time.sleep(0.1)
+        for attempt in range(3):
+            with contextlib.suppress(RuntimeError):  # a late success: it is a master already
+                _cli(replica.port, "CLUSTER", "FAILOVER")
+            try:
+                self.wait_owner(slot, replica, timeout_s=10.0)
+                return
+            except RuntimeError:
+                if attempt == 2:
+                    raise
 
     def replica_of(self, master: RedisServer) -> RedisServer:
         master_id = _cli(master.port, "CLUSTER", "MYID").strip()

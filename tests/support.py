@@ -81,20 +81,31 @@ def _below_ephemeral_ports() -> range:
     return range(10_000, max(low, 11_000))
 
 
+_PORT_PICKER = random.Random()  # its own: pytest-randomly reseeds `random` for every test
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now, for a process started next to listen on. Taken below the
     ephemeral range: a port that ``bind(0)`` picks is also one an outgoing connection (another
     gateway's to Redis or to an upstream) may take as its local end in the second or two
-    before the process binds it, which then fails to start with "address in use"."""
+    before the process binds it, which then fails to start with "address in use". Never the
+    same port twice in one test run, so processes started together cannot be given one port,
+    and one a test's process may still bind late is not handed to the next test."""
     ports = _below_ephemeral_ports()
-    for _ in range(100):
-        port = random.choice(ports)
+    if len(_HANDED_OUT) > len(ports) // 2:
+        _HANDED_OUT.clear()
+    for _ in range(200):
+        port = _PORT_PICKER.choice(ports)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -221,25 +232,35 @@ def gateway_processes(
     the interpreter) and ready (``/readyz``); at the end stopped with SIGTERM, then SIGKILL
     after 15 s, their output kept."""
     started: list[GatewayProcess] = []
+
+    def launch() -> GatewayProcess:
+        port, admin_port = free_port(), free_port()
+        popen = subprocess.Popen(
+            [sys.executable, *argv_for(port, admin_port)],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        return GatewayProcess(popen, port, admin_port)
+
     try:
-        for _ in range(count):
-            port, admin_port = free_port(), free_port()
-            popen = subprocess.Popen(
-                [sys.executable, *argv_for(port, admin_port)],
-                cwd=REPO_ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            started.append(GatewayProcess(popen, port, admin_port))
+        started.extend(launch() for _ in range(count))
         # Starting is not what the tests measure: several interpreters importing the gateway
         # on a busy 2-core machine have taken over 20 s, so the deadline only catches a hang.
         deadline = time.monotonic() + 90
-        for process in started:
-            while not _ready(process):
+        for index in range(count):
+            attempts = 1
+            while not _ready(started[index]):
+                process = started[index]
                 if process.popen.poll() is not None or time.monotonic() > deadline:
                     process.popen.kill()
                     output, _ = process.popen.communicate(timeout=15)
+                    if "address already in use" in output and attempts < 3:
+                        # Another program on the machine took the port first: other ports.
+                        started[index] = launch()
+                        attempts += 1
+                        continue
                     raise RuntimeError(
                         f"a gateway did not start on port {process.port}"
                         f" (exit {process.popen.returncode}): {output[-2000:]}"

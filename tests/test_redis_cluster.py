@@ -317,10 +317,7 @@ async def test_failover_and_a_killed_master_never_turn_a_failure_into_a_verdict(
 
     def failover() -> None:
         master = ha_cluster.owner(slot)
-        replica = ha_cluster.replica_of(master)
-        with redis.Redis(host="127.0.0.1", port=replica.port) as plain:
-            plain.execute_command("CLUSTER", "FAILOVER")
-        ha_cluster.wait_owner(slot, replica)
+        ha_cluster.promote(slot, ha_cluster.replica_of(master))
 
     def kill() -> None:
         master = ha_cluster.owner(slot)
