@@ -31,7 +31,14 @@ Targets:
 * ``shared-1w``, ``shared-2w``: ``gateway run --workers 1`` / ``2`` with ``store.url: shared``
   (the workers share one LMDB state on ``/dev/shm``), on one core / on both;
 * ``redis-2w``: ``gateway run --workers 2`` on the Redis server;
-* ``bare-2w``: ``gateway run --workers 2`` with no limits, the ceiling of the two above.
+* ``bare-1w``, ``bare-2w``: ``gateway run --workers 1`` / ``2`` with no limits, the ceiling
+  of the targets above.
+
+Beside each target's CPU, the load generators' (wrk's and the upstream's CPU per request)
+and the machine's idle share during its runs. A 2-worker target shares both cores with
+them, so on 2 cores its req/s can reach at most 2 s of CPU per second over the CPU a
+request costs the gateway and the load generators together: the line under the table
+gives that ceiling as a multiple of the 1-worker peer (which has a core of its own).
 
 The multi-worker targets run the CLI (its supervisor and forked workers); their CPU time is
 the whole process group's.
@@ -48,9 +55,11 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
+import resource
 import shlex
 import signal
 import statistics
@@ -76,7 +85,10 @@ SHARED_1W = "shared-1w"
 SHARED_2W = "shared-2w"
 REDIS_2W = "redis-2w"
 BARE_2W = "bare-2w"
-CLI_TARGETS = (MEMORY_1W, SHARED_1W, SHARED_2W, REDIS_2W, BARE_2W)
+BARE_1W = "bare-1w"
+CLI_TARGETS = (MEMORY_1W, SHARED_1W, SHARED_2W, REDIS_2W, BARE_1W, BARE_2W)
+# A 2-worker target and its 1-worker peer: the scaling line under the table.
+SCALING = ((SHARED_2W, SHARED_1W), (BARE_2W, BARE_1W))
 REDIS_LEASED = "redis-leased"
 REDIS_CLUSTER_LEASED = "redis-cluster-leased"
 MEMORY_GLOBAL = "memory-global"
@@ -329,6 +341,51 @@ def target_cpu_seconds(target: bp.RunningTarget) -> float:
     return bp.process_group_cpu(target.started.proc.pid)[0]
 
 
+def load_generators_cpu_seconds(upstream: bp.RunningTarget) -> float:
+    """CPU seconds of the upstream's process group and of every wrk run so far (the children
+    this process has waited for: wrk, through ``taskset``'s exec)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    upstream_s = bp.process_group_cpu(upstream.started.proc.pid)[0]
+    return upstream_s + children.ru_utime + children.ru_stime
+
+
+def machine_idle() -> tuple[int, int]:
+    """The machine's idle and total jiffies so far (``/proc/stat``, all CPUs)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def machine_idle_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total else 0.0
+
+
+def scaling_lines(
+    summaries: Sequence[Summary],
+    cpu_per_request: dict[tuple[str, int], list[float]],
+    loaders_per_request: dict[tuple[str, int], list[float]],
+) -> list[str]:
+    """For each 2-worker target beside its 1-worker peer: the scaling measured, and the most
+    two cores could give it with the load generators on them too."""
+    rates = {(s.target, s.connections): s.requests_per_s for s in summaries}
+    cores = min(2, len(os.sched_getaffinity(0)))
+    lines = []
+    for (two, one), conns in itertools.product(SCALING, sorted({s.connections for s in summaries})):
+        if (two, conns) not in rates or (one, conns) not in rates:
+            continue
+        per_request_us = statistics.median(cpu_per_request[(two, conns)]) + statistics.median(
+            loaders_per_request[(two, conns)]
+        )
+        ceiling = cores * 1e6 / per_request_us
+        lines.append(
+            f"\n{two} (c={conns}): {rates[(two, conns)] / rates[(one, conns)]:.2f}x {one}; "
+            f"{cores} cores at {per_request_us:.0f} us of CPU per request (the gateway's and "
+            f"the load generators') allow at most {ceiling:,.0f} req/s, "
+            f"{ceiling / rates[(one, conns)]:.2f}x {one}"
+        )
+    return lines
+
+
 def store_stats(target: bp.RunningTarget) -> dict[str, Any] | None:
     """The store counters the launcher prints when it is stopped."""
     found = STATS_RE.findall(target.started.log_path.read_text(errors="replace"))
@@ -399,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     loadavg_before = os.getloadavg()
     results: dict[tuple[str, int], list[bp.WrkResult]] = {}
     cpu_per_request: dict[tuple[str, int], list[float]] = {}
+    loaders_per_request: dict[tuple[str, int], list[float]] = {}
+    idle_shares: dict[tuple[str, int], list[float]] = {}
     stats: dict[str, dict[str, Any] | None] = {}
     requests: dict[str, int] = {}
     # The shared store's state where a gateway keeps it by default: memory (``/dev/shm``), not
@@ -412,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs = bp.Processes(work_dir)
         try:
             harness = bp.Harness(procs, work_dir, plan, "httptools")
-            bp.start_with_retries(harness.start_upstream)
+            upstream = bp.start_with_retries(harness.start_upstream)
             policy = work_dir / "policy.yaml"
             policy.write_text(POLICY.format(upstream_port=harness.upstream_port))
             leased = work_dir / "leased.yaml"
@@ -473,11 +532,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             bare.write_text(POLICY.split("limits:")[0].format(upstream_port=harness.upstream_port))
             shared_env = {"GATEWAY_SHARED_DIR": shared_tmp, "GATEWAY_STORE_URL": "shared"}
             redis_env = {"GATEWAY_STORE_URL": f"redis://127.0.0.1:{redis_port}"}
-            cli = (
+            cli: tuple[tuple[str, Path, int, str, dict[str, str]], ...] = (
                 (MEMORY_1W, policy, 1, plan.single_proxy, {"GATEWAY_STORE_URL": "memory"}),
                 (SHARED_1W, policy, 1, plan.single_proxy, shared_env),
                 (SHARED_2W, policy, 2, plan.multi_proxy, shared_env),
                 (REDIS_2W, policy, 2, plan.multi_proxy, redis_env),
+                (BARE_1W, bare, 1, plan.single_proxy, {}),
                 (BARE_2W, bare, 2, plan.multi_proxy, {}),
             )
             for name, policy_file, workers, cpus, env in cli:
@@ -515,11 +575,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for connections in args.connections:
                     for target in running:
                         cpu_before = target_cpu_seconds(target)
+                        loaders_before = load_generators_cpu_seconds(upstream)
+                        idle_before = machine_idle()
                         nodes_before = [script_calls(port) for port in cluster_ports]
                         result = bp.run_wrk(
                             target.url, connections, args.duration, args.threads, plan.wrk
                         )
                         cpu_us = (target_cpu_seconds(target) - cpu_before) * 1e6
+                        loaders_us = (load_generators_cpu_seconds(upstream) - loaders_before) * 1e6
+                        idle = machine_idle_share(idle_before, machine_idle())
+                        loaders_per_request.setdefault((target.name, connections), []).append(
+                            loaders_us / max(result.requests, 1)
+                        )
+                        idle_shares.setdefault((target.name, connections), []).append(idle)
                         if "cluster" in target.name:
                             calls_now = [script_calls(port) for port in cluster_ports]
                             sums = node_calls.setdefault(target.name, [0] * len(cluster_ports))
@@ -537,6 +605,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"bench: round {round_no} {target.name:<13} c={connections:<4} "
                             f"{result.requests_per_s:>9,.0f} req/s  p99 {result.p99_ms:.2f} ms"
                             f"  CPU {cpu_per_request[(target.name, connections)][-1]:.0f} us/req"
+                            f" (wrk+upstream {loaders_us / max(result.requests, 1):.0f})"
+                            f"  idle {idle:.0%}"
                             f"  non-2xx {result.non_2xx}"
                         )
                         results.setdefault((target.name, connections), []).append(result)
@@ -552,9 +622,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = [summarise(name, conns, runs) for (name, conns), runs in results.items()]
     lines = [
         "| store | conns | req/s (median) | req/s min-max | p50 ms | p99 ms | vs memory "
-        "| gateway CPU us / request | script calls / request | round trips / request "
-        "| decided locally | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gateway CPU us / request | wrk+upstream CPU us / request | machine idle "
+        "| script calls / request | round trips / request | decided locally | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     memory_rps = {
         (s.target, s.connections): s.requests_per_s
@@ -579,12 +649,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines.append(
             f"| {s.target} | {s.connections} | {s.requests_per_s:,.0f} "
             f"| {s.requests_per_s_min:,.0f}-{s.requests_per_s_max:,.0f} | {s.p50_ms:.2f} "
-            f"| {s.p99_ms:.2f} | {ratio:.2f} | {cpu_us:.0f} | {calls} | {rts} | {local} "
+            f"| {s.p99_ms:.2f} | {ratio:.2f} | {cpu_us:.0f} "
+            f"| {statistics.median(loaders_per_request[(s.target, s.connections)]):.0f} "
+            f"| {statistics.median(idle_shares[(s.target, s.connections)]):.0%} "
+            f"| {calls} | {rts} | {local} "
             f"| {s.failed_requests} |"
         )
         document["summary"].append(
             {**dataclasses.asdict(s), "vs_memory": ratio, "cpu_us_per_request": cpu_us}
         )
+    lines += scaling_lines(summaries, cpu_per_request, loaders_per_request)
     for name in (REDIS_CLUSTER, REDIS_CLUSTER_LEASED):
         if name in node_calls:
             measured = node_calls[name + " requests"][0]
