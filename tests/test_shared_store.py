@@ -241,6 +241,45 @@ async def test_a_reload_rescales_once_whichever_worker_adopts_it(state_dir: Path
     await store.close()
 
 
+def _adopt_a_policy_without(path: str, name: str) -> None:
+    """Another worker: adopts a policy in which the limit ``name`` is gone."""
+    store = SharedStore(Path(path), workers=2)
+    store.configure([compiled(f"not-{name}", FixedWindow(1, 3600.0))], ())
+    asyncio.run(store.close())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_the_request_after_another_workers_reload_sees_it(
+    state_dir: Path, workers: int
+) -> None:
+    """A worker reads the policy's generation again whenever another process committed since
+    it last knew it (it skips the read only when nothing else committed): its first request
+    after another worker's reload is decided under that reload, here one that removed the
+    limit's table, so the limit's states are stored nowhere (none left in the freed table)
+    until this worker adopts it."""
+    store = SharedStore(state_dir, FakeClock(T0_US), workers=workers)
+    once = compiled("once", FixedWindow(1, 3600.0))
+    store.configure([once], ())
+    freed = store._tables["once"].prefix
+    # Its own commit, the latest: "a" has used its one request.
+    assert (await store.decide([Check(once, "a")])).allowed
+    # Spawned: a forked child would inherit this process's open environment, which LMDB
+    # does not allow to be opened twice in one process.
+    spawn = multiprocessing.get_context("spawn")
+    other = spawn.Process(target=_adopt_a_policy_without, args=(str(state_dir), "once"))
+    other.start()
+    other.join(60)
+    assert other.exitcode == 0
+    for key in ("b", "a", "b"):
+        assert (await store.decide([Check(once, key)])).allowed
+        env = store._env
+        assert env is not None
+        with env.begin(db=store._state) as txn, txn.cursor() as cursor:
+            assert not (cursor.set_range(freed) and cursor.key().startswith(freed))
+    assert store.tracked_keys("once") == 0
+    await store.close()
+
+
 async def test_a_limit_given_another_key_starts_afresh_and_a_removed_one_is_freed(
     state_dir: Path,
 ) -> None:

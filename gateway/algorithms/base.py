@@ -36,6 +36,12 @@ class Decision(NamedTuple):
     reset_s: float
 
 
+# ``Decision(...)`` runs the NamedTuple's generated Python ``__new__``; the admission paths
+# build the same tuple in C instead: ``build(Decision, (allowed, delay_s, ..., reset_s))``,
+# every field given, in order (a store decides several limits per request).
+build = tuple.__new__
+
+
 class Algorithm(Protocol, Generic[S]):
     """One rate-limit algorithm with frozen parameters; per-key state is passed in and out."""
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.base import Algorithm, Decision, build
 
 _INF: Final = float("inf")
 
@@ -113,7 +113,7 @@ class FixedWindow:
             remaining = limit - count + cost
             return Decision(False, 0.0, retry_after_s, limit, remaining, reset_s), state
         return (
-            Decision(True, 0.0, 0.0, limit, limit - count, reset_s),
+            build(Decision, (True, 0.0, 0.0, limit, limit - count, reset_s)),
             (index << self._count_bits) | count,
         )
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.base import Algorithm, Decision, build
 from gateway.units import parse_rate
 
 _LAST_BITS: Final = 44
@@ -178,13 +178,16 @@ class LeakyBucket:
         recovered_ms = last_ms + -(-(excess + 1000) * 1000 // rate_milli)
         reset_us = recovered_ms * 1000 - now_us
         return (
-            Decision(
-                True,
-                delay_s,
-                0.0,
-                self._limit,
-                (burst_milli - excess) // 1000,
-                reset_us / 1e6 if reset_us > 0 else 0.0,
+            build(
+                Decision,
+                (
+                    True,
+                    delay_s,
+                    0.0,
+                    self._limit,
+                    (burst_milli - excess) // 1000,
+                    reset_us / 1e6 if reset_us > 0 else 0.0,
+                ),
             ),
             (excess << _LAST_BITS) | last_ms,
         )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.base import Algorithm, Decision, build
 from gateway.algorithms.fixed_window import check_limit, window_us_from_s
 
 _INF: Final = float("inf")
@@ -95,7 +95,21 @@ class SlidingWindow:
         if cost < 1:
             raise ValueError(f"cost must be at least 1, got {cost!r}")
         window_us = self.window_us
-        index, previous, current = self._counts_at(state, now_us // window_us)
+        index = now_us // window_us
+        # ``_counts_at``, inlined (the request path).
+        if state is None:
+            previous = current = 0
+        else:
+            state_index = state >> self._index_shift
+            if state_index >= index:  # this window, or a newer one the clock stepped back from
+                index = state_index
+                previous = (state >> self._count_bits) & self._count_mask
+                current = state & self._count_mask
+            elif state_index == index - 1:
+                previous = state & self._count_mask
+                current = 0
+            else:
+                previous = current = 0
         start_us = index * window_us
         elapsed_us = now_us - start_us
         if elapsed_us < 0:
@@ -109,13 +123,16 @@ class SlidingWindow:
         current += cost
         # Fully recovered once the current count has slid out: two windows after this one began.
         return (
-            Decision(
-                True,
-                0.0,
-                0.0,
-                self.limit,
-                self.limit - used,
-                (start_us + 2 * window_us - now_us) / 1e6,
+            build(
+                Decision,
+                (
+                    True,
+                    0.0,
+                    0.0,
+                    self.limit,
+                    self.limit - used,
+                    (start_us + 2 * window_us - now_us) / 1e6,
+                ),
             ),
             (index << self._index_shift) | (previous << self._count_bits) | current,
         )

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Final, Literal
 
-from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.base import Algorithm, Decision, build
 
 Mode = Literal["reject", "queue"]
 COLD_FACTOR: Final = 3.0
@@ -251,13 +251,16 @@ class TokenBucket(_Bucket):
                 return self._rejection(now, tat, retry), state
             delay_s = 0.0
         return (
-            Decision(
-                True,
-                delay_s,
-                0.0,
-                self.capacity,
-                (now - tat_new) // interval if tat_new < now else 0,
-                (tat_new + max_credit - now) / rate.ticks_per_s,
+            build(
+                Decision,
+                (
+                    True,
+                    delay_s,
+                    0.0,
+                    self.capacity,
+                    (now - tat_new) // interval if tat_new < now else 0,
+                    (tat_new + max_credit - now) / rate.ticks_per_s,
+                ),
             ),
             tat_new,
         )
@@ -475,13 +478,16 @@ class WarmingUpTokenBucket(_Bucket):
         next_free += wait_ticks
         credit -= spend
         return (
-            Decision(
-                True,
-                wait / rate.ticks_per_s if wait > 0 else 0.0,
-                0.0,
-                1,
-                1 if next_free <= now else 0,
-                (next_free + self._warmup_ticks - credit - now) / rate.ticks_per_s,
+            build(
+                Decision,
+                (
+                    True,
+                    wait / rate.ticks_per_s if wait > 0 else 0.0,
+                    0.0,
+                    1,
+                    1 if next_free <= now else 0,
+                    (next_free + self._warmup_ticks - credit - now) / rate.ticks_per_s,
+                ),
             ),
             next_free << self._credit_bits | credit,
         )

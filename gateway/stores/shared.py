@@ -12,7 +12,10 @@ deciding again under it if another process changed what it read (``_decide_optim
 Three databases:
 
 - ``state``: ``slot | key`` -> ``tick | state``; ``slot`` (4 bytes) names a limit's table,
-  ``tick`` (8 bytes, in 100 ms) is the key's last use.
+  ``tick`` (8 bytes, in 100 ms) is the key's last use. The environment's main database,
+  beside the two others' records: a commit to a named database also rewrites its record
+  there, a write every request would pay. (A state key cannot be one of those names: the
+  shortest is ``meta``, which as a key would need slot 0x6d657461.)
 - ``lru``: ``slot | tick | key`` -> empty: each table's keys by last use, oldest first. A key
   moves in it at most once per tick, so a hot key costs one put per request.
 - ``meta``: the policy in force (its hash and a generation number, so that a reload rescales
@@ -44,8 +47,8 @@ from typing import Any, Final, NamedTuple
 
 import lmdb
 
-from gateway.algorithms.base import Algorithm
-from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
+from gateway.algorithms.base import Decision
+from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits import Check, CompiledLimit, with_variants
 from gateway.observability.stats import StoreStats
@@ -194,6 +197,9 @@ class SharedStore:
         self._lru: Any = None
         self._meta: Any = None
         self._generation: bytes | None = b"unread"
+        # The last committed transaction at which ``_generation`` was read or known current
+        # (-1: none): a transaction that starts from it needs no read of the generation.
+        self._current_at = -1
         self._tables: dict[str, _Table] = {}
         # Table name -> (the limit last seen under it, its table or None, the table's key
         # prefix or None): the request path's look-up (see ``_table_of``).
@@ -218,7 +224,7 @@ class SharedStore:
                 meminit=False,
                 max_readers=256,
             )
-            self._state = env.open_db(b"state")
+            self._state = env.open_db(None)  # the main database (see the module)
             self._lru = env.open_db(b"lru")
             self._meta = env.open_db(b"meta")
             self._env = env
@@ -293,6 +299,7 @@ class SharedStore:
         self._by_limit = {}
         raw = txn.get(_GENERATION, db=self._meta)
         self._generation = None if raw is None else bytes(raw)
+        self._current_at = -1
 
     def _table_of(self, limit: CompiledLimit) -> _Table | None:
         """The table holding ``limit``'s states, or None: a table another worker's newer
@@ -436,8 +443,10 @@ class SharedStore:
             txn = self._begin(env, commit, self._state)
         try:
             verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
-            if commit and verdict.allowed:
+            if commit and verdict[0]:  # allowed
+                committed = txn.id()
                 txn.commit()
+                self._current_at = committed  # a request's commit leaves the policy as it was
             else:
                 txn.abort()
         except BaseException:
@@ -458,24 +467,32 @@ class SharedStore:
         Why: the lock is held for a fraction of the decision, so a worker preempted while
         holding it (workers share cores with everything else) blocks the others far less
         often."""
-        snapshot = self._begin(env, False, self._state)
+        try:
+            snapshot = env.begin(self._state, None, False)
+        except lmdb.MapResizedError:
+            snapshot = self._begin(env, False, self._state)
         try:
             verdict, found = self._read_and_decide(snapshot, checks, now_us, False)
             seen = snapshot.id()
         finally:
             snapshot.abort()
-        if not verdict.allowed:
+        if not verdict[0]:  # rejected: nothing to write
             return verdict
-        txn = self._begin(env, True, self._state)
         try:
-            if txn.id() != seen + 1 and self._changed_since(txn, found):
+            txn = env.begin(self._state, None, True)
+        except lmdb.MapResizedError:
+            txn = self._begin(env, True, self._state)
+        try:
+            committed = txn.id()
+            if committed != seen + 1 and self._changed_since(txn, found):
                 verdict = self._read_and_decide(txn, checks, now_us, True)[0]
-                if not verdict.allowed:
+                if not verdict[0]:
                     txn.abort()
                     return verdict
             else:
-                self._write_states(txn, found, verdict.states, now_us)
+                self._write_states(txn, found, verdict[6], now_us)
             txn.commit()
+            self._current_at = committed
         except BaseException:
             txn.abort()
             raise
@@ -492,17 +509,24 @@ class SharedStore:
         self, txn: Any, checks: Sequence[Check], now_us: int, write: bool
     ) -> tuple[CombinedDecision, list[_Found]]:
         """Read the states in ``txn``, decide, and with ``write`` write them if admitted."""
-        # The request path: the generation and each check's state read, states packed in 16
-        # bytes. The state database is the transaction's default and every py-lmdb call
-        # takes positional arguments (keywords cost the binding a parse per call).
-        if txn.get(_GENERATION, None, self._meta) != self._generation:
-            self._load_tables(txn)  # another worker adopted a policy
+        # The request path: each check's state read, states packed in 16 bytes. The state
+        # database is the transaction's default and every py-lmdb call takes positional
+        # arguments (keywords cost the binding a parse per call). The generation is read
+        # only when another transaction committed since it was last known current.
+        base = txn.id() - write  # the committed transaction ``txn`` starts from
+        if base != self._current_at:
+            if txn.get(_GENERATION, None, self._meta) != self._generation:
+                self._load_tables(txn)  # another worker adopted a policy
+            self._current_at = base
         by_limit = self._by_limit
         get = txn.get
         unpack = _TICK_STATE.unpack
         found: list[_Found] = []
-        items: list[tuple[Algorithm[Any], Any]] = []
-        costs: list[int] | None = None
+        # Each limit decided as its state is read (``combine`` takes the decisions): the
+        # same verdict as ``decide_all`` on the same states, without its lists of pairs.
+        states: list[Any] = []
+        decisions: list[Decision] = []
+        new_states: list[Any] = []
         for check in checks:
             limit = check.limit
             entry = by_limit.get(limit.table)
@@ -510,34 +534,32 @@ class SharedStore:
                 self._table_of(limit)
                 entry = by_limit[limit.table]
             prefix = entry[2]
-            if check.cost != 1 and costs is None:
-                costs = [c.cost for c in checks]
             if prefix is None:
-                found.append((None, None, limit, None))
-                items.append((limit.algorithm, None))
-                continue
-            key = prefix + check.key.encode("utf-8", "surrogatepass")
-            if len(key) > _MAX_STATE_KEY:
-                key = prefix + key_bytes(check.key)
-            raw = get(key)
-            if raw is None:
-                tick = state = None
+                key = tick = state = raw = None
             else:
-                try:
-                    tick, state = unpack(raw)
-                except struct.error:  # not 16 bytes: tagged
-                    tick = _TAGGED
-                if tick >= _TAGGED:
-                    tick, state = decode_state(raw)
+                key = prefix + check.key.encode("utf-8", "surrogatepass")
+                if len(key) > _MAX_STATE_KEY:
+                    key = prefix + key_bytes(check.key)
+                raw = get(key)
+                if raw is None:
+                    tick = state = None
+                else:
+                    try:
+                        tick, state = unpack(raw)
+                    except struct.error:  # not 16 bytes: tagged
+                        tick = _TAGGED
+                    if tick >= _TAGGED:
+                        tick, state = decode_state(raw)
+            decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
             found.append((key, tick, limit, raw))
-            items.append((limit.algorithm, state))
-        verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
-        if verdict.delay_s > 0.0:
-            verdict = refuse_long_delays(
-                verdict, [state for _, state in items], [c.max_delay_s for c in checks]
-            )
-        if write and verdict.allowed:
-            self._write_states(txn, found, verdict.states, now_us)
+            states.append(state)
+            decisions.append(decision)
+            new_states.append(new_state)
+        verdict = combine(decisions, new_states, states, now_us)
+        if verdict[1] > 0.0:  # delayed
+            verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
+        if write and verdict[0]:
+            self._write_states(txn, found, verdict[6], now_us)
         return verdict, found
 
     def _write_states(
@@ -548,15 +570,15 @@ class SharedStore:
         now_tick = now_us // TICK_US
         put = txn.put
         pack = _TICK_STATE.pack
-        for (key, tick, limit, _), state in zip(found, states, strict=True):
-            if key is None:
-                continue
-            if tick == now_tick and state is not None:
+        # ``states`` by index: ``zip`` with a keyword (``strict``) is a slow call.
+        for index, (key, tick, limit, _) in enumerate(found):
+            state = states[index]
+            if tick == now_tick and state is not None:  # a known key (``tick`` None if new)
                 try:
                     put(key, pack(now_tick, state))
                 except struct.error:  # a state that does not fit 64 bits
                     put(key, encode_state(now_tick, state))
-            else:
+            elif key is not None:
                 self._write_moved(txn, limit, key, tick, state, now_us, now_tick)
 
     def _write_moved(
