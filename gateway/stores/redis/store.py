@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Final, Literal
@@ -28,7 +28,7 @@ from gateway.stores.redis.clients import (
     PipelineClient,
     ScriptClient,
     ThinClient,
-    submit_recovering,
+    recovered,
 )
 from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.fallback import CarryBackFailedError, Owed
@@ -265,10 +265,13 @@ class RedisStore:
             return self.leases.decide_now(checks[0])
         return None
 
-    async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+    def decide(
+        self, checks: Sequence[Check], *, commit: bool = True
+    ) -> Coroutine[Any, Any, CombinedDecision]:
+        """The coroutine that decides (not a coroutine around it: one fewer per request)."""
         if self.leases.plans:  # some limit is leased: the lease book sorts the checks
-            return await self.leases.decide(checks, commit, *self._lease_callbacks)
-        return await self._decide_exact(checks, commit)
+            return self.leases.decide(checks, commit, *self._lease_callbacks)
+        return self._decide_exact(checks, commit)
 
     def _nominal(self, check: Check) -> int:
         return self.plan(check.limit).codec.nominal_limit
@@ -436,10 +439,12 @@ class RedisStore:
             argv.append(charged_us)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        reply, recoveries = await submit_recovering(self.client, keys, argv)
-        self.counters.recoveries += recoveries
-        if isinstance(reply, Exception):
-            raise reply
+        reply = await self.client.submit(keys, argv)
+        if isinstance(reply, Exception):  # MOVED, ASK, NOSCRIPT: sent again where it belongs
+            reply, recoveries = await recovered(self.client, keys, argv, reply)
+            self.counters.recoveries += recoveries
+            if isinstance(reply, Exception):
+                raise reply
         result = _checked(reply, call_id, 1 if mode in (b"r", b"c") else 1 + 5 * len(checks))
         self.stats.observe(loop.time() - started)
         return result
