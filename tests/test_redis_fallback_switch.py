@@ -186,3 +186,50 @@ async def test_what_redis_admitted_reaches_the_fallback_within_the_interval(
         assert not store.pending and store.local.tracked_keys("timer") == 4
     finally:
         await store.close()
+
+
+async def test_a_reload_charges_what_redis_admitted_under_the_limits_it_admitted_by(
+    redis_factory: RedisFactory,
+) -> None:
+    """A reload that gives a limit's name another key starts its fallback state afresh: what
+    the old limit admitted is charged before the reload (to the state it drops), not after
+    it to the new limit's keys."""
+    server = redis_factory.start()
+    before = compiled("renamed", FixedWindow(QUOTA, MONTH_S), key=("client_ip",))
+    after = compiled("renamed", FixedWindow(QUOTA, MONTH_S), key=("route",))
+    store = RedisStore(server.url, timeout_s=2.0, clock=FakeClock(), breaker=breaker())
+    store.fold_interval_s = 3600.0
+    store.configure([before], ())
+    try:
+        for _ in range(QUOTA // 2):
+            assert (await store.decide([Check(before, "k")])).allowed
+        store.configure([after], [before])
+        assert not store.pending
+        server.stop()
+        verdicts = [(await store.decide([Check(after, "k")])).allowed for _ in range(QUOTA + 1)]
+        assert verdicts == [True] * QUOTA + [False]
+    finally:
+        await store.close()
+
+
+async def test_a_refund_the_fallback_gives_comes_after_what_redis_admitted(
+    redis_factory: RedisFactory,
+) -> None:
+    """A refund Redis cannot take is given in the fallback, to a state that already holds
+    what Redis admitted (a bucket gives a token back; before the charge there is nothing to
+    give it back to)."""
+    server = redis_factory.start()
+    limit = compiled("refunded", TokenBucket(QUOTA, MONTH_S, QUOTA))
+    store = RedisStore(server.url, timeout_s=2.0, clock=FakeClock(), breaker=breaker())
+    store.fold_interval_s = 3600.0
+    store.configure([limit], ())
+    try:
+        for _ in range(QUOTA // 2):
+            assert (await store.decide([Check(limit, "k")])).allowed
+        server.stop()
+        await store.refund([Check(limit, "k")])
+        assert store.counters.local_decisions == 1
+        verdicts = [(await store.decide([Check(limit, "k")])).allowed for _ in range(QUOTA)]
+        assert verdicts == [True] * (QUOTA // 2 + 1) + [False] * (QUOTA // 2 - 1)
+    finally:
+        await store.close()
