@@ -1,18 +1,19 @@
 """What this replica admitted through Redis and has not yet charged to its local fallback.
 
 With ``on_failure: local`` the fallback's state must already hold this replica's recent
-admissions when Redis fails. Deciding each admitted request a second time in process cost a
-quarter of the store's CPU per request; instead the request path only counts units per limit
-table and key, and the store charges the counts to the fallback (each as much as it has room
-for) every ``FOLD_INTERVAL_S``, when more than ``MAX_PENDING_KEYS`` keys wait, and before
-anything decides or reads in the fallback.
+admissions when Redis fails. Deciding each admitted request a second time in process was a
+good part of the store's CPU per request (bench/README.md); instead the request path only
+counts units per limit table and key, and the store charges the counts to the fallback (each
+as much as it has room for) every ``FOLD_INTERVAL_S``, when more than ``MAX_PENDING_KEYS``
+keys wait, and before anything decides or reads in the fallback.
 
 Charging late is at least as strict as charging on time, for every algorithm: a bucket charged
-later has refilled (or leaked) to its cap before the charge rather than after it, so it is left
-as full or fuller; a window count moved later lands in the same window or a later one, and
-weighs as much or more at every later instant. Charging each limit as much as it has room for
-is at least as strict as the all-or-nothing decision over a request's stacked checks, which
-charged none of them when one was full.
+late refills (or drains) before the charge rather than after it, so what the cap cuts off is
+cut from the refill, not from the charge: it is left with no more tokens (no less excess); a
+window count moved later lands in the same window or a later one, and weighs as much or more
+at every later instant. Charging each limit as much as it has room for is at least as strict
+as the all-or-nothing decision over a request's stacked checks, which charged none of them
+when one was full.
 """
 
 from __future__ import annotations
