@@ -19,6 +19,7 @@ from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.circuit import CircuitBreaker
+from gateway.clock import FakeClock
 from gateway.limits import Check
 from gateway.stores import RedisStore
 from gateway.stores.redis.fallback import Owed
@@ -118,3 +119,117 @@ def test_what_is_owed_is_bounded_in_keys() -> None:
     assert owed.dropped == 5 and len(owed) == 2
     assert sorted((check.key, cost) for check, cost in owed.take()) == [("a", 4), ("b", 1)]
     assert not owed
+
+
+# --- what Redis admitted, charged to the fallback late (shadow.py) --------------------------------
+
+STACKED = {**ALGORITHMS, "leaky_bucket": lambda: LeakyBucket(1, 60, QUOTA - 1, None)}
+
+
+@pytest.mark.parametrize("name", sorted(STACKED))
+async def test_the_fallback_first_charges_what_redis_admitted(
+    redis_factory: RedisFactory, name: str
+) -> None:
+    """Admitted through Redis and not yet charged to the fallback (no periodic fold in
+    between): the fallback's first decision charges them first, so the outage starts from
+    them, as when each request was charged at once."""
+    server = redis_factory.start()
+    limit = compiled("late", STACKED[name]())
+    other = compiled("other", FixedWindow(QUOTA, MONTH_S))
+    clock = FakeClock()
+    store = RedisStore(server.url, timeout_s=2.0, clock=clock, breaker=breaker())
+    store.fold_interval_s = 3600.0  # only the fold before the fallback decides
+    store.configure([limit, other], ())
+    try:
+        for _ in range(QUOTA // 2 - 1):
+            assert (await store.decide([Check(limit, "k"), Check(other, "k")])).allowed
+        assert (await store.decide([Check(limit, "k")])).allowed
+        assert store.pending.keys == 2  # counted, not charged yet
+        server.stop()
+        verdicts = [(await store.decide([Check(limit, "k")])).allowed for _ in range(QUOTA)]
+        assert store.counters.local_decisions == QUOTA and not store.pending
+        assert verdicts == [True] * (QUOTA // 2) + [False] * (QUOTA // 2)
+        # The other limit's share holds its 19 too.
+        remaining = (await store.decide([Check(other, "k")])).decisions[0].remaining
+        assert remaining == QUOTA - QUOTA // 2
+    finally:
+        await store.close()
+
+
+async def test_what_redis_admitted_reaches_the_fallback_within_the_interval(
+    redis_factory: RedisFactory,
+) -> None:
+    """Without an outage: charged by the store's timer (here at once), and at once when more
+    keys wait than the bound allows."""
+    server = redis_factory.start()
+    limit = compiled("timer", FixedWindow(QUOTA, MONTH_S))
+    store = RedisStore(server.url, timeout_s=2.0, clock=FakeClock())
+    store.fold_interval_s = 0.0
+    store.configure([limit], ())
+    try:
+        for _ in range(3):
+            assert (await store.decide([Check(limit, "k")])).allowed
+        for _ in range(100):  # bounded: the timer runs on one of the loop's next turns
+            if not store.pending:
+                break
+            await asyncio.sleep(0)
+        assert not store.pending
+        look = store.local.decide_now([store._local_check(Check(limit, "k"))], commit=False)
+        assert look.decisions[0].remaining == QUOTA - 3 - 1
+
+        store.fold_interval_s = 3600.0
+        store.pending.max_keys = 2
+        for key in ("a", "b"):
+            assert (await store.decide([Check(limit, key)])).allowed
+        assert store.pending.keys == 2 and store.local.tracked_keys("timer") == 1
+        assert (await store.decide([Check(limit, "c")])).allowed  # a third key: over the bound
+        assert not store.pending and store.local.tracked_keys("timer") == 4
+    finally:
+        await store.close()
+
+
+async def test_a_reload_charges_what_redis_admitted_under_the_limits_it_admitted_by(
+    redis_factory: RedisFactory,
+) -> None:
+    """A reload that gives a limit's name another key starts its fallback state afresh: what
+    the old limit admitted is charged before the reload (to the state it drops), not after
+    it to the new limit's keys."""
+    server = redis_factory.start()
+    before = compiled("renamed", FixedWindow(QUOTA, MONTH_S), key=("client_ip",))
+    after = compiled("renamed", FixedWindow(QUOTA, MONTH_S), key=("route",))
+    store = RedisStore(server.url, timeout_s=2.0, clock=FakeClock(), breaker=breaker())
+    store.fold_interval_s = 3600.0
+    store.configure([before], ())
+    try:
+        for _ in range(QUOTA // 2):
+            assert (await store.decide([Check(before, "k")])).allowed
+        store.configure([after], [before])
+        assert not store.pending
+        server.stop()
+        verdicts = [(await store.decide([Check(after, "k")])).allowed for _ in range(QUOTA + 1)]
+        assert verdicts == [True] * QUOTA + [False]
+    finally:
+        await store.close()
+
+
+async def test_a_refund_the_fallback_gives_comes_after_what_redis_admitted(
+    redis_factory: RedisFactory,
+) -> None:
+    """A refund Redis cannot take is given in the fallback, to a state that already holds
+    what Redis admitted (a bucket gives a token back; before the charge there is nothing to
+    give it back to)."""
+    server = redis_factory.start()
+    limit = compiled("refunded", TokenBucket(QUOTA, MONTH_S, QUOTA))
+    store = RedisStore(server.url, timeout_s=2.0, clock=FakeClock(), breaker=breaker())
+    store.fold_interval_s = 3600.0
+    store.configure([limit], ())
+    try:
+        for _ in range(QUOTA // 2):
+            assert (await store.decide([Check(limit, "k")])).allowed
+        server.stop()
+        await store.refund([Check(limit, "k")])
+        assert store.counters.local_decisions == 1
+        verdicts = [(await store.decide([Check(limit, "k")])).allowed for _ in range(QUOTA)]
+        assert verdicts == [True] * (QUOTA // 2 + 1) + [False] * (QUOTA // 2 - 1)
+    finally:
+        await store.close()

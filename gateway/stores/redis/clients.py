@@ -113,7 +113,14 @@ async def submit_recovering(
     MOVED, then NOSCRIPT on the right node; a slot being migrated answers ASK. A few rounds;
     anything else Redis refuses is raised. Returns the reply (or the error it still is) and
     how many times the call was sent again."""
-    reply = await client.submit(keys, argv)
+    return await recovered(client, keys, argv, await client.submit(keys, argv))
+
+
+async def recovered(
+    client: ScriptClient, keys: Sequence[bytes], argv: Sequence[bytes], reply: Any
+) -> tuple[Any, int]:
+    """``submit_recovering`` from the call's first reply: a caller that awaited the call
+    itself (no coroutine of its own on the request path) comes here for an error."""
     asking = ""
     recoveries = 0
     for _ in range(MAX_RECOVERIES):

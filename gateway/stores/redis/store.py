@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Final, Literal
@@ -28,12 +28,13 @@ from gateway.stores.redis.clients import (
     PipelineClient,
     ScriptClient,
     ThinClient,
-    submit_recovering,
+    recovered,
 )
 from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.fallback import CarryBackFailedError, Owed
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
+from gateway.stores.redis.shadow import FOLD_INTERVAL_S, PendingCharges
 
 FailureMode = Literal["local", "allow", "deny"]
 FAILURE_MODES: Final = ("local", "allow", "deny")
@@ -142,8 +143,12 @@ class RedisStore:
         self.stats = StoreStats()
         self.counters = RedisStoreCounters()
         # on_failure local: the fallback's state, kept charged with what this replica admits
-        # through Redis too, so it starts from this replica's recent admissions, not empty.
+        # through Redis too, so it starts from this replica's recent admissions, not empty;
+        # charged from ``pending`` (shadow.py), at most ``FOLD_INTERVAL_S`` late.
         self.local = MemoryStore(self.clock)
+        self.pending = PendingCharges()
+        self.fold_interval_s = FOLD_INTERVAL_S
+        self._fold_timer: asyncio.TimerHandle | None = None
         self.owed = Owed()
         self._carrying_back = asyncio.Lock()
         self._carry_back_failures = 0
@@ -207,6 +212,7 @@ class RedisStore:
         # Leased limits make no per-request call: the tag comes from the others' keys.
         tag_part = tag_scheme([limit for limit in limits if limit.spec.lease is None])
         plans = {limit.table: self._build_plan(limit, tag_part) for limit in with_variants(limits)}
+        self._fold_pending()  # under the plans they were admitted by
         self.leases.configure(limits)
         old_local = [self.plan(limit).local for limit in with_variants(previous)]
         self.local.configure([plan.local for plan in plans.values()], old_local)
@@ -259,10 +265,13 @@ class RedisStore:
             return self.leases.decide_now(checks[0])
         return None
 
-    async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+    def decide(
+        self, checks: Sequence[Check], *, commit: bool = True
+    ) -> Coroutine[Any, Any, CombinedDecision]:
+        """The coroutine that decides (not a coroutine around it: one fewer per request)."""
         if self.leases.plans:  # some limit is leased: the lease book sorts the checks
-            return await self.leases.decide(checks, commit, *self._lease_callbacks)
-        return await self._decide_exact(checks, commit)
+            return self.leases.decide(checks, commit, *self._lease_callbacks)
+        return self._decide_exact(checks, commit)
 
     def _nominal(self, check: Check) -> int:
         return self.plan(check.limit).codec.nominal_limit
@@ -289,13 +298,13 @@ class RedisStore:
         self._answered()
         verdict = _verdict(checks, plans, reply)
         if commit and verdict.allowed and self.on_failure == "local":
-            # Nothing there waits: decided without a coroutine.
-            self.local.decide_now(
-                [
-                    Check(plan.local, check.key, check.max_delay_s, check.reserved, check.cost)
-                    for check, plan in zip(checks, plans, strict=True)
-                ]
-            )
+            # Counted now, charged to the fallback at most FOLD_INTERVAL_S later.
+            if self.pending.add(checks):
+                self._fold_pending()
+            elif self._fold_timer is None:
+                self._fold_timer = asyncio.get_running_loop().call_later(
+                    self.fold_interval_s, self._fold_pending
+                )
         return verdict
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
@@ -353,12 +362,14 @@ class RedisStore:
                 self._answered()
                 return
         self.counters.local_decisions += 1
+        self._fold_pending()
         # Without the instant: it may be Redis TIME, which the local clock's windows must not
         # take for one of theirs.
         await self.local.refund([self._local_check(check) for check in checks])
 
     def tracked_keys(self, limit_name: str) -> int:
         """Keys held in this process (the local fallback's); keys in Redis expire by TTL."""
+        self._fold_pending()
         return self.local.tracked_keys(limit_name)
 
     def lease_counters(self, limit_name: str) -> LeaseCounters | None:
@@ -369,6 +380,7 @@ class RedisStore:
 
     def evictions(self, limit_name: str) -> int:
         """The local fallback's: Redis expires its keys by TTL and evicts none."""
+        self._fold_pending()
         return self.local.evictions(limit_name)
 
     async def prepare(self) -> None:
@@ -391,6 +403,7 @@ class RedisStore:
     async def close(self) -> None:
         await self.leases.close()  # graceful shutdown: unused leases go back
         await self.leases.client.close()
+        self._fold_pending()  # and no timer left behind
         await self.local.close()
         await self.client.close()
 
@@ -426,10 +439,12 @@ class RedisStore:
             argv.append(charged_us)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        reply, recoveries = await submit_recovering(self.client, keys, argv)
-        self.counters.recoveries += recoveries
-        if isinstance(reply, Exception):
-            raise reply
+        reply = await self.client.submit(keys, argv)
+        if isinstance(reply, Exception):  # MOVED, ASK, NOSCRIPT: sent again where it belongs
+            reply, recoveries = await recovered(self.client, keys, argv, reply)
+            self.counters.recoveries += recoveries
+            if isinstance(reply, Exception):
+                raise reply
         result = _checked(reply, call_id, 1 if mode in (b"r", b"c") else 1 + 5 * len(checks))
         self.stats.observe(loop.time() - started)
         return result
@@ -500,6 +515,7 @@ class RedisStore:
 
     async def _local_decide(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
         self.counters.local_decisions += 1
+        self._fold_pending()  # what Redis admitted first
         return await self.local.decide(
             [self._local_check(check) for check in checks], commit=commit
         )
@@ -507,11 +523,34 @@ class RedisStore:
     def _seed_local(self, limit: CompiledLimit, key: str, units: int) -> None:
         """Charge the fallback's state with ``units`` a lease admitted, as many as it has
         room for (as the carry-back charges Redis)."""
-        check = self._local_check(Check(limit, key))
-        look = self.local.decide_now([check], commit=False)
+        self._charge_local(self._local_check(Check(limit, key)), units)
+
+    def _charge_local(self, check: Check, units: int) -> None:
+        """Charge ``units`` to a fallback check's state, as many as it has room for."""
+        local = self.local
+        # Room for all of them (almost always): one decision. Otherwise look how many fit.
+        if local.decide_now([Check(check.limit, check.key, cost=units)]).allowed:
+            return
+        look = local.decide_now([check], commit=False)
         room = look.decisions[0].remaining + 1 if look.allowed else 0
         if min(units, room) > 0:
-            self.local.decide_now([dataclasses.replace(check, cost=min(units, room))])
+            local.decide_now([Check(check.limit, check.key, cost=min(units, room))])
+
+    def _fold_pending(self) -> None:
+        """Charge the fallback with what Redis admitted since the last fold (shadow.py)."""
+        timer = self._fold_timer
+        if timer is not None:
+            timer.cancel()
+            self._fold_timer = None
+        if not self.pending:
+            return
+        plans = self._plans
+        for table, units_by_key in self.pending.take().items():
+            plan = plans.get(table)
+            if plan is None:  # a limit a reload removed: its fallback state is gone too
+                continue
+            for key, units in units_by_key.items():
+                self._charge_local(Check(plan.local, key), units)
 
     async def _unavailable(
         self, checks: Sequence[Check], commit: bool, reason: str
