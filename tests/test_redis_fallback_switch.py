@@ -22,7 +22,7 @@ from gateway.circuit import CircuitBreaker
 from gateway.clock import FakeClock
 from gateway.limits import Check
 from gateway.stores import RedisStore
-from gateway.stores.redis.fallback import Owed
+from gateway.stores.redis.fallback import CARRY_BACK_BATCH, Owed, carry_back
 from tests import redis_harness
 from tests.redis_harness import RedisFactory
 from tests.support import burst
@@ -108,6 +108,58 @@ async def test_a_carried_back_charge_fills_a_limit_at_most(
         assert not (await store.decide([Check(limit, "over")])).allowed
     finally:
         await store.close()
+
+
+async def test_a_failed_carry_back_keeps_owing_what_it_did_not_charge() -> None:
+    """Three batches owed; a call of the second fails: its units and the whole third batch
+    are owed again, the charged ones are not, and the failure is raised."""
+    limit = compiled("owed", FixedWindow(QUOTA, MONTH_S))
+    owed = Owed()
+    keys = [f"k{index}" for index in range(2 * CARRY_BACK_BATCH + 5)]
+    for units, key in enumerate(keys, start=1):
+        owed.add([Check(limit, key)], units)
+    charged: dict[str, int] = {}
+    failing = keys[CARRY_BACK_BATCH + 3]
+
+    async def charge(check: Check, units: int) -> None:
+        await asyncio.sleep(0)
+        if check.key == failing:
+            raise ConnectionError("Redis went away")
+        charged[check.key] = units
+
+    with pytest.raises(ConnectionError):
+        await carry_back(owed, charge)
+    again = {check.key: units for check, units in owed.take()}
+    assert set(charged) == set(keys[: 2 * CARRY_BACK_BATCH]) - {failing}
+    assert again == {key: units for units, key in enumerate(keys, start=1) if key not in charged}
+    assert all(charged[key] == keys.index(key) + 1 for key in charged)
+
+
+async def test_a_cancelled_carry_back_owes_all_it_had_not_finished() -> None:
+    """Cancelled in its second batch: that batch and the third are owed again (whether or not
+    their calls reached Redis: never under), the first batch, charged, is not."""
+    limit = compiled("owed", FixedWindow(QUOTA, MONTH_S))
+    owed = Owed()
+    keys = [f"k{index}" for index in range(2 * CARRY_BACK_BATCH + 5)]
+    for key in keys:
+        owed.add([Check(limit, key)])
+    charged: list[str] = []
+    second_batch = asyncio.Event()
+
+    async def charge(check: Check, units: int) -> None:
+        if len(charged) >= CARRY_BACK_BATCH:
+            second_batch.set()
+            await asyncio.Event().wait()  # a call that never answers
+        await asyncio.sleep(0)
+        charged.append(check.key)
+
+    task = asyncio.ensure_future(carry_back(owed, charge))
+    await asyncio.wait_for(second_batch.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert charged == keys[:CARRY_BACK_BATCH]
+    assert sorted(check.key for check, _ in owed.take()) == sorted(keys[CARRY_BACK_BATCH:])
 
 
 def test_what_is_owed_is_bounded_in_keys() -> None:

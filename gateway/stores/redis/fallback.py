@@ -8,12 +8,15 @@ there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 from gateway.limits import Check, CompiledLimit
 
 MAX_OWED_KEYS: Final = 10_000
+# Charges of owed admissions in flight together.
+CARRY_BACK_BATCH: Final = 32
 
 
 class CarryBackFailedError(Exception):
@@ -54,3 +57,30 @@ class Owed:
         taken = [(Check(limit, key), cost) for (_, key), (limit, cost) in self._entries.items()]
         self._entries = {}
         return taken
+
+
+async def carry_back(owed: Owed, charge: Callable[[Check, int], Awaitable[object]]) -> None:
+    """Charge everything ``owed`` holds, ``charge(check, units)`` per limit and key, a batch of
+    calls in flight at a time. A failed call's units, and all not yet charged, go back into
+    ``owed`` and the first failure is raised; cancelled, all not known to be charged go back
+    (some maybe twice: never under)."""
+    taken = owed.take()
+    for start in range(0, len(taken), CARRY_BACK_BATCH):
+        batch = taken[start : start + CARRY_BACK_BATCH]
+        try:
+            results = await asyncio.gather(
+                *(charge(check, units) for check, units in batch), return_exceptions=True
+            )
+        except asyncio.CancelledError:
+            for check, units in taken[start:]:
+                owed.add((check,), units)
+            raise
+        failure: BaseException | None = None
+        for (check, units), result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                owed.add((check,), units)
+                failure = failure or result
+        if failure is not None:
+            for check, units in taken[start + len(batch) :]:
+                owed.add((check,), units)
+            raise failure

@@ -55,7 +55,7 @@ from gateway.limits import Check, CompiledLimit
 from gateway.observability.stats import StoreStats
 from gateway.policy import LeaseSettings
 from gateway.stores.redis.clients import ScriptClient, submit_recovering
-from gateway.stores.redis.fallback import Owed
+from gateway.stores.redis.fallback import Owed, carry_back
 from gateway.stores.redis.lease_grant import permille
 
 log = logging.getLogger("gateway.store")
@@ -63,8 +63,6 @@ log = logging.getLogger("gateway.store")
 _INF: Final = float("inf")
 # A grant of nothing without a time to ask again still waits this long (never a busy loop).
 _MIN_RETRY_US: Final = 1000
-# Fallback admissions charged back to the lease states: calls in flight together.
-_CARRY_BACK_BATCH: Final = 32
 
 
 def load_lease_script() -> str:
@@ -609,27 +607,7 @@ class LeaseBook:
         key, a few in flight), before this replica asks again; raises, keeping what was not
         charged, if Redis fails. Asks made meanwhile wait for it."""
         async with self._carrying_back:
-            owed = self.owed.take()
-            for start in range(0, len(owed), _CARRY_BACK_BATCH):
-                batch = owed[start : start + _CARRY_BACK_BATCH]
-                try:
-                    results = await asyncio.gather(
-                        *(self._charge(check, units) for check, units in batch),
-                        return_exceptions=True,
-                    )
-                except asyncio.CancelledError:  # owed still, maybe twice: never under
-                    for check, units in owed[start:]:
-                        self.owed.add((check,), units)
-                    raise
-                failure: BaseException | None = None
-                for (check, units), result in zip(batch, results, strict=True):
-                    if isinstance(result, BaseException):
-                        self.owed.add((check,), units)
-                        failure = failure or result
-                if failure is not None:
-                    for check, units in owed[start + len(batch) :]:
-                        self.owed.add((check,), units)
-                    raise failure
+            await carry_back(self.owed, self._charge)
 
     async def _charge(self, check: Check, units: int) -> None:
         plan = self.plans.get(check.limit.name)

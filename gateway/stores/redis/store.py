@@ -31,7 +31,7 @@ from gateway.stores.redis.clients import (
     recovered,
 )
 from gateway.stores.redis.codecs import Codec, codec_for
-from gateway.stores.redis.fallback import CarryBackFailedError, Owed
+from gateway.stores.redis.fallback import CarryBackFailedError, Owed, carry_back
 from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
 from gateway.stores.redis.shadow import FOLD_INTERVAL_S, PendingCharges
@@ -43,8 +43,6 @@ log = logging.getLogger("gateway.store")
 _INF: Final = float("inf")
 # An overridden clock (tests) has nothing to do with the clock Redis expires keys by.
 _OVERRIDE_MIN_TTL_MS: Final = 600_000
-# Fallback admissions charged back to Redis: script calls in flight together.
-_CARRY_BACK_BATCH: Final = 32
 # Getting ready at start (several round trips, every master) may take longer than one call.
 _PREPARE_TIMEOUT_S: Final = 2.0
 _LUA_FILES: Final = (
@@ -459,33 +457,15 @@ class RedisStore:
                 # It failed while this request waited: Redis is not answering, do not wait
                 # for another timeout (the circuit may still be closed, below its threshold).
                 raise CarryBackFailedError("charging the fallback's admissions to Redis failed")
-            owed = self.owed.take()
-            for start in range(0, len(owed), _CARRY_BACK_BATCH):
-                batch = owed[start : start + _CARRY_BACK_BATCH]
-                try:
-                    results = await asyncio.gather(
-                        *(
-                            self._eval(b"c", (check,), (self.plan(check.limit),), cost=cost)
-                            for check, cost in batch
-                        ),
-                        return_exceptions=True,
-                    )
-                except asyncio.CancelledError:  # the client hung up: owed still, maybe twice
-                    for check, cost in owed[start:]:
-                        self.owed.add((check,), cost)
-                    raise
-                failure: BaseException | None = None
-                for (check, cost), result in zip(batch, results, strict=True):
-                    if isinstance(result, BaseException):
-                        self.owed.add((check,), cost)
-                        failure = failure or result
-                    else:
-                        self.counters.carried_back += cost
-                if failure is not None:
-                    for check, cost in owed[start + len(batch) :]:
-                        self.owed.add((check,), cost)
-                    self._carry_back_failures += 1
-                    raise failure
+            try:
+                await carry_back(self.owed, self._charge_owed)
+            except Exception:
+                self._carry_back_failures += 1
+                raise
+
+    async def _charge_owed(self, check: Check, units: int) -> None:
+        await self._eval(b"c", (check,), (self.plan(check.limit),), cost=units)
+        self.counters.carried_back += units
 
     def _answered(self) -> None:
         """Redis answered a call."""
