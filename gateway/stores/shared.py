@@ -456,7 +456,7 @@ class SharedStore:
         try:
             verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
             if commit and verdict[0]:  # allowed
-                committed = txn.id()
+                committed = self._current_at + 1  # ``txn``'s own id (see ``_read_and_decide``)
                 txn.commit()
                 self._current_at = committed  # a request's commit leaves the policy as it was
             else:
@@ -533,6 +533,7 @@ class SharedStore:
         # database is the transaction's default and every py-lmdb call takes positional
         # arguments (keywords cost the binding a parse per call). The generation is read
         # only when another transaction committed since it was last known current.
+        # ``_current_at`` is ``base`` on return (a lone process's commit reads it).
         base = txn.id() - write  # the committed transaction ``txn`` starts from
         if base != self._current_at:
             if txn.get(_GENERATION, None, self._meta) != self._generation:
