@@ -280,6 +280,25 @@ async def test_the_request_after_another_workers_reload_sees_it(
     await store.close()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_keys_that_are_not_utf8_and_long_keys_are_stored_apart(
+    state_dir: Path, workers: int
+) -> None:
+    """A header value that was not UTF-8 reaches a key as lone surrogates (decoded with
+    ``surrogateescape``); keys over the LMDB bound are stored by their hash. Each is its own
+    key, found again by the next request."""
+    store = SharedStore(state_dir, FakeClock(T0_US), workers=workers)
+    once = compiled("once", FixedWindow(1, 3600.0))
+    store.configure([once], ())
+    keys = ["caf\udce9", "caf\udce8", "x" * 1000, "x" * 999 + "y", "café"]
+    for key in keys:
+        assert (await store.decide([Check(once, key)])).allowed, key
+    for key in keys:
+        assert not (await store.decide([Check(once, key)])).allowed, key
+    assert store.tracked_keys("once") == len(keys)
+    await store.close()
+
+
 async def test_a_limit_given_another_key_starts_afresh_and_a_removed_one_is_freed(
     state_dir: Path,
 ) -> None:

@@ -47,7 +47,7 @@ from typing import Any, Final, NamedTuple
 
 import lmdb
 
-from gateway.algorithms.base import Decision
+from gateway.algorithms.base import Decision, build
 from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits import Check, CompiledLimit, with_variants
@@ -76,9 +76,12 @@ _DROPPED: Final = b"dropped:"  # table name -> evictions of its tables reloads d
 _MAX_STATE_KEY: Final = 4 + MAX_KEY_BYTES
 
 
-# A check's state key (None: stored nowhere), its last LRU tick (None: a new key), its limit
-# and the bytes read (to see whether another process changed them).
-_Found = tuple[bytes | None, int | None, CompiledLimit, bytes | None]
+# A state read on a snapshot: its key, the bytes read (None: no state), and the bytes an
+# admission writes with one put (None: written by ``_write_moved``).
+_Found = tuple[bytes, bytes | None, bytes | None]
+# A state whose key is new, moves in the LRU index or is forgotten: key, last tick (None: a
+# new key), limit, new state.
+_Moved = tuple[bytes, int | None, CompiledLimit, Any]
 
 
 class _Table(NamedTuple):
@@ -421,22 +424,31 @@ class SharedStore:
         the engine calls this directly on the request path, as for the in-process store."""
         now_us = self.clock.now_us()
         self.stats.calls += 1
-        try:
-            return self._decide(checks, commit, now_us)
-        except lmdb.MapFullError:
-            # Another worker adopted a policy with more keys and grew the map first: map as
-            # much (the size it wrote) and decide again; nothing was committed.
-            self._env_for_requests().set_mapsize(0)
-            return self._decide(checks, commit, now_us)
-
-    def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
-        """One write transaction: read, decide, write (the lone process's path, and the
-        others' when a concurrent commit changed what they decided on)."""
         env = self._env
         if env is None:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
+        try:
+            if commit and self._optimistic:
+                return self._decide_optimistic(env, checks, now_us)
+            return self._decide_in_one(env, checks, commit, now_us)
+        except lmdb.MapFullError:
+            # Another worker adopted a policy with more keys and grew the map first: map as
+            # much (the size it wrote) and decide again; nothing was committed.
+            env.set_mapsize(0)
+            return self._decide(checks, commit, now_us)
+
+    def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
+        """``decide_now`` at ``now_us``, without its count and its retry."""
+        env = self._env_for_requests()
         if commit and self._optimistic:
             return self._decide_optimistic(env, checks, now_us)
+        return self._decide_in_one(env, checks, commit, now_us)
+
+    def _decide_in_one(
+        self, env: lmdb.Environment, checks: Sequence[Check], commit: bool, now_us: int
+    ) -> CombinedDecision:
+        """Read, decide and (``commit``, admitted) write in one transaction: a lone
+        process's decision, and a dry run's."""
         try:
             txn = env.begin(self._state, None, commit)
         except lmdb.MapResizedError:
@@ -444,11 +456,11 @@ class SharedStore:
         try:
             verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
             if commit and verdict[0]:  # allowed
-                committed = txn.id()
+                committed = self._current_at + 1  # ``txn``'s own id (see ``_read_and_decide``)
                 txn.commit()
                 self._current_at = committed  # a request's commit leaves the policy as it was
             else:
-                txn.abort()
+                txn.abort()  # and with it the states written for the limits that admitted
         except BaseException:
             txn.abort()
             raise
@@ -472,7 +484,7 @@ class SharedStore:
         except lmdb.MapResizedError:
             snapshot = self._begin(env, False, self._state)
         try:
-            verdict, found = self._read_and_decide(snapshot, checks, now_us, False)
+            verdict, found, moved = self._read_and_decide(snapshot, checks, now_us, False)
             seen = snapshot.id()
         finally:
             snapshot.abort()
@@ -490,7 +502,12 @@ class SharedStore:
                     txn.abort()
                     return verdict
             else:
-                self._write_states(txn, found, verdict[6], now_us)
+                put = txn.put
+                for key, _, value in found:
+                    if value is not None:
+                        put(key, value)
+                if moved is not None:
+                    self._write_moved_states(txn, moved, now_us)
             txn.commit()
             self._current_at = committed
         except BaseException:
@@ -503,16 +520,20 @@ class SharedStore:
         get = txn.get
         if get(_GENERATION, None, self._meta) != self._generation:
             return True
-        return any(key is not None and get(key) != raw for key, _, _, raw in found)
+        return any(get(key) != raw for key, raw, _ in found)
 
     def _read_and_decide(
         self, txn: Any, checks: Sequence[Check], now_us: int, write: bool
-    ) -> tuple[CombinedDecision, list[_Found]]:
-        """Read the states in ``txn``, decide, and with ``write`` write them if admitted."""
+    ) -> tuple[CombinedDecision, list[_Found], list[_Moved] | None]:
+        """Read the states in ``txn`` and decide. With ``write`` (a write transaction the
+        caller commits only for an admission) each limit's new state is written as soon as
+        it is decided, and new and moved keys once all admit; without, what was read and
+        what an admission writes are returned."""
         # The request path: each check's state read, states packed in 16 bytes. The state
         # database is the transaction's default and every py-lmdb call takes positional
         # arguments (keywords cost the binding a parse per call). The generation is read
         # only when another transaction committed since it was last known current.
+        # ``_current_at`` is ``base`` on return (a lone process's commit reads it).
         base = txn.id() - write  # the committed transaction ``txn`` starts from
         if base != self._current_at:
             if txn.get(_GENERATION, None, self._meta) != self._generation:
@@ -520,13 +541,20 @@ class SharedStore:
             self._current_at = base
         by_limit = self._by_limit
         get = txn.get
+        put = txn.put if write else None
         unpack = _TICK_STATE.unpack
+        pack = _TICK_STATE.pack
+        now_tick = now_us // TICK_US
         found: list[_Found] = []
-        # Each limit decided as its state is read (``combine`` takes the decisions): the
-        # same verdict as ``decide_all`` on the same states, without its lists of pairs.
+        moved: list[_Moved] | None = None
+        # Each limit decided as its state is read, and the verdict made as ``combine`` makes
+        # an admission's, without its passes; the rare rejection goes to ``combine``.
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
+        admitted = True
+        delay_s = 0.0
+        delayed_by = None
         for check in checks:
             limit = check.limit
             entry = by_limit.get(limit.table)
@@ -535,9 +563,13 @@ class SharedStore:
                 entry = by_limit[limit.table]
             prefix = entry[2]
             if prefix is None:
-                key = tick = state = raw = None
+                state = None
+                decision, new_state = limit.algorithm.decide(None, now_us, check.cost)
             else:
-                key = prefix + check.key.encode("utf-8", "surrogatepass")
+                try:
+                    key = prefix + check.key.encode()
+                except UnicodeEncodeError:  # a lone surrogate (``key_bytes`` keeps it)
+                    key = prefix + key_bytes(check.key)
                 if len(key) > _MAX_STATE_KEY:
                     key = prefix + key_bytes(check.key)
                 raw = get(key)
@@ -550,36 +582,49 @@ class SharedStore:
                         tick = _TAGGED
                     if tick >= _TAGGED:
                         tick, state = decode_state(raw)
-            decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
-            found.append((key, tick, limit, raw))
+                decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
+                if tick == now_tick and new_state is not None:  # a known key, this LRU tick
+                    try:
+                        value: bytes | None = pack(now_tick, new_state)
+                    except struct.error:  # a state that does not fit 64 bits
+                        value = encode_state(now_tick, new_state)
+                    if put is not None:
+                        put(key, value)
+                else:  # a new, moved or forgotten key
+                    value = None
+                    if moved is None:
+                        moved = [(key, tick, limit, new_state)]
+                    else:
+                        moved.append((key, tick, limit, new_state))
+                if put is None:
+                    found.append((key, raw, value))
+            if decision[0]:  # allowed
+                # ">=": on equal delays the later limit is named, as nginx's account loop does.
+                delay = decision[1]
+                if delay > 0.0 and delay >= delay_s:
+                    delay_s = delay
+                    delayed_by = len(decisions)
+            else:
+                admitted = False
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
-        verdict = combine(decisions, new_states, states, now_us)
-        if verdict[1] > 0.0:  # delayed
+        if not admitted:
+            return combine(decisions, new_states, states, now_us), found, moved
+        verdict: CombinedDecision = build(
+            CombinedDecision,
+            (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+        )
+        if delayed_by is not None:
             verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-        if write and verdict[0]:
-            self._write_states(txn, found, verdict[6], now_us)
-        return verdict, found
+        if put is not None and moved is not None and verdict[0]:
+            self._write_moved_states(txn, moved, now_us)
+        return verdict, found, moved
 
-    def _write_states(
-        self, txn: Any, found: Sequence[_Found], states: Sequence[Any], now_us: int
-    ) -> None:
-        """Write an admitted request's states: a known key used in the same LRU tick (the
-        hot case) with one put; new, moved and forgotten keys take ``_write_moved``."""
+    def _write_moved_states(self, txn: Any, moved: Sequence[_Moved], now_us: int) -> None:
         now_tick = now_us // TICK_US
-        put = txn.put
-        pack = _TICK_STATE.pack
-        # ``states`` by index: ``zip`` with a keyword (``strict``) is a slow call.
-        for index, (key, tick, limit, _) in enumerate(found):
-            state = states[index]
-            if tick == now_tick and state is not None:  # a known key (``tick`` None if new)
-                try:
-                    put(key, pack(now_tick, state))
-                except struct.error:  # a state that does not fit 64 bits
-                    put(key, encode_state(now_tick, state))
-            elif key is not None:
-                self._write_moved(txn, limit, key, tick, state, now_us, now_tick)
+        for key, tick, limit, state in moved:
+            self._write_moved(txn, limit, key, tick, state, now_us, now_tick)
 
     def _write_moved(
         self,
