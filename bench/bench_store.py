@@ -40,6 +40,14 @@ them, so on 2 cores its req/s can reach at most 2 s of CPU per second over the C
 request costs the gateway and the load generators together: the line under the table
 gives that ceiling as a multiple of the 1-worker peer (which has a core of its own).
 
+``--upstream nginx`` puts nginx (one worker, ``return 200`` with the same 100-byte body and
+Content-Type; nginx adds its Server, Date and Connection headers) in place of the default
+Python upstream (``bench/upstream.py``, httptools on uvloop). It is there to tell the upstream's
+own cost from the kernel's: the load generators' CPU per request bounds that ceiling, and the
+table gives in brackets the upstream's part of it (nginx's master and worker, its process
+group, counted as the Python upstream's is). ``--threads`` is wrk's thread count. What both
+showed is in bench/README.md.
+
 The multi-worker targets run the CLI (its supervisor and forked workers); their CPU time is
 the whole process group's.
 
@@ -94,6 +102,9 @@ REDIS_CLUSTER_LEASED = "redis-cluster-leased"
 MEMORY_GLOBAL = "memory-global"
 REDIS_GLOBAL = "redis-global"
 REDIS_LEASED_GLOBAL = "redis-leased-global"
+# --upstream: the harness's upstream implementation for each choice.
+PYTHON_UPSTREAM = "python"
+UPSTREAMS = {PYTHON_UPSTREAM: "httptools", bp.NGINX_UPSTREAM: bp.NGINX_UPSTREAM}
 STATS_RE = re.compile(r"^STORE_STATS (.*)$", re.MULTILINE)
 
 POLICY = """\
@@ -341,12 +352,13 @@ def target_cpu_seconds(target: bp.RunningTarget) -> float:
     return bp.process_group_cpu(target.started.proc.pid)[0]
 
 
-def load_generators_cpu_seconds(upstream: bp.RunningTarget) -> float:
-    """CPU seconds of the upstream's process group and of every wrk run so far (the children
-    this process has waited for: wrk, through ``taskset``'s exec)."""
+def load_generators_cpu_seconds(upstream: bp.RunningTarget) -> tuple[float, float]:
+    """CPU seconds of every wrk run so far (the children this process has waited for: wrk,
+    through ``taskset``'s exec) and of the upstream's process group (bench/upstream.py's
+    process, or nginx's master and worker)."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     upstream_s = bp.process_group_cpu(upstream.started.proc.pid)[0]
-    return upstream_s + children.ru_utime + children.ru_stime
+    return children.ru_utime + children.ru_stime, upstream_s
 
 
 def machine_idle() -> tuple[int, int]:
@@ -435,6 +447,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"(--cluster adds {REDIS_CLUSTER})",
     )
     parser.add_argument("--pin", choices=("split", "none"), default="split")
+    parser.add_argument(
+        "--upstream",
+        choices=tuple(UPSTREAMS),
+        default=PYTHON_UPSTREAM,
+        help="python: bench/upstream.py (httptools, uvloop); nginx: one nginx worker answering"
+        " the same body (see bench/README.md)",
+    )
     parser.add_argument("--json", type=Path, help="write all runs and the summary here")
     args = parser.parse_args(argv)
     args.connections = [int(c) for c in args.connections.split(",") if c]
@@ -457,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[tuple[str, int], list[bp.WrkResult]] = {}
     cpu_per_request: dict[tuple[str, int], list[float]] = {}
     loaders_per_request: dict[tuple[str, int], list[float]] = {}
+    upstream_per_request: dict[tuple[str, int], list[float]] = {}  # the upstream's part of it
     idle_shares: dict[tuple[str, int], list[float]] = {}
     stats: dict[str, dict[str, Any] | None] = {}
     requests: dict[str, int] = {}
@@ -470,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         work_dir = Path(tmp)
         procs = bp.Processes(work_dir)
         try:
-            harness = bp.Harness(procs, work_dir, plan, "httptools")
+            harness = bp.Harness(procs, work_dir, plan, UPSTREAMS[args.upstream])
             upstream = bp.start_with_retries(harness.start_upstream)
             policy = work_dir / "policy.yaml"
             policy.write_text(POLICY.format(upstream_port=harness.upstream_port))
@@ -574,18 +594,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             for round_no in range(1, args.repeats + 1):
                 for connections in args.connections:
                     for target in running:
+                        # redis-cli (script_calls) is a waited child too: before the loaders.
+                        nodes_before = [script_calls(port) for port in cluster_ports]
                         cpu_before = target_cpu_seconds(target)
                         loaders_before = load_generators_cpu_seconds(upstream)
                         idle_before = machine_idle()
-                        nodes_before = [script_calls(port) for port in cluster_ports]
                         result = bp.run_wrk(
                             target.url, connections, args.duration, args.threads, plan.wrk
                         )
                         cpu_us = (target_cpu_seconds(target) - cpu_before) * 1e6
-                        loaders_us = (load_generators_cpu_seconds(upstream) - loaders_before) * 1e6
+                        wrk_after, upstream_after = load_generators_cpu_seconds(upstream)
+                        wrk_us = (wrk_after - loaders_before[0]) * 1e6
+                        upstream_us = (upstream_after - loaders_before[1]) * 1e6
+                        loaders_us = wrk_us + upstream_us
                         idle = machine_idle_share(idle_before, machine_idle())
                         loaders_per_request.setdefault((target.name, connections), []).append(
                             loaders_us / max(result.requests, 1)
+                        )
+                        upstream_per_request.setdefault((target.name, connections), []).append(
+                            upstream_us / max(result.requests, 1)
                         )
                         idle_shares.setdefault((target.name, connections), []).append(idle)
                         if "cluster" in target.name:
@@ -605,7 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"bench: round {round_no} {target.name:<13} c={connections:<4} "
                             f"{result.requests_per_s:>9,.0f} req/s  p99 {result.p99_ms:.2f} ms"
                             f"  CPU {cpu_per_request[(target.name, connections)][-1]:.0f} us/req"
-                            f" (wrk+upstream {loaders_us / max(result.requests, 1):.0f})"
+                            f" (wrk {wrk_us / max(result.requests, 1):.0f}"
+                            f" + upstream {upstream_us / max(result.requests, 1):.0f})"
                             f"  idle {idle:.0%}"
                             f"  non-2xx {result.non_2xx}"
                         )
@@ -622,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = [summarise(name, conns, runs) for (name, conns), runs in results.items()]
     lines = [
         "| store | conns | req/s (median) | req/s min-max | p50 ms | p99 ms | vs memory "
-        "| gateway CPU us / request | wrk+upstream CPU us / request | machine idle "
+        "| gateway CPU us / request | wrk+upstream CPU us / request (upstream) | machine idle "
         "| script calls / request | round trips / request | decided locally | failed |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -631,7 +659,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in summaries
         if s.target in (MEMORY, MEMORY_GLOBAL)
     }
-    document: dict[str, Any] = {"summary": [], "command": shlex.join([sys.executable, *sys.argv])}
+    document: dict[str, Any] = {
+        "summary": [],
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "upstream": args.upstream,
+        "threads": args.threads,
+    }
     for s in summaries:
         baseline = memory_rps.get(
             (MEMORY_GLOBAL if s.target.endswith("-global") else MEMORY, s.connections)
@@ -651,12 +684,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {s.requests_per_s_min:,.0f}-{s.requests_per_s_max:,.0f} | {s.p50_ms:.2f} "
             f"| {s.p99_ms:.2f} | {ratio:.2f} | {cpu_us:.0f} "
             f"| {statistics.median(loaders_per_request[(s.target, s.connections)]):.0f} "
+            f"({statistics.median(upstream_per_request[(s.target, s.connections)]):.0f}) "
             f"| {statistics.median(idle_shares[(s.target, s.connections)]):.0%} "
             f"| {calls} | {rts} | {local} "
             f"| {s.failed_requests} |"
         )
         document["summary"].append(
-            {**dataclasses.asdict(s), "vs_memory": ratio, "cpu_us_per_request": cpu_us}
+            {
+                **dataclasses.asdict(s),
+                "vs_memory": ratio,
+                "cpu_us_per_request": cpu_us,
+                "loaders_us_per_request": statistics.median(
+                    loaders_per_request[(s.target, s.connections)]
+                ),
+                "upstream_us_per_request": statistics.median(
+                    upstream_per_request[(s.target, s.connections)]
+                ),
+                "machine_idle": statistics.median(idle_shares[(s.target, s.connections)]),
+            }
         )
     lines += scaling_lines(summaries, cpu_per_request, loaders_per_request)
     for name in (REDIS_CLUSTER, REDIS_CLUSTER_LEASED):
