@@ -56,32 +56,3 @@ async def test_evictions_never_go_down_when_a_reload_starts_a_limit_afresh() -> 
     assert store.evictions("small") == 2 * evicted
     store.configure([], [new])  # the limit removed
     assert store.evictions("small") == 2 * evicted
-
-
-async def test_equal_delays_name_the_later_limit_and_a_rejection_charges_none() -> None:
-    """The store's own pass over the checks makes the verdict as ``combine`` does: of two
-    limits delaying a request equally the later is named (nginx's account loop), and a
-    request any limit rejects is charged to none, one limit or several."""
-    from gateway.algorithms.fixed_window import FixedWindow
-    from gateway.algorithms.leaky_bucket import LeakyBucket
-    from gateway.clock import FakeClock
-    from gateway.limits import Check
-    from tests.test_redis_store import compiled
-
-    store = MemoryStore(FakeClock())
-    first = compiled("first", LeakyBucket(1, 1, 5, 0))
-    second = compiled("second", LeakyBucket(1, 1, 5, 0))
-    store.configure([first, second], ())
-    checks = [Check(first, "k"), Check(second, "k")]
-    assert (await store.decide(checks)).delayed_by is None  # a new key's first request
-    verdict = await store.decide(checks)
-    assert verdict.delay_s == 1.0 and verdict.delayed_by == 1
-
-    once = compiled("once", FixedWindow(1, 3600.0))
-    roomy = compiled("roomy", FixedWindow(10, 3600.0))
-    store.configure([once, roomy], [])
-    assert (await store.decide([Check(once, "a")])).allowed
-    for checks in ([Check(once, "a")], [Check(roomy, "a"), Check(once, "a")]):
-        verdict = await store.decide(checks)
-        assert not verdict.allowed and verdict.rejected_by == (len(checks) - 1,)
-    assert store.tables["roomy"].peek("a") is None  # the rejected request left no charge

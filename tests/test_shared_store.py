@@ -280,15 +280,19 @@ async def test_the_request_after_another_workers_reload_sees_it(
     await store.close()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("kind", ["memory", "shared", "shared-2w"])
 async def test_equal_delays_name_the_later_limit_and_a_rejection_charges_none(
-    state_dir: Path, workers: int
+    state_dir: Path, kind: str
 ) -> None:
-    """The store's pass over the checks makes the verdict as ``combine`` does: of two limits
-    delaying a request equally the later is named (nginx's account loop), and a request a
-    later limit rejects leaves the earlier limits' states as they were, though a lone
-    process writes each state as it decides it."""
-    store = SharedStore(state_dir, FakeClock(T0_US), workers=workers)
+    """Each store's own pass over the checks makes the verdict as ``combine`` does: of two
+    limits delaying a request equally the later is named (nginx's account loop), and a
+    request a later limit rejects leaves the earlier limits' states as they were (a lone
+    process on the shared store writes each state as it decides it, then aborts)."""
+    store: LimitStore
+    if kind == "memory":
+        store = MemoryStore(FakeClock(T0_US))
+    else:
+        store = SharedStore(state_dir, FakeClock(T0_US), workers=2 if kind == "shared-2w" else 1)
     first = compiled("first", LeakyBucket(1, 1, 5, 0))
     second = compiled("second", LeakyBucket(1, 1, 5, 0))
     store.configure([first, second], ())
