@@ -280,6 +280,38 @@ async def test_the_request_after_another_workers_reload_sees_it(
     await store.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "shared", "shared-2w"])
+async def test_equal_delays_name_the_later_limit_and_a_rejection_charges_none(
+    state_dir: Path, kind: str
+) -> None:
+    """Each store's own pass over the checks makes the verdict as ``combine`` does: of two
+    limits delaying a request equally the later is named (nginx's account loop), and a
+    request a later limit rejects leaves the earlier limits' states as they were (a lone
+    process on the shared store writes each state as it decides it, then aborts)."""
+    store: LimitStore
+    if kind == "memory":
+        store = MemoryStore(FakeClock(T0_US))
+    else:
+        store = SharedStore(state_dir, FakeClock(T0_US), workers=2 if kind == "shared-2w" else 1)
+    first = compiled("first", LeakyBucket(1, 1, 5, 0))
+    second = compiled("second", LeakyBucket(1, 1, 5, 0))
+    store.configure([first, second], ())
+    checks = [Check(first, "k"), Check(second, "k")]
+    assert (await store.decide(checks)).delayed_by is None  # a new key's first request
+    verdict = await store.decide(checks)
+    assert verdict.delay_s == 1.0 and verdict.delayed_by == 1
+    once = compiled("once", FixedWindow(1, 3600.0))
+    roomy = compiled("roomy", FixedWindow(2, 3600.0))
+    store.configure([once, roomy], [first, second])
+    assert (await store.decide([Check(roomy, "a"), Check(once, "a")])).allowed
+    for _ in range(3):
+        verdict = await store.decide([Check(roomy, "a"), Check(once, "a")])
+        assert not verdict.allowed and verdict.rejected_by == (1,)
+    assert (await store.decide([Check(roomy, "a")])).allowed  # its second unit, still there
+    assert not (await store.decide([Check(roomy, "a")])).allowed
+    await store.close()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_keys_that_are_not_utf8_and_long_keys_are_stored_apart(
     state_dir: Path, workers: int

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
+from gateway.algorithms.base import Decision, build
+from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits import Check, CompiledLimit, with_variants
 from gateway.observability.stats import StoreStats
@@ -46,40 +47,67 @@ class MemoryStore:
             if table is None:
                 table = self._table(limit)
             state = table.get(check.key) if commit else table.peek(check.key)
-            verdict = decide_all(((limit.algorithm, state),), now_us, check.cost, stamp_us=now_us)
-            if verdict.delay_s > 0.0:
+            decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
+            if not decision[0]:  # rejected
+                return combine((decision,), (new_state,), (state,), now_us)
+            delay_s = decision[1]
+            verdict = build(
+                CombinedDecision,
+                (True, delay_s, 0.0, (), 0 if delay_s > 0.0 else None, (decision,),
+                 (new_state,), now_us),
+            )  # fmt: skip
+            if delay_s > 0.0:
                 verdict = refuse_long_delays(verdict, (state,), (check.max_delay_s,))
-            if commit and verdict.allowed:
-                table.put(check.key, verdict.states[0], now_us)
+            if commit and verdict[0]:
+                table.put(check.key, new_state, now_us)
             return verdict
-        # One pass over the checks (the request path): each limit's table, the key's state
-        # and the (algorithm, state) pair ``decide_all`` takes.
+        # One pass over the checks (the request path): each limit's table, the key's state,
+        # and its decision; the admission's verdict made as ``combine`` makes it, without its
+        # passes (the rare rejection goes to ``combine``).
         known = self.tables
         tables: list[KeyedState[Any]] = []
         states: list[Any] = []
-        items: list[tuple[Any, Any]] = []
-        costs: list[int] | None = None
+        decisions: list[Decision] = []
+        new_states: list[Any] = []
+        admitted = True
+        delay_s = 0.0
+        delayed_by = None
         for check in checks:
             limit = check.limit
-            if check.cost != 1 and costs is None:
-                costs = [c.cost for c in checks]
             table = known.get(limit.table)
             if table is None:
                 table = self._table(limit)
             # A look (commit=False, for /explain) leaves the keys' places in the LRU order alone.
             state = table.get(check.key) if commit else table.peek(check.key)
+            decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
+            if decision[0]:  # allowed
+                # ">=": on equal delays the later limit is named, as nginx's account loop does.
+                delay = decision[1]
+                if delay > 0.0 and delay >= delay_s:
+                    delay_s = delay
+                    delayed_by = len(decisions)
+            else:
+                admitted = False
             tables.append(table)
             states.append(state)
-            items.append((limit.algorithm, state))
+            decisions.append(decision)
+            new_states.append(new_state)
         # Stamped with the instant decided at: a delayed request's refund needs it, and the
         # access log records it so ``gateway replay`` can decide the same request at the same
         # instant.
-        verdict = decide_all(items, now_us, stamp_us=now_us, costs=costs)
-        if verdict.delay_s > 0.0:
+        if not admitted:
+            return combine(decisions, new_states, states, now_us)
+        verdict = build(
+            CombinedDecision,
+            (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+        )
+        if delayed_by is not None:
             verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-        if commit and verdict.allowed:
-            for check, table, state in zip(checks, tables, verdict.states, strict=True):
-                table.put(check.key, state, now_us)
+            if not verdict[0]:
+                return verdict
+        if commit:
+            for index, check in enumerate(checks):
+                tables[index].put(check.key, new_states[index], now_us)
         return verdict
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
