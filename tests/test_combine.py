@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.algorithms.base import Decision
-from gateway.algorithms.combine import decide_all
+from gateway.algorithms.combine import combine, decide_all
 from gateway.algorithms.leaky_bucket import LeakyBucket, pack_state, unpack_state
 
 MS = 1000
@@ -57,6 +57,24 @@ def test_an_admitted_request_is_charged_to_all_and_the_longest_delay_wins() -> N
     assert result.delay_s == 1.0
     assert result.delayed_by == 1  # a tie: nginx names the later zone
     assert [unpack_state(s)[0] for s in result.states] == [2000, 4000, 5000]
+
+
+def test_combine_takes_decisions_by_the_same_rule() -> None:
+    """``combine`` (a store's script reply, a lease, a store's rejection) names the later of
+    equal delays and charges a rejected request to no limit, as ``decide_all`` does."""
+    a = LeakyBucket.from_nginx("2r/s", burst=5)
+    b = LeakyBucket.from_nginx("4r/s", burst=5)
+    now_ms = T0_US // MS
+    states = [pack_state(1000, now_ms), pack_state(3000, now_ms)]
+    taken = [a.decide(states[0], T0_US), b.decide(states[1], T0_US)]
+    result = combine([d for d, _ in taken], [s for _, s in taken], states, T0_US)
+    assert result == decide_all(list(zip((a, b), states, strict=True)), T0_US, stamp_us=T0_US)
+    assert result.delay_s == 1.0 and result.delayed_by == 1
+    full = pack_state(5000, now_ms)  # burst 5 used up: the next request is rejected
+    taken = [a.decide(states[0], T0_US), b.decide(full, T0_US)]
+    result = combine([d for d, _ in taken], [s for _, s in taken], [states[0], full], T0_US)
+    assert not result.allowed and result.rejected_by == (1,)
+    assert result.states == (states[0], full)
 
 
 def test_no_limits_means_allowed_at_once() -> None:
