@@ -18,8 +18,8 @@ from pathlib import Path
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
-from gateway.engine import LimitEngine
-from gateway.policy_loader import load_policy
+from gateway.engine.limit_engine import LimitEngine
+from gateway.engine.preflight import load_and_build
 from gateway.stores import MemoryStore
 
 POLICY = """server: {listen: 127.0.0.1:0, admin_listen: 127.0.0.1:0}
@@ -69,7 +69,7 @@ def main() -> None:
             policy = _write(directory, args.entries, form)
 
             def load(policy: Path = policy) -> LimitEngine:
-                loaded = load_policy(policy)  # validates, and builds the engine as check does
+                loaded = load_and_build(policy)  # validates, and builds the engine as check does
                 return LimitEngine(loaded.policy, MemoryStore(FakeClock()), build_algorithm)
 
             seconds = _median_s(load, args.repeats)
@@ -77,7 +77,7 @@ def main() -> None:
         per_lookup = {}
         for entries in (100, args.entries):
             engine = LimitEngine(
-                load_policy(_write(directory, entries, "json")).policy,
+                load_and_build(_write(directory, entries, "json")).policy,
                 MemoryStore(FakeClock()),
                 build_algorithm,
             )

@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.policy_loader import load_policy  # noqa: E402
+from gateway.engine.preflight import load_and_build  # noqa: E402
 from gateway.replay import document, replay  # noqa: E402
-from gateway.replay.logs import (  # noqa: E402
+from gateway.replay.log_formats import (  # noqa: E402
     ReadStats,
     Request,
     close_log,
@@ -107,7 +107,7 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     args = parser.parse_args()
 
-    loaded = load_policy(args.policy)
+    loaded = load_and_build(args.policy)
     with tempfile.TemporaryDirectory() as directory:
         log = Path(directory) / f"access.{args.format}.log"
         began = time.perf_counter()

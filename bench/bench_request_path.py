@@ -33,18 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aiohttp.test_utils import make_mocked_request  # noqa: E402
 from limit_policies import NO_LIMITS, ONE_LIMIT, THREE_LIMITS, policy_text  # noqa: E402
 
-from gateway.client_ip import client_key  # noqa: E402
-from gateway.forwarding import response_head  # noqa: E402
-from gateway.keys import RequestFacts  # noqa: E402
-from gateway.observability.hooks import CLIENT_IP, LIMIT_OUTCOME, ROUTE_NAME  # noqa: E402
+from gateway.edge.annotations import CLIENT_IP, LIMIT_OUTCOME, ROUTE_NAME  # noqa: E402
+from gateway.edge.client_ip import client_key  # noqa: E402
+from gateway.edge.forwarding import response_head  # noqa: E402
+from gateway.edge.runtime import Runtime, build_runtime  # noqa: E402
+from gateway.engine.preflight import load_and_build  # noqa: E402
+from gateway.limits.keys import RequestFacts  # noqa: E402
+from gateway.limits.routing import normalise_host, routing_path  # noqa: E402
 from gateway.observability.worker import (  # noqa: E402
     ObservedHandler,
     WorkerMetrics,
     WorkerState,
 )
-from gateway.policy_loader import load_policy  # noqa: E402
-from gateway.routing import normalise_host, routing_path  # noqa: E402
-from gateway.runtime import Runtime, build_runtime  # noqa: E402
 from gateway.stores.memory import MemoryStore  # noqa: E402
 
 UPSTREAM_HEADERS = ((b"Content-Type", b"text/plain"), (b"Server", b"upstream"))
@@ -65,7 +65,7 @@ def setup(kind: str, tmp: Path) -> tuple[Runtime, ObservedHandler]:
     path = tmp / f"{kind}.yaml"
     path.write_text(policy_text(kind, "http://127.0.0.1:9"))
     store = MemoryStore()
-    runtime = build_runtime(load_policy(str(path)), store)
+    runtime = build_runtime(load_and_build(str(path)), store)
     current = _Current(runtime)
     state = WorkerState(0, current, store, _Connections(), store.clock)
     return runtime, ObservedHandler(current, WorkerMetrics(state))

@@ -41,9 +41,9 @@ from gateway.algorithms.combine import CombinedDecision  # noqa: E402
 from gateway.algorithms.leaky_bucket import LeakyBucket  # noqa: E402
 from gateway.algorithms.sliding_window import SlidingWindow  # noqa: E402
 from gateway.algorithms.token_bucket import TokenBucket  # noqa: E402
-from gateway.keys import KeyBuilder  # noqa: E402
-from gateway.limits import Check, CompiledLimit, LimitCounters  # noqa: E402
-from gateway.policy import LeakyBucketLimit  # noqa: E402
+from gateway.limits.compiled import Check, CompiledLimit, LimitCounters  # noqa: E402
+from gateway.limits.keys import KeyBuilder  # noqa: E402
+from gateway.policy.models import LeakyBucketLimit  # noqa: E402
 from gateway.stores import MemoryStore, SharedStore  # noqa: E402
 
 

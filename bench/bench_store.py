@@ -147,11 +147,11 @@ GLOBAL_ONLY = POLICY.split("  per_ip:")[0] + "  global:" + POLICY.split("  globa
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from gateway.policy_loader import load_policy
-    from gateway.serve import Gateway
+    from gateway.engine.preflight import load_and_build
+    from gateway.serving.lifecycle import Gateway
     from gateway.stores import LimitStore, MemoryStore, RedisStore
 
-    loaded = load_policy(args.policy)
+    loaded = load_and_build(args.policy)
     store: LimitStore
     if args.store == "memory":
         store = MemoryStore()
@@ -195,7 +195,7 @@ def serve_main(argv: Sequence[str]) -> int:
     parser.add_argument("--client", choices=("thin", "redis-py"), default="thin")
     parser.add_argument("--timeout", type=float, default=0.05)
     args = parser.parse_args(argv)
-    from gateway.serve import run_event_loop
+    from gateway.serving.lifecycle import run_event_loop
 
     profile_to = os.environ.get("BENCH_STORE_PROFILE")
     if not profile_to:

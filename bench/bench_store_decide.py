@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import uvloop
 
 from gateway.algorithms.registry import build_algorithm
-from gateway.keys import KeyBuilder
-from gateway.limits import Check, CompiledLimit, LimitCounters
-from gateway.policy import Policy
+from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
+from gateway.limits.keys import KeyBuilder
+from gateway.policy.models import Policy
 from gateway.stores import LimitStore, MemoryStore, RedisStore
 
 CALLERS = 64

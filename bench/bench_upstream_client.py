@@ -1,4 +1,4 @@
-"""Micro-benchmark: gateway.upstream_client.UpstreamPool against aiohttp.ClientSession.
+"""Micro-benchmark: gateway.edge.upstream_client.UpstreamPool against aiohttp.ClientSession.
 
 Starts an upstream in a child process (aiohttp's low-level server, or a raw asyncio server that
 answers every request with the same bytes, to show the client's own cost), then times N requests
@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gateway.upstream_client import UpstreamPool
+from gateway.edge.upstream_client import UpstreamPool
 
 BODY = b"x" * 100
 

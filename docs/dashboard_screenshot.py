@@ -21,8 +21,8 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.policy_loader import parse_policy
-from gateway.serve import Gateway
+from gateway.engine.preflight import parse_and_build
+from gateway.serving.lifecycle import Gateway
 
 DOCS = Path(__file__).resolve().parent
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -106,7 +106,7 @@ async def main(seconds: float, out: Path) -> None:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
-    gateway = Gateway(parse_policy(POLICY.format(upstream=f"http://127.0.0.1:{port}"), "demo"))
+    gateway = Gateway(parse_and_build(POLICY.format(upstream=f"http://127.0.0.1:{port}"), "demo"))
     await gateway.start()
     url = f"http://127.0.0.1:{gateway.proxy_port}"
     admin = f"http://127.0.0.1:{gateway.admin_port}"

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.policy_loader import LoadedPolicy, parse_policy
-from gateway.serve import Gateway
+from gateway.engine.preflight import parse_and_build
+from gateway.policy.loader import LoadedPolicy
+from gateway.serving.lifecycle import Gateway
 from tests.support import policy_for
 
 __all__ = ["policy_for"]  # importers of tests.conftest find it here too
@@ -122,7 +123,7 @@ async def start_gateway() -> AsyncIterator[GatewayFactory]:
     started: list[Gateway] = []
 
     async def start(policy: str | LoadedPolicy, **kwargs: Any) -> RunningGateway:
-        loaded = parse_policy(policy, "test.yaml") if isinstance(policy, str) else policy
+        loaded = parse_and_build(policy, "test.yaml") if isinstance(policy, str) else policy
         gateway = Gateway(loaded, **kwargs)
         await gateway.start()
         started.append(gateway)

@@ -23,7 +23,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
-    from gateway.limits import Check
+    from gateway.limits.compiled import Check
     from gateway.stores import RedisStore
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

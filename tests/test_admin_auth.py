@@ -12,10 +12,11 @@ import pytest
 import yaml
 from playwright.async_api import Browser, async_playwright
 
-from gateway.admin_auth import COOKIE, AdminTokenError, resolve_admin_token
-from gateway.policy import Policy, ServerSettings
-from gateway.policy_loader import LoadedPolicy, PolicyError, parse_policy
-from gateway.serve import Gateway, StartupError
+from gateway.admin.auth import COOKIE, AdminTokenError, resolve_admin_token
+from gateway.engine.preflight import parse_and_build
+from gateway.policy.loader import LoadedPolicy, PolicyError
+from gateway.policy.models import Policy, ServerSettings
+from gateway.serving.lifecycle import Gateway, StartupError
 from gateway.stores import MemoryStore
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 
@@ -92,7 +93,7 @@ async def test_public_paths_are_configurable(
         assert await _status(session, "GET", gw.admin_url + "/metrics") == 401
         assert await _status(session, "GET", gw.admin_url + "/policy") == 401
     with pytest.raises(PolicyError, match="admin_public_paths"):
-        parse_policy(_with_token(upstream.url, "  admin_public_paths: [/reload]\n"), "t.yaml")
+        parse_and_build(_with_token(upstream.url, "  admin_public_paths: [/reload]\n"), "t.yaml")
 
 
 async def test_browser_signs_in_with_a_form_and_gets_a_get_only_cookie(
@@ -189,14 +190,14 @@ async def test_token_from_environment_or_file_and_rotated_by_reload(
         assert await _status(session, "GET", url) == 401
         # Rotation: a new file and a reload; the old token stops working at once.
         token_file.write_text("a-brand-new-token-987654321")
-        gw.gateway.apply(parse_policy(policy + "# reloaded\n", "t.yaml"))
+        gw.gateway.apply(parse_and_build(policy + "# reloaded\n", "t.yaml"))
         assert await _status(session, "GET", url, headers=old) == 401
         new = {"Authorization": "Bearer a-brand-new-token-987654321"}
         assert await _status(session, "GET", url, headers=new) == 200
         # An unreadable file on reload: refused, and the running token stays.
         token_file.unlink()
         with pytest.raises(AdminTokenError, match=r"admin token file .*admin-token: cannot read"):
-            gw.gateway.apply(parse_policy(policy + "# again\n", "t.yaml"))
+            gw.gateway.apply(parse_and_build(policy + "# again\n", "t.yaml"))
         assert await _status(session, "GET", url, headers=new) == 200
 
     monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "token-from-the-environment")
@@ -219,10 +220,12 @@ def test_unusable_tokens_are_refused_with_one_clear_line(tmp_path: Path) -> None
         resolve_admin_token(ServerSettings(), {"GATEWAY_ADMIN_TOKEN_FILE": str(tmp_path / "no")})
     with pytest.raises(StartupError, match="No such file"):
         Gateway(
-            parse_policy(policy_for("http://127.0.0.1:1", server="  admin_token_file: /no\n"), "t")
+            parse_and_build(
+                policy_for("http://127.0.0.1:1", server="  admin_token_file: /no\n"), "t"
+            )
         )
     with pytest.raises(PolicyError, match="admin_token or admin_token_file, not both"):
-        parse_policy(
+        parse_and_build(
             policy_for(
                 "http://127.0.0.1:1", server=f"  admin_token: {TOKEN}\n  admin_token_file: /x\n"
             ),
@@ -262,7 +265,7 @@ async def test_policy_endpoint_and_logs_never_show_secrets(
     assert body["policy"]["server"]["admin_token"] == "***"
     # A policy error about the store URL does not repeat its password either.
     with pytest.raises(PolicyError) as caught:
-        parse_policy(policy_for(upstream.url) + "store:\n  url: redis//:pw-in-error@h/0\n", "t")
+        parse_and_build(policy_for(upstream.url) + "store:\n  url: redis//:pw-in-error@h/0\n", "t")
     assert "pw-in-error" not in str(caught.value)
     assert "invalid store url" in str(caught.value)
 
@@ -272,7 +275,7 @@ def test_a_store_url_the_client_refuses_is_one_line_without_its_password() -> No
     text = policy_for("http://127.0.0.1:1") + store
     # In `gateway check`, `run` and a reload, through the loader:
     with pytest.raises(PolicyError) as caught:
-        parse_policy(text, "t.yaml")
+        parse_and_build(text, "t.yaml")
     assert "cluster-pass-9" not in str(caught.value)
     assert "got 'redis://***@127.0.0.1:1/1'" in str(caught.value)
     # And a gateway built from a policy that did not come through the loader:

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from gateway.circuit import CircuitBreaker
 from gateway.clock import FakeClock
+from gateway.stores.redis.circuit import CircuitBreaker
 
 
 def test_breaker_opens_probes_backs_off_and_closes(caplog: pytest.LogCaptureFixture) -> None:

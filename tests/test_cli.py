@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gateway import __version__
-from gateway.cli import build_parser, main
+from gateway.cli.main import build_parser, main
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -21,7 +21,7 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright
 
 from gateway.clock import FakeClock
-from gateway.policy_loader import load_policy
+from gateway.engine.preflight import load_and_build
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream
 from tests.redis_harness import RedisServer
@@ -225,7 +225,7 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
     smooth = "  smooth:\n    algorithm: leaky_bucket\n    rate: 2r/s\n    burst: 5\n"
     path = tmp_path / "policy.yaml"
     path.write_text(limited_policy(upstream.url, smooth))
-    gw = await start_gateway(load_policy(path), clock=FakeClock(), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), clock=FakeClock(), policy_path=str(path))
     page = await browser.new_page(viewport={"width": 1280, "height": 900})
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))

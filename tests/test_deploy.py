@@ -21,9 +21,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.cli import EXIT_STARTUP
-from gateway.policy import ServerSettings, StoreSettings, split_host_port
-from gateway.policy_loader import load_policy, parse_policy
+from gateway.cli.supervisor import EXIT_STARTUP
+from gateway.engine.preflight import load_and_build, parse_and_build
+from gateway.policy.models import ServerSettings, StoreSettings, split_host_port
 from tests.conftest import GatewayFactory
 from tests.support import free_port
 from tests.test_packaging import _final_stage, dockerfile_env
@@ -434,7 +434,7 @@ def test_configmap_policy_is_valid_and_mounted_where_the_gateway_reads_it(
     assert config.name in configmap["data"]
     policy_file = tmp_path / config.name
     policy_file.write_text(configmap["data"][config.name])
-    policy = load_policy(policy_file).policy
+    policy = load_and_build(policy_file).policy
     # Mounted as a directory: a subPath mount would never see the ConfigMap's updates.
     spec = gateway_deployment()["spec"]["template"]["spec"]
     volume = next(v for v in spec["volumes"] if v.get("configMap", {}).get("name"))
@@ -520,7 +520,7 @@ async def test_configmap_update_through_the_data_swap_reloads_the_policy(
     mount.mkdir()
     _kubelet_update(mount, {name: text.format(n=1)}, 1)
     path = mount / name
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     loop = asyncio.get_running_loop()
     for generation in (2, 3):  # twice: the first swap removes the directory first read
         before = gw.gateway.loaded.sha256
@@ -529,7 +529,7 @@ async def test_configmap_update_through_the_data_swap_reloads_the_policy(
         while gw.gateway.loaded.sha256 == before:
             assert loop.time() < deadline, f"generation {generation} not reloaded"
             await asyncio.sleep(0.05)
-        assert gw.gateway.loaded.sha256 == load_policy(path).sha256
+        assert gw.gateway.loaded.sha256 == load_and_build(path).sha256
 
 
 async def test_a_reload_cannot_move_the_drain_delay(
@@ -538,7 +538,7 @@ async def test_a_reload_cannot_move_the_drain_delay(
     """The supervisor's kill deadline counts the delay the gateway started with."""
     policy = _drain_policy(0, 0, "1s")
     gw = await start_gateway(policy)
-    moved = parse_policy(policy.replace("drain_delay: 1s", "drain_delay: 30s"), "t.yaml")
+    moved = parse_and_build(policy.replace("drain_delay: 1s", "drain_delay: 30s"), "t.yaml")
     with pytest.raises(ValueError, match=r"server.drain_delay \(1.0 -> 30.0\) take effect"):
         gw.gateway.apply(moved)
     assert gw.gateway.loaded.policy.server.drain_delay == 1.0

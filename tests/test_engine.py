@@ -13,13 +13,13 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
-from gateway.engine import LimitEngine, Outcome
-from gateway.keys import RequestFacts
-from gateway.policy import Route
-from gateway.policy_loader import parse_policy
-from gateway.routing import RouteTable
+from gateway.engine.limit_engine import LimitEngine, Outcome
+from gateway.engine.preflight import parse_and_build
+from gateway.limits.keys import RequestFacts
+from gateway.limits.routing import RouteTable
+from gateway.policy.models import Route
 from gateway.stores import MemoryStore
-from gateway.stores.shared import SharedStore
+from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import policy_for
 
 ROUTES = (
@@ -35,7 +35,7 @@ class Bench:
         text = policy_for("http://127.0.0.1:1", extra=extra).replace(
             "routes:\n  - name: all\n    upstream: backend\n", "routes:\n" + ROUTES
         )
-        policy = self.policy = parse_policy(text + "limits:\n" + limits, "test.yaml").policy
+        policy = self.policy = parse_and_build(text + "limits:\n" + limits, "test.yaml").policy
         self.clock = FakeClock()
         self.store = MemoryStore(self.clock)
         self.engine = LimitEngine(policy, self.store, build_algorithm)

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 
 from gateway.clock import FakeClock
-from gateway.policy_loader import load_policy, parse_policy
+from gateway.engine.preflight import load_and_build, parse_and_build
 from tests.conftest import GatewayFactory, RecordingUpstream
 
 POLICIES = Path(__file__).parent.parent / "policies"
@@ -111,7 +111,7 @@ async def test_layered_policy_explain_shows_every_stacked_limit(
 
 def test_every_shipped_policy_is_valid() -> None:
     for path in POLICIES.glob("*.yaml"):
-        parse_policy(path.read_text(), str(path))
+        parse_and_build(path.read_text(), str(path))
 
 
 async def test_layered_policy_explain_gives_the_combined_verdict(
@@ -150,7 +150,7 @@ async def test_tiers_policy_gives_plans_their_quota(
     (tmp_path / "tiers").mkdir()
     (tmp_path / "tiers" / "keys.yaml").write_text((POLICIES / "tiers" / "keys.yaml").read_text())
     (tmp_path / "tiers.yaml").write_text(_local("tiers.yaml"))
-    gw = await start_gateway(load_policy(tmp_path / "tiers.yaml"), clock=FakeClock())
+    gw = await start_gateway(load_and_build(tmp_path / "tiers.yaml"), clock=FakeClock())
     async with aiohttp.ClientSession() as session:
 
         async def served(key: str, path: str = "/api/hello") -> int:

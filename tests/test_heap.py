@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.heap import SERVING_YOUNG_THRESHOLD, freeze_startup_heap, refreeze_heap
+from gateway.serving.heap import SERVING_YOUNG_THRESHOLD, freeze_startup_heap, refreeze_heap
 
 
 class Node:

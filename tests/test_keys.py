@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from gateway.clock import FakeClock
-from gateway.keys import KeyBuilder, RequestFacts
+from gateway.limits.keys import KeyBuilder, RequestFacts
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 
 

@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from playwright.async_api import Browser
 
 from gateway.algorithms.registry import build_algorithm
-from gateway.circuit import CircuitBreaker
-from gateway.cli import main
+from gateway.cli.main import main
 from gateway.clock import FakeClock
-from gateway.keys import KeyBuilder
-from gateway.limits import Check, CompiledLimit, LimitCounters
-from gateway.policy import Policy
+from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
+from gateway.limits.keys import KeyBuilder
+from gateway.policy.models import Policy
 from gateway.stores import RedisStore
+from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.clients import PipelineClient, ThinClient
 from gateway.stores.redis.lease import load_lease_script
 from gateway.stores.redis.lease_grant import grant_size, want_within

@@ -17,7 +17,7 @@ import pytest
 from multidict import CIMultiDictProxy
 
 from gateway.clock import FakeClock
-from gateway.policy_loader import load_policy
+from gateway.engine.preflight import load_and_build
 from tests.conftest import GatewayFactory, RecordingUpstream, RunningGateway, policy_for
 
 TRUST_LOOPBACK = "  trusted_proxies: [127.0.0.1/32]\n"
@@ -412,7 +412,9 @@ async def test_layered_global_token_bucket_rejects_every_client_once_spent(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
 ) -> None:
     clock = FakeClock()
-    gw = await start_gateway(load_policy(_small_global_copy(tmp_path, upstream.url)), clock=clock)
+    gw = await start_gateway(
+        load_and_build(_small_global_copy(tmp_path, upstream.url)), clock=clock
+    )
     async with aiohttp.ClientSession() as session:
         spent = [(await send(session, gw, "/static/x", client="198.51.100.1"))[0] for _ in range(3)]
         # Another client, well inside its own per_ip allowance: the shared bucket is empty.

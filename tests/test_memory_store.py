@@ -12,7 +12,7 @@ async def test_a_refund_under_a_limit_a_reload_replaced_leaves_the_new_state_alo
     from gateway.algorithms.leaky_bucket import LeakyBucket
     from gateway.algorithms.token_bucket import TokenBucket
     from gateway.clock import FakeClock
-    from gateway.limits import Check
+    from gateway.limits.compiled import Check
     from tests.test_redis_store import compiled
 
     store = MemoryStore(FakeClock())
@@ -36,7 +36,7 @@ async def test_evictions_never_go_down_when_a_reload_starts_a_limit_afresh() -> 
 
     from gateway.algorithms.fixed_window import FixedWindow
     from gateway.clock import FakeClock
-    from gateway.limits import Check, CompiledLimit
+    from gateway.limits.compiled import Check, CompiledLimit
     from tests.test_redis_store import compiled
 
     def two_keys(limit: CompiledLimit) -> CompiledLimit:

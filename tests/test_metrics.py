@@ -38,7 +38,8 @@ from gateway.observability.snapshot import (
     WorkerSnapshot,
     merge,
 )
-from gateway.observability.stats import QUEUE_WAIT_BUCKETS, RequestStats, StoreStats
+from gateway.observability.stats import QUEUE_WAIT_BUCKETS, RequestStats
+from gateway.stores.store_stats import StoreStats
 from tests.conftest import GatewayFactory, RecordingUpstream
 from tests.support import (
     PER_IP_BURST_4,
@@ -453,12 +454,12 @@ async def test_the_gateways_own_answers_are_counted_by_exact_code(
 async def test_reloads_are_counted_by_result_and_logged(
     upstream: RecordingUpstream, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from gateway.policy_loader import load_policy
-    from gateway.serve import Gateway
+    from gateway.engine.preflight import load_and_build
+    from gateway.serving.lifecycle import Gateway
 
     path = tmp_path / "policy.yaml"
     path.write_text(limited_policy(upstream.url, PER_IP_BURST_4))
-    gateway = Gateway(load_policy(path), policy_path=str(path))
+    gateway = Gateway(load_and_build(path), policy_path=str(path))
     await gateway.start()
     admin = f"http://127.0.0.1:{gateway.admin_port}"
     try:
@@ -731,7 +732,7 @@ def test_stale_metrics_directories_go_even_when_another_worker_removes_one_first
     """The workers of one gateway start together and each cleans what exited gateways left: a
     directory listed by one may be gone (removed by another) before it is reached. That raised
     in the worker, which died with a traceback and was restarted."""
-    from gateway.observability.shared import DIR_PREFIX, _remove_dirs_of_gone_supervisors
+    from gateway.observability.snapshot_files import DIR_PREFIX, _remove_dirs_of_gone_supervisors
 
     gone = [pid for pid in range(4_000_000, 4_000_100) if not Path(f"/proc/{pid}").exists()]
     stale = tmp_path / f"{DIR_PREFIX}{gone[0]}"
@@ -753,7 +754,7 @@ def test_a_snapshot_written_late_from_a_thread_never_replaces_a_newer_one(tmp_pa
     """The tick writes its snapshot from a thread while the loop may answer a scrape, which
     publishes a newer one at once: the older write, finishing last, must not bring the file
     back to fewer requests (another worker's scrape would show a counter going down)."""
-    from gateway.observability.shared import SnapshotDirectory
+    from gateway.observability.snapshot_files import SnapshotDirectory
 
     mine = SnapshotDirectory(tmp_path, worker_id=0)
     other = SnapshotDirectory(tmp_path, worker_id=1)

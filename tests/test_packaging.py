@@ -19,8 +19,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from gateway.policy import split_host_port
-from gateway.policy_loader import load_policy
+from gateway.engine.preflight import load_and_build
+from gateway.policy.models import split_host_port
 
 ROOT = Path(__file__).parent.parent
 
@@ -111,7 +111,7 @@ def test_compose_services_match_the_policy() -> None:
     mount_src, mount_dst = gateway["volumes"][0].split(":")[:2]
     assert config_path.startswith(mount_dst)
     policy_file = ROOT / mount_src / config_path[len(mount_dst) :].lstrip("/")
-    policy = load_policy(policy_file).policy
+    policy = load_and_build(policy_file).policy
 
     published = {int(p.split(":")[-1]) for p in gateway["ports"]}
     assert split_host_port(policy.server.listen)[1] in published
@@ -131,7 +131,7 @@ def test_compose_services_match_the_policy() -> None:
 def test_compose_publishes_the_admin_port_on_the_host_loopback_only() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     gateway = compose["services"]["gateway"]
-    policy = load_policy(ROOT / "policies" / "compose.yaml").policy
+    policy = load_and_build(ROOT / "policies" / "compose.yaml").policy
     admin_port = split_host_port(policy.server.admin_listen)[1]
     for mapping in gateway["ports"]:
         host_part, _, container_port = str(mapping).rpartition(":")
@@ -143,7 +143,7 @@ def test_compose_publishes_the_admin_port_on_the_host_loopback_only() -> None:
 def test_compose_backend_is_the_demo_upstream_not_a_file_server() -> None:
     backend = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["backend"]
     command = [*backend["entrypoint"], *backend["command"]]
-    assert command[:3] == ["python", "-m", "gateway.demo_upstream"]
+    assert command[:3] == ["python", "-m", "gateway.serving.demo_upstream"]
     assert "http.server" not in " ".join(command)
 
 
@@ -195,7 +195,7 @@ def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:
         if keyword == "COPY" and not rest.startswith("--from"):
             for source in rest.split()[:-1]:
                 assert not _ignored(source, patterns), f"COPY {source} but .dockerignore drops it"
-    assert not _ignored("gateway/cli.py", patterns)
+    assert not _ignored("gateway/cli/main.py", patterns)
     assert not _ignored("gateway/lua/leaky_bucket.lua", patterns)
 
 

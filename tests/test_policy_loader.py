@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.policy_loader import PolicyError, load_policy, parse_policy
+from gateway.engine.preflight import load_and_build, parse_and_build
+from gateway.policy.loader import PolicyError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 INVALID = FIXTURES / "invalid"
@@ -150,19 +151,19 @@ def test_every_invalid_fixture_has_an_expectation() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED_ERRORS))
 def test_invalid_fixture_exact_message(name: str) -> None:
     with pytest.raises(PolicyError) as info:
-        load_policy(INVALID / name)
+        load_and_build(INVALID / name)
     assert str(info.value) == f"{INVALID / name}:{EXPECTED_ERRORS[name].split(':', 1)[1]}"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "valid").iterdir()))
 def test_valid_fixtures_load(name: str) -> None:
-    loaded = load_policy(FIXTURES / "valid" / name)
+    loaded = load_and_build(FIXTURES / "valid" / name)
     assert len(loaded.sha256) == 64
     assert loaded.policy.routes
 
 
 def test_toml_values_are_parsed_like_yaml() -> None:
-    policy = load_policy(FIXTURES / "valid" / "minimal.toml").policy
+    policy = load_and_build(FIXTURES / "valid" / "minimal.toml").policy
     assert policy.upstreams["backend"].read_timeout == 5.0
     assert policy.routes[0].match.methods == ("GET", "POST")
     assert policy.server.trusted_proxies == ("10.0.0.0/8",)
@@ -171,7 +172,7 @@ def test_toml_values_are_parsed_like_yaml() -> None:
 def test_several_problems_are_all_reported() -> None:
     text = "server:\n  workers: 0\n  listen: nowhere\n"
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        parse_and_build(text, "p.yaml")
     lines = str(info.value).splitlines()
     assert lines == [
         "p.yaml:3: server.listen: invalid listen address 'nowhere': "
@@ -185,7 +186,7 @@ def test_several_problems_are_all_reported() -> None:
 
 
 def test_policy_is_frozen() -> None:
-    policy = load_policy(FIXTURES / "valid" / "default.yaml").policy
+    policy = load_and_build(FIXTURES / "valid" / "default.yaml").policy
     with pytest.raises(ValueError):
         policy.server.workers = 3  # type: ignore[misc]
 
@@ -222,7 +223,7 @@ def test_cli_schema_matches_committed_file() -> None:
 def test_an_unclosed_quote_names_where_it_opened() -> None:
     text = 'upstreams:\n  backend:\n    url: "http://127.0.0.1:8000\nroutes: []\n'
     with pytest.raises(PolicyError) as info:
-        parse_policy(text, "p.yaml")
+        parse_and_build(text, "p.yaml")
     assert str(info.value) == (
         "p.yaml:5: invalid YAML: found unexpected end of stream "
         "(while scanning a quoted scalar that starts on line 3)"

@@ -17,7 +17,7 @@ from aiohttp.streams import StreamReader
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.server import ChunkSizes
+from gateway.edge.server import ChunkSizes
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.rawhttp import split_head, status_of
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.delay_queue import DelayQueue, ShuttingDown
+from gateway.engine.delay_queue import DelayQueue, ShuttingDown
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.rawhttp import exchange, status_of
 

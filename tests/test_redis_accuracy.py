@@ -98,15 +98,15 @@ GLOBAL_BINDS = Load("global binds", 200, 50, 100, 300, clients=8, connections=3)
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from gateway.policy_loader import load_policy
-    from gateway.serve import Gateway
+    from gateway.engine.preflight import load_and_build
+    from gateway.serving.lifecycle import Gateway
     from gateway.stores import RedisStore
 
     store = RedisStore(
         args.store, replicas=args.replicas, timeout_s=args.timeout, key_prefix=args.key_prefix
     )
     gateway = Gateway(
-        load_policy(args.policy), listen=args.listen, admin_listen=args.admin_listen, store=store
+        load_and_build(args.policy), listen=args.listen, admin_listen=args.admin_listen, store=store
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -132,7 +132,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--timeout", type=float, default=0.05)
     parser.add_argument("--key-prefix", default="gw:")
     args = parser.parse_args(argv)
-    from gateway.serve import run_event_loop
+    from gateway.serving.lifecycle import run_event_loop
 
     run_event_loop(lambda: _serve(args))
     return 0

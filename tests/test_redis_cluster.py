@@ -25,7 +25,7 @@ from redis.crc import key_slot
 from gateway.algorithms.combine import CombinedDecision
 from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.clock import FakeClock
-from gateway.limits import Check, CompiledLimit
+from gateway.limits.compiled import Check, CompiledLimit
 from gateway.stores import MemoryStore, RedisStore, StoreUnavailableError
 from gateway.stores.redis.store import StoreReplyError
 from gateway.stores.redis.store import _checked as checked

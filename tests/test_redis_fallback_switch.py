@@ -18,10 +18,10 @@ from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
-from gateway.circuit import CircuitBreaker
 from gateway.clock import FakeClock
-from gateway.limits import Check
+from gateway.limits.compiled import Check
 from gateway.stores import RedisStore
+from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.fallback import CARRY_BACK_BATCH, Owed, carry_back
 from tests import redis_harness
 from tests.redis_harness import RedisFactory

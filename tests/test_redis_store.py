@@ -36,12 +36,12 @@ from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
-from gateway.circuit import CircuitBreaker
 from gateway.clock import FakeClock
-from gateway.keys import KeyBuilder
-from gateway.limits import Check, CompiledLimit, LimitCounters
-from gateway.policy import LeakyBucketLimit
+from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
+from gateway.limits.keys import KeyBuilder
+from gateway.policy.models import LeakyBucketLimit
 from gateway.stores import LimitStore, MemoryStore, RedisStore, StoreUnavailableError
+from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.codecs import codec_for
 from gateway.stores.redis.store import load_script, parse_store_url
 from tests import redis_harness

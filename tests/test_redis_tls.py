@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 import redis
 
-from gateway.circuit import CircuitBreaker
 from gateway.stores.redis import RedisStore
+from gateway.stores.redis.circuit import CircuitBreaker
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisFactory, free_port

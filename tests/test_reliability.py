@@ -22,8 +22,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.policy_loader import parse_policy
-from gateway.serve import Gateway
+from gateway.engine.preflight import parse_and_build
+from gateway.serving.lifecycle import Gateway
 from tests import test_lifecycle as lifecycle
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.rawhttp import status_of
@@ -161,7 +161,7 @@ async def test_reload_storm_under_load_loses_nothing_and_retires_old_pools(
     """200 reloads back to back under load from 8 clients: each switches the upstream and the
     limit, every fifth file is invalid. No request fails, the invalid ones keep the running
     policy, and the runtimes (and upstream pools) each reload retires are all closed."""
-    from gateway.policy_loader import load_policy
+    from gateway.engine.preflight import load_and_build
 
     first, second = await make_upstream(), await make_upstream()
     path = tmp_path / "policy.yaml"
@@ -176,7 +176,7 @@ async def test_reload_storm_under_load_loses_nothing_and_retires_old_pools(
         return policy_for(upstream.url) + limit.format(rate=10000 + i)
 
     path.write_text(policy(0))
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     reloader = gw.gateway.reloader
     assert reloader is not None
     fds_before = len(os.listdir("/proc/self/fd"))
@@ -270,7 +270,7 @@ class _GatewayThread:
             f"http://127.0.0.1:{upstream_port}",
             server="  max_body_size: 64k\n  header_timeout: 2s\n  body_timeout: 2s\n",
         )
-        self.gateway = Gateway(parse_policy(policy, "fuzz.yaml"))
+        self.gateway = Gateway(parse_and_build(policy, "fuzz.yaml"))
         await self.gateway.start()
         self.port = self.gateway.proxy_port
 

@@ -17,7 +17,7 @@ import redis
 from aiohttp import web
 
 from gateway.clock import FakeClock
-from gateway.policy_loader import load_policy
+from gateway.engine.preflight import load_and_build
 from gateway.stores import RedisStore
 from gateway.stores.redis.codecs import codec_for
 from tests import redis_harness
@@ -60,7 +60,7 @@ async def test_invalid_edit_keeps_running_policy_and_reports_exact_error(
 ) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=1))
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     sha_before = gw.gateway.loaded.sha256
     reloader = gw.gateway.reloader
     assert reloader is not None
@@ -89,7 +89,7 @@ async def test_valid_edit_swaps_policy_and_keeps_state_of_unchanged_limits(
     clock = FakeClock()
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=2))
-    gw = await start_gateway(load_policy(path), policy_path=str(path), clock=clock)
+    gw = await start_gateway(load_and_build(path), policy_path=str(path), clock=clock)
     reloader = gw.gateway.reloader
     assert reloader is not None
     async with aiohttp.ClientSession() as session:
@@ -121,7 +121,7 @@ async def test_admin_reload_endpoint(
 ) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url))
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     # Write in place (no rename) and ask for the reload explicitly, as SIGHUP would.
     async with aiohttp.ClientSession() as session:
         async with session.post(gw.admin_url + "/reload") as resp:
@@ -139,7 +139,7 @@ async def test_reload_under_load_loses_no_request(
     path = tmp_path / "policy.yaml"
     generous = LIMIT.format(rate="10000r/s", burst=100000)
     path.write_text(policy_for(upstream.url) + generous)
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     reloader = gw.gateway.reloader
     assert reloader is not None
     statuses: list[int] = []
@@ -188,7 +188,7 @@ async def test_a_request_in_flight_finishes_under_the_policy_it_started_with(
     limit = "limits:\n  {name}:\n    algorithm: leaky_bucket\n    rate: 10r/s\n    burst: 5\n"
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(old.url, limit.format(name="before")))
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     reloader = gw.gateway.reloader
     assert reloader is not None
     async with aiohttp.ClientSession() as session:
@@ -221,7 +221,7 @@ async def test_a_changed_rate_rescales_state_in_redis(
     store = f"store:\n  url: {redis_server.url}\n  key_prefix: 'rescale-e2e:'\n  timeout: 2s\n"
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT.format(rate="6r/m", burst=3) + store)
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     reloader = gw.gateway.reloader
     redis_store = gw.gateway.store
     assert reloader is not None and isinstance(redis_store, RedisStore)
@@ -276,7 +276,7 @@ async def test_other_files_changing_beside_the_policy_do_not_reload_it(
     the policy: each reload logs a line, so a log beside the policy would reload in a loop."""
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=1))
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     reloader = gw.gateway.reloader
     assert reloader is not None
     neighbour = tmp_path / "gateway.log"
@@ -297,7 +297,7 @@ async def test_an_empty_or_routeless_file_is_refused_and_the_policy_stays(
     take the site down: the running policy stays, limit state and readiness with it."""
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=1))
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     reloader = gw.gateway.reloader
     assert reloader is not None
     sha_before = gw.gateway.loaded.sha256
@@ -322,7 +322,7 @@ async def test_reverting_a_bad_edit_clears_the_failure(
     path = tmp_path / "policy.yaml"
     good = policy_for(upstream.url)
     path.write_text(good)
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     reloader = gw.gateway.reloader
     assert reloader is not None
     async with aiohttp.ClientSession() as session:
@@ -349,7 +349,7 @@ async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url))
     gw = await start_gateway(
-        load_policy(path), policy_path=str(path), listen="127.0.0.1:0"
+        load_and_build(path), policy_path=str(path), listen="127.0.0.1:0"
     )  # a command-line --listen override
     reloader = gw.gateway.reloader
     assert reloader is not None

@@ -26,10 +26,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.cli import main
-from gateway.policy_loader import load_policy, parse_policy
+from gateway.cli.main import main
+from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.replay import replay
-from gateway.replay.logs import (
+from gateway.replay.log_formats import (
     Opened,
     ReadStats,
     Request,
@@ -415,7 +415,7 @@ async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decis
         line["limit"] == "rejected" and line["limit_name"] == "per_ip" for line in live.values()
     )
 
-    simulation = Simulation(parse_policy(policy_text, "test.yaml"))
+    simulation = Simulation(parse_and_build(policy_text, "test.yaml"))
     stats = ReadStats()
     opened = open_log(str(log))
     replayed = 0
@@ -439,7 +439,7 @@ async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decis
     assert replayed == sent
     # And the figures of the command agree with the gateway's own counters.
     assert gw.gateway.handler is not None
-    run = await replay([str(log)], [Simulation(parse_policy(policy_text, "test.yaml"))])
+    run = await replay([str(log)], [Simulation(parse_and_build(policy_text, "test.yaml"))])
     replay_counters = run.simulations[0].counters()
     for limit in gw.gateway.handler.runtime.engine.limits:
         c = limit.counters
@@ -491,8 +491,8 @@ async def test_html_report_opens_offline_in_chromium_and_shows_its_charts(
     capsys.readouterr()
     page_text = report.read_text()
     assert "<script src" not in page_text and "<link" not in page_text  # all inlined
-    layered = load_policy(ROOT / "policies" / "layered.yaml").policy
-    charts = 1 + len(layered.limits) + 1 + len(load_policy(current).policy.limits)
+    layered = load_and_build(ROOT / "policies" / "layered.yaml").policy
+    charts = 1 + len(layered.limits) + 1 + len(load_and_build(current).policy.limits)
     async with async_playwright() as playwright:
         browser = await playwright.chromium.launch(executable_path=CHROMIUM)
         try:
@@ -695,7 +695,7 @@ def test_decisions_do_not_depend_on_the_per_line_caches(
     default bounds."""
     import gateway.replay.simulate as simulate
 
-    loaded = load_policy(
+    loaded = load_and_build(
         write_policy(
             tmp_path,
             NGINX_NODELAY + "  api:\n    algorithm: sliding_window\n    limit: 3\n    window: 1s\n"
@@ -756,7 +756,7 @@ def test_combined_log_read_in_pieces_is_read_as_line_by_line(
     """A combined log read from bytes, piece by piece, gives the records, line numbers,
     malformed lines and counts that reading the same text line by line gives, wherever the
     pieces end (inside a line, a CRLF, a multi-byte character)."""
-    import gateway.replay.logs as logs
+    import gateway.replay.log_formats as logs
 
     data = "".join(parts).encode("utf-8")
     if cut_end:

@@ -28,11 +28,11 @@ from gateway.algorithms.registry import build_algorithm
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import FakeClock
-from gateway.engine import LimitEngine
-from gateway.limits import Check, CompiledLimit
-from gateway.policy_loader import parse_policy
+from gateway.engine.limit_engine import LimitEngine
+from gateway.engine.preflight import parse_and_build
+from gateway.limits.compiled import Check, CompiledLimit
 from gateway.stores import LimitStore, MemoryStore, SharedStore
-from gateway.stores.shared import decode_state, encode_state
+from gateway.stores.shared.records import decode_state, encode_state
 from tests.support import T0_US, policy_for
 from tests.test_redis_store import Backend, Op, compiled, operations, run_against_python, stacks
 
@@ -438,7 +438,7 @@ async def test_keys_used_lately_are_not_expired_even_when_idle(state_dir: Path) 
 def _tiered(store: LimitStore, path: Path) -> CompiledLimit:
     """A policy's limit with two plans (variant tables ``per_key~gold``, ``per_key~silver``),
     configured in ``store``."""
-    policy = parse_policy(
+    policy = parse_and_build(
         policy_for(
             "http://127.0.0.1:9",
             "limits:\n  per_key:\n    algorithm: fixed_window\n    limit: 5\n    window: 1h\n"
@@ -504,7 +504,7 @@ async def test_memory_per_key_bounds_a_million_keys(state_dir: Path) -> None:
     keys as long as an IPv6 address) times a million stays within the map a million keys get,
     and churn through twice the bound takes no more pages than the bound (freed pages are
     used again)."""
-    from gateway.stores.shared import MAP_BYTES_BASE, MAP_BYTES_PER_KEY
+    from gateway.stores.shared.lmdb_store import MAP_BYTES_BASE, MAP_BYTES_PER_KEY
 
     clock = FakeClock(T0_US)
     store = SharedStore(state_dir, clock)

@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.policy_loader import load_policy
+from gateway.engine.preflight import load_and_build
 from gateway.stores import build_store
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
@@ -41,8 +41,8 @@ async def test_policy_store_url_puts_limits_in_redis(
     store = f"store:\n  url: {redis_server.url}\n  key_prefix: '{prefix}'\n"
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT + store)
-    first = await start_gateway(load_policy(path))
-    second = await start_gateway(load_policy(path))
+    first = await start_gateway(load_and_build(path))
+    second = await start_gateway(load_and_build(path))
     assert first.gateway.store.name == "redis"
     # Two gateways, one limit: burst 2 + 1 in all, whichever gateway a request goes to.
     statuses = await _statuses(first.url + "/", 2) + await _statuses(second.url + "/", 2)
@@ -68,7 +68,7 @@ async def test_policy_chooses_the_redis_client(
     )
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT + store)
-    gw = await start_gateway(load_policy(path))
+    gw = await start_gateway(load_and_build(path))
     expected = {"thin": "ThinClient", "redis-py": "PipelineClient"}[client]
     assert type(gw.gateway.store.client).__name__ == expected  # type: ignore[attr-defined]
     assert await _statuses(gw.url + "/", 4) == [200, 200, 200, 429]
@@ -79,7 +79,7 @@ async def test_store_settings_change_only_on_restart(
 ) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT)
-    gw = await start_gateway(load_policy(path), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
     path.write_text(policy_for(upstream.url) + LIMIT + "store:\n  url: redis://127.0.0.1:1\n")
     reloader = gw.gateway.reloader
     assert reloader is not None
@@ -91,7 +91,7 @@ async def test_store_settings_change_only_on_restart(
 
 
 def test_environment_overrides_the_policy_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    policy = load_policy(Path(__file__).parent / "fixtures" / "valid" / "default.yaml").policy
+    policy = load_and_build(Path(__file__).parent / "fixtures" / "valid" / "default.yaml").policy
     assert build_store(policy.store).name == "memory"
     monkeypatch.setenv("GATEWAY_STORE_URL", "redis://127.0.0.1:6399/0")
     assert build_store(policy.store).name == "redis"
@@ -108,7 +108,7 @@ async def test_local_fallback_divides_by_replicas_times_workers(
         + "limits:\n  hourly:\n    algorithm: fixed_window\n    limit: 12\n    window: 1h\n"
         + "store:\n  url: redis://127.0.0.1:1\n  replicas: 2\n"
     )
-    gw = await start_gateway(load_policy(path), workers=3)
+    gw = await start_gateway(load_and_build(path), workers=3)
     assert gw.gateway.store.name == "redis"
     async with aiohttp.ClientSession() as session:
         answers = []
@@ -134,7 +134,7 @@ async def test_a_dry_run_limit_adds_no_round_trip_to_redis(
     )
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT + candidate + store)
-    gw = await start_gateway(load_policy(path))
+    gw = await start_gateway(load_and_build(path))
     redis_store = gw.gateway.store
     assert redis_store.name == "redis"
     # The first request also loads the scripts into Redis (NOSCRIPT, then SCRIPT LOAD).

@@ -21,13 +21,14 @@ from hypothesis import strategies as st
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
-from gateway.engine import LimitEngine
-from gateway.limits import Check
-from gateway.overrides import Overrides
-from gateway.policy_loader import PolicyError, load_policy, parse_policy
+from gateway.engine.limit_engine import LimitEngine
+from gateway.engine.preflight import load_and_build, parse_and_build
+from gateway.limits.compiled import Check
+from gateway.policy.loader import PolicyError
+from gateway.policy.overrides import Overrides
 from gateway.redact import REDACTED
 from gateway.stores import MemoryStore, RedisStore
-from gateway.stores.shared import SharedStore
+from gateway.stores.shared.lmdb_store import SharedStore
 from tests import redis_harness
 from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
 from tests.redis_harness import RedisServer
@@ -344,7 +345,7 @@ async def test_overrides_file_is_loaded_and_reloaded_on_change(
     tiers = tmp_path / "tiers.yaml"
     tiers.write_text("# generated\nkey-a: gold\n")
     path = _overrides_policy(tmp_path, upstream.url)
-    gw = await start_gateway(load_policy(path), clock=FakeClock(), policy_path=str(path))
+    gw = await start_gateway(load_and_build(path), clock=FakeClock(), policy_path=str(path))
     gateway = gw.gateway
     first_sha = gateway.loaded.sha256
 
@@ -390,7 +391,7 @@ def test_gateway_check_names_the_overrides_file_and_line(
         (tmp_path / name).write_text(text)
     path = _overrides_policy(tmp_path, "http://127.0.0.1:9", name)
     with pytest.raises(PolicyError) as raised:
-        load_policy(path)
+        load_and_build(path)
     assert str(raised.value).startswith(expected.format(file=tmp_path / name))
 
 
@@ -423,7 +424,7 @@ def test_gateway_check_names_the_overrides_file_and_line(
 def test_invalid_tiers_in_the_policy_are_one_line_each(limit: str, expected: str) -> None:
     text = policy_for("http://127.0.0.1:9", "limits:\n  l:\n    " + limit)
     with pytest.raises(PolicyError) as raised:
-        parse_policy(text, "test.yaml")
+        parse_and_build(text, "test.yaml")
     assert str(raised.value) == expected
 
 
@@ -438,7 +439,7 @@ def test_100k_overrides_load_quickly(tmp_path: Path) -> None:
     )
     path.write_text(text)
     started = time.perf_counter()
-    loaded = load_policy(path)
+    loaded = load_and_build(path)
     engine = LimitEngine(loaded.policy, MemoryStore(FakeClock()), build_algorithm)
     took_s = time.perf_counter() - started
     print(f"100,000 overrides: policy loaded and engine built in {took_s:.3f} s")
@@ -459,7 +460,7 @@ def test_100k_overrides_load_quickly(tmp_path: Path) -> None:
 def test_cidr_lookup_is_the_longest_matching_prefix(
     networks: list[tuple[int, int]], address: int
 ) -> None:
-    policy = parse_policy(
+    policy = parse_and_build(
         policy_for(
             "http://127.0.0.1:9", "limits:\n  l:\n    algorithm: token_bucket\n    rate: 1r/s\n"
         ),
@@ -548,5 +549,5 @@ def test_a_leased_limit_refuses_tiers_and_cost() -> None:
     limit = "algorithm: fixed_window\n    limit: 5\n    window: 1m\n    lease: {}\n    cost: 2\n"
     text = policy_for("http://127.0.0.1:9", "limits:\n  l:\n    " + limit)
     with pytest.raises(PolicyError) as raised:
-        parse_policy(text, "test.yaml")
+        parse_and_build(text, "test.yaml")
     assert "a leased limit takes no overrides, overrides_file or cost" in str(raised.value)

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.upstream_client import (
+from gateway.edge.upstream_client import (
     UpstreamClosed,
     UpstreamConnectError,
     UpstreamPool,

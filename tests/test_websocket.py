@@ -423,7 +423,7 @@ async def test_a_reload_does_not_wait_for_open_websockets(
 ) -> None:
     """The relay holds nothing of the policy it was admitted under: the old runtime retires
     (its pools closed) while the WebSocket goes on."""
-    from gateway.policy_loader import parse_policy
+    from gateway.engine.preflight import parse_and_build
 
     gw = await _gateway(start_gateway, ws_upstream.url)
     async with (
@@ -433,7 +433,7 @@ async def test_a_reload_does_not_wait_for_open_websockets(
         await ws.send_str("before")
         assert await ws.receive_str() == "before"
         old = gw.gateway.handler.runtime
-        gw.gateway.apply(parse_policy(policy_for(ws_upstream.url) + "# changed\n", "test.yaml"))
+        gw.gateway.apply(parse_and_build(policy_for(ws_upstream.url) + "# changed\n", "test.yaml"))
         assert gw.gateway.handler.runtime is not old
         await _wait_for(lambda: not gw.gateway._retired)
         assert old.inflight == 0

@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Final
 
 from gateway.algorithms.base import Algorithm, Decision, build
-from gateway.units import parse_rate
+from gateway.policy.units import parse_rate
 
 _LAST_BITS: Final = 44
 _LAST_MASK: Final = (1 << _LAST_BITS) - 1

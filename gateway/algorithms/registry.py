@@ -10,7 +10,7 @@ from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import token_bucket
-from gateway.policy import LeakyBucketLimit, Limit, TokenBucketLimit, WindowLimit
+from gateway.policy.models import LeakyBucketLimit, Limit, TokenBucketLimit, WindowLimit
 
 _WINDOWS: dict[str, type[FixedWindow | SlidingWindow | SlidingLog]] = {
     "fixed_window": FixedWindow,

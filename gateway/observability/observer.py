@@ -28,8 +28,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
-from gateway.observability.shared import SnapshotDirectory
 from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
+from gateway.observability.snapshot_files import SnapshotDirectory
 from gateway.observability.timeline import Timeline
 from gateway.observability.worker import ObservedHandler, ObservedProxy, WorkerMetrics, WorkerState
 

@@ -20,15 +20,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gateway import __version__
-from gateway.observability.hooks import UPSTREAM_ERROR_REASONS
+from gateway.edge.annotations import UPSTREAM_ERROR_REASONS
 from gateway.observability.leases import lease_metrics
 from gateway.observability.snapshot import DECISION_RESULTS, GatewaySnapshot, HistogramData
-from gateway.observability.stats import (
-    QUEUE_WAIT_BUCKETS,
-    REQUEST_DURATION_BUCKETS,
-    STORE_LATENCY_BUCKETS,
-    STORE_STATES,
-)
+from gateway.observability.stats import QUEUE_WAIT_BUCKETS, REQUEST_DURATION_BUCKETS
+from gateway.stores.store_stats import STORE_LATENCY_BUCKETS, STORE_STATES
 
 RELOAD_RESULTS = ("ok", "failed", "unchanged")
 # (name, help, type) of the process metrics, as prometheus-client's ProcessCollector names them.

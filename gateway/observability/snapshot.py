@@ -13,15 +13,12 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.limits import DecisionCounts
+from gateway.histogram import Histogram
+from gateway.limits.compiled import DecisionCounts
 from gateway.observability.leases import LeaseData, plus
-from gateway.observability.stats import (
-    QUEUE_WAIT_BUCKETS,
-    REQUEST_DURATION_BUCKETS,
-    STORE_LATENCY_BUCKETS,
-    Histogram,
-)
-from gateway.reload import ReloadStatus
+from gateway.observability.stats import QUEUE_WAIT_BUCKETS, REQUEST_DURATION_BUCKETS
+from gateway.policy.reload_status import ReloadStatus
+from gateway.stores.store_stats import STORE_LATENCY_BUCKETS
 
 # Results of the ``gateway_limit_decisions_total`` counter: ``LimitData`` has a field of each name.
 DECISION_RESULTS: tuple[str, ...] = DecisionCounts._fields

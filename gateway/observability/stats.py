@@ -6,11 +6,9 @@ take a dict increment. They are read, never reset, once per second (snapshot) an
 
 from __future__ import annotations
 
-import logging
-from bisect import bisect_left
 from typing import Final
 
-log = logging.getLogger("gateway.store")
+from gateway.histogram import Histogram
 
 # Upper bounds (seconds, Prometheus ``le``) of the histogram buckets; +Inf is implied.
 REQUEST_DURATION_BUCKETS: Final = (
@@ -18,9 +16,6 @@ REQUEST_DURATION_BUCKETS: Final = (
 )  # fmt: skip
 QUEUE_WAIT_BUCKETS: Final = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
-STORE_LATENCY_BUCKETS: Final = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 )  # fmt: skip
 
 # The ``method`` label: these, anything else is ``OTHER`` (a client picks the method).
@@ -30,21 +25,6 @@ KNOWN_METHODS: Final = {
 OTHER_METHOD: Final = "OTHER"
 # The ``route`` label of requests no route took (a route name must start with a letter/digit).
 UNMATCHED_ROUTE: Final = "_unmatched"
-
-
-class Histogram:
-    """Bucket counts (not cumulative) and a sum; the last count is the +Inf bucket."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
 
 
 class RequestStats:
@@ -79,20 +59,6 @@ class RequestStats:
         self.local[key] = self.local.get(key, 0) + 1
 
 
-class UpgradeStats:
-    """Upgraded (WebSocket) connections: open now, opened in all, bytes relayed each way, and
-    how many the idle timeout closed. The relay adds to these as bytes pass (one int add)."""
-
-    __slots__ = ("bytes_from_client", "bytes_from_upstream", "idle_timeouts", "open", "total")
-
-    def __init__(self) -> None:
-        self.open = 0
-        self.total = 0
-        self.bytes_from_client = 0
-        self.bytes_from_upstream = 0
-        self.idle_timeouts = 0
-
-
 class QueueWaits:
     """How long delayed requests waited, per limit."""
 
@@ -106,49 +72,3 @@ class QueueWaits:
         if histogram is None:
             histogram = self.by_limit[limit] = Histogram(QUEUE_WAIT_BUCKETS)
         histogram.observe(wait_s)
-
-
-# Values of ``StoreStats.state``, what answers the limit decisions: ``ok`` the store itself;
-# ``fallback`` the Redis store's ``on_failure`` after a failed call, its circuit still closed;
-# ``open`` / ``half_open`` its circuit's states, ``on_failure`` answering meanwhile.
-STORE_STATES: Final = ("ok", "fallback", "open", "half_open")
-
-
-class StoreStats:
-    """What a limit store reports about itself; a store holds one as ``store.stats``.
-
-    The memory store needs only ``calls``; a remote store also times its calls, counts its
-    errors and reports its state with ``set_state`` (which logs each change, not each call).
-    """
-
-    __slots__ = ("calls", "errors", "latency", "state", "transitions")
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.errors = 0
-        self.latency = Histogram(STORE_LATENCY_BUCKETS)
-        self.state = "ok"
-        # How often each change of state happened, keyed "from>to": a gauge sampled once a
-        # second misses a circuit that opened and closed in between; this does not.
-        self.transitions: dict[str, int] = {}
-
-    def observe(self, seconds: float) -> None:
-        """One call that took ``seconds``."""
-        self.calls += 1
-        self.latency.observe(seconds)
-
-    def error(self) -> None:
-        self.errors += 1
-
-    def set_state(self, state: str, reason: str = "") -> None:
-        """Move to ``state`` (one of ``STORE_STATES``), logging the transition if it is one."""
-        if state not in STORE_STATES:
-            raise ValueError(f"unknown store state {state!r}; expected one of {STORE_STATES}")
-        if state != self.state:
-            level = logging.INFO if state == "ok" else logging.WARNING
-            log.log(
-                level, "store state %s -> %s%s", self.state, state, f": {reason}" if reason else ""
-            )
-            change = f"{self.state}>{state}"
-            self.transitions[change] = self.transitions.get(change, 0) + 1
-            self.state = state

@@ -20,10 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from aiohttp.web_request import BaseRequest
 
 from gateway.clock import Clock
-from gateway.keys import shown_key
-from gateway.limits import Check, DecisionCounts
-from gateway.logs import JSON_LINE, json_line
-from gateway.observability.hooks import (
+from gateway.edge.annotations import (
     CLIENT_IP,
     LIMIT_OUTCOME,
     LOCAL_ANSWER,
@@ -31,6 +28,10 @@ from gateway.observability.hooks import (
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
 )
+from gateway.edge.upgrade_stats import UpgradeStats
+from gateway.limits.compiled import Check, DecisionCounts
+from gateway.limits.keys import shown_key
+from gateway.log_setup import JSON_LINE, json_line
 from gateway.observability.leases import lease_data
 from gateway.observability.process import read_process
 from gateway.observability.sketch import RecentTopKeys
@@ -47,14 +48,13 @@ from gateway.observability.stats import (
     UNMATCHED_ROUTE,
     QueueWaits,
     RequestStats,
-    StoreStats,
-    UpgradeStats,
 )
+from gateway.stores.store_stats import StoreStats
 
 if TYPE_CHECKING:
-    from gateway.engine import Outcome
-    from gateway.reload import ReloadStatus
-    from gateway.runtime import Runtime
+    from gateway.edge.runtime import Runtime
+    from gateway.engine.limit_engine import Outcome
+    from gateway.policy.reload_status import ReloadStatus
 
 access_log = logging.getLogger("gateway.access")
 JSON_EXTRA: Final = {JSON_LINE: True}

@@ -11,8 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from gateway.policy_loader import PolicyError, load_policy
-from gateway.replay.logs import FORMATS, LogError
+from gateway.engine.preflight import load_and_build
+from gateway.policy.loader import PolicyError
+from gateway.replay.log_formats import FORMATS, LogError
 from gateway.replay.report import document, html_page, text
 from gateway.replay.run import Run, replay
 from gateway.replay.simulate import Simulation
@@ -35,8 +36,8 @@ def main(
 ) -> int:
     """Run a replay for the command line: 0, or 1 with one line on stderr for a user's error."""
     try:
-        candidate = load_policy(config)
-        current = load_policy(compare) if compare else None
+        candidate = load_and_build(config)
+        current = load_and_build(compare) if compare else None
     except PolicyError as exc:
         print(f"gateway replay: invalid policy:\n{exc}", file=sys.stderr)
         return 1

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
-from gateway.keys import SEP, TAG
-from gateway.replay.logs import US
+from gateway.limits.keys import SEP, TAG
+from gateway.replay.log_formats import US
 from gateway.replay.run import Run
 from gateway.replay.simulate import (
     ALLOWED,

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from gateway.replay.logs import (
+from gateway.replay.log_formats import (
     LogError,
     Opened,
     ReadStats,

@@ -21,14 +21,14 @@ from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy, 
 from yarl import URL
 
 from gateway.algorithms.registry import build_algorithm
-from gateway.client_ip import ClientIPResolver, client_key
 from gateway.clock import FakeClock
-from gateway.engine import LimitEngine, Outcome
-from gateway.keys import RequestFacts
-from gateway.policy import Route
-from gateway.policy_loader import LoadedPolicy
-from gateway.replay.logs import US, Request
-from gateway.routing import RouteTable, normalise_host, routing_path
+from gateway.edge.client_ip import ClientIPResolver, client_key
+from gateway.engine.limit_engine import LimitEngine, Outcome
+from gateway.limits.keys import RequestFacts
+from gateway.limits.routing import RouteTable, normalise_host, routing_path
+from gateway.policy.loader import LoadedPolicy
+from gateway.policy.models import Route
+from gateway.replay.log_formats import US, Request
 from gateway.stores import MemoryStore, store_url
 
 # What came of one request, beside the engine's own counters.

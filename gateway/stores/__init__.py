@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 
 from gateway.clock import Clock
-from gateway.policy import StoreSettings
+from gateway.policy.models import StoreSettings
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import LimitStore, StoreUnavailableError
 from gateway.stores.redis import RedisStore
-from gateway.stores.shared import SharedStore, worker_runtime_dir
+from gateway.stores.shared.lmdb_store import SharedStore
+from gateway.stores.shared.runtime_dir import worker_runtime_dir
 
 __all__ = [
     "STORE_URL_ENV",

@@ -8,9 +8,9 @@ from typing import Any
 from gateway.algorithms.base import Decision, build
 from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
-from gateway.limits import Check, CompiledLimit, with_variants
-from gateway.observability.stats import StoreStats
+from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.keyed_state import KeyedState
+from gateway.stores.store_stats import StoreStats
 
 
 class MemoryStore:

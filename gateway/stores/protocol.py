@@ -11,8 +11,8 @@ from typing import Protocol
 
 from gateway.algorithms.combine import CombinedDecision
 from gateway.clock import Clock
-from gateway.limits import Check, CompiledLimit
-from gateway.observability.stats import StoreStats
+from gateway.limits.compiled import Check, CompiledLimit
+from gateway.stores.store_stats import StoreStats
 
 
 class StoreUnavailableError(Exception):

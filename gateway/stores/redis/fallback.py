@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
-from gateway.limits import Check, CompiledLimit
+from gateway.limits.compiled import Check, CompiledLimit
 
 MAX_OWED_KEYS: Final = 10_000
 # Charges of owed admissions in flight together.

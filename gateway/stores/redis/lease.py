@@ -49,14 +49,14 @@ from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
-from gateway.circuit import CircuitBreaker
 from gateway.clock import Clock
-from gateway.limits import Check, CompiledLimit
-from gateway.observability.stats import StoreStats
-from gateway.policy import LeaseSettings
+from gateway.limits.compiled import Check, CompiledLimit
+from gateway.policy.models import LeaseSettings
+from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.clients import ScriptClient, submit_recovering
 from gateway.stores.redis.fallback import Owed, carry_back
 from gateway.stores.redis.lease_grant import permille
+from gateway.stores.store_stats import StoreStats
 
 log = logging.getLogger("gateway.store")
 

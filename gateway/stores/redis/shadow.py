@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from gateway.limits import Check
+from gateway.limits.compiled import Check
 
 FOLD_INTERVAL_S: Final = 0.1
 MAX_PENDING_KEYS: Final = 4096

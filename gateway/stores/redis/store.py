@@ -18,12 +18,11 @@ from redis.retry import Retry
 
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
-from gateway.circuit import CircuitBreaker
 from gateway.clock import Clock, MonotonicClock
-from gateway.limits import Check, CompiledLimit, with_variants
-from gateway.observability.stats import StoreStats
+from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
+from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.clients import (
     PipelineClient,
     ScriptClient,
@@ -32,9 +31,10 @@ from gateway.stores.redis.clients import (
 )
 from gateway.stores.redis.codecs import Codec, codec_for
 from gateway.stores.redis.fallback import CarryBackFailedError, Owed, carry_back
-from gateway.stores.redis.keys import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
+from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
 from gateway.stores.redis.shadow import FOLD_INTERVAL_S, PendingCharges
+from gateway.stores.store_stats import StoreStats
 
 FailureMode = Literal["local", "allow", "deny"]
 FAILURE_MODES: Final = ("local", "allow", "deny")

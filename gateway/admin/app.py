@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from gateway.admin_auth import AdminAuth, auth_middleware, login_routes
-from gateway.client_ip import client_key
-from gateway.engine import Explanation, LimitEngine, LimitLook
-from gateway.keys import RequestFacts
-from gateway.policy import OVERRIDE_PARAMS, Policy
+from gateway.admin.auth import AdminAuth, auth_middleware, login_routes
+from gateway.edge.client_ip import client_key
+from gateway.edge.responses import SERVER
+from gateway.engine.limit_engine import Explanation, LimitEngine, LimitLook
+from gateway.limits.keys import RequestFacts
+from gateway.limits.routing import normalise_host
+from gateway.policy.models import OVERRIDE_PARAMS, Policy
 from gateway.redact import REDACTED, redact_url
-from gateway.responses import SERVER
-from gateway.routing import normalise_host
 from gateway.stores import store_url
 
 if TYPE_CHECKING:
-    from gateway.proxy import ProxyHandler
-    from gateway.reload import PolicyReloader
+    from gateway.edge.proxy import ProxyHandler
+    from gateway.policy.reload_status import ReloadStatus
+
+
+class Reloads(Protocol):
+    """What ``POST /reload`` and ``/policy`` need of the worker's reloader."""
+
+    status: ReloadStatus
+
+    async def reload(self) -> str: ...
 
 
 @dataclass(slots=True)
@@ -31,7 +39,7 @@ class AdminState:
     handler: ProxyHandler
     ready: bool = False
     worker_id: int = 0
-    reloader: PolicyReloader | None = None
+    reloader: Reloads | None = None
     # server settings as the worker runs them (command-line overrides and bound ports
     # included): a reload cannot move them, so the file's values may not be the ones in force.
     in_force: dict[str, Any] = field(default_factory=dict)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway.algorithms.base import Algorithm
-from gateway.limits import CompiledLimit
+from gateway.limits.compiled import CompiledLimit
 from gateway.stores.redis.codecs import Codec
 
 WHOLE_KEY: Final = -1

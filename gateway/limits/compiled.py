@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
-from gateway.keys import KeyBuilder
-from gateway.overrides import Tiering
-from gateway.policy import Limit, Route
-from gateway.routing import CompiledMatch
+from gateway.limits.keys import KeyBuilder
+from gateway.limits.routing import CompiledMatch
+from gateway.policy.models import Limit, Route
+from gateway.policy.overrides import Tiering
 
 
 class DecisionCounts(NamedTuple):

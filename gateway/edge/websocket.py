@@ -23,18 +23,18 @@ import httptools
 from aiohttp import HttpVersion11, web
 from aiohttp.web_request import BaseRequest
 
-from gateway.forwarding import (
+from gateway.edge.annotations import UPSTREAM_ERROR, upstream_error_reason
+from gateway.edge.forwarding import (
     ForwardedFor,
     RequestFraming,
     build_request_head,
     response_head,
     response_headers,
 )
-from gateway.observability.hooks import UPSTREAM_ERROR, upstream_error_reason
-from gateway.observability.stats import UpgradeStats
-from gateway.responses import HttpDate, PreparedResponse, error_response
-from gateway.server import GatewayProtocol
-from gateway.upstream_client import (
+from gateway.edge.responses import HttpDate, PreparedResponse, error_response
+from gateway.edge.server import GatewayProtocol
+from gateway.edge.upgrade_stats import UpgradeStats
+from gateway.edge.upstream_client import (
     UpstreamClosed,
     UpstreamError,
     UpstreamProtocolError,
@@ -42,8 +42,8 @@ from gateway.upstream_client import (
 )
 
 if TYPE_CHECKING:
-    from gateway.engine import Outcome
-    from gateway.runtime import Runtime, UpstreamTarget
+    from gateway.edge.runtime import Runtime, UpstreamTarget
+    from gateway.engine.limit_engine import Outcome
 
 # Write buffer toward one side above which the other side is no longer read, and below which
 # reading resumes: at most about this much is held per direction, whatever the peers' speeds.

@@ -36,11 +36,8 @@ other state is tagged (``tick | tag | payload``, the tick's top bit set to say s
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
-import shutil
 import struct
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, NamedTuple
@@ -50,22 +47,25 @@ import lmdb
 from gateway.algorithms.base import Decision, build
 from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
-from gateway.limits import Check, CompiledLimit, with_variants
-from gateway.observability.stats import StoreStats
+from gateway.limits.compiled import Check, CompiledLimit, with_variants
+from gateway.stores.shared.records import (
+    MAX_KEY_BYTES,
+    TAGGED,
+    TICK,
+    TICK_STATE,
+    decode_state,
+    encode_state,
+    key_bytes,
+)
+from gateway.stores.store_stats import StoreStats
 
-ENV_SHARED_DIR: Final = "GATEWAY_SHARED_DIR"
-DIR_PREFIX: Final = "gateway-limits-"
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
 # for keys up to ``MAX_KEY_BYTES``; the map is sparse, only pages in use take memory.
 MAP_BYTES_PER_KEY: Final = 2048
 MAP_BYTES_BASE: Final = 64 << 20
-MAX_KEY_BYTES: Final = 400  # LMDB keys stop at 511 bytes: longer limit keys are hashed
 TICK_US: Final = 100_000  # LRU order to 100 ms: a hot key moves in it at most 10 times a second
 
 _SLOT = struct.Struct(">I")
-_TICK = struct.Struct(">Q")
-_TICK_STATE = struct.Struct(">Qq")  # a state that fits 64 bits, as almost every one does
-_TAGGED: Final = 1 << 63  # on the tick: the state is tagged, not packed
 _COUNTS = struct.Struct("<qqq")  # keys, evictions, expiries
 # Idle keys looked at, least recently used first, each time a new key is added (as nginx).
 EXPIRE_ON_INSERT: Final = 2
@@ -92,77 +92,6 @@ class _Table(NamedTuple):
     algorithm: Any
     max_keys: int
     prefix: bytes = b""  # the slot as the keys' prefix (not stored)
-
-
-def runtime_dir(supervisor_pid: int | None = None) -> Path:
-    """The directory of one gateway's shared state, named after its supervisor, under
-    ``$GATEWAY_SHARED_DIR``, else ``/dev/shm`` (a temporary directory when there is none)."""
-    configured = os.environ.get(ENV_SHARED_DIR)
-    if configured:
-        base = Path(configured)
-    elif Path("/dev/shm").is_dir():
-        base = Path("/dev/shm")
-    else:
-        base = Path(tempfile.gettempdir())
-    return base / f"{DIR_PREFIX}{supervisor_pid or os.getpid()}"
-
-
-def worker_runtime_dir(workers: int) -> Path:
-    """Where this process finds the shared state: a worker of ``--workers N`` its
-    supervisor's directory (cleaned by the supervisor before it started the workers), a lone
-    process its own, cleaned now."""
-    if workers > 1:
-        return runtime_dir(os.getppid())
-    path = runtime_dir(os.getpid())
-    clean_runtime_dir(path)
-    return path
-
-
-def clean_runtime_dir(path: Path) -> None:
-    """Start from empty state: remove what a previous gateway left, and the directories of
-    supervisors that have exited (one killed cannot clean up after itself)."""
-    shutil.rmtree(path, ignore_errors=True)
-    for directory in path.parent.glob(f"{DIR_PREFIX}*"):
-        pid = directory.name.removeprefix(DIR_PREFIX)
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(directory, ignore_errors=True)
-    path.mkdir(parents=True, exist_ok=True)
-
-
-def encode_payload(state: Any) -> bytes:
-    """``tag | payload``: states are ints (packed by their algorithm) or bytes."""
-    if isinstance(state, int):
-        return b"i" + state.to_bytes((state.bit_length() + 8) // 8, "little", signed=True)
-    if isinstance(state, bytes):
-        return b"b" + state
-    raise TypeError(f"a state of type {type(state).__name__} cannot be shared")
-
-
-def encode_state(tick: int, state: Any) -> bytes:
-    """``tick | state`` (16 bytes) for a state that fits 64 bits, else ``tick | tag |
-    payload`` with the tick's top bit set."""
-    try:
-        return _TICK_STATE.pack(tick, state)
-    except struct.error:  # a larger int, or bytes
-        return _TICK.pack(tick | _TAGGED) + encode_payload(state)
-
-
-def decode_state(raw: bytes) -> tuple[int, Any]:
-    if len(raw) == 16:
-        tick, state = _TICK_STATE.unpack(raw)
-        if tick < _TAGGED:
-            return tick, state
-    tick = _TICK.unpack_from(raw)[0] & ~_TAGGED
-    if raw[8:9] == b"i":
-        return tick, int.from_bytes(raw[9:], "little", signed=True)
-    return tick, bytes(raw[9:])
-
-
-def key_bytes(key: str) -> bytes:
-    raw = key.encode("utf-8", "surrogatepass")
-    if len(raw) > MAX_KEY_BYTES:
-        return b"#" + hashlib.blake2b(raw, digest_size=32).digest()
-    return raw
 
 
 def policy_hash(limits: Sequence[CompiledLimit]) -> bytes:
@@ -257,7 +186,7 @@ class SharedStore:
                 self._apply(txn, limits, now_us)
                 txn.put(_POLICY, wanted, db=self._meta)
                 generation = self._read_int(txn, _GENERATION) + 1
-                txn.put(_GENERATION, _TICK.pack(generation), db=self._meta)
+                txn.put(_GENERATION, TICK.pack(generation), db=self._meta)
             self._load_tables(txn)
 
     def _apply(self, txn: Any, limits: Sequence[CompiledLimit], now_us: int) -> None:
@@ -274,7 +203,7 @@ class SharedStore:
                 kept.add(limit.table)
             else:
                 slot = self._read_int(txn, _NEXT_SLOT)
-                txn.put(_NEXT_SLOT, _TICK.pack(slot + 1), db=self._meta)
+                txn.put(_NEXT_SLOT, TICK.pack(slot + 1), db=self._meta)
             record = (slot, limit.identity, limit.algorithm, limit.spec.max_keys)
             txn.put(b"table:" + limit.table.encode(), pickle.dumps(record), db=self._meta)
         for name, table in tables.items():
@@ -321,7 +250,7 @@ class SharedStore:
 
     def _read_int(self, txn: Any, name: bytes) -> int:
         raw = txn.get(name, db=self._meta)
-        return 0 if raw is None else int(_TICK.unpack(raw)[0])
+        return 0 if raw is None else int(TICK.unpack(raw)[0])
 
     def _slot_keys(self, txn: Any, db: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
         items: list[tuple[bytes, bytes]] = []
@@ -369,14 +298,14 @@ class SharedStore:
         txn.delete(b"counts:" + prefix, db=self._meta)
         if evictions:
             dropped_key = _DROPPED + name.encode()
-            txn.put(dropped_key, _TICK.pack(self._read_int(txn, dropped_key) + evictions),
+            txn.put(dropped_key, TICK.pack(self._read_int(txn, dropped_key) + evictions),
                     db=self._meta)  # fmt: skip
 
     def _forget(self, txn: Any, slot: int, key: bytes, tick: int) -> None:
         """Drop one key (``key`` with its slot prefix)."""
         prefix = _SLOT.pack(slot)
         txn.delete(key, db=self._state)
-        txn.delete(prefix + _TICK.pack(tick) + key[4:], db=self._lru)
+        txn.delete(prefix + TICK.pack(tick) + key[4:], db=self._lru)
         count, evictions, expiries = self._counts(txn, slot)
         txn.put(b"counts:" + prefix, _COUNTS.pack(count - 1, evictions, expiries), db=self._meta)
 
@@ -542,8 +471,8 @@ class SharedStore:
         by_limit = self._by_limit
         get = txn.get
         put = txn.put if write else None
-        unpack = _TICK_STATE.unpack
-        pack = _TICK_STATE.pack
+        unpack = TICK_STATE.unpack
+        pack = TICK_STATE.pack
         now_tick = now_us // TICK_US
         found: list[_Found] = []
         moved: list[_Moved] | None = None
@@ -579,8 +508,8 @@ class SharedStore:
                     try:
                         tick, state = unpack(raw)
                     except struct.error:  # not 16 bytes: tagged
-                        tick = _TAGGED
-                    if tick >= _TAGGED:
+                        tick = TAGGED
+                    if tick >= TAGGED:
                         tick, state = decode_state(raw)
                 decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
                 if tick == now_tick and new_state is not None:  # a known key, this LRU tick
@@ -648,8 +577,8 @@ class SharedStore:
             self._insert(txn, table, key, now_us, now_tick)
         else:
             lru = self._lru
-            txn.delete(key[:4] + _TICK.pack(tick) + key[4:], b"", lru)
-            txn.put(key[:4] + _TICK.pack(now_tick) + key[4:], b"", True, True, False, lru)
+            txn.delete(key[:4] + TICK.pack(tick) + key[4:], b"", lru)
+            txn.put(key[:4] + TICK.pack(now_tick) + key[4:], b"", True, True, False, lru)
         txn.put(key, encode_state(now_tick, state), True, True, False, self._state)
 
     def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: int) -> None:
@@ -661,7 +590,7 @@ class SharedStore:
         interval between its requests (a high rate) would otherwise be dropped and counted
         in again on every request, paying for both."""
         prefix = table.prefix
-        recent = _TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
+        recent = TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
         state_db = self._state
         count, evictions, expiries = self._counts(txn, table.slot)
         is_idle = table.algorithm.is_idle
@@ -690,7 +619,7 @@ class SharedStore:
                 count -= 1
         txn.put(b"counts:" + prefix, _COUNTS.pack(count + 1, evictions, expiries),
                 True, True, False, self._meta)  # fmt: skip
-        txn.put(prefix + _TICK.pack(now_tick) + key[4:], b"", True, True, False, self._lru)
+        txn.put(prefix + TICK.pack(now_tick) + key[4:], b"", True, True, False, self._lru)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
@@ -744,7 +673,7 @@ class SharedStore:
                         break
                     table_name = name[len(_DROPPED) :].decode()
                     if table_name == limit_name or table_name.startswith(variant):
-                        evictions += _TICK.unpack(cursor.value())[0]
+                        evictions += TICK.unpack(cursor.value())[0]
                     found = cursor.next()
         return keys, evictions
 

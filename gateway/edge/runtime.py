@@ -13,13 +13,13 @@ from urllib.parse import urlsplit
 
 from gateway import __version__
 from gateway.algorithms.registry import build_algorithm
-from gateway.client_ip import ClientIPResolver
-from gateway.engine import LimitEngine
-from gateway.policy import ServerSettings, Upstream
-from gateway.policy_loader import LoadedPolicy
-from gateway.routing import RouteTable
+from gateway.edge.client_ip import ClientIPResolver
+from gateway.edge.upstream_client import UpstreamPool
+from gateway.engine.limit_engine import LimitEngine
+from gateway.limits.routing import RouteTable
+from gateway.policy.loader import LoadedPolicy
+from gateway.policy.models import ServerSettings, Upstream
 from gateway.stores import LimitStore
-from gateway.upstream_client import UpstreamPool
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.policy import ServerSettings
+from gateway.policy.models import ServerSettings
 
 if TYPE_CHECKING:  # aiohttp is imported where it is used: `gateway healthcheck` needs none
     from aiohttp import web

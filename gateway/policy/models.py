@@ -24,8 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.policy.units import Rate, parse_duration, parse_rate, parse_size
 from gateway.redact import redact_url
-from gateway.units import Rate, parse_duration, parse_rate, parse_size
 
 
 def _duration(value: Any) -> float:

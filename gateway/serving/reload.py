@@ -13,30 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import watchfiles
-from pydantic import BaseModel, ConfigDict
 
-from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
+from gateway.engine.preflight import load_and_build
+from gateway.policy.loader import LoadedPolicy, PolicyError
+from gateway.policy.reload_status import ReloadStatus
 
 log = logging.getLogger("gateway.reload")
 # watchfiles logs every batch of changes it sees at INFO. The directory it watches may hold the
 # gateway's own log file: each such line would be the next change, about 10 lines a second
 # forever. Our reloads log what matters.
 logging.getLogger("watchfiles").setLevel(logging.WARNING)
-
-
-class ReloadStatus(BaseModel):
-    """How this worker's reloads went: the one record ``/policy``, the metrics and the dashboard
-    show. Frozen: the reloader replaces it, so a snapshot holding one never sees it change."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    succeeded: int = 0
-    failed: int = 0
-    unchanged: int = 0
-    last_result: str = "none"
-    last_error: str | None = None
-    last_success_at: float | None = None
-    last_attempt_at: float | None = None
 
 
 class PolicyReloader:
@@ -64,7 +50,7 @@ class PolicyReloader:
         async with self._lock:
             self._update(last_attempt_at=time.time())
             try:
-                loaded = load_policy(self.path)
+                loaded = load_and_build(self.path)
                 if loaded.sha256 == self._running().sha256:
                     self._update(unchanged=self.status.unchanged + 1)
                     if self.status.last_result == "failed":

@@ -18,11 +18,11 @@ from typing import Any
 
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
-from gateway.delay_queue import DelayQueue
-from gateway.keys import KeyBuilder, RequestFacts
-from gateway.limits import Check, CompiledLimit, LimitCounters
-from gateway.overrides import compile_tiering
-from gateway.policy import (
+from gateway.engine.delay_queue import DelayQueue
+from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
+from gateway.limits.keys import KeyBuilder, RequestFacts
+from gateway.limits.routing import CompiledMatch, compile_match
+from gateway.policy.models import (
     Access,
     LeakyBucketLimit,
     Limit,
@@ -32,7 +32,7 @@ from gateway.policy import (
     Route,
     WindowLimit,
 )
-from gateway.routing import CompiledMatch, compile_match
+from gateway.policy.overrides import compile_tiering
 from gateway.stores import LimitStore, StoreUnavailableError
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]

@@ -16,10 +16,10 @@ import ipaddress
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from gateway.policy import Cost, tier_specs
+from gateway.policy.models import Cost, tier_specs
 
-# A compiled limit (``gateway.limits.CompiledLimit``, which holds a ``Tiering``: generic here
-# so that this module needs nothing from it).
+# A compiled limit (``gateway.limits.compiled.CompiledLimit``, which holds a ``Tiering``:
+# generic here so that this module needs nothing from it).
 L = TypeVar("L")
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from gateway.policy import Route, RouteMatch
+from gateway.policy.models import Route, RouteMatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,22 +13,22 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from gateway.admin import AdminState, make_admin_app
-from gateway.admin_auth import AdminAuth, AdminTokenError
+from gateway.admin.app import AdminState, make_admin_app
+from gateway.admin.auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
-from gateway.demo_upstream import DemoUpstream
-from gateway.heap import freeze_startup_heap, refreeze_heap
+from gateway.edge.proxy import ProxyHandler
+from gateway.edge.runtime import Runtime, build_runtime, uses_demo
+from gateway.edge.server import GatewayServer
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
-from gateway.observability.shared import default_shared_dir
+from gateway.observability.snapshot_files import default_shared_dir
 from gateway.observability.worker import WorkerState
-from gateway.policy import Policy, split_host_port
-from gateway.policy_loader import LoadedPolicy
-from gateway.proxy import ProxyHandler
+from gateway.policy.loader import LoadedPolicy
+from gateway.policy.models import Policy, split_host_port
 from gateway.redact import redact_text
-from gateway.reload import PolicyReloader
-from gateway.runtime import Runtime, build_runtime, uses_demo
-from gateway.server import GatewayServer
+from gateway.serving.demo_upstream import DemoUpstream
+from gateway.serving.heap import freeze_startup_heap, refreeze_heap
+from gateway.serving.reload import PolicyReloader
 from gateway.stores import LimitStore, build_store
 
 log = logging.getLogger("gateway")

@@ -72,13 +72,13 @@ class DemoUpstream:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m gateway.demo_upstream --listen 0.0.0.0:8000``: the demo backend on its own,
+    """``python -m gateway.serving.demo_upstream --listen 0.0.0.0:8000``: the demo backend alone,
     for docker-compose.yml (it answers JSON about the request and serves no files)."""
     import argparse
 
-    from gateway.policy import split_host_port
+    from gateway.policy.models import split_host_port
 
-    parser = argparse.ArgumentParser(prog="python -m gateway.demo_upstream")
+    parser = argparse.ArgumentParser(prog="python -m gateway.serving.demo_upstream")
     parser.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT")
     host, port = split_host_port(parser.parse_args(argv).listen)
     web.run_app(make_demo_app(), host=host, port=port, access_log=None, print=None)

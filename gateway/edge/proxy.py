@@ -13,9 +13,16 @@ from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
-from gateway.client_ip import client_key
-from gateway.delay_queue import ShuttingDown
-from gateway.forwarding import (
+from gateway.edge.annotations import (
+    CLIENT_IP,
+    LIMIT_OUTCOME,
+    LOCAL_ANSWER,
+    ROUTE_NAME,
+    UPSTREAM_ERROR,
+    upstream_error_reason,
+)
+from gateway.edge.client_ip import client_key
+from gateway.edge.forwarding import (
     BadFraming,
     BadRequest,
     ForwardedFor,
@@ -25,34 +32,27 @@ from gateway.forwarding import (
     response_head,
     response_headers,
 )
-from gateway.keys import RequestFacts
-from gateway.observability.hooks import (
-    CLIENT_IP,
-    LIMIT_OUTCOME,
-    LOCAL_ANSWER,
-    ROUTE_NAME,
-    UPSTREAM_ERROR,
-    upstream_error_reason,
-)
-from gateway.responses import (
+from gateway.edge.responses import (
     HttpDate,
     PreparedResponse,
     error_response,
     rate_limited_response,
     version_not_supported,
 )
-from gateway.routing import normalise_host, routing_path
-from gateway.server import ChunkTooLarge, GatewayProtocol
-from gateway.upstream_client import (
+from gateway.edge.server import ChunkTooLarge, GatewayProtocol
+from gateway.edge.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.websocket import forward_upgrade, wants_upgrade
+from gateway.edge.websocket import forward_upgrade, wants_upgrade
+from gateway.engine.delay_queue import ShuttingDown
+from gateway.limits.keys import RequestFacts
+from gateway.limits.routing import normalise_host, routing_path
 
 if TYPE_CHECKING:
-    from gateway.engine import Outcome
-    from gateway.runtime import Runtime, UpstreamTarget
+    from gateway.edge.runtime import Runtime, UpstreamTarget
+    from gateway.engine.limit_engine import Outcome
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _DATE = HttpDate()

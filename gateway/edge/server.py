@@ -17,9 +17,9 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
-from gateway.observability.stats import UpgradeStats
-from gateway.policy import ServerSettings
-from gateway.responses import SERVER
+from gateway.edge.responses import SERVER
+from gateway.edge.upgrade_stats import UpgradeStats
+from gateway.policy.models import ServerSettings
 
 _BUSY_BODY = b'{"status": 503, "error": "service_unavailable", "message": "too many connections"}'
 _TOO_MANY_CONNECTIONS = (

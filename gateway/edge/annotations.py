@@ -13,14 +13,14 @@ from typing import Final
 
 from aiohttp import web
 
-from gateway.engine import Outcome
-from gateway.upstream_client import (
+from gateway.edge.upstream_client import (
     UpstreamClosed,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from gateway.engine.limit_engine import Outcome
 
 ROUTE_NAME: Final = web.RequestKey("route", str)
 CLIENT_IP: Final = web.RequestKey("client_ip", str)

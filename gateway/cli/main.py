@@ -9,23 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
-import shutil
-import signal
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from gateway import __version__
-from gateway.logs import LOG_FORMATS, LOG_LEVELS
-from gateway.logs import configure as configure_logging
-from gateway.policy import Policy, Route, Upstream, policy_json_schema, split_host_port
-from gateway.policy_loader import LoadedPolicy, PolicyError, load_policy
-from gateway.preflight import build_problems
-from gateway.stores import shared_store_selected
-from gateway.stores.shared import clean_runtime_dir, runtime_dir
+from gateway.cli.supervisor import supervise, worker_main
+from gateway.engine.preflight import build_problems, load_and_build
+from gateway.log_setup import LOG_FORMATS, LOG_LEVELS
+from gateway.log_setup import configure as configure_logging
+from gateway.policy.loader import LoadedPolicy, PolicyError
+from gateway.policy.models import Policy, Route, Upstream, policy_json_schema, split_host_port
 
 log = logging.getLogger("gateway")
 
@@ -34,7 +29,6 @@ ENV_LOG_LEVEL = "GATEWAY_LOG_LEVEL"
 ENV_LOG_FORMAT = "GATEWAY_LOG_FORMAT"
 # A worker that cannot start (its message printed) exits with this: the supervisor stops
 # rather than restarting it in a loop.
-EXIT_STARTUP = 78  # EX_CONFIG
 
 
 def _policy_for_upstream(url: str) -> LoadedPolicy:
@@ -61,118 +55,13 @@ def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
             "gateway: no policy: use --config FILE (or GATEWAY_CONFIG), or --upstream URL"
         )
     try:
-        return load_policy(config)
+        return load_and_build(config)
     except PolicyError as exc:
         raise SystemExit(str(exc)) from None
 
 
-def _worker_main(
-    loaded: LoadedPolicy,
-    listen: str | None,
-    admin: str | None,
-    worker_id: int,
-    workers: int,
-    policy_path: str | None,
-) -> None:
-    from gateway.serve import StartupError, run_event_loop, serve
-
-    try:
-        run_event_loop(
-            lambda: serve(
-                loaded,
-                listen=listen,
-                admin_listen=admin,
-                reuse_port=workers > 1,
-                worker_id=worker_id,
-                workers=workers,
-                policy_path=policy_path,
-            )
-        )
-    except StartupError as exc:
-        # One write, line and newline together: the workers of --workers N fail at once on
-        # one stderr, and print()'s two writes interleaved their lines.
-        sys.stderr.write(f"gateway: {exc}\n")
-        sys.stderr.flush()
-        raise SystemExit(EXIT_STARTUP) from None
-
-
-def _forked_worker_main(*args: Any) -> None:
-    """A worker forked by the supervisor: drop the supervisor's signal handlers first (until
-    the worker's event loop installs its own, HUP is ignored and TERM/INT stop it at once)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _worker_main(*args)
-
-
-def _supervise(
-    loaded: LoadedPolicy,
-    workers: int,
-    listen: str | None,
-    admin: str | None,
-    policy_path: str | None,
-) -> int:
-    """Run ``workers`` processes on one port (SO_REUSEPORT); restart any that die."""
-    ctx = multiprocessing.get_context("fork")
-    stopping = False
-
-    def start(worker_id: int) -> multiprocessing.process.BaseProcess:
-        proc = ctx.Process(
-            target=_forked_worker_main,
-            args=(loaded, listen, admin, worker_id, workers, policy_path),
-            name=f"gateway-worker-{worker_id}",
-        )
-        proc.start()
-        return proc
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    def on_sighup(signum: int, frame: object) -> None:
-        # Each worker reloads the policy file on its own SIGHUP (nginx: HUP to the master).
-        for proc in procs.values():
-            if proc.pid is not None and proc.is_alive():
-                os.kill(proc.pid, signal.SIGHUP)
-
-    procs: dict[int, multiprocessing.process.BaseProcess] = {}
-    shared_dir = None
-    if shared_store_selected(loaded.policy.store, workers):
-        # The workers' shared limit state starts empty, as in-process state does.
-        shared_dir = runtime_dir(os.getpid())
-        clean_runtime_dir(shared_dir)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_sighup)
-    procs.update({i: start(i) for i in range(workers)})
-    log.info("supervisor pid %d started %d workers", os.getpid(), workers)
-    failed = False
-    while not stopping:
-        time.sleep(0.2)
-        for worker_id, proc in list(procs.items()):
-            if not proc.is_alive() and proc.exitcode == EXIT_STARTUP and not stopping:
-                # It said why (a port in use, say); a restart would fail the same way.
-                stopping = failed = True
-            elif not proc.is_alive() and not stopping:
-                log.error("worker %d exited with %s; restarting", worker_id, proc.exitcode)
-                time.sleep(0.5)
-                procs[worker_id] = start(worker_id)
-    for proc in procs.values():
-        if proc.pid is not None and proc.is_alive():
-            os.kill(proc.pid, signal.SIGTERM)
-    server = loaded.policy.server
-    deadline = time.monotonic() + server.drain_delay + server.shutdown_timeout + 5
-    for proc in procs.values():
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-    if shared_dir is not None:
-        shutil.rmtree(shared_dir, ignore_errors=True)
-    return 1 if failed else 0
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from gateway.serve import check_aiohttp
+    from gateway.serving.lifecycle import check_aiohttp
 
     check_aiohttp()
     loaded = _load_for_run(args)
@@ -190,16 +79,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         for _, problem in build_problems(loaded.policy, workers):
             raise SystemExit(f"gateway: --workers {workers}: {problem}")
     if workers == 1:
-        _worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
+        worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
         return 0
-    return _supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
+    return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     failed = False
     for file in args.files:
         try:
-            loaded = load_policy(file)
+            loaded = load_and_build(file)
         except PolicyError as exc:
             print(exc, file=sys.stderr)
             failed = True
@@ -209,7 +98,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
-    from gateway.healthcheck import HealthcheckError, healthcheck
+    from gateway.admin.healthcheck import HealthcheckError, healthcheck
 
     try:
         print(healthcheck(args.config, args.path, args.timeout))
@@ -225,8 +114,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from gateway.policy.units import parse_duration
     from gateway.replay import main as replay_main
-    from gateway.units import parse_duration
 
     try:
         window_s = parse_duration(args.reorder_window)

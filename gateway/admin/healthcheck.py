@@ -11,9 +11,9 @@ import http.client
 import os
 from collections.abc import Mapping
 
-from gateway.admin_auth import AdminAuth, AdminTokenError
-from gateway.policy import ServerSettings, split_host_port
-from gateway.policy_loader import PolicyError, load_policy
+from gateway.admin.auth import AdminAuth, AdminTokenError
+from gateway.policy.loader import PolicyError, load_policy
+from gateway.policy.models import ServerSettings, split_host_port
 
 ENV_CONFIG = "GATEWAY_CONFIG"
 ENV_ADMIN_LISTEN = "GATEWAY_ADMIN_LISTEN"

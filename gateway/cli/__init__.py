@@ -1,0 +1,2 @@
+"""The command line (``gateway run / check / schema / healthcheck / replay``), log set-up, and the
+supervisor of ``--workers N``."""
