@@ -206,6 +206,108 @@ def _tag_problem(loc: Loc, error: Any) -> tuple[Loc, str]:
     return loc, f"algorithm is missing: give one of {known}"
 
 
+_TYPE_NAMES: dict[type, str] = {
+    list: "a list",
+    dict: "a mapping",
+    bool: "true/false",
+    int: "a number",
+    float: "a number",
+}
+# The parameters of each family of algorithms, and a rate's period as a window.
+_WINDOW_PARAMS = ("limit", "window")
+_BUCKET_PARAMS = ("rate", "burst")
+_PERIODS = {"s": "1s", "m": "1m", "h": "1h", "d": "24h"}
+
+
+def _given(value: Any) -> str:
+    for kind, name in _TYPE_NAMES.items():
+        if value.__class__ is kind:
+            return name
+    return repr(value)
+
+
+def _in_words(error: Any, loc: Loc) -> str:
+    """Pydantic's message for one error, in the policy's terms where pydantic's are its own."""
+    kind = error["type"]
+    given = error.get("input")
+    field = loc[-1] if loc else ""
+    if kind == "missing":
+        return f"missing: {field} has no default, add it"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        if field == "limit" and isinstance(given, str) and "/" in given:
+            return _limit_as_rate(given)
+        return f"expected a whole number, got {_given(given)}"
+    if kind in ("float_parsing", "float_type"):
+        return f"expected a number, got {_given(given)}"
+    if kind == "bool_parsing" or kind == "bool_type":
+        return f"expected true or false, got {_given(given)}"
+    if kind == "string_type":
+        what = "one URL" if field == "url" else "text"
+        return f"expected {what}, got {_given(given)}"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"expected a mapping (name: value lines), got {_given(given)}"
+    if kind in ("tuple_type", "list_type"):
+        return f"expected a list, got {_given(given)}"
+    if kind == "literal_error":
+        if loc == ("version",):
+            return f"unsupported policy version {given!r}: this gateway reads version: 1"
+        return f"expected {error.get('ctx', {}).get('expected', 'another value')}, got {given!r}"
+    reason: str = error["msg"]
+    return reason.removeprefix("Value error, ")
+
+
+def _limit_as_rate(given: str) -> str:
+    """``limit: 5/m`` on a window algorithm: the count and the window written apart."""
+    count, _, period = given.partition("/")
+    count = count.strip().removesuffix("r").strip()
+    window = _PERIODS.get(period.strip()[:1], "1m") if period.strip() else "1m"
+    example = f"limit: {count}, window: {window}" if count.isdigit() else "limit: 5, window: 1m"
+    return f"limit counts requests per window: write {example} (not {given!r})"
+
+
+def _limit_shape_problems(data: Any) -> tuple[list[tuple[Loc, str]], set[Loc]]:
+    """A limit given the other family's parameters (``rate:`` on a window algorithm, ``limit:``
+    on a bucket): one problem naming what its algorithm takes, in place of pydantic's
+    "unknown key" and "Field required" for each parameter. Also the places it covers."""
+    problems: list[tuple[Loc, str]] = []
+    covered: set[Loc] = set()
+    limits = data.get("limits") if isinstance(data, dict) else None
+    if not isinstance(limits, dict):
+        return problems, covered
+    for name, spec in limits.items():
+        if not isinstance(spec, dict) or spec.get("algorithm") not in ALGORITHMS:
+            continue
+        algorithm = spec["algorithm"]
+        takes, other = (
+            (_BUCKET_PARAMS, _WINDOW_PARAMS)
+            if algorithm in ("leaky_bucket", "token_bucket")
+            else (_WINDOW_PARAMS, _BUCKET_PARAMS)
+        )
+        wrong = [key for key in other if key in spec]
+        if not wrong:
+            continue
+        reason = (
+            f"a {algorithm} takes {' and '.join(takes)}, not {' and '.join(wrong)}"
+            + _converted(spec, takes)
+        )
+        problems.append((("limits", name, wrong[0]), reason))
+        covered.update(("limits", name, key) for key in (*takes, *wrong))
+    return problems, covered
+
+
+def _converted(spec: dict[str, Any], takes: tuple[str, ...]) -> str:
+    """The same numbers in the parameters the algorithm takes, when they convert plainly."""
+    if takes == _WINDOW_PARAMS and isinstance(spec.get("rate"), str):
+        count, _, period = spec["rate"].strip().partition("r/")
+        if count.isdigit() and period in _PERIODS:
+            return f" (for {spec['rate']}: limit: {count}, window: {_PERIODS[period]})"
+    if takes == _BUCKET_PARAMS and isinstance(spec.get("limit"), int):
+        window = spec.get("window")
+        if window in ("1s", "1m"):
+            return f" (for {spec['limit']} per {window}: rate: {spec['limit']}r/{window[1]})"
+    return ""
+
+
 def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -214,7 +316,10 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
         line = mark.line + 1 if mark is not None else None
         reason = f"invalid YAML: {exc.problem or exc.context}"
         opened = exc.context_mark
-        if exc.problem and exc.context and opened is not None and opened.line + 1 != line:
+        plain = _yaml_in_words(exc)
+        if plain is not None:
+            reason = f"invalid YAML: {plain}"
+        elif exc.problem and exc.context and opened is not None and opened.line + 1 != line:
             # Where parsing stopped is often far from the mistake: an unclosed bracket or
             # quote is found at the end of the file. Name where the construct started too.
             reason += f" ({exc.context} that starts on line {opened.line + 1})"
@@ -225,6 +330,23 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
         return {}, {}
     builder = _LineMapBuilder(file)
     return builder.build(node, ()), builder.lines
+
+
+def _yaml_in_words(exc: yaml.MarkedYAMLError) -> str | None:
+    """The YAML mistakes PyYAML names in parser tokens (``<block end>``), in the file's terms."""
+    problem = exc.problem or ""
+    mark, opened = exc.problem_mark, exc.context_mark
+    if problem.startswith("expected <block end>, but found") and mark is not None:
+        where = ""
+        if opened is not None:
+            where = f" (the block from line {opened.line + 1} is indented {opened.column})"
+        return (
+            f"this line is indented {mark.column} spaces, which lines up with no key above it: "
+            f"indent it as far as the key it belongs beside{where}"
+        )
+    if "'\\t' that cannot start any token" in problem:
+        return "a tab character: YAML indents with spaces only"
+    return None
 
 
 def _parse_toml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
@@ -314,12 +436,15 @@ def parse_policy(
         policy = Policy.model_validate(data)
     except ValidationError as exc:
         problems = []
+        shapes, covered = _limit_shape_problems(data)
+        for loc, reason in shapes:
+            problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         for error in exc.errors(include_url=False):
             raw_loc = tuple(error["loc"])
             loc = _data_loc(data, raw_loc)
-            reason = error["msg"]
-            if reason.startswith("Value error, "):
-                reason = reason[len("Value error, ") :]
+            if loc in covered:
+                continue
+            reason = _in_words(error, loc)
             if error["type"] == "extra_forbidden":
                 reason = "unknown key" + _did_you_mean(raw_loc)
             elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
