@@ -16,6 +16,7 @@ from gateway.engine.limit_engine import Explanation, LimitEngine, LimitLook
 from gateway.limits.keys import RequestFacts
 from gateway.limits.routing import normalise_host
 from gateway.policy.models import OVERRIDE_PARAMS, Policy
+from gateway.policy.overrides import UNLISTED_KEY
 from gateway.redact import REDACTED, redact_url
 from gateway.stores import store_url
 
@@ -162,15 +163,22 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         return entry
     entry["key"] = look.key
     if look.key is not None and limit.tiering is None and limit.table != limit.name:
-        # An override's variant: its own parameters, not the limit's.
+        # An override's variant: its own parameters, not the limit's, and the plan that
+        # gives them (None for a key with numbers of its own).
         spec = limit.spec.model_dump(mode="json")
         entry["override"] = {name: spec[name] for name in OVERRIDE_PARAMS if name in spec}
+        tier = limit.table.partition("~")[2]
+        entry["plan"] = None if tier.startswith("=") else tier
+    elif look.key == UNLISTED_KEY:
+        entry["unlisted"] = "shared: every key the overrides do not list shares this bucket"
     if look.key is not None and not look.exempt:
         entry["cost"] = look.cost
     if look.key is None:
         entry["skipped"] = "a key part is missing (on_missing_key: skip)"
     elif look.exempt:
-        entry["exempt"] = "exempt from this limit (exempt / exempt_headers)"
+        entry["exempt"] = "exempt from this limit (exempt / exempt_headers / exempt_listed)"
+    elif look.refused is not None:
+        entry["next_request"] = {"allowed": False, "status": 403, "reason": look.refused}
     elif look.unavailable is not None:
         entry["next_request"] = {"allowed": False, "status": 503, "reason": look.unavailable}
     elif look.decision is not None:

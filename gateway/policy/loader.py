@@ -406,6 +406,15 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
                 problems.append(
                     (("limits", name, "match", "routes"), f"unknown route {route_name!r}")
                 )
+        if limit.exempt_listed is not None:
+            reason = _names_a_lister(policy, name, limit.exempt_listed)
+            if reason is not None:
+                problems.append((("limits", name, "exempt_listed"), reason))
+        for part in limit.key:
+            if part.startswith("plan:"):
+                reason = _names_a_lister(policy, name, part[len("plan:") :])
+                if reason is not None:
+                    problems.append((("limits", name, "key"), f"{part}: {reason}"))
     seen: dict[str, int] = {}
     for i, route in enumerate(policy.routes):
         if route.name in seen:
@@ -417,6 +426,22 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
             )
         seen.setdefault(route.name, i)
     return problems
+
+
+def _names_a_lister(policy: Policy, name: str, other_name: str) -> str | None:
+    """Why limit ``name`` cannot read the keys limit ``other_name`` lists (``exempt_listed``,
+    ``plan:`` key parts), or None."""
+    other = policy.limits.get(other_name)
+    if other_name == name:
+        return "a limit cannot read the keys it lists itself: name another limit"
+    if other is None:
+        known = ", ".join(sorted(set(policy.limits) - {name})) or "none defined"
+        return f"unknown limit {other_name!r} (limits: {known})"
+    if not other.overrides:
+        return f"limit {other_name!r} lists no key: it has no overrides"
+    if any(part.startswith("plan:") for part in other.key):
+        return f"limit {other_name!r} is keyed by a plan itself: name the limit that lists keys"
+    return None
 
 
 def parse_policy(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
-from typing import Annotated, Any, Literal, NamedTuple, get_args
+from typing import Annotated, Any, Final, Literal, NamedTuple, get_args
 
 from pydantic import (
     AfterValidator,
@@ -352,8 +352,12 @@ class Route(_Model):
 
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-    r"|query:[^\s&=]+|const:\S+)$"
+    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
 )
+# The values a ``plan:LIMIT`` key part takes besides a plan's name: a key that limit does not
+# list (or a request without one), and a key listed with numbers of its own.
+UNLISTED_PLAN: Final = "unlisted"
+CUSTOM_PLAN: Final = "custom"
 
 
 class LimitMatch(RouteMatch):
@@ -432,7 +436,8 @@ class _LimitBase(_Model):
     key: tuple[str, ...] = Field(
         ("client_ip",),
         description="parts joined into the key: client_ip, header:NAME, query:NAME, route, "
-        "method, global, const:TEXT",
+        "method, global, const:TEXT, plan:LIMIT (the plan another limit's overrides give the "
+        "request's key: a plan's name, custom, or unlisted)",
     )
     on_missing_key: Literal["skip", "client_ip"] = Field(
         "skip",
@@ -480,6 +485,16 @@ class _LimitBase(_Model):
         description="YAML or JSON file of more overrides (relative to the policy file), "
         "reloaded with the policy",
     )
+    unlisted: Literal["own", "shared", "reject"] = Field(
+        "own",
+        description="keys the overrides do not list (a key a client invents): own (each its "
+        "own bucket at the limit's numbers), shared (all of them one bucket), or reject (403)",
+    )
+    exempt_listed: Name | None = Field(
+        None,
+        description="the name of another limit: requests whose key that limit's overrides "
+        "list (a client on a plan) bypass this limit",
+    )
 
     @field_validator("cost")
     @classmethod
@@ -511,6 +526,11 @@ class _LimitBase(_Model):
     @model_validator(mode="after")
     def _check_overrides(self) -> _LimitBase:
         tier_specs(self, self.overrides)
+        if self.unlisted != "own" and not (self.overrides or self.overrides_file):
+            raise ValueError(
+                f"unlisted: {self.unlisted} needs overrides (or an overrides_file) that list "
+                "keys: without them every key is unlisted"
+            )
         return self
 
     @field_validator("key")
@@ -522,7 +542,7 @@ class _LimitBase(_Model):
             if not _KEY_PART_RE.match(part):
                 raise ValueError(
                     f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
-                    "route, method, global or const:TEXT"
+                    "route, method, global, const:TEXT or plan:LIMIT"
                 )
         return value
 
@@ -634,6 +654,11 @@ def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
     or override (``OverrideError`` for an override)."""
     plans: dict[str, Any] = {}
     for name, params in spec.plans.items():
+        if name in (UNLISTED_PLAN, CUSTOM_PLAN):
+            raise ValueError(
+                f"plan {name!r}: the name is reserved (a plan: key part gives it to keys "
+                f"{'not listed' if name == UNLISTED_PLAN else 'with numbers of their own'})"
+            )
         try:
             plans[name] = variant_spec(spec, params)
         except ValueError as exc:

@@ -265,5 +265,6 @@
 function keyPart(part) {
   if (!part.startsWith("\u001e")) return part;
   if (part.startsWith("\u001eip")) return `${part.slice(3)} (no key: client IP)`;
+  if (part === "\u001eunlisted") return "(unlisted keys, shared)";
   return `hex:${part.slice(2)}`;
 }
