@@ -361,7 +361,7 @@ async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is
         async with session.post(gw.admin_url + "/reload") as resp:
             assert resp.status == 422
             assert (await resp.json())["error"] == (
-                "server.admin_listen ('127.0.0.1:0' -> '127.0.0.1:9999'), server.workers "
+                f"{path}: server.admin_listen ('127.0.0.1:0' -> '127.0.0.1:9999'), server.workers "
                 "(1 -> 2) take effect on restart only; the running policy stays (restart the "
                 "gateway to apply them, or revert them to reload the rest)"
             )

@@ -354,13 +354,16 @@ class ProxyHandler:
             )
         except UpstreamConnectError as exc:
             request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(502, "upstream connection failed")
+            upstream.failed(exc, 502)
+            return error_response(502, f"upstream {upstream.name!r}: connection failed")
         except UpstreamTimeout as exc:
             request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(504, "upstream timed out")
+            upstream.failed(exc, 504)
+            return error_response(504, f"upstream {upstream.name!r}: timed out")
         except UpstreamError as exc:
             request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(502, "upstream error")
+            upstream.failed(exc, 502)
+            return error_response(502, f"upstream {upstream.name!r}: error")
 
         try:
             status = response.status
@@ -409,6 +412,7 @@ class ProxyHandler:
                     await write(chunk)
             except UpstreamError as exc:
                 request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+                upstream.failed(exc, status)
                 # Headers are gone already: the only honest signal left is to cut the
                 # connection, so the client sees a truncated body rather than a short one.
                 if request.transport is not None:

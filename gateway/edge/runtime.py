@@ -15,21 +15,30 @@ from gateway import __version__
 from gateway.algorithms.registry import build_algorithm
 from gateway.edge.client_ip import ClientIPResolver
 from gateway.edge.upstream_client import UpstreamPool
+from gateway.edge.upstream_failures import UpstreamFailures
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.routing import RouteTable
 from gateway.policy.loader import LoadedPolicy
 from gateway.policy.models import ServerSettings, Upstream
+from gateway.policy.upstream_tls import client_context
 from gateway.stores import LimitStore
 
 
 @dataclass(slots=True)
 class UpstreamTarget:
-    """One configured upstream: its connection pool and the path prefix its URL carries."""
+    """One configured upstream: its connection pool, the path prefix its URL carries, the
+    address it connects to (``host:port``) and its failures (logged, and kept for ``/status``)."""
 
     name: str
     config: Upstream
     pool: UpstreamPool
     base_path: str
+    address: str
+    failures: UpstreamFailures
+
+    def failed(self, exc: BaseException, status: int) -> str:
+        """Count and log a failed exchange with this upstream's server; the failure's cause."""
+        return self.failures.record(self.config.url, self.address, exc, status)
 
 
 @dataclass(slots=True)
@@ -71,16 +80,9 @@ def make_pool(config: Upstream, demo_address: tuple[str, int] | None) -> tuple[U
         base_path = ""
         ssl_context = None
     else:
-        parts = urlsplit(config.url)
-        host = parts.hostname or "127.0.0.1"
-        secure = parts.scheme == "https"
-        port = parts.port or (443 if secure else 80)
-        base_path = parts.path.rstrip("/")
-        ssl_context = None
-        if secure:
-            import ssl
-
-            ssl_context = ssl.create_default_context()
+        host, port = upstream_address(config)
+        base_path = urlsplit(config.url).path.rstrip("/")
+        ssl_context = client_context(config) if config.url.startswith("https://") else None
     pool = UpstreamPool(
         host,
         port,
@@ -93,6 +95,12 @@ def make_pool(config: Upstream, demo_address: tuple[str, int] | None) -> tuple[U
         server_hostname=host if ssl_context is not None else None,
     )
     return pool, base_path
+
+
+def upstream_address(config: Upstream) -> tuple[str, int]:
+    parts = urlsplit(config.url)
+    secure = parts.scheme == "https"
+    return parts.hostname or "127.0.0.1", parts.port or (443 if secure else 80)
 
 
 def build_runtime(
@@ -118,7 +126,14 @@ def build_runtime(
             upstreams[name] = old
             continue
         pool, base_path = make_pool(config, demo_address)
-        upstreams[name] = UpstreamTarget(name, config, pool, base_path)
+        if config.url == "builtin:demo" and demo_address is not None:
+            host, port = demo_address
+        else:
+            host, port = upstream_address(config)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        upstreams[name] = UpstreamTarget(
+            name, config, pool, base_path, address, UpstreamFailures(name)
+        )
     return Runtime(
         loaded=loaded,
         routes=RouteTable(policy.routes),

@@ -104,7 +104,7 @@ async def forward_upgrade(
     try:
         up_transport, up_side = await pool.connect_unpooled(lambda: _UpstreamSide(loop))
     except UpstreamError as exc:
-        return _upstream_failed(request, exc)
+        return _upstream_failed(request, upstream, exc)
     try:
         up_transport.write(head)
         async with asyncio.timeout(pool.read_timeout_s):
@@ -114,11 +114,11 @@ async def forward_upgrade(
     except TimeoutError:
         up_transport.abort()
         return _upstream_failed(
-            request, UpstreamTimeout("the upstream sent nothing within the read timeout")
+            request, upstream, UpstreamTimeout("the upstream sent nothing within the read timeout")
         )
     except UpstreamError as exc:
         up_transport.abort()
-        return _upstream_failed(request, exc)
+        return _upstream_failed(request, upstream, exc)
     except BaseException:
         up_transport.abort()
         raise
@@ -141,7 +141,7 @@ async def forward_upgrade(
         return cast(web.StreamResponse, PreparedResponse(up_side.status, data + body, keep_alive))
     if not _switches_to(token, up_side.headers):
         up_transport.abort()
-        return _upstream_failed(request, UpstreamProtocolError("101 to another protocol"))
+        return _upstream_failed(request, upstream, UpstreamProtocolError("101 to another protocol"))
 
     protocol = request.protocol
     transport = request.transport
@@ -180,13 +180,18 @@ async def forward_upgrade(
     return cast(web.StreamResponse, PreparedResponse(101, b"", False))
 
 
-def _upstream_failed(request: BaseRequest, exc: UpstreamError) -> web.StreamResponse:
+def _upstream_failed(
+    request: BaseRequest, upstream: UpstreamTarget, exc: UpstreamError
+) -> web.StreamResponse:
     request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+    name = upstream.name
     if isinstance(exc, UpstreamTimeout):
-        return error_response(504, "upstream timed out")
+        upstream.failed(exc, 504)
+        return error_response(504, f"upstream {name!r}: timed out")
+    upstream.failed(exc, 502)
     if isinstance(exc, UpstreamProtocolError | UpstreamClosed):
-        return error_response(502, "upstream error")
-    return error_response(502, "upstream connection failed")
+        return error_response(502, f"upstream {name!r}: error")
+    return error_response(502, f"upstream {name!r}: connection failed")
 
 
 def _switches_to(token: bytes, headers: list[tuple[bytes, bytes]]) -> bool:

@@ -1,4 +1,5 @@
-"""Admin routes: ``/metrics`` for Prometheus, ``/dashboard`` (a static page and its vendored chart
+"""Admin routes: ``/metrics`` for Prometheus, ``/status`` (upstream failures, store, policy),
+``/dashboard`` (a static page and its vendored chart
 library) and its live feed ``/dashboard/events`` (server-sent events: the last 15 minutes at
 once, then a point a second)."""
 
@@ -9,7 +10,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from gateway.observability.observer import Observability, dashboard_state
+from gateway.clock import rfc3339
+from gateway.observability.observer import Observability, dashboard_state, upstream_state
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static" / "dashboard"
 
@@ -51,6 +53,27 @@ async def _state(request: web.Request) -> web.Response:
     )
 
 
+async def _status(request: web.Request) -> web.Response:
+    """The whole gateway's health beyond readiness: each upstream's recent failures (over all
+    workers), the store's state, the policy in force and its last reload."""
+    obs = _observability(request)
+    snapshot = obs.gateway_snapshot()
+    reload = snapshot.reload
+    return web.json_response(
+        {
+            "at": snapshot.at,
+            "at_rfc3339": rfc3339(snapshot.at),
+            "workers": snapshot.workers,
+            "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
+            "reload": reload.model_dump() if reload is not None else None,
+            "store": {"name": snapshot.store_name, "state": snapshot.store.state},
+            "upstreams": {
+                name: upstream_state(upstream) for name, upstream in snapshot.upstreams.items()
+            },
+        }
+    )
+
+
 async def _events(request: web.Request) -> web.StreamResponse:
     obs = _observability(request)
     response = web.StreamResponse(
@@ -78,6 +101,7 @@ def install(app: web.Application, obs: Observability) -> None:
     app[OBSERVABILITY] = obs
     obs.run_with(app)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/status", _status)
     app.router.add_get("/dashboard", _dashboard_redirect)
     app.router.add_get("/dashboard/", _dashboard_page)
     app.router.add_get("/dashboard/state", _state)

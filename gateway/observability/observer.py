@@ -26,9 +26,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
+from gateway.clock import rfc3339
 from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
-from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
+from gateway.observability.snapshot import GatewaySnapshot, UpstreamData, WorkerSnapshot, merge
 from gateway.observability.snapshot_files import SnapshotDirectory
 from gateway.observability.timeline import Timeline
 from gateway.observability.worker import ObservedHandler, ObservedProxy, WorkerMetrics, WorkerState
@@ -236,6 +237,9 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             "errors": snapshot.store.errors,
         },
         "requests": sum(n for *_, n in snapshot.requests),
+        "upstreams": {
+            name: upstream_state(upstream) for name, upstream in snapshot.upstreams.items()
+        },
         "limits": {
             name: {
                 "algorithm": limit.algorithm,
@@ -249,4 +253,18 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             }
             for name, limit in snapshot.limits.items()
         },
+    }
+
+
+def upstream_state(upstream: UpstreamData) -> dict[str, Any]:
+    """An upstream's failures for the dashboard and ``/status``, times in RFC 3339 too."""
+    return {
+        "url": upstream.url,
+        "address": upstream.address,
+        "failures_total": sum(upstream.failures.values()),
+        "failures": upstream.failures,
+        "recent": [
+            {**failure.model_dump(), "at_rfc3339": rfc3339(failure.at)}
+            for failure in upstream.recent
+        ],
     }

@@ -156,6 +156,36 @@ class HitterData(_Model):
     error: int
 
 
+class FailureData(_Model):
+    """One failed exchange with an upstream's server (``edge.upstream_failures.Failure``)."""
+
+    at: float
+    server: str
+    address: str
+    cause: str
+    detail: str
+    status: int
+
+
+class UpstreamData(_Model):
+    """An upstream's failures since its settings last changed: counts by cause, the latest."""
+
+    url: str
+    address: str
+    failures: dict[str, int] = {}
+    recent: tuple[FailureData, ...] = ()  # newest first
+
+    def plus(self, other: UpstreamData) -> UpstreamData:
+        failures = Counter(self.failures)
+        failures.update(other.failures)
+        recent = sorted((*self.recent, *other.recent), key=lambda f: -f.at)[:RECENT_FAILURES]
+        return self.model_copy(update={"failures": dict(failures), "recent": tuple(recent)})
+
+
+# The recent failures kept per upstream (each worker keeps as many: the sum shows the newest).
+RECENT_FAILURES = 10
+
+
 class WorkerSnapshot(_Model):
     worker: int
     pid: int
@@ -180,6 +210,7 @@ class WorkerSnapshot(_Model):
     connections_open: int = 0  # gauge
     connections_refused: int = 0
     header_timeouts: int = 0
+    upstreams: dict[str, UpstreamData] = {}
 
     def with_base(self, base: WorkerSnapshot) -> WorkerSnapshot:
         """These figures plus a previous incarnation's counters (gauges are ours alone)."""
@@ -250,6 +281,7 @@ class GatewaySnapshot(_Model):
     header_timeouts: int
     websockets: UpgradeData = UpgradeData()
     processes: tuple[ProcessData, ...] = ()  # of live workers
+    upstreams: dict[str, UpstreamData] = {}  # those of the newest policy
 
 
 def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> GatewaySnapshot:
@@ -317,6 +349,12 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         for name, counts in hitters.items()
         if name in limits
     }
+    upstreams: dict[str, UpstreamData] = {}
+    for snap in snapshots:
+        for name, upstream in snap.upstreams.items():
+            if name in newest.upstreams and upstream.url == newest.upstreams[name].url:
+                old_upstream = upstreams.get(name)
+                upstreams[name] = old_upstream.plus(upstream) if old_upstream else upstream
     states = Counter(s.store.state for s in live)
     reloads = [s.reload for s in live if s.reload is not None]
     return GatewaySnapshot(
@@ -345,6 +383,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             for s in sorted(live, key=lambda s: s.worker)
             if s.process
         ),
+        upstreams={name: upstreams[name] for name in newest.upstreams if name in upstreams},
     )
 
 

@@ -33,14 +33,17 @@ from gateway.limits.compiled import Check, DecisionCounts
 from gateway.limits.keys import shown_key
 from gateway.log_setup import JSON_LINE, json_line
 from gateway.observability.leases import lease_data
+from gateway.observability.limit_log import LimitLog
 from gateway.observability.process import read_process
 from gateway.observability.sketch import RecentTopKeys
 from gateway.observability.snapshot import (
+    FailureData,
     HistogramData,
     HitterData,
     LimitData,
     StoreData,
     UpgradeData,
+    UpstreamData,
     WorkerSnapshot,
 )
 from gateway.observability.stats import (
@@ -277,6 +280,25 @@ class WorkerMetrics:
                 idle_timeouts=upgrades.idle_timeouts,
             ),
             process=read_process(),
+            upstreams={
+                name: UpstreamData(
+                    url=target.config.url,
+                    address=target.address,
+                    failures=dict(target.failures.by_cause),
+                    recent=tuple(
+                        FailureData(
+                            at=f.at,
+                            server=f.server,
+                            address=f.address,
+                            cause=f.cause,
+                            detail=f.detail,
+                            status=f.status,
+                        )
+                        for f in reversed(target.failures.recent)
+                    ),
+                )
+                for name, target in runtime.upstreams.items()
+            },
         )
 
 
@@ -287,11 +309,14 @@ class ObservedHandler:
     queue should not carry an extra frame), then hands over status and duration here.
     """
 
-    __slots__ = ("_metrics", "_proxy")
+    __slots__ = ("_limit_log", "_metrics", "_proxy")
 
-    def __init__(self, proxy: CurrentRuntime, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, proxy: CurrentRuntime, metrics: WorkerMetrics, limit_log: LimitLog | None = None
+    ) -> None:
         self._proxy = proxy
         self._metrics = metrics
+        self._limit_log = limit_log or LimitLog()
 
     def finished(self, request: BaseRequest, status: int, duration_s: float) -> None:
         metrics = self._metrics
@@ -300,12 +325,17 @@ class ObservedHandler:
         metrics.requests.record(route, request.method, status, duration_s)
         outcome = request.get(LIMIT_OUTCOME) if runtime.engine.active else None
         if outcome is not None:
+            limit_log = self._limit_log
             if outcome.would_reject:
                 metrics.note_keys(outcome.would_reject)
+                for check in outcome.would_reject:
+                    limit_log.would_reject(runtime, check, request, route)
             if outcome.rejected_by is not None:
                 metrics.note_limited(outcome)
+                limit_log.rejected(runtime, outcome, request, route)
             elif outcome.delay_s > 0.0 and not outcome.status:
                 metrics.note_waited(outcome, min(outcome.delay_s, duration_s))
+                limit_log.delayed(runtime, outcome, request, route)
         upstream_error = request.get(UPSTREAM_ERROR) if status >= 500 else None
         if upstream_error is not None:
             metrics.requests.upstream_error(route, upstream_error)

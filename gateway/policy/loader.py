@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.policy.models import ALGORITHMS, OverrideError, Policy, tier_specs
 from gateway.policy.overrides_file import OverridesFileError, line_of, read_overrides, resolve_path
+from gateway.policy.upstream_tls import TLS_FILES, tls_problem
 
 Loc = tuple[str | int, ...]
 # What building a valid policy would refuse, each with its place in the file.
@@ -477,7 +478,8 @@ def parse_policy(
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         raise PolicyError(file, problems) from None
     policy, files, digest_parts = _with_overrides_files(policy, file, lines)
-    ref_problems = _check_references(policy) or (checks(policy) if checks else [])
+    policy, tls_problems = _with_tls_files(policy, file)
+    ref_problems = _check_references(policy) or tls_problems or (checks(policy) if checks else [])
     if ref_problems:
         raise PolicyError(
             file,
@@ -525,6 +527,26 @@ def _with_overrides_files(
     if not files:
         return policy, (), []
     return policy.model_copy(update={"limits": limits}), tuple(files), digest_parts
+
+
+def _with_tls_files(policy: Policy, file: str) -> tuple[Policy, list[tuple[Loc, str]]]:
+    """The policy with each upstream's TLS files relative to the policy file's directory, and
+    the files that cannot be used (built as ``run`` builds them)."""
+    upstreams = dict(policy.upstreams)
+    problems: list[tuple[Loc, str]] = []
+    for name, upstream in policy.upstreams.items():
+        given = {s: getattr(upstream, s) for s in TLS_FILES if getattr(upstream, s)}
+        if not given:
+            continue
+        resolved = {s: str(resolve_path(file, path)) for s, path in given.items()}
+        upstream = upstreams[name] = upstream.model_copy(update=resolved)
+        problem = tls_problem(upstream)
+        if problem is not None:
+            setting, reason = problem
+            problems.append((("upstreams", name, setting), reason))
+    if upstreams == policy.upstreams:
+        return policy, problems
+    return policy.model_copy(update={"upstreams": upstreams}), problems
 
 
 def load_policy(path: str | Path, checks: BuildChecks | None = None) -> LoadedPolicy:

@@ -148,8 +148,21 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def _off(value: Any) -> Any:
+    return "off" if value is False else value  # YAML reads a bare `off` as false
+
+
+# The levels of a limit's rejection lines (nginx's limit_req_log_level); delays one lower.
+LimitLogLevel = Annotated[
+    Literal["error", "warning", "info", "off"],
+    BeforeValidator(_off),
+    WithJsonSchema({"enum": ["error", "warning", "info", "off", False]}),
+]
+
 # Admin paths that may be served without the token; POST /reload never is.
-AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
+AdminPath = Literal[
+    "/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain", "/status"
+]
 
 
 class _Model(BaseModel):
@@ -201,6 +214,12 @@ class ServerSettings(_Model):
         "closed (nginx's proxy_read_timeout on an upgraded connection)",
     )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
+    limit_log_level: LimitLogLevel = Field(
+        "warning",
+        description="level of the log line a limit writes when it rejects a request (delays one "
+        "level lower), at most one per limit per 10 s with the count of the others; off for "
+        "none (nginx's limit_req_log_level); a limit's log_level overrides it",
+    )
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
     )
@@ -276,6 +295,28 @@ class Upstream(_Model):
         "the pool close and reopen connections under load)",
     )
     idle_timeout: Timeout = Field(60.0, description="idle keep-alive connections closed after")
+    ca_file: str | None = Field(
+        None,
+        description="https:// only: PEM file of the CA certificates the upstream's certificate "
+        "is verified against (a private CA), instead of the system's; relative to the policy file",
+    )
+    client_cert: str | None = Field(
+        None,
+        description="https:// only: PEM certificate the gateway presents to an upstream that "
+        "asks for one (mutual TLS); with its key unless client_key names another file",
+    )
+    client_key: str | None = Field(None, description="PEM private key of client_cert")
+
+    @model_validator(mode="after")
+    def _tls_settings(self) -> Upstream:
+        given = [name for name in ("ca_file", "client_cert", "client_key") if getattr(self, name)]
+        if given and not self.url.startswith("https://"):
+            raise ValueError(
+                f"{', '.join(given)}: TLS settings are for https:// upstreams, not {self.url!r}"
+            )
+        if self.client_key and not self.client_cert:
+            raise ValueError("client_key without client_cert: give the certificate it belongs to")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -452,6 +493,11 @@ class _LimitBase(_Model):
     )
     max_queue: int = Field(1000, ge=0, description="requests waiting on this limit at most")
     max_keys: int = Field(100_000, ge=1, description="tracked keys; least recently used evicted")
+    log_level: LimitLogLevel | None = Field(
+        None,
+        description="level of this limit's rejection lines (delays one lower), or off; "
+        "default: server.limit_log_level",
+    )
     top_keys: Literal["hashed", "plain"] = Field(
         "hashed",
         description="how the dashboard's top limited keys show header: and query: key parts "

@@ -24,8 +24,8 @@ from gateway.observability.observer import Observability
 from gateway.observability.snapshot_files import default_shared_dir
 from gateway.observability.worker import WorkerState
 from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import Policy, split_host_port
-from gateway.redact import redact_text
+from gateway.policy.models import Policy, StoreSettings, split_host_port
+from gateway.redact import redact_text, redact_url
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
@@ -234,13 +234,12 @@ class Gateway:
         """
         if uses_demo(loaded) and self._demo_address is None:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
-        if loaded.policy.store != self.loaded.policy.store:
-            raise ValueError("store settings take effect on restart only; the running policy stays")
         moved = restart_only_changes(self.loaded.policy, loaded.policy)
         if moved:
             raise ValueError(
-                f"{', '.join(moved)} take effect on restart only; the running policy stays "
-                "(restart the gateway to apply them, or revert them to reload the rest)"
+                f"{loaded.source}: {', '.join(moved)} take effect on restart only; the running "
+                "policy stays (restart the gateway to apply them, or revert them to reload the "
+                "rest)"
             )
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
@@ -313,12 +312,20 @@ RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout", "drain_
 
 
 def restart_only_changes(running: Policy, new: Policy) -> list[str]:
-    """``server.*`` settings that differ between two policies but only move on restart."""
-    return [
+    """``server.*`` and ``store.*`` settings that differ between two policies but only move on
+    restart (a store URL shown without its password)."""
+    moved = [
         f"server.{name} ({getattr(running.server, name)!r} -> {getattr(new.server, name)!r})"
         for name in RESTART_ONLY
         if getattr(running.server, name) != getattr(new.server, name)
     ]
+    for name in StoreSettings.model_fields:
+        before, after = getattr(running.store, name), getattr(new.store, name)
+        if before != after:
+            if name == "url":
+                before, after = redact_url(before), redact_url(after)
+            moved.append(f"store.{name} ({before!r} -> {after!r})")
+    return moved
 
 
 async def serve(
