@@ -74,6 +74,13 @@ async def test_a_closed_port_is_one_error_line_naming_upstream_address_and_cause
     latest = backend["recent"][0]
     assert latest["address"] == f"127.0.0.1:{port}" and latest["status"] == 502
     assert latest["at_rfc3339"].endswith("Z") and latest["cause"] == "refused"
+    # The dashboard shows the same, as failing.
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(gw.admin_url + "/dashboard/state") as resp,
+    ):
+        shown = (await resp.json())["state"]["upstreams"]["backend"]
+    assert shown["failures_total"] == 20 and shown["recent"][0]["cause"] == "refused"
     # /readyz is about the gateway: still ready.
     async with (
         aiohttp.ClientSession(timeout=TIMEOUT) as session,

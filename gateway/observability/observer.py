@@ -206,13 +206,16 @@ class Observability:
                 queue.get_nowait()
             queue.put_nowait(None)
 
-    def initial_message(self) -> bytes:
+    def initial_data(self) -> dict[str, Any]:
+        """The history and the state now: what a page draws first (in the page itself, and
+        in its event stream's first message)."""
         # Added up afresh, not the last tick's sum: a page that reconnects to another worker
         # must not see its totals go back.
         snapshot = self.gateway_snapshot()
-        return sse_message(
-            "init", {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
-        )
+        return {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
+
+    def initial_message(self) -> bytes:
+        return sse_message("init", self.initial_data())
 
 
 def sse_message(event: str, data: object) -> bytes:
@@ -237,6 +240,8 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             "errors": snapshot.store.errors,
         },
         "requests": sum(n for *_, n in snapshot.requests),
+        "rejected": snapshot.limited_requests,
+        "delayed": snapshot.delayed_requests,
         "upstreams": {
             name: upstream_state(upstream) for name, upstream in snapshot.upstreams.items()
         },

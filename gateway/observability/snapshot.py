@@ -154,6 +154,7 @@ class HitterData(_Model):
     key: str
     count: int
     error: int
+    tier: str = ""  # the plan it was decided under ("" the limit's own numbers)
 
 
 class FailureData(_Model):
@@ -196,6 +197,8 @@ class WorkerSnapshot(_Model):
     policy_loaded_at: float = 0.0  # when the running policy was built (start-up or reload)
     # (route, method, status class, count)
     requests: tuple[tuple[str, str, int, int], ...] = ()
+    limited_requests: int = 0  # refused by a limit
+    delayed_requests: int = 0  # delayed by a limit
     durations: dict[str, HistogramData] = {}
     # (route, reason, count)
     upstream_errors: tuple[tuple[str, str, int], ...] = ()
@@ -242,6 +245,8 @@ class WorkerSnapshot(_Model):
                 "websockets": self.websockets.plus(base.websockets, gauge=False),
                 "connections_refused": self.connections_refused + base.connections_refused,
                 "header_timeouts": self.header_timeouts + base.header_timeouts,
+                "limited_requests": self.limited_requests + base.limited_requests,
+                "delayed_requests": self.delayed_requests + base.delayed_requests,
             }
         )
 
@@ -269,6 +274,8 @@ class GatewaySnapshot(_Model):
     durations: dict[str, HistogramData]
     upstream_errors: tuple[tuple[str, str, int], ...]
     local_responses: tuple[tuple[str, int, int], ...] = ()
+    limited_requests: int = 0
+    delayed_requests: int = 0
     limits: dict[str, LimitData]
     top_keys: dict[str, tuple[HitterData, ...]]
     store_name: str
@@ -303,6 +310,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
     limits: dict[str, LimitData] = {}
     hitters: dict[str, Counter[str]] = {}
     hitter_errors: dict[str, Counter[str]] = {}
+    hitter_tiers: dict[str, dict[str, str]] = {}
     store = StoreData(name=newest.store.name)
     for snap in snapshots:
         requests.update({(r, m, s): n for r, m, s, n in snap.requests})
@@ -334,16 +342,20 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                 continue
             counts = hitters.setdefault(name, Counter())
             errs = hitter_errors.setdefault(name, Counter())
+            tiers = hitter_tiers.setdefault(name, {})
             for hitter in top:
                 counts[hitter.key] += hitter.count
                 errs[hitter.key] += hitter.error
+                tiers[hitter.key] = hitter.tier
         if snap.store.name == store.name:
             store = store.plus(snap.store)
     # Limits a reload removed linger in older snapshots: show those the newest policy has.
     limits = {name: limits[name] for name in newest.limits if name in limits}
     top_keys = {
         name: tuple(
-            HitterData(key=key, count=count, error=hitter_errors[name][key])
+            HitterData(
+                key=key, count=count, error=hitter_errors[name][key], tier=hitter_tiers[name][key]
+            )
             for key, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:20]
         )
         for name, counts in hitters.items()
@@ -368,6 +380,8 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         durations=durations,
         upstream_errors=tuple((r, x, n) for (r, x), n in sorted(errors.items())),
         local_responses=tuple((r, c, n) for (r, c), n in sorted(local.items())),
+        limited_requests=sum(s.limited_requests for s in snapshots),
+        delayed_requests=sum(s.delayed_requests for s in snapshots),
         limits=limits,
         top_keys=top_keys,
         store_name=store.name,

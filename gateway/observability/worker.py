@@ -52,6 +52,7 @@ from gateway.observability.stats import (
     QueueWaits,
     RequestStats,
 )
+from gateway.policy.overrides import UNLISTED_KEY
 from gateway.stores.store_stats import StoreStats
 
 if TYPE_CHECKING:
@@ -66,6 +67,20 @@ JSON_EXTRA: Final = {JSON_LINE: True}
 TOP_KEYS_CAPACITY = 64
 TOP_KEYS_SHOWN = 20
 TOP_KEYS_PERIOD_S = 60.0
+
+
+# Between a key and its tier in the top-keys sketch (a key shown never holds it).
+TIER_SEP: Final = "\x1d"
+
+
+def tier_of(check: Check) -> str:
+    """The tier a check was decided under: a plan's name, ``custom`` for a key with numbers
+    of its own, ``unlisted`` for the key ``unlisted: shared`` gives the others, or "" (the
+    limit's own numbers)."""
+    if check.key == UNLISTED_KEY:
+        return "unlisted"
+    tier = check.limit.table.partition("~")[2]
+    return "custom" if tier.startswith("=") else tier
 
 
 class _RunningTotals:
@@ -181,7 +196,8 @@ class WorkerMetrics:
                     TOP_KEYS_CAPACITY, TOP_KEYS_PERIOD_S
                 )
             spec = check.limit.spec
-            sketch.offer(shown_key(spec.key, check.key, plain=spec.top_keys == "plain"))
+            shown = shown_key(spec.key, check.key, plain=spec.top_keys == "plain")
+            sketch.offer(shown + TIER_SEP + tier_of(check))
 
     def note_waited(self, outcome: Outcome, waited_s: float) -> None:
         verdict = outcome.verdict
@@ -231,8 +247,9 @@ class WorkerMetrics:
             sketch = self.top_keys.get(name)
             if sketch is not None:
                 top_keys[name] = tuple(
-                    HitterData(key=h.key, count=h.count, error=h.error)
+                    HitterData(key=key, tier=tier, count=h.count, error=h.error)
                     for h in sketch.top(TOP_KEYS_SHOWN)
+                    for key, _, tier in (h.key.partition(TIER_SEP),)
                 )
         stats = store.stats
         store_data = StoreData(
@@ -265,6 +282,8 @@ class WorkerMetrics:
                 (route, code, count) for (route, code), count in self.requests.local.items()
             ),
             policy_loaded_at=runtime.loaded_at,
+            limited_requests=self.requests.limited,
+            delayed_requests=self.requests.delayed,
             limits=limits,
             top_keys=top_keys,
             store=store_data,
@@ -331,9 +350,11 @@ class ObservedHandler:
                 for check in outcome.would_reject:
                     limit_log.would_reject(runtime, check, request, route)
             if outcome.rejected_by is not None:
+                metrics.requests.limited += 1
                 metrics.note_limited(outcome)
                 limit_log.rejected(runtime, outcome, request, route)
             elif outcome.delay_s > 0.0 and not outcome.status:
+                metrics.requests.delayed += 1
                 metrics.note_waited(outcome, min(outcome.delay_s, duration_s))
                 limit_log.delayed(runtime, outcome, request, route)
         upstream_error = request.get(UPSTREAM_ERROR) if status >= 500 else None
