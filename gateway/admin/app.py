@@ -10,6 +10,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.admin.auth import AdminAuth, auth_middleware, login_routes
+from gateway.clock import rfc3339
 from gateway.edge.client_ip import client_key
 from gateway.edge.responses import SERVER
 from gateway.engine.limit_engine import Explanation, LimitEngine, LimitLook
@@ -72,10 +73,11 @@ async def _policy(request: web.Request) -> web.Response:
             "source": runtime.loaded.source,
             "sha256": runtime.loaded.sha256,
             "loaded_at": runtime.loaded_at,
+            "loaded_at_rfc3339": rfc3339(runtime.loaded_at),
             "worker": state.worker_id,
             "store": runtime.engine.store.name,
             "store_url": redact_url(store_url(runtime.loaded.policy.store)),
-            "reload": reload_status.model_dump() if reload_status is not None else None,
+            "reload": reload_status.shown() if reload_status is not None else None,
             "in_force": state.in_force,
             "policy": policy,
         }
@@ -222,6 +224,11 @@ def _verdict(explanation: Explanation) -> dict[str, Any]:
     }
 
 
+async def _root(request: web.Request) -> web.StreamResponse:
+    """A browser opening the admin address lands on the dashboard."""
+    raise web.HTTPFound("/dashboard/")
+
+
 async def _name_server(request: web.Request, response: web.StreamResponse) -> None:
     """aiohttp would send ``Server: Python/x aiohttp/y``: versions are nobody's business."""
     response.headers["Server"] = SERVER
@@ -238,6 +245,7 @@ def make_admin_app(state: AdminState) -> web.Application:
     app[ADMIN_STATE] = state
     app.on_response_prepare.append(_name_server)
     app.router.add_routes(login_routes(current))
+    app.router.add_get("/", _root)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/policy", _policy)

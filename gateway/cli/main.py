@@ -160,6 +160,8 @@ environment:
   GATEWAY_LISTEN      proxy listener, over the policy's server.listen (the image: 0.0.0.0:8080)
   GATEWAY_ADMIN_LISTEN admin listener, over server.admin_listen (the image: 0.0.0.0:9090)
   GATEWAY_IN_CONTAINER set by the image: a loopback listener is logged as unreachable
+  GATEWAY_ADMIN_TOKEN  the admin listener's bearer token (over server.admin_token)
+  GATEWAY_ADMIN_TOKEN_FILE a file holding it, read at start and on every reload
 """
 
 
@@ -206,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gateway {__version__}")
     _add_log_options(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,schema,replay}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{run,check,schema,healthcheck,replay}"
+    )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         child = sub.add_parser(

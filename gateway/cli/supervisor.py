@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from gateway.observability.snapshot_files import ENV_METRICS_DIR, supervisor_dir
 from gateway.policy.loader import LoadedPolicy
 from gateway.stores import shared_store_selected
 from gateway.stores.shared.runtime_dir import clean_runtime_dir, runtime_dir
@@ -28,6 +29,7 @@ def worker_main(
     worker_id: int,
     workers: int,
     policy_path: str | None,
+    startup_errors: multiprocessing.SimpleQueue[str] | None = None,
 ) -> None:
     from gateway.serving.lifecycle import StartupError, run_event_loop, serve
 
@@ -44,10 +46,12 @@ def worker_main(
             )
         )
     except StartupError as exc:
-        # One write, line and newline together: the workers of --workers N fail at once on
-        # one stderr, and print()'s two writes interleaved their lines.
-        sys.stderr.write(f"gateway: {exc}\n")
-        sys.stderr.flush()
+        if startup_errors is not None:
+            # The supervisor says it, once: the workers of --workers N fail alike, at once.
+            startup_errors.put(f"gateway: {exc}")
+        else:
+            sys.stderr.write(f"gateway: {exc}\n")
+            sys.stderr.flush()
         raise SystemExit(EXIT_STARTUP) from None
 
 
@@ -70,11 +74,12 @@ def supervise(
     """Run ``workers`` processes on one port (SO_REUSEPORT); restart any that die."""
     ctx = multiprocessing.get_context("fork")
     stopping = False
+    startup_errors: multiprocessing.SimpleQueue[str] = ctx.SimpleQueue()
 
     def start(worker_id: int) -> multiprocessing.process.BaseProcess:
         proc = ctx.Process(
             target=_forked_worker_main,
-            args=(loaded, listen, admin, worker_id, workers, policy_path),
+            args=(loaded, listen, admin, worker_id, workers, policy_path, startup_errors),
             name=f"gateway-worker-{worker_id}",
         )
         proc.start()
@@ -123,4 +128,14 @@ def supervise(
             proc.kill()
     if shared_dir is not None:
         shutil.rmtree(shared_dir, ignore_errors=True)
+    if not os.environ.get(ENV_METRICS_DIR):
+        # The workers' snapshots; a directory the operator named is theirs to keep.
+        shutil.rmtree(supervisor_dir(os.getpid()), ignore_errors=True)
+    said: set[str] = set()
+    while not startup_errors.empty():
+        message = startup_errors.get()
+        if message not in said:
+            said.add(message)
+            sys.stderr.write(message + "\n")
+    sys.stderr.flush()
     return 1 if failed else 0

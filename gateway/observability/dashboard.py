@@ -79,7 +79,7 @@ async def _status(request: web.Request) -> web.Response:
             "at_rfc3339": rfc3339(snapshot.at),
             "workers": snapshot.workers,
             "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
-            "reload": reload.model_dump() if reload is not None else None,
+            "reload": reload.shown() if reload is not None else None,
             "store": {"name": snapshot.store_name, "state": snapshot.store.state},
             "upstreams": {
                 name: upstream_state(upstream) for name, upstream in snapshot.upstreams.items()

@@ -231,7 +231,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
         "workers": snapshot.workers,
         "worker_ids": list(snapshot.worker_ids),
         "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
-        "reload": reload.model_dump() if reload is not None else None,
+        "reload": reload.shown() if reload is not None else None,
         "store": {
             "name": snapshot.store_name,
             "state": snapshot.store.state,

@@ -29,7 +29,7 @@ from gateway.redact import redact_text, redact_url
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
-from gateway.stores import LimitStore, build_store
+from gateway.stores import LimitStore, build_store, store_url
 
 log = logging.getLogger("gateway")
 
@@ -375,8 +375,12 @@ async def serve(
             signal.SIGHUP, lambda: log.info("SIGHUP: no policy file to reload (--upstream)")
         )
 
+    admin_host = gateway.admin_listen[0]
+    if admin_host in ("0.0.0.0", "::", ""):
+        admin_host = "127.0.0.1"  # a wildcard: this machine reaches it on loopback
     log.info(
-        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s",
+        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s, store %s; "
+        "dashboard http://%s/dashboard/",
         worker_id,
         gateway.listen[0],
         gateway.proxy_port,
@@ -384,6 +388,8 @@ async def serve(
         gateway.admin_port,
         loaded.source,
         loaded.sha256[:12],
+        redact_url(store_url(loaded.policy.store)),
+        _host_port(admin_host, gateway.admin_port),
     )
     if gateway.admin_auth.token is not None:
         log.info(
