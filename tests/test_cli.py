@@ -174,7 +174,7 @@ def test_help_is_plain_text_with_examples_and_the_environment(command: tuple[str
     ):
         assert name in result.stdout
     if not command:
-        assert "{run,check,schema,healthcheck,replay}" in result.stdout
+        assert "{run,check,schema,healthcheck,replay,admin-token}" in result.stdout
         assert "    healthcheck " in result.stdout  # listed with what it does
 
 
@@ -273,3 +273,14 @@ def test_log_format_json_makes_every_line_a_json_object(tmp_path: Path) -> None:
     serving = [r for r in records if "serving on" in r.get("message", "")]
     assert serving and serving[0]["logger"] == "gateway" and serving[0]["level"] == "INFO"
     assert [r["path"] for r in records if "path" in r] == ["/a?x=1", "/b"]
+
+
+def test_admin_token_refuses_a_short_secret_in_one_line(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("short\n")
+    result = _gateway("admin-token", str(tmp_path / "token"), "--from", str(secret))
+    assert result.returncode == 1
+    assert _one_line_no_traceback(result) == (
+        f"gateway admin-token: {secret}: the admin token is shorter than 16 characters"
+    )
+    assert not (tmp_path / "token").exists()

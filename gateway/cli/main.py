@@ -108,6 +108,19 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_admin_token(args: argparse.Namespace) -> int:
+    from gateway.admin.token_file import TokenFileError, write_token_file
+
+    try:
+        origin = write_token_file(args.file, getattr(args, "from"), keep=args.keep)
+    except TokenFileError as exc:
+        print(f"gateway admin-token: {exc}", file=sys.stderr)
+        return 1
+    said = {"given": f"the token of {getattr(args, 'from')}", "kept": "the token it held"}
+    print(f"gateway admin-token: {args.file}: {said.get(origin, 'a new random token')}")
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(policy_json_schema(), indent=2, ensure_ascii=False))
     return 0
@@ -209,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gateway {__version__}")
     _add_log_options(parser, defaults=True)
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{run,check,schema,healthcheck,replay}"
+        dest="command",
+        required=True,
+        metavar="{run,check,schema,healthcheck,replay,admin-token}",
     )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -246,6 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--path", default="/readyz", help="admin path to probe")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds")
     health.set_defaults(func=cmd_healthcheck)
+
+    token = command(
+        "admin-token",
+        "write an admin token to FILE for GATEWAY_ADMIN_TOKEN_FILE (mode 0600, never printed): "
+        "--from's when that file exists, else (--keep) the one FILE holds, else a random one",
+    )
+    token.add_argument("file", metavar="FILE")
+    token.add_argument("--from", metavar="SECRET", help="a mounted secret holding the token")
+    token.add_argument("--keep", action="store_true", help="keep the token FILE already holds")
+    token.set_defaults(func=cmd_admin_token)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)
