@@ -54,8 +54,7 @@ def download(arch: str, into: Path) -> list[tuple[str, str]]:
         check=True,
     )  # fmt: skip
     return sorted(
-        (wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest())
-        for wheel in into.glob("*.whl")
+        (wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest()) for wheel in into.glob("*.whl")
     )
 
 
