@@ -770,3 +770,26 @@ def test_combined_log_read_in_pieces_is_read_as_line_by_line(
         assert read(Opened("log", wrapped, raw, None)) == expected
     finally:
         logs._PIECE_BYTES = old_size
+
+
+def test_each_format_is_one_entry_of_the_readers_table() -> None:
+    """A first line of each format is told as that format and no other earlier in the table,
+    and the CLI offers exactly the table's formats."""
+    from gateway.cli.main import build_parser
+    from gateway.replay.log_formats import FORMATS, READERS, detect
+
+    first_lines = {
+        "gateway": '{"ts": 1.5, "t_us": 1500000, "client": "10.0.0.1", "method": "GET", '
+        '"path": "/", "route": "all", "limit": null}',
+        "jsonl": '{"ts": 1.5, "ip": "10.0.0.1", "method": "GET", "path": "/"}',
+        "combined": '10.0.0.1 - - [10/Oct/2000:13:55:36 -0700] "GET / HTTP/1.1" 200 5 "-" "ua"',
+    }
+    assert set(first_lines) == set(READERS)
+    assert {fmt: detect(line) for fmt, line in first_lines.items()} == {
+        fmt: fmt for fmt in first_lines
+    }
+    assert detect("hello") is None
+    parser = build_parser()
+    replay_parser = parser._subparsers._group_actions[0].choices["replay"]  # type: ignore[union-attr]
+    format_option = next(a for a in replay_parser._actions if "--format" in a.option_strings)
+    assert tuple(format_option.choices) == FORMATS
