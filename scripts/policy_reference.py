@@ -15,7 +15,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.policy.models import policy_json_schema  # noqa: E402
+from gateway.policy.models import policy_json_schema
 
 # Each model's section: its heading (the field's place in a file) and the model it documents,
 # in the order a policy file is written. "limits.NAME" is built from the three limit models.
@@ -215,7 +215,7 @@ def field_table(
 def render(schema: dict[str, Any]) -> str:
     defs: dict[str, dict[str, Any]] = schema["$defs"]
     links = {model: heading for heading, model in SECTIONS if model}
-    for words, model in LIMIT_MODELS:
+    for _, model in LIMIT_MODELS:
         links[model] = "limits.NAME"
     documented = set(links)
     missing = set(defs) - documented
