@@ -132,6 +132,7 @@ async def send(
                 continue
             raise
         except BaseException:
+            pool.unanswered(member)
             pool.finished(member)
             raise
         status = response.status

@@ -110,11 +110,13 @@ async def forward_upgrade(
     )
     connections = server.connections
     started_at = pool.started(server)
+    failure: UpstreamError | None = None
+    answered = False
     try:
         try:
             up_transport, up_side = await connections.connect_unpooled(lambda: _UpstreamSide(loop))
         except UpstreamError as exc:
-            pool.failed(server, upstream_error_reason(exc), exc)
+            failure = exc
             return _upstream_failed(request, exc)
         try:
             up_transport.write(head)
@@ -124,18 +126,22 @@ async def forward_upgrade(
                     await up_side.message_complete
         except TimeoutError:
             up_transport.abort()
-            timeout = UpstreamTimeout("the upstream sent nothing within the read timeout")
-            pool.failed(server, "timeout", timeout)
-            return _upstream_failed(request, timeout)
+            failure = UpstreamTimeout("the upstream sent nothing within the read timeout")
+            return _upstream_failed(request, failure)
         except UpstreamError as exc:
             up_transport.abort()
-            pool.failed(server, upstream_error_reason(exc), exc)
+            failure = exc
             return _upstream_failed(request, exc)
         except BaseException:
             up_transport.abort()
             raise
+        answered = True
         pool.answered(server, up_side.status, started_at)
     finally:
+        if failure is not None:
+            pool.failed(server, upstream_error_reason(failure), failure)
+        elif not answered:
+            pool.unanswered(server)
         pool.finished(server)
 
     via = runtime.via

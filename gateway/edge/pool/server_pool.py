@@ -100,6 +100,7 @@ class PoolMember:
         "index",
         "inflight",
         "passive",
+        "pending",
         "retired",
         "stats",
         "weight",
@@ -123,7 +124,8 @@ class PoolMember:
         self.weight = config.weight
         self.backup = config.backup
         self.index = 0
-        self.inflight = 0
+        self.inflight = 0  # attempts sent and not yet done with (their responses relayed)
+        self.pending = 0  # attempts sent whose outcome (a response head, a failure) is unknown
         self.retired = False
 
     @property
@@ -249,7 +251,18 @@ class ServerPool:
         return member
 
     def _available(self, member: PoolMember, now: float) -> bool:
-        if not member.passive.available(now):
+        passive = member.passive
+        if not passive.available(now):
+            return False
+        fails = passive.fails
+        if (
+            fails < passive.max_fails
+            and (fails or not member.connections.open_connections)
+            and member.pending >= passive.max_fails - fails
+        ):
+            # Failing already, or with no connection open (dead, or not yet connected): no
+            # more attempts in the dark than the failures it has left, so the clients who see
+            # its failures are at most max_fails, however many arrive at once.
             return False
         if member.active is not None and not member.active.healthy:
             return False
@@ -268,11 +281,18 @@ class ServerPool:
 
     def started(self, member: PoolMember) -> float:
         member.inflight += 1
+        member.pending += 1
         member.stats.requests += 1
         return self._now()
 
+    def unanswered(self, member: PoolMember) -> None:
+        """An attempt ended with neither an answer nor a failure of the server's (the client's
+        body failed, the client went away)."""
+        member.pending -= 1
+
     def answered(self, member: PoolMember, status: int, started_at: float) -> bool:
         """The member answered with ``status``; True if that counts as its failure."""
+        member.pending -= 1
         now = self._now()
         latency = now - started_at
         member.stats.latency.observe(latency)
@@ -291,6 +311,7 @@ class ServerPool:
 
     def failed(self, member: PoolMember, reason: str, exc: UpstreamError) -> None:
         """The exchange with the member failed (``reason``: an ``upstream_error_reason``)."""
+        member.pending -= 1
         now = self._now()
         if self._outliers is not None:
             self._outliers.record(member.index, True, None)
