@@ -28,6 +28,7 @@ from gateway.edge.annotations import (
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
 )
+from gateway.edge.pool.server_pool import FAILURE_REASONS
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.limits.compiled import Check, DecisionCounts
 from gateway.limits.keys import shown_key
@@ -291,10 +292,19 @@ class WorkerMetrics:
             ),
             process=read_process(),
             servers=server_data(runtime),
-            retries=tuple((u, r, n) for (u, r), n in runtime.server_stats.retries.items()),
+            retries=retry_counts(runtime),
             tls_not_after=tls.not_after if tls is not None else None,
             tls_reloads=dict(tls.reloads) if tls is not None else {},
         )
+
+
+def retry_counts(runtime: Runtime) -> tuple[tuple[str, str, int], ...]:
+    """Retries by (upstream, reason), every pair from the start: a query finds the series."""
+    counts = dict.fromkeys(
+        ((name, reason) for name in runtime.upstreams for reason in FAILURE_REASONS), 0
+    )
+    counts.update(runtime.server_stats.retries)
+    return tuple((u, r, n) for (u, r), n in counts.items())
 
 
 def server_data(runtime: Runtime) -> tuple[ServerData, ...]:
@@ -315,7 +325,7 @@ def server_data(runtime: Runtime) -> tuple[ServerData, ...]:
                 backup=member.backup if member is not None else False,
                 inflight=member.inflight if member is not None else 0,
                 requests=stats.requests,
-                failures=dict(stats.failures),
+                failures={reason: stats.failures.get(reason, 0) for reason in FAILURE_REASONS},
                 ejections=stats.ejections,
                 latency=HistogramData.of(stats.latency),
             )
