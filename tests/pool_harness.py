@@ -28,12 +28,17 @@ class Backend:
     delay_s: float = 0.0
     fail_every: int = 0  # answer 503 to every n-th request (2: half of them)
     status: int = 200
+    health_status: int = 200  # the answer to GET /healthz (not counted in ``requests``)
+    health_checks: int = 0
     requests: int = 0
     seen: list[str] = field(default_factory=list)  # a header's values, when asked to keep them
     keep_header: str = ""
     runner: web.ServerRunner | None = None
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/healthz":
+            self.health_checks += 1
+            return web.Response(status=self.health_status, text=f"health {self.name}")
         self.requests += 1
         if self.keep_header:
             self.seen.append(request.headers.get(self.keep_header, ""))

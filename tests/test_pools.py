@@ -386,3 +386,42 @@ async def test_a_host_name_is_resolved_again_and_its_new_addresses_take_the_requ
         dns.stop()
         await first.stop()
         await second.stop()
+
+
+async def test_active_checks_take_a_failing_server_out_and_bring_it_back(
+    backends: Callable[..., asyncio.Future[Backend]], start_gateway: GatewayFactory
+) -> None:
+    steady = await backends("steady")
+    flaky = await backends("flaky")
+    extra = (
+        "    health_check: {path: /healthz, interval: 100ms, timeout: 1s, healthy: 2,"
+        " unhealthy: 2}\n"
+    )
+    gw = await start_gateway(pool_policy(servers_of(steady, flaky), extra=extra))
+    flaky_label = f"127.0.0.1:{flaky.port}"
+    loop = asyncio.get_running_loop()
+
+    async def wait_for_state(session: aiohttp.ClientSession, state: str) -> None:
+        deadline = loop.time() + 5
+        while True:
+            pools = await policy_pools(session, gw.admin_url)
+            if {s["server"]: s["state"] for s in pools["pool"]}[flaky_label] == state:
+                return
+            assert loop.time() < deadline, pools
+            await asyncio.sleep(0.05)
+
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        assert await spread(session, gw.url + "/", 10, 1) == {
+            "200 backend steady": 5,
+            "200 backend flaky": 5,
+        }
+        flaky.health_status = 503  # its checks fail: out, while it still answers requests
+        await wait_for_state(session, "down")
+        before = flaky.requests
+        assert await spread(session, gw.url + "/", 10, 1) == {"200 backend steady": 10}
+        assert flaky.requests == before
+        flaky.health_status = 200
+        await wait_for_state(session, "up")
+        seen = await spread(session, gw.url + "/", 10, 1)
+        assert seen["200 backend flaky"] == 5, seen
+    assert flaky.health_checks >= 4 and steady.health_checks >= 4
