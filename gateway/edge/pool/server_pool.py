@@ -200,6 +200,7 @@ class ServerPool:
         self._single = len(servers) == 1 and config.resolve_interval is None
         # A pool of one is never taken out (nginx ignores max_fails there): nowhere else to go.
         self._max_fails = config.max_fails if not self._single else 0
+        self._by_inflight = config.balance == "least_inflight"
         self._failure_statuses = frozenset(s for s in config.retry.when if s in FAILURE_STATUSES)
         self._resolver = split_host_port(config.resolver) if config.resolver else None
         # balance: hash: a missing key part hashes the client IP
@@ -229,10 +230,14 @@ class ServerPool:
         outliers = self._outliers
         if outliers is not None and now >= outliers.next_at:
             self._ejected(outliers.evaluate(now), now)
-        candidates = [
-            m.index for m in members if not m.backup and m not in tried and self._available(m, now)
-        ]
-        if not candidates:
+        candidates: list[int] = []
+        backups = False
+        for m in members:
+            if m.backup:
+                backups = True
+            elif self._available(m, now) and m not in tried:
+                candidates.append(m.index)
+        if not candidates and backups:
             candidates = [
                 m.index for m in members if m.backup and m not in tried and self._available(m, now)
             ]
@@ -243,27 +248,25 @@ class ServerPool:
         if len(candidates) == 1:
             member = members[candidates[0]]
         else:
-            inflight = (
-                [m.inflight for m in members] if self.config.balance == "least_inflight" else ()
-            )
+            inflight = [m.inflight for m in members] if self._by_inflight else ()
             member = members[self._balancer.pick(candidates, inflight, key)]
         member.passive.picked(now)
         return member
 
     def _available(self, member: PoolMember, now: float) -> bool:
         passive = member.passive
-        if not passive.available(now):
-            return False
         fails = passive.fails
-        if (
-            fails < passive.max_fails
-            and (fails or not member.connections.open_connections)
-            and member.pending >= passive.max_fails - fails
-        ):
-            # Failing already, or with no connection open (dead, or not yet connected): no
-            # more attempts in the dark than the failures it has left, so the clients who see
-            # its failures are at most max_fails, however many arrive at once.
-            return False
+        max_fails = passive.max_fails
+        if fails:
+            if not passive.available(now):
+                return False
+            if fails < max_fails and member.pending >= max_fails - fails:
+                # Failing already: no more attempts in the dark than the failures it has
+                # left, so the clients who see its failures are at most max_fails, however
+                # many arrive at once.
+                return False
+        elif max_fails and member.pending >= max_fails and not member.connections.open_connections:
+            return False  # the same for a server with no connection open: dead, or not yet up
         if member.active is not None and not member.active.healthy:
             return False
         outliers = self._outliers
