@@ -17,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.engine.preflight import parse_and_build
+from gateway.policy.loader import parse_policy
 from gateway.policy.models import TlsSettings
 from gateway.policy.tls_files import certificate_not_after, load_tls
 from tests.conftest import GatewayFactory, RecordingUpstream
@@ -295,3 +297,22 @@ def test_relative_names_are_read_beside_the_policy_file(tmp_path: Path) -> None:
     assert loaded.not_after == certificate_not_after(
         ssl.PEM_cert_to_DER_cert(made.cert.read_text())
     )
+
+
+async def test_a_policy_reload_naming_new_files_swaps_the_certificate_or_is_refused_whole(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, pair: Pair, tmp_path: Path
+) -> None:
+    gw = await start_gateway(tls_policy(upstream.url, pair))
+    fresh = make_pair(tmp_path, "fresh")
+    gw.gateway.apply(parse_and_build(tls_policy(upstream.url, fresh)))
+    assert (await served_certificate(gw.port))[0] == fresh.fingerprint
+    # Files that do not load: the reload is refused and the policy and certificate stay.
+    missing = Pair(tmp_path / "absent.crt", tmp_path / "absent.key")
+    running = gw.gateway.loaded
+    with pytest.raises(ValueError, match=r"absent\.crt: cannot read"):
+        gw.gateway.apply(parse_policy(tls_policy(upstream.url, missing), "test.yaml"))
+    assert gw.gateway.loaded is running
+    assert (await served_certificate(gw.port))[0] == fresh.fingerprint
+    # And TLS cannot be turned off (or on) by a reload: the listener is bound.
+    with pytest.raises(ValueError, match="restart"):
+        gw.gateway.apply(parse_and_build(policy_for(upstream.url)))
