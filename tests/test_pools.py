@@ -377,6 +377,11 @@ async def test_a_host_name_is_resolved_again_and_its_new_addresses_take_the_requ
             assert await spread(session, gw.url + "/", 10, 2) == {"200 backend second": 10}
             pools = await policy_pools(session, gw.admin_url)
             assert [s["server"] for s in pools["pool"]] == [f"127.0.0.3:{first.port}"]
+            # The address that left: its series end (pods that come and go must not pile up).
+            async with session.get(gw.admin_url + "/metrics") as resp:
+                text = await resp.text()
+            assert f'server="127.0.0.3:{first.port}"' in text
+            assert f'server="127.0.0.2:{first.port}"' not in text
             # Two pods: both take requests.
             dns.records["api.test"] = ["127.0.0.2", "127.0.0.3"]
             await asyncio.sleep(0.6)

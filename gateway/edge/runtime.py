@@ -141,6 +141,7 @@ def build_runtime(
         upstreams[name] = UpstreamTarget(
             name, config, make_pool(name, config, demo_address, server_stats)
         )
+    server_stats.keep_only({name: target.pool for name, target in upstreams.items()})
     return Runtime(
         loaded=loaded,
         routes=RouteTable(policy.routes),

@@ -81,6 +81,19 @@ class ServerStatsTable:
         # (upstream, reason) -> requests sent on to another server
         self.retries: dict[tuple[str, str], int] = {}
 
+    def forget(self, upstream: str, server: str) -> None:
+        """A server left its pool (its name re-resolved, a reload removed it): its series end,
+        so that pods coming and going do not grow the table and the metrics without bound."""
+        self.servers.pop((upstream, server), None)
+
+    def keep_only(self, upstreams: dict[str, ServerPool]) -> None:
+        """Forget every server no pool in force has, and the retries of upstreams gone."""
+        present = {(name, m.label) for name, pool in upstreams.items() for m in pool.members}
+        for key in [key for key in self.servers if key not in present]:
+            del self.servers[key]
+        for key in [key for key in self.retries if key[0] not in upstreams]:
+            del self.retries[key]
+
     def of(self, upstream: str, server: str) -> ServerStats:
         stats = self.servers.get((upstream, server))
         if stats is None:
@@ -410,9 +423,12 @@ class ServerPool:
             self._outliers = OutlierDetector(detection, len(members), self._now())
         else:
             self._outliers = None
+        labels = {m.label for m in members}
         for member in old:
             if member not in members:
                 member.retired = True
+                if member.label not in labels:
+                    self._stats.forget(self.name, member.label)
                 if member.inflight == 0:
                     self._close_later(member)
 
