@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import signal
 import ssl
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from gateway.policy.loader import parse_policy
 from gateway.policy.models import TlsSettings
 from gateway.policy.tls_files import certificate_not_after, load_tls
 from tests.conftest import GatewayFactory, RecordingUpstream
+from tests.pool_harness import gateway_process
 from tests.support import REPO_ROOT, TIMEOUT, parse_metrics, policy_for, value
 
 
@@ -41,7 +43,7 @@ def make_pair(directory: Path, name: str, days: int = 30) -> Pair:
     key, cert, csr = directory / f"{name}.key", directory / f"{name}.crt", directory / f"{name}.csr"
     subprocess.run(
         ["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}"],
+         "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=localhost"],
         check=True, capture_output=True,
     )  # fmt: skip
     subprocess.run(
@@ -316,3 +318,39 @@ async def test_a_policy_reload_naming_new_files_swaps_the_certificate_or_is_refu
     # And TLS cannot be turned off (or on) by a reload: the listener is bound.
     with pytest.raises(ValueError, match="restart"):
         gw.gateway.apply(parse_and_build(policy_for(upstream.url)))
+
+
+async def test_sighup_reads_the_certificate_again(
+    tmp_path: Path, upstream: RecordingUpstream
+) -> None:
+    """The files are rewritten in place with their size and times kept, so that only the
+    signal, not the file watcher, can be what loads the new pair."""
+    first = make_pair(tmp_path, "first")
+    size = first.cert.stat().st_size
+    for attempt in range(20):  # an ECDSA signature's length varies: find a pair of equal size
+        second = make_pair(tmp_path, f"second{attempt}")
+        if (
+            second.cert.stat().st_size == size
+            and second.key.stat().st_size == first.key.stat().st_size
+        ):
+            break
+    else:
+        pytest.fail("no certificate of the same size came out of 20 tries")
+    policy = tls_policy(upstream.url, first).split("upstreams:", 1)
+    body = policy[0].split("  admin_listen: 127.0.0.1:0\n", 1)[1] + "upstreams:" + policy[1]
+    original = first.fingerprint
+    with gateway_process(tmp_path, body) as gw:
+        assert (await served_certificate(gw.port))[0] == original
+        for source, target in ((second.cert, first.cert), (second.key, first.key)):
+            before = target.stat()
+            with target.open("r+b") as file:
+                file.write(source.read_bytes())
+            os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+        await asyncio.sleep(2.5)  # the watcher's polls see nothing new
+        assert (await served_certificate(gw.port))[0] == original
+        gw.popen.send_signal(signal.SIGHUP)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (await served_certificate(gw.port))[0] != second.fingerprint:
+            assert loop.time() < deadline, "SIGHUP did not load the new pair"
+            await asyncio.sleep(0.1)
