@@ -6,7 +6,8 @@ finished, for a pool of one (``url:``) and pools of two (round robin, least in f
 No sockets: the steps ``gateway/edge/next_upstream.py`` takes around the exchange, timed in this
 thread's CPU time, so a busy machine slows each figure less than it slows a wrk run. Prints µs per
 request (the median over ``--rounds``) and the difference to the pool of one; compare it with the
-gateway's whole CPU per request (``bench_proxy.py``'s CPU µs/req, some 55 µs on a quiet machine).
+gateway's whole CPU per request (``bench_proxy.py``'s CPU µs/req; one worker's 18,000 req/s on
+a quiet machine leave it at most 55 µs).
 """
 
 from __future__ import annotations

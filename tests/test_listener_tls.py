@@ -22,9 +22,13 @@ from gateway.engine.preflight import parse_and_build
 from gateway.policy.loader import parse_policy
 from gateway.policy.models import TlsSettings
 from gateway.policy.tls_files import certificate_not_after, load_tls
-from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.pool_harness import gateway_process
-from tests.support import REPO_ROOT, TIMEOUT, parse_metrics, policy_for, value
+from tests.support.gateways import GatewayFactory
+from tests.support.metrics import parse_metrics, value
+from tests.support.network import TIMEOUT
+from tests.support.policies import policy_for
+from tests.support.pools import process_policy
+from tests.support.processes import REPO_ROOT, StartGateway
+from tests.support.upstreams import RecordingUpstream
 
 
 @dataclass
@@ -321,7 +325,7 @@ async def test_a_policy_reload_naming_new_files_swaps_the_certificate_or_is_refu
 
 
 async def test_sighup_reads_the_certificate_again(
-    tmp_path: Path, upstream: RecordingUpstream
+    tmp_path: Path, upstream: RecordingUpstream, gateway_process: StartGateway
 ) -> None:
     """The files are rewritten in place with their size and times kept, so that only the
     signal, not the file watcher, can be what loads the new pair."""
@@ -339,18 +343,18 @@ async def test_sighup_reads_the_certificate_again(
     policy = tls_policy(upstream.url, first).split("upstreams:", 1)
     body = policy[0].split("  admin_listen: 127.0.0.1:0\n", 1)[1] + "upstreams:" + policy[1]
     original = first.fingerprint
-    with gateway_process(tmp_path, body) as gw:
-        assert (await served_certificate(gw.port))[0] == original
-        for source, target in ((second.cert, first.cert), (second.key, first.key)):
-            before = target.stat()
-            with target.open("r+b") as file:
-                file.write(source.read_bytes())
-            os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
-        await asyncio.sleep(2.5)  # the watcher's polls see nothing new
-        assert (await served_certificate(gw.port))[0] == original
-        gw.popen.send_signal(signal.SIGHUP)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while (await served_certificate(gw.port))[0] != second.fingerprint:
-            assert loop.time() < deadline, "SIGHUP did not load the new pair"
-            await asyncio.sleep(0.1)
+    gw = await gateway_process(policy=process_policy(body))
+    assert (await served_certificate(gw.port))[0] == original
+    for source, target in ((second.cert, first.cert), (second.key, first.key)):
+        before = target.stat()
+        with target.open("r+b") as file:
+            file.write(source.read_bytes())
+        os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    await asyncio.sleep(2.5)  # the watcher's polls see nothing new
+    assert (await served_certificate(gw.port))[0] == original
+    gw.proc.send_signal(signal.SIGHUP)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (await served_certificate(gw.port))[0] != second.fingerprint:
+        assert loop.time() < deadline, "SIGHUP did not load the new pair"
+        await asyncio.sleep(0.1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -13,9 +12,11 @@ import pytest
 
 from gateway.engine.preflight import parse_and_build
 from gateway.serving.lifecycle import Gateway
-from tests.conftest import GatewayFactory
-from tests.pool_harness import Backend, DnsServer, HangUp, gateway_process
-from tests.support import TIMEOUT, parse_metrics, value
+from tests.support.gateways import GatewayFactory
+from tests.support.metrics import parse_metrics, value
+from tests.support.network import TIMEOUT
+from tests.support.pools import Backend, DnsServer, HangUp, process_policy
+from tests.support.processes import StartGateway
 
 SERVER = "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
 
@@ -137,7 +138,7 @@ async def test_consistent_hash_keeps_a_key_on_its_server_and_moves_only_a_leaver
 
 @pytest.mark.parametrize("retry", ["", "    retry: {tries: 1}\n"], ids=["retried", "not-retried"])
 async def test_a_server_killed_under_load_is_taken_out_then_comes_back_after_its_trial(
-    backends: Callable[..., asyncio.Future[Backend]], tmp_path: Path, retry: str
+    backends: Callable[..., asyncio.Future[Backend]], gateway_process: StartGateway, retry: str
 ) -> None:
     a, b, c = [await backends(name) for name in "abc"]
     max_fails = 2
@@ -148,45 +149,45 @@ async def test_a_server_killed_under_load_is_taken_out_then_comes_back_after_its
         + retry
         + "routes:\n  - name: all\n    upstream: pool\n"
     )
-    with gateway_process(tmp_path, policy) as gw:
-        url = f"http://127.0.0.1:{gw.port}/"
-        statuses: Counter[int] = Counter()
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+    gw = await gateway_process(policy=process_policy(policy))
+    url = f"http://127.0.0.1:{gw.port}/"
+    statuses: Counter[int] = Counter()
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
 
-            async def one() -> None:
-                status, _ = await fetch(session, url)
-                statuses[status] += 1
+        async def one() -> None:
+            status, _ = await fetch(session, url)
+            statuses[status] += 1
 
-            async def load(seconds: float, rate: int = 500) -> None:
-                """``rate`` requests a second for ``seconds``, each on its own."""
-                tasks = []
-                loop = asyncio.get_running_loop()
-                start = loop.time()
-                for n in range(int(seconds * rate)):
-                    delay = start + n / rate - loop.time()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    tasks.append(asyncio.ensure_future(one()))
-                async with asyncio.timeout(30):
-                    await asyncio.gather(*tasks)
+        async def load(seconds: float, rate: int = 500) -> None:
+            """``rate`` requests a second for ``seconds``, each on its own."""
+            tasks = []
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for n in range(int(seconds * rate)):
+                delay = start + n / rate - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one()))
+            async with asyncio.timeout(30):
+                await asyncio.gather(*tasks)
 
-            await load(0.5)
-            assert statuses == {200: 250}, statuses
-            port = b.port
-            await b.stop()  # killed under load
-            await load(2.0)
-            errors = sum(n for status, n in statuses.items() if status >= 500)
-            if retry:  # each failure reached a client until the server was taken out (its
-                # trial, a fail_timeout later, would be one more: the load ends before)
-                assert 1 <= errors <= max_fails, statuses
-            else:  # each failed GET went on to another server
-                assert errors == 0, statuses
-            assert sum(statuses.values()) == 1250
-            revived = await backends("b", port=port)
-            await asyncio.sleep(3.2)  # past fail_timeout: its next pick is its trial
-            seen = await spread(session, url, 60, concurrency=4)
-        assert seen["200 backend b"] >= 15, seen  # back in the rotation
-        assert revived.requests == seen["200 backend b"]
+        await load(0.5)
+        assert statuses == {200: 250}, statuses
+        port = b.port
+        await b.stop()  # killed under load
+        await load(2.0)
+        errors = sum(n for status, n in statuses.items() if status >= 500)
+        if retry:  # each failure reached a client until the server was taken out (its
+            # trial, a fail_timeout later, would be one more: the load ends before)
+            assert 1 <= errors <= max_fails, statuses
+        else:  # each failed GET went on to another server
+            assert errors == 0, statuses
+        assert sum(statuses.values()) == 1250
+        revived = await backends("b", port=port)
+        await asyncio.sleep(3.2)  # past fail_timeout: its next pick is its trial
+        seen = await spread(session, url, 60, concurrency=4)
+    assert seen["200 backend b"] >= 15, seen  # back in the rotation
+    assert revived.requests == seen["200 backend b"]
 
 
 async def policy_pools(session: aiohttp.ClientSession, admin_url: str) -> dict[str, Any]:

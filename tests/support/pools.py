@@ -1,6 +1,6 @@
 """What the pool tests stand up: backends that say who they are and misbehave on demand, a
-backend that hangs up mid-request, a DNS server whose answers the test changes, and a gateway
-process in front of them."""
+backend that hangs up mid-request, a DNS server whose answers the test changes, and a policy
+for a gateway process in front of them."""
 
 from __future__ import annotations
 
@@ -8,14 +8,10 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
 from aiohttp import web
-
-from tests.support import GatewayProcess, gateway_processes
 
 
 @dataclass
@@ -155,17 +151,8 @@ class DnsServer(asyncio.DatagramProtocol):
             self.transport.close()
 
 
-@contextlib.contextmanager
-def gateway_process(tmp_path: Path, policy_body: str) -> Iterator[GatewayProcess]:
-    """``gateway run`` (one worker) with ``policy_body`` after its ``server:`` section."""
-
-    def argv(port: int, admin_port: int) -> list[str]:
-        policy = tmp_path / f"policy-{port}.yaml"
-        policy.write_text(
-            f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
-            + policy_body
-        )
-        return ["-m", "gateway", "run", "--config", str(policy)]
-
-    with gateway_processes(argv, 1) as (process,):
-        yield process
+def process_policy(body: str) -> str:
+    """``body`` (upstreams, routes...) as a template for the ``gateway_process`` fixture: its
+    listeners filled in at start, its own braces (YAML flow mappings) kept."""
+    escaped = body.replace("{", "{{").replace("}", "}}")
+    return "server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n" + escaped
