@@ -317,7 +317,6 @@ ServerEntry = Annotated[UpstreamServer, BeforeValidator(_server_entry)]
 
 # What sends a request on to the next server (nginx's proxy_next_upstream): a connection that
 # failed or timed out, or one of these statuses.
-RETRY_STATUSES: tuple[int, ...] = (500, 502, 503, 504, 403, 404, 429)
 RetryOn = Literal["error", "timeout", 500, 502, 503, 504, 403, 404, 429]
 
 

@@ -362,7 +362,7 @@ class ServerPool:
             member = self.members[ejection.index]
             member.stats.ejections += 1
             log.warning(
-                "upstream %s: server %s ejected for %gs: its %s stand out from its peers'",
+                "upstream %s: server %s ejected for %gs: its %s stood out from its peers'",
                 self.name,
                 member.label,
                 round(ejection.until - now, 3),
