@@ -16,6 +16,8 @@ INVALID = FIXTURES / "invalid"
 
 # file -> the one line `gateway check` must print (path relative to tests/fixtures/invalid).
 EXPECTED_ERRORS = {
+    "empty_section.yaml": "empty_section.yaml:2: server: is empty: write its settings under it, "
+    "or remove the line",
     "bad_duration.yaml": "bad_duration.yaml:3: server.header_timeout: invalid duration '10x': "
     "expected Go syntax like '500ms', '10s', '1m30s'",
     "bad_listen.yaml": "bad_listen.yaml:2: server.listen: invalid listen address 'localhost': "
