@@ -11,8 +11,10 @@ import aiohttp
 import pytest
 
 from gateway.clock import FakeClock
-from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.support import PER_IP_BURST_4, TIMEOUT, get_status, limited_policy
+from tests.support.gateways import GatewayFactory
+from tests.support.network import TIMEOUT, get_status
+from tests.support.policies import PER_IP_BURST_4, limited_policy
+from tests.support.upstreams import RecordingUpstream
 
 
 def _limit_records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ import pytest
 from gateway.engine.preflight import load_and_build
 from gateway.log_setup import GatewayFormatter
 from gateway.serving.reload import PolicyReloader
-from tests.support import policy_for
+from tests.support.policies import policy_for
 
 
 def _record(message: str, *args: object, exc: BaseException | None = None) -> logging.LogRecord:

@@ -16,6 +16,8 @@ INVALID = FIXTURES / "invalid"
 
 # file -> the one line `gateway check` must print (path relative to tests/fixtures/invalid).
 EXPECTED_ERRORS = {
+    "empty_section.yaml": "empty_section.yaml:2: server: is empty: write its settings under it, "
+    "or remove the line",
     "bad_duration.yaml": "bad_duration.yaml:3: server.header_timeout: invalid duration '10x': "
     "expected Go syntax like '500ms', '10s', '1m30s'",
     "bad_listen.yaml": "bad_listen.yaml:2: server.listen: invalid listen address 'localhost': "
@@ -49,8 +51,20 @@ EXPECTED_ERRORS = {
     "not_a_mapping.yaml": "not_a_mapping.yaml:1: the policy file must be a mapping",
     "bad_version.yaml": "bad_version.yaml:1: version: unsupported policy version 2: this "
     "gateway reads version: 1",
-    "missing_url.yaml": "missing_url.yaml:2: upstreams.backend.url: missing: url has no "
-    "default, add it",
+    "missing_url.yaml": "missing_url.yaml:2: upstreams.backend: give url (one server) or "
+    "servers (a pool), one of them",
+    "pool_hash_without_key.yaml": "pool_hash_without_key.yaml:2: upstreams.backend: balance: "
+    "hash needs hash_key, and hash_key needs balance: hash",
+    "pool_all_backup.yaml": "pool_all_backup.yaml:2: upstreams.backend: every server is a "
+    "backup: at least one must not be",
+    "pool_retry_bad_status.yaml": "pool_retry_bad_status.yaml:5: upstreams.backend.retry.when[1]: "
+    "expected 'error', 'timeout', 500, 502, 503, 504, 403, 404 or 429, got 501",
+    "route_zero_read_timeout.yaml": "route_zero_read_timeout.yaml:7: routes[0].read_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "tls_bad_min_version.yaml": "tls_bad_min_version.yaml:2: server.tls.min_version: expected "
+    "'1.2' or '1.3', got '1.1'",
+    "tls_missing_files.yaml": "tls_missing_files.yaml:2: server.tls: "
+    "{dir}/missing-cert.pem: cannot read: No such file or directory",
     "bad_workers.toml": "bad_workers.toml:3: server.workers: expected a whole number, got 'many'",
     "limit_delay_over_burst.yaml": "limit_delay_over_burst.yaml:8: limits.per_ip: delay (5) "
     "cannot exceed burst (2)",
@@ -169,7 +183,8 @@ def test_every_invalid_fixture_has_an_expectation() -> None:
 def test_invalid_fixture_exact_message(name: str) -> None:
     with pytest.raises(PolicyError) as info:
         load_and_build(INVALID / name)
-    assert str(info.value) == f"{INVALID / name}:{EXPECTED_ERRORS[name].split(':', 1)[1]}"
+    expected = EXPECTED_ERRORS[name].split(":", 1)[1].replace("{dir}", str(INVALID))
+    assert str(info.value) == f"{INVALID / name}:{expected}"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "valid").iterdir()))

@@ -2,8 +2,8 @@
 how many were held back) naming the upstream, the server, its address and what went wrong, and
 each upstream's recent failures for ``/status`` and the dashboard.
 
-A pool of several servers calls ``record`` once per server that failed; the upstream's name is
-the record's own.
+An upstream's pool (``pool.server_pool``) calls ``record`` for each failed exchange with one of its
+servers; the upstream's name is the record's own.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ class Failure:
     address: str  # host:port connected to
     cause: str  # one of CAUSES
     detail: str
-    status: int  # what the client was answered (502, 504)
 
 
 def failure_cause(exc: BaseException) -> tuple[str, str]:
@@ -98,22 +97,23 @@ class UpstreamFailures:
         self._wall_clock = wall_clock
         self._throttle = throttle or LogThrottle(log, interval_s)
 
-    def record(self, server: str, address: str, exc: BaseException, status: int) -> str:
-        """Count and (when due) log a failure of ``server`` at ``address``; its cause."""
+    def record(self, server: str, address: str, exc: BaseException) -> str:
+        """Count and (when due) log a failure of ``server`` (its URL) at ``address``
+        (``host:port`` connected to); its cause."""
         cause, detail = failure_cause(exc)
         if cause == "reset" and server.startswith("https://") and "before answering" in detail:
             detail += (
-                " (an https upstream that requires a client certificate does this: see client_cert)"
+                " (an https server that requires a client certificate does this: see client_cert)"
             )
         self.by_cause[cause] = self.by_cause.get(cause, 0) + 1
-        self.recent.append(Failure(self._wall_clock(), server, address, cause, detail, status))
+        self.recent.append(Failure(self._wall_clock(), server, address, cause, detail))
         throttle = self._throttle
-        key = (self.name, server, cause)
+        key = (server, cause)
         if throttle.due(key):
             throttle.log(
                 logging.ERROR,
                 key,
                 f"upstream {self.name} failed: {detail} (cause {cause}, server {server}, "
-                f"address {address}); answered {status}",
+                f"address {address})",
             )
         return cause

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from gateway.clock import rfc3339
-from gateway.observability.observer import Observability, dashboard_state, upstream_state
+from gateway.observability.observer import Observability, dashboard_state, upstreams_state
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static" / "dashboard"
 
@@ -81,9 +81,7 @@ async def _status(request: web.Request) -> web.Response:
             "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
             "reload": reload.shown() if reload is not None else None,
             "store": {"name": snapshot.store_name, "state": snapshot.store.state},
-            "upstreams": {
-                name: upstream_state(upstream) for name, upstream in snapshot.upstreams.items()
-            },
+            "upstreams": upstreams_state(snapshot),
         }
     )
 

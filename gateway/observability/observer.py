@@ -29,7 +29,7 @@ from prometheus_client.registry import CollectorRegistry
 from gateway.clock import rfc3339
 from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
-from gateway.observability.snapshot import GatewaySnapshot, UpstreamData, WorkerSnapshot, merge
+from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
 from gateway.observability.snapshot_files import SnapshotDirectory
 from gateway.observability.timeline import Timeline
 from gateway.observability.worker import ObservedHandler, ObservedProxy, WorkerMetrics, WorkerState
@@ -223,6 +223,33 @@ def sse_message(event: str, data: object) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def upstream_servers(snapshot: GatewaySnapshot) -> dict[str, list[dict[str, Any]]]:
+    """Each upstream's servers now: state (by how many workers), in flight, counts."""
+    states: dict[tuple[str, str], dict[str, int]] = {}
+    for upstream, name, state, workers in snapshot.server_states:
+        states.setdefault((upstream, name), {})[state] = workers
+    out: dict[str, list[dict[str, Any]]] = {}
+    for server in snapshot.servers:
+        if not server.state:
+            continue  # left its pool
+        seen = states.get(server.key, {})
+        worst = next((name for name in ("down", "ejected") if seen.get(name)), server.state)
+        out.setdefault(server.upstream, []).append(
+            {
+                "server": server.server,
+                "state": worst,
+                "states": seen,
+                "weight": server.weight,
+                "backup": server.backup,
+                "inflight": server.inflight,
+                "requests": server.requests,
+                "failures": sum(server.failures.values()),
+                "ejections": server.ejections,
+            }
+        )
+    return out
+
+
 def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
     """Totals and status for the dashboard's numbers and tables."""
     reload = snapshot.reload
@@ -242,9 +269,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
         "requests": sum(n for *_, n in snapshot.requests),
         "rejected": snapshot.limited_requests,
         "delayed": snapshot.delayed_requests,
-        "upstreams": {
-            name: upstream_state(upstream) for name, upstream in snapshot.upstreams.items()
-        },
+        "upstreams": upstreams_state(snapshot),
         "limits": {
             name: {
                 "algorithm": limit.algorithm,
@@ -261,15 +286,20 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
     }
 
 
-def upstream_state(upstream: UpstreamData) -> dict[str, Any]:
-    """An upstream's failures for the dashboard and ``/status``, times in RFC 3339 too."""
+def upstreams_state(snapshot: GatewaySnapshot) -> dict[str, dict[str, Any]]:
+    """Each upstream for the dashboard and ``/status``: its servers (state, in flight, counts),
+    its failures by cause and the latest (times in RFC 3339 too)."""
+    servers = upstream_servers(snapshot)
     return {
-        "url": upstream.url,
-        "address": upstream.address,
-        "failures_total": sum(upstream.failures.values()),
-        "failures": upstream.failures,
-        "recent": [
-            {**failure.model_dump(), "at_rfc3339": rfc3339(failure.at)}
-            for failure in upstream.recent
-        ],
+        name: {
+            "url": upstream.url,
+            "failures_total": sum(upstream.failures.values()),
+            "failures": upstream.failures,
+            "recent": [
+                {**failure.model_dump(), "at_rfc3339": rfc3339(failure.at)}
+                for failure in upstream.recent
+            ],
+            "servers": servers.get(name, []),
+        }
+        for name, upstream in snapshot.upstreams.items()
     }

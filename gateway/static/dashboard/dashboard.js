@@ -268,33 +268,48 @@
     }
   }
 
+  // Each upstream: its servers (state chips), failing or not (a failure in the last minute),
+  // its failures and the latest.
   function renderUpstreams(state) {
     const rows = Object.entries(state.upstreams || {}).map(([name, up]) => {
       const row = document.createElement("tr");
+      row.className = "pool";
       row.dataset.upstream = name;
-      const latest = up.recent.length ? up.recent[0] : null;
-      const failing = latest && state.at - latest.at < FAILING_S;
-      const cells = [
-        name,
-        up.address || up.url,
-        failing ? "failing" : "ok",
-        fmtInt(up.failures_total),
-        latest
-          ? new Date(latest.at * 1000).toLocaleTimeString() + " " + latest.cause + ": " + latest.detail
-          : "none",
-      ];
-      cells.forEach((text, i) => {
-        const td = document.createElement("td");
-        td.textContent = text;
-        if (i === 2) td.className = "state " + (failing ? "bad" : "good");
-        if (i === 3) td.className = "num";
-        if (i === 4) td.className = "detail";
-        row.appendChild(td);
-      });
       row.title = up.url;
+      const latest = up.recent.length ? up.recent[0] : null;
+      const failing = latest !== null && state.at - latest.at < FAILING_S;
+      const nameCell = document.createElement("td");
+      nameCell.className = "upstream";
+      nameCell.textContent = name;
+      const servers = document.createElement("td");
+      servers.className = "servers";
+      for (const server of up.servers) {
+        const chip = document.createElement("span");
+        chip.className = "server";
+        chip.dataset.state = server.state;
+        chip.textContent = server.server + " " + server.state;
+        chip.title = "weight " + server.weight + (server.backup ? " (backup)" : "") +
+          ", in flight " + server.inflight + ", requests " + server.requests +
+          ", failures " + server.failures + ", ejections " + server.ejections +
+          ", workers by state " + JSON.stringify(server.states);
+        servers.appendChild(chip);
+      }
+      const status = document.createElement("td");
+      status.className = "state " + (failing ? "bad" : "good");
+      status.textContent = failing ? "failing" : "ok";
+      const count = document.createElement("td");
+      count.className = "num";
+      count.textContent = fmtInt(up.failures_total);
+      const last = document.createElement("td");
+      last.className = "detail";
+      last.textContent = latest
+        ? new Date(latest.at * 1000).toLocaleTimeString() + " " + latest.address + " " +
+          latest.cause + ": " + latest.detail
+        : "none";
+      row.append(nameCell, servers, status, count, last);
       return row;
     });
-    $("upstream-rows").replaceChildren(...rows);
+    $("server-pools").replaceChildren(...rows);
     $("upstreams").hidden = rows.length === 0;
   }
 
