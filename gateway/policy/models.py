@@ -148,6 +148,22 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def listeners_collide(first: str, second: str) -> bool:
+    """Whether two listen addresses would take the same port: one address, or a wildcard and
+    an address of its family. With SO_REUSEPORT (``--workers N``) both binds succeed and the
+    kernel splits the connections between the two listeners, so this is refused up front."""
+    host_a, port_a = split_host_port(first)
+    host_b, port_b = split_host_port(second)
+    if port_a != port_b or port_a == 0:
+        return False
+    host_a, host_b = host_a.lower(), host_b.lower()
+    if host_a == host_b:
+        return True
+    wildcard = "::" if ":" in host_a else "0.0.0.0"
+    same_family = (":" in host_a) == (":" in host_b)
+    return same_family and wildcard in (host_a, host_b)
+
+
 # Admin paths that may be served without the token; POST /reload never is.
 AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
 
@@ -251,6 +267,15 @@ class ServerSettings(_Model):
                     "upstream past every check and limit of the gateway"
                 )
         return tuple(token.lower() for token in value)
+
+    @model_validator(mode="after")
+    def _two_listeners(self) -> ServerSettings:
+        if listeners_collide(self.listen, self.admin_listen):
+            raise ValueError(
+                f"listen ({self.listen}) and admin_listen ({self.admin_listen}) take the same "
+                "port: give the admin listener a port of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:
