@@ -111,6 +111,37 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``) mounted at ``path`` for the block: a full disk
+    made for real. Needs root and a kernel that lets this process mount (CI runs as root);
+    the test is skipped, saying so, where it cannot."""
+    import pytest
+
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        reason = mounted.stderr.strip() or f"exit {mounted.returncode}"
+        pytest.skip(f"cannot mount a tmpfs here ({reason}): full-disk cases need root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+def fill_to(directory: Path, leave_bytes: int) -> Path:
+    """Allocate a file in ``directory`` so that ``leave_bytes`` stay free; the file."""
+    stat = os.statvfs(directory)
+    filler = directory / "filler"
+    with filler.open("wb") as out:
+        os.posix_fallocate(out.fileno(), 0, stat.f_bavail * stat.f_frsize - leave_bytes)
+    return filler
+
+
 def limited_policy(upstream_url: str, limits: str, server: str = "") -> str:
     return policy_for(upstream_url, server=server) + "limits:\n" + limits
 
@@ -152,12 +183,16 @@ Workers = tuple[str, str, Callable[[], list[int]]]
 
 @contextlib.asynccontextmanager
 async def run_workers(
-    upstream_url: str, tmp_path: Path, extra: str = "", processes: int = 2
+    upstream_url: str,
+    tmp_path: Path,
+    extra: str = "",
+    processes: int = 2,
+    shared_dir: Path | None = None,
 ) -> AsyncIterator[Workers]:
     """``gateway run --workers N`` as a subprocess; yields proxy URL, admin URL, worker pids.
 
     ``extra``: policy text after the one route (a ``store:``, ``limits:``). Snapshots go to
-    ``tmp_path/metrics``, the shared limit state under ``tmp_path/shared``.
+    ``tmp_path/metrics``, the shared limit state under ``shared_dir`` (``tmp_path/shared``).
     """
     port, admin_port = free_port(), free_port()
     policy = tmp_path / "policy.yaml"
@@ -178,7 +213,7 @@ async def run_workers(
             env={
                 **os.environ,
                 "GATEWAY_METRICS_DIR": str(tmp_path / "metrics"),
-                "GATEWAY_SHARED_DIR": str(tmp_path / "shared"),
+                "GATEWAY_SHARED_DIR": str(shared_dir or tmp_path / "shared"),
             },
         )  # fmt: skip
 

@@ -229,3 +229,14 @@ def test_log_format_json_makes_every_line_a_json_object(tmp_path: Path) -> None:
     serving = [r for r in records if "serving on" in r.get("message", "")]
     assert serving and serving[0]["logger"] == "gateway" and serving[0]["level"] == "INFO"
     assert [r["path"] for r in records if "path" in r] == ["/a?x=1", "/b"]
+
+
+def test_run_refuses_listen_and_admin_listen_on_one_port_from_the_command_line() -> None:
+    result = _gateway(
+        "run", "--upstream", "http://127.0.0.1:9",
+        "--listen", "0.0.0.0:18999", "--admin-listen", "127.0.0.1:18999", "--workers", "2",
+    )  # fmt: skip
+    assert _one_line_no_traceback(result) == (
+        "gateway: the proxy (0.0.0.0:18999) and the admin listener (127.0.0.1:18999) take the "
+        "same port: give the admin listener a port of its own"
+    )

@@ -30,6 +30,7 @@ from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
 from gateway.stores import LimitStore, build_store
+from gateway.stores.shared.runtime_dir import SharedDirError
 
 log = logging.getLogger("gateway")
 
@@ -139,6 +140,8 @@ class Gateway:
             )
         except ValueError as exc:  # a store URL the client refuses; it may hold a password
             raise StartupError(f"store: {redact_text(str(exc))}") from None
+        except SharedDirError as exc:  # no room, read-only, not a directory
+            raise StartupError(str(exc)) from None
         self._demo = DemoUpstream() if uses_demo(loaded) else None
         self._demo_address = self._demo.address if self._demo is not None else None
         self._watch_stop = asyncio.Event()
