@@ -21,7 +21,7 @@ from gateway.cli.supervisor import supervise, worker_main
 from gateway.engine.preflight import build_problems, load_and_build
 from gateway.log_setup import LOG_FORMATS, LOG_LEVELS
 from gateway.log_setup import configure as configure_logging
-from gateway.policy.loader import LoadedPolicy, PolicyError
+from gateway.policy.loader import LoadedPolicy, Loc, PolicyError, load_policy
 from gateway.policy.models import (
     Policy,
     Route,
@@ -117,11 +117,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
 
 
+def listen_problems(policy: Policy) -> list[tuple[Loc, str]]:
+    """The policy's listen addresses that ``run`` could not bind here, tried as ``nginx -t``
+    does (one in use is fine: it may be this very gateway's). An address the environment
+    overrides (``GATEWAY_LISTEN``, ``GATEWAY_ADMIN_LISTEN``) is not the one ``run`` binds."""
+    from gateway.serving.lifecycle import ENV_ADMIN_LISTEN, ENV_LISTEN
+
+    problems: list[tuple[Loc, str]] = []
+    for name, env_name in (("listen", ENV_LISTEN), ("admin_listen", ENV_ADMIN_LISTEN)):
+        if os.environ.get(env_name):
+            continue
+        problem = listen_addresses.check_problem(*split_host_port(getattr(policy.server, name)))
+        if problem is not None:
+            problems.append((("server", name), problem))
+    return problems
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     failed = False
     for file in args.files:
         try:
-            loaded = load_and_build(file)
+            loaded = load_policy(file, lambda p: build_problems(p) or listen_problems(p))
         except PolicyError as exc:
             print(exc, file=sys.stderr)
             failed = True
