@@ -68,6 +68,7 @@ class Generation:
         self.tmp_path = tmp_path
         self.log = tmp_path / f"{name}.log"
         self.proc: asyncio.subprocess.Process | None = None
+        self.workers: list[int] = []
 
     async def start(self) -> asyncio.subprocess.Process:
         with self.log.open("wb") as out:
@@ -94,7 +95,8 @@ class Generation:
         while loop.time() < deadline:
             text = self.log.read_text()
             if "worker 0 serving" in text and "worker 1 serving" in text:
-                return children(self.proc.pid)
+                self.workers = children(self.proc.pid)
+                return self.workers
             assert self.proc.returncode is None, text
             await asyncio.sleep(0.1)
         raise AssertionError(f"not serving within {within_s}s: {self.log.read_text()}")
@@ -109,15 +111,15 @@ class Generation:
         return counted
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            pids = children(self.proc.pid)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
+        """SIGTERM, then SIGKILL for any of its workers still there (orphans too)."""
+        try:
+            if self.proc is not None and self.proc.returncode is None:
+                self.proc.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(self.proc.wait(), 30)
-            finally:
-                for pid in pids:
-                    if alive(pid):
-                        os.kill(pid, signal.SIGKILL)
+        finally:
+            for pid in self.workers:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
 
 
 async def paced_load(url: str, per_s: int, stop: asyncio.Event, most: int) -> Counter[int | str]:
@@ -197,8 +199,8 @@ async def test_workers_stop_with_a_killed_supervisor_and_no_second_gateway_start
         stop.set()
         if load is not None:
             await asyncio.gather(load, return_exceptions=True)
-        await third.stop()
-        await first.stop()
+        for generation in (third, second, first):
+            await generation.stop()
     windows = first.admitted_per_window() + third.admitted_per_window()
     print(
         f"\nworkers gone {gone_after_s:.2f} s after the supervisor's SIGKILL; statuses "
