@@ -45,6 +45,10 @@ def policy_for(upstream_url: str, extra: str = "", server: str = "") -> str:
     )
 
 
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def parse_metrics(text: str) -> Samples:
     """Every sample of a Prometheus text exposition: (name, labels) -> value."""
     samples: Samples = {}
@@ -188,17 +192,21 @@ async def run_workers(
     extra: str = "",
     processes: int = 2,
     shared_dir: Path | None = None,
+    server: str = "",
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[Workers]:
     """``gateway run --workers N`` as a subprocess; yields proxy URL, admin URL, worker pids.
 
-    ``extra``: policy text after the one route (a ``store:``, ``limits:``). Snapshots go to
+    ``extra``: policy text after the one route (a ``store:``, ``limits:``); ``server``: lines
+    of the ``server:`` section after the listeners; ``env``: more environment. Snapshots go to
     ``tmp_path/metrics``, the shared limit state under ``shared_dir`` (``tmp_path/shared``).
     """
     port, admin_port = free_port(), free_port()
     policy = tmp_path / "policy.yaml"
     policy.write_text(
         f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
-        f"upstreams:\n  backend:\n    url: {upstream_url}\n"
+        + server
+        + f"upstreams:\n  backend:\n    url: {upstream_url}\n"
         "routes:\n  - name: all\n    upstream: backend\n" + extra
     )
     log_path = tmp_path / "gateway.log"
@@ -214,6 +222,7 @@ async def run_workers(
                 **os.environ,
                 "GATEWAY_METRICS_DIR": str(tmp_path / "metrics"),
                 "GATEWAY_SHARED_DIR": str(shared_dir or tmp_path / "shared"),
+                **(env or {}),
             },
         )  # fmt: skip
 

@@ -57,6 +57,7 @@ def worker_main(
                 worker_id=worker_id,
                 workers=workers,
                 policy_path=policy_path,
+                supervisor_pid=supervisor_pid,
             )
         finally:
             if watch is not None:

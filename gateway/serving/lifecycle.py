@@ -120,6 +120,7 @@ class Gateway:
         clock: Clock | None = None,
         store: LimitStore | None = None,
         policy_path: str | None = None,
+        supervisor_pid: int | None = None,
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
@@ -163,7 +164,12 @@ class Gateway:
                 access_log=None,  # the observability wrapper writes the access log line
             )
             self.reloader = (
-                PolicyReloader(policy_path, running=lambda: self.loaded, apply=self.apply)
+                PolicyReloader(
+                    policy_path,
+                    running=lambda: self.loaded,
+                    apply=self.apply,
+                    refresh=self.refresh_admin_token,
+                )
                 if policy_path
                 else None
             )
@@ -185,6 +191,13 @@ class Gateway:
                 worker_id=worker_id,
                 reloader=self.reloader,
                 auth=self.admin_auth,
+                # POST /reload reaches one worker of several: the supervisor's SIGHUP reloads
+                # the others too (a rotated token must stop working on every one).
+                reload_siblings=(
+                    (lambda: os.kill(supervisor_pid, signal.SIGHUP))
+                    if supervisor_pid is not None
+                    else None
+                ),
             )
             admin_app = make_admin_app(self.admin_state)
             install_dashboard(admin_app, self.observability)
@@ -252,9 +265,22 @@ class Gateway:
         self.handler.runtime = runtime
         self.server.reconfigure(loaded.policy.server)
         self.loaded = loaded
+        self._swap_admin_auth(admin_auth)
+        asyncio.get_running_loop().create_task(self._retire(previous))
+
+    def refresh_admin_token(self) -> bool:
+        """Read the admin token (its file) again under the running policy: a reload whose
+        policy is unchanged still rotates the token. True if it changed; ``AdminTokenError``
+        (the file gone, empty, too short) changes nothing."""
+        return self._swap_admin_auth(AdminAuth.of(self.loaded.policy.server))
+
+    def _swap_admin_auth(self, admin_auth: AdminAuth) -> bool:
+        """From now on the old token and the cookies made from it open nothing."""
+        if admin_auth == self.admin_auth:
+            return False
         self.admin_auth = admin_auth
         self.admin_state.auth = admin_auth
-        asyncio.get_running_loop().create_task(self._retire(previous))
+        return True
 
     async def _retire(self, runtime: Runtime) -> None:
         """Once ``runtime`` serves no request, close its pools that no other runtime holds.
@@ -334,6 +360,7 @@ async def serve(
     workers: int = 1,
     on_started: Callable[[Gateway], None] | None = None,
     policy_path: str | None = None,
+    supervisor_pid: int | None = None,
 ) -> None:
     gateway = Gateway(
         loaded,
@@ -343,6 +370,7 @@ async def serve(
         worker_id=worker_id,
         workers=workers,
         policy_path=policy_path,
+        supervisor_pid=supervisor_pid,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
