@@ -216,6 +216,11 @@ class ServerSettings(_Model):
         description="a proxied WebSocket connection with no byte either way for this long is "
         "closed (nginx's proxy_read_timeout on an upgraded connection)",
     )
+    client_error_log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description="level of the one line (per cause, at most every 10s) logged for a "
+        "client's malformed request on either listener; nginx logs these at info",
+    )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"

@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.admin.app import AdminState, make_admin_app
 from gateway.admin.auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
+from gateway.edge.client_errors import ClientErrorLog
 from gateway.edge.proxy import ProxyHandler
 from gateway.edge.runtime import Runtime, build_runtime, uses_demo
 from gateway.edge.server import GatewayServer
@@ -149,6 +150,11 @@ class Gateway:
         self._watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
 
+        level = logging.getLevelNamesMapping()[settings.client_error_log_level.upper()]
+        self._client_errors = (
+            ClientErrorLog("proxy", level, clock),
+            ClientErrorLog("admin", level, clock),
+        )
         try:
             self.handler = ProxyHandler(build_runtime(loaded, self.store, self._demo_address))
             self.server = GatewayServer(
@@ -162,6 +168,7 @@ class Gateway:
                 max_headers=settings.max_headers,
                 auto_decompress=False,
                 access_log=None,  # the observability wrapper writes the access log line
+                logger=self._client_errors[0],
             )
             self.reloader = (
                 PolicyReloader(
@@ -204,7 +211,9 @@ class Gateway:
             self._proxy_runner = web.ServerRunner(
                 self.server, shutdown_timeout=settings.shutdown_timeout
             )
-            self._admin_runner = web.AppRunner(admin_app, access_log=None)
+            self._admin_runner = web.AppRunner(
+                admin_app, access_log=None, logger=self._client_errors[1]
+            )
         except BaseException:
             if self._demo is not None:
                 self._demo.discard()  # its port was bound for the runtime just built
@@ -264,6 +273,9 @@ class Gateway:
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
         self.server.reconfigure(loaded.policy.server)
+        level = logging.getLevelNamesMapping()[loaded.policy.server.client_error_log_level.upper()]
+        for client_errors in self._client_errors:
+            client_errors.client_level = level
         self.loaded = loaded
         self._swap_admin_auth(admin_auth)
         asyncio.get_running_loop().create_task(self._retire(previous))
