@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from gateway import __version__
 from gateway.cli import listen_addresses
-from gateway.cli.supervisor import supervise, worker_main
+from gateway.cli.supervisor import EXIT_STARTUP, supervise, worker_main
 from gateway.engine.preflight import build_problems, load_and_build
 from gateway.log_setup import LOG_FORMATS, LOG_LEVELS
 from gateway.log_setup import configure as configure_logging
@@ -98,23 +98,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         listen = listen_address(args.listen, ENV_LISTEN, server.listen)
         admin = listen_address(args.admin_listen, ENV_ADMIN_LISTEN, server.admin_listen)
     except StartupError as exc:
-        raise SystemExit(f"gateway: {exc}") from None
+        return _startup_error(str(exc))
     where = listen_addresses.display(*listen), listen_addresses.display(*admin)
     if listeners_collide(*where):
         # The policy's own are refused with its line; this is an override's doing.
-        raise SystemExit(
-            f"gateway: the proxy ({where[0]}) and the admin listener ({where[1]}) take the "
-            "same port: give the admin listener a port of its own"
+        return _startup_error(
+            f"the proxy ({where[0]}) and the admin listener ({where[1]}) take the same port: "
+            "give the admin listener a port of its own"
         )
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(listen_addresses.held([("proxy", *listen), ("admin", *admin)]))
         except listen_addresses.AddressHeld as exc:
-            raise SystemExit(f"gateway: {exc}") from None
+            return _startup_error(str(exc))
         if workers == 1:
             worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
             return 0
         return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
+
+
+def _startup_error(message: str) -> int:
+    """What a worker that cannot start says and exits with (a restart would fail alike)."""
+    sys.stderr.write(f"gateway: {message}\n")
+    return EXIT_STARTUP
 
 
 def listen_problems(policy: Policy) -> list[tuple[Loc, str]]:

@@ -159,7 +159,7 @@ def supervise(
             claim_runtime_dir(shared_dir)
         except SharedDirError as exc:
             sys.stderr.write(f"gateway: {exc}\n")
-            return 1
+            return EXIT_STARTUP
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_sighup)
