@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -201,7 +202,7 @@ class Gateway:
                 # POST /reload reaches one worker of several: the supervisor's SIGHUP reloads
                 # the others too (a rotated token must stop working on every one).
                 reload_siblings=(
-                    (lambda: os.kill(supervisor_pid, signal.SIGHUP))
+                    functools.partial(_signal, supervisor_pid, signal.SIGHUP)
                     if supervisor_pid is not None
                     else None
                 ),
@@ -341,6 +342,11 @@ class Gateway:
         await self.store.close()
         if self._demo is not None:
             await self._demo.close()
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # gone: its workers are stopping too
+        os.kill(pid, signum)
 
 
 def _host_port(host: str, port: int) -> str:
