@@ -231,6 +231,7 @@ def test_log_format_json_makes_every_line_a_json_object(tmp_path: Path) -> None:
     assert [r["path"] for r in records if "path" in r] == ["/a?x=1", "/b"]
 
 
+@pytest.mark.reliability
 def test_check_binds_the_listen_addresses_as_nginx_t_does(tmp_path: Path) -> None:
     """An address on no local interface: ``check`` refuses it with its line, as ``run``
     refuses it; an address in use is accepted (it may be the running gateway's own)."""
@@ -258,6 +259,7 @@ def test_check_binds_the_listen_addresses_as_nginx_t_does(tmp_path: Path) -> Non
         assert _gateway("check", str(policy)).returncode == 0
 
 
+@pytest.mark.reliability
 def test_run_refuses_listen_and_admin_listen_on_one_port_from_the_command_line() -> None:
     result = _gateway(
         "run", "--upstream", "http://127.0.0.1:9",

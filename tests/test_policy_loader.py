@@ -188,6 +188,7 @@ def test_several_problems_are_all_reported() -> None:
     ]
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize(
     ("listen", "admin_listen", "collide"),
     [

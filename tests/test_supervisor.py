@@ -158,6 +158,9 @@ async def test_workers_stop_with_a_killed_supervisor_and_no_second_gateway_start
     (tmp_path / "policy.yaml").write_text(
         f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
         "  access_log: true\n  access_log_format: json\n"
+        # A connection accepted as the listener closes may wait for its header deadline
+        # before a stopping worker lets go of it (aiohttp's shutdown): 2 s, not 10.
+        "  header_timeout: 2s\n"
         f"upstreams:\n  backend:\n    url: {upstream.url}\n"
         "routes:\n  - name: all\n    upstream: backend\n" + WINDOW_LIMIT
     )
