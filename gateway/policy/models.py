@@ -756,7 +756,8 @@ class StoreSettings(_Model):
     on_failure: Literal["local", "allow", "deny"] = Field(
         "local",
         description="when Redis fails: local (in-process limits divided by replicas), allow "
-        "(fail open) or deny (503)",
+        "(fail open) or deny (503); when the shared store's directory has no room for a new "
+        "key: deny (503), else decided without storing it",
     )
     replicas: int = Field(
         1,
