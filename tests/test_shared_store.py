@@ -33,8 +33,17 @@ from gateway.engine.preflight import parse_and_build
 from gateway.limits.compiled import Check, CompiledLimit
 from gateway.stores import LimitStore, MemoryStore, SharedStore, StoreUnavailableError
 from gateway.stores.shared.records import decode_state, encode_state
-from tests.support import T0_US, policy_for, small_tmpfs
-from tests.test_redis_store import Backend, Op, compiled, operations, run_against_python, stacks
+from tests.support.conformance import (
+    T0_US,
+    Backend,
+    Op,
+    compiled,
+    operations,
+    run_against_python,
+    stacks,
+)
+from tests.support.filesystems import small_tmpfs
+from tests.support.policies import policy_for
 
 FORK = multiprocessing.get_context("fork")
 
@@ -601,7 +610,7 @@ async def test_a_worker_adopts_the_map_another_grew(state_dir: Path) -> None:
 def _fill_a_full_disk(path: str, on_failure: str, results: Any) -> None:
     """In a child process (a SIGBUS ends it, not the test run): new keys until the map must
     grow on a filesystem with no room for it, then room made again."""
-    from tests.support import fill_to
+    from tests.support.filesystems import fill_to
 
     async def run() -> dict[str, Any]:
         store = SharedStore(Path(path) / "limits", on_failure=on_failure)

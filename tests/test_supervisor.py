@@ -14,15 +14,15 @@ import asyncio
 import json
 import os
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.conftest import RecordingUpstream
-from tests.support import REPO_ROOT, free_port
+from tests.support.network import free_port
+from tests.support.processes import alive, children, spawn
+from tests.support.upstreams import RecordingUpstream
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -37,30 +37,6 @@ limits:
 """
 
 
-def children(pid: int) -> list[int]:
-    """The live (not zombie) processes whose parent is ``pid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 class Generation:
     """One ``gateway run --workers 2`` with its log."""
 
@@ -71,20 +47,12 @@ class Generation:
         self.workers: list[int] = []
 
     async def start(self) -> asyncio.subprocess.Process:
-        with self.log.open("wb") as out:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway", "run",
-                "--config", str(self.tmp_path / "policy.yaml"), "--workers", "2",
-                cwd=REPO_ROOT,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env={
-                    **os.environ,
-                    "GATEWAY_METRICS_DIR": str(self.tmp_path / "metrics"),
-                    "GATEWAY_SHARED_DIR": str(self.tmp_path / "shared"),
-                },
-            )  # fmt: skip
+        argv = ["-m", "gateway", "run", "--config", str(self.tmp_path / "policy.yaml")]
+        env = {
+            "GATEWAY_METRICS_DIR": str(self.tmp_path / "metrics"),
+            "GATEWAY_SHARED_DIR": str(self.tmp_path / "shared"),
+        }
+        self.proc = await spawn([*argv, "--workers", "2"], self.log, env)
         return self.proc
 
     async def serving(self, within_s: float = 60.0) -> list[int]:
