@@ -83,6 +83,9 @@ EXPIRE_ON_INSERT: Final = 2
 # The end of the map new keys may not take (a 16th, at least this many bytes): it is kept for
 # the copy-on-write pages of known keys' updates, so that they go on when the map cannot grow.
 UPDATES_ROOM_BYTES: Final = 1 << 20
+# New keys added between two looks at the map's last page (a look costs some microseconds; 32
+# keys take a few dozen pages of the room kept, which is at least 256).
+INSERTS_PER_ROOM_CHECK: Final = 32
 _POLICY: Final = b"policy"
 _GENERATION: Final = b"generation"
 _NEXT_SLOT: Final = b"next_slot"
@@ -141,6 +144,7 @@ class SharedStore:
         self._on_failure = on_failure
         self._map_bound = MAP_BYTES_BASE
         self._insert_pages = 0  # new keys are added while the last page is below this
+        self._unchecked_inserts = INSERTS_PER_ROOM_CHECK  # the first new key looks
         self.clock: Clock = clock or MonotonicClock()
         self.stats = StoreStats()
         # Tracked keys and evictions are the shared tables': one worker reports them, so
@@ -685,9 +689,12 @@ class SharedStore:
         Keys used that lately are left alone: a busy key whose state drains within the
         interval between its requests (a high rate) would otherwise be dropped and counted
         in again on every request, paying for both."""
-        env = self._env
-        if env is not None and env.info()["last_pgno"] >= self._insert_pages:
-            raise _MapNearlyFull
+        self._unchecked_inserts += 1
+        if self._unchecked_inserts >= INSERTS_PER_ROOM_CHECK:
+            env = self._env
+            if env is not None and env.info()["last_pgno"] >= self._insert_pages:
+                raise _MapNearlyFull  # and the next new key looks again
+            self._unchecked_inserts = 0
         prefix = table.prefix
         recent = TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
         state_db = self._state
