@@ -36,6 +36,19 @@ class Decision(NamedTuple):
     reset_s: float
 
 
+def require_int(what: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is an int (a bool is not): the pure build refuses what the
+    compiled one's typed arguments refuse, with the same exception."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+
+
+def require_number(what: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is an int or a float (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, got {value!r}")
+
+
 # ``Decision(...)`` runs the NamedTuple's generated Python ``__new__``; the admission paths
 # build the same tuple in C instead: ``build(Decision, (allowed, delay_s, ..., reset_s))``,
 # every field given, in order (a store decides several limits per request).

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
-from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
+from aiohttp import HttpVersion10, HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
+from gateway.edge.aiohttp_private import RelayedResponse, RelayedStream, request_message
 from gateway.edge.annotations import (
     CLIENT_IP,
     LIMIT_OUTCOME,
@@ -71,30 +72,6 @@ class BodyBroken(Exception):
     """The client's body went bad while streaming (bad chunking, trailers); aiohttp said why."""
 
 
-class _Relayed:
-    """Sends the upstream's headers as they came: aiohttp would add ``Content-Type:
-    application/octet-stream`` and ``Server: Python/... aiohttp/...`` (versions) where the
-    upstream sent none, and only on the responses that take this path (large, streamed)."""
-
-    async def _prepare_headers(self) -> None:
-        headers: CIMultiDict[str] = self._headers  # type: ignore[attr-defined]
-        had_type = hdrs.CONTENT_TYPE in headers
-        had_server = hdrs.SERVER in headers
-        await super()._prepare_headers()  # type: ignore[misc]
-        if not had_type:
-            headers.popall(hdrs.CONTENT_TYPE, None)
-        if not had_server:
-            headers.popall(hdrs.SERVER, None)
-
-
-class RelayedStream(_Relayed, web.StreamResponse):
-    pass
-
-
-class RelayedResponse(_Relayed, web.Response):
-    pass
-
-
 class _Admitted:
     """What forwarding an admitted request needs: all of ours a request keeps while queued."""
 
@@ -149,7 +126,9 @@ class ProxyHandler:
                         raise
                     finally:
                         engine.leave_queue(outcome)
-                if request._message.upgrade and wants_upgrade(request, admitted.framing, runtime):
+                if request_message(request).upgrade and wants_upgrade(
+                    request, admitted.framing, runtime
+                ):
                     response = await forward_upgrade(
                         request,
                         runtime,
@@ -327,7 +306,7 @@ class ProxyHandler:
             underscores=runtime.settings.underscores_in_headers,
         )
         body_timeout = runtime.settings.body_timeout
-        body = _stream_body(request, max_body, body_timeout) if framing.has_body else None
+        body = RequestBody(request, max_body, body_timeout) if framing.has_body else None
         chunked = framing.chunked
         is_head = request.method == "HEAD"
         try:
@@ -452,16 +431,27 @@ def _answer_raw_and_close(request: BaseRequest, data: bytes) -> web.StreamRespon
     return cast(web.StreamResponse, PreparedResponse(505, b"", False))
 
 
-async def _stream_body(
-    request: BaseRequest, max_body: int, body_timeout: float
-) -> AsyncIterator[bytes]:
-    received = 0
-    content = request.content
-    while True:
+class RequestBody:
+    """The client's request body as it arrives, for the upstream client to send on: each read
+    under the body timeout, the total under ``max_body``. (An async iterator class: mypyc
+    compiles no async generator.)"""
+
+    __slots__ = ("_content", "_max_body", "_received", "_timeout")
+
+    def __init__(self, request: BaseRequest, max_body: int, body_timeout: float) -> None:
+        self._content = request.content
+        self._max_body = max_body
+        self._timeout = body_timeout or None
+        self._received = 0
+
+    def __aiter__(self) -> RequestBody:
+        return self
+
+    async def __anext__(self) -> bytes:
         try:
             # The deadline is for each read: a slow but steady upload is fine.
-            async with asyncio.timeout(body_timeout or None):
-                chunk = await content.readany()
+            async with asyncio.timeout(self._timeout):
+                chunk = await self._content.readany()
         except ChunkTooLarge:
             raise BodyTooLarge from None
         except RequestPayloadError as exc:
@@ -469,8 +459,8 @@ async def _stream_body(
         except TimeoutError:
             raise BodyTimeout from None
         if not chunk:
-            return
-        received += len(chunk)
-        if max_body and received > max_body:
+            raise StopAsyncIteration
+        self._received += len(chunk)
+        if self._max_body and self._received > self._max_body:
             raise BodyTooLarge
-        yield chunk
+        return chunk

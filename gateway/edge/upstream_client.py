@@ -14,12 +14,14 @@ checks the response framing, and never reuses a connection it cannot vouch for.
 from __future__ import annotations
 
 import asyncio
+import asyncio.protocols
 import ssl as ssl_module
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import TypeVar, cast
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 __all__ = [
     "UpstreamClosed",
@@ -145,9 +147,9 @@ class UpstreamResponse:
                 conn._abandon()
                 raise
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        while chunk := await self.read_chunk():
-            yield chunk
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body's pieces, as ``read_chunk`` gives them, to its end."""
+        return _BodyChunks(self)
 
     def release(self) -> None:
         """Done with the response: reuse its connection if it is clean, otherwise close it."""
@@ -177,6 +179,27 @@ class UpstreamResponse:
         return data
 
 
+class _BodyChunks:
+    """``UpstreamResponse.iter_chunks``: an async iterator class (mypyc compiles no async
+    generator)."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> _BodyChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._response.read_chunk()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
+# Compiled, a non-native class (it derives from asyncio's): its methods are compiled.
+@mypyc_attr(native_class=False)
 class _Connection(asyncio.Protocol):
     """One upstream connection: the parser's callback target and the request/response exchange."""
 

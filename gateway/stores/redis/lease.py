@@ -153,7 +153,7 @@ def plan_for(limit: CompiledLimit, settings: LeaseSettings, key_prefix: str) -> 
         kind = b"F" if isinstance(algorithm, FixedWindow) else b"S"
         quota = algorithm.limit
         span = b"%d" % algorithm.window_us
-        window_us = algorithm.window_us
+        window_us = float(algorithm.window_us)
     elif type(algorithm) is TokenBucket and algorithm.mode == "reject":
         kind = b"T"
         quota = algorithm.capacity
