@@ -5,5 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/python-env.sh
+# The compiled build when a C compiler is here (GATEWAY_PURE_PYTHON=1: the pure one). The
+# installed command, not `python -m gateway`: that would import ./gateway, this source tree.
 "$PY" -m pip install -q --disable-pip-version-check '.[speed]'
-exec "$PY" -m gateway run --config policies/default.yaml "$@"
+exec "$(dirname "$PY")/gateway" run --config policies/default.yaml "$@"

@@ -703,8 +703,11 @@ def test_decisions_do_not_depend_on_the_per_line_caches(
         )
     )
     targets = ("/", "/api/a", "/api/b?x=1", "http://example.test/api/c", "/static/app.js")
+    hosts = (None, None, None, "example.test", None)  # an absolute-form target's Host agrees
     requests = [
-        Request(n * 100_000, "log", n, f"192.0.2.{n % 8}", "GET", targets[n % 5], None, (), None)
+        Request(
+            n * 100_000, "log", n, f"192.0.2.{n % 8}", "GET", targets[n % 5], hosts[n % 5], (), None
+        )
         for n in range(400)
     ]
 

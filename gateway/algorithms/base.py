@@ -37,15 +37,16 @@ class Decision(NamedTuple):
 
 
 def require_int(what: str, value: object) -> None:
-    """``TypeError`` unless ``value`` is an int (a bool is not): the pure build refuses what the
-    compiled one's typed arguments refuse, with the same exception."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``TypeError`` unless ``value`` is an int: the pure build refuses what the compiled one's
+    typed arguments refuse, with the same exception (and takes a bool as the int it is, as the
+    compiled build's unboxed ints must)."""
+    if not isinstance(value, int):
         raise TypeError(f"{what} must be an integer, got {value!r}")
 
 
 def require_number(what: str, value: object) -> None:
-    """``TypeError`` unless ``value`` is an int or a float (a bool is not)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """``TypeError`` unless ``value`` is an int or a float."""
+    if not isinstance(value, int | float):
         raise TypeError(f"{what} must be a number, got {value!r}")
 
 

@@ -22,10 +22,16 @@ from yarl import URL
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
-from gateway.edge.client_ip import ClientIPResolver, client_key
+from gateway.edge.client_ip import ClientIPResolver
 from gateway.engine.limit_engine import LimitEngine, Outcome
 from gateway.limits.keys import RequestFacts
-from gateway.limits.routing import RouteTable, normalise_host, routing_path
+from gateway.limits.routing import (
+    RefusedTarget,
+    RouteTable,
+    normalise_host,
+    origin_form,
+    routing_path,
+)
 from gateway.policy.loader import LoadedPolicy
 from gateway.policy.models import Route
 from gateway.replay.log_formats import US, Request
@@ -255,8 +261,9 @@ class Simulation:
         headers = (
             CIMultiDictProxy(CIMultiDict(request.headers)) if request.headers else _EMPTY_HEADERS
         )
-        facts = RequestFacts(
-            client_key(client_ip, self.engine.ipv6_prefix),
+        facts = RequestFacts.of(
+            client_ip,
+            self.engine.ipv6_prefix,
             route.name,
             method,
             headers,
@@ -269,12 +276,11 @@ class Simulation:
     ) -> tuple[str, str, str, Route | None]:
         """The request's host, routing path, target (origin form) and route, as the proxy
         finds them: a pure function of the request line and its host, so kept per line."""
-        if not target.startswith("/") and "://" in target:
-            authority, slash, rest = target.split("://", 1)[1].partition("/")
-            if host_header is None:
-                host_header = authority
-            target = slash + rest if slash else "/"
         host = normalise_host(host_header)
+        try:
+            target = origin_form(target, method, host_header)
+        except RefusedTarget:
+            return host, "", target, None  # answered 400 before routing, as the proxy does
         path = routing_path(target)
         return host, path, target, self.routes.match(host, path, method)
 

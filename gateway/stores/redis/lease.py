@@ -340,32 +340,15 @@ class LeaseBook:
             raise
         for place, decision in zip(places, verdict.decisions, strict=True):
             decisions[place] = decision
-        states = (None,) * len(decisions)
         if not verdict.allowed:
             # As the script decided (a delay over its bound included): charged to none.
             self._give_back(taken)
-            return CombinedDecision(
-                False,
-                0.0,
-                verdict.retry_after_s,
-                tuple(places[index] for index in verdict.rejected_by),
-                None,
-                tuple(decisions),
-                states,
-                verdict.now_us,
-            )
-        # Leases never delay: the delay is the script's; a delayed request's refund needs the
+        # Leases never delay: the delays are the script's, combined by the one rule again over
+        # every limit (so the indices are the request's); a delayed request's refund needs the
         # script's instant.
-        delayed_by = verdict.delayed_by
-        return CombinedDecision(
-            True,
-            verdict.delay_s,
-            0.0,
-            (),
-            places[delayed_by] if delayed_by is not None else None,
-            tuple(decisions),
-            states,
-            verdict.now_us,
+        states = (None,) * len(decisions)
+        return combine(
+            decisions, states, states, verdict.now_us, [check.max_delay_s for check in checks]
         )
 
     def decide_now(self, check: Check) -> CombinedDecision | None:

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any, Final, NamedTuple
 
 import lmdb
+from mypy_extensions import mypyc_attr
 
-from gateway.algorithms.base import Decision, build
-from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
+from gateway.algorithms.base import Decision
+from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.shared.records import (
@@ -101,6 +102,9 @@ def policy_hash(limits: Sequence[CompiledLimit]) -> bytes:
     return hashlib.sha256(pickle.dumps(described)).digest()
 
 
+# Interpreted subclasses allowed: a test makes another worker's commit happen between a
+# snapshot and its write by overriding ``_read_and_decide``.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SharedStore:
     """State shared by a gateway's workers in one LMDB environment (see the module)."""
 
@@ -384,7 +388,7 @@ class SharedStore:
             txn = self._begin(env, commit, self._state)
         try:
             verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
-            if commit and verdict[0]:  # allowed
+            if commit and verdict.allowed:
                 committed = self._current_at + 1  # ``txn``'s own id (see ``_read_and_decide``)
                 txn.commit()
                 self._current_at = committed  # a request's commit leaves the policy as it was
@@ -417,7 +421,7 @@ class SharedStore:
             seen = snapshot.id()
         finally:
             snapshot.abort()
-        if not verdict[0]:  # rejected: nothing to write
+        if not verdict.allowed:  # rejected: nothing to write
             return verdict
         try:
             txn = env.begin(self._state, None, True)
@@ -427,7 +431,7 @@ class SharedStore:
             committed = txn.id()
             if committed != seen + 1 and self._changed_since(txn, found):
                 verdict = self._read_and_decide(txn, checks, now_us, True)[0]
-                if not verdict[0]:
+                if not verdict.allowed:
                     txn.abort()
                     return verdict
             else:
@@ -476,14 +480,9 @@ class SharedStore:
         now_tick = now_us // TICK_US
         found: list[_Found] = []
         moved: list[_Moved] | None = None
-        # Each limit decided as its state is read, and the verdict made as ``combine`` makes
-        # an admission's, without its passes; the rare rejection goes to ``combine``.
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
-        admitted = True
-        delay_s = 0.0
-        delayed_by = None
         for check in checks:
             limit = check.limit
             entry = by_limit.get(limit.table)
@@ -527,26 +526,13 @@ class SharedStore:
                         moved.append((key, tick, limit, new_state))
                 if put is None:
                     found.append((key, raw, value))
-            if decision[0]:  # allowed
-                # ">=": on equal delays the later limit is named, as nginx's account loop does.
-                delay = decision[1]
-                if delay > 0.0 and delay >= delay_s:
-                    delay_s = delay
-                    delayed_by = len(decisions)
-            else:
-                admitted = False
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
-        if not admitted:
-            return combine(decisions, new_states, states, now_us), found, moved
-        verdict: CombinedDecision = build(
-            CombinedDecision,
-            (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+        verdict = combine(
+            decisions, new_states, states, now_us, [check.max_delay_s for check in checks]
         )
-        if delayed_by is not None:
-            verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-        if put is not None and moved is not None and verdict[0]:
+        if put is not None and moved is not None and verdict.allowed:
             self._write_moved_states(txn, moved, now_us)
         return verdict, found, moved
 
@@ -620,6 +606,9 @@ class SharedStore:
         txn.put(b"counts:" + prefix, _COUNTS.pack(count + 1, evictions, expiries),
                 True, True, False, self._meta)  # fmt: skip
         txn.put(prefix + TICK.pack(now_tick) + key[4:], b"", True, True, False, self._lru)
+
+    def try_decide_now(self, checks: Sequence[Check]) -> CombinedDecision:
+        return self.decide_now(checks)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
