@@ -41,7 +41,7 @@ from gateway.stores import MemoryStore, store_url
 ALLOWED = "allowed"  # every limit that applies admitted it at once
 DELAYED = "delayed"
 REJECTED = "rejected"
-DENIED = "denied"  # access.deny, or a method the proxy refuses
+DENIED = "denied"  # access.deny, or a method or target the proxy refuses
 UNLIMITED = "unlimited"  # routed, but no enforced limit applies (or access.allow)
 UNROUTED = "unrouted"  # no route: the proxy's 404
 
@@ -186,6 +186,9 @@ class Simulation:
                 found = self._facts[where] = self._facts_of(request, client_ip)
         route, host, path, facts = found
         if route is None or facts is None:
+            if not path:  # a target refused (400) before routing, as the proxy refuses it
+                outcomes[DENIED] += 1
+                return DENIED
             outcomes[UNROUTED] += 1
             return UNROUTED
         if not engine.active:
@@ -280,7 +283,7 @@ class Simulation:
         try:
             target = origin_form(target, method, host_header)
         except RefusedTarget:
-            return host, "", target, None  # answered 400 before routing, as the proxy does
+            return host, "", target, None  # no routing path: answered 400 before routing
         path = routing_path(target)
         return host, path, target, self.routes.match(host, path, method)
 
