@@ -24,13 +24,10 @@ from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.routing import CompiledMatch, compile_match
 from gateway.policy.models import (
     Access,
-    LeakyBucketLimit,
-    Limit,
     LimitMatch,
     Policy,
     RateLimitHeaders,
     Route,
-    WindowLimit,
 )
 from gateway.policy.overrides import compile_tiering
 from gateway.stores import LimitStore, StoreUnavailableError
@@ -85,14 +82,6 @@ class Explanation:
     outcome: Outcome
     access: str | None
     limits: tuple[LimitLook, ...]
-
-
-def _window_s(spec: Limit) -> float:
-    """The window advertised in ``RateLimit-Policy`` (``w``): how long the quota takes to refill."""
-    if isinstance(spec, WindowLimit):
-        return float(spec.window)
-    quota = spec.burst + 1 if isinstance(spec, LeakyBucketLimit) else spec.burst
-    return quota / spec.rate.per_second
 
 
 def _compile_limit_match(match: LimitMatch) -> CompiledMatch | None:
@@ -161,7 +150,7 @@ class LimitEngine:
                 keys=KeyBuilder(spec.key, spec.on_missing_key),
                 match=_compile_limit_match(spec.match),
                 routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
-                window_s=_window_s(spec),
+                window_s=spec.window_s,
                 counters=kept.counters if kept is not None else LimitCounters(),
             )
             limit.tiering = compile_tiering(limit, build_algorithm)
