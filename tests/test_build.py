@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gateway.build import COMPILED_MODULES, build_name, compiled_modules
-from tests.support import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 EXPECTED = os.environ.get("GATEWAY_EXPECT_BUILD")
 
