@@ -50,9 +50,11 @@ def require_number(what: str, value: object) -> None:
         raise TypeError(f"{what} must be a number, got {value!r}")
 
 
-# ``Decision(...)`` runs the NamedTuple's generated Python ``__new__``; the admission paths
-# build the same tuple in C instead: ``build(Decision, (allowed, delay_s, ..., reset_s))``,
-# every field given, in order (a store decides several limits per request).
+# ``Decision(...)`` runs the NamedTuple's generated Python ``__new__``, from compiled code as
+# from any other (mypyc calls the class); the admission paths build the same tuple in C
+# instead: ``build(Decision, (allowed, delay_s, ..., reset_s))``, every field given, in order
+# (a store decides several limits per request). Reading fields needs no such trick: compiled,
+# ``decision.allowed`` is a tuple item read.
 build = tuple.__new__
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.base import Algorithm, Decision, build
 
 
 class CombinedDecision(NamedTuple):
@@ -79,8 +79,11 @@ def combine(
         if delay > 0.0 and delay >= delay_s:
             delay_s = delay
             delayed_by = index
-    verdict = CombinedDecision(
-        True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us
+    # ``build`` (``tuple.__new__``), not ``CombinedDecision(...)``: compiled code too calls a
+    # NamedTuple's ``__new__``, written in Python, about three times the cost (bench/README.md).
+    verdict: CombinedDecision = build(
+        CombinedDecision,
+        (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
     )
     if delayed_by is not None and max_delays_s is not None:
         return refuse_long_delays(verdict, input_states, max_delays_s)
