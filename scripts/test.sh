@@ -13,6 +13,9 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)      # rediss:// tests mak
 command -v jq >/dev/null 2>&1 || need+=(jq)                # JSON access log read by jq
 [ -x /usr/bin/chromium ] || need+=(chromium)            # dashboard tests (headless)
 [ -x /usr/bin/prometheus ] || need+=(prometheus)        # PromQL of the Grafana dashboard
+command -v gcc >/dev/null 2>&1 || need+=(gcc)              # the compiled build (mypyc)
+"$PY" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+    || need+=(python3-dev)                              # its C headers, for the same
 if [ ${#need[@]} -gt 0 ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
