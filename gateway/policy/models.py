@@ -922,6 +922,12 @@ class LeakyBucketLimit(_LimitBase):
             raise ValueError(f"delay ({self.delay}) cannot exceed burst ({self.burst})")
         return self
 
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``): how long the
+        quota, ``burst + 1`` requests, takes to refill."""
+        return (self.burst + 1) / self.rate.per_second
+
 
 class WindowLimit(_LimitBase):
     """At most ``limit`` requests per ``window`` (fixed, sliding counter, or exact sliding log)."""
@@ -940,6 +946,11 @@ class WindowLimit(_LimitBase):
             raise ValueError("window must be longer than 0")
         return value
 
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``)."""
+        return float(self.window)
+
 
 class TokenBucketLimit(_LimitBase):
     """``rate`` refill with ``burst`` capacity; ``queue`` waits for tokens (Guava semantics)."""
@@ -951,6 +962,12 @@ class TokenBucketLimit(_LimitBase):
         "reject", description="reject: no token, no entry; queue: wait for the tokens (Guava)"
     )
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
+
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``): how long the
+        quota, ``burst`` tokens, takes to refill."""
+        return self.burst / self.rate.per_second
 
 
 # What a plan or an override may set: the algorithm's numbers, nothing about keys or matching.
