@@ -98,6 +98,8 @@ def count(root: Path, kind: str, upstream: str, requests: int, work: Path) -> fl
     policy.write_text(policy_text(kind, upstream))
     port, admin_port = free_port(), free_port()
     out = work / f"callgrind-{root.name}-{kind}.out"
+    for stale in work.glob(f"{out.name}*"):  # a kept directory's earlier run
+        stale.unlink()
     argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
     argv += [sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "1"]
     argv += ["--listen", f"{HOST}:{port}", "--admin-listen", f"{HOST}:{admin_port}"]
@@ -119,13 +121,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--baseline-root", type=Path, help="another checkout, counted too")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"policies to count, of {','.join(KINDS)}"
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="a directory to keep callgrind's output in, for callgrind_annotate (by function)",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("needs valgrind (apt-get install valgrind)", file=sys.stderr)
         return 2
     roots = [REPO_ROOT] + ([args.baseline_root.resolve()] if args.baseline_root else [])
+    kinds = [kind for kind in args.kinds.split(",") if kind]
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        parser.error(f"--kinds takes some of {','.join(KINDS)}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            work = args.keep.resolve()
         upstream_port = free_port()
         upstream_argv = [sys.executable, str(BENCH_DIR / "upstream.py")]
         upstream_argv += ["--port", str(upstream_port)]
@@ -135,15 +152,15 @@ def main() -> int:
             rows = []
             for root in roots:
                 counts = {}
-                for kind in KINDS:
+                for kind in kinds:
                     counts[kind] = count(root, kind, upstream_url, args.requests, work)
                     print(f"bench: {root} {kind}: {counts[kind]:,.0f} instructions/request")
                 rows.append((root, counts))
     print("\n| checkout | policy | instructions per request | over no limits |")
     print("|---|---|---:|---:|")
     for root, counts in rows:
-        for kind in KINDS:
-            extra = counts[kind] - counts[NO_LIMITS]
+        for kind in kinds:
+            extra = counts[kind] - counts[NO_LIMITS] if NO_LIMITS in counts else 0.0
             print(f"| {root.name} | {kind} | {counts[kind]:,.0f} | {extra:+,.0f} |")
     return 0
 

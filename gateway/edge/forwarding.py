@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 # RFC 9110 section 7.6.1, plus the non-standard ones proxies conventionally drop.
 HOP_BY_HOP = frozenset(
@@ -52,18 +51,26 @@ class BadFraming(BadRequest):
         super().__init__(400, reason)
 
 
-@dataclass(frozen=True, slots=True)
 class RequestFraming:
-    """How the request body is framed: a known length, chunked, or no body at all."""
+    """How the request body is framed: a known length, chunked, or no body at all. (Plain
+    classes here and below, not dataclasses: compiled, a dataclass's ``__init__`` is the one
+    ``dataclasses`` writes at run time, interpreted, and a frozen one's sets every field through
+    ``object.__setattr__``.)"""
 
-    content_length: int | None
-    chunked: bool
-    expect_continue: bool
-    connection: frozenset[bytes] = frozenset()  # header names the Connection header lists
+    __slots__ = ("chunked", "connection", "content_length", "expect_continue", "has_body")
 
-    @property
-    def has_body(self) -> bool:
-        return self.chunked or bool(self.content_length)
+    def __init__(
+        self,
+        content_length: int | None,
+        chunked: bool,
+        expect_continue: bool,
+        connection: frozenset[bytes] = frozenset(),
+    ) -> None:
+        self.content_length = content_length
+        self.chunked = chunked
+        self.expect_continue = expect_continue
+        self.connection = connection  # header names the Connection header lists
+        self.has_body = chunked or bool(content_length)
 
 
 NO_BODY = RequestFraming(content_length=None, chunked=False, expect_continue=False)
@@ -132,15 +139,19 @@ def _named_hop_by_hop(tokens: set[bytes]) -> frozenset[bytes]:
     return frozenset(tokens - HOP_BY_HOP - _NOT_HOP_BY_HOP - {b""})
 
 
-@dataclass(frozen=True, slots=True)
 class ForwardedFor:
     """The forwarding facts the gateway adds to an upstream request."""
 
-    peer_ip: str
-    client_ip: str
-    proto: str
-    host: str | None
-    trust_incoming: bool
+    __slots__ = ("client_ip", "host", "peer_ip", "proto", "trust_incoming")
+
+    def __init__(
+        self, peer_ip: str, client_ip: str, proto: str, host: str | None, trust_incoming: bool
+    ) -> None:
+        self.peer_ip = peer_ip
+        self.client_ip = client_ip
+        self.proto = proto
+        self.host = host
+        self.trust_incoming = trust_incoming
 
 
 def build_request_head(

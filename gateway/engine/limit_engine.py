@@ -14,7 +14,7 @@ import ipaddress
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
@@ -39,21 +39,66 @@ AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 _ADVERTISED_MAX = 1024
 
 
-@dataclass(slots=True)
 class Outcome:
-    """What the engine says about one request; the proxy turns it into a response."""
+    """What the engine says about one request; the proxy turns it into a response.
 
-    status: int = 0  # 0: go ahead (after ``delay_s``); otherwise reject with this status
-    delay_s: float = 0.0
-    retry_after_s: float = 0.0
-    rejected_by: str | None = None
-    reason: str = ""
-    checks: Sequence[Check] = ()
-    verdict: CombinedDecision | None = None
-    # True while ``checks`` hold their places against ``max_queue`` (until ``enter_queue``).
-    holds_places: bool = False
-    # Dry-run checks that would have rejected this request: the keys a candidate limit hits.
-    would_reject: Sequence[Check] = ()
+    A plain class, not a dataclass: one is built for every limited request, and compiled, a
+    dataclass's ``__init__`` is the one ``dataclasses`` writes at run time, interpreted."""
+
+    __slots__ = (
+        "checks",
+        "delay_s",
+        "holds_places",
+        "reason",
+        "rejected_by",
+        "retry_after_s",
+        "status",
+        "verdict",
+        "would_reject",
+    )
+
+    def __init__(
+        self,
+        status: int = 0,
+        delay_s: float = 0.0,
+        retry_after_s: float = 0.0,
+        rejected_by: str | None = None,
+        reason: str = "",
+        checks: Sequence[Check] = (),
+        verdict: CombinedDecision | None = None,
+        holds_places: bool = False,
+        would_reject: Sequence[Check] = (),
+    ) -> None:
+        self.status = status  # 0: go ahead (after ``delay_s``); otherwise reject with this
+        self.delay_s = delay_s
+        self.retry_after_s = retry_after_s
+        self.rejected_by = rejected_by
+        self.reason = reason
+        self.checks = checks
+        self.verdict = verdict
+        # True while ``checks`` hold their places against ``max_queue`` (until
+        # ``enter_queue``).
+        self.holds_places = holds_places
+        # Dry-run checks that would have rejected this request: the keys a candidate limit
+        # hits.
+        self.would_reject = would_reject
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _OUTCOME_FIELDS)
+        return f"Outcome({fields})"
+
+
+_OUTCOME_FIELDS: Final = (
+    "status",
+    "delay_s",
+    "retry_after_s",
+    "rejected_by",
+    "reason",
+    "checks",
+    "verdict",
+    "holds_places",
+    "would_reject",
+)
 
 
 ALLOW = Outcome()
@@ -193,7 +238,7 @@ class LimitEngine:
                 try:
                     resolved = tiering.resolve(limit, key, facts)
                 except UnlistedKey:
-                    if limit.spec.dry_run:
+                    if limit.dry_run:
                         if reserve:  # counted only when the request is decided for real
                             limit.counters.dry_run_rejected += 1
                         continue
@@ -202,17 +247,16 @@ class LimitEngine:
                 if resolved is None:
                     continue  # exempt from this limit
                 limit, key, cost = resolved
-            spec = limit.spec
-            if spec.dry_run:
+            if limit.dry_run:
                 dry.append(Check(limit, key, cost=cost))
             else:
                 if limit.queue_full():
                     enforced.append(Check(limit, key, 0.0, cost=cost))
                 elif not reserve:
-                    enforced.append(Check(limit, key, spec.max_delay, cost=cost))
+                    enforced.append(Check(limit, key, limit.max_delay, cost=cost))
                 else:
                     limit.counters.deciding += 1
-                    enforced.append(Check(limit, key, spec.max_delay, True, cost))
+                    enforced.append(Check(limit, key, limit.max_delay, True, cost))
         return enforced, dry
 
     async def evaluate(
@@ -369,7 +413,7 @@ class LimitEngine:
             # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
             queued = verdict.decisions[verdict.rejected_by[0]].allowed
             return Outcome(
-                status=first.limit.spec.status,
+                status=first.limit.status,
                 retry_after_s=verdict.retry_after_s,
                 rejected_by=first.limit.name,
                 reason=(

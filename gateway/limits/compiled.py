@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
@@ -67,10 +67,21 @@ class CompiledLimit:
     tiering: Tiering | None = None
     # The name of this limit's state table: ``name``, or ``name~N`` for an override's variant.
     table: str = ""
+    # The spec's figures each request reads, copied from it: compiled, an attribute of the
+    # pydantic model is a generic attribute lookup, one of these a field read.
+    dry_run: bool = field(init=False)
+    max_delay: float = field(init=False)
+    max_queue: int = field(init=False)
+    status: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.table:
             self.table = self.name
+        spec = self.spec
+        self.dry_run = spec.dry_run
+        self.max_delay = spec.max_delay
+        self.max_queue = spec.max_queue
+        self.status = spec.status
 
     def applies(self, route: Route, host: str, path: str, method: str) -> bool:
         if self.routes is not None and route.name not in self.routes:
@@ -80,7 +91,7 @@ class CompiledLimit:
     def queue_full(self) -> bool:
         """No room for one more delayed request (those being decided hold a place too)."""
         counters = self.counters
-        return counters.waiting + counters.deciding >= self.spec.max_queue
+        return counters.waiting + counters.deciding >= self.max_queue
 
     @property
     def identity(self) -> tuple[str, tuple[str, ...], str]:
@@ -88,20 +99,48 @@ class CompiledLimit:
         return (self.spec.algorithm, self.spec.key, self.spec.on_missing_key)
 
 
-@dataclass(slots=True, unsafe_hash=True)
 class Check:
-    """One request's check against one limit. Treated as immutable (hashed by value); not
-    ``frozen``: a frozen dataclass's ``__init__`` goes through ``object.__setattr__`` per field
-    and several of these are built for every limited request."""
+    """One request's check against one limit. Treated as immutable (compared by value).
 
-    limit: CompiledLimit
-    key: str
-    # The longest this request may wait on this limit: 0 when its queue is full.
-    max_delay_s: float = math.inf
-    # Whether this check holds a place in ``limit.counters.deciding``.
-    reserved: bool = False
-    # Units this request takes from the quota (the limit's ``cost``).
-    cost: int = 1
+    A plain class, not a dataclass: several are built for every limited request, and
+    compiled, a dataclass's ``__init__`` is the one ``dataclasses`` writes at run time,
+    interpreted (bench/README.md)."""
+
+    __slots__ = ("cost", "key", "limit", "max_delay_s", "reserved")
+
+    def __init__(
+        self,
+        limit: CompiledLimit,
+        key: str,
+        max_delay_s: float = math.inf,
+        reserved: bool = False,
+        cost: int = 1,
+    ) -> None:
+        self.limit = limit
+        self.key = key
+        # The longest this request may wait on this limit: 0 when its queue is full.
+        self.max_delay_s = max_delay_s
+        # Whether this check holds a place in ``limit.counters.deciding``.
+        self.reserved = reserved
+        # Units this request takes from the quota (the limit's ``cost``).
+        self.cost = cost
+
+    def _fields(self) -> tuple[CompiledLimit, str, float, bool, int]:
+        return (self.limit, self.key, self.max_delay_s, self.reserved, self.cost)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Check):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"Check(limit={self.limit.name!r}, key={self.key!r}, max_delay_s={self.max_delay_s!r},"
+            f" reserved={self.reserved!r}, cost={self.cost!r})"
+        )
 
 
 def with_variants(limits: Sequence[CompiledLimit]) -> Iterator[CompiledLimit]:

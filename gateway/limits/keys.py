@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy, MultiMapping
 
@@ -12,15 +11,27 @@ from gateway.limits.addresses import client_key
 from gateway.policy.overrides import UNLISTED_KEY
 
 
-@dataclass(slots=True)
 class RequestFacts:
-    """What key parts are read from; computed once per request."""
+    """What key parts are read from; computed once per request.
 
-    client_key: str  # the client IP, IPv6 grouped by prefix
-    route: str
-    method: str
-    headers: CIMultiDictProxy[str]
-    query: Callable[[], MultiMapping[str]]
+    A plain class, not a dataclass: compiled, a dataclass's ``__init__`` is the one the
+    ``dataclasses`` module writes at run time, interpreted (bench/README.md)."""
+
+    __slots__ = ("client_key", "headers", "method", "query", "route")
+
+    def __init__(
+        self,
+        client_key: str,
+        route: str,
+        method: str,
+        headers: CIMultiDictProxy[str],
+        query: Callable[[], MultiMapping[str]],
+    ) -> None:
+        self.client_key = client_key  # the client IP, IPv6 grouped by prefix
+        self.route = route
+        self.method = method
+        self.headers = headers
+        self.query = query
 
     @classmethod
     def of(
@@ -34,7 +45,8 @@ class RequestFacts:
     ) -> RequestFacts:
         """A request's facts, as the proxy, ``/explain`` and ``gateway replay`` all make them:
         ``query`` is called only if a key reads the query string."""
-        return cls(client_key(client_ip, ipv6_prefix), route, method, headers, query)
+        # Not ``cls(...)``: compiled, naming the class calls its native constructor directly.
+        return RequestFacts(client_key(client_ip, ipv6_prefix), route, method, headers, query)
 
 
 Part = Callable[[RequestFacts], str | None]
