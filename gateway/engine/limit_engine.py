@@ -180,6 +180,11 @@ class LimitEngine:
         self._immediate: DecidesNow | None = store if isinstance(store, DecidesNow) else None
         self.decides_now = self._immediate is not None
         self.headers_config: RateLimitHeaders = policy.headers
+        # Its three switches, read on every limited response: compiled, a field read each,
+        # where the pydantic model's attribute is a generic lookup.
+        self._ietf_headers = policy.headers.ietf
+        self._x_ratelimit_headers = policy.headers.x_ratelimit
+        self._retry_after_header = policy.headers.retry_after
         # (limit name, advertised quota) -> the limit's RateLimit-Policy item, the start of its
         # RateLimit item (encoded), and its window in whole seconds: the same on every response.
         self._advertised: dict[tuple[str, int], tuple[bytes, bytes, int]] = {}
@@ -425,8 +430,12 @@ class LimitEngine:
                 verdict=verdict,
             )
         if commit:
-            for check, decision in zip(enforced, verdict.decisions, strict=True):
-                if decision.delay_s > 0.0:
+            # By index, not ``zip(..., strict=True)``: compiled, a ``zip`` given a keyword is
+            # a call into the interpreter's ``zip`` and its iterator (``enforced`` and the
+            # decisions are one per check).
+            decisions = verdict.decisions
+            for index, check in enumerate(enforced):
+                if decisions[index].delay_s > 0.0:
                     check.limit.counters.delayed += 1
                 else:
                     check.limit.counters.allowed += 1
@@ -514,11 +523,12 @@ class LimitEngine:
         checks = outcome.checks
         decisions = verdict.decisions
         retry_after_s = outcome.retry_after_s if outcome.status else 0.0
-        config = self.headers_config
+        ietf = self._ietf_headers
+        x_ratelimit = self._x_ratelimit_headers
         lines: list[bytes] = []
-        if retry_after_s > 0.0 and config.retry_after:
+        if retry_after_s > 0.0 and self._retry_after_header:
             lines.append(b"Retry-After: %d\r\n" % max(1, math.ceil(retry_after_s)))
-        if not (config.ietf or config.x_ratelimit):
+        if not (ietf or x_ratelimit):
             return b"".join(lines)
         rejecting = verdict.rejected_by if outcome.status else ()
         advertised = self._advertised
@@ -550,10 +560,10 @@ class LimitEngine:
             state_items.append(
                 b"%s%d;t=%d" % (state_start, remaining if remaining > 0 else 0, reset)
             )
-        if config.ietf:
+        if ietf:
             lines.append(b"RateLimit-Policy: " + b", ".join(policy_items) + b"\r\n")
             lines.append(b"RateLimit: " + b", ".join(state_items) + b"\r\n")
-        if config.x_ratelimit:
+        if x_ratelimit:
             tightest = 0
             for index in range(1, len(decisions)):
                 if decisions[index].remaining < decisions[tightest].remaining:
