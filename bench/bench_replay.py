@@ -91,7 +91,7 @@ async def decide_only(requests: list[Request], simulation: Simulation) -> tuple[
     began = time.perf_counter()
     cpu_began = time.process_time()
     for request in requests:
-        await simulation.decide(request, simulation.client_ip(request))
+        simulation.decide(request, simulation.client_ip(request))
     return time.perf_counter() - began, time.process_time() - cpu_began
 
 

@@ -63,6 +63,9 @@ COMPILED_MODULES: Final = (
     "gateway.edge.proxy",
     "gateway.observability.stats",
     "gateway.observability.worker",
+    # ``gateway replay``: reading the log and deciding each line, a million lines a run.
+    "gateway.replay.log_formats",
+    "gateway.replay.simulate",
 )
 
 

@@ -426,7 +426,7 @@ async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decis
     replayed = 0
     try:
         for request in in_time_order(read_log(opened, "auto", stats), 30_000_000, stats):
-            await simulation.decide(request, simulation.client_ip(request))
+            simulation.decide(request, simulation.client_ip(request))
             outcome = simulation.last
             if outcome is None:
                 got: tuple[str, str | None, float] = ("none", None, 0.0)
@@ -491,7 +491,7 @@ async def test_replay_and_the_proxy_agree_on_absolute_form_targets(
     replayed = []
     for line, (target, host) in enumerate(ABSOLUTE_FORM):
         request = Request(line * 1000, "log", line, "127.0.0.1", "GET", target, host, (), None)
-        replayed.append(await simulation.decide(request, simulation.client_ip(request)))
+        replayed.append(simulation.decide(request, simulation.client_ip(request)))
     assert replayed == live
     assert live == [ALLOWED, ALLOWED, UNROUTED, DENIED, DENIED, DENIED, ALLOWED]
     assert [r.raw_path for r in upstream.requests] == ["/api/a", "/api/b?x=1", "/api/f"]
@@ -783,18 +783,16 @@ def test_decisions_do_not_depend_on_the_per_line_caches(
         for n in range(400)
     ]
 
-    async def decide_all(simulation: Simulation) -> list[str]:
-        return [
-            await simulation.decide(request, simulation.client_ip(request)) for request in requests
-        ]
+    def decide_all(simulation: Simulation) -> list[str]:
+        return [simulation.decide(request, simulation.client_ip(request)) for request in requests]
 
     default = Simulation(loaded)
-    expected = asyncio.run(decide_all(default))
+    expected = decide_all(default)
     monkeypatch.setattr(simulate, "_PEERS_KEPT", 2)
     monkeypatch.setattr(simulate, "_ROUTED_KEPT", 2)
     monkeypatch.setattr(simulate, "_FACTS_KEPT", 2)
     bounded = Simulation(loaded)
-    assert asyncio.run(decide_all(bounded)) == expected
+    assert decide_all(bounded) == expected
     assert bounded.counters() == default.counters()
     assert {"allowed", "rejected"} <= set(expected)
     assert len(bounded._peers) <= 2 and len(bounded._routed) <= 2 and len(bounded._facts) <= 2

@@ -133,8 +133,8 @@ def numbered_lines(opened: Opened, stats: ReadStats) -> Iterator[tuple[int, str]
             yield number, line
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
-    except OSError as exc:
-        stats.notes.append(f"{opened.name}: read error after line {number}: {exc}")
+    except OSError as failed:  # one name per type: compiled, a shared one is typed as the first
+        stats.notes.append(f"{opened.name}: read error after line {number}: {failed}")
 
 
 # -- nginx combined ----------------------------------------------------------------------------
@@ -241,8 +241,8 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                 if time_text != last_text:
                     try:
                         last_second = parse_time_local(time_text)
-                    except ValueError as exc:
-                        stats.bad(name, number, str(exc))
+                    except ValueError as unparsed:
+                        stats.bad(name, number, str(unparsed))
                         continue
                     last_text = time_text
                 method, target = request
@@ -297,8 +297,8 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                 group.append((request_time_us, number, address, method, target, forwarded_for))
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
-    except OSError as exc:
-        stats.notes.append(f"{opened.name}: read error after line {number}: {exc}")
+    except OSError as failed:  # one name per type: compiled, a shared one is typed as the first
+        stats.notes.append(f"{opened.name}: read error after line {number}: {failed}")
     finally:
         stats.lines += number
     if group:

@@ -140,10 +140,10 @@ async def replay(
             if count & 0xFFF == 0:
                 progress.tick(count)
             client_ip = first.client_ip(request)
-            outcome = await first.decide(request, client_ip)
+            outcome = first.decide(request, client_ip)
             if changes is not None:
                 current = simulations[1]
-                before = await current.decide(request, current.client_ip(request))
+                before = current.decide(request, current.client_ip(request))
                 if outcome == REJECTED and before != REJECTED:
                     changes.newly_rejected[client_ip] += 1
                     changes.requests_newly_rejected += 1

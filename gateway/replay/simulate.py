@@ -152,8 +152,10 @@ class Simulation:
             resolved = self._peers[address] = self.resolver.resolve(address, ())
         return resolved
 
-    async def decide(self, request: Request, client_ip: str) -> str:
-        """Decide one request at its instant; returns what came of it."""
+    def decide(self, request: Request, client_ip: str) -> str:
+        """Decide one request at its instant; returns what came of it. Not a coroutine: the
+        store is in process, so the engine decides at once (``evaluate_now``, what
+        ``evaluate`` calls for such a store), with no coroutine object per request."""
         now_us = request.t_us
         waiting = self._waiting
         engine = self.engine
@@ -194,7 +196,7 @@ class Simulation:
         if not engine.active:
             outcomes[UNLIMITED] += 1
             return UNLIMITED
-        outcome = self.last = await engine.evaluate(facts, route, host, path, client_ip)
+        outcome = self.last = engine.evaluate_now(facts, route, host, path, client_ip)
         if outcome.status:
             if outcome.rejected_by is None:
                 outcomes[DENIED] += 1
