@@ -161,6 +161,10 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
             "timestamps have whole seconds: the requests logged in one second are spread "
             "evenly across it"
         )
+    if stats.own_records:
+        notes.append(
+            f"{stats.own_records:,} of the gateway's own log lines (not access lines) skipped"
+        )
     if stats.late:
         notes.append(
             f"{stats.late} requests were logged later than the reorder window allows and were "
