@@ -244,6 +244,34 @@ def test_json_lines_with_bursts_headers_and_hosts(
     assert doc["policies"][0]["outcomes"]["unlimited"] == 0
 
 
+def test_top_keys_name_the_shared_bucket_and_a_client_ip_stand_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keys read as the limit log and the dashboard show them: ``unlisted: shared``'s one
+    bucket, and the client IP standing in for a missing header, in words."""
+    limits = (
+        "  per_key:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n"
+        "    key: ['header:X-API-Key']\n    overrides: {gold: {limit: 100}}\n"
+        "    unlisted: shared\n"
+        "  per_anon:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n"
+        "    key: ['header:X-Other', route]\n    on_missing_key: client_ip\n"
+    )
+    policy = write_policy(tmp_path, limits)
+    records = [
+        {"ts": START + i, "ip": "192.0.2.9", "method": "GET", "path": "/", "headers": headers}
+        for i, headers in enumerate([{"X-API-Key": f"made-up-{n}"} for n in range(3)])
+    ]
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert limit_of(doc, "per_key")["top_rejected_keys"] == [
+        {"key": "(unlisted keys, shared)", "requests": 2}
+    ]
+    assert limit_of(doc, "per_anon")["top_rejected_keys"] == [
+        {"key": "192.0.2.9 (no key: client IP) · all", "requests": 2}
+    ]
+
+
 def test_malformed_truncated_and_empty_logs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
