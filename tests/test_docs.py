@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -163,12 +164,16 @@ def test_every_policy_shown_passes_gateway_check(block: Block, tmp_path: Path) -
     shutil.copytree(ROOT / "policies" / "tiers", tmp_path / "tiers")
     policy = tmp_path / "policy.yaml"
     policy.write_text(text)
+    # A token from the environment, as a deployment gives one: an example's token file (a
+    # mounted secret) is not on this machine, and check reads the token as run does.
+    env = {**os.environ, "GATEWAY_ADMIN_TOKEN": "a-token-for-the-snippet-check"}
     done = subprocess.run(
         [sys.executable, "-m", "gateway", "check", str(policy)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert done.returncode == 0, f"{block}: {done.stderr}\n{text}"
 
