@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Final, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -255,12 +255,40 @@ def _in_words(error: Any, loc: Loc) -> str:
         return f"expected a mapping (name: value lines), got {_given(given)}"
     if kind in ("tuple_type", "list_type"):
         return f"expected a list, got {_given(given)}"
+    bound = _bound_in_words(kind, error.get("ctx", {}))
+    if bound is not None:
+        # A token's length, never the token itself.
+        return bound if kind == "string_too_short" else f"{bound}, got {given!r}"
+    if kind == "string_pattern_mismatch":
+        if field == "key_prefix":
+            return f"invalid key_prefix {given!r}: no braces (Redis hash tags) and no spaces"
+        return f"invalid {field} {given!r}: expected text matching {error['ctx']['pattern']}"
     if kind == "literal_error":
         if loc == ("version",):
             return f"unsupported policy version {given!r}: this gateway reads version: 1"
         return f"expected {error.get('ctx', {}).get('expected', 'another value')}, got {given!r}"
     reason: str = error["msg"]
     return reason.removeprefix("Value error, ")
+
+
+_BOUNDS: Final = {
+    "greater_than_equal": ("ge", "at least"),
+    "greater_than": ("gt", "above"),
+    "less_than_equal": ("le", "at most"),
+    "less_than": ("lt", "below"),
+    "string_too_short": ("min_length", "at least"),
+}
+
+
+def _bound_in_words(kind: str, ctx: dict[str, Any]) -> str | None:
+    """pydantic's "Input should be greater than or equal to 1": ``must be at least 1``."""
+    if kind not in _BOUNDS:
+        return None
+    name, words = _BOUNDS[kind]
+    unit = " characters long" if kind == "string_too_short" else ""
+    bound = ctx[name]
+    shown = f"{bound:g}" if isinstance(bound, float) else str(bound)
+    return f"must be {words} {shown}{unit}"
 
 
 def _limit_as_rate(given: str) -> str:

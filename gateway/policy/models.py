@@ -663,7 +663,7 @@ class RouteMatch(_Model):
 class Route(_Model):
     """Requests matching ``match`` go to ``upstream``; routes are tried in file order."""
 
-    name: str = Field(pattern=_NAME_RE, description="the route's name in metrics, logs and limits")
+    name: Name = Field(description="the route's name in metrics, logs and limits")
     match: RouteMatch = Field(RouteMatch(), description="omitted: every request")
     upstream: str = Field(description="name of an upstream in upstreams")
     connect_timeout: Timeout | None = Field(None, description="the upstream's, for this route")
