@@ -155,6 +155,14 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     # PyYAML's and pydantic's own words (parser tokens, "Field required", "Input should be")
     # said in the policy's.
+    "limit_misspelt_algorithm.yaml": "limit_misspelt_algorithm.yaml:9: limits.per_ip.algoritm: "
+    "unknown key: did you mean `algorithm`?",
+    # Another algorithm's parameter: which one takes it, not the nearest spelling here.
+    "token_bucket_nodelay.yaml": "token_bucket_nodelay.yaml:12: limits.per_ip.nodelay: a "
+    "token_bucket does not take nodelay (leaky_bucket does); it rejects what it cannot admit "
+    "(mode: reject) or waits for tokens (mode: queue)",
+    "window_delay.yaml": "window_delay.yaml:12: limits.per_ip.delay: a sliding_window does not "
+    "take delay (leaky_bucket does); it never delays: a request over the limit is rejected",
     "admin_token_too_short.yaml": "admin_token_too_short.yaml:2: server.admin_token: must be at "
     "least 16 characters long",
     "yaml_indentation.yaml": "yaml_indentation.yaml:4: invalid YAML: this line is indented 3 "

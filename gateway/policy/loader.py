@@ -19,7 +19,7 @@ from typing import Annotated, Any, Final, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from gateway.policy.models import ALGORITHMS, OverrideError, Policy, tier_specs
+from gateway.policy.models import ALGORITHM_MODELS, ALGORITHMS, OverrideError, Policy, tier_specs
 from gateway.policy.overrides_file import OverridesFileError, line_of, read_overrides, resolve_path
 from gateway.policy.upstream_tls import TLS_FILES, tls_problem
 
@@ -204,12 +204,47 @@ def _did_you_mean(raw_loc: Loc) -> str:
     return f": did you mean `{close[0]}`?" if close else ""
 
 
-def _tag_problem(loc: Loc, error: Any) -> tuple[Loc, str]:
-    """An unknown or missing algorithm, on the line of ``algorithm:``, naming those there are."""
+# How an algorithm does what another's parameter asks for, where it has a way.
+_WINDOWS_INSTEAD: Final = "; it never delays: a request over the limit is rejected"
+_INSTEAD: Final = {
+    "token_bucket": "; it rejects what it cannot admit (mode: reject) or waits for tokens "
+    "(mode: queue)",
+    "leaky_bucket": "; it delays excess requests (nodelay: true admits a burst at once)",
+    "fixed_window": _WINDOWS_INSTEAD,
+    "sliding_window": _WINDOWS_INSTEAD,
+    "sliding_log": _WINDOWS_INSTEAD,
+}
+
+
+def _other_algorithms(data: Any, loc: Loc) -> str | None:
+    """A limit given another algorithm's parameter (``nodelay`` on a token bucket): which
+    algorithms take it, rather than the nearest spelling among its own fields."""
+    if len(loc) != 3 or loc[0] != "limits" or not isinstance(loc[2], str):
+        return None
+    spec = data["limits"].get(loc[1]) if isinstance(data.get("limits"), dict) else None
+    algorithm = spec.get("algorithm") if isinstance(spec, dict) else None
+    owners = [name for name, model in ALGORITHM_MODELS.items() if loc[2] in model.model_fields]
+    if not isinstance(algorithm, str) or not owners:
+        return None
+    do = "does" if len(owners) == 1 else "do"
+    instead = _INSTEAD.get(algorithm, "")
+    return f"a {algorithm} does not take {loc[2]} ({', '.join(owners)} {do}){instead}"
+
+
+def _tag_problem(loc: Loc, error: Any, data: Any) -> tuple[Loc, str]:
+    """An unknown or missing algorithm, on the line of ``algorithm:``, naming those there are
+    (and a misspelt ``algorithm:`` key, on its line)."""
     known = ", ".join(ALGORITHMS)
     tag = error.get("ctx", {}).get("tag")
     if error["type"] == "union_tag_invalid":
         return (*loc, "algorithm"), f"unknown algorithm {tag!r}: expected one of {known}"
+    spec: Any = data
+    for part in loc:
+        spec = spec.get(part) if isinstance(spec, dict) else None
+    keys = [key for key in spec if isinstance(key, str)] if isinstance(spec, dict) else []
+    misspelt = difflib.get_close_matches("algorithm", keys, n=1, cutoff=0.7)
+    if misspelt:
+        return (*loc, misspelt[0]), "unknown key: did you mean `algorithm`?"
     return loc, f"algorithm is missing: give one of {known}"
 
 
@@ -506,11 +541,11 @@ def parse_policy(
                 continue
             reason = _in_words(error, loc)
             if error["type"] == "extra_forbidden":
-                reason = "unknown key" + _did_you_mean(raw_loc)
+                reason = _other_algorithms(data, loc) or "unknown key" + _did_you_mean(raw_loc)
             elif error["type"] in ("model_type", "dict_type") and error["input"] is None:
                 reason = "is empty: write its settings under it, or remove the line"
             elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-                loc, reason = _tag_problem(loc, error)
+                loc, reason = _tag_problem(loc, error, data)
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         raise PolicyError(file, problems) from None
     policy, files, digest_parts = _with_overrides_files(policy, file, lines)

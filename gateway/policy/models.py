@@ -1044,12 +1044,13 @@ def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
     return Tiers(of_value, specs)
 
 
-# The names ``algorithm:`` takes, for error messages.
-ALGORITHMS: tuple[str, ...] = tuple(
-    name
+# The model of each name ``algorithm:`` takes, and the names, for error messages.
+ALGORITHM_MODELS: dict[str, type[_LimitBase]] = {
+    name: model
     for model in (LeakyBucketLimit, WindowLimit, TokenBucketLimit)
     for name in get_args(model.model_fields["algorithm"].annotation)
-)
+}
+ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_MODELS)
 Limit = Annotated[
     LeakyBucketLimit | WindowLimit | TokenBucketLimit, Field(discriminator="algorithm")
 ]
