@@ -291,10 +291,11 @@ class Gateway:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
         moved = restart_only_changes(self.loaded.policy, loaded.policy)
         if moved:
+            takes, them = ("takes", "it") if len(moved) == 1 else ("take", "them")
             raise ValueError(
-                f"{loaded.source}: {', '.join(moved)} take effect on restart only; the running "
-                "policy stays (restart the gateway to apply them, or revert them to reload the "
-                "rest)"
+                f"{loaded.source}: {', '.join(moved)} {takes} effect on restart only; the running "
+                f"policy stays (restart the gateway to apply {them}, or revert {them} to reload "
+                "the rest)"
             )
         new_tls = loaded.policy.server.tls
         if (new_tls is None) != (self.tls is None):
