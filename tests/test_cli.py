@@ -316,12 +316,13 @@ def test_check_binds_the_listen_addresses_as_nginx_t_does(tmp_path: Path) -> Non
 
 def test_check_refuses_the_admin_token_run_refuses(tmp_path: Path) -> None:
     """A token file that cannot be read, or a token too short: ``run`` will not start, so
-    ``check`` does not say ok (the token never printed)."""
+    ``check`` does not say ok (the token never printed). A relative name is beside the policy
+    file, as its other files are, wherever the gateway is started."""
     policy = tmp_path / "policy.yaml"
-    missing = tmp_path / "no-such-token"
+    missing = tmp_path / "admin-token"
     policy.write_text(
         "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
-        f"  admin_token_file: {missing}\n"
+        "  admin_token_file: admin-token\n"
         "upstreams:\n  backend:\n    url: http://127.0.0.1:9\n"
         "routes:\n  - name: all\n    upstream: backend\n"
     )

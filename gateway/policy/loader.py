@@ -550,6 +550,7 @@ def parse_policy(
         raise PolicyError(file, problems) from None
     policy, files, digest_parts = _with_overrides_files(policy, file, lines)
     policy, tls_problems = _with_tls_files(policy, file)
+    policy = _with_admin_token_file(policy, file)
     ref_problems = _check_references(policy) or tls_problems or (checks(policy) if checks else [])
     if ref_problems:
         raise PolicyError(
@@ -618,6 +619,19 @@ def _with_tls_files(policy: Policy, file: str) -> tuple[Policy, list[tuple[Loc, 
     if upstreams == policy.upstreams:
         return policy, problems
     return policy.model_copy(update={"upstreams": upstreams}), problems
+
+
+def _with_admin_token_file(policy: Policy, file: str) -> Policy:
+    """The policy with ``server.admin_token_file`` relative to the policy file's directory, as
+    its other files are (not to the directory the gateway was started in)."""
+    given = policy.server.admin_token_file
+    if not given:
+        return policy
+    resolved = str(resolve_path(file, given))
+    if resolved == given:
+        return policy
+    server = policy.server.model_copy(update={"admin_token_file": resolved})
+    return policy.model_copy(update={"server": server})
 
 
 def load_policy(path: str | Path, checks: BuildChecks | None = None) -> LoadedPolicy:

@@ -280,7 +280,9 @@ class ServerSettings(_Model):
         "prefer admin_token_file or GATEWAY_ADMIN_TOKEN for secrets",
     )
     admin_token_file: str | None = Field(
-        None, description="file holding the admin bearer token (read at start and on reload)"
+        None,
+        description="file holding the admin bearer token (relative to the policy file; read at "
+        "start and on reload)",
     )
     admin_public_paths: tuple[AdminPath, ...] = Field(
         ("/healthz", "/readyz", "/metrics"),
