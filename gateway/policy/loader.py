@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import re
 import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -423,8 +424,15 @@ def _parse_toml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
+        # tomllib before Python 3.14 keeps the place only in its message: "(at line 3, column
+        # 11)"; the line goes where every problem's line goes.
+        reason = str(exc)
+        place = re.search(r" \(at line (\d+), column (\d+)\)$", reason)
         line = getattr(exc, "lineno", None)
-        raise PolicyError(file, [PolicyProblem(line, "", f"invalid TOML: {exc}")]) from None
+        if place is not None:
+            line = line or int(place[1])
+            reason = f"{reason[: place.start()]} (column {place[2]})"
+        raise PolicyError(file, [PolicyProblem(line, "", f"invalid TOML: {reason}")]) from None
     return data, _toml_key_lines(text)
 
 
