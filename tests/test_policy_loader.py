@@ -155,6 +155,8 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     # PyYAML's and pydantic's own words (parser tokens, "Field required", "Input should be")
     # said in the policy's.
+    "limit_cost_unknown_route.yaml": "limit_cost_unknown_route.yaml:14: "
+    "limits.per_ip.cost.routes.serach: unknown route 'serach' (routes: search)",
     "limit_misspelt_algorithm.yaml": "limit_misspelt_algorithm.yaml:9: limits.per_ip.algoritm: "
     "unknown key: did you mean `algorithm`?",
     # Another algorithm's parameter: which one takes it, not the nearest spelling here.

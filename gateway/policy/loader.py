@@ -484,6 +484,16 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
                 problems.append(
                     (("limits", name, "match", "routes"), f"unknown route {route_name!r}")
                 )
+        cost = limit.cost
+        for route_name in () if isinstance(cost, int) else cost.routes:
+            if route_name not in route_names:
+                known = ", ".join(sorted(route_names)) or "none defined"
+                problems.append(
+                    (
+                        ("limits", name, "cost", "routes", route_name),
+                        f"unknown route {route_name!r} (routes: {known})",
+                    )
+                )
         if limit.exempt_listed is not None:
             reason = _names_a_lister(policy, name, limit.exempt_listed)
             if reason is not None:
