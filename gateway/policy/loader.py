@@ -269,10 +269,24 @@ def _given(value: Any) -> str:
     return repr(value)
 
 
+class _Secret:
+    """A secret's value in an error message (which a failed reload logs): never its text."""
+
+    def __repr__(self) -> str:
+        return "text (not shown: a secret)"
+
+
+def _is_secret(loc: Loc) -> bool:
+    """The admin token and exempt_headers' accepted values (internal service tokens)."""
+    return "exempt_headers" in loc or loc[-1:] == ("admin_token",)
+
+
 def _in_words(error: Any, loc: Loc) -> str:
     """Pydantic's message for one error, in the policy's terms where pydantic's are its own."""
     kind = error["type"]
     given = error.get("input")
+    if isinstance(given, str) and _is_secret(loc):
+        given = _Secret()
     field = loc[-1] if loc else ""
     if kind == "missing":
         return f"missing: {field} has no default, add it"
