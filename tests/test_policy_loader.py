@@ -28,7 +28,8 @@ EXPECTED_ERRORS = {
     "in trusted_proxies",
     "zero_workers.yaml": "zero_workers.yaml:2: server.workers: must be at least 1, got 0",
     "bad_upstream_url.yaml": "bad_upstream_url.yaml:3: upstreams.backend.url: invalid upstream "
-    "url 'ftp://example': expected http://host[:port][/path] or 'builtin:demo'",
+    "url 'ftp://example': expected http://host[:port][/path] or https://host[:port][/path], "
+    "or 'builtin:demo'",
     "unknown_upstream.yaml": "unknown_upstream.yaml:6: routes[0].upstream: unknown upstream "
     "'missing' (known: backend)",
     "duplicate_route.yaml": "duplicate_route.yaml:7: routes[1].name: duplicate route name 'api' "
@@ -159,6 +160,10 @@ EXPECTED_ERRORS = {
     "exempt_header_value_not_a_list.yaml": "exempt_header_value_not_a_list.yaml:12: "
     "limits.per_ip.exempt_headers.X-Internal-Token: expected a list, got text (not shown: a "
     "secret)",
+    # builtin:demo is an upstream's url, never a pool's server: not offered there.
+    "pool_server_bad_url.yaml": "pool_server_bad_url.yaml:3: upstreams.backend.servers[1].url: "
+    "invalid upstream url 'ftp://127.0.0.1:8001': expected http://host[:port][/path] or "
+    "https://host[:port][/path]",
     "limit_cost_unknown_route.yaml": "limit_cost_unknown_route.yaml:14: "
     "limits.per_ip.cost.routes.serach: unknown route 'serach' (routes: search)",
     "limit_misspelt_algorithm.yaml": "limit_misspelt_algorithm.yaml:9: limits.per_ip.algoritm: "

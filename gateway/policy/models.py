@@ -334,11 +334,14 @@ class ServerSettings(_Model):
         return self
 
 
-def _check_server_url(value: str) -> str:
+def _check_server_url(value: str, demo: bool = False) -> str:
+    """An http:// or https:// URL (``demo``: where an upstream's url may be builtin:demo)."""
     match = _UPSTREAM_URL_RE.match(value)
     if not match:
+        also = ", or 'builtin:demo'" if demo else ""
         raise ValueError(
-            f"invalid upstream url {value!r}: expected http://host[:port][/path] or 'builtin:demo'"
+            f"invalid upstream url {value!r}: expected http://host[:port][/path] or "
+            f"https://host[:port][/path]{also}"
         )
     if match.group(2) and not 0 < int(match.group(2)[1:]) <= 65535:
         raise ValueError(f"invalid upstream url {value!r}: port out of range")
@@ -563,7 +566,7 @@ class Upstream(_Model):
     def _check_url(cls, value: str | None) -> str | None:
         if value is None or value == "builtin:demo":
             return value
-        return _check_server_url(value)
+        return _check_server_url(value, demo=True)
 
     @field_validator("hash_key")
     @classmethod
