@@ -291,10 +291,11 @@ class Gateway:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
         moved = restart_only_changes(self.loaded.policy, loaded.policy)
         if moved:
+            takes, them = ("takes", "it") if len(moved) == 1 else ("take", "them")
             raise ValueError(
-                f"{loaded.source}: {', '.join(moved)} take effect on restart only; the running "
-                "policy stays (restart the gateway to apply them, or revert them to reload the "
-                "rest)"
+                f"{loaded.source}: {', '.join(moved)} {takes} effect on restart only; the running "
+                f"policy stays (restart the gateway to apply {them}, or revert {them} to reload "
+                "the rest)"
             )
         new_tls = loaded.policy.server.tls
         if (new_tls is None) != (self.tls is None):
@@ -394,6 +395,12 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
 
 
+def _store_in_words(name: str, url: str) -> str:
+    """The store as the start line names it: the URL, and the shared store that ``memory``
+    becomes with --workers N (as /policy says: store shared, store_url memory)."""
+    return f"{name} (store.url {url})" if name == "shared" and url != "shared" else url
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -485,7 +492,7 @@ async def serve(
         gateway.admin_port,
         loaded.source,
         loaded.sha256[:12],
-        redact_url(store_url(loaded.policy.store)),
+        _store_in_words(gateway.store.name, redact_url(store_url(loaded.policy.store))),
         _host_port(admin_host, gateway.admin_port),
     )
     if gateway.admin_auth.token is not None:

@@ -482,9 +482,9 @@ class RedisStore:
             self.stats.set_state("fallback", f"{reason} (on_failure: {self.on_failure})")
 
     def _circuit_moved(self, state: str) -> None:
-        # The breaker has logged the transition: not again here. The metrics' names for its
-        # states (a closed circuit means Redis answered).
-        self.stats.state = "ok" if state == "closed" else state
+        # The breaker has logged the transition: counted, not logged again here. The metrics'
+        # names for its states (a closed circuit means Redis answered).
+        self.stats.moved("ok" if state == "closed" else state)
 
     # -- when Redis cannot decide --
 
