@@ -511,7 +511,7 @@ class LeaseBook:
         if not breaker.allow():
             raise LeaseUnavailableError("circuit open")
         probe = breaker.probe_out
-        # The requests before this one: none yet (a new key) asks for a fair share.
+        # The requests before this one: none yet (a new key) asks as a first ask (lease_grant).
         want = max(_recent_demand(lease, plan.interval_us, now_us) - 1, 0)
         # No more than this replica spends in an interval: its requests count rejections too,
         # which in a closed loop come back far faster than admissions, and a grant larger than
@@ -709,7 +709,7 @@ def _demand(lease: Lease, interval_us: int, now_us: int) -> None:
 
 def _recent_demand(lease: Lease, interval_us: int, now_us: int) -> int:
     """Requests over the last interval: this interval's, and the one before's weighted by its
-    overlap (a sliding window's estimate); 0 for none (then a fair share is asked)."""
+    overlap (a sliding window's estimate); 0 for none (then a first ask: lease_grant.py)."""
     elapsed_us = now_us - lease.period_start_us
     if elapsed_us >= 2 * interval_us:
         return 0
