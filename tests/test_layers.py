@@ -1,5 +1,5 @@
 """The package's layers: each package imports only from the layers below it, no module imports
-itself through others, and no module name is used twice (the README's module map)."""
+itself through others, and no module name is used twice (docs/architecture.md maps them)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Bottom up; names on one floor may not import each other across packages either.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("clock", "redact", "histogram", "log_setup"),
+    ("clock", "redact", "histogram", "log_setup", "log_throttle", "build", "exceptions"),
     ("policy",),
     ("algorithms",),
     ("limits",),

@@ -9,7 +9,6 @@ import fnmatch
 import hashlib
 import json
 import re
-import shlex
 import tomllib
 from importlib import metadata
 from pathlib import Path, PurePosixPath
@@ -17,56 +16,28 @@ from urllib.parse import urlsplit
 
 import yaml
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from gateway.engine.preflight import load_and_build
 from gateway.policy.models import split_host_port
+from tests.support.dockerfile import dockerfile_env, dockerfile_instructions, final_stage
 
 ROOT = Path(__file__).parent.parent
 
 
-def _dockerfile_instructions() -> list[tuple[str, str]]:
-    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        keyword, _, rest = line.partition(" ")
-        out.append((keyword.upper(), rest.strip()))
-    return out
-
-
-def _final_stage() -> list[tuple[str, str]]:
-    instructions = _dockerfile_instructions()
-    last_from = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
-    return instructions[last_from:]
-
-
 def test_dockerfile_uses_slim_python_base() -> None:
-    base = _final_stage()[0][1]
+    base = final_stage()[0][1]
     assert re.match(r"python:3\.1[1-9]-slim", base), base
 
 
 def test_dockerfile_runs_as_non_root_user() -> None:
-    users = [rest for k, rest in _final_stage() if k == "USER"]
+    users = [rest for k, rest in final_stage() if k == "USER"]
     assert users, "no USER in the final stage"
     assert users[-1] not in {"root", "0", "0:0"}
 
 
-def dockerfile_env() -> dict[str, str]:
-    """The final stage's ENV settings (``ENV A=1 B=2`` form)."""
-    env: dict[str, str] = {}
-    for keyword, rest in _final_stage():
-        if keyword == "ENV":
-            for item in shlex.split(rest):
-                name, _, value = item.partition("=")
-                env[name] = value
-    return env
-
-
 def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
-    stage = dict(_final_stage())
+    stage = dict(final_stage())
     entrypoint = json.loads(stage["ENTRYPOINT"])
     assert entrypoint[:2] == ["gateway", "run"]
     # Settings come from ENV, so a CMD of the operator's (--config FILE) keeps them.
@@ -78,7 +49,7 @@ def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
 
 
 def test_dockerfile_exposes_the_ports_it_listens_on() -> None:
-    stage = _final_stage()
+    stage = final_stage()
     exposed = {p for k, rest in stage if k == "EXPOSE" for p in rest.split()}
     env = dockerfile_env()
     listen = split_host_port(env["GATEWAY_LISTEN"])
@@ -91,7 +62,7 @@ def test_dockerfile_default_policy_is_not_under_the_mount_point() -> None:
     """Mounting /etc/gateway/policies must not hide the policy GATEWAY_CONFIG names."""
     config = dockerfile_env()["GATEWAY_CONFIG"]
     assert not config.startswith("/etc/gateway/policies/")
-    copies = [rest.split() for k, rest in _final_stage() if k == "COPY" and "--from" not in rest]
+    copies = [rest.split() for k, rest in final_stage() if k == "COPY" and "--from" not in rest]
     assert any(config.startswith(dst.rstrip("/") + "/") for *_, dst in copies)
 
 
@@ -138,6 +109,35 @@ def test_compose_publishes_the_admin_port_on_the_host_loopback_only() -> None:
         if int(container_port) == admin_port:
             assert host_part.startswith("127.0.0.1:"), f"admin port published as {mapping}"
     assert any(str(m).endswith(f":{admin_port}") for m in gateway["ports"])
+
+
+def test_compose_publishes_nothing_but_the_proxy_beyond_the_host_loopback() -> None:
+    """The admin port, Prometheus and Grafana (anonymous viewer, admin/admin) on 127.0.0.1."""
+    policy = load_and_build(ROOT / "policies" / "compose.yaml").policy
+    proxy_port = split_host_port(policy.server.listen)[1]
+    published = []
+    for name in ("docker-compose.yml", "docker-compose.observability.yml"):
+        for service, spec in yaml.safe_load((ROOT / name).read_text())["services"].items():
+            for mapping in spec.get("ports", []):
+                published.append((service, str(mapping)))
+    assert {service for service, _ in published} == {"gateway", "prometheus", "grafana"}
+    for service, mapping in published:
+        if mapping == f"{proxy_port}:{proxy_port}":
+            continue
+        assert mapping.startswith("127.0.0.1:"), f"{service} publishes {mapping} on every interface"
+
+
+def test_compose_sets_an_admin_token_from_a_file_the_admin_token_service_writes() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    gateway, maker = services["gateway"], services["admin-token"]
+    token_file = PurePosixPath(gateway["environment"]["GATEWAY_ADMIN_TOKEN_FILE"])
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in gateway["volumes"]}
+    volume = mounts[str(token_file.parent)]
+    assert gateway["volumes"][list(mounts).index(str(token_file.parent))].endswith(":ro")
+    assert f"{volume}:{token_file.parent}" in maker["volumes"]
+    assert maker["entrypoint"][:3] == ["gateway", "admin-token", str(token_file)]
+    assert "--keep" in maker["entrypoint"]  # one token for the volume's life
+    assert gateway["depends_on"]["admin-token"] == {"condition": "service_completed_successfully"}
 
 
 def test_compose_backend_is_the_demo_upstream_not_a_file_server() -> None:
@@ -191,7 +191,7 @@ def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:
     ):
         assert _ignored(path, patterns), f"{path} would be sent to the Docker daemon"
     # Everything the Dockerfile copies stays in the context.
-    for keyword, rest in _dockerfile_instructions():
+    for keyword, rest in dockerfile_instructions():
         if keyword == "COPY" and not rest.startswith("--from"):
             for source in rest.split()[:-1]:
                 assert not _ignored(source, patterns), f"COPY {source} but .dockerignore drops it"
@@ -242,12 +242,56 @@ def test_lock_file_pins_every_runtime_dependency_with_hashes() -> None:
     assert set(locked) == {name for name, _ in seen}, "requirements.lock has stale entries"
 
 
+# The platforms the image is built for (python:3.11-slim: Debian, glibc): each must install
+# every locked package from a wheel whose hash the lock holds (no compiler in the image).
+IMAGE_PLATFORMS = ("x86_64", "aarch64")
+
+
+def _wheel_installs_on(filename: str, arch: str) -> bool:
+    """Whether CPython 3.11 on glibc Linux ``arch`` installs this wheel."""
+    _, _, _, tags = parse_wheel_filename(filename)
+    for tag in tags:
+        python_ok = tag.interpreter in ("py3", "py311", "cp311") or (
+            tag.abi == "abi3"
+            and tag.interpreter.startswith("cp3")
+            and int(tag.interpreter[3:]) <= 11
+        )
+        abi_ok = tag.abi in ("none", "abi3", "cp311")
+        platform_ok = tag.platform == "any" or (
+            tag.platform.startswith("manylinux") and tag.platform.endswith("_" + arch)
+        )
+        if python_ok and abi_ok and platform_ok:
+            return True
+    return False
+
+
+def test_the_lock_installs_from_wheels_on_x86_64_and_aarch64() -> None:
+    """requirements.wheels (scripts/lock_wheels.py: pip download --require-hashes for each
+    platform) names, per platform, the wheel of every locked package; each must fit that
+    platform and its hash be in the lock, or the image build fails there ("Expected sha256
+    ... Got ...") or falls back to an sdist it cannot compile."""
+    locked = _locked()
+    chosen: dict[str, dict[str, str]] = {f"linux-{arch}": {} for arch in IMAGE_PLATFORMS}
+    for line in (ROOT / "requirements.wheels").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        platform, filename, digest = line.split()
+        name, version, _, _ = parse_wheel_filename(filename)
+        assert platform in chosen, line
+        assert _wheel_installs_on(filename, platform.removeprefix("linux-")), line
+        assert locked[name][0] == str(version), f"{filename}: the lock pins {locked[name][0]}"
+        assert f"sha256:{digest}" in locked[name][1], f"{filename}: its hash is not in the lock"
+        chosen[platform][name] = filename
+    for platform, wheels in chosen.items():
+        assert set(wheels) == set(locked), f"{platform}: no wheel for {set(locked) - set(wheels)}"
+
+
 def test_image_installs_from_the_lock_file_with_hashes_required() -> None:
-    build = [rest for k, rest in _dockerfile_instructions() if k == "RUN" and "pip wheel" in rest]
+    build = [rest for k, rest in dockerfile_instructions() if k == "RUN" and "pip wheel" in rest]
     assert any("--require-hashes" in r and "-r requirements.lock" in r for r in build), build
     # The project's own wheel adds nothing unlocked, and the final install resolves nothing.
     assert all("--require-hashes" in r or "--no-deps" in r for r in build), build
-    install = [rest for k, rest in _final_stage() if k == "RUN" and "pip install" in rest]
+    install = [rest for k, rest in final_stage() if k == "RUN" and "pip install" in rest]
     assert install and all("--no-index" in r and "--no-deps" in r for r in install), install
 
 

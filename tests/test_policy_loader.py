@@ -16,6 +16,8 @@ INVALID = FIXTURES / "invalid"
 
 # file -> the one line `gateway check` must print (path relative to tests/fixtures/invalid).
 EXPECTED_ERRORS = {
+    "empty_section.yaml": "empty_section.yaml:2: server: is empty: write its settings under it, "
+    "or remove the line",
     "bad_duration.yaml": "bad_duration.yaml:3: server.header_timeout: invalid duration '10x': "
     "expected Go syntax like '500ms', '10s', '1m30s'",
     "bad_listen.yaml": "bad_listen.yaml:2: server.listen: invalid listen address 'localhost': "
@@ -47,10 +49,23 @@ EXPECTED_ERRORS = {
     "yaml_syntax.yaml": "yaml_syntax.yaml:3: invalid YAML: expected ',' or ']', but got "
     "'<stream end>' (while parsing a flow sequence that starts on line 2)",
     "not_a_mapping.yaml": "not_a_mapping.yaml:1: the policy file must be a mapping",
-    "bad_version.yaml": "bad_version.yaml:1: version: Input should be 1",
-    "missing_url.yaml": "missing_url.yaml:2: upstreams.backend.url: Field required",
-    "bad_workers.toml": "bad_workers.toml:3: server.workers: Input should be a valid integer, "
-    "unable to parse string as an integer",
+    "bad_version.yaml": "bad_version.yaml:1: version: unsupported policy version 2: this "
+    "gateway reads version: 1",
+    "missing_url.yaml": "missing_url.yaml:2: upstreams.backend: give url (one server) or "
+    "servers (a pool), one of them",
+    "pool_hash_without_key.yaml": "pool_hash_without_key.yaml:2: upstreams.backend: balance: "
+    "hash needs hash_key, and hash_key needs balance: hash",
+    "pool_all_backup.yaml": "pool_all_backup.yaml:2: upstreams.backend: every server is a "
+    "backup: at least one must not be",
+    "pool_retry_bad_status.yaml": "pool_retry_bad_status.yaml:5: upstreams.backend.retry.when[1]: "
+    "expected 'error', 'timeout', 500, 502, 503, 504, 403, 404 or 429, got 501",
+    "route_zero_read_timeout.yaml": "route_zero_read_timeout.yaml:7: routes[0].read_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "tls_bad_min_version.yaml": "tls_bad_min_version.yaml:2: server.tls.min_version: expected "
+    "'1.2' or '1.3', got '1.1'",
+    "tls_missing_files.yaml": "tls_missing_files.yaml:2: server.tls: "
+    "{dir}/missing-cert.pem: cannot read: No such file or directory",
+    "bad_workers.toml": "bad_workers.toml:3: server.workers: expected a whole number, got 'many'",
     "limit_delay_over_burst.yaml": "limit_delay_over_burst.yaml:8: limits.per_ip: delay (5) "
     "cannot exceed burst (2)",
     "limit_delay_and_nodelay.yaml": "limit_delay_and_nodelay.yaml:8: limits.per_ip: give "
@@ -63,11 +78,12 @@ EXPECTED_ERRORS = {
     "limit_zero_window.yaml": "limit_zero_window.yaml:11: limits.per_ip.window: window must be "
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
-    "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global or "
-    "const:TEXT",
+    "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
+    "const:TEXT or plan:LIMIT",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
     "unknown route 'nope'",
-    "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: Field required",
+    "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "
+    "limit has no default, add it",
     "store_bad_url.yaml": "store_bad_url.yaml:2: store.url: invalid store url 'mysql://db': "
     "expected memory, shared, redis://, rediss:// or redis+cluster://",
     "store_bad_key_prefix.yaml": "store_bad_key_prefix.yaml:3: store.key_prefix: String should "
@@ -139,8 +155,26 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_store_timeout.yaml": "zero_store_timeout.yaml:3: store.timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
+    # PyYAML's and pydantic's own words (parser tokens, "Field required", "Input should be")
+    # said in the policy's.
+    "yaml_indentation.yaml": "yaml_indentation.yaml:4: invalid YAML: this line is indented 3 "
+    "spaces, which lines up with no key above it: indent it as far as the key it belongs beside "
+    "(the block from line 2 is indented 2)",
+    "yaml_tab.yaml": "yaml_tab.yaml:3: invalid YAML: a tab character: YAML indents with spaces "
+    "only",
+    "limit_rate_as_limit.yaml": "limit_rate_as_limit.yaml:10: limits.login.limit: limit counts "
+    "requests per window: write limit: 5, window: 1m (not '5/m')",
+    "window_given_rate.yaml": "window_given_rate.yaml:10: limits.login.rate: a sliding_window "
+    "takes limit and window, not rate (for 5r/m: limit: 5, window: 1m)",
+    "bucket_given_window.yaml": "bucket_given_window.yaml:10: limits.per_ip.limit: a "
+    "token_bucket takes rate and burst, not limit and window (for 10 per 1s: rate: 10r/s)",
+    "upstream_url_list.yaml": "upstream_url_list.yaml:3: upstreams.backend.url: expected one "
+    "URL, got a list",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
+    "listen_is_admin_listen.yaml": "listen_is_admin_listen.yaml:1: server: listen (0.0.0.0:9090) "
+    "and admin_listen (127.0.0.1:9090) take the same port: give the admin listener a port of "
+    "its own",
 }
 
 
@@ -152,7 +186,8 @@ def test_every_invalid_fixture_has_an_expectation() -> None:
 def test_invalid_fixture_exact_message(name: str) -> None:
     with pytest.raises(PolicyError) as info:
         load_and_build(INVALID / name)
-    assert str(info.value) == f"{INVALID / name}:{EXPECTED_ERRORS[name].split(':', 1)[1]}"
+    expected = EXPECTED_ERRORS[name].split(":", 1)[1].replace("{dir}", str(INVALID))
+    assert str(info.value) == f"{INVALID / name}:{expected}"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "valid").iterdir()))
@@ -183,6 +218,39 @@ def test_several_problems_are_all_reported() -> None:
         "p.yaml:3: server.listen: invalid listen address 'nowhere': "
         "expected HOST:PORT, e.g. 0.0.0.0:8080",
     ]
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("listen", "admin_listen", "collide"),
+    [
+        ("127.0.0.1:9090", "127.0.0.1:9090", True),
+        ("0.0.0.0:9090", "127.0.0.1:9090", True),  # SO_REUSEPORT would let both bind
+        ("10.0.0.1:9090", "0.0.0.0:9090", True),
+        ("[::]:9090", "[::1]:9090", True),
+        ("LOCALHOST:9090", "localhost:9090", True),
+        ("127.0.0.1:9090", "127.0.0.2:9090", False),
+        ("[::]:9090", "127.0.0.1:9090", False),  # another family: IPV6_V6ONLY, as asyncio binds
+        ("127.0.0.1:8080", "127.0.0.1:9090", False),
+        ("127.0.0.1:0", "127.0.0.1:0", False),  # each gets a port of its own
+    ],
+)
+def test_listen_and_admin_listen_on_one_port_are_refused(
+    listen: str, admin_listen: str, collide: bool
+) -> None:
+    text = (
+        f"server:\n  listen: '{listen}'\n  admin_listen: '{admin_listen}'\n"
+        "upstreams:\n  b:\n    url: http://127.0.0.1:9\nroutes:\n  - name: all\n    upstream: b\n"
+    )
+    if not collide:
+        parse_and_build(text, "p.yaml")
+        return
+    with pytest.raises(PolicyError) as info:
+        parse_and_build(text, "p.yaml")
+    assert str(info.value) == (
+        f"p.yaml:1: server: listen ({listen}) and admin_listen ({admin_listen}) take the same "
+        "port: give the admin listener a port of its own"
+    )
 
 
 def test_policy_is_frozen() -> None:
@@ -228,3 +296,13 @@ def test_an_unclosed_quote_names_where_it_opened() -> None:
         "p.yaml:5: invalid YAML: found unexpected end of stream "
         "(while scanning a quoted scalar that starts on line 3)"
     )
+
+
+def test_a_bare_number_is_a_duration_in_seconds_as_in_nginx() -> None:
+    """Documented beside the Go syntax: ``connect_timeout: 5`` is five seconds, not 5 ms."""
+    text = (
+        "upstreams:\n  backend:\n    url: http://127.0.0.1:8000\n    connect_timeout: 5\n"
+        "    read_timeout: 0.5\nroutes:\n  - name: all\n    upstream: backend\n"
+    )
+    upstream = parse_and_build(text, "p.yaml").policy.upstreams["backend"]
+    assert (upstream.connect_timeout, upstream.read_timeout) == (5.0, 0.5)

@@ -7,6 +7,7 @@ Every mistake of the user's is one line on stderr and a non-zero exit, never a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -15,12 +16,21 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gateway import __version__
-from gateway.cli.supervisor import supervise, worker_main
+from gateway.build import build_name
+from gateway.cli import listen_addresses
+from gateway.cli.supervisor import EXIT_STARTUP, supervise, worker_main
 from gateway.engine.preflight import build_problems, load_and_build
 from gateway.log_setup import LOG_FORMATS, LOG_LEVELS
 from gateway.log_setup import configure as configure_logging
-from gateway.policy.loader import LoadedPolicy, PolicyError
-from gateway.policy.models import Policy, Route, Upstream, policy_json_schema, split_host_port
+from gateway.policy.loader import LoadedPolicy, Loc, PolicyError
+from gateway.policy.models import (
+    Policy,
+    Route,
+    Upstream,
+    listeners_collide,
+    policy_json_schema,
+    split_host_port,
+)
 
 log = logging.getLogger("gateway")
 
@@ -61,7 +71,13 @@ def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gateway.serving.lifecycle import check_aiohttp
+    from gateway.serving.lifecycle import (
+        ENV_ADMIN_LISTEN,
+        ENV_LISTEN,
+        StartupError,
+        check_aiohttp,
+        listen_address,
+    )
 
     check_aiohttp()
     loaded = _load_for_run(args)
@@ -78,17 +94,57 @@ def cmd_run(args: argparse.Namespace) -> int:
         # fallback divides each limit by it).
         for _, problem in build_problems(loaded.policy, workers):
             raise SystemExit(f"gateway: --workers {workers}: {problem}")
-    if workers == 1:
-        worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
-        return 0
-    return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
+    server = loaded.policy.server
+    try:
+        listen = listen_address(args.listen, ENV_LISTEN, server.listen)
+        admin = listen_address(args.admin_listen, ENV_ADMIN_LISTEN, server.admin_listen)
+    except StartupError as exc:
+        return _startup_error(str(exc))
+    where = listen_addresses.display(*listen), listen_addresses.display(*admin)
+    if listeners_collide(*where):
+        # The policy's own are refused with its line; this is an override's doing.
+        return _startup_error(
+            f"the proxy ({where[0]}) and the admin listener ({where[1]}) take the same port: "
+            "give the admin listener a port of its own"
+        )
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(listen_addresses.held([("proxy", *listen), ("admin", *admin)]))
+        except listen_addresses.AddressHeld as exc:
+            return _startup_error(str(exc))
+        if workers == 1:
+            worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
+            return 0
+        return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
+
+
+def _startup_error(message: str) -> int:
+    """What a worker that cannot start says and exits with (a restart would fail alike)."""
+    sys.stderr.write(f"gateway: {message}\n")
+    return EXIT_STARTUP
+
+
+def listen_problems(policy: Policy) -> list[tuple[Loc, str]]:
+    """The policy's listen addresses that ``run`` could not bind here, tried as ``nginx -t``
+    does (one in use is fine: it may be this very gateway's). An address the environment
+    overrides (``GATEWAY_LISTEN``, ``GATEWAY_ADMIN_LISTEN``) is not the one ``run`` binds."""
+    from gateway.serving.lifecycle import ENV_ADMIN_LISTEN, ENV_LISTEN
+
+    problems: list[tuple[Loc, str]] = []
+    for name, env_name in (("listen", ENV_LISTEN), ("admin_listen", ENV_ADMIN_LISTEN)):
+        if os.environ.get(env_name):
+            continue
+        problem = listen_addresses.check_problem(*split_host_port(getattr(policy.server, name)))
+        if problem is not None:
+            problems.append((("server", name), problem))
+    return problems
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     failed = False
     for file in args.files:
         try:
-            loaded = load_and_build(file)
+            loaded = load_and_build(file, also=listen_problems)
         except PolicyError as exc:
             print(exc, file=sys.stderr)
             failed = True
@@ -105,6 +161,19 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     except HealthcheckError as exc:
         print(f"gateway healthcheck: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_admin_token(args: argparse.Namespace) -> int:
+    from gateway.admin.token_file import TokenFileError, write_token_file
+
+    try:
+        origin = write_token_file(args.file, getattr(args, "from"), keep=args.keep)
+    except TokenFileError as exc:
+        print(f"gateway admin-token: {exc}", file=sys.stderr)
+        return 1
+    said = {"given": f"the token of {getattr(args, 'from')}", "kept": "the token it held"}
+    print(f"gateway admin-token: {args.file}: {said.get(origin, 'a new random token')}")
     return 0
 
 
@@ -160,6 +229,8 @@ environment:
   GATEWAY_LISTEN      proxy listener, over the policy's server.listen (the image: 0.0.0.0:8080)
   GATEWAY_ADMIN_LISTEN admin listener, over server.admin_listen (the image: 0.0.0.0:9090)
   GATEWAY_IN_CONTAINER set by the image: a loopback listener is logged as unreachable
+  GATEWAY_ADMIN_TOKEN  the admin listener's bearer token (over server.admin_token)
+  GATEWAY_ADMIN_TOKEN_FILE a file holding it, read at start and on every reload
 """
 
 
@@ -204,9 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"gateway {__version__} ({build_name()})"
+    )
     _add_log_options(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,schema,replay}")
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="{run,check,schema,healthcheck,replay,admin-token}",
+    )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         child = sub.add_parser(
@@ -242,6 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--path", default="/readyz", help="admin path to probe")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds")
     health.set_defaults(func=cmd_healthcheck)
+
+    token = command(
+        "admin-token",
+        "write an admin token to FILE for GATEWAY_ADMIN_TOKEN_FILE (mode 0600, never printed): "
+        "--from's when that file exists, else (--keep) the one FILE holds, else a random one",
+    )
+    token.add_argument("file", metavar="FILE")
+    token.add_argument("--from", metavar="SECRET", help="a mounted secret holding the token")
+    token.add_argument("--keep", action="store_true", help="keep the token FILE already holds")
+    token.set_defaults(func=cmd_admin_token)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)

@@ -14,16 +14,21 @@ checks the response framing, and never reuses a connection it cannot vouch for.
 from __future__ import annotations
 
 import asyncio
+import asyncio.protocols
 import ssl as ssl_module
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import TypeVar, cast
 
 import httptools
+from mypy_extensions import mypyc_attr
+
+from gateway.exceptions import caused_by
 
 __all__ = [
     "UpstreamClosed",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamPool",
     "UpstreamProtocolError",
@@ -60,6 +65,10 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     """No connection within the connect timeout, or silence past the read timeout (504)."""
+
+
+class UpstreamConnectTimeout(UpstreamTimeout):
+    """No connection within the connect timeout: nothing of the request went out (504)."""
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -149,9 +158,9 @@ class UpstreamResponse:
                 conn._abandon()
                 raise
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        while chunk := await self.read_chunk():
-            yield chunk
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body's pieces, as ``read_chunk`` gives them, to its end."""
+        return _BodyChunks(self)
 
     def release(self) -> None:
         """Done with the response: reuse its connection if it is clean, otherwise close it."""
@@ -181,6 +190,27 @@ class UpstreamResponse:
         return data
 
 
+class _BodyChunks:
+    """``UpstreamResponse.iter_chunks``: an async iterator class (mypyc compiles no async
+    generator)."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> _BodyChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._response.read_chunk()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
+# Compiled, a non-native class (it derives from asyncio's): its methods are compiled.
+@mypyc_attr(native_class=False)
 class _Connection(asyncio.Protocol):
     """One upstream connection: the parser's callback target and the request/response exchange."""
 
@@ -197,6 +227,7 @@ class _Connection(asyncio.Protocol):
         "_parser",
         "_parser_spent",
         "_pool",
+        "_read_timeout_s",
         "_reading_paused",
         "_received",
         "_resp",
@@ -212,6 +243,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
         self._loop = loop
+        self._read_timeout_s = pool._read_timeout_s
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._parser_spent = False
@@ -284,7 +316,12 @@ class _Connection(asyncio.Protocol):
             elif not self._received and self._served:
                 self._exc = _StaleConnection("the upstream closed an idle keep-alive connection")
             else:
-                self._exc = UpstreamClosed("the upstream closed the connection mid-response")
+                # Before any byte of the answer on a fresh connection, over TLS, is how an
+                # upstream that wants a client certificate refuses (TLS 1.3 says so after the
+                # handshake): "before answering" lets the log say so.
+                when = "mid-response" if self._received else "before answering"
+                self._exc = UpstreamClosed(f"the upstream closed the connection {when}")
+                self._exc.__cause__ = exc  # why, when the transport knows
         self._wake()
 
     def pause_writing(self) -> None:
@@ -386,6 +423,7 @@ class _Connection(asyncio.Protocol):
         body: AsyncIterable[bytes] | bytes | None,
         body_chunked: bool,
         expect_no_body: bool,
+        read_timeout_s: float,
     ) -> UpstreamResponse:
         """Send one request and wait for its response head."""
         transport = self._transport
@@ -396,6 +434,7 @@ class _Connection(asyncio.Protocol):
             self._parser_spent = False
         resp = UpstreamResponse(self)
         self._resp = resp
+        self._read_timeout_s = read_timeout_s
         self._expect_no_body = expect_no_body
         self._head_bytes = 0
         self._head_raw_bytes = 0
@@ -461,7 +500,7 @@ class _Connection(asyncio.Protocol):
         """Wait for the upstream to send or drain something, at most the read timeout."""
         if self._transport is None:
             raise UpstreamClosed("the upstream connection is closed")
-        self._arm(self._loop.time() + self._pool._read_timeout_s)
+        self._arm(self._loop.time() + self._read_timeout_s)
         waiter = self._loop.create_future()
         self._waiter = waiter
         try:
@@ -639,11 +678,14 @@ class UpstreamPool:
         *,
         body_chunked: bool = False,
         expect_no_body: bool = False,
+        connect_timeout_s: float = 0.0,
+        read_timeout_s: float = 0.0,
     ) -> UpstreamResponse:
         """Send ``head`` (request line, headers, blank line) and ``body``; return the response.
 
         ``body_chunked``: frame the body as chunked (the head says ``Transfer-Encoding: chunked``).
         ``expect_no_body``: the request is HEAD, so the response has no body whatever it says.
+        ``connect_timeout_s``, ``read_timeout_s``: this request's (a route's), 0 for the pool's.
         Exceptions from a streamed ``body`` propagate unchanged (after the connection is cut).
         """
         if self._closed:
@@ -654,16 +696,17 @@ class UpstreamPool:
             conn._in_idle = False
             conn._deadline = None
         else:
-            conn = await self._acquire(fresh=False)
+            conn = await self._acquire(False, connect_timeout_s)
+        read_timeout_s = read_timeout_s or self._read_timeout_s
         try:
-            return await conn.exchange(head, body, body_chunked, expect_no_body)
+            return await conn.exchange(head, body, body_chunked, expect_no_body, read_timeout_s)
         except _StaleConnection:
             if not (body is None or isinstance(body, bytes)):
                 raise
             if not head.startswith(_IDEMPOTENT_PREFIXES):
                 raise
-        conn = await self._acquire(fresh=True)
-        return await conn.exchange(head, body, body_chunked, expect_no_body)
+        conn = await self._acquire(True, connect_timeout_s)
+        return await conn.exchange(head, body, body_chunked, expect_no_body, read_timeout_s)
 
     async def connect_unpooled(
         self, protocol_factory: Callable[[], _P]
@@ -683,10 +726,15 @@ class UpstreamPool:
                     server_hostname=self._server_hostname,
                 )
         except TimeoutError:
-            raise UpstreamTimeout(f"connecting to {self._host}:{self._port} timed out") from None
+            raise UpstreamConnectTimeout(
+                f"connecting to {self._host}:{self._port} timed out"
+            ) from None
         except OSError as exc:
-            raise UpstreamConnectError(
-                f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+            raise caused_by(
+                UpstreamConnectError(
+                    f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+                ),
+                exc,
             ) from exc
         return transport, protocol
 
@@ -714,12 +762,12 @@ class UpstreamPool:
 
     # -- slots and connections ------------------------------------------------------------------
 
-    async def _acquire(self, *, fresh: bool) -> _Connection:
+    async def _acquire(self, fresh: bool, connect_timeout_s: float) -> _Connection:
         """A connection that is not idle in the pool: waits for a slot, then connects."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._connect_timeout_s
+        deadline = loop.time() + (connect_timeout_s or self._connect_timeout_s)
         while self._open >= self._max_connections:
             conn = await self._wait_turn(loop, deadline)
             if conn is None:
@@ -756,7 +804,7 @@ class UpstreamPool:
             else:
                 waiter.cancel()
             if isinstance(exc, TimeoutError):
-                raise UpstreamTimeout(
+                raise UpstreamConnectTimeout(
                     "no upstream connection free within the connect timeout"
                 ) from None
             raise
@@ -776,11 +824,16 @@ class UpstreamPool:
                 )
         except TimeoutError:
             self._release_slot()
-            raise UpstreamTimeout(f"connecting to {self._host}:{self._port} timed out") from None
+            raise UpstreamConnectTimeout(
+                f"connecting to {self._host}:{self._port} timed out"
+            ) from None
         except OSError as exc:
             self._release_slot()
-            raise UpstreamConnectError(
-                f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+            raise caused_by(
+                UpstreamConnectError(
+                    f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+                ),
+                exc,
             ) from exc
         except BaseException:
             self._release_slot()

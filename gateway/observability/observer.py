@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
+from gateway.clock import rfc3339
 from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
 from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
@@ -205,18 +206,48 @@ class Observability:
                 queue.get_nowait()
             queue.put_nowait(None)
 
-    def initial_message(self) -> bytes:
+    def initial_data(self) -> dict[str, Any]:
+        """The history and the state now: what a page draws first (in the page itself, and
+        in its event stream's first message)."""
         # Added up afresh, not the last tick's sum: a page that reconnects to another worker
         # must not see its totals go back.
         snapshot = self.gateway_snapshot()
-        return sse_message(
-            "init", {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
-        )
+        return {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
+
+    def initial_message(self) -> bytes:
+        return sse_message("init", self.initial_data())
 
 
 def sse_message(event: str, data: object) -> bytes:
     """One server-sent event (a JSON body has no newlines, so one ``data:`` line)."""
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def upstream_servers(snapshot: GatewaySnapshot) -> dict[str, list[dict[str, Any]]]:
+    """Each upstream's servers now: state (by how many workers), in flight, counts."""
+    states: dict[tuple[str, str], dict[str, int]] = {}
+    for upstream, name, state, workers in snapshot.server_states:
+        states.setdefault((upstream, name), {})[state] = workers
+    out: dict[str, list[dict[str, Any]]] = {}
+    for server in snapshot.servers:
+        if not server.state:
+            continue  # left its pool
+        seen = states.get(server.key, {})
+        worst = next((name for name in ("down", "ejected") if seen.get(name)), server.state)
+        out.setdefault(server.upstream, []).append(
+            {
+                "server": server.server,
+                "state": worst,
+                "states": seen,
+                "weight": server.weight,
+                "backup": server.backup,
+                "inflight": server.inflight,
+                "requests": server.requests,
+                "failures": sum(server.failures.values()),
+                "ejections": server.ejections,
+            }
+        )
+    return out
 
 
 def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
@@ -227,7 +258,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
         "workers": snapshot.workers,
         "worker_ids": list(snapshot.worker_ids),
         "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
-        "reload": reload.model_dump() if reload is not None else None,
+        "reload": reload.shown() if reload is not None else None,
         "store": {
             "name": snapshot.store_name,
             "state": snapshot.store.state,
@@ -236,6 +267,9 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             "errors": snapshot.store.errors,
         },
         "requests": sum(n for *_, n in snapshot.requests),
+        "rejected": snapshot.limited_requests,
+        "delayed": snapshot.delayed_requests,
+        "upstreams": upstreams_state(snapshot),
         "limits": {
             name: {
                 "algorithm": limit.algorithm,
@@ -249,4 +283,23 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             }
             for name, limit in snapshot.limits.items()
         },
+    }
+
+
+def upstreams_state(snapshot: GatewaySnapshot) -> dict[str, dict[str, Any]]:
+    """Each upstream for the dashboard and ``/status``: its servers (state, in flight, counts),
+    its failures by cause and the latest (times in RFC 3339 too)."""
+    servers = upstream_servers(snapshot)
+    return {
+        name: {
+            "url": upstream.url,
+            "failures_total": sum(upstream.failures.values()),
+            "failures": upstream.failures,
+            "recent": [
+                {**failure.model_dump(), "at_rfc3339": rfc3339(failure.at)}
+                for failure in upstream.recent
+            ],
+            "servers": servers.get(name, []),
+        }
+        for name, upstream in snapshot.upstreams.items()
     }

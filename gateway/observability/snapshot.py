@@ -13,6 +13,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict
 
+from gateway.edge.pool.server_pool import SERVER_LATENCY_BUCKETS
 from gateway.histogram import Histogram
 from gateway.limits.compiled import DecisionCounts
 from gateway.observability.leases import LeaseData, plus
@@ -142,6 +143,57 @@ class UpgradeData(_Model):
         )
 
 
+class ServerData(_Model):
+    """One server of an upstream's pool, as one worker sees it: ``state``, ``inflight`` gauges
+    (``state`` empty once the server left the pool), the rest counters."""
+
+    upstream: str
+    server: str
+    state: str = ""
+    weight: int = 1
+    backup: bool = False
+    inflight: int = 0
+    requests: int = 0
+    failures: dict[str, int] = {}
+    ejections: int = 0
+    latency: HistogramData = HistogramData.empty(SERVER_LATENCY_BUCKETS)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.upstream, self.server)
+
+    def plus(self, other: ServerData) -> ServerData:
+        """Counters of both added up (``self``'s gauges kept)."""
+        failures = Counter(self.failures)
+        failures.update(other.failures)
+        return self.model_copy(
+            update={
+                "requests": self.requests + other.requests,
+                "failures": dict(failures),
+                "ejections": self.ejections + other.ejections,
+                "latency": self.latency.plus(other.latency),
+            }
+        )
+
+
+def _add_servers(
+    into: dict[tuple[str, str], ServerData], servers: tuple[ServerData, ...], gauges: bool
+) -> None:
+    for server in servers:
+        if not gauges:
+            server = server.model_copy(update={"state": "", "inflight": 0})
+        old = into.get(server.key)
+        if old is None:
+            into[server.key] = server
+        else:
+            summed = old.plus(server)
+            if gauges and server.state:
+                summed = summed.model_copy(
+                    update={"state": server.state, "inflight": old.inflight + server.inflight}
+                )
+            into[server.key] = summed
+
+
 class ProcessData(_Model):
     """One worker process's own figures (``process.PROCESS_FIGURES``), read from /proc."""
 
@@ -154,6 +206,35 @@ class HitterData(_Model):
     key: str
     count: int
     error: int
+    tier: str = ""  # the plan it was decided under ("" the limit's own numbers)
+
+
+class FailureData(_Model):
+    """One failed exchange with an upstream's server (``edge.upstream_failures.Failure``)."""
+
+    at: float
+    server: str
+    address: str
+    cause: str
+    detail: str
+
+
+class UpstreamData(_Model):
+    """An upstream's failures since its settings last changed: counts by cause, the latest."""
+
+    url: str  # its url, or its servers' URLs
+    failures: dict[str, int] = {}
+    recent: tuple[FailureData, ...] = ()  # newest first
+
+    def plus(self, other: UpstreamData) -> UpstreamData:
+        failures = Counter(self.failures)
+        failures.update(other.failures)
+        recent = sorted((*self.recent, *other.recent), key=lambda f: -f.at)[:RECENT_FAILURES]
+        return self.model_copy(update={"failures": dict(failures), "recent": tuple(recent)})
+
+
+# The recent failures kept per upstream (each worker keeps as many: the sum shows the newest).
+RECENT_FAILURES = 10
 
 
 class WorkerSnapshot(_Model):
@@ -166,6 +247,8 @@ class WorkerSnapshot(_Model):
     policy_loaded_at: float = 0.0  # when the running policy was built (start-up or reload)
     # (route, method, status class, count)
     requests: tuple[tuple[str, str, int, int], ...] = ()
+    limited_requests: int = 0  # refused by a limit
+    delayed_requests: int = 0  # delayed by a limit
     durations: dict[str, HistogramData] = {}
     # (route, reason, count)
     upstream_errors: tuple[tuple[str, str, int], ...] = ()
@@ -180,6 +263,12 @@ class WorkerSnapshot(_Model):
     connections_open: int = 0  # gauge
     connections_refused: int = 0
     header_timeouts: int = 0
+    upstreams: dict[str, UpstreamData] = {}
+    servers: tuple[ServerData, ...] = ()
+    # (upstream, reason, count): requests sent on to another server of the pool
+    retries: tuple[tuple[str, str, int], ...] = ()
+    tls_not_after: float | None = None  # gauge: the listener certificate's expiry, Unix time
+    tls_reloads: dict[str, int] = {}
 
     def with_base(self, base: WorkerSnapshot) -> WorkerSnapshot:
         """These figures plus a previous incarnation's counters (gauges are ours alone)."""
@@ -200,8 +289,24 @@ class WorkerSnapshot(_Model):
         store = self.store
         if base.store.name == store.name:
             store = store.plus(base.store)
+        servers: dict[tuple[str, str], ServerData] = {}
+        _add_servers(servers, self.servers, gauges=True)
+        for old_server in base.servers:
+            mine = servers.get(old_server.key)
+            servers[old_server.key] = (
+                mine.plus(old_server)
+                if mine is not None
+                else old_server.model_copy(update={"state": "", "inflight": 0})
+            )
+        retries = Counter({(u, r): n for u, r, n in base.retries})
+        retries.update({(u, r): n for u, r, n in self.retries})
+        tls_reloads = Counter(base.tls_reloads)
+        tls_reloads.update(self.tls_reloads)
         return self.model_copy(
             update={
+                "servers": tuple(servers.values()),
+                "retries": tuple((u, r, n) for (u, r), n in sorted(retries.items())),
+                "tls_reloads": dict(tls_reloads),
                 "requests": tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
                 "upstream_errors": tuple((r, x, n) for (r, x), n in sorted(errors.items())),
                 "local_responses": tuple((r, c, n) for (r, c), n in sorted(local.items())),
@@ -211,6 +316,8 @@ class WorkerSnapshot(_Model):
                 "websockets": self.websockets.plus(base.websockets, gauge=False),
                 "connections_refused": self.connections_refused + base.connections_refused,
                 "header_timeouts": self.header_timeouts + base.header_timeouts,
+                "limited_requests": self.limited_requests + base.limited_requests,
+                "delayed_requests": self.delayed_requests + base.delayed_requests,
             }
         )
 
@@ -238,6 +345,8 @@ class GatewaySnapshot(_Model):
     durations: dict[str, HistogramData]
     upstream_errors: tuple[tuple[str, str, int], ...]
     local_responses: tuple[tuple[str, int, int], ...] = ()
+    limited_requests: int = 0
+    delayed_requests: int = 0
     limits: dict[str, LimitData]
     top_keys: dict[str, tuple[HitterData, ...]]
     store_name: str
@@ -250,6 +359,14 @@ class GatewaySnapshot(_Model):
     header_timeouts: int
     websockets: UpgradeData = UpgradeData()
     processes: tuple[ProcessData, ...] = ()  # of live workers
+    upstreams: dict[str, UpstreamData] = {}  # those of the newest policy
+    # every server's counters (summed) and inflight (live workers'), state of the newest worker
+    servers: tuple[ServerData, ...] = ()
+    # (upstream, server, state, live workers that see it so)
+    server_states: tuple[tuple[str, str, str, int], ...] = ()
+    retries: tuple[tuple[str, str, int], ...] = ()
+    tls_not_after: float | None = None  # the soonest of the live workers'
+    tls_reloads: dict[str, int] = {}
 
 
 def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> GatewaySnapshot:
@@ -271,7 +388,21 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
     limits: dict[str, LimitData] = {}
     hitters: dict[str, Counter[str]] = {}
     hitter_errors: dict[str, Counter[str]] = {}
+    hitter_tiers: dict[str, dict[str, str]] = {}
     store = StoreData(name=newest.store.name)
+    servers: dict[tuple[str, str], ServerData] = {}
+    server_states: Counter[tuple[str, str, str]] = Counter()
+    retries: Counter[tuple[str, str]] = Counter()
+    tls_reloads: Counter[str] = Counter()
+    for snap in sorted(snapshots, key=lambda s: s.at):  # the newest's gauges kept last
+        live_one = id(snap) in live_ids
+        _add_servers(servers, snap.servers, gauges=live_one)
+        if live_one:
+            server_states.update((s.upstream, s.server, s.state) for s in snap.servers if s.state)
+        retries.update({(u, r): n for u, r, n in snap.retries})
+        tls_reloads.update(snap.tls_reloads)
+    current = {s.key for s in newest.servers if s.state}
+    tls_expiries = [s.tls_not_after for s in live if s.tls_not_after is not None]
     for snap in snapshots:
         requests.update({(r, m, s): n for r, m, s, n in snap.requests})
         errors.update({(r, reason): n for r, reason, n in snap.upstream_errors})
@@ -302,21 +433,31 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                 continue
             counts = hitters.setdefault(name, Counter())
             errs = hitter_errors.setdefault(name, Counter())
+            tiers = hitter_tiers.setdefault(name, {})
             for hitter in top:
                 counts[hitter.key] += hitter.count
                 errs[hitter.key] += hitter.error
+                tiers[hitter.key] = hitter.tier
         if snap.store.name == store.name:
             store = store.plus(snap.store)
     # Limits a reload removed linger in older snapshots: show those the newest policy has.
     limits = {name: limits[name] for name in newest.limits if name in limits}
     top_keys = {
         name: tuple(
-            HitterData(key=key, count=count, error=hitter_errors[name][key])
+            HitterData(
+                key=key, count=count, error=hitter_errors[name][key], tier=hitter_tiers[name][key]
+            )
             for key, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:20]
         )
         for name, counts in hitters.items()
         if name in limits
     }
+    upstreams: dict[str, UpstreamData] = {}
+    for snap in snapshots:
+        for name, upstream in snap.upstreams.items():
+            if name in newest.upstreams and upstream.url == newest.upstreams[name].url:
+                old_upstream = upstreams.get(name)
+                upstreams[name] = old_upstream.plus(upstream) if old_upstream else upstream
     states = Counter(s.store.state for s in live)
     reloads = [s.reload for s in live if s.reload is not None]
     return GatewaySnapshot(
@@ -330,6 +471,8 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         durations=durations,
         upstream_errors=tuple((r, x, n) for (r, x), n in sorted(errors.items())),
         local_responses=tuple((r, c, n) for (r, c), n in sorted(local.items())),
+        limited_requests=sum(s.limited_requests for s in snapshots),
+        delayed_requests=sum(s.delayed_requests for s in snapshots),
         limits=limits,
         top_keys=top_keys,
         store_name=store.name,
@@ -345,6 +488,15 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             for s in sorted(live, key=lambda s: s.worker)
             if s.process
         ),
+        upstreams={name: upstreams[name] for name in newest.upstreams if name in upstreams},
+        servers=tuple(
+            server if server.key in current else server.model_copy(update={"state": ""})
+            for _, server in sorted(servers.items())
+        ),
+        server_states=tuple((u, s, state, n) for (u, s, state), n in sorted(server_states.items())),
+        retries=tuple((u, r, n) for (u, r), n in sorted(retries.items())),
+        tls_not_after=min(tls_expiries) if tls_expiries else None,
+        tls_reloads=dict(tls_reloads),
     )
 
 

@@ -1,7 +1,8 @@
 """``gateway replay``: what a policy would have done to logged traffic.
 
-The logs (``logs``) are read as requests, decided by the live gateway's own engine on a
-simulated clock (``simulate``, ``run``), and reported as text, JSON or HTML (``report``).
+The logs are read as requests (``log_formats``: one table of readers, one per format), decided
+by the live gateway's own engine on a simulated clock (``simulate``, ``run``), and reported as
+text, JSON or HTML (``report``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main(
         except OSError as exc:
             print(f"gateway replay: {html_file}: cannot write: {exc.strerror}", file=sys.stderr)
             return 1
+        # On stderr: stdout carries the report (or --json's document).
+        print(f"gateway replay: wrote {Path(html_file).resolve()}", file=sys.stderr)
     if as_json:
         json.dump(doc, sys.stdout, separators=(",", ":"))
         sys.stdout.write("\n")

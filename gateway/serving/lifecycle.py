@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -16,20 +17,25 @@ from aiohttp import web
 from gateway.admin.app import AdminState, make_admin_app
 from gateway.admin.auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
+from gateway.edge.client_errors import ClientErrorLog
 from gateway.edge.proxy import ProxyHandler
-from gateway.edge.runtime import Runtime, build_runtime, uses_demo
+from gateway.edge.runtime import Runtime, build_runtime, largest_body_size, uses_demo
 from gateway.edge.server import GatewayServer
+from gateway.edge.tls import ListenerTls
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
 from gateway.observability.snapshot_files import default_shared_dir
 from gateway.observability.worker import WorkerState
 from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import Policy, split_host_port
-from gateway.redact import redact_text
+from gateway.policy.models import Policy, StoreSettings, split_host_port
+from gateway.policy.tls_files import TlsFilesError, load_tls
+from gateway.redact import redact_text, redact_url
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
-from gateway.stores import LimitStore, build_store
+from gateway.serving.tls_site import TlsSite
+from gateway.stores import LimitStore, build_store, store_url
+from gateway.stores.shared.runtime_dir import SharedDirError
 
 log = logging.getLogger("gateway")
 
@@ -119,6 +125,7 @@ class Gateway:
         clock: Clock | None = None,
         store: LimitStore | None = None,
         policy_path: str | None = None,
+        supervisor_pid: int | None = None,
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
@@ -139,28 +146,48 @@ class Gateway:
             )
         except ValueError as exc:  # a store URL the client refuses; it may hold a password
             raise StartupError(f"store: {redact_text(str(exc))}") from None
+        except SharedDirError as exc:  # no room, read-only, not a directory
+            raise StartupError(str(exc)) from None
+        try:
+            self.tls = (
+                ListenerTls(settings.tls, loaded.source) if settings.tls is not None else None
+            )
+        except TlsFilesError as exc:
+            raise StartupError(f"server.tls: {exc}") from None
         self._demo = DemoUpstream() if uses_demo(loaded) else None
         self._demo_address = self._demo.address if self._demo is not None else None
         self._watch_stop = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
+        self._tls_watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
 
+        level = logging.getLevelNamesMapping()[settings.client_error_log_level.upper()]
+        self._client_errors = (
+            ClientErrorLog("proxy", level, clock),
+            ClientErrorLog("admin", level, clock),
+        )
         try:
             self.handler = ProxyHandler(build_runtime(loaded, self.store, self._demo_address))
             self.server = GatewayServer(
                 self.handler,
                 header_timeout=settings.header_timeout,
                 max_connections=settings.max_connections,
-                max_body_size=settings.max_body_size,
+                max_body_size=largest_body_size(loaded.policy),
                 keepalive_timeout=settings.keepalive_timeout,
                 max_line_size=settings.max_header_size,
                 max_field_size=settings.max_header_size,
                 max_headers=settings.max_headers,
                 auto_decompress=False,
                 access_log=None,  # the observability wrapper writes the access log line
+                logger=self._client_errors[0],
             )
             self.reloader = (
-                PolicyReloader(policy_path, running=lambda: self.loaded, apply=self.apply)
+                PolicyReloader(
+                    policy_path,
+                    running=lambda: self.loaded,
+                    apply=self.apply,
+                    refresh=self.refresh_admin_token,
+                )
                 if policy_path
                 else None
             )
@@ -171,6 +198,7 @@ class Gateway:
                     store=self.store,
                     connections=self.server,
                     reloader=self.reloader,
+                    tls=self.tls,
                     # The access log's ``t_us``: the limiter's instants (the store's clock).
                     limiter_clock=self.store.clock,
                 ),
@@ -182,13 +210,22 @@ class Gateway:
                 worker_id=worker_id,
                 reloader=self.reloader,
                 auth=self.admin_auth,
+                # POST /reload reaches one worker of several: the supervisor's SIGHUP reloads
+                # the others too (a rotated token must stop working on every one).
+                reload_siblings=(
+                    functools.partial(_signal, supervisor_pid, signal.SIGHUP)
+                    if supervisor_pid is not None
+                    else None
+                ),
             )
             admin_app = make_admin_app(self.admin_state)
             install_dashboard(admin_app, self.observability)
             self._proxy_runner = web.ServerRunner(
                 self.server, shutdown_timeout=settings.shutdown_timeout
             )
-            self._admin_runner = web.AppRunner(admin_app, access_log=None)
+            self._admin_runner = web.AppRunner(
+                admin_app, access_log=None, logger=self._client_errors[1]
+            )
         except BaseException:
             if self._demo is not None:
                 self._demo.discard()  # its port was bound for the runtime just built
@@ -199,11 +236,25 @@ class Gateway:
             await self._demo.start()
         # Before the listeners open: no request pays for connecting to the store.
         await self.store.prepare()
+        await self.handler.runtime.prepare()
+        self.handler.runtime.start()
         await self._proxy_runner.setup()
         host, port = self.listen
-        site = web.TCPSite(
-            self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
-        )
+        site: web.TCPSite
+        if self.tls is not None:
+            site = TlsSite(
+                self._proxy_runner,
+                host,
+                port,
+                ssl_context=self.tls.context,
+                handshake_timeout=self.loaded.policy.server.header_timeout,
+                backlog=1024,
+                reuse_port=self.reuse_port or None,
+            )
+        else:
+            site = web.TCPSite(
+                self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
+            )
         await _start_site(site, "proxy", host, port)
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
@@ -224,6 +275,10 @@ class Gateway:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
             )
+        if self.tls is not None:
+            self._tls_watcher = asyncio.get_running_loop().create_task(
+                self.tls.watch(self._watch_stop)
+            )
         self.admin_state.ready = True
 
     def apply(self, loaded: LoadedPolicy) -> None:
@@ -234,24 +289,54 @@ class Gateway:
         """
         if uses_demo(loaded) and self._demo_address is None:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
-        if loaded.policy.store != self.loaded.policy.store:
-            raise ValueError("store settings take effect on restart only; the running policy stays")
         moved = restart_only_changes(self.loaded.policy, loaded.policy)
         if moved:
             raise ValueError(
-                f"{', '.join(moved)} take effect on restart only; the running policy stays "
-                "(restart the gateway to apply them, or revert them to reload the rest)"
+                f"{loaded.source}: {', '.join(moved)} take effect on restart only; the running "
+                "policy stays (restart the gateway to apply them, or revert them to reload the "
+                "rest)"
             )
+        new_tls = loaded.policy.server.tls
+        if (new_tls is None) != (self.tls is None):
+            raise ValueError(
+                "server.tls on or off takes effect on restart only; the running policy stays"
+            )
+        if new_tls is not None and new_tls != self.loaded.policy.server.tls:
+            load_tls(new_tls, loaded.source)  # TlsFilesError (a ValueError): refused whole
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
+        runtime.start()
         self.server.reconfigure(loaded.policy.server)
+        self.server.max_body_size = largest_body_size(loaded.policy)
+        if (
+            self.tls is not None
+            and new_tls is not None
+            and (new_tls != self.loaded.policy.server.tls or loaded.source != self.loaded.source)
+        ):
+            self.tls.reload(new_tls, loaded.source)
+        level = logging.getLevelNamesMapping()[loaded.policy.server.client_error_log_level.upper()]
+        for client_errors in self._client_errors:
+            client_errors.client_level = level
         self.loaded = loaded
+        self._swap_admin_auth(admin_auth)
+        asyncio.get_running_loop().create_task(self._retire(previous))
+
+    def refresh_admin_token(self) -> bool:
+        """Read the admin token (its file) again under the running policy: a reload whose
+        policy is unchanged still rotates the token. True if it changed; ``AdminTokenError``
+        (the file gone, empty, too short) changes nothing."""
+        return self._swap_admin_auth(AdminAuth.of(self.loaded.policy.server))
+
+    def _swap_admin_auth(self, admin_auth: AdminAuth) -> bool:
+        """From now on the old token and the cookies made from it open nothing."""
+        if admin_auth == self.admin_auth:
+            return False
         self.admin_auth = admin_auth
         self.admin_state.auth = admin_auth
-        asyncio.get_running_loop().create_task(self._retire(previous))
+        return True
 
     async def _retire(self, runtime: Runtime) -> None:
         """Once ``runtime`` serves no request, close its pools that no other runtime holds.
@@ -283,6 +368,8 @@ class Gateway:
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._tls_watcher is not None:
+            self._tls_watcher.cancel()
         # Queued requests that could not be served before the deadline get 503 now, rather
         # than being cut off when it passes.
         deadline = asyncio.get_running_loop().time() + max(
@@ -302,6 +389,11 @@ class Gateway:
             await self._demo.close()
 
 
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # gone: its workers are stopping too
+        os.kill(pid, signum)
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -313,12 +405,20 @@ RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout", "drain_
 
 
 def restart_only_changes(running: Policy, new: Policy) -> list[str]:
-    """``server.*`` settings that differ between two policies but only move on restart."""
-    return [
+    """``server.*`` and ``store.*`` settings that differ between two policies but only move on
+    restart (a store URL shown without its password)."""
+    moved = [
         f"server.{name} ({getattr(running.server, name)!r} -> {getattr(new.server, name)!r})"
         for name in RESTART_ONLY
         if getattr(running.server, name) != getattr(new.server, name)
     ]
+    for name in StoreSettings.model_fields:
+        before, after = getattr(running.store, name), getattr(new.store, name)
+        if before != after:
+            if name == "url":
+                before, after = redact_url(before), redact_url(after)
+            moved.append(f"store.{name} ({before!r} -> {after!r})")
+    return moved
 
 
 async def serve(
@@ -331,6 +431,7 @@ async def serve(
     workers: int = 1,
     on_started: Callable[[Gateway], None] | None = None,
     policy_path: str | None = None,
+    supervisor_pid: int | None = None,
 ) -> None:
     gateway = Gateway(
         loaded,
@@ -340,6 +441,7 @@ async def serve(
         worker_id=worker_id,
         workers=workers,
         policy_path=policy_path,
+        supervisor_pid=supervisor_pid,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -356,6 +458,8 @@ async def serve(
     if reloader is not None:
 
         def on_sighup() -> None:
+            if gateway.tls is not None:  # nginx reads its certificates again on HUP too
+                gateway.tls.reload()
             task = loop.create_task(reloader.reload())
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -368,8 +472,12 @@ async def serve(
             signal.SIGHUP, lambda: log.info("SIGHUP: no policy file to reload (--upstream)")
         )
 
+    admin_host = gateway.admin_listen[0]
+    if admin_host in ("0.0.0.0", "::", ""):
+        admin_host = "127.0.0.1"  # a wildcard: this machine reaches it on loopback
     log.info(
-        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s",
+        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s, store %s; "
+        "dashboard http://%s/dashboard/",
         worker_id,
         gateway.listen[0],
         gateway.proxy_port,
@@ -377,6 +485,8 @@ async def serve(
         gateway.admin_port,
         loaded.source,
         loaded.sha256[:12],
+        redact_url(store_url(loaded.policy.store)),
+        _host_port(admin_host, gateway.admin_port),
     )
     if gateway.admin_auth.token is not None:
         log.info(

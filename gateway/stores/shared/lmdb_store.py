@@ -18,10 +18,11 @@ Three databases:
   shortest is ``meta``, which as a key would need slot 0x6d657461.)
 - ``lru``: ``slot | tick | key`` -> empty: each table's keys by last use, oldest first. A key
   moves in it at most once per tick, so a hot key costs one put per request.
-- ``meta``: the policy in force (its hash and a generation number, so that a reload rescales
-  once whichever worker reloads first), each limit's slot, identity and algorithm, each
-  table's key count, evictions and expiries, and (``dropped:``) the evictions of tables a
-  reload dropped, by name, so that a limit's evictions never go down.
+- ``meta`` (``tables.py`` administers it on a reload): the policy in force (its hash and a
+  generation number, so that a reload rescales once whichever worker reloads first), each
+  limit's slot, identity and algorithm, each table's key count, evictions and expiries, and
+  (``dropped:``) the evictions of tables a reload dropped, by name, so that a limit's
+  evictions never go down.
 
 Bounded like an nginx zone: a new key first looks at the table's two least recently used
 keys and drops those whose state is idle (a fresh key would decide the same: an expiry, as
@@ -35,19 +36,19 @@ other state is tagged (``tick | tag | payload``, the tick's top bit set to say s
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import lmdb
+from mypy_extensions import mypyc_attr
 
-from gateway.algorithms.base import Decision, build
-from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
+from gateway.algorithms.base import Decision
+from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
+from gateway.stores.protocol import StoreUnavailableError
 from gateway.stores.shared.records import (
     MAX_KEY_BYTES,
     TAGGED,
@@ -57,22 +58,46 @@ from gateway.stores.shared.records import (
     encode_state,
     key_bytes,
 )
+from gateway.stores.shared.space import (
+    DATA_FILE,
+    FIRST_MAP_BYTES,
+    NoRoom,
+    create_map,
+    reserve,
+    reserved_size,
+    size_text,
+)
+from gateway.stores.shared.tables import (
+    COUNTS,
+    DROPPED,
+    GENERATION,
+    POLICY,
+    Databases,
+    Table,
+    apply_policy,
+    forget_key,
+    policy_hash,
+    read_int,
+    read_tables,
+    table_counts,
+)
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
-# for keys up to ``MAX_KEY_BYTES``; the map is sparse, only pages in use take memory.
+# for keys up to ``MAX_KEY_BYTES``: the most the map grows to is bounded from the policy. It
+# starts smaller and doubles as it fills, each size reserved on the filesystem first (``space``).
 MAP_BYTES_PER_KEY: Final = 2048
 MAP_BYTES_BASE: Final = 64 << 20
 TICK_US: Final = 100_000  # LRU order to 100 ms: a hot key moves in it at most 10 times a second
 
-_SLOT = struct.Struct(">I")
-_COUNTS = struct.Struct("<qqq")  # keys, evictions, expiries
 # Idle keys looked at, least recently used first, each time a new key is added (as nginx).
 EXPIRE_ON_INSERT: Final = 2
-_POLICY: Final = b"policy"
-_GENERATION: Final = b"generation"
-_NEXT_SLOT: Final = b"next_slot"
-_DROPPED: Final = b"dropped:"  # table name -> evictions of its tables reloads dropped
+# The end of the map new keys may not take (a 16th, at least this many bytes): it is kept for
+# the copy-on-write pages of known keys' updates, so that they go on when the map cannot grow.
+UPDATES_ROOM_BYTES: Final = 1 << 20
+# New keys added between two looks at the map's last page (a look costs some microseconds; 32
+# keys take a few dozen pages of the room kept, which is at least 256).
+INSERTS_PER_ROOM_CHECK: Final = 32
 _MAX_STATE_KEY: Final = 4 + MAX_KEY_BYTES
 
 
@@ -84,23 +109,13 @@ _Found = tuple[bytes, bytes | None, bytes | None]
 _Moved = tuple[bytes, int | None, CompiledLimit, Any]
 
 
-class _Table(NamedTuple):
-    """A limit's record in ``meta``."""
-
-    slot: int
-    identity: tuple[str, tuple[str, ...], str]
-    algorithm: Any
-    max_keys: int
-    prefix: bytes = b""  # the slot as the keys' prefix (not stored)
+class _MapNearlyFull(Exception):
+    """A new key would take the room kept for updates: the map must grow first."""
 
 
-def policy_hash(limits: Sequence[CompiledLimit]) -> bytes:
-    described = [
-        (limit.table, limit.identity, limit.algorithm, limit.spec.max_keys) for limit in limits
-    ]
-    return hashlib.sha256(pickle.dumps(described)).digest()
-
-
+# Interpreted subclasses allowed: a test makes another worker's commit happen between a
+# snapshot and its write by overriding ``_read_and_decide``.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SharedStore:
     """State shared by a gateway's workers in one LMDB environment (see the module)."""
 
@@ -114,9 +129,16 @@ class SharedStore:
         *,
         reports_counts: bool = True,
         workers: int = 1,
+        on_failure: str = "local",
     ) -> None:
         # ``path`` None: build and validate only (``gateway check``), nothing opened.
         self.path = path
+        # A decision that needs room the filesystem cannot give: ``deny`` answers 503, the
+        # others decide on the state as it is, without writing (``_decide_without_room``).
+        self._on_failure = on_failure
+        self._map_bound = MAP_BYTES_BASE
+        self._insert_pages = 0  # new keys are added while the last page is below this
+        self._unchecked_inserts = INSERTS_PER_ROOM_CHECK  # the first new key looks
         self.clock: Clock = clock or MonotonicClock()
         self.stats = StoreStats()
         # Tracked keys and evictions are the shared tables': one worker reports them, so
@@ -128,26 +150,36 @@ class SharedStore:
         self._state: Any = None
         self._lru: Any = None
         self._meta: Any = None
+        self._dbs = Databases(None, None, None)
         self._generation: bytes | None = b"unread"
         # The last committed transaction at which ``_generation`` was read or known current
         # (-1: none): a transaction that starts from it needs no read of the generation.
         self._current_at = -1
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, Table] = {}
         # Table name -> (the limit last seen under it, its table or None, the table's key
         # prefix or None): the request path's look-up (see ``_table_of``).
-        self._by_limit: dict[str, tuple[CompiledLimit, _Table | None, bytes | None]] = {}
+        self._by_limit: dict[str, tuple[CompiledLimit, Table | None, bytes | None]] = {}
         self._limits: Sequence[CompiledLimit] = ()
 
     # -- opening and reloads -------------------------------------------------------------
 
-    def _open(self, map_size: int) -> lmdb.Environment:
+    def _open(self) -> lmdb.Environment:
         env = self._env
         if env is None:
             assert self.path is not None
             self.path.mkdir(parents=True, exist_ok=True)
+            data = self.path / DATA_FILE
+            try:
+                if reserved_size(data) == 0:  # not made by ``claim_runtime_dir``
+                    create_map(self.path)
+                # Every process maps the data file's size, all of it allocated: a smaller map
+                # would make LMDB truncate the file under the others' maps.
+                size = reserve(data, max(reserved_size(data), FIRST_MAP_BYTES))
+            except NoRoom as exc:
+                raise ValueError(str(exc)) from None
             env = lmdb.open(
                 str(self.path),
-                map_size=map_size,
+                map_size=size,
                 max_dbs=4,
                 sync=False,  # state starts empty at every start: nothing to make durable
                 metasync=False,
@@ -159,10 +191,53 @@ class SharedStore:
             self._state = env.open_db(None)  # the main database (see the module)
             self._lru = env.open_db(b"lru")
             self._meta = env.open_db(b"meta")
+            self._dbs = Databases(self._state, self._lru, self._meta)
             self._env = env
-        elif env.info()["map_size"] < map_size:
-            env.set_mapsize(map_size)
+            self._mapped(env)
         return env
+
+    def _mapped(self, env: lmdb.Environment) -> None:
+        """The map changed size: where new keys stop (``UPDATES_ROOM_BYTES``)."""
+        page = int(env.stat()["psize"])
+        pages = int(env.info()["map_size"]) // page
+        self._insert_pages = pages - max(UPDATES_ROOM_BYTES // page, pages // 16)
+
+    def _grow(self, env: lmdb.Environment) -> str | None:
+        """Map more of the data file: as much as another worker reserved, else the next size
+        (twice the map, at most the policy's bound), reserved first. None once grown; else
+        why not (the store's state is then ``fallback``, logged with the reason once)."""
+        assert self.path is not None
+        data = self.path / DATA_FILE
+        mapped = int(env.info()["map_size"])
+        size = reserved_size(data)
+        if size <= mapped:
+            target = min(mapped * 2, self._map_bound)
+            if target <= mapped:
+                return self._no_room(f"{self.path}: the map is at its bound ({size_text(mapped)})")
+            try:
+                size = reserve(data, target)
+            except NoRoom as exc:
+                return self._no_room(str(exc))
+        env.set_mapsize(size)
+        self._mapped(env)
+        self.stats.set_state("ok")
+        return None
+
+    def _no_room(self, reason: str) -> str:
+        if self._on_failure == "deny":
+            then = "requests that need more room get 503 (store.on_failure: deny)"
+        else:
+            then = "requests that need more room are decided on the state as it is, not counted"
+        self.stats.set_state("fallback", f"{reason}; {then}")
+        return reason
+
+    def _adopt_map(self, env: lmdb.Environment) -> None:
+        """Another worker grew the map: map the data file's size, which it reserved first
+        (never LMDB's ``set_mapsize(0)``: the size it records may be larger than this process
+        knows is reserved, or smaller, and mapping less truncates the file under the others)."""
+        assert self.path is not None
+        env.set_mapsize(max(reserved_size(self.path / DATA_FILE), int(env.info()["map_size"])))
+        self._mapped(env)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         """Adopt a policy's limits. The first worker to adopt a policy keeps, rescales or frees
@@ -177,63 +252,36 @@ class SharedStore:
         self._limits = tuple(limits)
         if self.path is None:
             return
-        map_size = MAP_BYTES_BASE + MAP_BYTES_PER_KEY * sum(lim.spec.max_keys for lim in limits)
-        env = self._open(map_size)
+        self._map_bound = max(
+            MAP_BYTES_BASE + MAP_BYTES_PER_KEY * sum(lim.spec.max_keys for lim in limits),
+            self._map_bound,
+        )
+        env = self._open()
         wanted = policy_hash(limits)
         now_us = self.clock.now_us()
-        with self._begin(env, True) as txn:
-            if txn.get(_POLICY, db=self._meta) != wanted:
-                self._apply(txn, limits, now_us)
-                txn.put(_POLICY, wanted, db=self._meta)
-                generation = self._read_int(txn, _GENERATION) + 1
-                txn.put(_GENERATION, TICK.pack(generation), db=self._meta)
-            self._load_tables(txn)
-
-    def _apply(self, txn: Any, limits: Sequence[CompiledLimit], now_us: int) -> None:
-        tables = self._read_tables(txn)
-        kept: set[str] = set()
-        for limit in limits:
-            table = tables.get(limit.table)
-            if table is not None and table.identity == limit.identity:
-                if table.algorithm != limit.algorithm:
-                    self._rescale(txn, table, limit.algorithm, now_us)
-                if limit.spec.max_keys < table.max_keys:
-                    self._shrink(txn, table.slot, limit.spec.max_keys)
-                slot = table.slot
-                kept.add(limit.table)
-            else:
-                slot = self._read_int(txn, _NEXT_SLOT)
-                txn.put(_NEXT_SLOT, TICK.pack(slot + 1), db=self._meta)
-            record = (slot, limit.identity, limit.algorithm, limit.spec.max_keys)
-            txn.put(b"table:" + limit.table.encode(), pickle.dumps(record), db=self._meta)
-        for name, table in tables.items():
-            if name in kept:
-                continue
-            self._drop_slot(txn, name, table.slot)
-            if name not in {limit.table for limit in limits}:
-                txn.delete(b"table:" + name.encode(), db=self._meta)
-
-    def _read_tables(self, txn: Any) -> dict[str, _Table]:
-        tables: dict[str, _Table] = {}
-        with txn.cursor(db=self._meta) as cursor:
-            if cursor.set_range(b"table:"):
-                for raw_name, raw in cursor:
-                    if not raw_name.startswith(b"table:"):
-                        break
-                    slot, identity, algorithm, max_keys = pickle.loads(raw)
-                    tables[raw_name[6:].decode()] = _Table(
-                        slot, identity, algorithm, max_keys, _SLOT.pack(slot)
-                    )
-        return tables
+        while True:
+            try:
+                with self._begin(env, True) as txn:
+                    if txn.get(POLICY, db=self._meta) != wanted:
+                        apply_policy(txn, self._dbs, limits, now_us)
+                        txn.put(POLICY, wanted, db=self._meta)
+                        generation = read_int(txn, self._dbs, GENERATION) + 1
+                        txn.put(GENERATION, TICK.pack(generation), db=self._meta)
+                    self._load_tables(txn)
+                return
+            except (lmdb.MapFullError, _MapNearlyFull):
+                reason = self._grow(env)
+                if reason is not None:
+                    raise ValueError(reason) from None
 
     def _load_tables(self, txn: Any) -> None:
-        self._tables = self._read_tables(txn)
+        self._tables = read_tables(txn, self._dbs)
         self._by_limit = {}
-        raw = txn.get(_GENERATION, db=self._meta)
+        raw = txn.get(GENERATION, db=self._meta)
         self._generation = None if raw is None else bytes(raw)
         self._current_at = -1
 
-    def _table_of(self, limit: CompiledLimit) -> _Table | None:
+    def _table_of(self, limit: CompiledLimit) -> Table | None:
         """The table holding ``limit``'s states, or None: a table another worker's newer
         policy made for other keys or another algorithm is not this limit's (its requests are
         decided afresh and stored nowhere until this worker adopts that policy too).
@@ -248,83 +296,9 @@ class SharedStore:
         self._by_limit[limit.table] = (limit, table, None if table is None else table.prefix)
         return table
 
-    def _read_int(self, txn: Any, name: bytes) -> int:
-        raw = txn.get(name, db=self._meta)
-        return 0 if raw is None else int(TICK.unpack(raw)[0])
-
-    def _slot_keys(self, txn: Any, db: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
-        items: list[tuple[bytes, bytes]] = []
-        with txn.cursor(db=db) as cursor:
-            if cursor.set_range(prefix):
-                for key, value in cursor:
-                    if not key.startswith(prefix):
-                        break
-                    items.append((bytes(key), bytes(value)))
-        return items
-
-    def _rescale(self, txn: Any, table: _Table, algorithm: Any, now_us: int) -> None:
-        """Carry each key's state over with ``algorithm.rescale``; visits every key (reloads
-        only)."""
-        prefix = _SLOT.pack(table.slot)
-        for key, raw in self._slot_keys(txn, self._state, prefix):
-            tick, state = decode_state(raw)
-            new_state = algorithm.rescale(state, table.algorithm, now_us)
-            if new_state is None:
-                self._forget(txn, table.slot, key, tick)
-            else:
-                txn.put(key, encode_state(tick, new_state), db=self._state)
-
-    def _shrink(self, txn: Any, slot: int, max_keys: int) -> None:
-        count, evictions, expiries = self._counts(txn, slot)
-        prefix = _SLOT.pack(slot)
-        while count > max_keys:
-            oldest = self._oldest(txn, prefix)
-            if oldest is None:
-                break
-            txn.delete(oldest, db=self._lru)
-            txn.delete(prefix + oldest[12:], db=self._state)
-            count -= 1
-            evictions += 1
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count, evictions, expiries), db=self._meta)
-
-    def _drop_slot(self, txn: Any, name: str, slot: int) -> None:
-        """Free a table a reload removed or gave other keys; its evictions stay counted under
-        its name (``dropped:``), so that a limit's evictions never go down."""
-        prefix = _SLOT.pack(slot)
-        for db in (self._state, self._lru):
-            for key, _ in self._slot_keys(txn, db, prefix):
-                txn.delete(key, db=db)
-        _, evictions, _ = self._counts(txn, slot)
-        txn.delete(b"counts:" + prefix, db=self._meta)
-        if evictions:
-            dropped_key = _DROPPED + name.encode()
-            txn.put(dropped_key, TICK.pack(self._read_int(txn, dropped_key) + evictions),
-                    db=self._meta)  # fmt: skip
-
-    def _forget(self, txn: Any, slot: int, key: bytes, tick: int) -> None:
-        """Drop one key (``key`` with its slot prefix)."""
-        prefix = _SLOT.pack(slot)
-        txn.delete(key, db=self._state)
-        txn.delete(prefix + TICK.pack(tick) + key[4:], db=self._lru)
-        count, evictions, expiries = self._counts(txn, slot)
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count - 1, evictions, expiries), db=self._meta)
-
-    def _counts(self, txn: Any, slot: int) -> tuple[int, int, int]:
-        """A table's keys, evictions and expiries."""
-        raw = txn.get(b"counts:" + _SLOT.pack(slot), db=self._meta)
-        return (0, 0, 0) if raw is None else _COUNTS.unpack(raw)
-
-    def _oldest(self, txn: Any, prefix: bytes) -> bytes | None:
-        with txn.cursor(db=self._lru) as cursor:
-            if cursor.set_range(prefix):
-                key = bytes(cursor.key())
-                if key.startswith(prefix):
-                    return key
-        return None
-
     def _refresh(self, txn: Any) -> None:
         """Another worker adopted a policy: read the tables it left."""
-        if txn.get(_GENERATION, db=self._meta) != self._generation:
+        if txn.get(GENERATION, db=self._meta) != self._generation:
             self._load_tables(txn)
 
     # -- the request path ------------------------------------------------------------------
@@ -335,14 +309,12 @@ class SharedStore:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
         return env
 
-    @staticmethod
-    def _begin(env: lmdb.Environment, write: bool, db: Any = None) -> Any:
+    def _begin(self, env: lmdb.Environment, write: bool, db: Any = None) -> Any:
         # Positional arguments: py-lmdb parses keywords on every call.
         try:
             return env.begin(db, None, write)
         except lmdb.MapResizedError:
-            # Another worker grew the map (a reload raised ``max_keys``): map as much.
-            env.set_mapsize(0)
+            self._adopt_map(env)  # another worker grew the map
             return env.begin(db, None, write)
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
@@ -360,11 +332,24 @@ class SharedStore:
             if commit and self._optimistic:
                 return self._decide_optimistic(env, checks, now_us)
             return self._decide_in_one(env, checks, commit, now_us)
-        except lmdb.MapFullError:
-            # Another worker adopted a policy with more keys and grew the map first: map as
-            # much (the size it wrote) and decide again; nothing was committed.
-            env.set_mapsize(0)
-            return self._decide(checks, commit, now_us)
+        except (lmdb.MapFullError, _MapNearlyFull):
+            return self._decide_after_growing(env, checks, commit, now_us)
+
+    def _decide_after_growing(
+        self, env: lmdb.Environment, checks: Sequence[Check], commit: bool, now_us: int
+    ) -> CombinedDecision:
+        """The map is full (nothing was committed): grow it and decide again; without room
+        on the filesystem, decide without writing. A full disk never reaches a page LMDB
+        writes through the map (that would be SIGBUS), only this."""
+        if self._grow(env) is None:
+            try:
+                return self._decide(checks, commit, now_us)
+            except (lmdb.MapFullError, _MapNearlyFull):
+                pass
+        self.stats.error()
+        if self._on_failure == "deny":
+            raise StoreUnavailableError("the shared limit state has no room", 1.0)
+        return self._decide_in_one(env, checks, False, now_us)
 
     def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
         """``decide_now`` at ``now_us``, without its count and its retry."""
@@ -384,7 +369,7 @@ class SharedStore:
             txn = self._begin(env, commit, self._state)
         try:
             verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
-            if commit and verdict[0]:  # allowed
+            if commit and verdict.allowed:
                 committed = self._current_at + 1  # ``txn``'s own id (see ``_read_and_decide``)
                 txn.commit()
                 self._current_at = committed  # a request's commit leaves the policy as it was
@@ -417,7 +402,7 @@ class SharedStore:
             seen = snapshot.id()
         finally:
             snapshot.abort()
-        if not verdict[0]:  # rejected: nothing to write
+        if not verdict.allowed:  # rejected: nothing to write
             return verdict
         try:
             txn = env.begin(self._state, None, True)
@@ -427,7 +412,7 @@ class SharedStore:
             committed = txn.id()
             if committed != seen + 1 and self._changed_since(txn, found):
                 verdict = self._read_and_decide(txn, checks, now_us, True)[0]
-                if not verdict[0]:
+                if not verdict.allowed:
                     txn.abort()
                     return verdict
             else:
@@ -447,7 +432,7 @@ class SharedStore:
     def _changed_since(self, txn: Any, found: Sequence[_Found]) -> bool:
         """Whether the policy or any state read (``found``) is not what ``txn`` holds."""
         get = txn.get
-        if get(_GENERATION, None, self._meta) != self._generation:
+        if get(GENERATION, None, self._meta) != self._generation:
             return True
         return any(get(key) != raw for key, raw, _ in found)
 
@@ -465,7 +450,7 @@ class SharedStore:
         # ``_current_at`` is ``base`` on return (a lone process's commit reads it).
         base = txn.id() - write  # the committed transaction ``txn`` starts from
         if base != self._current_at:
-            if txn.get(_GENERATION, None, self._meta) != self._generation:
+            if txn.get(GENERATION, None, self._meta) != self._generation:
                 self._load_tables(txn)  # another worker adopted a policy
             self._current_at = base
         by_limit = self._by_limit
@@ -476,14 +461,9 @@ class SharedStore:
         now_tick = now_us // TICK_US
         found: list[_Found] = []
         moved: list[_Moved] | None = None
-        # Each limit decided as its state is read, and the verdict made as ``combine`` makes
-        # an admission's, without its passes; the rare rejection goes to ``combine``.
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
-        admitted = True
-        delay_s = 0.0
-        delayed_by = None
         for check in checks:
             limit = check.limit
             entry = by_limit.get(limit.table)
@@ -527,26 +507,13 @@ class SharedStore:
                         moved.append((key, tick, limit, new_state))
                 if put is None:
                     found.append((key, raw, value))
-            if decision[0]:  # allowed
-                # ">=": on equal delays the later limit is named, as nginx's account loop does.
-                delay = decision[1]
-                if delay > 0.0 and delay >= delay_s:
-                    delay_s = delay
-                    delayed_by = len(decisions)
-            else:
-                admitted = False
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
-        if not admitted:
-            return combine(decisions, new_states, states, now_us), found, moved
-        verdict: CombinedDecision = build(
-            CombinedDecision,
-            (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+        verdict = combine(
+            decisions, new_states, states, now_us, [check.max_delay_s for check in checks]
         )
-        if delayed_by is not None:
-            verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-        if put is not None and moved is not None and verdict[0]:
+        if put is not None and moved is not None and verdict.allowed:
             self._write_moved_states(txn, moved, now_us)
         return verdict, found, moved
 
@@ -571,7 +538,7 @@ class SharedStore:
         assert table is not None  # ``key`` was made from it in this transaction
         if state is None:
             if tick is not None:
-                self._forget(txn, table.slot, key, tick)
+                forget_key(txn, self._dbs, table.slot, key, tick)
             return
         if tick is None:
             self._insert(txn, table, key, now_us, now_tick)
@@ -581,7 +548,7 @@ class SharedStore:
             txn.put(key[:4] + TICK.pack(now_tick) + key[4:], b"", True, True, False, lru)
         txn.put(key, encode_state(now_tick, state), True, True, False, self._state)
 
-    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: int) -> None:
+    def _insert(self, txn: Any, table: Table, key: bytes, now_us: int, now_tick: int) -> None:
         """Count a new key. First the table's least recently used keys are looked at: up to
         ``EXPIRE_ON_INSERT`` idle ones not used in this tick or the one before are dropped
         (expiries), and in a full table as many as make room (evictions, unless idle).
@@ -589,10 +556,16 @@ class SharedStore:
         Keys used that lately are left alone: a busy key whose state drains within the
         interval between its requests (a high rate) would otherwise be dropped and counted
         in again on every request, paying for both."""
+        self._unchecked_inserts += 1
+        if self._unchecked_inserts >= INSERTS_PER_ROOM_CHECK:
+            env = self._env
+            if env is not None and env.info()["last_pgno"] >= self._insert_pages:
+                raise _MapNearlyFull  # and the next new key looks again
+            self._unchecked_inserts = 0
         prefix = table.prefix
         recent = TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
         state_db = self._state
-        count, evictions, expiries = self._counts(txn, table.slot)
+        count, evictions, expiries = table_counts(txn, self._dbs, table.slot)
         is_idle = table.algorithm.is_idle
         looked = 0
         with txn.cursor(self._lru) as cursor:
@@ -617,16 +590,28 @@ class SharedStore:
                 txn.delete(state_key, b"", state_db)
                 found = cursor.delete()  # and on to the next oldest
                 count -= 1
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count + 1, evictions, expiries),
+        txn.put(b"counts:" + prefix, COUNTS.pack(count + 1, evictions, expiries),
                 True, True, False, self._meta)  # fmt: skip
         txn.put(prefix + TICK.pack(now_tick) + key[4:], b"", True, True, False, self._lru)
+
+    def try_decide_now(self, checks: Sequence[Check]) -> CombinedDecision:
+        return self.decide_now(checks)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
-        now_us = self.clock.now_us()
         env = self._env_for_requests()
+        try:
+            self._refund(env, checks, charged_us)
+        except (lmdb.MapFullError, _MapNearlyFull):
+            if self._grow(env) is None:  # else the charge stays: the strict side
+                self._refund(env, checks, charged_us)
+
+    def _refund(
+        self, env: lmdb.Environment, checks: Sequence[Check], charged_us: int | None
+    ) -> None:
+        now_us = self.clock.now_us()
         with self._begin(env, True) as txn:
             self._refresh(txn)
             for check in checks:
@@ -662,16 +647,16 @@ class SharedStore:
         keys = evictions = 0
         with self._begin(env, False) as txn:
             for slot in slots:
-                count, evicted, _ = self._counts(txn, slot)
+                count, evicted, _ = table_counts(txn, self._dbs, slot)
                 keys += count
                 evictions += evicted
             with txn.cursor(self._meta) as cursor:
-                found = cursor.set_range(_DROPPED + limit_name.encode())
+                found = cursor.set_range(DROPPED + limit_name.encode())
                 while found:
                     name = bytes(cursor.key())
-                    if not name.startswith(_DROPPED + limit_name.encode()):
+                    if not name.startswith(DROPPED + limit_name.encode()):
                         break
-                    table_name = name[len(_DROPPED) :].decode()
+                    table_name = name[len(DROPPED) :].decode()
                     if table_name == limit_name or table_name.startswith(variant):
                         evictions += TICK.unpack(cursor.value())[0]
                     found = cursor.next()
@@ -681,7 +666,7 @@ class SharedStore:
         """One table's keys, evictions and expiries (for inspection)."""
         table = self._tables[table_name]
         with self._begin(self._env_for_requests(), False) as txn:
-            return self._counts(txn, table.slot)
+            return table_counts(txn, self._dbs, table.slot)
 
     def tracked_keys(self, limit_name: str) -> int:
         return self._limit_counts(limit_name)[0]
