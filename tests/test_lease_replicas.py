@@ -367,7 +367,7 @@ async def test_equal_replicas_from_a_cold_start_share_the_first_window_fairly(
     sent: list[tuple[float, int]] = []  # (wall clock when sent, replica)
     admitted = [0, 0, 0]
     statuses: Counter[int] = Counter()
-    with gateways(path) as started:
+    async with gateways(path) as started:
         # From the start of a window (Redis TIME: the wall clock here), for one window.
         await asyncio.sleep(window_s - time.time() % window_s + 0.01)
         first = int(time.time()) // window_s

@@ -523,7 +523,7 @@ async def test_an_ended_connection_is_freed_at_once_not_left_to_the_collector(
         response = await pool.request(get("/close" if ending != "idle timeout" else "/hello"))
         assert await read_all(response) == HELLO
         response.release()
-        await until(lambda: pool.open_connections == 0)
+        await wait_until(lambda: pool.open_connections == 0)
         for _ in range(3):  # the transport's last callbacks
             await asyncio.sleep(0.01)
         alive = [o for o in gc.get_objects() if type(o).__name__ == "_Connection"]
