@@ -729,13 +729,15 @@ class LeaseSettings(_Model):
         0.1,
         ge=0,
         lt=1,
-        description="below this fraction of the quota left, grants are split evenly among the "
-        "replicas that asked recently",
+        description="below this fraction of the quota left, a grant is at most the share split "
+        "evenly among the replicas that asked recently (above it, at most an even part of what "
+        "remains)",
     )
     interval: Timeout | None = Field(
         None,
-        description="a replica asks for what it spent over this long; a token bucket's lease "
-        "expires after it (default: a fifth of the window, or of the bucket's refill time)",
+        description="a replica asks for what it spent over this long (with no history yet, for "
+        "the quota's units over this long); a token bucket's lease expires after it (default: a "
+        "fifth of the window, or of the bucket's refill time)",
     )
 
 
