@@ -164,7 +164,11 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
     if look.key is not None and limit.tiering is None and limit.table != limit.name:
         # An override's variant: its own parameters, not the limit's.
         spec = limit.spec.model_dump(mode="json")
-        entry["override"] = {name: spec[name] for name in OVERRIDE_PARAMS if name in spec}
+        entry["override"] = {
+            name: spec[name]
+            for name in OVERRIDE_PARAMS
+            if name in spec and (name != "timezone" or spec["calendar"])
+        }
     if look.key is not None and not look.exempt:
         entry["cost"] = look.cost
     if look.key is None:

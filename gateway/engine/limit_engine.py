@@ -89,7 +89,7 @@ class Explanation:
 def _window_s(spec: Limit) -> float:
     """The window advertised in ``RateLimit-Policy`` (``w``): how long the quota takes to refill."""
     if isinstance(spec, WindowLimit):
-        return float(spec.window)
+        return spec.window_s
     quota = spec.burst + 1 if isinstance(spec, LeakyBucketLimit) else spec.burst
     return quota / spec.rate.per_second
 

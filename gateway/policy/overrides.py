@@ -26,7 +26,7 @@ L = TypeVar("L")
 def _window_s(spec: Any) -> float:
     # The engine's rule, repeated to keep this module free of the engine.
     if spec.algorithm in ("fixed_window", "sliding_window", "sliding_log"):
-        return float(spec.window)
+        return float(spec.window_s)
     quota = spec.burst + 1 if spec.algorithm == "leaky_bucket" else spec.burst
     return float(quota / spec.rate.per_second)
 
