@@ -4,13 +4,12 @@ the dashboard's sign-in), and the secrets kept out of ``/policy`` and the logs."
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
-from playwright.async_api import Browser, async_playwright
+from playwright.async_api import Browser
 
 from gateway.admin.auth import COOKIE, AdminTokenError, resolve_admin_token
 from gateway.engine.preflight import parse_and_build
@@ -18,11 +17,12 @@ from gateway.policy.loader import LoadedPolicy, PolicyError
 from gateway.policy.models import Policy, ServerSettings
 from gateway.serving.lifecycle import Gateway, StartupError
 from gateway.stores import MemoryStore
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.upstreams import RecordingUpstream
 
 TOKEN = "s3cret-admin-token-0123456789"
 TIMEOUT = aiohttp.ClientTimeout(total=10)
-CHROMIUM = "/usr/bin/chromium"
 LIMIT = "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: 1\n    window: 1h\n"
 
 # Every admin endpoint, by method and path, that the token guards by default.
@@ -130,16 +130,6 @@ async def test_browser_signs_in_with_a_form_and_gets_a_get_only_cookie(
         forged = {"Cookie": f"{COOKIE}={'0' * 64}"}
     async with aiohttp.ClientSession(timeout=TIMEOUT) as fresh:
         assert await _status(fresh, "GET", gw.admin_url + "/policy", headers=forged) == 401
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM)
-        try:
-            yield browser
-        finally:
-            await browser.close()
 
 
 async def test_dashboard_works_in_chromium_after_signing_in(

@@ -10,7 +10,8 @@ import aiohttp
 
 from gateway.clock import FakeClock
 from gateway.engine.preflight import load_and_build, parse_and_build
-from tests.conftest import GatewayFactory, RecordingUpstream
+from tests.support.gateways import GatewayFactory
+from tests.support.upstreams import RecordingUpstream
 
 POLICIES = Path(__file__).parent.parent / "policies"
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -41,7 +41,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
-from tests.conftest import GatewayFactory, RunningGateway, policy_for
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.policies import policy_for
+from tests.support.waiting import wait_until
 
 MAX_HEADER_SIZE = 8190  # the policy default ``server.max_header_size``
 MAX_HEADERS = 100  # the policy default ``server.max_headers``
@@ -428,19 +430,10 @@ def response_count(response: bytes) -> int:
     return len(_STATUS_LINE_RE.findall(response))
 
 
-async def _wait_for(condition: Callable[[], bool], what: str, within_s: float = 3.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def _gateway_idle(gw: RunningGateway) -> None:
     """Wait (bounded) until the gateway has let go of every client connection."""
     server = gw.gateway.server
-    await _wait_for(lambda: server.open_connections == 0, "the gateway to close its connections")
+    await wait_until(lambda: server.open_connections == 0, "the gateway to close its connections")
 
 
 async def _assert_serves_normal_request(gw: RunningGateway) -> None:
@@ -600,7 +593,7 @@ async def test_body_that_breaks_mid_stream_never_completes_upstream(
     try:
         writer.write(case.head + case.good_part)
         await writer.drain()
-        await _wait_for(lambda: len(counting_upstream.seen) == 1, "the head to reach the upstream")
+        await wait_until(lambda: len(counting_upstream.seen) == 1, "the head to reach the upstream")
         if case.bad_part is None:
             writer.close()
             await writer.wait_closed()
@@ -613,7 +606,7 @@ async def test_body_that_breaks_mid_stream_never_completes_upstream(
             assert status_of(reply.data) in (0, 400), reply.data[:300]
     finally:
         writer.close()
-    await _wait_for(
+    await wait_until(
         lambda: counting_upstream.seen[0].outcome != "pending", "the upstream body to end"
     )
     assert counting_upstream.seen[0].outcome == "aborted"

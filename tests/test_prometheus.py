@@ -19,8 +19,12 @@ import pytest
 import yaml
 
 from gateway.clock import FakeClock
-from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.support import TIMEOUT, free_port, get_status, limited_policy
+from tests.support.gateways import GatewayFactory
+from tests.support.network import TIMEOUT, free_port, get_status
+from tests.support.policies import limited_policy
+from tests.support.processes import LoggedProcess
+from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_for_status
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "contrib" / "grafana"
@@ -160,7 +164,7 @@ async def test_dashboard_rejection_ratio_query_returns_what_the_traffic_implies(
     prometheus = Prometheus(url, session)
     try:
         # Scraped, with a sample from before any traffic (the ratio's window starts at zero).
-        await _wait_ready(prometheus, proc, log_path)
+        await wait_for_status(LoggedProcess(proc, log_path), url + "/-/ready", within_s=30.0)
         await prometheus.wait_for('count_over_time(up{job="gateway"}[1m]) >= bool 2', 1.0)
         await prometheus.wait_for('max(up{job="gateway"})', 1.0)
 
@@ -203,28 +207,6 @@ async def test_dashboard_rejection_ratio_query_returns_what_the_traffic_implies(
         except TimeoutError:
             proc.kill()
             await proc.wait()
-
-
-async def _wait_ready(
-    prometheus: Prometheus, proc: asyncio.subprocess.Process, log_path: Path
-) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while loop.time() < deadline:
-        if proc.returncode is not None:
-            raise AssertionError(f"prometheus exited:\n{_tail(log_path)}")
-        try:
-            async with prometheus.session.get(prometheus.url + "/-/ready") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"prometheus not ready:\n{_tail(log_path)}")
-
-
-def _tail(log_path: Path) -> str:
-    return log_path.read_text(errors="replace")[-4000:]
 
 
 # -- shipped files, checked statically -------------------------------------------------------------

@@ -11,8 +11,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
-from tests.rawhttp import exchange, split_head, status_of
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.rawhttp import exchange, split_head, status_of
+from tests.support.upstreams import RecordedRequest, RecordingUpstream
 
 
 def _values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:

@@ -33,8 +33,16 @@ from gateway.engine.preflight import parse_and_build
 from gateway.limits.compiled import Check, CompiledLimit
 from gateway.stores import LimitStore, MemoryStore, SharedStore
 from gateway.stores.shared.records import decode_state, encode_state
-from tests.support import T0_US, policy_for
-from tests.test_redis_store import Backend, Op, compiled, operations, run_against_python, stacks
+from tests.support.conformance import (
+    T0_US,
+    Backend,
+    Op,
+    compiled,
+    operations,
+    run_against_python,
+    stacks,
+)
+from tests.support.policies import policy_for
 
 FORK = multiprocessing.get_context("fork")
 

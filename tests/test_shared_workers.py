@@ -13,14 +13,17 @@ import asyncio
 import os
 import signal
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.conftest import RecordingUpstream
-from tests.support import replace_file, run_workers, scrape_until, value
+from tests.support.metrics import scrape_until, value
+from tests.support.policies import replace_file
+from tests.support.processes import run_workers
+from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -51,24 +54,16 @@ limits:
 
 
 async def wait_serving(tmp_path: Path, processes: int, within_s: float = 60.0) -> None:
+    """Until the log says each of ``processes`` workers is serving."""
     log = tmp_path / "gateway.log"
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while loop.time() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if all(f"worker {i} serving" in text for i in range(processes)):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{processes} workers not serving within {within_s}s: {text}")
 
+    def text() -> str:
+        return log.read_text() if log.exists() else ""
 
-async def wait_until(condition: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"no {what} within {within_s}s")
-        await asyncio.sleep(0.1)
+    def serving() -> bool:
+        return all(f"worker {i} serving" in text() for i in range(processes))
+
+    await wait_until(serving, f"{processes} workers serving", within_s, 0.1, text)
 
 
 async def load(
@@ -156,7 +151,9 @@ async def test_a_worker_killed_under_load_admits_nothing_twice_and_comes_back(
         assert statuses[429] == 0 and statuses[200] + lost == 320, statuses
         assert len(upstream.requests) >= statuses[200]
         # The supervisor starts another worker; the state it finds is the same.
-        await wait_until(lambda: len(pids()) == 2 and before[0] not in pids(), "a new worker")
+        await wait_until(
+            lambda: len(pids()) == 2 and before[0] not in pids(), "a new worker", within_s=60.0
+        )
         await wait_serving_again(tmp_path, worker_id=0)
         after = await load(url, "127.0.0.2", connections=4, each=30)
         assert set(after) == {200, 429}, after
@@ -166,14 +163,15 @@ async def test_a_worker_killed_under_load_admits_nothing_twice_and_comes_back(
 
 
 async def wait_serving_again(tmp_path: Path, worker_id: int, within_s: float = 60.0) -> None:
+    """Until the log says worker ``worker_id`` is serving a second time (restarted)."""
     log = tmp_path / "gateway.log"
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while loop.time() < deadline:
-        if log.read_text().count(f"worker {worker_id} serving") >= 2:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"worker {worker_id} not restarted: {log.read_text()}")
+    await wait_until(
+        lambda: log.read_text().count(f"worker {worker_id} serving") >= 2,
+        f"worker {worker_id} restarted",
+        within_s,
+        every_s=0.1,
+        context=log.read_text,
+    )
 
 
 async def test_a_reload_under_load_rescales_once_across_workers(
@@ -194,7 +192,9 @@ async def test_a_reload_under_load_rescales_once_across_workers(
         replace_file(policy, policy.read_text().replace("limit: 10", "limit: 20"))
         log = tmp_path / "gateway.log"
         await wait_until(
-            lambda: log.read_text().count("policy reloaded from") == 2, "two workers reloading"
+            lambda: log.read_text().count("policy reloaded from") == 2,
+            "two workers reloading",
+            within_s=60.0,
         )
         await background
         assert (await load(url, "127.0.0.2", connections=4, each=4))[200] == 8

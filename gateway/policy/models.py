@@ -207,7 +207,11 @@ class ServerSettings(_Model):
     trusted_proxies: tuple[str, ...] = Field(
         (), description="CIDRs whose forwarding headers are believed (nginx set_real_ip_from)"
     )
-    client_ip_header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for"
+    client_ip_header: Literal["x-forwarded-for", "forwarded"] = Field(
+        "x-forwarded-for",
+        description="the header a trusted proxy names the client in: X-Forwarded-For, or "
+        "Forwarded (RFC 7239)",
+    )
     header_timeout: Timeout = Field(10.0, description="deadline to receive a request's headers")
     keepalive_timeout: Duration = Field(
         75.0, description="idle time before a client is closed; 0 closes after each response"
@@ -220,7 +224,7 @@ class ServerSettings(_Model):
         100 * 1024 * 1024, description="largest request body; 0 means unlimited"
     )
     max_header_size: Size = Field(8190, ge=256, description="longest request line or header")
-    max_headers: int = Field(100, ge=1)
+    max_headers: int = Field(100, ge=1, description="request headers at most (400 or 431 beyond)")
     underscores_in_headers: bool = Field(
         False,
         description="forward request headers whose names hold an underscore (nginx's "
@@ -306,8 +310,12 @@ class Upstream(_Model):
         description="http://host:port[/base-path], https://..., or 'builtin:demo' for the "
         "demo backend the gateway starts itself"
     )
-    connect_timeout: Timeout = 5.0
-    read_timeout: Timeout = 60.0
+    connect_timeout: Timeout = Field(
+        5.0, description="deadline to connect (502 when refused, 504 when it passes)"
+    )
+    read_timeout: Timeout = Field(
+        60.0, description="longest wait for the upstream's answer and between two reads (504)"
+    )
     max_connections: int = Field(256, ge=1, description="open connections to this upstream")
     max_idle: int | None = Field(
         None,
@@ -339,10 +347,10 @@ class RouteMatch(_Model):
     host: str | None = Field(
         None, description="exact host, or '*.example.com' for any subdomain (port ignored)"
     )
-    path_prefix: str | None = None
+    path_prefix: str | None = Field(None, description="path starts with this")
     path: str | None = Field(None, description="exact path")
     path_regex: str | None = Field(None, description="Python regex matched from the start")
-    methods: tuple[str, ...] | None = None
+    methods: tuple[str, ...] | None = Field(None, description="request methods, e.g. [GET, POST]")
 
     @field_validator("path_prefix", "path")
     @classmethod
@@ -385,9 +393,9 @@ class RouteMatch(_Model):
 class Route(_Model):
     """Requests matching ``match`` go to ``upstream``; routes are tried in file order."""
 
-    name: str = Field(pattern=_NAME_RE)
-    match: RouteMatch = RouteMatch()
-    upstream: str
+    name: str = Field(pattern=_NAME_RE, description="the route's name in metrics, logs and limits")
+    match: RouteMatch = Field(RouteMatch(), description="omitted: every request")
+    upstream: str = Field(description="name of an upstream in upstreams")
 
 
 _KEY_PART_RE = re.compile(
@@ -447,9 +455,13 @@ _HEADER_NAME_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 class Cost(_Model):
     """What one request costs a limit: by route name, else by method, else ``default``."""
 
-    default: int = Field(1, ge=1)
-    routes: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
-    methods: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    default: int = Field(1, ge=1, description="cost of a request no other entry names")
+    routes: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="route name -> cost (asked first)"
+    )
+    methods: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="method -> cost"
+    )
 
     @field_validator("methods")
     @classmethod
@@ -548,7 +560,7 @@ class _LimitBase(_Model):
         description="when a header/query key part is absent: skip the limit, or use "
         "the client IP in its place",
     )
-    match: LimitMatch = LimitMatch()
+    match: LimitMatch = Field(LimitMatch(), description="omitted: every request")
     dry_run: bool = Field(False, description="count would-delay/would-reject, never enforce")
     status: int = Field(429, ge=400, le=599, description="status for rejected requests")
     max_delay: Duration = Field(
@@ -721,10 +733,10 @@ class _LimitBase(_Model):
 class LeakyBucketLimit(_LimitBase):
     """nginx ``limit_req``: ``rate``, ``burst``, and ``nodelay`` or ``delay=N``."""
 
-    algorithm: Literal["leaky_bucket"]
+    algorithm: Literal["leaky_bucket"] = Field(description="nginx limit_req, bit for bit")
     rate: RateField
-    burst: int = Field(0, ge=0)
-    nodelay: bool = False
+    burst: int = Field(0, ge=0, description="excess requests admitted (delayed unless nodelay)")
+    nodelay: bool = Field(False, description="admit the burst at once instead of delaying it")
     delay: int | None = Field(None, ge=0, description="requests served without delay (nginx)")
 
     @model_validator(mode="after")
@@ -750,9 +762,14 @@ _NOMINAL_PERIOD_S: dict[str, float] = {
 class WindowLimit(_LimitBase):
     """At most ``limit`` requests per ``window`` (fixed, sliding counter, or exact sliding log)."""
 
-    algorithm: Literal["fixed_window", "sliding_window", "sliding_log"]
-    limit: int = Field(ge=1)
-    window: WindowLength
+    algorithm: Literal["fixed_window", "sliding_window", "sliding_log"] = Field(
+        description="aligned windows (on the calendar with calendar: true); two windows "
+        "weighted (approximate); every request's time kept (exact)"
+    )
+    limit: int = Field(ge=1, description="requests per window")
+    window: WindowLength = Field(
+        description="the window's length, above 0; with calendar: true, 1d, 1w, 1mo or 1y"
+    )
     calendar: bool = Field(
         False,
         description="a fixed window on the calendar: window 1d, 1w (from Monday), 1mo or 1y, "
@@ -809,10 +826,12 @@ class WindowLimit(_LimitBase):
 class TokenBucketLimit(_LimitBase):
     """``rate`` refill with ``burst`` capacity; ``queue`` waits for tokens (Guava semantics)."""
 
-    algorithm: Literal["token_bucket"]
+    algorithm: Literal["token_bucket"] = Field(description="Guava RateLimiter semantics")
     rate: RateField
     burst: int = Field(1, ge=1, description="bucket capacity in tokens")
-    mode: Literal["reject", "queue"] = "reject"
+    mode: Literal["reject", "queue"] = Field(
+        "reject", description="reject: no token, no entry; queue: wait for the tokens (Guava)"
+    )
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
 
 
@@ -928,14 +947,14 @@ class RateLimitHeaders(_Model):
 
     ietf: bool = Field(True, description="RateLimit-Policy and RateLimit (IETF httpapi draft)")
     x_ratelimit: bool = Field(False, description="X-RateLimit-Limit/-Remaining/-Reset")
-    retry_after: bool = True
+    retry_after: bool = Field(True, description="Retry-After on rejections")
 
 
 class Access(_Model):
     """Allowed clients bypass every limit; denied clients get 403."""
 
-    allow: tuple[str, ...] = ()
-    deny: tuple[str, ...] = ()
+    allow: tuple[str, ...] = Field((), description="CIDRs that bypass every limit")
+    deny: tuple[str, ...] = Field((), description="CIDRs answered 403")
 
     @field_validator("allow", "deny")
     @classmethod
@@ -993,15 +1012,21 @@ class StoreSettings(_Model):
 class Policy(_Model):
     """A whole policy file."""
 
-    version: Literal[1] = 1
-    server: ServerSettings = ServerSettings()
-    upstreams: dict[Name, Upstream] = Field(default_factory=dict)
-    routes: tuple[Route, ...] = ()
-    limits: dict[Name, Limit] = Field(default_factory=dict)
-    headers: RateLimitHeaders = RateLimitHeaders()
-    access: Access = Access()
+    version: Literal[1] = Field(1, description="the file format's version")
+    server: ServerSettings = Field(ServerSettings(), description="listeners and connections")
+    upstreams: dict[Name, Upstream] = Field(default_factory=dict, description="backends, by name")
+    routes: tuple[Route, ...] = Field(
+        (), description="which upstream a request goes to; the first route that matches"
+    )
+    limits: dict[Name, Limit] = Field(
+        default_factory=dict, description="rate limits, by name; all that apply are stacked"
+    )
+    headers: RateLimitHeaders = Field(
+        RateLimitHeaders(), description="the rate-limit headers of responses"
+    )
+    access: Access = Field(Access(), description="clients allowed past every limit, or denied")
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
-    store: StoreSettings = StoreSettings()
+    store: StoreSettings = Field(StoreSettings(), description="where the limits' state lives")
 
 
 def policy_json_schema() -> dict[str, Any]:
