@@ -21,7 +21,12 @@ from gateway.policy.models import policy_json_schema
 # in the order a policy file is written. "limits.NAME" is built from the three limit models.
 SECTIONS: tuple[tuple[str, str], ...] = (
     ("server", "ServerSettings"),
+    ("server.tls", "TlsSettings"),
     ("upstreams.NAME", "Upstream"),
+    ("upstreams.NAME.servers[]", "UpstreamServer"),
+    ("upstreams.NAME.retry", "RetrySettings"),
+    ("upstreams.NAME.outlier_detection", "OutlierDetection"),
+    ("upstreams.NAME.health_check", "HealthCheck"),
     ("routes[]", "Route"),
     ("routes[].match", "RouteMatch"),
     ("limits.NAME", ""),

@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,7 +20,7 @@ import pytest
 from playwright.async_api import Browser
 
 from gateway.clock import FakeClock
-from gateway.engine.preflight import load_and_build
+from gateway.engine.preflight import load_and_build, parse_and_build
 from tests.support import redis_harness
 from tests.support.browser import artifacts_dir, dashboard_field, until_shown
 from tests.support.gateways import GatewayFactory
@@ -321,3 +322,46 @@ async def test_dashboard_shows_the_whole_gateway_with_two_workers(
         await until_shown(whole_gateway_shown, f"{requests} requests on the page", 5)
         assert await page.inner_text("#workers") == "2 (0, 1)"
         await page.close()
+
+
+async def test_dashboard_shows_which_upstream_servers_are_up(
+    make_upstream: Callable[[], Awaitable[RecordingUpstream]],
+    start_gateway: GatewayFactory,
+    browser: Browser,
+) -> None:
+    alive = await make_upstream()
+    dead = await make_upstream()
+    dead_port = dead.port
+    await dead.runner.cleanup()
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        f"upstreams:\n  pool:\n    servers: [{alive.url}, http://127.0.0.1:{dead_port}]\n"
+        "    max_fails: 1\n    fail_timeout: 1m\n"
+        "routes:\n  - name: all\n    upstream: pool\n"
+    )
+    gw = await start_gateway(parse_and_build(policy))
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        statuses = [await get_status(session, gw.url + "/") for _ in range(4)]
+        assert statuses == [200] * 4  # the refused attempt went on to the other server
+        samples, _ = await scrape(session, gw.admin_url)
+    down = f"127.0.0.1:{dead_port}"
+    up = f"127.0.0.1:{alive.port}"
+    state = "gateway_upstream_server_state"
+    assert value(samples, state, upstream="pool", server=down, state="down") == 1
+    assert value(samples, state, upstream="pool", server=up, state="up") == 1
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gw.admin_url + "/dashboard/")
+    chips = page.locator('#server-pools .pool[data-upstream="pool"] .server')
+    await until_shown(lambda: chips.count(), "the pool's servers")
+
+    async def shown() -> dict[str, str]:
+        return {
+            (await chip.inner_text()).split(" ")[0]: str(await chip.get_attribute("data-state"))
+            for chip in await chips.all()
+        }
+
+    assert await shown() == {up: "up", down: "down"}
+    assert not errors
+    await page.close()

@@ -264,7 +264,11 @@ access:
         statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(5)]
     assert statuses == [200] * 5  # allowed clients bypass every limit
 
-    denied = await start_gateway(policy_for(upstream.url) + "access:\n  deny: [127.0.0.1/32]\n")
+    deny_all = """\
+access:
+  deny: [127.0.0.1/32]
+"""
+    denied = await start_gateway(policy_for(upstream.url) + deny_all)
     async with aiohttp.ClientSession() as session:
         assert (await _get(session, denied.url + "/"))[0] == 403
 

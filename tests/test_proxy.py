@@ -500,7 +500,7 @@ async def test_keepalive_reuses_upstream_connections(
         r.peer_port for r in upstream.requests
     ]
     handler = gw.gateway.handler
-    assert handler.runtime.upstreams["backend"].pool.open_connections == 1
+    assert handler.runtime.upstreams["backend"].pool.members[0].connections.open_connections == 1
 
 
 async def test_admin_health_and_policy(

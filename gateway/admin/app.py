@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -76,6 +77,10 @@ async def _policy(request: web.Request) -> web.Response:
             "store_url": redact_url(store_url(runtime.loaded.policy.store)),
             "reload": reload_status.model_dump() if reload_status is not None else None,
             "in_force": state.in_force,
+            "pools": {
+                name: [dataclasses.asdict(member) for member in target.pool.states()]
+                for name, target in runtime.upstreams.items()
+            },
             "policy": policy,
         }
     )

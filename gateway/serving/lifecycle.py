@@ -17,18 +17,21 @@ from gateway.admin.app import AdminState, make_admin_app
 from gateway.admin.auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
 from gateway.edge.proxy import ProxyHandler
-from gateway.edge.runtime import Runtime, build_runtime, uses_demo
+from gateway.edge.runtime import Runtime, build_runtime, largest_body_size, uses_demo
 from gateway.edge.server import GatewayServer
+from gateway.edge.tls import ListenerTls
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
 from gateway.observability.snapshot_files import default_shared_dir
 from gateway.observability.worker import WorkerState
 from gateway.policy.loader import LoadedPolicy
 from gateway.policy.models import Policy, split_host_port
+from gateway.policy.tls_files import TlsFilesError, load_tls
 from gateway.redact import redact_text
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
+from gateway.serving.tls_site import TlsSite
 from gateway.stores import LimitStore, build_store
 
 log = logging.getLogger("gateway")
@@ -139,10 +142,17 @@ class Gateway:
             )
         except ValueError as exc:  # a store URL the client refuses; it may hold a password
             raise StartupError(f"store: {redact_text(str(exc))}") from None
+        try:
+            self.tls = (
+                ListenerTls(settings.tls, loaded.source) if settings.tls is not None else None
+            )
+        except TlsFilesError as exc:
+            raise StartupError(f"server.tls: {exc}") from None
         self._demo = DemoUpstream() if uses_demo(loaded) else None
         self._demo_address = self._demo.address if self._demo is not None else None
         self._watch_stop = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
+        self._tls_watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
 
         try:
@@ -151,7 +161,7 @@ class Gateway:
                 self.handler,
                 header_timeout=settings.header_timeout,
                 max_connections=settings.max_connections,
-                max_body_size=settings.max_body_size,
+                max_body_size=largest_body_size(loaded.policy),
                 keepalive_timeout=settings.keepalive_timeout,
                 max_line_size=settings.max_header_size,
                 max_field_size=settings.max_header_size,
@@ -171,6 +181,7 @@ class Gateway:
                     store=self.store,
                     connections=self.server,
                     reloader=self.reloader,
+                    tls=self.tls,
                     # The access log's ``t_us``: the limiter's instants (the store's clock).
                     limiter_clock=self.store.clock,
                 ),
@@ -199,11 +210,25 @@ class Gateway:
             await self._demo.start()
         # Before the listeners open: no request pays for connecting to the store.
         await self.store.prepare()
+        await self.handler.runtime.prepare()
+        self.handler.runtime.start()
         await self._proxy_runner.setup()
         host, port = self.listen
-        site = web.TCPSite(
-            self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
-        )
+        site: web.TCPSite
+        if self.tls is not None:
+            site = TlsSite(
+                self._proxy_runner,
+                host,
+                port,
+                ssl_context=self.tls.context,
+                handshake_timeout=self.loaded.policy.server.header_timeout,
+                backlog=1024,
+                reuse_port=self.reuse_port or None,
+            )
+        else:
+            site = web.TCPSite(
+                self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
+            )
         await _start_site(site, "proxy", host, port)
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
@@ -224,6 +249,10 @@ class Gateway:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
             )
+        if self.tls is not None:
+            self._tls_watcher = asyncio.get_running_loop().create_task(
+                self.tls.watch(self._watch_stop)
+            )
         self.admin_state.ready = True
 
     def apply(self, loaded: LoadedPolicy) -> None:
@@ -242,12 +271,27 @@ class Gateway:
                 f"{', '.join(moved)} take effect on restart only; the running policy stays "
                 "(restart the gateway to apply them, or revert them to reload the rest)"
             )
+        new_tls = loaded.policy.server.tls
+        if (new_tls is None) != (self.tls is None):
+            raise ValueError(
+                "server.tls on or off takes effect on restart only; the running policy stays"
+            )
+        if new_tls is not None and new_tls != self.loaded.policy.server.tls:
+            load_tls(new_tls, loaded.source)  # TlsFilesError (a ValueError): refused whole
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
+        runtime.start()
         self.server.reconfigure(loaded.policy.server)
+        self.server.max_body_size = largest_body_size(loaded.policy)
+        if (
+            self.tls is not None
+            and new_tls is not None
+            and (new_tls != self.loaded.policy.server.tls or loaded.source != self.loaded.source)
+        ):
+            self.tls.reload(new_tls, loaded.source)
         self.loaded = loaded
         self.admin_auth = admin_auth
         self.admin_state.auth = admin_auth
@@ -283,6 +327,8 @@ class Gateway:
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._tls_watcher is not None:
+            self._tls_watcher.cancel()
         # Queued requests that could not be served before the deadline get 503 now, rather
         # than being cut off when it passes.
         deadline = asyncio.get_running_loop().time() + max(
@@ -356,6 +402,8 @@ async def serve(
     if reloader is not None:
 
         def on_sighup() -> None:
+            if gateway.tls is not None:  # nginx reads its certificates again on HUP too
+                gateway.tls.reload()
             task = loop.create_task(reloader.reload())
             tasks.add(task)
             task.add_done_callback(tasks.discard)
