@@ -16,6 +16,8 @@ INVALID = FIXTURES / "invalid"
 
 # file -> the one line `gateway check` must print (path relative to tests/fixtures/invalid).
 EXPECTED_ERRORS = {
+    "empty_section.yaml": "empty_section.yaml:2: server: is empty: write its settings under it, "
+    "or remove the line",
     "bad_duration.yaml": "bad_duration.yaml:3: server.header_timeout: invalid duration '10x': "
     "expected Go syntax like '500ms', '10s', '1m30s'",
     "bad_listen.yaml": "bad_listen.yaml:2: server.listen: invalid listen address 'localhost': "
@@ -180,6 +182,9 @@ EXPECTED_ERRORS = {
     "cost_header_framing.yaml": "cost_header_framing.yaml:12: limits.metered.cost_header: "
     "Content-Length frames the response, it cannot be a cost header (removing it would break "
     "the response)",
+    "listen_is_admin_listen.yaml": "listen_is_admin_listen.yaml:1: server: listen (0.0.0.0:9090) "
+    "and admin_listen (127.0.0.1:9090) take the same port: give the admin listener a port of "
+    "its own",
 }
 
 
@@ -223,6 +228,39 @@ def test_several_problems_are_all_reported() -> None:
         "p.yaml:3: server.listen: invalid listen address 'nowhere': "
         "expected HOST:PORT, e.g. 0.0.0.0:8080",
     ]
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("listen", "admin_listen", "collide"),
+    [
+        ("127.0.0.1:9090", "127.0.0.1:9090", True),
+        ("0.0.0.0:9090", "127.0.0.1:9090", True),  # SO_REUSEPORT would let both bind
+        ("10.0.0.1:9090", "0.0.0.0:9090", True),
+        ("[::]:9090", "[::1]:9090", True),
+        ("LOCALHOST:9090", "localhost:9090", True),
+        ("127.0.0.1:9090", "127.0.0.2:9090", False),
+        ("[::]:9090", "127.0.0.1:9090", False),  # another family: IPV6_V6ONLY, as asyncio binds
+        ("127.0.0.1:8080", "127.0.0.1:9090", False),
+        ("127.0.0.1:0", "127.0.0.1:0", False),  # each gets a port of its own
+    ],
+)
+def test_listen_and_admin_listen_on_one_port_are_refused(
+    listen: str, admin_listen: str, collide: bool
+) -> None:
+    text = (
+        f"server:\n  listen: '{listen}'\n  admin_listen: '{admin_listen}'\n"
+        "upstreams:\n  b:\n    url: http://127.0.0.1:9\nroutes:\n  - name: all\n    upstream: b\n"
+    )
+    if not collide:
+        parse_and_build(text, "p.yaml")
+        return
+    with pytest.raises(PolicyError) as info:
+        parse_and_build(text, "p.yaml")
+    assert str(info.value) == (
+        f"p.yaml:1: server: listen ({listen}) and admin_listen ({admin_listen}) take the same "
+        "port: give the admin listener a port of its own"
+    )
 
 
 def test_policy_is_frozen() -> None:

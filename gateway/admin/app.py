@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,6 +46,8 @@ class AdminState:
     # included): a reload cannot move them, so the file's values may not be the ones in force.
     in_force: dict[str, Any] = field(default_factory=dict)
     auth: AdminAuth = field(default_factory=AdminAuth)
+    # A worker of several: asks the others to reload as well (after ``POST /reload``).
+    reload_siblings: Callable[[], None] | None = None
 
 
 ADMIN_STATE = web.AppKey("admin_state", AdminState)
@@ -106,6 +109,9 @@ async def _reload(request: web.Request) -> web.Response:
     if reloader is None:
         return web.json_response({"error": "the gateway runs without a policy file"}, status=409)
     result = await reloader.reload()
+    siblings = request.app[ADMIN_STATE].reload_siblings
+    if result == "ok" and siblings is not None:
+        siblings()
     body = {"result": result, "error": reloader.status.last_error}
     return web.json_response(body, status=200 if result != "failed" else 422)
 

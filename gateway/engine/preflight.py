@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.engine.limit_engine import LimitEngine
-from gateway.policy.loader import LoadedPolicy, Loc, load_policy, parse_policy
+from gateway.policy.loader import BuildChecks, LoadedPolicy, Loc, load_policy, parse_policy
 from gateway.policy.models import Policy
 from gateway.policy.tls_files import TlsFilesError, load_tls
 from gateway.redact import redact_text
@@ -67,11 +67,17 @@ def tls_problems(policy: Policy, policy_file: str) -> list[tuple[Loc, str]]:
     return []
 
 
-def load_and_build(path: str | Path, workers: int | None = None) -> LoadedPolicy:
-    """Load a policy file and refuse it, with its lines, if ``run`` could not build it."""
-    return load_policy(
-        path, lambda policy: build_problems(policy, workers) or tls_problems(policy, str(path))
-    )
+def load_and_build(
+    path: str | Path, workers: int | None = None, also: BuildChecks | None = None
+) -> LoadedPolicy:
+    """Load a policy file and refuse it, with its lines, if ``run`` could not build it (or,
+    given ``also``, if that check names a problem: ``check`` binds the listeners)."""
+
+    def problems(policy: Policy) -> list[tuple[Loc, str]]:
+        found = build_problems(policy, workers) or tls_problems(policy, str(path))
+        return found or (also(policy) if also is not None else [])
+
+    return load_policy(path, problems)
 
 
 def parse_and_build(text: str, file: str = "<policy>") -> LoadedPolicy:

@@ -188,6 +188,22 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def listeners_collide(first: str, second: str) -> bool:
+    """Whether two listen addresses would take the same port: one address, or a wildcard and
+    an address of its family. With SO_REUSEPORT (``--workers N``) both binds succeed and the
+    kernel splits the connections between the two listeners, so this is refused up front."""
+    host_a, port_a = split_host_port(first)
+    host_b, port_b = split_host_port(second)
+    if port_a != port_b or port_a == 0:
+        return False
+    host_a, host_b = host_a.lower(), host_b.lower()
+    if host_a == host_b:
+        return True
+    wildcard = "::" if ":" in host_a else "0.0.0.0"
+    same_family = (":" in host_a) == (":" in host_b)
+    return same_family and wildcard in (host_a, host_b)
+
+
 # Admin paths that may be served without the token; POST /reload never is.
 AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
 
@@ -263,6 +279,11 @@ class ServerSettings(_Model):
         description="a proxied WebSocket connection with no byte either way for this long is "
         "closed (nginx's proxy_read_timeout on an upgraded connection)",
     )
+    client_error_log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description="level of the one line (per cause, at most every 10s) logged for a "
+        "client's malformed request on either listener; nginx logs these at info",
+    )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
@@ -314,6 +335,15 @@ class ServerSettings(_Model):
                     "upstream past every check and limit of the gateway"
                 )
         return tuple(token.lower() for token in value)
+
+    @model_validator(mode="after")
+    def _two_listeners(self) -> ServerSettings:
+        if listeners_collide(self.listen, self.admin_listen):
+            raise ValueError(
+                f"listen ({self.listen}) and admin_listen ({self.admin_listen}) take the same "
+                "port: give the admin listener a port of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:
@@ -1228,7 +1258,8 @@ class StoreSettings(_Model):
     on_failure: Literal["local", "allow", "deny"] = Field(
         "local",
         description="when Redis fails: local (in-process limits divided by replicas), allow "
-        "(fail open) or deny (503)",
+        "(fail open) or deny (503); when the shared store's directory has no room for a new "
+        "key: deny (503), else decided without storing it",
     )
     replicas: int = Field(
         1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -16,6 +17,7 @@ from aiohttp import web
 from gateway.admin.app import AdminState, make_admin_app
 from gateway.admin.auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
+from gateway.edge.client_errors import ClientErrorLog
 from gateway.edge.proxy import ProxyHandler
 from gateway.edge.runtime import Runtime, build_runtime, largest_body_size, uses_demo
 from gateway.edge.server import GatewayServer
@@ -33,6 +35,7 @@ from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
 from gateway.serving.tls_site import TlsSite
 from gateway.stores import LimitStore, build_store
+from gateway.stores.shared.runtime_dir import SharedDirError
 
 log = logging.getLogger("gateway")
 
@@ -122,6 +125,7 @@ class Gateway:
         clock: Clock | None = None,
         store: LimitStore | None = None,
         policy_path: str | None = None,
+        supervisor_pid: int | None = None,
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
@@ -142,6 +146,8 @@ class Gateway:
             )
         except ValueError as exc:  # a store URL the client refuses; it may hold a password
             raise StartupError(f"store: {redact_text(str(exc))}") from None
+        except SharedDirError as exc:  # no room, read-only, not a directory
+            raise StartupError(str(exc)) from None
         try:
             self.tls = (
                 ListenerTls(settings.tls, loaded.source) if settings.tls is not None else None
@@ -155,6 +161,11 @@ class Gateway:
         self._tls_watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
 
+        level = logging.getLevelNamesMapping()[settings.client_error_log_level.upper()]
+        self._client_errors = (
+            ClientErrorLog("proxy", level, clock),
+            ClientErrorLog("admin", level, clock),
+        )
         try:
             self.handler = ProxyHandler(build_runtime(loaded, self.store, self._demo_address))
             self.server = GatewayServer(
@@ -168,9 +179,15 @@ class Gateway:
                 max_headers=settings.max_headers,
                 auto_decompress=False,
                 access_log=None,  # the observability wrapper writes the access log line
+                logger=self._client_errors[0],
             )
             self.reloader = (
-                PolicyReloader(policy_path, running=lambda: self.loaded, apply=self.apply)
+                PolicyReloader(
+                    policy_path,
+                    running=lambda: self.loaded,
+                    apply=self.apply,
+                    refresh=self.refresh_admin_token,
+                )
                 if policy_path
                 else None
             )
@@ -193,13 +210,22 @@ class Gateway:
                 worker_id=worker_id,
                 reloader=self.reloader,
                 auth=self.admin_auth,
+                # POST /reload reaches one worker of several: the supervisor's SIGHUP reloads
+                # the others too (a rotated token must stop working on every one).
+                reload_siblings=(
+                    functools.partial(_signal, supervisor_pid, signal.SIGHUP)
+                    if supervisor_pid is not None
+                    else None
+                ),
             )
             admin_app = make_admin_app(self.admin_state)
             install_dashboard(admin_app, self.observability)
             self._proxy_runner = web.ServerRunner(
                 self.server, shutdown_timeout=settings.shutdown_timeout
             )
-            self._admin_runner = web.AppRunner(admin_app, access_log=None)
+            self._admin_runner = web.AppRunner(
+                admin_app, access_log=None, logger=self._client_errors[1]
+            )
         except BaseException:
             if self._demo is not None:
                 self._demo.discard()  # its port was bound for the runtime just built
@@ -292,10 +318,26 @@ class Gateway:
             and (new_tls != self.loaded.policy.server.tls or loaded.source != self.loaded.source)
         ):
             self.tls.reload(new_tls, loaded.source)
+        level = logging.getLevelNamesMapping()[loaded.policy.server.client_error_log_level.upper()]
+        for client_errors in self._client_errors:
+            client_errors.client_level = level
         self.loaded = loaded
+        self._swap_admin_auth(admin_auth)
+        asyncio.get_running_loop().create_task(self._retire(previous))
+
+    def refresh_admin_token(self) -> bool:
+        """Read the admin token (its file) again under the running policy: a reload whose
+        policy is unchanged still rotates the token. True if it changed; ``AdminTokenError``
+        (the file gone, empty, too short) changes nothing."""
+        return self._swap_admin_auth(AdminAuth.of(self.loaded.policy.server))
+
+    def _swap_admin_auth(self, admin_auth: AdminAuth) -> bool:
+        """From now on the old token and the cookies made from it open nothing."""
+        if admin_auth == self.admin_auth:
+            return False
         self.admin_auth = admin_auth
         self.admin_state.auth = admin_auth
-        asyncio.get_running_loop().create_task(self._retire(previous))
+        return True
 
     async def _retire(self, runtime: Runtime) -> None:
         """Once ``runtime`` serves no request, close its pools that no other runtime holds.
@@ -348,6 +390,11 @@ class Gateway:
             await self._demo.close()
 
 
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # gone: its workers are stopping too
+        os.kill(pid, signum)
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -377,6 +424,7 @@ async def serve(
     workers: int = 1,
     on_started: Callable[[Gateway], None] | None = None,
     policy_path: str | None = None,
+    supervisor_pid: int | None = None,
 ) -> None:
     gateway = Gateway(
         loaded,
@@ -386,6 +434,7 @@ async def serve(
         worker_id=worker_id,
         workers=workers,
         policy_path=policy_path,
+        supervisor_pid=supervisor_pid,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

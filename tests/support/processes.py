@@ -68,6 +68,10 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
@@ -206,28 +210,38 @@ Workers = tuple[str, str, Callable[[], list[int]]]
 
 @contextlib.asynccontextmanager
 async def run_workers(
-    upstream_url: str, tmp_path: Path, extra: str = "", processes: int = 2
+    upstream_url: str,
+    tmp_path: Path,
+    extra: str = "",
+    processes: int = 2,
+    *,
+    shared_dir: Path | None = None,
+    server: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[Workers]:
     """``gateway run --workers N`` as a subprocess; yields proxy URL, admin URL, worker pids.
 
-    ``extra``: policy text after the one route (a ``store:``, ``limits:``). Snapshots go to
-    ``tmp_path/metrics``, the shared limit state under ``tmp_path/shared``; the output to
-    ``tmp_path/gateway.log``.
+    ``extra``: policy text after the one route (a ``store:``, ``limits:``); ``server``: lines
+    of the ``server:`` section after the listeners; ``env``: more environment. Snapshots go to
+    ``tmp_path/metrics``, the shared limit state under ``shared_dir`` (``tmp_path/shared``);
+    the output to ``tmp_path/gateway.log``.
     """
     port, admin_port = free_port(), free_port()
     policy = tmp_path / "policy.yaml"
     policy.write_text(
         f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
-        f"upstreams:\n  backend:\n    url: {upstream_url}\n"
+        + server
+        + f"upstreams:\n  backend:\n    url: {upstream_url}\n"
         "routes:\n  - name: all\n    upstream: backend\n" + extra
     )
     argv = ["-m", "gateway", "run", "--config", str(policy), "--workers", str(processes)]
-    env = {
+    environ = {
         "GATEWAY_METRICS_DIR": str(tmp_path / "metrics"),
-        "GATEWAY_SHARED_DIR": str(tmp_path / "shared"),
+        "GATEWAY_SHARED_DIR": str(shared_dir or tmp_path / "shared"),
+        **(env or {}),
     }
     log_path = tmp_path / "gateway.log"
-    process = GatewayProcess(await spawn(argv, log_path, env), log_path, port, admin_port)
+    process = GatewayProcess(await spawn(argv, log_path, environ), log_path, port, admin_port)
     try:
         yield process.url, process.admin_url, lambda: children(process.proc.pid)
     finally:
