@@ -382,15 +382,15 @@ class ProxyHandler:
             return await _answer_and_close(
                 request, error_response(400, "malformed request body", close=True)
             )
-        except UpstreamConnectError as exc:
+        except UpstreamConnectError as exc:  # the pool logged each server's failure
             request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(502, "upstream connection failed")
+            return error_response(502, f"upstream {upstream.name!r}: connection failed")
         except UpstreamTimeout as exc:
             request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(504, "upstream timed out")
+            return error_response(504, f"upstream {upstream.name!r}: timed out")
         except UpstreamError as exc:
             request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(502, "upstream error")
+            return error_response(502, f"upstream {upstream.name!r}: error")
 
         try:
             status = response.status
@@ -439,6 +439,7 @@ class ProxyHandler:
                     await write(chunk)
             except UpstreamError as exc:
                 request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+                pool.failures.record(server.config.url, server.label, exc)
                 # Headers are gone already: the only honest signal left is to cut the
                 # connection, so the client sees a truncated body rather than a short one.
                 if request.transport is not None:

@@ -286,7 +286,12 @@ class _Connection(asyncio.Protocol):
             elif not self._received and self._served:
                 self._exc = _StaleConnection("the upstream closed an idle keep-alive connection")
             else:
-                self._exc = UpstreamClosed("the upstream closed the connection mid-response")
+                # Before any byte of the answer on a fresh connection, over TLS, is how an
+                # upstream that wants a client certificate refuses (TLS 1.3 says so after the
+                # handshake): "before answering" lets the log say so.
+                when = "mid-response" if self._received else "before answering"
+                self._exc = UpstreamClosed(f"the upstream closed the connection {when}")
+                self._exc.__cause__ = exc  # why, when the transport knows
         self._wake()
 
     def pause_writing(self) -> None:

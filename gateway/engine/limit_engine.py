@@ -23,6 +23,8 @@ from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.routing import CompiledMatch, compile_match
 from gateway.policy.models import (
+    CUSTOM_PLAN,
+    UNLISTED_PLAN,
     Access,
     LeakyBucketLimit,
     Limit,
@@ -32,7 +34,7 @@ from gateway.policy.models import (
     Route,
     WindowLimit,
 )
-from gateway.policy.overrides import compile_tiering
+from gateway.policy.overrides import UnlistedKey, compile_tiering
 from gateway.stores import LimitStore, StoreUnavailableError
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
@@ -70,8 +72,10 @@ class LimitLook:
     key: str | None = None
     decision: Decision | None = None
     unavailable: str | None = None
-    # The limit's ``exempt`` / ``exempt_headers`` let this request through.
+    # The limit's ``exempt`` / ``exempt_headers`` / ``exempt_listed`` let this request through.
     exempt: bool = False
+    # ``unlisted: reject`` refuses this request's key.
+    refused: str | None = None
     # What this request would take from the quota (``cost``).
     cost: int = 1
 
@@ -157,22 +161,30 @@ class LimitEngine:
         # Whether either access list has entries: one attribute read on the request path.
         self._screens = bool(self.allow) or bool(self.deny)
         old = {limit.name: limit for limit in previous.limits} if previous else {}
-        limits = []
+        limits: dict[str, CompiledLimit] = {}
+
+        def plan_part(name: str) -> Callable[[RequestFacts], str | None]:
+            # Looked up per request: the limit named may come later in the file.
+            return lambda facts: _plan_of(limits[name], facts)
+
         for name, spec in policy.limits.items():
             kept = old.get(name)
-            limit = CompiledLimit(
+            limits[name] = CompiledLimit(
                 name=name,
                 spec=spec,
                 algorithm=build_algorithm(spec),
-                keys=KeyBuilder(spec.key, spec.on_missing_key),
+                keys=KeyBuilder(spec.key, spec.on_missing_key, plan_part),
                 match=_compile_limit_match(spec.match),
                 routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
                 window_s=_window_s(spec),
                 counters=kept.counters if kept is not None else LimitCounters(),
             )
-            limit.tiering = compile_tiering(limit, build_algorithm)
-            limits.append(limit)
-        self.limits: tuple[CompiledLimit, ...] = tuple(limits)
+        for limit in limits.values():
+            listed_in = limit.spec.exempt_listed
+            limit.tiering = compile_tiering(
+                limit, build_algorithm, _listed_in(limits[listed_in]) if listed_in else None
+            )
+        self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
         self.queue = DelayQueue()
         self.ipv6_prefix = policy.ipv6_prefix
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.
@@ -195,10 +207,18 @@ class LimitEngine:
             cost = 1
             tiering = limit.tiering
             if tiering is not None:
-                resolved = tiering.resolve(limit, key, facts)
+                try:
+                    resolved = tiering.resolve(limit, key, facts)
+                except UnlistedKey:
+                    if limit.spec.dry_run:
+                        if reserve:  # counted only when the request is decided for real
+                            limit.counters.dry_run_rejected += 1
+                        continue
+                    _release(enforced)
+                    raise UnlistedKey(limit) from None
                 if resolved is None:
                     continue  # exempt from this limit
-                limit, cost = resolved
+                limit, key, cost = resolved
             spec = limit.spec
             if spec.dry_run:
                 dry.append(Check(limit, key, cost=cost))
@@ -230,7 +250,10 @@ class LimitEngine:
             screened = self._screen(client_ip)
             if screened is not None:
                 return screened
-        enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
+        try:
+            enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
+        except UnlistedKey as refused:
+            return _refuse_unlisted(refused.limit, commit)
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
@@ -273,7 +296,10 @@ class LimitEngine:
             screened = self._screen(client_ip)
             if screened is not None:
                 return screened
-        enforced, dry = self.checks_for(facts, route, host, path)
+        try:
+            enforced, dry = self.checks_for(facts, route, host, path)
+        except UnlistedKey as refused:
+            return _refuse_unlisted(refused.limit, True)
         try:
             would_reject: list[Check] = []
             if dry:
@@ -318,11 +344,16 @@ class LimitEngine:
                 continue
             cost = 1
             if limit.tiering is not None:
-                resolved = limit.tiering.resolve(limit, key, facts)
+                try:
+                    resolved = limit.tiering.resolve(limit, key, facts)
+                except UnlistedKey:
+                    refused = _refuse_unlisted(limit, False).reason
+                    looks.append(LimitLook(limit, applies=True, key=key, refused=refused))
+                    continue
                 if resolved is None:
                     looks.append(LimitLook(limit, applies=True, key=key, exempt=True))
                     continue
-                limit, cost = resolved
+                limit, key, cost = resolved
             try:
                 verdict = await self.store.decide((Check(limit, key, cost=cost),), commit=False)
             except StoreUnavailableError as exc:  # on_failure: deny, and the store is down
@@ -482,6 +513,36 @@ class LimitEngine:
             headers.append(("X-RateLimit-Remaining", str(max(0, decisions[tightest].remaining))))
             headers.append(("X-RateLimit-Reset", str(resets[tightest])))
         return headers
+
+
+def _plan_of(limit: CompiledLimit, facts: RequestFacts) -> str:
+    """The plan ``limit``'s overrides give a request's key (``plan:LIMIT``): the plan's name,
+    ``custom`` for a key with numbers of its own, ``unlisted`` for any other key or none."""
+    key = limit.keys.build(facts)
+    tiering = limit.tiering
+    if key is None or tiering is None or tiering.overrides is None:
+        return UNLISTED_PLAN
+    variant = tiering.overrides.resolve(key)
+    if variant is None:
+        return UNLISTED_PLAN
+    tier = variant.table.partition("~")[2]
+    return CUSTOM_PLAN if tier.startswith("=") else tier
+
+
+def _listed_in(other: CompiledLimit) -> Callable[[RequestFacts], bool]:
+    """Whether ``other``'s overrides list a request's key (``exempt_listed``)."""
+    return lambda facts: _plan_of(other, facts) != UNLISTED_PLAN
+
+
+def _refuse_unlisted(limit: CompiledLimit, commit: bool) -> Outcome:
+    """A key ``unlisted: reject`` refuses: 403 naming the limit, counted as its rejection."""
+    if commit:
+        limit.counters.rejected += 1
+    return Outcome(
+        status=403,
+        rejected_by=limit.name,
+        reason=f"the key is not listed by limit {limit.name!r} (unlisted: reject)",
+    )
 
 
 def _reset_header(decision: Decision, window_s: int, rejecting: bool) -> int:

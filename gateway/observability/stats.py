@@ -30,9 +30,13 @@ UNMATCHED_ROUTE: Final = "_unmatched"
 class RequestStats:
     """Requests by (route, method, status class), durations by route, upstream errors."""
 
-    __slots__ = ("durations", "local", "requests", "upstream_errors")
+    __slots__ = ("delayed", "durations", "limited", "local", "requests", "upstream_errors")
 
     def __init__(self) -> None:
+        # Requests a limit refused, and requests a limit delayed (each once, however many
+        # limits took part).
+        self.limited = 0
+        self.delayed = 0
         # (route, method, status // 100) -> count
         self.requests: dict[tuple[str, str, int], int] = {}
         self.durations: dict[str, Histogram] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
-from typing import Annotated, Any, Literal, NamedTuple, get_args
+from typing import Annotated, Any, Final, Literal, NamedTuple, get_args
 
 from pydantic import (
     AfterValidator,
@@ -188,6 +188,18 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def _off(value: Any) -> Any:
+    return "off" if value is False else value  # YAML reads a bare `off` as false
+
+
+# The levels of a limit's rejection lines (nginx's limit_req_log_level); delays one lower.
+LimitLogLevel = Annotated[
+    Literal["error", "warning", "info", "off"],
+    BeforeValidator(_off),
+    WithJsonSchema({"enum": ["error", "warning", "info", "off", False]}),
+]
+
+
 def listeners_collide(first: str, second: str) -> bool:
     """Whether two listen addresses would take the same port: one address, or a wildcard and
     an address of its family. With SO_REUSEPORT (``--workers N``) both binds succeed and the
@@ -205,7 +217,9 @@ def listeners_collide(first: str, second: str) -> bool:
 
 
 # Admin paths that may be served without the token; POST /reload never is.
-AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
+AdminPath = Literal[
+    "/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain", "/status"
+]
 
 
 class _Model(BaseModel):
@@ -285,6 +299,12 @@ class ServerSettings(_Model):
         "client's malformed request on either listener; nginx logs these at info",
     )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
+    limit_log_level: LimitLogLevel = Field(
+        "warning",
+        description="level of the log line a limit writes when it rejects a request (delays one "
+        "level lower), at most one per limit per 10 s with the count of the others; off for "
+        "none (nginx's limit_req_log_level); a limit's log_level overrides it",
+    )
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
     )
@@ -551,6 +571,30 @@ class Upstream(_Model):
         "the pool close and reopen connections under load)",
     )
     idle_timeout: Timeout = Field(60.0, description="idle keep-alive connections closed after")
+    ca_file: str | None = Field(
+        None,
+        description="https:// servers: PEM file of the CA certificates their certificates are "
+        "verified against (a private CA), instead of the system's; relative to the policy file",
+    )
+    client_cert: str | None = Field(
+        None,
+        description="https:// servers: PEM certificate the gateway presents to a server that "
+        "asks for one (mutual TLS); with its key unless client_key names another file",
+    )
+    client_key: str | None = Field(None, description="PEM private key of client_cert")
+
+    @model_validator(mode="after")
+    def _tls_settings(self) -> Upstream:
+        given = [name for name in ("ca_file", "client_cert", "client_key") if getattr(self, name)]
+        urls = [server.url for server in self.server_list()] if self.url or self.servers else []
+        if given and not any(url.startswith("https://") for url in urls):
+            raise ValueError(
+                f"{', '.join(given)}: TLS settings are for https:// servers, and this upstream "
+                f"has none ({', '.join(urls)})"
+            )
+        if self.client_key and not self.client_cert:
+            raise ValueError("client_key without client_cert: give the certificate it belongs to")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -671,19 +715,25 @@ class Route(_Model):
 
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-    r"|query:[^\s&=]+|const:\S+)$"
+    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
 )
+# The values a ``plan:LIMIT`` key part takes besides a plan's name: a key that limit does not
+# list (or a request without one), and a key listed with numbers of its own.
+UNLISTED_PLAN: Final = "unlisted"
+CUSTOM_PLAN: Final = "custom"
 
 
-def check_key_parts(value: tuple[str, ...]) -> tuple[str, ...]:
-    """Key parts as a limit's ``key`` (and a pool's ``hash_key``) take them."""
+def check_key_parts(value: tuple[str, ...], *, plans: bool = False) -> tuple[str, ...]:
+    """Key parts as a limit's ``key`` (``plans``: with ``plan:LIMIT``) and a pool's
+    ``hash_key`` take them."""
     if not value:
         raise ValueError("key needs at least one part")
     for part in value:
-        if not _KEY_PART_RE.match(part):
+        if not _KEY_PART_RE.match(part) or (part.startswith("plan:") and not plans):
+            expected = "global, const:TEXT or plan:LIMIT" if plans else "global or const:TEXT"
             raise ValueError(
                 f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
-                "route, method, global or const:TEXT"
+                f"route, method, {expected}"
             )
     return value
 
@@ -837,7 +887,8 @@ class _LimitBase(_Model):
     key: tuple[str, ...] = Field(
         ("client_ip",),
         description="parts joined into the key: client_ip, header:NAME, query:NAME, route, "
-        "method, global, const:TEXT",
+        "method, global, const:TEXT, plan:LIMIT (the plan another limit's overrides give the "
+        "request's key: a plan's name, custom, or unlisted)",
     )
     on_missing_key: Literal["skip", "client_ip"] = Field(
         "skip",
@@ -852,6 +903,11 @@ class _LimitBase(_Model):
     )
     max_queue: int = Field(1000, ge=0, description="requests waiting on this limit at most")
     max_keys: int = Field(100_000, ge=1, description="tracked keys; least recently used evicted")
+    log_level: LimitLogLevel | None = Field(
+        None,
+        description="level of this limit's rejection lines (delays one lower), or off; "
+        "default: server.limit_log_level",
+    )
     top_keys: Literal["hashed", "plain"] = Field(
         "hashed",
         description="how the dashboard's top limited keys show header: and query: key parts "
@@ -898,6 +954,16 @@ class _LimitBase(_Model):
         description="YAML or JSON file of more overrides (relative to the policy file), "
         "reloaded with the policy",
     )
+    unlisted: Literal["own", "shared", "reject"] = Field(
+        "own",
+        description="keys the overrides do not list (a key a client invents): own (each its "
+        "own bucket at the limit's numbers), shared (all of them one bucket), or reject (403)",
+    )
+    exempt_listed: Name | None = Field(
+        None,
+        description="the name of another limit: requests whose key that limit's overrides "
+        "list (a client on a plan) bypass this limit",
+    )
 
     @field_validator("cost")
     @classmethod
@@ -943,12 +1009,17 @@ class _LimitBase(_Model):
     @model_validator(mode="after")
     def _check_overrides(self) -> _LimitBase:
         tier_specs(self, self.overrides)
+        if self.unlisted != "own" and not (self.overrides or self.overrides_file):
+            raise ValueError(
+                f"unlisted: {self.unlisted} needs overrides (or an overrides_file) that list "
+                "keys: without them every key is unlisted"
+            )
         return self
 
     @field_validator("key")
     @classmethod
     def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return check_key_parts(value)
+        return check_key_parts(value, plans=True)
 
     @property
     def charged_after(self) -> bool:
@@ -1166,6 +1237,11 @@ def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
     or override (``OverrideError`` for an override)."""
     plans: dict[str, Any] = {}
     for name, params in spec.plans.items():
+        if name in (UNLISTED_PLAN, CUSTOM_PLAN):
+            raise ValueError(
+                f"plan {name!r}: the name is reserved (a plan: key part gives it to keys "
+                f"{'not listed' if name == UNLISTED_PLAN else 'with numbers of their own'})"
+            )
         try:
             plans[name] = variant_spec(spec, params)
         except ValueError as exc:
