@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gateway.algorithms.calendar_window import CalendarWindow
+from gateway.algorithms.charging import charge_what_fits
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
@@ -104,20 +105,18 @@ def test_a_request_costing_more_than_the_limit_can_never_pass() -> None:
     assert decision.retry_after_s == math.inf
 
 
-def test_charging_after_the_response_stops_at_the_limit() -> None:
+def test_charging_after_the_response_takes_what_is_left_of_the_month() -> None:
     algo = CalendarWindow(5, "1mo")
     now = us("2024-06-03T12:00:00+00:00")
-    assert algo.charge(None, now, 0) is None
-    state = algo.charge(None, now, 2)
-    assert algo.decide(state, now)[0].remaining == 2
-    state = algo.charge(state, now, 10)
+    charged, state = charge_what_fits(algo, None, now, 2)
+    assert charged == 2 and algo.decide(state, now)[0].remaining == 2
+    charged, state = charge_what_fits(algo, state, now, 10)
+    assert charged == 3
     decision, _ = algo.decide(state, now)
     assert not decision.allowed and decision.remaining == 0
-    assert decision.retry_after_s == us("2024-07-01T00:00:00+00:00") / 1e6 - now / 1e6
+    assert decision.retry_after_s == (us("2024-07-01T00:00:00+00:00") - now) / 1e6
     # The next month starts from nothing.
-    assert algo.charge(state, us("2024-07-01T00:00:00+00:00"), 1) == algo.charge(
-        None, us("2024-07-01T00:00:00+00:00"), 1
-    )
+    assert charge_what_fits(algo, state, us("2024-07-01T00:00:00+00:00"), 10)[0] == 5
 
 
 def test_refund_takes_back_from_the_period_charged_only() -> None:

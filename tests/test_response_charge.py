@@ -4,6 +4,7 @@ over random interleavings of admissions and responses on a fake clock."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.algorithms.calendar_window import CalendarWindow
+from gateway.algorithms.charging import charge_what_fits, room
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.sliding_log import SlidingLog, unpack_log
 from gateway.algorithms.sliding_window import SlidingWindow
@@ -88,20 +90,23 @@ def test_what_a_response_is_charged() -> None:
 def test_requests_in_flight_are_all_admitted_with_one_unit_left() -> None:
     """The documented semantics: five failed logins per window; with four counted, three
     requests in flight at once are all admitted (the charge comes after), and once they have
-    failed the key is full."""
+    failed the key is full: the first failure takes the unit left, the others find no room."""
     algo = FixedWindow(5, 900)
     state = None
     for _ in range(4):
-        state = algo.charge(state, START_US, 1)
+        _, state = charge_what_fits(algo, state, START_US, 1)
     in_flight = [algo.decide(state, START_US)[0] for _ in range(3)]
     assert all(decision.allowed for decision in in_flight)
+    charged = []
     for _ in in_flight:
-        state = algo.charge(state, START_US + S, 1)
+        units, state = charge_what_fits(algo, state, START_US + S, 1)
+        charged.append(units)
+    assert charged == [1, 0, 0]
     assert not algo.decide(state, START_US + S)[0].allowed
 
 
-# A model of each algorithm's quota from the responses charged (time, units), written from its
-# documentation: a window's count stops at its limit, a bucket stops at empty.
+# A model of each algorithm's quota, written from its documentation, over a ledger of what
+# was charged when: (time, units), each charge what the model had room for, up to its cost.
 @dataclass
 class Ledger:
     charges: list[tuple[int, int]] = field(default_factory=list)
@@ -110,15 +115,15 @@ class Ledger:
         return sum(units for at, units in self.charges if keep(at))
 
 
-def fixed_used(limit: int, window_us: int) -> Callable[[Ledger, int], Fraction]:
+def fixed_used(window_us: int) -> Callable[[Ledger, int], Fraction]:
     def used(ledger: Ledger, now: int) -> Fraction:
         index = now // window_us
-        return Fraction(min(limit, ledger.units(lambda at: at // window_us == index)))
+        return Fraction(ledger.units(lambda at: at // window_us == index))
 
     return used
 
 
-def berlin_day_used(limit: int) -> Callable[[Ledger, int], Fraction]:
+def berlin_day_used() -> Callable[[Ledger, int], Fraction]:
     zone = ZoneInfo("Europe/Berlin")
 
     def day(at: int) -> date:
@@ -126,24 +131,25 @@ def berlin_day_used(limit: int) -> Callable[[Ledger, int], Fraction]:
 
     def used(ledger: Ledger, now: int) -> Fraction:
         today = day(now)
-        return Fraction(min(limit, ledger.units(lambda at: day(at) == today)))
+        return Fraction(ledger.units(lambda at: day(at) == today))
 
     return used
 
 
-def log_used(limit: int, window_us: int) -> Callable[[Ledger, int], Fraction]:
+def log_used(window_us: int) -> Callable[[Ledger, int], Fraction]:
     def used(ledger: Ledger, now: int) -> Fraction:
-        return Fraction(min(limit, ledger.units(lambda at: now - window_us < at <= now)))
+        return Fraction(ledger.units(lambda at: now - window_us < at <= now))
 
     return used
 
 
-def sliding_used(limit: int, window_us: int) -> Callable[[Ledger, int], Fraction]:
+def sliding_used(window_us: int) -> Callable[[Ledger, int], Fraction]:
     def used(ledger: Ledger, now: int) -> Fraction:
         index = now // window_us
-        current = min(limit, ledger.units(lambda at: at // window_us == index))
-        previous = min(limit, ledger.units(lambda at: at // window_us == index - 1))
+        current = ledger.units(lambda at: at // window_us == index)
+        previous = ledger.units(lambda at: at // window_us == index - 1)
         elapsed = now - index * window_us
+        # The previous window's count weighted by its share still in the window, rounded down.
         return Fraction(previous * (window_us - elapsed) // window_us + current)
 
     return used
@@ -151,12 +157,12 @@ def sliding_used(limit: int, window_us: int) -> Callable[[Ledger, int], Fraction
 
 def bucket_used(rate: int, period_s: int, capacity: int) -> Callable[[Ledger, int], Fraction]:
     def used(ledger: Ledger, now: int) -> Fraction:
-        # Tokens refill at rate / period up to capacity; a charge takes what is there.
+        # Tokens refill at rate / period up to capacity, from full.
         tokens = Fraction(capacity)
         last = START_US
         for at, units in [*ledger.charges, (now, 0)]:
             tokens = min(Fraction(capacity), tokens + Fraction((at - last) * rate, period_s * S))
-            tokens = max(Fraction(0), tokens - units)
+            tokens -= units
             last = at
         return capacity - tokens
 
@@ -165,15 +171,15 @@ def bucket_used(rate: int, period_s: int, capacity: int) -> Callable[[Ledger, in
 
 CASES: dict[str, tuple[Any, Callable[[Ledger, int], Fraction], int, int]] = {
     # name: (algorithm, its model, its limit, the longest step between events in us)
-    "fixed_window": (FixedWindow(5, 10), fixed_used(5, 10 * S), 5, 4 * S),
+    "fixed_window": (FixedWindow(5, 10), fixed_used(10 * S), 5, 4 * S),
     "calendar_window": (
         CalendarWindow(4, "1d", "Europe/Berlin"),
-        berlin_day_used(4),
+        berlin_day_used(),
         4,
         3 * 3600 * S,
     ),
-    "sliding_window": (SlidingWindow(6, 10), sliding_used(6, 10 * S), 6, 4 * S),
-    "sliding_log": (SlidingLog(5, 10), log_used(5, 10 * S), 5, 4 * S),
+    "sliding_window": (SlidingWindow(6, 10), sliding_used(10 * S), 6, 4 * S),
+    "sliding_log": (SlidingLog(5, 10), log_used(10 * S), 5, 4 * S),
     "token_bucket": (TokenBucket(2, 3, 5), bucket_used(2, 3, 5), 5, 2 * S),
 }
 
@@ -201,25 +207,25 @@ def test_admitted_while_there_is_room_and_charged_only_for_matching_responses(
     in_flight = 0
     for advance, arrives, amount, matches in steps:
         now += advance * step_us // 100
+        room = math.floor(limit - used(ledger, now))
         if arrives:
             cost = amount % 3 + 1
             decision, _ = algo.decide(state, now, cost)  # admitted without being charged
-            room = limit - used(ledger, now)
             assert decision.allowed == (room >= cost), (name, now, room, cost)
             in_flight += decision.allowed
         elif in_flight:
             in_flight -= 1
-            if matches:
-                state = algo.charge(state, now, amount)
-                ledger.charges.append((now, amount))
-            # A response that does not match is not charged: the state is left as it was.
+            if matches:  # else not charged: the state stays as it was
+                charged, state = charge_what_fits(algo, state, now, amount)
+                assert charged == min(amount, max(room, 0)), (name, now, room, amount)
+                ledger.charges.append((now, charged))
 
 
-def room(algo: Any, state: Any, now: int) -> int:
+def probe_room(algo: Any, state: Any, now: int) -> int:
     """Units the key has left, as a one-unit request sees them (an admitted one has taken its
     unit from ``remaining`` already)."""
     decision, _ = algo.decide(state, now, 1)
-    return int(decision.remaining) + (1 if decision.allowed else 0)
+    return int(decision.remaining) + 1 if decision.allowed else 0
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -233,36 +239,26 @@ def test_a_charge_takes_what_is_left_up_to_its_cost_and_never_more(
     now = START_US
     for advance, cost in charges:
         now += advance * step_us // 100
-        before = room(algo, state, now)
-        state = algo.charge(state, now, cost)
-        taken = before - room(algo, state, now)
-        assert min(cost, before) <= taken <= cost, (name, before, cost, taken)
+        before = probe_room(algo, state, now)
+        charged, state = charge_what_fits(algo, state, now, cost)
+        assert charged == min(cost, before) == before - probe_room(algo, state, now)
+        assert room(algo, state, now) == before - charged
 
 
-def test_a_charge_of_nothing_leaves_the_state_as_it_was() -> None:
-    for algo, _, _, _ in CASES.values():
-        assert algo.charge(None, START_US, 0) is None
-        state = algo.charge(None, START_US, 2)
-        assert algo.charge(state, START_US + 1, 0) == state
+def test_a_charge_that_finds_no_room_leaves_the_state_as_it_was() -> None:
+    for algo, _, limit, _ in CASES.values():
+        assert charge_what_fits(algo, None, START_US, 0) == (0, None)
+        _, full = charge_what_fits(algo, None, START_US, limit)
+        assert charge_what_fits(algo, full, START_US, 3) == (0, full)
+        assert charge_what_fits(algo, full, START_US, 0) == (0, full)
 
 
-def test_a_sliding_log_charged_past_its_limit_keeps_the_newest_entries_only() -> None:
+def test_a_sliding_log_records_only_the_units_that_fit() -> None:
     log = SlidingLog(3, 10)
-    state = log.charge(None, START_US, 2)
-    state = log.charge(state, START_US + S, 2)
-    assert state is not None
-    assert unpack_log(state) == [START_US, START_US + S, START_US + S]
-    state = log.charge(state, START_US + 2 * S, 7)
-    assert state is not None
-    assert unpack_log(state) == [START_US + 2 * S] * 3
-    # Refused until those leave the window, 10 s after they were charged.
-    assert not log.decide(state, START_US + 12 * S - 1)[0].allowed
-    assert log.decide(state, START_US + 12 * S)[0].allowed
-
-
-def test_a_token_bucket_in_debt_is_not_charged_further() -> None:
-    """Queue mode (never charged after the response: the policy refuses it) borrows; a charge
-    leaves a debt as it is rather than deepen it."""
-    bucket = TokenBucket(1, 1, 1, mode="queue")
-    _, state = bucket.decide(None, START_US, 3)
-    assert bucket.charge(state, START_US, 1) == state
+    _, state = charge_what_fits(log, None, START_US, 2)
+    charged, state = charge_what_fits(log, state, START_US + S, 2)
+    assert charged == 1
+    assert unpack_log(state) == [START_US, START_US, START_US + S]
+    # Refused until the first two leave the window, 10 s after they were charged.
+    assert not log.decide(state, START_US + 10 * S - 1)[0].allowed
+    assert log.decide(state, START_US + 10 * S)[0].allowed

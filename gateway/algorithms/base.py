@@ -85,19 +85,3 @@ class Algorithm(Protocol, Generic[S]):
         (a bucket 40% full stays 40% full); ``None`` means start the key afresh.
         """
         ...
-
-
-class ChargedAfter(Algorithm[S], Protocol):
-    """An algorithm that can charge a request after its response (``count:``, ``cost_header:``):
-    the windows and the token bucket in reject mode.
-
-    Such a limit admits a request while ``decide`` would (the key has room for the limit's
-    cost) without keeping the state it returns, and charges the response's cost with ``charge``
-    once the status (or the upstream's cost header) is known.
-    """
-
-    def charge(self, state: S | None, now_us: int, cost: int) -> S | None:
-        """The state after ``cost`` units are charged at ``now_us``; ``state`` itself for a cost
-        below 1. The charge stops where the key has nothing left (a window's count at its
-        limit, an empty bucket): never more than ``cost``, and never into debt."""
-        ...

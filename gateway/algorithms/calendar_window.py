@@ -124,18 +124,6 @@ class CalendarWindow:
             (period.ordinal << self._count_bits) | count,
         )
 
-    def charge(self, state: int | None, now_us: int, cost: int) -> int | None:
-        """Charge ``cost`` units after the response, in the period holding ``now_us`` (the
-        count stops at the limit: beyond it the key is refused until the period ends either
-        way)."""
-        if cost < 1:
-            return state
-        period, count = self._current(state, now_us)
-        count += cost
-        if count > self.limit:
-            count = self.limit
-        return (period.ordinal << self._count_bits) | count
-
     def is_idle(self, state: int, now_us: int) -> bool:
         return (state >> self._count_bits) < self.period_at(now_us).ordinal
 

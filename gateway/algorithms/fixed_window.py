@@ -117,24 +117,6 @@ class FixedWindow:
             (index << self._count_bits) | count,
         )
 
-    def charge(self, state: int | None, now_us: int, cost: int) -> int | None:
-        """Charge ``cost`` units after the response, in the window holding ``now_us`` (the
-        count stops at the limit: beyond it the key is refused until the window ends either
-        way)."""
-        if cost < 1:
-            return state
-        index = now_us // self.window_us
-        count = 0
-        if state is not None:
-            state_index = state >> self._count_bits
-            if state_index >= index:  # this window, or a newer one the clock stepped back from
-                index = state_index
-                count = state & self._count_mask
-        count += cost
-        if count > self.limit:
-            count = self.limit
-        return (index << self._count_bits) | count
-
     def is_idle(self, state: int, now_us: int) -> bool:
         return (state >> self._count_bits) < now_us // self.window_us
 

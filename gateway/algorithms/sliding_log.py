@@ -108,27 +108,6 @@ class SlidingLog:
             state[keep_from * _ENTRY_SIZE :] + _ENTRY.pack(stamp_us) * cost,
         )
 
-    def charge(self, state: bytes | None, now_us: int, cost: int) -> bytes | None:
-        """Charge ``cost`` units after the response, stamped ``now_us`` (or the newest time in
-        the log, if the clock stepped back); the log keeps at most ``limit`` entries, the
-        newest, so a key charged past its limit is refused until the oldest of them leaves the
-        window."""
-        if cost < 1:
-            return state
-        limit = self.limit
-        if cost > limit:
-            cost = limit
-        if not state:
-            return _ENTRY.pack(now_us) * cost
-        times = memoryview(state).cast("q")
-        count = len(times)
-        newest_us = times[count - 1]
-        keep_from = bisect_right(times, now_us - self.window_us)
-        if count - keep_from > limit - cost:
-            keep_from = count - (limit - cost)
-        stamp_us = now_us if now_us > newest_us else newest_us
-        return state[keep_from * _ENTRY_SIZE :] + _ENTRY.pack(stamp_us) * cost
-
     def is_idle(self, state: bytes, now_us: int) -> bool:
         if not state:
             return True

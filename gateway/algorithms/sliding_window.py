@@ -158,17 +158,6 @@ class SlidingWindow:
             admit_us = start_us + 2 * window_us - weight_max_us
         return Decision(False, 0.0, max(admit_us - now_us, 1) / 1e6, limit, remaining, reset_s)
 
-    def charge(self, state: int | None, now_us: int, cost: int) -> int | None:
-        """Charge ``cost`` units after the response to the window holding ``now_us``; its
-        count stops at the limit (the most the state holds)."""
-        if cost < 1:
-            return state
-        index, previous, current = self._counts_at(state, now_us // self.window_us)
-        current += cost
-        if current > self.limit:
-            current = self.limit
-        return (index << self._index_shift) | (previous << self._count_bits) | current
-
     def is_idle(self, state: int, now_us: int) -> bool:
         _, previous, current = self._counts_at(state, now_us // self.window_us)
         return previous == 0 and current == 0

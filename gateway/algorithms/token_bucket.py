@@ -276,20 +276,6 @@ class TokenBucket(_Bucket):
             (tat + self._max_credit_ticks - now) / rate.ticks_per_s,
         )
 
-    def charge(self, state: int | None, now_us: int, cost: int) -> int | None:
-        """Take ``cost`` tokens after the response; an empty bucket stays empty, never in debt
-        (a bucket in debt, queue mode, is left as it is)."""
-        if cost < 1:
-            return state
-        rate = self._rate
-        now = now_us * rate.ticks_per_us
-        floor_ticks = now - self._max_credit_ticks
-        tat = floor_ticks if state is None or state < floor_ticks else state
-        if tat >= now:
-            return tat
-        tat += cost * rate.interval_ticks
-        return tat if tat < now else now
-
     def is_idle(self, state: int, now_us: int) -> bool:
         return state <= now_us * self._rate.ticks_per_us - self._max_credit_ticks
 
