@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gateway import __version__
+from gateway.build import build_name
 from gateway.cli.main import build_parser, main
 
 ROOT = Path(__file__).parent.parent
@@ -181,7 +182,7 @@ def test_help_is_plain_text_with_examples_and_the_environment(command: tuple[str
 def test_version() -> None:
     result = _gateway("--version")
     assert result.returncode == 0
-    assert result.stdout.strip() == f"gateway {__version__}"
+    assert result.stdout.strip() == f"gateway {__version__} ({build_name()})"
 
 
 def _serve_a_few_requests(tmp_path: Path, *options: str) -> list[str]:

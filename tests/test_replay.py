@@ -39,10 +39,11 @@ from gateway.replay.log_formats import (
     open_log,
     read_log,
 )
-from gateway.replay.simulate import Simulation
+from gateway.replay.simulate import ALLOWED, DENIED, REJECTED, UNROUTED, Simulation
 from tests.support.browser import artifacts_dir
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for
+from tests.support.rawhttp import exchange, status_of
 from tests.support.upstreams import RecordingUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -456,6 +457,46 @@ async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decis
         }
 
 
+# Absolute-form targets (RFC 9112 3.2.2): the proxy forwards the origin-form part when the
+# authority is the Host header's and answers 400 otherwise; replay must decide them alike.
+ABSOLUTE_FORM = (
+    ("http://example.test/api/a", "example.test"),
+    ("http://EXAMPLE.test/api/b?x=1", "example.test"),
+    ("http://example.test", "example.test"),  # no path: "/", which no route takes
+    ("http://other.test/api/c", "example.test"),  # disagrees with Host
+    ("http://user@example.test/api/d", "example.test"),  # userinfo
+    ("example.test/api/e", "example.test"),  # neither origin- nor absolute-form
+    ("/api/f", "example.test"),
+)
+_LIVE = {200: ALLOWED, 429: REJECTED, 400: DENIED, 404: UNROUTED}
+
+
+async def test_replay_and_the_proxy_agree_on_absolute_form_targets(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy_text = (
+        policy_for(upstream.url).replace(
+            "  - name: all\n",
+            "  - name: api\n    match: {host: example.test, path_prefix: /api/}\n",
+        )
+        + "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: 3\n    window: 1h\n"
+        "    key: [client_ip]\n"
+    )
+    gw = await start_gateway(policy_text)
+    live = []
+    for target, host in ABSOLUTE_FORM:
+        data = f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+        live.append(_LIVE[status_of(await exchange(gw.port, data))])
+    simulation = Simulation(parse_and_build(policy_text, "test.yaml"))
+    replayed = []
+    for line, (target, host) in enumerate(ABSOLUTE_FORM):
+        request = Request(line * 1000, "log", line, "127.0.0.1", "GET", target, host, (), None)
+        replayed.append(await simulation.decide(request, simulation.client_ip(request)))
+    assert replayed == live
+    assert live == [ALLOWED, ALLOWED, UNROUTED, DENIED, DENIED, DENIED, ALLOWED]
+    assert [r.raw_path for r in upstream.requests] == ["/api/a", "/api/b?x=1", "/api/f"]
+
+
 # -- the HTML report in a real browser ---------------------------------------------------------
 
 
@@ -734,8 +775,11 @@ def test_decisions_do_not_depend_on_the_per_line_caches(
         )
     )
     targets = ("/", "/api/a", "/api/b?x=1", "http://example.test/api/c", "/static/app.js")
+    hosts = (None, None, None, "example.test", None)  # an absolute-form target's Host agrees
     requests = [
-        Request(n * 100_000, "log", n, f"192.0.2.{n % 8}", "GET", targets[n % 5], None, (), None)
+        Request(
+            n * 100_000, "log", n, f"192.0.2.{n % 8}", "GET", targets[n % 5], hosts[n % 5], (), None
+        )
         for n in range(400)
     ]
 

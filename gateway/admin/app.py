@@ -13,7 +13,6 @@ from yarl import URL
 
 from gateway.admin.auth import AdminAuth, auth_middleware, login_routes
 from gateway.clock import rfc3339
-from gateway.edge.client_ip import client_key
 from gateway.edge.responses import SERVER
 from gateway.engine.limit_engine import Explanation, LimitEngine, LimitLook
 from gateway.limits.keys import RequestFacts
@@ -148,8 +147,9 @@ async def _explain(request: web.Request) -> web.Response:
         result["limits"] = []
         result["verdict"] = {"status": 404, "reason": "no route matches"}
         return web.json_response(result)
-    facts = RequestFacts(
-        client_key(client_ip, engine.ipv6_prefix),
+    facts = RequestFacts.of(
+        client_ip,
+        engine.ipv6_prefix,
         route.name,
         method,
         CIMultiDictProxy(headers),

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gateway import __version__
+from gateway.build import build_name
 from gateway.cli import listen_addresses
 from gateway.cli.supervisor import EXIT_STARTUP, supervise, worker_main
 from gateway.engine.preflight import build_problems, load_and_build
@@ -274,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"gateway {__version__} ({build_name()})"
+    )
     _add_log_options(parser, defaults=True)
     sub = parser.add_subparsers(
         dest="command",

@@ -104,9 +104,9 @@ async def forward_upgrade(
     # build_request_head drops Connection and Upgrade (hop-by-hop): this hop asks for them anew.
     head = head[:-2] + upgrade_headers
     limit_headers = (
-        runtime.engine.headers(outcome)
+        runtime.engine.header_block(outcome)
         if outcome is not None and outcome.verdict is not None
-        else None
+        else b""
     )
     connections = server.connections
     started_at = pool.started(server)
@@ -172,8 +172,7 @@ async def forward_upgrade(
     lines = [b"HTTP/1.1 101 " + (up_side.reason or b"Switching Protocols") + b"\r\n"]
     for name, value in response_headers(up_side.headers, via):
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-    for name, value in limit_headers or ():
-        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(limit_headers)
     lines.append(upgrade_headers)
     transport.write(b"".join(lines))
 

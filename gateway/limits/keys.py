@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy, MultiMapping
 
+from gateway.limits.addresses import client_key
 from gateway.policy.overrides import UNLISTED_KEY
 
 
@@ -20,6 +21,20 @@ class RequestFacts:
     method: str
     headers: CIMultiDictProxy[str]
     query: Callable[[], MultiMapping[str]]
+
+    @classmethod
+    def of(
+        cls,
+        client_ip: str,
+        ipv6_prefix: int,
+        route: str,
+        method: str,
+        headers: CIMultiDictProxy[str],
+        query: Callable[[], MultiMapping[str]],
+    ) -> RequestFacts:
+        """A request's facts, as the proxy, ``/explain`` and ``gateway replay`` all make them:
+        ``query`` is called only if a key reads the query string."""
+        return cls(client_key(client_ip, ipv6_prefix), route, method, headers, query)
 
 
 Part = Callable[[RequestFacts], str | None]

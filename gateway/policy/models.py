@@ -1094,6 +1094,12 @@ class LeakyBucketLimit(_LimitBase):
             raise ValueError(f"delay ({self.delay}) cannot exceed burst ({self.burst})")
         return self
 
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``): how long the
+        quota, ``burst + 1`` requests, takes to refill."""
+        return (self.burst + 1) / self.rate.per_second
+
 
 # A calendar period's nominal length in seconds (what ``RateLimit-Policy`` advertises as its
 # window; a month is 30 days and a year 365, as Kong counts them): the algorithm counts to the
@@ -1141,7 +1147,8 @@ class WindowLimit(_LimitBase):
 
     @property
     def window_s(self) -> float:
-        """The window's length in seconds; a calendar period's nominal length."""
+        """The window a response advertises (``w`` of ``RateLimit-Policy``); a calendar
+        period's nominal length."""
         if isinstance(self.window, str):
             return _NOMINAL_PERIOD_S[self.window]
         return self.window
@@ -1180,6 +1187,12 @@ class TokenBucketLimit(_LimitBase):
         "reject", description="reject: no token, no entry; queue: wait for the tokens (Guava)"
     )
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
+
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``): how long the
+        quota, ``burst`` tokens, takes to refill."""
+        return self.burst / self.rate.per_second
 
 
 # What a plan or an override may set: the algorithm's numbers (and a calendar window's time

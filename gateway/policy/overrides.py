@@ -36,14 +36,6 @@ class UnlistedKey(Exception):
         self.limit = limit
 
 
-def _window_s(spec: Any) -> float:
-    # The engine's rule, repeated to keep this module free of the engine.
-    if spec.algorithm in ("fixed_window", "sliding_window", "sliding_log"):
-        return float(spec.window_s)
-    quota = spec.burst + 1 if spec.algorithm == "leaky_bucket" else spec.burst
-    return float(quota / spec.rate.per_second)
-
-
 class Overrides(Generic[L]):
     """Key value -> the variant of a limit that decides it; ``None`` when the key has none."""
 
@@ -60,7 +52,7 @@ class Overrides(Generic[L]):
                 limit,
                 spec=spec,
                 algorithm=build_algorithm(spec),
-                window_s=_window_s(spec),
+                window_s=spec.window_s,
                 table=f"{limit.name}~{tier}",
             )
             for tier, spec in tiers.specs.items()

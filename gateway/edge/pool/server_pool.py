@@ -32,7 +32,7 @@ from gateway.policy.models import Upstream, UpstreamServer, split_host_port
 log = logging.getLogger("gateway.upstream")
 
 # Time to a server's response head (seconds, Prometheus ``le``); +Inf implied.
-SERVER_LATENCY_BUCKETS: Final = (
+SERVER_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 # Statuses that count as a server's failure when retried on (nginx: never 403 and 404).
