@@ -18,7 +18,13 @@ from datetime import date
 from typing import Any, Final
 
 from gateway.algorithms.base import Algorithm, Decision, build
-from gateway.algorithms.calendar_period import Period, period_at, period_of, unknown_period
+from gateway.algorithms.calendar_period import (
+    Period,
+    next_first_day,
+    period_at,
+    period_of,
+    unknown_period,
+)
 from gateway.algorithms.fixed_window import check_limit
 from gateway.policy.units import CALENDAR_PERIODS, time_zone
 
@@ -89,6 +95,15 @@ class CalendarWindow:
             return last
         return period_of(date.fromordinal(index), self.period, self.zone)
 
+    def period_after(self, period: Period) -> Period:
+        """The period that starts where ``period`` ends."""
+        first = next_first_day(self.period, date.fromordinal(period.ordinal))
+        return period_of(first, self.period, self.zone)
+
+    def period_before(self, period: Period) -> Period:
+        """The period that ends where ``period`` starts."""
+        return period_at(period.start_us - 1, self.period, self.zone)
+
     def pack_state(self, period_index: int, count: int) -> int:
         """The state for ``count`` units charged in the period numbered ``period_index``."""
         return (period_index << self._count_bits) | count
@@ -130,25 +145,43 @@ class CalendarWindow:
     def refund(
         self, state: int, now_us: int, cost: int = 1, *, charged_us: int | None = None
     ) -> int:
-        """Exact when ``charged_us`` is given, as ``FixedWindow.refund``; without it the state is
+        """Exact when ``charged_us`` is given and falls in the period holding ``now_us``, the
+        one before or the one after (those the Redis script is given); a charge to an older
+        period has nothing left to give back, and without ``charged_us`` the state is
         returned unchanged."""
         if charged_us is None:
             return state
         index, count = state >> self._count_bits, state & self._count_mask
-        if self.period_at(charged_us).ordinal != index:
-            return state  # charged to a period that is over: nothing left to give back
+        current = self.period_at(now_us)
+        if current.start_us <= charged_us < current.end_us:
+            charged_index = current.ordinal
+        elif charged_us >= current.end_us:
+            following = self.period_after(current)
+            if charged_us >= following.end_us:
+                return state
+            charged_index = following.ordinal
+        else:
+            before = self.period_before(current)
+            if charged_us < before.start_us:
+                return state
+            charged_index = before.ordinal
+        if charged_index != index:
+            return state
         count = count - cost if count > cost else 0
         return (index << self._count_bits) | count
 
     def rescale(self, state: int, previous: Algorithm[int], now_us: int) -> int | None:
-        """Keep the same fraction of the quota used, rounded up (never more lenient); with
-        another period or time zone the count moves to the period holding ``now_us``."""
-        if not isinstance(previous, CalendarWindow) or previous.is_idle(state, now_us):
+        """Keep the same fraction of the quota used, rounded up (never more lenient), in the
+        same period; another period or time zone is another calendar: its keys start afresh."""
+        if not isinstance(previous, CalendarWindow) or (previous.period, previous.timezone) != (
+            self.period,
+            self.timezone,
+        ):
+            return None
+        if previous.is_idle(state, now_us):
             return None
         index, count = previous.unpack_state(state)
         count_new = min(-(-count * self.limit // previous.limit), self.limit)
         if count_new == 0:
             return None
-        if (previous.period, previous.timezone) != (self.period, self.timezone):
-            index = self.period_at(now_us).ordinal
         return (index << self._count_bits) | count_new

@@ -1,0 +1,276 @@
+"""Limits counted by their responses (``count:``, ``cost_header:``), end to end: the real gateway,
+a real upstream, real clients over loopback, in process, in the workers' shared store and in
+real Redis; and each store's charge against the Python algorithm's."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.algorithms.charging import charge_what_fits
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.sliding_log import SlidingLog
+from gateway.algorithms.sliding_window import SlidingWindow
+from gateway.algorithms.token_bucket import TokenBucket
+from gateway.clock import FakeClock
+from gateway.limits.compiled import Check
+from gateway.stores import LimitStore, MemoryStore, RedisStore
+from gateway.stores.shared.lmdb_store import SharedStore
+from tests.support import redis_harness
+from tests.support.conformance import T0_US, compiled
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.metrics import scrape_until, value
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordedRequest, RecordingUpstream
+
+redis_server = redis_harness.redis_server
+_prefixes = itertools.count()
+
+STORES = ("memory", "shared", "redis")
+
+
+def _store(
+    kind: str, request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
+) -> dict[str, Any]:
+    """A gateway's store of ``kind`` on ``clock`` (Redis: the clock stands in for TIME)."""
+    if kind == "memory":
+        return {}
+    if kind == "shared":
+        return {"store": SharedStore(tmp_path / "shared", clock)}
+    server: RedisServer = request.getfixturevalue("redis_server")
+    prefix = f"counted{next(_prefixes)}-{time.monotonic_ns()}:"
+    store = RedisStore(server.url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
+    return {"store": store}
+
+
+def _policy(upstream_url: str, limits: str) -> str:
+    return (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        f"upstreams:\n  backend:\n    url: {upstream_url}\n    read_timeout: 5s\n"
+        "routes:\n"
+        "  - name: login\n    match: {path: /login}\n    upstream: backend\n"
+        "  - name: api\n    upstream: backend\n"
+        "limits:\n" + limits
+    )
+
+
+LOGIN = """  failed_logins:
+    algorithm: fixed_window
+    limit: 5
+    window: 15m
+    match: {routes: [login]}
+    count: {statuses: [401]}
+"""
+
+
+async def _check_password(request: web.BaseRequest, recorded: RecordedRequest) -> web.Response:
+    if request.headers.get("X-Password") == "right":
+        return web.Response(text="welcome")
+    return web.Response(status=401, text="wrong password")
+
+
+async def _settled(gw: RunningGateway) -> None:
+    """Wait for the charges in flight (Redis: a call made after the response)."""
+    await gw.gateway.handler.runtime.engine.charges_done()
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_failed_logins_are_counted_and_the_sixth_is_refused_before_the_upstream(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    upstream.reply = _check_password
+    clock = FakeClock(T0_US)
+    gw = await start_gateway(
+        _policy(upstream.url, LOGIN), clock=clock, **_store(kind, request, clock, tmp_path)
+    )
+
+    async def login(password: str) -> int:
+        async with session.post(gw.url + "/login", headers={"X-Password": password}) as resp:
+            await resp.read()
+            await _settled(gw)
+            return resp.status
+
+    async with aiohttp.ClientSession() as session:
+        # Successful logins are not counted, however many.
+        assert [await login("right") for _ in range(8)] == [200] * 8
+        # Five wrong passwords are: each reaches the upstream and is charged after its 401.
+        assert [await login("wrong") for _ in range(5)] == [401] * 5
+        reached = len(upstream.requests)
+        # The sixth attempt, right password or wrong, is refused before the upstream, until
+        # the window ends (T0 is 800 s into a 15-minute window).
+        async with session.post(gw.url + "/login", headers={"X-Password": "wrong"}) as resp:
+            assert resp.status == 429
+            assert resp.headers["RateLimit"] == '"failed_logins";r=0;t=100'
+        assert await login("right") == 429
+        assert len(upstream.requests) == reached
+        # Other routes are not limited by it (the upstream's own 401 comes through).
+        async with session.get(gw.url + "/api") as resp:
+            assert resp.status == 401
+        # A new window: failures may be counted again.
+        clock.advance(100)
+        assert await login("right") == 200
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda got: (
+                value(got, "gateway_limit_charged_responses_total", limit="failed_logins") == 5
+            ),
+        )
+    assert value(samples, "gateway_limit_charged_units_total", limit="failed_logins") == 5
+    assert value(samples, "gateway_limit_charge_failures_total", limit="failed_logins") == 0
+
+
+METERED = """  metered:
+    algorithm: fixed_window
+    limit: 20
+    window: 1h
+    cost: 3
+    cost_header: X-Cost
+"""
+
+
+async def _report_cost(request: web.BaseRequest, recorded: RecordedRequest) -> web.Response:
+    """The upstream says what a request cost: what the client asked it to say."""
+    wanted = request.headers.get("X-Want-Cost")
+    return web.Response(text="done", headers={"X-Cost": wanted} if wanted is not None else {})
+
+
+async def _quota_left(session: aiohttp.ClientSession, gw: RunningGateway) -> int:
+    """What the key has left, as /explain says: a next request's remaining plus its cost."""
+    async with session.get(gw.admin_url + "/explain", params={"path": "/api"}) as resp:
+        explained = await resp.json()
+    (entry,) = [limit for limit in explained["limits"] if limit["name"] == "metered"]
+    decision = entry["next_request"]
+    return int(decision["remaining"]) + (entry["cost"] if decision["allowed"] else 0)
+
+
+# What the upstream reports, and what the key has left after each response: 1 and 10 as
+# said, an invalid or a missing value the limit's cost (3), 0 nothing, 7 the 3 units left.
+REPORTS = [("1", 19), ("10", 9), ("lots", 6), (None, 3), ("0", 3), ("7", 0)]
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_the_upstreams_cost_header_is_charged_and_hidden(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    upstream.reply = _report_cost
+    clock = FakeClock(T0_US)
+    gw = await start_gateway(
+        _policy(upstream.url, METERED), clock=clock, **_store(kind, request, clock, tmp_path)
+    )
+    async with aiohttp.ClientSession() as session:
+        for wanted, left in REPORTS:
+            headers = {"X-Want-Cost": wanted} if wanted is not None else {}
+            async with session.get(gw.url + "/api", headers=headers) as resp:
+                assert resp.status == 200
+                assert "X-Cost" not in resp.headers  # for the gateway, not for the client
+                assert resp.headers["RateLimit-Policy"] == '"metered";q=20;w=3600'
+            await _settled(gw)
+            assert await _quota_left(session, gw) == left, wanted
+        reached = len(upstream.requests)
+        async with session.get(gw.url + "/api") as resp:
+            assert resp.status == 429
+        assert len(upstream.requests) == reached
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda got: value(got, "gateway_limit_charged_responses_total", limit="metered") == 5,
+        )
+    assert value(samples, "gateway_limit_charged_units_total", limit="metered") == 20
+
+
+async def test_keep_cost_header_lets_the_client_see_it(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    upstream.reply = _report_cost
+    gw = await start_gateway(
+        _policy(upstream.url, METERED + "    keep_cost_header: true\n"), clock=FakeClock(T0_US)
+    )
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/api", headers={"X-Want-Cost": "4"}) as resp:
+            assert resp.headers["X-Cost"] == "4"
+        assert await _quota_left(session, gw) == 16
+
+
+# Stores charge alike: each the same units as the Python algorithm, with the same decisions
+# after. (The Redis script bisects for the largest cost that fits; in process, one look at
+# the key's room.)
+CHARGED = {
+    "fixed window": lambda: FixedWindow(5, 10),
+    "sliding window": lambda: SlidingWindow(6, 10),
+    "sliding log": lambda: SlidingLog(5, 10),
+    "token bucket": lambda: TokenBucket(2, 3, 5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHARGED))
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_every_store_charges_what_the_python_algorithm_does(
+    request: pytest.FixtureRequest, kind: str, name: str
+) -> None:
+    clock = FakeClock(T0_US)
+    if kind == "memory":
+        store: LimitStore = MemoryStore(clock)
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        store = RedisStore(
+            server.url, clock=clock, time_source=clock, key_prefix=f"charge{next(_prefixes)}:"
+        )
+    algorithm = CHARGED[name]()
+    limit = compiled("lim", algorithm)
+    store.configure([limit], ())
+    check = Check(limit, "k")
+    state = None
+    try:
+        for step_s, cost in [(0, 2), (0, 7), (1.5, 1), (2, 4), (0, 0), (9, 12), (4, 3)]:
+            clock.advance(step_s)
+            want, state = charge_what_fits(algorithm, state, clock.now_us(), cost)
+            assert await store.charge([check], [cost]) == [want]
+            got = (await store.decide([check], commit=False)).decisions[0]
+            assert got == algorithm.decide(state, clock.now_us())[0]
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("on_failure", ["local", "allow"])
+async def test_a_charge_redis_cannot_make_is_counted_and_follows_on_failure(
+    on_failure: str,
+) -> None:
+    """Nothing listens where the store looks for Redis: the charge fails at once. With
+    ``local`` the fallback takes it (and owes it to Redis); with ``allow`` it is dropped."""
+    clock = FakeClock(T0_US)
+    store = RedisStore(
+        "redis://127.0.0.1:1",
+        on_failure=on_failure,
+        clock=clock,
+        timeout_s=0.5,
+    )
+    limit = compiled("lim", FixedWindow(5, 60))
+    store.configure([limit], ())
+    check = Check(limit, "k")
+    try:
+        taken = await store.charge([check], [3])
+        assert limit.counters.charge_failures == 1
+        if on_failure == "local":
+            assert taken == [3]
+            assert (await store.decide([check], commit=False)).decisions[0].remaining == 1
+            assert len(store.owed) == 1  # charged to Redis when it answers again
+        else:
+            assert taken == [0]
+            assert not store.owed
+    finally:
+        await store.close()
