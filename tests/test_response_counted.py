@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,25 @@ from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import FakeClock
 from gateway.limits.compiled import Check
-from gateway.stores import LimitStore, MemoryStore, RedisStore
+from gateway.stores import LimitStore, RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
-from tests.support.conformance import T0_US, compiled
+from tests.support.conformance import (
+    STORE_KINDS,
+    T0_US,
+    Backend,
+    close_client,
+    compiled,
+    make_backend,
+)
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.metrics import scrape_until, value
+from tests.support.processes import run_workers, wait_serving
 from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordedRequest, RecordingUpstream
 
 redis_server = redis_harness.redis_server
+redis_cluster = redis_harness.redis_cluster
 _prefixes = itertools.count()
 
 STORES = ("memory", "shared", "redis")
@@ -218,18 +228,17 @@ CHARGED = {
 
 
 @pytest.mark.parametrize("name", sorted(CHARGED))
-@pytest.mark.parametrize("kind", ["memory", "redis"])
+@pytest.mark.parametrize("kind", [*STORE_KINDS, "shared"])
 async def test_every_store_charges_what_the_python_algorithm_does(
-    request: pytest.FixtureRequest, kind: str, name: str
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, name: str
 ) -> None:
     clock = FakeClock(T0_US)
-    if kind == "memory":
-        store: LimitStore = MemoryStore(clock)
+    backend: Backend | None = None
+    if kind == "shared":
+        store: LimitStore = SharedStore(tmp_path / "shared", clock)
     else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        store = RedisStore(
-            server.url, clock=clock, time_source=clock, key_prefix=f"charge{next(_prefixes)}:"
-        )
+        backend = make_backend(kind, request)
+        store = backend.make(clock)
     algorithm = CHARGED[name]()
     limit = compiled("lim", algorithm)
     store.configure([limit], ())
@@ -244,6 +253,8 @@ async def test_every_store_charges_what_the_python_algorithm_does(
             assert got == algorithm.decide(state, clock.now_us())[0]
     finally:
         await store.close()
+        if backend is not None and backend.inspect is not None:
+            close_client(backend.inspect)
 
 
 @pytest.mark.parametrize("on_failure", ["local", "allow"])
@@ -274,3 +285,79 @@ async def test_a_charge_redis_cannot_make_is_counted_and_follows_on_failure(
             assert not store.owed
     finally:
         await store.close()
+
+
+# Real gateway processes (a supervisor and two forked workers sharing the LMDB store): failed
+# logins counted across workers, what the upstream reports charged there, and a yearly quota
+# whose headers count to the end of the year.
+WORKERS_POLICY = """\
+limits:
+  failed_logins:
+    algorithm: sliding_window
+    limit: 3
+    window: 24h
+    count: {statuses: [401]}
+  yearly:
+    algorithm: fixed_window
+    limit: 1000
+    window: 1y
+    calendar: true
+    cost_header: X-Cost
+    key: [global]
+"""
+
+
+async def _costly_login(request: web.BaseRequest, recorded: RecordedRequest) -> web.Response:
+    status = 200 if request.headers.get("X-Password") == "right" else 401
+    return web.Response(status=status, text="checked", headers={"X-Cost": "10"})
+
+
+async def test_workers_count_responses_in_the_shared_store(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    upstream.reply = _costly_login
+    async with run_workers(upstream.url, tmp_path, WORKERS_POLICY, 2) as (url, admin, pids):
+        await wait_serving(tmp_path, 2)
+        assert len(pids()) == 2
+
+        async def login(password: str) -> aiohttp.ClientResponse:
+            return await _login_over_new_connection(url, password, "127.0.0.1")
+
+        assert [(await login("right")).status for _ in range(4)] == [200] * 4
+        assert [(await login("wrong")).status for _ in range(3)] == [401] * 3
+        reached = len(upstream.requests)
+        refused = await login("right")
+        assert refused.status == 429
+        assert len(upstream.requests) == reached
+        seen = await _login_over_new_connection(url, "right", "127.0.0.2")  # another key
+        assert "X-Cost" not in seen.headers
+        # 7 responses charged 10 units each before it (the refused request none): the yearly
+        # quota's remaining is what this request's decision left (cost 1 at admission, charged
+        # nothing then), and t counts to New Year in UTC.
+        now = datetime.now(UTC)
+        new_year = datetime(now.year + 1, 1, 1, tzinfo=UTC)
+        yearly = [item for item in seen.headers["RateLimit"].split(", ") if "yearly" in item]
+        assert yearly and yearly[0].startswith('"yearly";r=929;t=')
+        left_s = int(yearly[0].rsplit("t=", 1)[1])
+        assert abs(left_s - (new_year - now).total_seconds()) < 30
+        async with aiohttp.ClientSession() as session:
+            samples = await scrape_until(
+                session,
+                admin,
+                lambda got: value(got, "gateway_limit_charged_units_total", limit="yearly") == 80,
+            )
+        assert value(samples, "gateway_limit_charged_responses_total", limit="failed_logins") == 3
+
+
+async def _login_over_new_connection(
+    url: str, password: str, client: str
+) -> aiohttp.ClientResponse:
+    """A login on a new connection from ``client``: SO_REUSEPORT spreads those over the
+    workers."""
+    connector = aiohttp.TCPConnector(force_close=True, local_addr=(client, 0))
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        session.post(url + "/login", headers={"X-Password": password}) as resp,
+    ):
+        await resp.read()
+        return resp
