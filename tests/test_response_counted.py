@@ -361,3 +361,59 @@ async def _login_over_new_connection(
     ):
         await resp.read()
         return resp
+
+
+# With the other pieces: a plan giving one client fewer failures, a dry-run copy that counts
+# what it would refuse, and a leaky bucket stacked on the same route that delays.
+STACKED = """  failed_logins:
+    algorithm: fixed_window
+    limit: 5
+    window: 15m
+    match: {routes: [login]}
+    count: {statuses: [401]}
+    overrides: {127.0.0.1: {limit: 2}}
+  candidate:
+    algorithm: sliding_window
+    limit: 1
+    window: 15m
+    match: {routes: [login]}
+    count: {statuses: [401]}
+    dry_run: true
+  shaping:
+    algorithm: leaky_bucket
+    rate: 10r/s
+    burst: 20
+    delay: 20
+"""
+
+
+async def test_overrides_dry_run_and_stacking_with_a_delaying_limit(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    upstream.reply = _check_password
+    gw = await start_gateway(_policy(upstream.url, STACKED), clock=FakeClock(T0_US))
+    async with aiohttp.ClientSession() as session:
+
+        async def login(password: str) -> int:
+            async with session.post(gw.url + "/login", headers={"X-Password": password}) as resp:
+                await resp.read()
+                return resp.status
+
+        # The override's 2 failures, not the limit's 5; the dry-run copy (1 failure) was
+        # charged for the first, would have refused the second and third, and refused nothing.
+        assert [await login("wrong") for _ in range(3)] == [401, 401, 429]
+        assert len(upstream.requests) == 2
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda got: (
+                value(got, "gateway_limit_charged_responses_total", limit="failed_logins") == 2
+            ),
+        )
+        decided = "gateway_limit_decisions_total"
+        assert value(samples, decided, limit="candidate", result="dry_run_rejected") == 2
+        assert value(samples, "gateway_limit_charged_responses_total", limit="candidate") == 1
+        # The stacked leaky bucket admitted the two that went through; the refused request
+        # charged it nothing (nginx's rule: a refused request charges no limit).
+        assert value(samples, decided, limit="shaping", result="allowed") == 2
+        assert value(samples, decided, limit="shaping", result="rejected") == 0
