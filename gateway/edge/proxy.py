@@ -18,6 +18,7 @@ from gateway.edge.annotations import (
     CLIENT_IP,
     LIMIT_OUTCOME,
     LOCAL_ANSWER,
+    REPORTED_COSTS,
     ROUTE_NAME,
     UPSTREAM_ERROR,
     upstream_error_reason,
@@ -376,7 +377,12 @@ class ProxyHandler:
         engine = runtime.engine
         hidden = engine.hidden_headers
         if engine.cost_headers and outcome is not None and outcome.charge_after:
-            admitted.reported = _reported_costs(response.headers, engine.cost_headers)
+            reported = admitted.reported = _reported_costs(response.headers, engine.cost_headers)
+            if reported is not None:
+                request[REPORTED_COSTS] = {
+                    name.decode("latin-1"): value.decode("latin-1")
+                    for name, value in reported.items()
+                }
         try:
             status = response.status
             if (

@@ -24,6 +24,7 @@ from gateway.edge.annotations import (
     CLIENT_IP,
     LIMIT_OUTCOME,
     LOCAL_ANSWER,
+    REPORTED_COSTS,
     ROUTE_NAME,
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
@@ -477,6 +478,9 @@ def _log_access(
         "delay_ms": round(outcome.delay_s * 1000, 3) if outcome is not None else 0.0,
         "upstream_error": upstream_error,
     }
+    costs = request.get(REPORTED_COSTS)
+    if costs is not None:  # what the upstream said the request cost: a replay charges it
+        fields["costs"] = costs
     if runtime.settings.access_log_format == "json":
         # One JSON object per line, time included, never behind the text log prefix.
         access_log.info(json.dumps(json_line(fields), separators=(",", ":")), extra=JSON_EXTRA)
