@@ -160,6 +160,7 @@ async def _quota_left(session: aiohttp.ClientSession, gw: RunningGateway) -> int
     async with session.get(gw.admin_url + "/explain", params={"path": "/api"}) as resp:
         explained = await resp.json()
     (entry,) = [limit for limit in explained["limits"] if limit["name"] == "metered"]
+    assert entry["charged_after_response"] == {"statuses": "all", "cost_header": "X-Cost"}
     decision = entry["next_request"]
     return int(decision["remaining"]) + (entry["cost"] if decision["allowed"] else 0)
 

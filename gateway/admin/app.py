@@ -172,6 +172,13 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         "applies": look.applies,
         "waiting": limit.counters.waiting,
     }
+    counted = limit.spec
+    if counted.charged_after:
+        # Admitted while the key has room; what the response says is charged after it.
+        entry["charged_after_response"] = {
+            "statuses": list(counted.count.statuses) if counted.count is not None else "all",
+            "cost_header": counted.cost_header,
+        }
     if not look.applies:
         return entry
     entry["key"] = look.key
