@@ -532,11 +532,12 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
 
 
 def _status(value: object) -> int | None:
-    """A logged response status (an integer from 100 to 599), or None when there is none."""
-    if value is None:
-        return None
+    """A logged response status (100 to 599, a number or its digits), or None when there is
+    none or it is not one (the request is still replayed: the report says what that means)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 599:
-        raise ValueError(f"'status' {value!r} is not an HTTP status")
+        return None
     return value
 
 
