@@ -37,6 +37,7 @@ from tests.support.metrics import scrape_until, value
 from tests.support.processes import run_workers, wait_serving
 from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordedRequest, RecordingUpstream
+from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 redis_cluster = redis_harness.redis_cluster
@@ -418,3 +419,30 @@ async def test_overrides_dry_run_and_stacking_with_a_delaying_limit(
         # charged it nothing (nginx's rule: a refused request charges no limit).
         assert value(samples, decided, limit="shaping", result="allowed") == 2
         assert value(samples, decided, limit="shaping", result="rejected") == 0
+
+
+async def test_a_request_whose_client_leaves_the_queue_is_not_charged(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """A leaky bucket delays the second request a minute; its client leaves while it waits:
+    it never reaches the upstream, and the limit charged per response charges nothing."""
+    limits = METERED + (
+        "  shaping:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n"
+        "    max_delay: 120s\n"
+    )
+    gw = await start_gateway(_policy(upstream.url, limits))
+    metered = next(lim for lim in gw.gateway.handler.runtime.engine.limits if lim.name == "metered")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/api") as resp:
+            assert resp.status == 200
+        await _settled(gw)
+        assert metered.counters.charged_units == 3
+        with pytest.raises(TimeoutError):
+            async with session.get(gw.url + "/api", timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+        shaping = next(
+            lim for lim in gw.gateway.handler.runtime.engine.limits if lim.name == "shaping"
+        )
+        await wait_until(lambda: shaping.counters.waiting == 0, "the client to leave the queue")
+    assert len(upstream.requests) == 1
+    assert (metered.counters.charged_responses, metered.counters.charged_units) == (1, 3)

@@ -130,6 +130,7 @@ class ProxyHandler:
                         await engine.enter_queue(outcome)
                     except (asyncio.CancelledError, ShuttingDown):
                         await engine.give_back(outcome)
+                        outcome.charge_after = ()  # it never reached the upstream
                         raise
                     finally:
                         engine.leave_queue(outcome)

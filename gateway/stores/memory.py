@@ -92,7 +92,8 @@ class MemoryStore:
                 table = self._table(limit)
             now_us = clock.unix_us() if limit.calendar else clock.now_us()
             state = table.get(check.key)
-            charged, new_state = charge_what_fits(limit.algorithm, state, now_us, cost)
+            # The table's algorithm: a reload since the admission may have rescaled the states.
+            charged, new_state = charge_what_fits(table.algorithm, state, now_us, cost)
             if charged:
                 table.put(check.key, new_state, now_us)
             taken.append(charged)

@@ -575,7 +575,8 @@ class SharedStore:
                 raw = txn.get(key)
                 tick, state = (None, None) if raw is None else decode_state(raw)
                 at_us = clock.unix_us() if limit.calendar else now_us
-                charged, new_state = charge_what_fits(limit.algorithm, state, at_us, cost)
+                # The table's algorithm: a reload since the admission may have rescaled it.
+                charged, new_state = charge_what_fits(table.algorithm, state, at_us, cost)
                 if charged:
                     self._write_moved(txn, limit, key, tick, new_state, now_us, now_tick)
                 taken.append(charged)
