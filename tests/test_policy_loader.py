@@ -206,6 +206,9 @@ EXPECTED_ERRORS = {
     "count_leaky_bucket.yaml": "count_leaky_bucket.yaml:8: limits.login: count charges after "
     "the response, which a leaky_bucket cannot: it delays each request by the state it finds; "
     "use a token_bucket in reject mode or a window algorithm",
+    "count_override_warmup.yaml": "count_override_warmup.yaml:8: limits.metered: override "
+    "'key-1': cost_header charges after the response, which a token_bucket with warmup cannot: "
+    "its ramp is computed per request; remove warmup",
     "count_token_bucket_queue.yaml": "count_token_bucket_queue.yaml:8: limits.metered: "
     "cost_header charges after the response, which a token_bucket in queue mode cannot: a limit "
     "charged after the response never delays; use mode: reject",

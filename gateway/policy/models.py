@@ -1207,8 +1207,9 @@ class TokenBucketLimit(_LimitBase):
 OVERRIDE_PARAMS = frozenset(
     {"rate", "burst", "limit", "window", "nodelay", "delay", "warmup", "timezone"}
 )
-# What a plan's parameters are checked with but cannot change.
-_VARIANT_CONTEXT = frozenset({"calendar"})
+# What a plan's parameters are checked with but cannot change (a plan's warmup cannot ramp a
+# limit charged after the response).
+_VARIANT_CONTEXT = frozenset({"calendar", "count", "cost_header"})
 
 
 def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
