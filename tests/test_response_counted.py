@@ -4,6 +4,7 @@ real Redis; and each store's charge against the Python algorithm's."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from datetime import UTC, datetime
@@ -13,15 +14,22 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.algorithms.charging import charge_what_fits
 from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.registry import build_algorithm
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import FakeClock
+from gateway.engine.limit_engine import LimitEngine, Outcome
+from gateway.engine.preflight import parse_and_build
 from gateway.limits.compiled import Check
-from gateway.stores import LimitStore, RedisStore
+from gateway.limits.keys import RequestFacts
+from gateway.stores import LimitStore, MemoryStore, RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
 from tests.support.conformance import (
@@ -446,3 +454,77 @@ async def test_a_request_whose_client_leaves_the_queue_is_not_charged(
         await wait_until(lambda: shaping.counters.waiting == 0, "the client to leave the queue")
     assert len(upstream.requests) == 1
     assert (metered.counters.charged_responses, metered.counters.charged_units) == (1, 3)
+
+
+# The engine over the in-process store, against a model of a fixed window counted by its
+# responses: requests overlap (each admitted one completes some steps later), statuses and
+# reported costs are drawn at random.
+PROPERTY_LIMIT = 4
+PROPERTY_WINDOW_S = 60
+PROPERTY_POLICY = (
+    "server:\n  listen: 127.0.0.1:0\nupstreams:\n  backend:\n    url: http://127.0.0.1:9\n"
+    "routes:\n  - name: all\n    upstream: backend\n"
+    "limits:\n  failures:\n    algorithm: fixed_window\n"
+    f"    limit: {PROPERTY_LIMIT}\n    window: {PROPERTY_WINDOW_S}s\n"
+    "    count: {statuses: [401, 5xx]}\n    cost_header: X-Cost\n    cost: 2\n"
+)
+request_steps = st.lists(
+    st.tuples(
+        st.integers(0, 40),  # seconds before the request arrives
+        st.integers(0, 3),  # requests that complete before it, oldest first
+        st.sampled_from([200, 401, 404, 500, 503]),
+        st.sampled_from([None, "0", "1", "3", "9", "x"]),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=request_steps)
+def test_the_engine_admits_and_charges_as_the_model_does(
+    steps: list[tuple[int, int, int, str | None]],
+) -> None:
+    asyncio.run(_engine_against_the_model(steps))
+
+
+async def _engine_against_the_model(steps: list[tuple[int, int, int, str | None]]) -> None:
+    policy = parse_and_build(PROPERTY_POLICY, "test.yaml").policy
+    clock = FakeClock(T0_US)
+    store = MemoryStore(clock)
+    engine = LimitEngine(policy, store, build_algorithm)
+    store.configure(engine.limits, ())
+    (route,) = policy.routes
+    (limit,) = engine.limits
+    used: dict[int, int] = {}  # the model: units charged per window
+    in_flight: list[tuple[Outcome, int, str | None]] = []
+    matching = 0
+
+    def complete(outcome: Outcome, status: int, reported: str | None) -> None:
+        nonlocal matching
+        window = clock.now_us() // (PROPERTY_WINDOW_S * 1_000_000)
+        units = 0
+        if status == 401 or status >= 500:
+            units = 2 if reported is None or not reported.isdigit() else int(reported)
+            matching += units > 0  # a response that costs nothing is not a charge
+        before = limit.counters.charged_units
+        engine.charge_after(outcome, status, {b"x-cost": reported.encode()} if reported else None)
+        taken = min(units, PROPERTY_LIMIT - used.get(window, 0))
+        assert limit.counters.charged_units - before == taken
+        used[window] = used.get(window, 0) + taken
+
+    for wait_s, completing, status, reported in steps:
+        clock.advance(wait_s)
+        for _ in range(min(completing, len(in_flight))):
+            complete(*in_flight.pop(0))
+        facts = RequestFacts("10.0.0.1", route.name, "GET", CIMultiDictProxy(CIMultiDict()), dict)
+        outcome = await engine.evaluate(facts, route, "", "/", "10.0.0.1")
+        window = clock.now_us() // (PROPERTY_WINDOW_S * 1_000_000)
+        # Admitted exactly while the key has room for the request's cost (2) at decision time.
+        assert (not outcome.status) == (used.get(window, 0) + 2 <= PROPERTY_LIMIT)
+        if not outcome.status:
+            in_flight.append((outcome, status, reported))
+    while in_flight:
+        complete(*in_flight.pop(0))
+    assert limit.counters.charged_responses == matching
+    assert all(units <= PROPERTY_LIMIT for units in used.values())

@@ -282,7 +282,8 @@ class GatewayCollector(Collector):
         # Limits charged after the response (count:, cost_header:).
         charged = CounterMetricFamily(
             "gateway_limit_charged_responses",
-            "Responses a limit counted by its responses charged (their status matched).",
+            "Responses a limit counted by its responses charged (their status matched and "
+            "their cost was above 0).",
             labels=["limit"],
         )
         charged_units = CounterMetricFamily(
