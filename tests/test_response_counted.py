@@ -452,6 +452,8 @@ async def test_a_request_whose_client_leaves_the_queue_is_not_charged(
             lim for lim in gw.gateway.handler.runtime.engine.limits if lim.name == "shaping"
         )
         await wait_until(lambda: shaping.counters.waiting == 0, "the client to leave the queue")
+        # Nor is anything given back to it: the first response's charge stays.
+        assert await _quota_left(session, gw) == 17
     assert len(upstream.requests) == 1
     assert (metered.counters.charged_responses, metered.counters.charged_units) == (1, 3)
 

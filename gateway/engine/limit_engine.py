@@ -500,7 +500,11 @@ class LimitEngine:
     async def give_back(self, outcome: Outcome) -> None:
         """Refund a queued request that will not go on (its client left, or shutdown)."""
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
-        await asyncio.shield(self.store.refund(outcome.checks, charged_us))
+        checks = outcome.checks
+        if outcome.charge_after:
+            # A limit charged after the response took nothing at admission: nothing to give.
+            checks = [check for check in checks if check.limit.response_charge is None]
+        await asyncio.shield(self.store.refund(checks, charged_us))
 
     @staticmethod
     def _count_dry_run(dry: list[Check], verdicts: Sequence[CombinedDecision]) -> list[Check]:
