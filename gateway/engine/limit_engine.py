@@ -37,6 +37,7 @@ from gateway.stores.protocol import DecidesNow
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 _ADVERTISED_MAX = 1024
+_UNCAPPED = 1 << 62
 
 
 class Outcome:
@@ -46,6 +47,7 @@ class Outcome:
     dataclass's ``__init__`` is the one ``dataclasses`` writes at run time, interpreted."""
 
     __slots__ = (
+        "charge_after",
         "checks",
         "delay_s",
         "holds_places",
@@ -68,6 +70,7 @@ class Outcome:
         verdict: CombinedDecision | None = None,
         holds_places: bool = False,
         would_reject: Sequence[Check] = (),
+        charge_after: Sequence[Check] = (),
     ) -> None:
         self.status = status  # 0: go ahead (after ``delay_s``); otherwise reject with this
         self.delay_s = delay_s
@@ -82,6 +85,9 @@ class Outcome:
         # Dry-run checks that would have rejected this request: the keys a candidate limit
         # hits.
         self.would_reject = would_reject
+        # Checks of limits charged after the response (``count:``, ``cost_header:``) that
+        # admitted the request: ``charge_after`` charges them what the response says.
+        self.charge_after = charge_after
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _OUTCOME_FIELDS)
@@ -98,6 +104,7 @@ _OUTCOME_FIELDS: Final = (
     "verdict",
     "holds_places",
     "would_reject",
+    "charge_after",
 )
 
 
@@ -218,6 +225,22 @@ class LimitEngine:
                 limit, build_algorithm, _listed_in(limits[listed_in]) if listed_in else None
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
+        # Limits charged after the response: whether any (the request path asks once), the
+        # response headers their upstreams report costs in, and those removed before the
+        # client sees them (unless ``keep_cost_header``).
+        rules = [limit.response_charge for limit in self.limits]
+        charged = [rule for rule in rules if rule is not None]
+        self.counts_responses = bool(charged)
+        self.cost_headers: frozenset[bytes] = frozenset(
+            rule.cost_header.encode() for rule in charged if rule.cost_header is not None
+        )
+        self.hidden_headers: frozenset[bytes] = frozenset(
+            rule.cost_header.encode()
+            for rule in charged
+            if rule.cost_header is not None and not rule.keep_cost_header
+        )
+        # Charges in flight to a store that is awaited (Redis): kept until done.
+        self._charging: set[asyncio.Future[None]] = set()
         self.queue = DelayQueue()
         self.ipv6_prefix = policy.ipv6_prefix
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.
@@ -290,9 +313,11 @@ class LimitEngine:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
             if dry:
-                would_reject = self._count_dry_run(dry, await self.store.decide_each(dry))
-                if would_reject:
-                    return Outcome(would_reject=would_reject)
+                verdicts = await self.store.decide_each(dry)
+                would_reject = self._count_dry_run(dry, verdicts)
+                after = _dry_charged_after(dry, verdicts) if self.counts_responses else ()
+                if would_reject or after:
+                    return Outcome(would_reject=would_reject, charge_after=after)
             return ALLOW
         try:
             if dry:
@@ -304,6 +329,8 @@ class LimitEngine:
                 would_reject = self._count_dry_run(dry, verdicts)
                 if would_reject:
                     outcome.would_reject = would_reject
+                if self.counts_responses:
+                    outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts)
             else:
                 # Some requests are decided without a wait (a leased limit's unit at hand).
                 verdict = self.store.try_decide_now(enforced)
@@ -311,6 +338,8 @@ class LimitEngine:
                     outcome = self._settle(enforced, verdict, True)
                 else:
                     outcome = await self._enforce(enforced)
+                if self.counts_responses:
+                    outcome.charge_after = _charged_after(outcome, enforced, (), ())
         except BaseException:
             _release(enforced)
             raise
@@ -335,16 +364,23 @@ class LimitEngine:
             return _refuse_unlisted(refused.limit, True)
         try:
             would_reject: list[Check] = []
+            verdicts: list[CombinedDecision] = []
             if dry:
-                would_reject = self._count_dry_run(dry, [decide_now((check,)) for check in dry])
+                verdicts = [decide_now((check,)) for check in dry]
+                would_reject = self._count_dry_run(dry, verdicts)
             if not enforced:
-                return Outcome(would_reject=would_reject) if would_reject else ALLOW
+                after = _dry_charged_after(dry, verdicts) if self.counts_responses and dry else ()
+                if would_reject or after:
+                    return Outcome(would_reject=would_reject, charge_after=after)
+                return ALLOW
             outcome = self._settle(enforced, decide_now(enforced), True)
         except BaseException:
             _release(enforced)  # a store error: the places held for the queue go back
             raise
         if would_reject:
             outcome.would_reject = would_reject
+        if self.counts_responses:
+            outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts)
         return _hold_or_release(outcome, enforced)
 
     def _screen(self, client_ip: str) -> Outcome | None:
@@ -477,10 +513,54 @@ class LimitEngine:
         for check in _delaying(outcome):
             check.limit.counters.waiting -= 1
 
+    def charge_after(
+        self, outcome: Outcome, status: int, reported: dict[bytes, bytes] | None
+    ) -> None:
+        """Charge the limits counted by their responses what the response with ``status``
+        (and the upstream's cost headers, ``reported``, by lower-case name) says, as much as
+        each key has room for. In process at once; otherwise one store call in the background:
+        the response never waits for it, and a charge the store cannot make follows
+        ``on_failure`` there."""
+        checks: list[Check] = []
+        units: list[int] = []
+        for check in outcome.charge_after:
+            rule = check.limit.response_charge
+            if rule is None:
+                continue
+            value = None
+            if rule.cost_header is not None and reported:
+                raw = reported.get(rule.cost_header.encode())
+                value = raw.decode("latin-1") if raw is not None else None
+            cost = rule.charge(status, value, check.cost)
+            if cost > 0:
+                checks.append(check)
+                units.append(cost)
+        if not checks:
+            return
+        store = self._immediate
+        if store is not None:
+            _count_charges(checks, store.charge_now(checks, units))
+            return
+        task = asyncio.ensure_future(self._charge(checks, units))
+        self._charging.add(task)
+        task.add_done_callback(self._charging.discard)
+
+    async def _charge(self, checks: list[Check], units: list[int]) -> None:
+        _count_charges(checks, await self.store.charge(checks, units))
+
+    async def charges_done(self) -> None:
+        """Wait for the charges in flight (shutdown: before the store closes)."""
+        while self._charging:
+            await asyncio.gather(*self._charging, return_exceptions=True)
+
     async def give_back(self, outcome: Outcome) -> None:
         """Refund a queued request that will not go on (its client left, or shutdown)."""
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
-        await asyncio.shield(self.store.refund(outcome.checks, charged_us))
+        checks = outcome.checks
+        if outcome.charge_after:
+            # A limit charged after the response took nothing at admission: nothing to give.
+            checks = [check for check in checks if check.limit.response_charge is None]
+        await asyncio.shield(self.store.refund(checks, charged_us))
 
     @staticmethod
     def _count_dry_run(dry: list[Check], verdicts: Sequence[CombinedDecision]) -> list[Check]:
@@ -547,7 +627,9 @@ class LimitEngine:
                 parts = advertised[limit.name, decision.limit] = (
                     b'"%s";q=%d;w=%d' % (name, decision.limit, window),
                     b'"%s";r=' % name,
-                    window,
+                    # ``t`` counts to a calendar period's real end (a 31-day month, a 25-hour
+                    # day), past the nominal window it advertises.
+                    _UNCAPPED if limit.calendar else window,
                 )
             policy_item, state_start, window = parts
             if rejecting and index in rejecting:
@@ -574,6 +656,38 @@ class LimitEngine:
                 % (decision.limit, max(0, decision.remaining), resets[tightest])
             )
         return b"".join(lines)
+
+
+def _charged_after(
+    outcome: Outcome,
+    enforced: Sequence[Check],
+    dry: Sequence[Check],
+    dry_verdicts: Sequence[CombinedDecision],
+) -> list[Check]:
+    """The checks of limits charged after the response: an admitted request's enforced ones,
+    and the dry-run ones that would have admitted it (as an enforced limit would be charged)."""
+    after: list[Check] = []
+    if not outcome.status:
+        after = [check for check in enforced if check.limit.response_charge is not None]
+    if dry:
+        after += _dry_charged_after(dry, dry_verdicts)
+    return after
+
+
+def _dry_charged_after(dry: Sequence[Check], verdicts: Sequence[CombinedDecision]) -> list[Check]:
+    return [
+        check
+        for check, verdict in zip(dry, verdicts, strict=True)
+        if check.limit.response_charge is not None and verdict.allowed
+    ]
+
+
+def _count_charges(checks: Sequence[Check], taken: Sequence[int]) -> None:
+    """Count each limit's charged responses and the units they took."""
+    for check, units in zip(checks, taken, strict=True):
+        counters = check.limit.counters
+        counters.charged_responses += 1
+        counters.charged_units += units
 
 
 def _plan_of(limit: CompiledLimit, facts: RequestFacts) -> str:

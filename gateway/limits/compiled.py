@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
+from gateway.algorithms.calendar_window import CalendarWindow
 from gateway.limits.keys import KeyBuilder
+from gateway.limits.response_charge import ResponseCharge
 from gateway.limits.routing import CompiledMatch
 from gateway.policy.models import Limit, Route
 from gateway.policy.overrides import Tiering
@@ -26,6 +28,15 @@ class DecisionCounts(NamedTuple):
     rejected: int = 0
     dry_run_delayed: int = 0
     dry_run_rejected: int = 0
+
+
+class ChargeCounts(NamedTuple):
+    """What a limit charged after the response did: responses charged, the units they took
+    (what each key had room for, up to its cost), and charges the store could not make."""
+
+    charged_responses: int = 0
+    charged_units: int = 0
+    charge_failures: int = 0
 
 
 @dataclass(slots=True)
@@ -44,11 +55,19 @@ class LimitCounters:
     # Requests between the queue-bound check and their decision (or their place in the queue):
     # counted against max_queue too, so requests decided together cannot overfill the queue.
     deciding: int = 0
+    # A limit charged after the response: responses charged, the units they were charged
+    # (each takes what its key has room for, up to that), and charges the store could not make.
+    charged_responses: int = 0
+    charged_units: int = 0
+    charge_failures: int = 0
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(
             self.allowed, self.delayed, self.rejected, self.dry_run_delayed, self.dry_run_rejected
         )
+
+    def charges(self) -> ChargeCounts:
+        return ChargeCounts(self.charged_responses, self.charged_units, self.charge_failures)
 
 
 @dataclass(slots=True)
@@ -67,6 +86,11 @@ class CompiledLimit:
     tiering: Tiering | None = None
     # The name of this limit's state table: ``name``, or ``name~N`` for an override's variant.
     table: str = ""
+    # What a response is charged (``count:``, ``cost_header:``); None for a limit charged when
+    # it admits. A store never writes such a limit's decisions: its ``charge`` does.
+    response_charge: ResponseCharge | None = None
+    # Decided on calendar time (``Clock.unix_us``): a calendar window.
+    calendar: bool = False
     # The spec's figures each request reads, copied from it: compiled, an attribute of the
     # pydantic model is a generic attribute lookup, one of these a field read.
     dry_run: bool = field(init=False)
@@ -82,6 +106,13 @@ class CompiledLimit:
         self.max_delay = spec.max_delay
         self.max_queue = spec.max_queue
         self.status = spec.status
+        if self.response_charge is None and (
+            spec.count is not None or spec.cost_header is not None
+        ):
+            self.response_charge = ResponseCharge(
+                spec.count, spec.cost_header, spec.keep_cost_header
+            )
+        self.calendar = isinstance(self.algorithm, CalendarWindow)
 
     def applies(self, route: Route, host: str, path: str, method: str) -> bool:
         if self.routes is not None and route.name not in self.routes:

@@ -44,6 +44,9 @@ class Request(NamedTuple):
     host: str | None
     headers: tuple[tuple[str, str], ...]
     forwarded_for: str | None  # an X-Forwarded-For value, when the log has one
+    status: int | None = None  # the response's status, when the log has one
+    # Cost headers the upstream reported (the gateway's log records them), by lower-case name.
+    costs: tuple[tuple[str, str], ...] = ()
 
 
 class Malformed(NamedTuple):
@@ -67,6 +70,11 @@ class ReadStats:
     has_forwarded_for: bool = False
     has_headers: bool = False
     has_host: bool = False
+    has_status: bool = False
+    has_costs: bool = False
+    # Calendar time minus the log's instants, when they are on another clock (the gateway's
+    # ``t_us`` is monotonic; its ``ts`` is calendar time): what calendar windows are read by.
+    unix_offset_us: int | None = None
     own_records: int = 0  # the gateway's own log lines beside its access lines: skipped
 
     def bad(self, source: str, line: int, reason: str) -> None:
@@ -144,7 +152,7 @@ def numbered_lines(opened: Opened, stats: ReadStats) -> Iterator[tuple[int, str]
 # "$http_referer" "$http_user_agent", then optional extra fields ("$http_x_forwarded_for",
 # $msec, $request_time). nginx escapes '"' in logged strings as \x22.
 _COMBINED = re.compile(
-    r'(\S+) \S+ (?:"[^"]*"|\S+) \[([^\]]+)\] "([^"]*)" (?:\d{3}|-) \S+'
+    r'(\S+) \S+ (?:"[^"]*"|\S+) \[([^\]]+)\] "([^"]*)" (\d{3}|-) \S+'
     r'(?: "[^"]*" "[^"]*")?(.*)'
 )
 _EXTRA = re.compile(r'"([^"]*)"|(\S+)')
@@ -202,7 +210,7 @@ def _split_request_line(request_line: str) -> tuple[str, str] | None:
 
 # One request of a second not yet spread: (request_time_us, line, address, method, target,
 # forwarded_for).
-_Pending = tuple[int, int, str, str, str, str | None]
+_Pending = tuple[int, int, str, str, str, str | None, int | None]
 
 
 def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
@@ -227,7 +235,11 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                     if row.strip():
                         stats.bad(name, number, "not an nginx combined log line")
                     continue
-                address, time_text, request_line, rest = row
+                address, time_text, request_line, status_text, rest = row
+                status: int | None = None
+                if status_text != "-":
+                    status = int(status_text)
+                    stats.has_status = True
                 try:
                     request = split_lines[request_line]
                 except KeyError:
@@ -253,7 +265,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                             yield from _spread(group, group_second, stats, name)
                             group.clear()
                         group_second = last_second
-                    group.append((0, number, address, method, target, None))
+                    group.append((0, number, address, method, target, None, status))
                     continue
                 forwarded_for: str | None = None
                 msec_us: int | None = None
@@ -288,6 +300,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         None,
                         (),
                         forwarded_for,
+                        status,
                     )
                     continue
                 if group_second != last_second:
@@ -295,7 +308,9 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         yield from _spread(group, group_second, stats, name)
                         group.clear()
                     group_second = last_second
-                group.append((request_time_us, number, address, method, target, forwarded_for))
+                group.append(
+                    (request_time_us, number, address, method, target, forwarded_for, status)
+                )
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
     except OSError as failed:  # one name per type: compiled, a shared one is typed as the first
@@ -309,7 +324,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
 # The log read in pieces of about this many bytes, each matched as a whole.
 _PIECE_BYTES = 1 << 16
 _COMBINED_LINES = re.compile(f"^(?:{_COMBINED.pattern})$", re.MULTILINE)
-_Row = tuple[str, str, str, str]
+_Row = tuple[str, str, str, str, str]
 
 
 def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
@@ -381,11 +396,19 @@ def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> 
                 None,
                 (),
                 forwarded_for,
+                status,
+                (),
             ),
         )
-        for index, (request_time_us, line, address, method, target, forwarded_for) in enumerate(
-            group
-        )
+        for index, (
+            request_time_us,
+            line,
+            address,
+            method,
+            target,
+            forwarded_for,
+            status,
+        ) in enumerate(group)
     ]
 
 
@@ -466,6 +489,8 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                 else:
                     raise ValueError("no 't_us' or 'ts'")
                 address = _text(obj, "client")
+                if stats.unix_offset_us is None and "ts" in obj and "t_us" in obj:
+                    stats.unix_offset_us = parse_ts(obj["ts"]) - t_us
             else:
                 t_us = parse_ts(obj.get("ts"))
                 address = _text(obj, "ip")
@@ -481,6 +506,16 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                     raise ValueError("'headers' is not an object of text values")
                 headers = tuple(raw_headers.items())
                 stats.has_headers = True
+            status = _status(obj.get("status"))
+            costs: tuple[tuple[str, str], ...] = ()
+            raw_costs = obj.get("costs")
+            if raw_costs is not None:
+                if not isinstance(raw_costs, dict) or not all(
+                    isinstance(v, str) for v in raw_costs.values()
+                ):
+                    raise ValueError("'costs' is not an object of text values")
+                costs = tuple((name.lower(), value) for name, value in raw_costs.items())
+                stats.has_costs = True
         except ValueError as exc:
             stats.bad(name, number, str(exc))
             continue
@@ -496,7 +531,21 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                     host = value
         if host is not None:
             stats.has_host = True
-        yield Request(t_us, name, number, address, method, target, host, headers, forwarded_for)
+        if status is not None:
+            stats.has_status = True
+        yield Request(
+            t_us, name, number, address, method, target, host, headers, forwarded_for, status, costs
+        )
+
+
+def _status(value: object) -> int | None:
+    """A logged response status (100 to 599, a number or its digits), or None when there is
+    none or it is not one (the request is still replayed: the report says what that means)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 599:
+        return None
+    return value
 
 
 # -- the table of formats, detection and the whole set of logs ------------------------------

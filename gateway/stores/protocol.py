@@ -33,7 +33,9 @@ class LimitStore(Protocol):
     verdicts_on_clock: bool
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
-        """Decide all checks at one instant; with ``commit``, store the new states if allowed.
+        """Decide all checks at one instant; with ``commit``, store the new states if allowed
+        (but for a limit charged after the response: ``charge`` charges it). A calendar window
+        decides at calendar time (``Clock.unix_us``, or Redis ``TIME``).
 
         A check whose delay would exceed its ``max_delay_s`` turns the verdict into a rejection
         (``combine.refuse_long_delays``) before anything is stored.
@@ -48,6 +50,12 @@ class LimitStore(Protocol):
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         """Decide and commit each check on its own (dry-run limits do not stack)."""
+        ...
+
+    async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        """Charge each check (of a limit charged after the response) ``units``, as much as
+        its key has room for: what each took. Never raises: a charge the store cannot make
+        is counted (``charge_failures``) and follows ``on_failure``."""
         ...
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
@@ -82,6 +90,10 @@ class DecidesNow(LimitStore, Protocol):
 
     def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """``decide``, returned rather than awaited."""
+        ...
+
+    def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        """``charge``, returned rather than awaited."""
         ...
 
 
