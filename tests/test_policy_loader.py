@@ -59,7 +59,7 @@ EXPECTED_ERRORS = {
     "expected nginx syntax like '10r/s' or '30r/m'",
     "limit_unknown_algorithm.yaml": "limit_unknown_algorithm.yaml:9: limits.per_ip.algorithm: "
     "unknown algorithm 'leaky': expected one of leaky_bucket, fixed_window, sliding_window, "
-    "sliding_log, token_bucket",
+    "sliding_log, token_bucket, concurrency",
     "limit_zero_window.yaml": "limit_zero_window.yaml:11: limits.per_ip.window: window must be "
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
@@ -98,7 +98,7 @@ EXPECTED_ERRORS = {
     "Input should be less than or equal to 128",
     "limit_missing_algorithm.yaml": "limit_missing_algorithm.yaml:8: limits.per_ip: "
     "algorithm is missing: give one of leaky_bucket, fixed_window, sliding_window, sliding_log, "
-    "token_bucket",
+    "token_bucket, concurrency",
     "limit_zero_warmup.yaml": "limit_zero_warmup.yaml:8: limits.per_ip: "
     "warmup must be a positive number of seconds, got 0.0",
     "limit_window_under_1us.yaml": "limit_window_under_1us.yaml:8: limits.per_ip: "
@@ -141,6 +141,37 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
+    "concurrency_cost_over_limit.yaml": "concurrency_cost_over_limit.yaml:8: limits.per_client: "
+    "cost (3) exceeds limit (2): a request needing more slots than the limit has could never "
+    "be admitted",
+    "concurrency_route_cost_over_limit.yaml": "concurrency_route_cost_over_limit.yaml:8: "
+    "limits.per_client: cost.routes.api (5) exceeds limit (4): a request needing more slots "
+    "than the limit has could never be admitted",
+    "concurrency_plan_under_cost.yaml": "concurrency_plan_under_cost.yaml:8: limits.per_client: "
+    "plan 'small': cost (2) exceeds limit (1): a request needing more slots than the limit has "
+    "could never be admitted",
+    "concurrency_leased.yaml": "concurrency_leased.yaml:8: limits.per_client: concurrency "
+    "cannot be leased: a slot is given back when its request ends, and a batch of slots taken "
+    "ahead would be held by nobody",
+    "concurrency_zero_limit.yaml": "concurrency_zero_limit.yaml:10: limits.per_client.limit: "
+    "Input should be greater than or equal to 1",
+    "concurrency_not_enforced_yet.yaml": "concurrency_not_enforced_yet.yaml:9: "
+    "limits.per_client.algorithm: concurrency limits are not enforced by this version of the "
+    "gateway yet: remove this limit",
+    "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "
+    "min_limit (10) cannot exceed max_limit (5)",
+    "adaptive_zero_buffer.yaml": "adaptive_zero_buffer.yaml:5: upstreams.backend.adaptive.buffer: "
+    "Input should be greater than 0",
+    "adaptive_zero_sample_interval.yaml": "adaptive_zero_sample_interval.yaml:5: "
+    "upstreams.backend.adaptive.sample_interval: must be longer than 0: the limit would be "
+    "measured without pause",
+    "adaptive_jitter_over_1.yaml": "adaptive_jitter_over_1.yaml:5: "
+    "upstreams.backend.adaptive.jitter: Input should be less than or equal to 1",
+    "adaptive_misspelt_key.yaml": "adaptive_misspelt_key.yaml:5: "
+    "upstreams.backend.adaptive.min_limt: unknown key: did you mean `min_limit`?",
+    "adaptive_not_enforced_yet.yaml": "adaptive_not_enforced_yet.yaml:4: "
+    "upstreams.backend.adaptive: adaptive limits are not enforced by this version of the "
+    "gateway yet: remove adaptive",
 }
 
 

@@ -24,6 +24,7 @@ from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.routing import CompiledMatch, compile_match
 from gateway.policy.models import (
     Access,
+    ConcurrencyLimit,
     LeakyBucketLimit,
     Limit,
     LimitMatch,
@@ -90,6 +91,8 @@ def _window_s(spec: Limit) -> float:
     """The window advertised in ``RateLimit-Policy`` (``w``): how long the quota takes to refill."""
     if isinstance(spec, WindowLimit):
         return float(spec.window)
+    if isinstance(spec, ConcurrencyLimit):
+        return 0.0  # slots are given back, not refilled: no quota is advertised for them
     quota = spec.burst + 1 if isinstance(spec, LeakyBucketLimit) else spec.burst
     return quota / spec.rate.per_second
 
