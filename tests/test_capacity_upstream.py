@@ -4,8 +4,6 @@ process over loopback, since the adaptive tests and bench/adaptive_curves.py rel
 from __future__ import annotations
 
 import asyncio
-import re
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,8 +15,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 
 from capacity_upstream import CapacityQueue
+from offered_load import offer
 
-BENCH = Path(__file__).parent.parent / "bench"
+from tests.capacity_harness import capacity_upstream
 
 
 def test_the_queue_serves_capacity_at_once_and_the_rest_in_order() -> None:
@@ -45,24 +44,9 @@ def test_the_capacity_changes_at_run_time() -> None:
 
 
 @pytest.fixture
-def upstream_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    process = subprocess.Popen(
-        [sys.executable, str(BENCH / "capacity_upstream.py"), "--port", "0",
-         "--capacity", "2", "--service-ms", "200"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        match = re.search(r":(\d+)$", line.strip())
-        assert match, line
-        yield process, f"http://127.0.0.1:{match.group(1)}"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-        if process.stdout is not None:
-            process.stdout.close()
+def base() -> Iterator[str]:
+    with capacity_upstream(capacity=2, service_ms=200) as url:
+        yield url
 
 
 @pytest.fixture
@@ -95,9 +79,8 @@ async def _until(session: aiohttp.ClientSession, base: str, **want: float) -> di
 
 
 async def test_beyond_its_capacity_requests_queue(
-    upstream_process: tuple[subprocess.Popen[str], str], session: aiohttp.ClientSession
+    base: str, session: aiohttp.ClientSession
 ) -> None:
-    _, base = upstream_process
     latencies = sorted(await asyncio.gather(*(_timed_get(session, base) for _ in range(4))))
     # Two served at once (200 ms), two after them (400 ms): sleeps are never short.
     assert latencies[0] >= 0.2
@@ -106,10 +89,7 @@ async def test_beyond_its_capacity_requests_queue(
     assert stats["peak_in_flight"] == 4 and stats["served"] == 4
 
 
-async def test_up_to_its_capacity_nothing_waits(
-    upstream_process: tuple[subprocess.Popen[str], str], session: aiohttp.ClientSession
-) -> None:
-    _, base = upstream_process
+async def test_up_to_its_capacity_nothing_waits(base: str, session: aiohttp.ClientSession) -> None:
     first = asyncio.gather(*(_timed_get(session, base) for _ in range(2)))
     await _until(session, base, in_service=2)
     assert (await _stats(session, base))["queued"] == 0
@@ -117,9 +97,8 @@ async def test_up_to_its_capacity_nothing_waits(
 
 
 async def test_raising_the_capacity_starts_the_waiting_at_once(
-    upstream_process: tuple[subprocess.Popen[str], str], session: aiohttp.ClientSession
+    base: str, session: aiohttp.ClientSession
 ) -> None:
-    _, base = upstream_process
     requests = asyncio.gather(*(_timed_get(session, f"{base}/?ms=2000") for _ in range(4)))
     await _until(session, base, in_service=2, queued=2)
     async with session.put(f"{base}/_capacity?c=4") as response:
@@ -135,9 +114,8 @@ async def test_raising_the_capacity_starts_the_waiting_at_once(
 
 
 async def test_a_client_that_leaves_the_line_is_not_served(
-    upstream_process: tuple[subprocess.Popen[str], str], session: aiohttp.ClientSession
+    base: str, session: aiohttp.ClientSession
 ) -> None:
-    _, base = upstream_process
     held = asyncio.gather(*(_timed_get(session, f"{base}/?ms=1000") for _ in range(2)))
     await _until(session, base, in_service=2)
     async with aiohttp.ClientSession() as impatient:
@@ -150,3 +128,16 @@ async def test_a_client_that_leaves_the_line_is_not_served(
     await held
     stats = await _until(session, base, in_service=0)
     assert stats["served"] == 2
+
+
+async def test_an_open_loop_keeps_sending_while_the_queue_grows(base: str) -> None:
+    """bench/offered_load.py at 25 requests a second for a second, against 10 a second of
+    capacity: the stream does not slow down with the upstream, so the last wait longest."""
+    offered = await offer(base, 25, 1.0, seed=7)
+    assert offered.dropped == 0
+    assert 10 <= len(offered.sent) <= 45
+    assert all(sent.status == 200 for sent in offered.sent)
+    assert max(s.at_s for s in offered.sent) > 0.5  # sent over the second, not in a burst
+    # n requests at 10 a second take (n - 2) / 10 s at least after the first two.
+    slowest = max(s.latency_s for s in offered.sent)
+    assert slowest >= (len(offered.sent) - 2) / 10 - 1.0
