@@ -10,6 +10,10 @@ bench/upstream.py, or nginx answering the same body with ``--upstream-impl nginx
 bench/README.md.
 
     python bench/bench_proxy.py --duration 10 --repeats 3 --connections 64,256
+
+``--targets edge`` compares a pool of two upstream servers with one (round robin, the same
+gateway otherwise), and the gateway with TLS on its listener with nginx with TLS (one worker
+each, a self-signed certificate, keep-alive connections).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -73,6 +78,12 @@ LIMIT_TARGETS = {
     GW_THREE: (THREE_LIMITS, False),
     GW_THREE_REDIS: (THREE_LIMITS, True),
 }
+# The edge comparison: a pool of two upstream servers (round robin) against the one-server
+# gw-nolimit, and TLS on the listener against nginx with TLS.
+GW_POOL2 = "gw-pool2"
+GW_TLS = "gw-tls"
+NGINX_TLS = "nginx-tls"
+EDGE_TARGETS = (GW_NONE, GW_POOL2, GW_TLS, NGINX_TLS)
 ALL_TARGETS = (
     UPSTREAM,
     NGINX_TARGET,
@@ -81,6 +92,9 @@ ALL_TARGETS = (
     GATEWAY_1W,
     GATEWAY_2W,
     *LIMIT_TARGETS,
+    GW_POOL2,
+    GW_TLS,
+    NGINX_TLS,
 )
 DEFAULT_TARGETS = (UPSTREAM, NGINX_TARGET, NAIVE, GATEWAY_1W, GATEWAY_2W)
 BASE_SUFFIX = "@base"  # a gateway target started from --baseline-root
@@ -242,8 +256,15 @@ class RunningTarget:
     note: str
 
 
-def http_get(port: int, path: str, timeout_s: float) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+def http_get(port: int, path: str, timeout_s: float, tls: bool = False) -> tuple[int, bytes]:
+    conn: http.client.HTTPConnection
+    if tls:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE  # the harness's own self-signed certificate
+        conn = http.client.HTTPSConnection(HOST, port, timeout=timeout_s, context=context)
+    else:
+        conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
     try:
         conn.request("GET", path)
         response = conn.getresponse()
@@ -276,11 +297,11 @@ def wait_ready(started: Started, checks: Sequence[Callable[[], bool]], timeout_s
         time.sleep(0.1)
 
 
-def serves_body(port: int) -> Callable[[], bool]:
+def serves_body(port: int, tls: bool = False) -> Callable[[], bool]:
     """Readiness that also proves the proxy chain works: the upstream's exact body."""
 
     def check() -> bool:
-        status, body = http_get(port, "/bench?ready=1", 2.0)
+        status, body = http_get(port, "/bench?ready=1", 2.0, tls)
         if status == 200 and body != BODY:
             raise StartError(f"port {port} answered 200 with an unexpected body: {body[:80]!r}")
         return status == 200
@@ -313,8 +334,22 @@ def nginx_user() -> str:
     return f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};"
 
 
-def nginx_config(prefix: Path, port: int, upstream_port: int, limit: bool = False) -> str:
+def nginx_config(
+    prefix: Path,
+    port: int,
+    upstream_port: int,
+    limit: bool = False,
+    tls: tuple[Path, Path] | None = None,
+) -> str:
     user = nginx_user()
+    listen = f"{HOST}:{port}"
+    ssl_lines = ""
+    if tls is not None:
+        listen += " ssl"
+        ssl_lines = (
+            f"ssl_certificate {tls[0]};\n        ssl_certificate_key {tls[1]};\n"
+            "        ssl_protocols TLSv1.2 TLSv1.3;\n        keepalive_requests 1000000000;"
+        )
     # The never-binding limit of gw-1limit, as nginx writes it.
     zone = "limit_req_zone $binary_remote_addr zone=per_ip:10m rate=1000000r/s;" if limit else ""
     limit_req = "limit_req zone=per_ip burst=100000 nodelay;" if limit else ""
@@ -341,7 +376,8 @@ http {{
         keepalive 64;
     }}
     server {{
-        listen {HOST}:{port};
+        listen {listen};
+        {ssl_lines}
         location / {{
             {limit_req}
             proxy_pass http://backend;
@@ -415,7 +451,62 @@ class Harness:
         self.upstream_impl = upstream_impl
         self.baseline_root = baseline_root
         self.upstream_port = 0
+        self.second_upstream_port = 0
         self.redis_url: str | None = None
+        self._tls_pair: tuple[Path, Path] | None = None
+
+    def tls_pair(self) -> tuple[Path, Path]:
+        """A self-signed certificate and key for 127.0.0.1, made once (EC P-256, as is usual)."""
+        if self._tls_pair is None:
+            cert, key = self.work_dir / "bench.crt", self.work_dir / "bench.key"
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                 "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                 "-keyout", str(key), "-out", str(cert)],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            self._tls_pair = (cert, key)
+        return self._tls_pair
+
+    def start_second_upstream(self) -> None:
+        """Another upstream like the first, for the pool of two."""
+        if self.second_upstream_port:
+            return
+        port = free_port()
+        argv = [sys.executable, str(BENCH_DIR / "upstream.py"), "--port", str(port)]
+        argv += ["--impl", "httptools"]
+        started = self.procs.start(UPSTREAM + "-2", pinned(self.plan.upstream, argv))
+        self._ready_or_stop(started, [serves_body(port)])
+        self.second_upstream_port = port
+
+    def start_edge_gateway(self, name: str) -> RunningTarget:
+        """One gateway worker, no limits: upstream a pool of two servers (gw-pool2), or TLS on
+        its listener (gw-tls)."""
+        port, admin_port = free_port(), free_port()
+        upstream = f"http://{HOST}:{self.upstream_port}"
+        text = policy_text(NO_LIMITS, upstream)
+        tls = name == GW_TLS
+        if name == GW_POOL2:
+            self.start_second_upstream()
+            second = f"http://{HOST}:{self.second_upstream_port}"
+            text = text.replace(f"    url: {upstream}\n", f"    servers: [{upstream}, {second}]\n")
+            note = "python -m gateway run POLICY --workers 1: servers: [two upstreams], round robin"
+        else:
+            cert, key = self.tls_pair()
+            text = f"server:\n  tls: {{cert: {cert}, key: {key}}}\n" + text
+            note = "python -m gateway run POLICY --workers 1: server.tls (EC P-256), keep-alive"
+        policy = self.work_dir / f"policy-{name}.yaml"
+        policy.write_text(text)
+        argv = [sys.executable, "-m", "gateway", "run", "--config", str(policy)]
+        argv += ["--listen", f"{HOST}:{port}", "--admin-listen", f"{HOST}:{admin_port}"]
+        argv += ["--workers", "1"]
+        env = {"GATEWAY_LOOP_LAG_FILE": str(self.lag_file(name))}
+        started = self.procs.start(
+            name, pinned(self.plan.single_proxy, argv), cwd=REPO_ROOT, env=env
+        )
+        self._ready_or_stop(started, [healthz(admin_port), serves_body(port, tls)])
+        scheme = "https" if tls else "http"
+        return RunningTarget(name, f"{scheme}://{HOST}:{port}/", started, note)
 
     def lag_file(self, name: str) -> Path:
         """Where a gateway target's loop-lag probe writes (gateway/observability/loop_lag.py)."""
@@ -491,20 +582,24 @@ class Harness:
         note = "nginx worker_processes 1, return 200 BODY, unlimited keep-alive, access_log off"
         return RunningTarget(UPSTREAM, f"http://{HOST}:{port}/", started, note)
 
-    def start_nginx(self, limit: bool = False) -> RunningTarget:
-        name = NGINX_LIMIT if limit else NGINX_TARGET
+    def start_nginx(self, limit: bool = False, tls: bool = False) -> RunningTarget:
+        name = NGINX_LIMIT if limit else NGINX_TLS if tls else NGINX_TARGET
         port = free_port()
         prefix = self.work_dir / f"nginx-{port}"
         prefix.mkdir()
         conf = prefix / "nginx.conf"
-        conf.write_text(nginx_config(prefix, port, self.upstream_port, limit))
+        pair = self.tls_pair() if tls else None
+        conf.write_text(nginx_config(prefix, port, self.upstream_port, limit, pair))
         argv = [NGINX, "-p", f"{prefix}/", "-c", str(conf), "-e", str(prefix / "error.log")]
         started = self.procs.start(name, pinned(self.plan.single_proxy, argv))
-        self._ready_or_stop(started, [serves_body(port)])
+        self._ready_or_stop(started, [serves_body(port, tls)])
         note = "nginx worker_processes 1, upstream keepalive 64, access_log off"
         if limit:
             note += ", limit_req rate=1000000r/s burst=100000 nodelay"
-        return RunningTarget(name, f"http://{HOST}:{port}/", started, note)
+        if tls:
+            note += ", listen ssl (EC P-256, TLSv1.2 TLSv1.3)"
+        scheme = "https" if tls else "http"
+        return RunningTarget(name, f"{scheme}://{HOST}:{port}/", started, note)
 
     def start_naive(self) -> RunningTarget:
         port = free_port()
@@ -849,6 +944,8 @@ def limit_pairs(names: Sequence[str]) -> list[tuple[str, str]]:
     for name in LIMIT_TARGETS:  # this checkout against the baseline's, target by target
         pairs.append((name, name + BASE_SUFFIX))
     pairs.append((NGINX_LIMIT, NGINX_TARGET))
+    # the edge: a pool of two against one server; TLS against nginx's TLS, and against none
+    pairs += [(GW_POOL2, GW_NONE), (GW_TLS, NGINX_TLS), (GW_TLS, GW_NONE)]
     return [(a, b) for a, b in pairs if a in names and b in names]
 
 
@@ -856,7 +953,7 @@ def limit_markdown(results: dict[tuple[str, int], list[Measured]]) -> str:
     """Req/s, p99 and CPU per request of a target over its reference: ratio of the medians
     and, in brackets, the range of the same ratio within each round."""
     lines = [
-        "Limits: target over reference (in brackets: the range within each round)",
+        "Limits and edge: target over reference (in brackets: the range within each round)",
         "",
         "| conns | target | reference | req/s | p99 | CPU per request |",
         "|---:|---|---|---:|---:|---:|",
@@ -902,7 +999,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--targets",
         default=",".join(DEFAULT_TARGETS),
         help=f"comma list from {','.join(ALL_TARGETS)}; 'limits' adds {','.join(LIMIT_TARGETS)}"
-        f" and {NGINX_LIMIT}",
+        f" and {NGINX_LIMIT}; 'edge' adds {','.join(EDGE_TARGETS)}",
     )
     parser.add_argument(
         "--baseline-root",
@@ -928,7 +1025,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.connections = [int(c) for c in args.connections.split(",") if c]
     targets: list[str] = []
     for name in (t for t in args.targets.split(",") if t):
-        targets += [*LIMIT_TARGETS, NGINX_LIMIT] if name == "limits" else [name]
+        if name == "limits":
+            targets += [*LIMIT_TARGETS, NGINX_LIMIT]
+        elif name == "edge":
+            targets += EDGE_TARGETS
+        else:
+            targets.append(name)
     if args.baseline_root is not None:
         args.baseline_root = args.baseline_root.resolve()
         # Each limit target right after its baseline twin: the same moment's noise for both.
@@ -1010,6 +1112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             starters: dict[str, Callable[[], RunningTarget]] = {
                 NGINX_TARGET: harness.start_nginx,
                 NGINX_LIMIT: lambda: harness.start_nginx(limit=True),
+                NGINX_TLS: lambda: harness.start_nginx(tls=True),
+                GW_POOL2: lambda: harness.start_edge_gateway(GW_POOL2),
+                GW_TLS: lambda: harness.start_edge_gateway(GW_TLS),
                 NAIVE: harness.start_naive,
                 GATEWAY_1W: lambda: harness.start_gateway(1),
                 GATEWAY_2W: lambda: harness.start_gateway(2),
@@ -1086,7 +1191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = [summarise(name, conns, runs) for (name, conns), runs in results.items()]
     ratio_table = ratios(results)
     print(markdown(summaries, ratio_table))
-    if any(name.startswith("gw-") or name == NGINX_LIMIT for name, _ in results):
+    if any(name.startswith("gw-") or name in (NGINX_LIMIT, NGINX_TLS) for name, _ in results):
         print()
         print(limit_markdown(results))
     for name, reason in skipped.items():

@@ -3,14 +3,16 @@ the dashboard's sign-in), and the secrets kept out of ``/policy`` and the logs."
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+import os
+import signal
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
-from playwright.async_api import Browser, async_playwright
+from playwright.async_api import Browser
 
 from gateway.admin.auth import COOKIE, AdminTokenError, resolve_admin_token
 from gateway.engine.preflight import parse_and_build
@@ -18,11 +20,13 @@ from gateway.policy.loader import LoadedPolicy, PolicyError
 from gateway.policy.models import Policy, ServerSettings
 from gateway.serving.lifecycle import Gateway, StartupError
 from gateway.stores import MemoryStore
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.processes import parent_pid, run_workers
+from tests.support.upstreams import RecordingUpstream
 
 TOKEN = "s3cret-admin-token-0123456789"
 TIMEOUT = aiohttp.ClientTimeout(total=10)
-CHROMIUM = "/usr/bin/chromium"
 LIMIT = "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: 1\n    window: 1h\n"
 
 # Every admin endpoint, by method and path, that the token guards by default.
@@ -130,16 +134,6 @@ async def test_browser_signs_in_with_a_form_and_gets_a_get_only_cookie(
         forged = {"Cookie": f"{COOKIE}={'0' * 64}"}
     async with aiohttp.ClientSession(timeout=TIMEOUT) as fresh:
         assert await _status(fresh, "GET", gw.admin_url + "/policy", headers=forged) == 401
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM)
-        try:
-            yield browser
-        finally:
-            await browser.close()
 
 
 async def test_dashboard_works_in_chromium_after_signing_in(
@@ -285,3 +279,76 @@ def test_a_store_url_the_client_refuses_is_one_line_without_its_password() -> No
     assert str(started.value) == (
         "store: a Redis Cluster has only database 0, got 'redis://***@127.0.0.1:1/1'"
     )
+
+
+ROTATED = "a-rotated-admin-token-5550123"
+
+
+async def _statuses(admin_url: str, headers: dict[str, str], connections: int = 20) -> set[int]:
+    """``GET /policy`` on ``connections`` new connections (SO_REUSEPORT spreads them over the
+    workers: all on one of two, one time in 2**19); the statuses seen."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
+        return {
+            await _status(session, "GET", admin_url + "/policy", headers=headers)
+            for _ in range(connections)
+        }
+
+
+async def _wait_for_log(log: Path, text: str, count: int, within_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while (found := await asyncio.to_thread(log.read_text)).count(text) < count:
+        assert loop.time() < deadline, f"{count} x {text!r} not logged: {found}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("source", "trigger"),
+    [("admin_token_file", "SIGHUP"), ("GATEWAY_ADMIN_TOKEN_FILE", "POST /reload")],
+)
+async def test_rewriting_the_token_file_rotates_the_token_in_every_worker(
+    upstream: RecordingUpstream, tmp_path: Path, source: str, trigger: str
+) -> None:
+    """``gateway run --workers 2``: the token file rewritten, the policy file untouched, then
+    SIGHUP to the supervisor or ``POST /reload`` (which one worker answers): from then on the
+    old token and a cookie signed in with it get 401 on both workers, the new token 200.
+    (Before, an unchanged policy returned "unchanged" before the file was read again: the old
+    token kept working and the new one got 401.)"""
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(TOKEN + "\n")
+    server = f"  admin_token_file: {token_file}\n" if source == "admin_token_file" else ""
+    env = {"GATEWAY_ADMIN_TOKEN_FILE": str(token_file)} if server == "" else {}
+    async with run_workers(upstream.url, tmp_path, LIMIT, 2, server=server, env=env) as (
+        _,
+        admin,
+        pids,
+    ):
+        log = tmp_path / "gateway.log"
+        await _wait_for_log(log, "serving on", 2, within_s=60)
+        old = {"Authorization": f"Bearer {TOKEN}"}
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT) as session,
+            session.post(admin + "/login", data={"token": TOKEN}, allow_redirects=False) as resp,
+        ):
+            assert resp.status == 303
+            cookie = {"Cookie": f"{COOKIE}={resp.cookies[COOKIE].value}"}
+        assert await _statuses(admin, old) == {200}
+        assert await _statuses(admin, cookie) == {200}
+
+        token_file.write_text(ROTATED + "\n")
+        if trigger == "SIGHUP":
+            os.kill(parent_pid(pids()[0]), signal.SIGHUP)
+        else:
+            async with (
+                aiohttp.ClientSession(timeout=TIMEOUT) as session,
+                session.post(admin + "/reload", headers=old) as resp,
+            ):
+                assert (resp.status, (await resp.json())["result"]) == (200, "ok")
+        await _wait_for_log(log, "the token is rotated", 2)
+        assert await _statuses(admin, old) == {401}
+        assert await _statuses(admin, cookie) == {401}
+        assert await _statuses(admin, {"Authorization": f"Bearer {ROTATED}"}) == {200}
+    logged = await asyncio.to_thread(log.read_text)
+    assert ROTATED not in logged and TOKEN not in logged

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nginx_harness import nginx_available
+from tests.support.nginx_harness import nginx_available
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 from capacity_upstream import CapacityQueue
 from offered_load import offer
 
-from tests.capacity_harness import capacity_upstream
+from tests.support.capacity import capacity_upstream
 
 
 def test_the_queue_serves_capacity_at_once_and_the_rest_in_order() -> None:

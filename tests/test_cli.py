@@ -229,3 +229,43 @@ def test_log_format_json_makes_every_line_a_json_object(tmp_path: Path) -> None:
     serving = [r for r in records if "serving on" in r.get("message", "")]
     assert serving and serving[0]["logger"] == "gateway" and serving[0]["level"] == "INFO"
     assert [r["path"] for r in records if "path" in r] == ["/a?x=1", "/b"]
+
+
+@pytest.mark.reliability
+def test_check_binds_the_listen_addresses_as_nginx_t_does(tmp_path: Path) -> None:
+    """An address on no local interface: ``check`` refuses it with its line, as ``run``
+    refuses it; an address in use is accepted (it may be the running gateway's own)."""
+    policy = tmp_path / "policy.yaml"
+    template = (
+        "server:\n  listen: {listen}\n  admin_listen: 127.0.0.1:0\n"
+        "upstreams:\n  backend:\n    url: http://127.0.0.1:9\n"
+        "routes:\n  - name: all\n    upstream: backend\n"
+    )
+    policy.write_text(template.format(listen="192.0.2.1:8080"))  # TEST-NET-1: nobody's
+    checked = _gateway("check", str(policy))
+    assert checked.returncode == 1
+    assert checked.stderr == (
+        f"{policy}:2: server.listen: cannot listen on 192.0.2.1:8080: cannot assign requested "
+        "address (no local interface has this address)\n"
+    )
+    run = _gateway("run", "--config", str(policy))
+    assert _one_line_no_traceback(run) == (
+        "gateway: cannot listen on 192.0.2.1:8080 (proxy): cannot assign requested address"
+    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        policy.write_text(template.format(listen=f"127.0.0.1:{busy.getsockname()[1]}"))
+        assert _gateway("check", str(policy)).returncode == 0
+
+
+@pytest.mark.reliability
+def test_run_refuses_listen_and_admin_listen_on_one_port_from_the_command_line() -> None:
+    result = _gateway(
+        "run", "--upstream", "http://127.0.0.1:9",
+        "--listen", "0.0.0.0:18999", "--admin-listen", "127.0.0.1:18999", "--workers", "2",
+    )  # fmt: skip
+    assert _one_line_no_traceback(result) == (
+        "gateway: the proxy (0.0.0.0:18999) and the admin listener (127.0.0.1:18999) take the "
+        "same port: give the admin listener a port of its own"
+    )

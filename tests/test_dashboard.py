@@ -9,76 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser
 
 from gateway.clock import FakeClock
-from gateway.engine.preflight import load_and_build
-from tests import redis_harness
-from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.redis_harness import RedisServer
-from tests.support import (
-    PER_IP_BURST_4,
-    TIMEOUT,
-    Samples,
-    get_status,
-    limited_policy,
-    replace_file,
-    run_workers,
-    scrape,
-    scrape_until,
-    value,
-)
+from gateway.engine.preflight import load_and_build, parse_and_build
+from tests.support import redis_harness
+from tests.support.browser import artifacts_dir, dashboard_field, until_shown
+from tests.support.gateways import GatewayFactory
+from tests.support.metrics import Samples, scrape, scrape_until, value
+from tests.support.network import TIMEOUT, get_status
+from tests.support.policies import PER_IP_BURST_4, limited_policy, replace_file
+from tests.support.processes import run_workers
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordingUpstream
 
-CHROMIUM = "/usr/bin/chromium"
 redis_server = redis_harness.redis_server
 
 STATIC = Path(__file__).resolve().parent.parent / "gateway" / "static" / "dashboard"
 SHADOW = "  shadow:\n    algorithm: fixed_window\n    limit: 6\n    window: 1h\n    dry_run: true\n"
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM)
-        try:
-            yield browser
-        finally:
-            await browser.close()
-
-
-async def wait_until(
-    page: Page, condition: Callable[[], object], what: str, within_s: float = 8.0
-) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {within_s}s waiting for {what}")
-        await asyncio.sleep(0.1)
-
-
-async def field(page: Page, limit: str, name: str) -> str:
-    return await page.inner_text(f'#limit-{limit} [data-field="{name}"]')
-
-
-def artifacts_dir(tmp_path: Path) -> Path:
-    directory = Path(os.environ.get("GATEWAY_TEST_ARTIFACTS", tmp_path))
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
 
 
 async def test_dashboard_shows_rejections_live_and_agrees_with_metrics(
@@ -98,10 +54,8 @@ async def test_dashboard_shows_rejections_live_and_agrees_with_metrics(
 
     await page.goto(gw.admin_url + "/dashboard")
     assert page.url == gw.admin_url + "/dashboard/"
-    await wait_until(
-        page, lambda: page.locator("#limit-per_ip").count(), "the limit's card to be drawn"
-    )
-    assert await field(page, "per_ip", "rejected-total") == "0"
+    await until_shown(lambda: page.locator("#limit-per_ip").count(), "the limit's card to be drawn")
+    assert await dashboard_field(page, "per_ip", "rejected-total") == "0"
 
     # rate 1r/m, burst 4, clock frozen: 5 of 12 requests admitted, 7 rejected; the dry-run
     # limit (6 per hour) would have rejected 6.
@@ -110,18 +64,18 @@ async def test_dashboard_shows_rejections_live_and_agrees_with_metrics(
         assert statuses.count(429) == 7
 
         async def rejected_shown() -> bool:
-            return await field(page, "per_ip", "rejected-total") == "7"
+            return await dashboard_field(page, "per_ip", "rejected-total") == "7"
 
-        await wait_until(page, rejected_shown, "the rejected total to reach 7")
+        await until_shown(rejected_shown, "the rejected total to reach 7")
         samples, _ = await scrape(session, gw.admin_url)
 
     metric_rejected = value(
         samples, "gateway_limit_decisions_total", limit="per_ip", result="rejected"
     )
-    assert int(await field(page, "per_ip", "rejected-total")) == metric_rejected == 7
-    assert int(await field(page, "per_ip", "allowed-total")) == 5
-    assert await field(page, "per_ip", "ratio") == f"{7 / 12:.1%}"
-    assert await field(page, "shadow", "rejected-total") == "6"
+    assert int(await dashboard_field(page, "per_ip", "rejected-total")) == metric_rejected == 7
+    assert int(await dashboard_field(page, "per_ip", "allowed-total")) == 5
+    assert await dashboard_field(page, "per_ip", "ratio") == f"{7 / 12:.1%}"
+    assert await dashboard_field(page, "shadow", "rejected-total") == "6"
     assert await page.is_visible("#limit-shadow .badge.dry")
     assert await page.inner_text("#limit-per_ip .top tbody") == "127.0.0.1\t7\t0"
 
@@ -230,7 +184,7 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     await page.goto(gw.admin_url + "/dashboard/")
-    await wait_until(page, lambda: page.locator("#limit-smooth").count(), "the limit's card")
+    await until_shown(lambda: page.locator("#limit-smooth").count(), "the limit's card")
 
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         # Store and policy, as /metrics and /policy tell them.
@@ -245,14 +199,14 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
         assert await page.inner_text("#reload") == "none (0 ok, 0 failed)"
 
         # Queue depth while the delayed requests wait, then the waits' p50 / p99.
-        assert await field(page, "smooth", "waiting") == "0"
+        assert await dashboard_field(page, "smooth", "waiting") == "0"
         sending = [asyncio.create_task(get_status(session, gw.url + "/")) for _ in range(5)]
 
         async def queue_shown() -> bool:
-            depth = await field(page, "smooth", "waiting")
+            depth = await dashboard_field(page, "smooth", "waiting")
             return depth.isdigit() and 1 <= int(depth) <= 4
 
-        await wait_until(page, queue_shown, "a queue depth of 1 to 4", within_s=3)
+        await until_shown(queue_shown, "a queue depth of 1 to 4", within_s=3)
         assert await asyncio.gather(*sending) == [200] * 5
         samples, _ = await scrape(session, gw.admin_url)
         wait = "gateway_limit_queue_wait_seconds"
@@ -268,12 +222,12 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
 
         async def waits_shown() -> bool:
             return (
-                await field(page, "smooth", "wait") == expected_wait
-                and await field(page, "smooth", "waiting") == "0"
+                await dashboard_field(page, "smooth", "wait") == expected_wait
+                and await dashboard_field(page, "smooth", "waiting") == "0"
             )
 
-        await wait_until(page, waits_shown, f"p50 / p99 {expected_wait} and an empty queue", 3)
-        assert await field(page, "smooth", "delayed-total") == "4"
+        await until_shown(waits_shown, f"p50 / p99 {expected_wait} and an empty queue", 3)
+        assert await dashboard_field(page, "smooth", "delayed-total") == "4"
 
         # One reload from the edited file: the result and the new policy's hash.
         replace_file(path, limited_policy(upstream.url, smooth.replace("burst: 5", "burst: 6")))
@@ -289,7 +243,7 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
                 await page.inner_text("#policy") == new_sha[:12]
             )
 
-        await wait_until(page, reload_shown, "the reload and the new hash", within_s=3)
+        await until_shown(reload_shown, "the reload and the new hash", within_s=3)
         assert await page.get_attribute("#reload", "data-result") == "ok"
 
         # A failed reload: shown with its error; the running policy (and its hash) stays.
@@ -301,7 +255,7 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
         async def failure_shown() -> bool:
             return await page.get_attribute("#reload", "data-result") == "failed"
 
-        await wait_until(page, failure_shown, "the failed reload", within_s=3)
+        await until_shown(failure_shown, "the failed reload", within_s=3)
         assert re.fullmatch(r"failed at .+ \(1 ok, [12] failed\)", await page.inner_text("#reload"))
         assert await page.get_attribute("#reload", "title") == error
         assert await page.inner_text("#policy") == new_sha[:12]
@@ -362,9 +316,52 @@ async def test_dashboard_shows_the_whole_gateway_with_two_workers(
             return (
                 await page.inner_text("#requests-total") == str(requests)
                 and await page.locator("#limit-per_ip").count() == 1
-                and await field(page, "per_ip", "allowed-total") == str(requests)
+                and await dashboard_field(page, "per_ip", "allowed-total") == str(requests)
             )
 
-        await wait_until(page, whole_gateway_shown, f"{requests} requests on the page", 5)
+        await until_shown(whole_gateway_shown, f"{requests} requests on the page", 5)
         assert await page.inner_text("#workers") == "2 (0, 1)"
         await page.close()
+
+
+async def test_dashboard_shows_which_upstream_servers_are_up(
+    make_upstream: Callable[[], Awaitable[RecordingUpstream]],
+    start_gateway: GatewayFactory,
+    browser: Browser,
+) -> None:
+    alive = await make_upstream()
+    dead = await make_upstream()
+    dead_port = dead.port
+    await dead.runner.cleanup()
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        f"upstreams:\n  pool:\n    servers: [{alive.url}, http://127.0.0.1:{dead_port}]\n"
+        "    max_fails: 1\n    fail_timeout: 1m\n"
+        "routes:\n  - name: all\n    upstream: pool\n"
+    )
+    gw = await start_gateway(parse_and_build(policy))
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        statuses = [await get_status(session, gw.url + "/") for _ in range(4)]
+        assert statuses == [200] * 4  # the refused attempt went on to the other server
+        samples, _ = await scrape(session, gw.admin_url)
+    down = f"127.0.0.1:{dead_port}"
+    up = f"127.0.0.1:{alive.port}"
+    state = "gateway_upstream_server_state"
+    assert value(samples, state, upstream="pool", server=down, state="down") == 1
+    assert value(samples, state, upstream="pool", server=up, state="up") == 1
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gw.admin_url + "/dashboard/")
+    chips = page.locator('#server-pools .pool[data-upstream="pool"] .server')
+    await until_shown(lambda: chips.count(), "the pool's servers")
+
+    async def shown() -> dict[str, str]:
+        return {
+            (await chip.inner_text()).split(" ")[0]: str(await chip.get_attribute("data-state"))
+            for chip in await chips.all()
+        }
+
+    assert await shown() == {up: "up", down: "down"}
+    assert not errors
+    await page.close()

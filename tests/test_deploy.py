@@ -11,7 +11,6 @@ import re
 import shutil
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,21 +23,14 @@ import yaml
 from gateway.cli.supervisor import EXIT_STARTUP
 from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.policy.models import ServerSettings, StoreSettings, split_host_port
-from tests.conftest import GatewayFactory
-from tests.support import free_port
-from tests.test_packaging import _final_stage, dockerfile_env
+from tests.support.dockerfile import dockerfile_env, final_stage
+from tests.support.gateways import GatewayFactory
+from tests.support.network import free_port
+from tests.support.processes import LoggedProcess as Process
+from tests.support.waiting import wait_for_status
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = aiohttp.ClientTimeout(total=5)
-
-
-@dataclass
-class Process:
-    proc: asyncio.subprocess.Process
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 Spawn = Callable[..., Awaitable[Process]]
@@ -68,25 +60,6 @@ async def spawn(tmp_path: Path) -> AsyncIterator[Spawn]:
         if running.proc.returncode is None:
             running.proc.kill()
             await running.proc.wait()
-
-
-async def wait_for_status(
-    process: Process, url: str, status: int = 200, within_s: float = 20.0
-) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-        while loop.time() < deadline:
-            if process.proc.returncode is not None:
-                raise AssertionError(f"exited early:\n{process.log()}")
-            try:
-                async with session.get(url) as resp:
-                    if resp.status == status:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} did not answer {status} within {within_s}s:\n{process.log()}")
 
 
 def compose() -> dict[str, dict[str, dict[str, object]]]:
@@ -126,7 +99,7 @@ async def test_compose_backend_serves_json_about_the_request_and_no_files(spawn:
 
 def image_command(*cmd: str) -> list[str]:
     """The image's ENTRYPOINT (and CMD unless ``cmd`` replaces it), as this interpreter runs it."""
-    stage = dict(_final_stage())
+    stage = dict(final_stage())
     entrypoint = json.loads(stage["ENTRYPOINT"])
     assert entrypoint[0] == "gateway"
     args = list(cmd) if cmd else json.loads(stage.get("CMD", "[]"))
@@ -137,7 +110,7 @@ def image_env(port: int, admin_port: int) -> dict[str, str]:
     """The image's ENV with its paths mapped to this checkout through its COPY lines and its
     0.0.0.0 listeners moved to loopback ports (tests use loopback only)."""
     env = dockerfile_env()
-    copies = [rest.split() for k, rest in _final_stage() if k == "COPY" and "--from" not in rest]
+    copies = [rest.split() for k, rest in final_stage() if k == "COPY" and "--from" not in rest]
     for name, value in env.items():
         for *sources, dst in copies:
             if len(sources) == 1 and value.startswith(dst.rstrip("/") + "/"):

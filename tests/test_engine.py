@@ -20,7 +20,7 @@ from gateway.limits.routing import RouteTable
 from gateway.policy.models import Route
 from gateway.stores import MemoryStore
 from gateway.stores.shared.lmdb_store import SharedStore
-from tests.support import policy_for
+from tests.support.policies import policy_for
 
 ROUTES = (
     "  - name: api\n    upstream: backend\n    match: {path_prefix: /api/}\n"

@@ -32,8 +32,9 @@ there the upstream must see the body cut off, never a clean end it would take as
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -41,7 +42,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
-from tests.conftest import GatewayFactory, RunningGateway, policy_for
+from gateway.clock import FakeClock
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.policies import policy_for
+from tests.support.waiting import wait_until
 
 MAX_HEADER_SIZE = 8190  # the policy default ``server.max_header_size``
 MAX_HEADERS = 100  # the policy default ``server.max_headers``
@@ -428,19 +432,10 @@ def response_count(response: bytes) -> int:
     return len(_STATUS_LINE_RE.findall(response))
 
 
-async def _wait_for(condition: Callable[[], bool], what: str, within_s: float = 3.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def _gateway_idle(gw: RunningGateway) -> None:
     """Wait (bounded) until the gateway has let go of every client connection."""
     server = gw.gateway.server
-    await _wait_for(lambda: server.open_connections == 0, "the gateway to close its connections")
+    await wait_until(lambda: server.open_connections == 0, "the gateway to close its connections")
 
 
 async def _assert_serves_normal_request(gw: RunningGateway) -> None:
@@ -600,7 +595,7 @@ async def test_body_that_breaks_mid_stream_never_completes_upstream(
     try:
         writer.write(case.head + case.good_part)
         await writer.drain()
-        await _wait_for(lambda: len(counting_upstream.seen) == 1, "the head to reach the upstream")
+        await wait_until(lambda: len(counting_upstream.seen) == 1, "the head to reach the upstream")
         if case.bad_part is None:
             writer.close()
             await writer.wait_closed()
@@ -613,7 +608,7 @@ async def test_body_that_breaks_mid_stream_never_completes_upstream(
             assert status_of(reply.data) in (0, 400), reply.data[:300]
     finally:
         writer.close()
-    await _wait_for(
+    await wait_until(
         lambda: counting_upstream.seen[0].outcome != "pending", "the upstream body to end"
     )
     assert counting_upstream.seen[0].outcome == "aborted"
@@ -697,3 +692,31 @@ async def test_gateway_serves_after_whole_corpus_on_one_instance(
     for _ in range(3):
         await _assert_serves_normal_request(gw)
     assert counting_upstream.requests() == [("GET", "/healthy")] * 3
+
+
+@pytest.mark.slow
+async def test_the_corpus_on_both_listeners_logs_one_line_per_cause_and_no_traceback(
+    counting_upstream: CountingUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The whole corpus, once to the proxy listener and once to the admin listener: nothing
+    at ERROR and no traceback (before: one ERROR "Error handling request" and its traceback
+    for most of them), one INFO line per listener and cause, naming the peer (the clock
+    stands still: every repeat of a cause is suppressed)."""
+    caplog.set_level(logging.DEBUG)
+    gw = await start_gateway(_start_policy(counting_upstream), clock=FakeClock())
+    for port in (gw.port, gw.gateway.admin_port):
+        for start in range(0, len(HOSTILE), 8):
+            batch = HOSTILE[start : start + 8]
+            await asyncio.gather(
+                *(send_raw(port, case.data, half_close=case.half_close) for case in batch)
+            )
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.client"]
+    print(f"\n{2 * len(HOSTILE)} hostile requests on two listeners: {len(lines)} lines")
+    prefix = re.compile(r"client protocol error on the (proxy|admin) listener from 127\.0\.0\.1: ")
+    assert all(prefix.match(line) and "\n" not in line for line in lines), lines
+    assert len(lines) == len(set(lines))  # each cause once
+    assert {line.split()[5] for line in lines} == {"proxy", "admin"}

@@ -9,7 +9,9 @@ from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from gateway.clock import FakeClock
 from gateway.limits.keys import KeyBuilder, RequestFacts
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.upstreams import RecordingUpstream
 
 
 def facts(

@@ -1,5 +1,5 @@
 """The package's layers: each package imports only from the layers below it, no module imports
-itself through others, and no module name is used twice (the README's module map)."""
+itself through others, and no module name is used twice (docs/architecture.md maps them)."""
 
 from __future__ import annotations
 

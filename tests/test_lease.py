@@ -30,22 +30,17 @@ from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.clients import PipelineClient, ThinClient
 from gateway.stores.redis.lease import load_lease_script
 from gateway.stores.redis.lease_grant import grant_size, want_within
-from tests import redis_harness, test_dashboard
-from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.redis_harness import RedisServer
-from tests.support import (
-    T0_US,
-    Samples,
-    burst,
-    get_status,
-    limited_policy,
-    scrape_until,
-    value,
-)
-from tests.test_dashboard import field, wait_until
+from tests.support import redis_harness
+from tests.support.browser import dashboard_field, until_shown
+from tests.support.conformance import T0_US, burst
+from tests.support.gateways import GatewayFactory
+from tests.support.metrics import Samples, scrape_until, value
+from tests.support.network import get_status
+from tests.support.policies import limited_policy
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordingUpstream
 
 redis_server = redis_harness.redis_server
-browser = test_dashboard.browser
 _prefixes = itertools.count()
 
 shares = st.integers(1, 1000)
@@ -454,11 +449,13 @@ store:
     async def lease_shown() -> bool:
         if not await page.locator("#limit-global .lease").is_visible():
             return False
-        return await field(page, "global", "lease-size") == "500"
+        return await dashboard_field(page, "global", "lease-size") == "500"
 
-    await wait_until(page, lease_shown, "the lease line beside the limit")
-    assert await field(page, "global", "lease-granted") == "1"
-    assert await field(page, "global", "lease-calls") == "0.0200"  # 1 call for 50 requests
+    await until_shown(lease_shown, "the lease line beside the limit")
+    assert await dashboard_field(page, "global", "lease-granted") == "1"
+    assert (
+        await dashboard_field(page, "global", "lease-calls") == "0.0200"
+    )  # 1 call for 50 requests
     assert not errors
 
 

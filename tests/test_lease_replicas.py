@@ -22,11 +22,11 @@ import pytest
 import redis
 from aiohttp import web
 
-from tests import redis_harness
-from tests.conftest import RecordedRequest, RecordingUpstream
-from tests.redis_harness import RedisFactory, RedisServer
-from tests.support import GatewayProcess as Gateway
-from tests.support import gateway_processes
+from tests.support import redis_harness
+from tests.support.processes import GatewayProcess as Gateway
+from tests.support.processes import gateway_processes
+from tests.support.redis_harness import RedisFactory, RedisServer
+from tests.support.upstreams import RecordedRequest, RecordingUpstream
 
 redis_factory = redis_harness.redis_factory
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
@@ -74,7 +74,7 @@ store:
 
 def gateways(
     policy_path: Path, count: int = len(CONNECTIONS)
-) -> contextlib.AbstractContextManager[list[Gateway]]:
+) -> contextlib.AbstractAsyncContextManager[list[Gateway]]:
     """``count`` gateway processes (``python -m gateway run``) on one policy."""
 
     def argv(port: int, admin_port: int) -> list[str]:
@@ -83,7 +83,7 @@ def gateways(
             *("--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"),
         ]
 
-    return gateway_processes(argv, count)
+    return gateway_processes(argv, count, policy_path.parent)
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ async def press(
                 async with session.get(url) as response:
                     await response.read()
             except aiohttp.ClientError:
-                if gateways[index].popen.poll() is not None:
+                if gateways[index].proc.returncode is not None:
                     return  # killed by the test
                 tally.other += 1
                 continue
@@ -227,7 +227,7 @@ async def test_three_replicas_with_uneven_traffic_admit_the_limit_each_window(
     path.write_text(policy(upstream.url, server.url, f"rep{os.getpid()}:"))
     arrivals = stamp(upstream)
     tally = Tally([0, 0, 0])
-    with gateways(path) as started:
+    async with gateways(path) as started:
         first = await window_start()
         calls_at = await press(started, 40.0, tally, windows_wanted=10, server=server)
         last = time.time()
@@ -274,14 +274,14 @@ async def test_a_replica_killed_holding_a_lease_strands_at_most_its_bound(
     path.write_text(policy(upstream.url, server.url, f"kill{os.getpid()}:"))
     arrivals = stamp(upstream)
     tally = Tally([0, 0, 0])
-    with gateways(path) as started:
+    async with gateways(path) as started:
         first = await window_start()
 
         async def kill() -> float:
             await asyncio.sleep(2.0)
             now = time.time()
             await asyncio.sleep(1.25 - (now % 1.0) if now % 1.0 > 0.25 else 0.25 - now % 1.0)
-            started[0].popen.send_signal(signal.SIGKILL)
+            started[0].proc.send_signal(signal.SIGKILL)
             return time.time()
 
         killed_at, _ = await asyncio.gather(kill(), press(started, 6.5, tally))
@@ -319,7 +319,7 @@ async def test_redis_down_replicas_spend_their_leases_then_follow_on_failure(
     path.write_text(
         policy(upstream.url, server.url, f"down{os.getpid()}:", "deny", limit=200, window="10s")
     )
-    with gateways(path, count=2) as started:
+    async with gateways(path, count=2) as started:
         if time.time() % 10 > 6:  # too near the end of a window: wait for the next
             await asyncio.sleep(10.2 - time.time() % 10)
         async with aiohttp.ClientSession() as session:

@@ -13,10 +13,9 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -24,12 +23,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.rawhttp import status_of
-from tests.support import free_port
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
+from tests.support.gateways import GatewayFactory
+from tests.support.network import TIMEOUT
+from tests.support.policies import policy_for, policy_template
+from tests.support.processes import StartGateway, alive, children, exit_code
+from tests.support.rawhttp import status_of
+from tests.support.upstreams import RecordingUpstream, SlowUpstream
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -41,15 +41,6 @@ def assert_no_errors_logged(caplog: pytest.LogCaptureFixture) -> None:
     """Cutting a connection is routine: it must not raise in a loop callback or log errors."""
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
-
-
-async def wait_for(condition: Callable[[], bool], what: str, within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {within_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def read_until_closed(reader: asyncio.StreamReader, within_s: float) -> tuple[bytes, bool]:
@@ -83,7 +74,7 @@ async def read_response(reader: asyncio.StreamReader) -> bytes:
 
 async def get_ok(url: str) -> str:
     async with (
-        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
         session.get(url) as resp,
     ):
         assert resp.status == 200, await resp.text()
@@ -123,7 +114,7 @@ async def test_slow_clients_cut_at_header_deadline_while_others_are_served(
         """Well-behaved requests on fresh connections, spread over the slow clients' lifetime."""
         served = 0
         async with aiohttp.ClientSession(
-            timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
+            timeout=TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
         ) as session:
             for i in range(30):
                 async with session.get(f"{gw.url}/normal/{i}") as resp:
@@ -214,7 +205,7 @@ async def test_connection_cap_refuses_extra_connections_with_503(
     server = gw.gateway.server
     idle = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(cap)]
     try:
-        await wait_for(lambda: server.open_connections == cap, "the idle connections to register")
+        await wait_until(lambda: server.open_connections == cap, "the idle connections to register")
         for _ in range(3):
             reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
             try:
@@ -228,7 +219,7 @@ async def test_connection_cap_refuses_extra_connections_with_503(
         assert all(not reader.at_eof() for reader, _ in idle)
         for _, writer in idle[:2]:
             writer.close()
-        await wait_for(lambda: server.open_connections == cap - 2, "two connections to close")
+        await wait_until(lambda: server.open_connections == cap - 2, "two connections to close")
         assert await get_ok(gw.url + "/after") == "ok GET /after"
         # A connection under the cap still works too.
         reader, writer = idle[2]
@@ -266,86 +257,6 @@ async def test_idle_keepalive_connection_is_closed_after_timeout(
 # -- real processes -----------------------------------------------------------------------------
 
 
-@dataclass
-class SlowUpstream:
-    """A real upstream that answers after ``delay_s`` (taken from the path: /delay/<seconds>)."""
-
-    port: int = 0
-    arrived: list[str] = field(default_factory=list)
-    peers: list[int] = field(default_factory=list)
-    answered: list[str] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@pytest.fixture
-async def slow_upstream() -> AsyncIterator[SlowUpstream]:
-    upstream = SlowUpstream()
-
-    async def handle(request: web.BaseRequest) -> web.StreamResponse:
-        upstream.arrived.append(request.raw_path)
-        peer = request.transport.get_extra_info("peername") if request.transport else None
-        upstream.peers.append(int(peer[1]) if peer else 0)
-        parts = request.path.split("/")
-        if len(parts) >= 3 and parts[1] == "delay":
-            await asyncio.sleep(float(parts[2]))
-        upstream.answered.append(request.raw_path)
-        return web.Response(text=f"done {request.raw_path}")
-
-    server = RawTestServer(handle, host="127.0.0.1")
-    await server.start_server()
-    assert server.port is not None
-    upstream.port = server.port
-    yield upstream
-    await server.close()
-
-
-@dataclass
-class GatewayProcess:
-    proc: asyncio.subprocess.Process
-    port: int
-    admin_port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (read from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Field 4 is the parent pid; the command name in parentheses may contain spaces.
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _tcp_sockets() -> dict[int, tuple[int, str]]:
     """Socket inode -> (local port, state hex) for every IPv4 TCP socket on the machine."""
     table = {}
@@ -372,88 +283,6 @@ _TCP_LISTEN = "0A"
 _TCP_ESTABLISHED = "01"
 
 
-@pytest.fixture
-async def gateway_process(
-    tmp_path: Path,
-) -> AsyncIterator[Callable[..., Awaitable[GatewayProcess]]]:
-    started: list[GatewayProcess] = []
-
-    async def start(
-        *args: str,
-        policy: str | None = None,
-        env: dict[str, str] | None = None,
-        wait_ready: bool = True,
-    ) -> GatewayProcess:
-        port, admin_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "gateway", "run"]
-        if policy is not None:
-            policy_file = tmp_path / f"policy-{len(started)}.yaml"
-            policy_file.write_text(policy.format(port=port, admin_port=admin_port))
-            cmd += ["--config", str(policy_file)]
-        else:
-            cmd += ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}"]
-        cmd += list(args)
-        log_path = tmp_path / f"gateway-{len(started)}.log"
-        with log_path.open("wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                cwd=REPO_ROOT,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            )
-        running = GatewayProcess(proc, port, admin_port, log_path)
-        started.append(running)
-        if wait_ready:
-            await _wait_ready(running)
-        return running
-
-    yield start
-    for running in started:
-        if running.proc.returncode is None:
-            for child in _children(running.proc.pid):
-                os.kill(child, signal.SIGKILL)
-            running.proc.kill()
-            await running.proc.wait()
-
-
-async def _wait_ready(running: GatewayProcess, within_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-        while loop.time() < deadline:
-            if running.proc.returncode is not None:
-                raise AssertionError(f"gateway exited early:\n{running.log()}")
-            try:
-                async with session.get(running.admin_url + "/readyz") as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"gateway not ready within {within_s}s:\n{running.log()}")
-
-
-async def _exit_code(running: GatewayProcess, within_s: float) -> int:
-    try:
-        return await asyncio.wait_for(running.proc.wait(), within_s)
-    except TimeoutError:
-        raise AssertionError(
-            f"gateway still running {within_s}s after SIGTERM:\n{running.log()}"
-        ) from None
-
-
-def _policy_file(upstream_url: str, server: str = "") -> str:
-    """A policy template; ``{port}`` and ``{admin_port}`` are filled in with free ports."""
-    return (
-        "server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}\n"
-        + server
-        + f"upstreams:\n  backend:\n    url: {upstream_url}\n    read_timeout: 60s\n"
-        "routes:\n  - name: all\n    upstream: backend\n"
-    )
-
-
 async def _can_connect(port: int) -> bool:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
@@ -465,14 +294,14 @@ async def _can_connect(port: int) -> bool:
 
 
 async def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(
-    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    slow_upstream: SlowUpstream, gateway_process: StartGateway
 ) -> None:
     gw = await gateway_process(
-        policy=_policy_file(slow_upstream.url, server="  shutdown_timeout: 10s\n")
+        policy=policy_template(slow_upstream.url, server="  shutdown_timeout: 10s\n")
     )
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession(
-        timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
+        timeout=TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
     ) as session:
 
         async def fetch(i: int) -> tuple[int, str]:
@@ -480,7 +309,7 @@ async def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(
                 return resp.status, await resp.text()
 
         in_flight = [asyncio.create_task(fetch(i)) for i in range(4)]
-        await wait_for(lambda: len(slow_upstream.arrived) == 4, "4 requests at the upstream")
+        await wait_until(lambda: len(slow_upstream.arrived) == 4, "4 requests at the upstream")
         gw.proc.send_signal(signal.SIGTERM)
         signalled_at = loop.time()
 
@@ -496,18 +325,18 @@ async def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(
 
         results = await asyncio.gather(*in_flight)
     assert results == [(200, f"done /delay/1.5/{i}") for i in range(4)]
-    assert await _exit_code(gw, 10.0 + 5.0) == 0
+    assert await exit_code(gw, 10.0 + 5.0) == 0
     assert loop.time() - signalled_at < 10.0
 
 
 async def test_sigterm_cuts_requests_longer_than_shutdown_timeout(
-    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    slow_upstream: SlowUpstream, gateway_process: StartGateway
 ) -> None:
     gw = await gateway_process(
-        policy=_policy_file(slow_upstream.url, server="  shutdown_timeout: 1s\n")
+        policy=policy_template(slow_upstream.url, server="  shutdown_timeout: 1s\n")
     )
     loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
 
         async def fetch() -> int | str:
             try:
@@ -518,10 +347,10 @@ async def test_sigterm_cuts_requests_longer_than_shutdown_timeout(
                 return type(exc).__name__
 
         request = asyncio.create_task(fetch())
-        await wait_for(lambda: len(slow_upstream.arrived) == 1, "the request at the upstream")
+        await wait_until(lambda: len(slow_upstream.arrived) == 1, "the request at the upstream")
         gw.proc.send_signal(signal.SIGTERM)
         signalled_at = loop.time()
-        assert await _exit_code(gw, 8.0) == 0
+        assert await exit_code(gw, 8.0) == 0
         exited_after = loop.time() - signalled_at
         outcome = await asyncio.wait_for(request, 5)
     # Cut at about the 1 s deadline, long before the upstream's 30 s answer.
@@ -531,10 +360,12 @@ async def test_sigterm_cuts_requests_longer_than_shutdown_timeout(
 
 
 async def test_two_workers_share_one_port_and_stop_on_sigterm(
-    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    slow_upstream: SlowUpstream, gateway_process: StartGateway
 ) -> None:
     gw = await gateway_process(
-        "--workers", "2", policy=_policy_file(slow_upstream.url, server="  shutdown_timeout: 2s\n")
+        "--workers",
+        "2",
+        policy=policy_template(slow_upstream.url, server="  shutdown_timeout: 2s\n"),
     )
     loop = asyncio.get_running_loop()
     # Both workers must be up, not only the first one to answer /readyz.
@@ -543,7 +374,7 @@ async def test_two_workers_share_one_port_and_stop_on_sigterm(
     def two_listening_workers() -> bool:
         workers[:] = []
         sockets = _tcp_sockets()
-        for pid in _children(gw.proc.pid):
+        for pid in children(gw.proc.pid):
             try:
                 inodes = _socket_inodes(pid)
             except OSError:
@@ -552,11 +383,11 @@ async def test_two_workers_share_one_port_and_stop_on_sigterm(
                 workers.append(pid)
         return len(workers) == 2
 
-    await wait_for(two_listening_workers, "two worker processes listening on the port", 20.0)
+    await wait_until(two_listening_workers, "two worker processes listening on the port", 20.0)
 
     # Fresh connections are spread over both (SO_REUSEPORT hashes each connection).
     async with aiohttp.ClientSession(
-        timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
+        timeout=TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)
     ) as session:
         for i in range(40):
             async with session.get(f"{gw.url}/n/{i}") as resp:
@@ -576,19 +407,19 @@ async def test_two_workers_share_one_port_and_stop_on_sigterm(
 
     gw.proc.send_signal(signal.SIGTERM)
     signalled_at = loop.time()
-    assert await _exit_code(gw, 2.0 + 8.0) == 0
-    await wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers to exit", 5.0)
+    assert await exit_code(gw, 2.0 + 8.0) == 0
+    await wait_until(lambda: not any(alive(pid) for pid in workers), "the workers to exit", 5.0)
     assert loop.time() - signalled_at < 10.0
     assert not await _can_connect(gw.port)
 
 
 async def test_run_with_upstream_url_and_no_policy_file(
-    upstream: RecordingUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    upstream: RecordingUpstream, gateway_process: StartGateway
 ) -> None:
     gw = await gateway_process("--upstream", upstream.url)
     assert await get_ok(gw.url + "/any/path?q=1") == "ok GET /any/path?q=1"
     async with (
-        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
         session.post(gw.url + "/upload", data=b"payload") as resp,
     ):
         assert resp.status == 200
@@ -597,11 +428,11 @@ async def test_run_with_upstream_url_and_no_policy_file(
         ("POST", "/upload", b"payload"),
     ]
     gw.proc.send_signal(signal.SIGTERM)
-    assert await _exit_code(gw, 10.0) == 0
+    assert await exit_code(gw, 10.0) == 0
 
 
 async def test_refuses_to_start_on_pure_python_parser(
-    upstream: RecordingUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    upstream: RecordingUpstream, gateway_process: StartGateway
 ) -> None:
     gw = await gateway_process(
         "--upstream", upstream.url, env={"AIOHTTP_NO_EXTENSIONS": "1"}, wait_ready=False
@@ -615,34 +446,34 @@ async def test_refuses_to_start_on_pure_python_parser(
 
 
 async def test_sighup_to_the_supervisor_reloads_every_worker_and_keeps_them(
-    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    slow_upstream: SlowUpstream, gateway_process: StartGateway
 ) -> None:
-    gw = await gateway_process("--workers", "2", policy=_policy_file(slow_upstream.url))
-    await wait_for(
+    gw = await gateway_process("--workers", "2", policy=policy_template(slow_upstream.url))
+    await wait_until(
         lambda: "worker 0 serving" in gw.log() and "worker 1 serving" in gw.log(),
         "both workers serving",
         20.0,
     )
-    workers = sorted(_children(gw.proc.pid))
+    workers = sorted(children(gw.proc.pid))
     gw.proc.send_signal(signal.SIGHUP)
     # Each worker re-reads the file; it has not changed, and each says so.
-    await wait_for(lambda: gw.log().count(" unchanged (sha256 ") == 2, "two workers reloading")
+    await wait_until(lambda: gw.log().count(" unchanged (sha256 ") == 2, "two workers reloading")
     await asyncio.sleep(0.5)
     assert gw.proc.returncode is None, gw.log()
-    assert sorted(_children(gw.proc.pid)) == workers  # no worker died and was restarted
+    assert sorted(children(gw.proc.pid)) == workers  # no worker died and was restarted
     async with (
-        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
         session.get(gw.url + "/after-hup") as resp,
     ):
         assert (resp.status, await resp.text()) == (200, "done /after-hup")
 
 
 async def test_sighup_without_a_policy_file_is_logged_not_fatal(
-    upstream: RecordingUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    upstream: RecordingUpstream, gateway_process: StartGateway
 ) -> None:
     gw = await gateway_process("--upstream", upstream.url)
     gw.proc.send_signal(signal.SIGHUP)
-    await wait_for(lambda: "no policy file to reload" in gw.log(), "the SIGHUP log line")
+    await wait_until(lambda: "no policy file to reload" in gw.log(), "the SIGHUP log line")
     assert gw.proc.returncode is None
     assert await get_ok(gw.url + "/after-hup") == "ok GET /after-hup"
 
@@ -743,11 +574,11 @@ def _reset_peak_rss(pid: int) -> None:
 async def test_200_mib_each_way_streams_through_with_bounded_memory(
     framing: str,
     streaming_upstream: tuple[str, list[StreamCount]],
-    gateway_process: Callable[..., Awaitable[GatewayProcess]],
+    gateway_process: StartGateway,
 ) -> None:
     upstream_url, uploads = streaming_upstream
     # The default max_body_size (100 MiB) would refuse the upload with 413.
-    gw = await gateway_process(policy=_policy_file(upstream_url, server="  max_body_size: 0\n"))
+    gw = await gateway_process(policy=policy_template(upstream_url, server="  max_body_size: 0\n"))
     pid = gw.proc.pid
     chunked = framing == "chunked"
     timeout = aiohttp.ClientTimeout(total=30)

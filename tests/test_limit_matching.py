@@ -18,7 +18,9 @@ from multidict import CIMultiDictProxy
 
 from gateway.clock import FakeClock
 from gateway.engine.preflight import load_and_build
-from tests.conftest import GatewayFactory, RecordingUpstream, RunningGateway, policy_for
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.policies import policy_for
+from tests.support.upstreams import RecordingUpstream
 
 TRUST_LOOPBACK = "  trusted_proxies: [127.0.0.1/32]\n"
 ONE_PER_HOUR = "    algorithm: fixed_window\n    limit: 1\n    window: 1h\n"

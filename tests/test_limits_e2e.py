@@ -9,7 +9,10 @@ import aiohttp
 import pytest
 
 from gateway.clock import FakeClock
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_until
 
 
 def limited_policy(upstream_url: str, limits: str, extra: str = "") -> str:
@@ -29,7 +32,13 @@ async def test_leaky_bucket_nodelay_rejects_beyond_burst_with_headers(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 2\n    nodelay: true\n",
+        """\
+  per_ip:
+    algorithm: leaky_bucket
+    rate: 1r/s
+    burst: 2
+    nodelay: true
+""",
     )
     gw = await start_gateway(policy, clock=clock)
     async with aiohttp.ClientSession() as session:
@@ -58,10 +67,20 @@ async def test_rejected_request_consumes_from_no_limit(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  per_client:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 3\n"
-        "    nodelay: true\n    key: ['header:X-Client']\n"
-        "  global:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n"
-        "    nodelay: true\n    key: [global]\n",
+        """\
+  per_client:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 3
+    nodelay: true
+    key: ['header:X-Client']
+  global:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 1
+    nodelay: true
+    key: [global]
+""",
     )
     gw = await start_gateway(policy, clock=clock)
     async with aiohttp.ClientSession() as session:
@@ -87,9 +106,19 @@ async def test_dry_run_limit_counts_but_never_enforces(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  real:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 5\n    nodelay: true\n"
-        "  candidate:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n"
-        "    nodelay: true\n    dry_run: true\n",
+        """\
+  real:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 5
+    nodelay: true
+  candidate:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 1
+    nodelay: true
+    dry_run: true
+""",
     )
     gw = await start_gateway(policy, clock=clock)
     async with aiohttp.ClientSession() as session:
@@ -108,7 +137,12 @@ async def test_shaping_delays_then_forwards(
 ) -> None:
     policy = limited_policy(
         upstream.url,
-        "  shaped:\n    algorithm: leaky_bucket\n    rate: 10r/s\n    burst: 10\n",
+        """\
+  shaped:
+    algorithm: leaky_bucket
+    rate: 10r/s
+    burst: 10
+""",
     )
     gw = await start_gateway(policy)
     loop = asyncio.get_running_loop()
@@ -126,8 +160,14 @@ async def test_queue_bounds_reject_at_once(
 ) -> None:
     policy = limited_policy(
         upstream.url,
-        "  shaped:\n    algorithm: leaky_bucket\n    rate: 2r/s\n    burst: 20\n"
-        "    max_queue: 2\n    max_delay: 10s\n",
+        """\
+  shaped:
+    algorithm: leaky_bucket
+    rate: 2r/s
+    burst: 20
+    max_queue: 2
+    max_delay: 10s
+""",
     )
     gw = await start_gateway(policy)
     loop = asyncio.get_running_loop()
@@ -153,8 +193,13 @@ async def test_max_delay_rejects_instead_of_waiting(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 10\n"
-        "    max_delay: 5s\n",
+        """\
+  shaped:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 10
+    max_delay: 5s
+""",
     )
     gw = await start_gateway(policy, clock=clock)
     async with aiohttp.ClientSession() as session:
@@ -172,8 +217,13 @@ async def test_client_leaving_the_queue_gets_its_charge_back(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 5\n"
-        "    max_delay: 30s\n",
+        """\
+  shaped:
+    algorithm: leaky_bucket
+    rate: 1r/s
+    burst: 5
+    max_delay: 30s
+""",
     )
     gw = await start_gateway(policy, clock=clock)
     engine = gw.gateway.handler.runtime.engine
@@ -182,16 +232,10 @@ async def test_client_leaving_the_queue_gets_its_charge_back(
         assert (await _get(session, gw.url + "/"))[0] == 200
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
         writer.write(b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n")
-        for _ in range(100):
-            if shaped.counters.waiting == 1:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: shaped.counters.waiting == 1, "the request to be queued")
         assert shaped.counters.waiting == 1
         writer.close()
-        for _ in range(100):
-            if shaped.counters.waiting == 0:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: shaped.counters.waiting == 0, "the queued request to leave")
         assert shaped.counters.waiting == 0
         async with session.get(gw.admin_url + "/explain", params={"path": "/"}) as resp:
             explained = await resp.json()
@@ -204,15 +248,27 @@ async def test_client_leaving_the_queue_gets_its_charge_back(
 async def test_access_lists(upstream: RecordingUpstream, start_gateway: GatewayFactory) -> None:
     policy = limited_policy(
         upstream.url,
-        "  tight:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n",
-        "access:\n  allow: [127.0.0.0/8]\n",
+        """\
+  tight:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    nodelay: true
+""",
+        """\
+access:
+  allow: [127.0.0.0/8]
+""",
     )
     gw = await start_gateway(policy)
     async with aiohttp.ClientSession() as session:
         statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(5)]
     assert statuses == [200] * 5  # allowed clients bypass every limit
 
-    denied = await start_gateway(policy_for(upstream.url) + "access:\n  deny: [127.0.0.1/32]\n")
+    deny_all = """\
+access:
+  deny: [127.0.0.1/32]
+"""
+    denied = await start_gateway(policy_for(upstream.url) + deny_all)
     async with aiohttp.ClientSession() as session:
         assert (await _get(session, denied.url + "/"))[0] == 403
 
@@ -223,12 +279,21 @@ async def test_missing_key_part_skips_or_falls_back(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  by_key_skip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n"
-        "    key: ['header:X-API-Key']\n"
-        "    match: {path_prefix: /skip}\n"
-        "  by_key_ip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n"
-        "    key: ['header:X-API-Key']\n    on_missing_key: client_ip\n"
-        "    match: {path_prefix: /fallback}\n",
+        """\
+  by_key_skip:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    nodelay: true
+    key: ['header:X-API-Key']
+    match: {path_prefix: /skip}
+  by_key_ip:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    nodelay: true
+    key: ['header:X-API-Key']
+    on_missing_key: client_ip
+    match: {path_prefix: /fallback}
+""",
     )
     gw = await start_gateway(policy, clock=clock)
     async with aiohttp.ClientSession() as session:
@@ -245,7 +310,12 @@ async def test_throttled_upload_is_refused_before_its_body_is_sent(
 ) -> None:
     policy = limited_policy(
         upstream.url,
-        "  uploads:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    nodelay: true\n",
+        """\
+  uploads:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    nodelay: true
+""",
     )
     gw = await start_gateway(policy, clock=FakeClock())
     head = b"PUT /file HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
@@ -273,9 +343,17 @@ async def test_queue_refusal_charges_no_stacked_limit(
     clock = FakeClock()
     policy = limited_policy(
         upstream.url,
-        "  window:\n    algorithm: fixed_window\n    limit: 3\n    window: 1h\n"
-        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 10\n"
-        "    max_queue: 0\n",
+        """\
+  window:
+    algorithm: fixed_window
+    limit: 3
+    window: 1h
+  shaped:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 10
+    max_queue: 0
+""",
     )
     gw = await start_gateway(policy, clock=clock)
     async with aiohttp.ClientSession() as session:
@@ -296,12 +374,37 @@ def _rate_limit_fields(value: str) -> dict[str, int]:
 @pytest.mark.parametrize(
     "limit",
     [
-        "algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 1\n    nodelay: true",
-        "algorithm: leaky_bucket\n    rate: 2r/m\n    burst: 3",
-        "algorithm: token_bucket\n    rate: 1r/m\n    burst: 2",
-        "algorithm: fixed_window\n    limit: 3\n    window: 1m",
-        "algorithm: sliding_window\n    limit: 3\n    window: 1m",
-        "algorithm: sliding_log\n    limit: 3\n    window: 1m",
+        """\
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 1
+    nodelay: true
+""",
+        """\
+    algorithm: leaky_bucket
+    rate: 2r/m
+    burst: 3
+""",
+        """\
+    algorithm: token_bucket
+    rate: 1r/m
+    burst: 2
+""",
+        """\
+    algorithm: fixed_window
+    limit: 3
+    window: 1m
+""",
+        """\
+    algorithm: sliding_window
+    limit: 3
+    window: 1m
+""",
+        """\
+    algorithm: sliding_log
+    limit: 3
+    window: 1m
+""",
     ],
 )
 async def test_ratelimit_t_agrees_with_retry_after_and_stays_within_the_window(
@@ -312,7 +415,7 @@ async def test_ratelimit_t_agrees_with_retry_after_and_stays_within_the_window(
     clock = FakeClock()
     clock.advance(10.0)  # not on a window boundary
     gw = await start_gateway(
-        limited_policy(upstream.url, f"  only:\n    {limit}\n    max_delay: 0s\n"), clock=clock
+        limited_policy(upstream.url, "  only:\n" + limit + "    max_delay: 0s\n"), clock=clock
     )
     rejections = 0
     async with aiohttp.ClientSession() as session:

@@ -13,7 +13,7 @@ async def test_a_refund_under_a_limit_a_reload_replaced_leaves_the_new_state_alo
     from gateway.algorithms.token_bucket import TokenBucket
     from gateway.clock import FakeClock
     from gateway.limits.compiled import Check
-    from tests.test_redis_store import compiled
+    from tests.support.conformance import compiled
 
     store = MemoryStore(FakeClock())
     old = compiled("shaped", TokenBucket(1, 1, 1, mode="queue"))
@@ -37,7 +37,7 @@ async def test_evictions_never_go_down_when_a_reload_starts_a_limit_afresh() -> 
     from gateway.algorithms.fixed_window import FixedWindow
     from gateway.clock import FakeClock
     from gateway.limits.compiled import Check, CompiledLimit
-    from tests.test_redis_store import compiled
+    from tests.support.conformance import compiled
 
     def two_keys(limit: CompiledLimit) -> CompiledLimit:
         return dataclasses.replace(limit, spec=limit.spec.model_copy(update={"max_keys": 2}))

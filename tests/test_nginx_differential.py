@@ -32,7 +32,7 @@ import pytest
 
 from gateway.algorithms.combine import CombinedDecision, decide_all
 from gateway.algorithms.leaky_bucket import LeakyBucket
-from tests.nginx_harness import (
+from tests.support.nginx_harness import (
     NGX_AGAIN,
     NGX_BUSY,
     NGX_OK,

@@ -9,7 +9,6 @@ import fnmatch
 import hashlib
 import json
 import re
-import shlex
 import tomllib
 from importlib import metadata
 from pathlib import Path, PurePosixPath
@@ -21,52 +20,24 @@ from packaging.utils import canonicalize_name
 
 from gateway.engine.preflight import load_and_build
 from gateway.policy.models import split_host_port
+from tests.support.dockerfile import dockerfile_env, dockerfile_instructions, final_stage
 
 ROOT = Path(__file__).parent.parent
 
 
-def _dockerfile_instructions() -> list[tuple[str, str]]:
-    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        keyword, _, rest = line.partition(" ")
-        out.append((keyword.upper(), rest.strip()))
-    return out
-
-
-def _final_stage() -> list[tuple[str, str]]:
-    instructions = _dockerfile_instructions()
-    last_from = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
-    return instructions[last_from:]
-
-
 def test_dockerfile_uses_slim_python_base() -> None:
-    base = _final_stage()[0][1]
+    base = final_stage()[0][1]
     assert re.match(r"python:3\.1[1-9]-slim", base), base
 
 
 def test_dockerfile_runs_as_non_root_user() -> None:
-    users = [rest for k, rest in _final_stage() if k == "USER"]
+    users = [rest for k, rest in final_stage() if k == "USER"]
     assert users, "no USER in the final stage"
     assert users[-1] not in {"root", "0", "0:0"}
 
 
-def dockerfile_env() -> dict[str, str]:
-    """The final stage's ENV settings (``ENV A=1 B=2`` form)."""
-    env: dict[str, str] = {}
-    for keyword, rest in _final_stage():
-        if keyword == "ENV":
-            for item in shlex.split(rest):
-                name, _, value = item.partition("=")
-                env[name] = value
-    return env
-
-
 def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
-    stage = dict(_final_stage())
+    stage = dict(final_stage())
     entrypoint = json.loads(stage["ENTRYPOINT"])
     assert entrypoint[:2] == ["gateway", "run"]
     # Settings come from ENV, so a CMD of the operator's (--config FILE) keeps them.
@@ -78,7 +49,7 @@ def test_dockerfile_entrypoint_and_healthcheck_are_exec_form() -> None:
 
 
 def test_dockerfile_exposes_the_ports_it_listens_on() -> None:
-    stage = _final_stage()
+    stage = final_stage()
     exposed = {p for k, rest in stage if k == "EXPOSE" for p in rest.split()}
     env = dockerfile_env()
     listen = split_host_port(env["GATEWAY_LISTEN"])
@@ -91,7 +62,7 @@ def test_dockerfile_default_policy_is_not_under_the_mount_point() -> None:
     """Mounting /etc/gateway/policies must not hide the policy GATEWAY_CONFIG names."""
     config = dockerfile_env()["GATEWAY_CONFIG"]
     assert not config.startswith("/etc/gateway/policies/")
-    copies = [rest.split() for k, rest in _final_stage() if k == "COPY" and "--from" not in rest]
+    copies = [rest.split() for k, rest in final_stage() if k == "COPY" and "--from" not in rest]
     assert any(config.startswith(dst.rstrip("/") + "/") for *_, dst in copies)
 
 
@@ -191,7 +162,7 @@ def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:
     ):
         assert _ignored(path, patterns), f"{path} would be sent to the Docker daemon"
     # Everything the Dockerfile copies stays in the context.
-    for keyword, rest in _dockerfile_instructions():
+    for keyword, rest in dockerfile_instructions():
         if keyword == "COPY" and not rest.startswith("--from"):
             for source in rest.split()[:-1]:
                 assert not _ignored(source, patterns), f"COPY {source} but .dockerignore drops it"
@@ -243,11 +214,11 @@ def test_lock_file_pins_every_runtime_dependency_with_hashes() -> None:
 
 
 def test_image_installs_from_the_lock_file_with_hashes_required() -> None:
-    build = [rest for k, rest in _dockerfile_instructions() if k == "RUN" and "pip wheel" in rest]
+    build = [rest for k, rest in dockerfile_instructions() if k == "RUN" and "pip wheel" in rest]
     assert any("--require-hashes" in r and "-r requirements.lock" in r for r in build), build
     # The project's own wheel adds nothing unlocked, and the final install resolves nothing.
     assert all("--require-hashes" in r or "--no-deps" in r for r in build), build
-    install = [rest for k, rest in _final_stage() if k == "RUN" and "pip install" in rest]
+    install = [rest for k, rest in final_stage() if k == "RUN" and "pip install" in rest]
     assert install and all("--no-index" in r and "--no-deps" in r for r in install), install
 
 

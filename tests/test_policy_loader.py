@@ -16,6 +16,8 @@ INVALID = FIXTURES / "invalid"
 
 # file -> the one line `gateway check` must print (path relative to tests/fixtures/invalid).
 EXPECTED_ERRORS = {
+    "empty_section.yaml": "empty_section.yaml:2: server: is empty: write its settings under it, "
+    "or remove the line",
     "bad_duration.yaml": "bad_duration.yaml:3: server.header_timeout: invalid duration '10x': "
     "expected Go syntax like '500ms', '10s', '1m30s'",
     "bad_listen.yaml": "bad_listen.yaml:2: server.listen: invalid listen address 'localhost': "
@@ -48,7 +50,20 @@ EXPECTED_ERRORS = {
     "'<stream end>' (while parsing a flow sequence that starts on line 2)",
     "not_a_mapping.yaml": "not_a_mapping.yaml:1: the policy file must be a mapping",
     "bad_version.yaml": "bad_version.yaml:1: version: Input should be 1",
-    "missing_url.yaml": "missing_url.yaml:2: upstreams.backend.url: Field required",
+    "missing_url.yaml": "missing_url.yaml:2: upstreams.backend: give url (one server) or "
+    "servers (a pool), one of them",
+    "pool_hash_without_key.yaml": "pool_hash_without_key.yaml:2: upstreams.backend: balance: "
+    "hash needs hash_key, and hash_key needs balance: hash",
+    "pool_all_backup.yaml": "pool_all_backup.yaml:2: upstreams.backend: every server is a "
+    "backup: at least one must not be",
+    "pool_retry_bad_status.yaml": "pool_retry_bad_status.yaml:5: upstreams.backend.retry.when[1]: "
+    "Input should be 'error', 'timeout', 500, 502, 503, 504, 403, 404 or 429",
+    "route_zero_read_timeout.yaml": "route_zero_read_timeout.yaml:7: routes[0].read_timeout: "
+    "must be longer than 0: a zero timeout would expire at once, every time",
+    "tls_bad_min_version.yaml": "tls_bad_min_version.yaml:2: server.tls.min_version: Input "
+    "should be '1.2' or '1.3'",
+    "tls_missing_files.yaml": "tls_missing_files.yaml:2: server.tls: "
+    "{dir}/missing-cert.pem: cannot read: No such file or directory",
     "bad_workers.toml": "bad_workers.toml:3: server.workers: Input should be a valid integer, "
     "unable to parse string as an integer",
     "limit_delay_over_burst.yaml": "limit_delay_over_burst.yaml:8: limits.per_ip: delay (5) "
@@ -141,6 +156,9 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
+    "listen_is_admin_listen.yaml": "listen_is_admin_listen.yaml:1: server: listen (0.0.0.0:9090) "
+    "and admin_listen (127.0.0.1:9090) take the same port: give the admin listener a port of "
+    "its own",
     "concurrency_cost_over_limit.yaml": "concurrency_cost_over_limit.yaml:8: limits.per_client: "
     "cost (3) exceeds limit (2): a request needing more slots than the limit has could never "
     "be admitted",
@@ -183,7 +201,8 @@ def test_every_invalid_fixture_has_an_expectation() -> None:
 def test_invalid_fixture_exact_message(name: str) -> None:
     with pytest.raises(PolicyError) as info:
         load_and_build(INVALID / name)
-    assert str(info.value) == f"{INVALID / name}:{EXPECTED_ERRORS[name].split(':', 1)[1]}"
+    expected = EXPECTED_ERRORS[name].split(":", 1)[1].replace("{dir}", str(INVALID))
+    assert str(info.value) == f"{INVALID / name}:{expected}"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (FIXTURES / "valid").iterdir()))
@@ -214,6 +233,39 @@ def test_several_problems_are_all_reported() -> None:
         "p.yaml:3: server.listen: invalid listen address 'nowhere': "
         "expected HOST:PORT, e.g. 0.0.0.0:8080",
     ]
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("listen", "admin_listen", "collide"),
+    [
+        ("127.0.0.1:9090", "127.0.0.1:9090", True),
+        ("0.0.0.0:9090", "127.0.0.1:9090", True),  # SO_REUSEPORT would let both bind
+        ("10.0.0.1:9090", "0.0.0.0:9090", True),
+        ("[::]:9090", "[::1]:9090", True),
+        ("LOCALHOST:9090", "localhost:9090", True),
+        ("127.0.0.1:9090", "127.0.0.2:9090", False),
+        ("[::]:9090", "127.0.0.1:9090", False),  # another family: IPV6_V6ONLY, as asyncio binds
+        ("127.0.0.1:8080", "127.0.0.1:9090", False),
+        ("127.0.0.1:0", "127.0.0.1:0", False),  # each gets a port of its own
+    ],
+)
+def test_listen_and_admin_listen_on_one_port_are_refused(
+    listen: str, admin_listen: str, collide: bool
+) -> None:
+    text = (
+        f"server:\n  listen: '{listen}'\n  admin_listen: '{admin_listen}'\n"
+        "upstreams:\n  b:\n    url: http://127.0.0.1:9\nroutes:\n  - name: all\n    upstream: b\n"
+    )
+    if not collide:
+        parse_and_build(text, "p.yaml")
+        return
+    with pytest.raises(PolicyError) as info:
+        parse_and_build(text, "p.yaml")
+    assert str(info.value) == (
+        f"p.yaml:1: server: listen ({listen}) and admin_listen ({admin_listen}) take the same "
+        "port: give the admin listener a port of its own"
+    )
 
 
 def test_policy_is_frozen() -> None:

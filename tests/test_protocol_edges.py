@@ -18,8 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.edge.server import ChunkSizes
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.rawhttp import split_head, status_of
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.rawhttp import split_head, status_of
+from tests.support.upstreams import RecordingUpstream
 
 pytestmark = pytest.mark.reliability
 

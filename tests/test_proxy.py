@@ -11,8 +11,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
-from tests.rawhttp import exchange, split_head, status_of
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.rawhttp import exchange, split_head, status_of
+from tests.support.upstreams import RecordedRequest, RecordingUpstream
 
 
 def _values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
@@ -498,7 +500,7 @@ async def test_keepalive_reuses_upstream_connections(
         r.peer_port for r in upstream.requests
     ]
     handler = gw.gateway.handler
-    assert handler.runtime.upstreams["backend"].pool.open_connections == 1
+    assert handler.runtime.upstreams["backend"].pool.members[0].connections.open_connections == 1
 
 
 async def test_admin_health_and_policy(

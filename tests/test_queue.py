@@ -9,27 +9,39 @@ from pathlib import Path
 import pytest
 
 from gateway.engine.delay_queue import DelayQueue, ShuttingDown
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.rawhttp import exchange, status_of
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.rawhttp import exchange, status_of
+from tests.support.upstreams import RecordingUpstream
+from tests.support.virtual_clock import run_on_virtual_clock
+from tests.support.waiting import wait_until
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 
 
-async def test_waiters_wake_in_due_order_and_not_early() -> None:
-    queue = DelayQueue()
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    woke: list[tuple[str, float]] = []
+def test_waiters_wake_in_due_order_and_not_early() -> None:
+    """On the loop's own clock (virtual: no waiting, no load to blur it), each waiter wakes
+    at its due instant: in due order, not early, and not late."""
 
-    async def waiter(name: str, delay: float) -> None:
-        await queue.wait(delay)
-        woke.append((name, loop.time() - started))
+    async def main() -> list[tuple[str, float]]:
+        queue = DelayQueue()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        woke: list[tuple[str, float]] = []
 
-    await asyncio.gather(waiter("c", 0.3), waiter("a", 0.1), waiter("b", 0.2))
+        async def waiter(name: str, delay: float) -> None:
+            await queue.wait(delay)
+            woke.append((name, loop.time() - started))
+
+        await asyncio.gather(waiter("c", 0.3), waiter("a", 0.1), waiter("b", 0.2))
+        assert len(queue) == 0
+        return woke
+
+    woke = run_on_virtual_clock(main)
     assert [name for name, _ in woke] == ["a", "b", "c"]
     for (_, elapsed), due in zip(woke, (0.1, 0.2, 0.3), strict=True):
         assert elapsed >= due - 0.002
-    assert len(queue) == 0
+        assert elapsed == pytest.approx(due, abs=1e-9)
 
 
 async def test_cancelled_waiters_leave_and_are_compacted() -> None:
@@ -60,10 +72,7 @@ async def test_shutdown_answers_queued_requests_with_503(
         exchange(gw.port, b"GET /q HTTP/1.1\r\nHost: h\r\n\r\n", read_for=10)
     )
     limit = gw.gateway.handler.runtime.engine.limits[0]
-    for _ in range(200):
-        if limit.counters.waiting:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: limit.counters.waiting, "the request to be queued", within_s=2.0)
     loop = asyncio.get_running_loop()
     started = loop.time()
     await gw.gateway.stop()

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import aiohttp
 import pytest
 
 from gateway.clock import FakeClock
-from tests import redis_harness
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.redis_harness import RedisServer
+from tests.support import redis_harness
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 
@@ -100,11 +102,3 @@ async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
     assert explained["window"]["remaining"] == 1
     assert explained["shaped"]["remaining"] == 4
     assert [r.raw_path for r in upstream.requests] == ["/"]
-
-
-async def wait_until(condition: Callable[[], bool], within_s: float = 2.0) -> None:
-    for _ in range(int(within_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    assert condition()

@@ -29,11 +29,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests import redis_harness
-from tests.conftest import RecordingUpstream
-from tests.redis_harness import RedisClusterHarness, RedisServer
-from tests.support import GatewayProcess as Process
-from tests.support import gateway_processes
+from tests.support import redis_harness
+from tests.support.processes import GatewayProcess as Process
+from tests.support.processes import gateway_processes
+from tests.support.redis_harness import RedisClusterHarness, RedisServer
+from tests.support.upstreams import RecordingUpstream
 
 redis_server = redis_harness.redis_server
 redis_cluster = redis_harness.redis_cluster
@@ -143,7 +143,7 @@ def main(argv: Sequence[str]) -> int:
 
 def gateways(
     policy: Path, store_url: str, key_prefix: str
-) -> contextlib.AbstractContextManager[list[Process]]:
+) -> contextlib.AbstractAsyncContextManager[list[Process]]:
     """Three gateway processes on one store, stopped (SIGTERM, then SIGKILL) at the end."""
 
     def argv(port: int, admin_port: int) -> list[str]:
@@ -156,13 +156,13 @@ def gateways(
             *("--timeout", "0.5"),
         ]
 
-    return gateway_processes(argv, REPLICAS)
+    return gateway_processes(argv, REPLICAS, policy.parent)
 
 
 def store_stats(process: Process) -> dict[str, object]:
     """The counters the launcher prints when it stops."""
-    lines = [line for line in process.output.splitlines() if line.startswith(STATS_PREFIX)]
-    assert lines, f"no store counters from the gateway: {process.output[-2000:]}"
+    lines = [line for line in process.log().splitlines() if line.startswith(STATS_PREFIX)]
+    assert lines, f"no store counters from the gateway: {process.log()[-2000:]}"
     stats: dict[str, object] = json.loads(lines[-1][len(STATS_PREFIX) :])
     return stats
 
@@ -238,7 +238,7 @@ async def run_accuracy(
     policy = tmp_path / "policy.yaml"
     policy.write_text(load.policy(upstream.url))
     key_prefix = f"acc{os.getpid()}{time.monotonic_ns()}:"
-    with gateways(policy, store_url, key_prefix) as processes:
+    async with gateways(policy, store_url, key_prefix) as processes:
         results = await press(processes, load)
     stats = [store_stats(process) for process in processes]
     admitted = sum(r.admitted for r in results)

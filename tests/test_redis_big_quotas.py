@@ -24,13 +24,13 @@ from gateway.algorithms.sliding_log import SlidingLog, pack_log
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.stores.redis.codecs import codec_for
-from tests import redis_harness
-from tests.support import T0_US
-from tests.test_redis_store import (
+from tests.support import redis_harness
+from tests.support.conformance import (
+    T0_US,
     Op,
-    _backend,
     close_client,
     delay_bounds,
+    make_backend,
     run_against_python,
     run_rescale_against_python,
 )
@@ -107,7 +107,7 @@ def run(
     seed: tuple[bytes, Any] | None,
 ) -> None:
     codec_for(algorithm)  # accepted by the Redis store
-    backend = _backend("redis", request)
+    backend = make_backend("redis", request)
     try:
         asyncio.run(
             run_against_python(
@@ -226,7 +226,7 @@ big_rescale_operations = st.lists(
 def test_large_quotas_are_rescaled_on_reload_as_in_python(
     family: str, request: pytest.FixtureRequest, ops: list[Any], offset_us: int
 ) -> None:
-    backend = _backend("redis", request)
+    backend = make_backend("redis", request)
     try:
         asyncio.run(
             run_rescale_against_python(

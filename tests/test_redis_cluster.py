@@ -29,8 +29,8 @@ from gateway.limits.compiled import Check, CompiledLimit
 from gateway.stores import MemoryStore, RedisStore, StoreUnavailableError
 from gateway.stores.redis.store import StoreReplyError
 from gateway.stores.redis.store import _checked as checked
-from tests.redis_harness import RedisClusterHarness, RedisServer, key_prefixes
-from tests.test_redis_store import T0_US, compiled
+from tests.support.conformance import T0_US, compiled
+from tests.support.redis_harness import RedisClusterHarness, RedisServer, key_prefixes
 
 CLIENTS = ("thin", "redis-py")
 RATES = {"a": 22.0, "b": 12.5, "c": 7.7}

@@ -13,7 +13,7 @@ from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket, WarmingUpTokenBucket
 from gateway.stores.redis.codecs import codec_for
-from tests.support import T0_US
+from tests.support.conformance import T0_US
 
 
 def test_each_limit_divided_between_replicas_is_never_more_lenient() -> None:

@@ -23,10 +23,9 @@ from gateway.limits.compiled import Check
 from gateway.stores import RedisStore
 from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.fallback import CARRY_BACK_BATCH, Owed, carry_back
-from tests import redis_harness
-from tests.redis_harness import RedisFactory
-from tests.support import burst
-from tests.test_redis_store import compiled
+from tests.support import redis_harness
+from tests.support.conformance import burst, compiled
+from tests.support.redis_harness import RedisFactory
 
 redis_factory = redis_harness.redis_factory
 

@@ -15,9 +15,11 @@ import redis
 
 from gateway.stores.redis import RedisStore
 from gateway.stores.redis.circuit import CircuitBreaker
-from tests import redis_harness
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.redis_harness import RedisFactory, free_port
+from tests.support import redis_harness
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.redis_harness import RedisFactory, free_port
+from tests.support.upstreams import RecordingUpstream
 
 pytestmark = pytest.mark.reliability
 

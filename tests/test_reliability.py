@@ -24,15 +24,15 @@ from hypothesis import strategies as st
 
 from gateway.engine.preflight import parse_and_build
 from gateway.serving.lifecycle import Gateway
-from tests import test_lifecycle as lifecycle
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.rawhttp import status_of
-from tests.test_lifecycle import GatewayProcess, SlowUpstream
+from tests.support.gateways import GatewayFactory
+from tests.support.network import TIMEOUT
+from tests.support.policies import policy_for, policy_template
+from tests.support.processes import StartGateway, exit_code
+from tests.support.rawhttp import status_of
+from tests.support.upstreams import RecordingUpstream, SlowUpstream
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.reliability
-
-gateway_process = lifecycle.gateway_process
-slow_upstream = lifecycle.slow_upstream
 
 
 async def _request(
@@ -65,13 +65,13 @@ async def _end_of(reader: asyncio.StreamReader, within_s: float) -> str:
 
 
 async def test_sigterm_with_keepalive_clients_finishes_in_flight_and_closes_idle_cleanly(
-    slow_upstream: SlowUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    slow_upstream: SlowUpstream, gateway_process: StartGateway
 ) -> None:
     """Idle keep-alive connections are closed with a FIN, a request in flight on a keep-alive
     connection is answered whole and then told ``Connection: close`` (or closed cleanly), and
     nothing is reset."""
     gw = await gateway_process(
-        policy=lifecycle._policy_file(slow_upstream.url, server="  shutdown_timeout: 10s\n")
+        policy=policy_template(slow_upstream.url, server="  shutdown_timeout: 10s\n")
     )
     idle = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(8)]
     busy = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(4)]
@@ -81,7 +81,7 @@ async def test_sigterm_with_keepalive_clients_finishes_in_flight_and_closes_idle
         asyncio.create_task(_request(reader, writer, f"/delay/1.5/{i}"))
         for i, (reader, writer) in enumerate(busy)
     ]
-    await lifecycle.wait_for(
+    await wait_until(
         lambda: len([p for p in slow_upstream.arrived if p.startswith("/delay/")]) == 4,
         "4 requests at the upstream",
     )
@@ -96,7 +96,7 @@ async def test_sigterm_with_keepalive_clients_finishes_in_flight_and_closes_idle
         assert status_of(answer) == 200 and answer.endswith(f"done /delay/1.5/{i}".encode())
     # After its answer a keep-alive connection is closed, not left for a reset at exit.
     assert busy_ends == ["eof"] * 4, busy_ends
-    assert await lifecycle._exit_code(gw, 15.0) == 0
+    assert await exit_code(gw, 15.0) == 0
 
 
 # -- repeated slowloris rounds: a pool or a leak? -----------------------------------------------
@@ -124,19 +124,19 @@ async def _slowloris_round(port: int, connections: int, header_timeout_s: float)
 
 @pytest.mark.slow
 async def test_repeated_slowloris_rounds_do_not_grow_memory(
-    upstream: RecordingUpstream, gateway_process: Callable[..., Awaitable[GatewayProcess]]
+    upstream: RecordingUpstream, gateway_process: StartGateway
 ) -> None:
     """Growth that stops after the first rounds is a pool (allocator arenas, freelists); growth
     each round would be a leak. Legitimate requests are served between the rounds."""
     connections, rounds = 1000, 6
     gw = await gateway_process(
-        policy=lifecycle._policy_file(
+        policy=policy_template(
             upstream.url, server="  header_timeout: 1s\n  max_connections: 5000\n"
         )
     )
     pid = gw.proc.pid
     rss = [_rss_kib(pid)]
-    async with aiohttp.ClientSession(timeout=lifecycle.CLIENT_TIMEOUT) as session:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         for _ in range(rounds):
             assert await _slowloris_round(gw.port, connections, 1.0) == connections
             for i in range(20):
@@ -197,7 +197,7 @@ async def test_reload_storm_under_load_loses_nothing_and_retires_old_pools(
 
     loop = asyncio.get_running_loop()
     started = loop.time()
-    async with aiohttp.ClientSession(timeout=lifecycle.CLIENT_TIMEOUT) as session:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         clients = [asyncio.create_task(client(session)) for _ in range(8)]
         results = []
         for i in range(1, 201):
@@ -216,7 +216,7 @@ async def test_reload_storm_under_load_loses_nothing_and_retires_old_pools(
     assert [r if r != "unchanged" else "ok" for r in results] == expected, results
     assert reloader.status.succeeded == 160
     assert len(first.requests) + len(second.requests) == len(statuses)
-    await lifecycle.wait_for(lambda: not gw.gateway._retired, "retired runtimes to close")
+    await wait_until(lambda: not gw.gateway._retired, "retired runtimes to close")
     fds_after = len(os.listdir("/proc/self/fd"))
     print(
         f"\nreload storm: 200 reloads (40 invalid) in {took_s:.1f} s under load, "
@@ -234,7 +234,8 @@ async def test_reload_storm_under_load_loses_nothing_and_retires_old_pools(
 # hidden in bodies) and sends each on its own connection to one gateway, run on its own event
 # loop in a thread so the property test itself stays synchronous.
 
-_FUZZ_STATUSES = frozenset({200, 400, 404, 405, 408, 413, 414, 417, 431, 501, 505})
+# 100: the interim answer to ``Expect: 100-continue`` on a request with a body.
+_FUZZ_STATUSES = frozenset({100, 200, 400, 404, 405, 408, 413, 414, 417, 431, 501, 505})
 _STATUS_LINE_RE = re.compile(rb"(?:^|\r\n)HTTP/1\.[01] (\d{3}) ")
 
 

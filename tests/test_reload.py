@@ -20,9 +20,12 @@ from gateway.clock import FakeClock
 from gateway.engine.preflight import load_and_build
 from gateway.stores import RedisStore
 from gateway.stores.redis.codecs import codec_for
-from tests import redis_harness
-from tests.conftest import GatewayFactory, RecordedRequest, RecordingUpstream, policy_for
-from tests.redis_harness import RedisServer
+from tests.support import redis_harness
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordedRequest, RecordingUpstream
+from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 
@@ -45,15 +48,6 @@ async def _status(session: aiohttp.ClientSession, url: str) -> int:
         return resp.status
 
 
-async def _wait_for(predicate: object, seconds: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not predicate():  # type: ignore[operator]
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.reliability
 async def test_invalid_edit_keeps_running_policy_and_reports_exact_error(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
@@ -66,7 +60,7 @@ async def test_invalid_edit_keeps_running_policy_and_reports_exact_error(
     assert reloader is not None
 
     write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="fast", burst=1))
-    await _wait_for(lambda: reloader.status.failed == 1)
+    await wait_until(lambda: reloader.status.failed == 1)
     assert reloader.status.last_error == (
         f"{path}:15: limits.per_ip.rate: invalid rate 'fast': "
         "expected nginx syntax like '10r/s' or '30r/m'"
@@ -101,17 +95,17 @@ async def test_valid_edit_swaps_policy_and_keeps_state_of_unchanged_limits(
             policy_for(upstream.url, extra="  - name: other\n    upstream: backend\n")
             + LIMIT.format(rate="1r/m", burst=2),
         )
-        await _wait_for(lambda: reloader.status.succeeded == 1)
+        await wait_until(lambda: reloader.status.succeeded == 1)
         assert await _status(session, gw.url + "/") == 429
 
         # Doubling burst rescales usage proportionally: a full bucket of 3 becomes 6 of 6.
         write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="1r/m", burst=5))
-        await _wait_for(lambda: reloader.status.succeeded == 2)
+        await wait_until(lambda: reloader.status.succeeded == 2)
         assert await _status(session, gw.url + "/") == 429
 
         # Removing the limit frees its state and stops limiting.
         write_atomically(path, policy_for(upstream.url))
-        await _wait_for(lambda: reloader.status.succeeded == 3)
+        await wait_until(lambda: reloader.status.succeeded == 3)
         assert [await _status(session, gw.url + "/") for _ in range(3)] == [200, 200, 200]
         assert gw.gateway.store.tracked_keys("per_ip") == 0
 
@@ -161,7 +155,7 @@ async def test_reload_under_load_loses_no_request(
             await asyncio.sleep(0.15)
             route = f"  - name: r{i}\n    upstream: backend\n    match: {{path: /r{i}}}\n"
             write_atomically(path, policy_for(upstream.url, extra=route) + generous)
-            await _wait_for(lambda i=i: reloader.status.succeeded == i + 1)
+            await wait_until(lambda i=i: reloader.status.succeeded == i + 1)
         stop.set()
         await asyncio.gather(*clients)
     assert errors == []
@@ -198,7 +192,7 @@ async def test_a_request_in_flight_finishes_under_the_policy_it_started_with(
                 return await resp.text(), resp.headers.get("RateLimit-Policy", "")
 
         in_flight = asyncio.create_task(get())
-        await _wait_for(lambda: len(old.requests) == 1)
+        await wait_until(lambda: len(old.requests) == 1)
         path.write_text(policy_for(new.url, limit.format(name="after")))
         assert await reloader.reload() == "ok"
         text, policy_header = await get()
@@ -251,7 +245,7 @@ async def test_a_changed_rate_rescales_state_in_redis(
             write_atomically(
                 path, policy_for(upstream.url) + LIMIT.format(rate="12r/m", burst=3) + store
             )
-            await _wait_for(lambda: reloader.status.succeeded == 1)
+            await wait_until(lambda: reloader.status.succeeded == 1)
             assert await remaining(session) == 1
             assert stored() == (key_before, params_before)  # a look rewrites nothing
 
@@ -259,7 +253,7 @@ async def test_a_changed_rate_rescales_state_in_redis(
             write_atomically(
                 path, policy_for(upstream.url) + LIMIT.format(rate="12r/m", burst=7) + store
             )
-            await _wait_for(lambda: reloader.status.succeeded == 2)
+            await wait_until(lambda: reloader.status.succeeded == 2)
             assert await remaining(session) == 3
             assert await _status(session, gw.url + "/") == 200
             key_after, params_after = stored()
@@ -287,7 +281,7 @@ async def test_other_files_changing_beside_the_policy_do_not_reload_it(
     status = reloader.status
     assert (status.succeeded, status.unchanged, status.failed) == (0, 0, 0)
     write_atomically(path, policy_for(upstream.url) + LIMIT.format(rate="2r/m", burst=1))
-    await _wait_for(lambda: reloader.status.succeeded == 1)
+    await wait_until(lambda: reloader.status.succeeded == 1)
 
 
 async def test_an_empty_or_routeless_file_is_refused_and_the_policy_stays(

@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from playwright.async_api import Browser
 
 from gateway.cli.main import main
 from gateway.engine.preflight import load_and_build, parse_and_build
@@ -39,7 +40,10 @@ from gateway.replay.log_formats import (
     read_log,
 )
 from gateway.replay.simulate import Simulation
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
+from tests.support.browser import artifacts_dir
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.upstreams import RecordingUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
 START = 1_700_000_000  # 2023-11-14T22:13:20Z
@@ -454,20 +458,10 @@ async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decis
 
 # -- the HTML report in a real browser ---------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
-
-
-def artifacts_dir(tmp_path: Path) -> Path:
-    directory = Path(os.environ.get("GATEWAY_TEST_ARTIFACTS", tmp_path))
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
-
 
 async def test_html_report_opens_offline_in_chromium_and_shows_its_charts(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], browser: Browser
 ) -> None:
-    from playwright.async_api import async_playwright
-
     directory = artifacts_dir(tmp_path)
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -493,24 +487,19 @@ async def test_html_report_opens_offline_in_chromium_and_shows_its_charts(
     assert "<script src" not in page_text and "<link" not in page_text  # all inlined
     layered = load_and_build(ROOT / "policies" / "layered.yaml").policy
     charts = 1 + len(layered.limits) + 1 + len(load_and_build(current).policy.limits)
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM)
-        try:
-            page = await browser.new_page(viewport={"width": 1400, "height": 1000})
-            requested: list[str] = []
-            page.on("request", lambda request: requested.append(request.url))
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(report.as_uri())
-            await page.wait_for_selector('[data-rendered="true"]', timeout=10_000)
-            assert await page.locator('[data-rendered="true"]').count() == charts
-            assert await page.locator(".uplot canvas").count() == charts
-            title = await page.locator(".u-title").first.inner_text()
-            assert title == "all requests"
-            assert "per_ip" in await page.inner_text("#policy-0")
-            await page.screenshot(path=directory / "replay-report.png", full_page=True)
-        finally:
-            await browser.close()
+    page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(report.as_uri())
+    await page.wait_for_selector('[data-rendered="true"]', timeout=10_000)
+    assert await page.locator('[data-rendered="true"]').count() == charts
+    assert await page.locator(".uplot canvas").count() == charts
+    title = await page.locator(".u-title").first.inner_text()
+    assert title == "all requests"
+    assert "per_ip" in await page.inner_text("#policy-0")
+    await page.screenshot(path=directory / "replay-report.png", full_page=True)
     assert errors == []
     assert requested == [report.as_uri()]  # nothing fetched: it works offline
 
@@ -781,3 +770,26 @@ def test_combined_log_read_in_pieces_is_read_as_line_by_line(
         assert read(Opened("log", wrapped, raw, None)) == expected
     finally:
         logs._PIECE_BYTES = old_size
+
+
+def test_each_format_is_one_entry_of_the_readers_table() -> None:
+    """A first line of each format is told as that format and no other earlier in the table,
+    and the CLI offers exactly the table's formats."""
+    from gateway.cli.main import build_parser
+    from gateway.replay.log_formats import FORMATS, READERS, detect
+
+    first_lines = {
+        "gateway": '{"ts": 1.5, "t_us": 1500000, "client": "10.0.0.1", "method": "GET", '
+        '"path": "/", "route": "all", "limit": null}',
+        "jsonl": '{"ts": 1.5, "ip": "10.0.0.1", "method": "GET", "path": "/"}',
+        "combined": '10.0.0.1 - - [10/Oct/2000:13:55:36 -0700] "GET / HTTP/1.1" 200 5 "-" "ua"',
+    }
+    assert set(first_lines) == set(READERS)
+    assert {fmt: detect(line) for fmt, line in first_lines.items()} == {
+        fmt: fmt for fmt in first_lines
+    }
+    assert detect("hello") is None
+    parser = build_parser()
+    replay_parser = parser._subparsers._group_actions[0].choices["replay"]  # type: ignore[union-attr]
+    format_option = next(a for a in replay_parser._actions if "--format" in a.option_strings)
+    assert tuple(format_option.choices) == FORMATS

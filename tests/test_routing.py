@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
-from tests.conftest import GatewayFactory, RecordingUpstream
-from tests.rawhttp import exchange, split_head, status_of
+from tests.support.gateways import GatewayFactory
+from tests.support.rawhttp import exchange, split_head, status_of
+from tests.support.upstreams import RecordingUpstream
 
 UpstreamFactory = Callable[[], Awaitable[RecordingUpstream]]
 Case = tuple[str, str, str]  # method, Host header, request target

@@ -31,10 +31,19 @@ from gateway.clock import FakeClock
 from gateway.engine.limit_engine import LimitEngine
 from gateway.engine.preflight import parse_and_build
 from gateway.limits.compiled import Check, CompiledLimit
-from gateway.stores import LimitStore, MemoryStore, SharedStore
+from gateway.stores import LimitStore, MemoryStore, SharedStore, StoreUnavailableError
 from gateway.stores.shared.records import decode_state, encode_state
-from tests.support import T0_US, policy_for
-from tests.test_redis_store import Backend, Op, compiled, operations, run_against_python, stacks
+from tests.support.conformance import (
+    T0_US,
+    Backend,
+    Op,
+    compiled,
+    operations,
+    run_against_python,
+    stacks,
+)
+from tests.support.filesystems import small_tmpfs
+from tests.support.policies import policy_for
 
 FORK = multiprocessing.get_context("fork")
 
@@ -532,35 +541,128 @@ async def test_memory_per_key_bounds_a_million_keys(state_dir: Path) -> None:
     assert per_key * 1_000_000 < MAP_BYTES_BASE + MAP_BYTES_PER_KEY * 1_000_000
 
 
-def _reload_with_more_keys(path: str, done: Any) -> None:
+LONG = 380  # bytes of key: about 1.5 KiB of map a key (state, LRU entry, B+tree)
+
+
+def _long_key(index: int) -> str:
+    return f"{index:0{LONG}d}"
+
+
+def _write_keys(path: str, keys: int, done: Any) -> None:
     async def run() -> None:
-        store = SharedStore(Path(path))
+        store = SharedStore(Path(path), workers=2)
         store.configure([bounded(limit, 200_000) for limit in _stack()], ())
-        assert (await store.decide([Check(limit, "k") for limit in _stack()])).allowed
+        for index in range(keys):
+            assert (await store.decide([Check(_stack()[0], _long_key(index))])).allowed
+        assert store._env is not None
+        done.put(store._env.info()["map_size"])
         await store.close()
 
     asyncio.run(run())
-    done.put(True)
 
 
-async def test_a_worker_adopts_the_map_another_grew_on_reload(state_dir: Path) -> None:
-    """A reload that raises ``max_keys`` grows the map in the worker that adopts it first;
-    the others go on deciding meanwhile, and map as much when they adopt it too."""
-    store = SharedStore(state_dir)
-    small = [bounded(limit, 10) for limit in _stack()]
-    store.configure(small, ())
+async def test_the_map_grows_in_steps_each_reserved_first(state_dir: Path) -> None:
+    """The map starts at its first size and doubles as keys fill it; every size it takes is
+    allocated on the filesystem first (the data file's blocks), so no page LMDB writes
+    through the map can lack one."""
+    from gateway.stores.shared.space import FIRST_MAP_BYTES
+
+    store = SharedStore(state_dir, FakeClock(T0_US))
+    limit = bounded(compiled("per_ip", LeakyBucket(1, 60, 10, None)), 100_000)
+    store.configure([limit], ())
+    assert store._env is not None
+    sizes = [store._env.info()["map_size"]]
+    for index in range(15_000):
+        assert (await store.decide([Check(limit, _long_key(index))])).allowed
+        size = store._env.info()["map_size"]
+        if size != sizes[-1]:
+            sizes.append(size)
+            data = os.stat(state_dir / "data.mdb")
+            assert data.st_size == size and data.st_blocks * 512 >= size
+    assert store.tracked_keys("per_ip") == 15_000
+    assert sizes[:3] == [FIRST_MAP_BYTES, 2 * FIRST_MAP_BYTES, 4 * FIRST_MAP_BYTES], sizes
+    assert store.stats.state == "ok" and store.stats.errors == 0
+    await store.close()
+
+
+async def test_a_worker_adopts_the_map_another_grew(state_dir: Path) -> None:
+    """Another worker grows the map as its keys fill it; this one goes on deciding, and maps
+    as much (the size reserved) when it next begins a transaction."""
+    store = SharedStore(state_dir, workers=2)
+    store.configure([bounded(limit, 200_000) for limit in _stack()], ())
     assert store._env is not None
     before = store._env.info()["map_size"]
     # Spawned: a forked child would inherit this process's handle on the environment.
     spawn = multiprocessing.get_context("spawn")
     done = spawn.Queue()
-    other = spawn.Process(target=_reload_with_more_keys, args=(str(state_dir), done))
+    other = spawn.Process(target=_write_keys, args=(str(state_dir), 12_000, done))
     other.start()
-    assert done.get(timeout=60)
+    grown = done.get(timeout=120)
     other.join(10)
-    assert (await store.decide([Check(limit, "k") for limit in small])).allowed
-    large = [bounded(limit, 200_000) for limit in _stack()]
-    store.configure(large, small)
-    assert store._env.info()["map_size"] > before
-    assert (await store.decide([Check(limit, "k") for limit in large])).allowed
+    assert grown > before
+    limit = bounded(_stack()[0], 200_000)
+    assert (await store.decide([Check(limit, "k")])).allowed
+    assert store._env.info()["map_size"] == grown == os.stat(state_dir / "data.mdb").st_size
+    assert store.tracked_keys("per_ip") == 12_001
     await store.close()
+
+
+def _fill_a_full_disk(path: str, on_failure: str, results: Any) -> None:
+    """In a child process (a SIGBUS ends it, not the test run): new keys until the map must
+    grow on a filesystem with no room for it, then room made again."""
+    from tests.support.filesystems import fill_to
+
+    async def run() -> dict[str, Any]:
+        store = SharedStore(Path(path) / "limits", on_failure=on_failure)
+        limit = bounded(compiled("per_ip", FixedWindow(3, 3600.0)), 100_000)
+        store.configure([limit], ())
+        filler = fill_to(Path(path), 256 << 10)
+        found: dict[str, Any] = {"allowed": 0, "unavailable": 0}
+        for index in range(8_000):
+            try:
+                found["allowed"] += (await store.decide([Check(limit, _long_key(index))])).allowed
+            except StoreUnavailableError:
+                found["unavailable"] += 1
+        # A known key still counts: its state has its pages.
+        known = [(await store.decide([Check(limit, _long_key(0))])).allowed for _ in range(4)]
+        found.update(
+            known=known,
+            tracked=store.tracked_keys("per_ip"),
+            state=store.stats.state,
+            errors=store.stats.errors,
+        )
+        filler.unlink()
+        found["after"] = (await store.decide([Check(limit, "new after room")])).allowed
+        found["state_after"] = store.stats.state
+        await store.close()
+        return found
+
+    results.put(asyncio.run(run()))
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("on_failure", ["local", "deny"])
+def test_a_full_disk_never_crashes_a_decision(tmp_path: Path, on_failure: str) -> None:
+    """On a 20 MiB tmpfs filled but for 256 KiB: the map cannot grow past its first 8 MiB.
+    Requests for new keys past that are decided on the state as it is and not written
+    (``deny``: refused as the store unavailable), known keys stay exact, the store's state is
+    ``fallback`` with the reason; with room again the map grows and the state is ``ok``.
+    Before the map was reserved, LMDB wrote a page the tmpfs could not back: SIGBUS."""
+    with small_tmpfs(tmp_path / "small", "20m") as small:
+        spawn = multiprocessing.get_context("spawn")
+        results = spawn.Queue()
+        child = spawn.Process(target=_fill_a_full_disk, args=(str(small), on_failure, results))
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0, f"the child ended with {child.exitcode} (-7: SIGBUS)"
+        found = results.get(timeout=5)
+    print(f"\n{on_failure}: {found}")
+    assert 3_000 < found["tracked"] < 8_000  # what 8 MiB holds; the rest had no room
+    if on_failure == "deny":
+        assert found["allowed"] == found["tracked"]
+        assert found["unavailable"] == 8_000 - found["tracked"] == found["errors"]
+    else:
+        assert found["allowed"] == 8_000 and found["errors"] == 8_000 - found["tracked"]
+    assert found["known"] == [True, True, False, False]  # 3 a window, the first counted
+    assert found["state"] == "fallback"
+    assert found["after"] is True and found["state_after"] == "ok"

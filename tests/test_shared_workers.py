@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import subprocess
+import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.conftest import RecordingUpstream
-from tests.support import replace_file, run_workers, scrape_until, value
+from tests.support.filesystems import fill_to, small_tmpfs
+from tests.support.metrics import scrape_until, value
+from tests.support.policies import replace_file
+from tests.support.processes import REPO_ROOT, run_workers
+from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -51,24 +58,16 @@ limits:
 
 
 async def wait_serving(tmp_path: Path, processes: int, within_s: float = 60.0) -> None:
+    """Until the log says each of ``processes`` workers is serving."""
     log = tmp_path / "gateway.log"
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while loop.time() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if all(f"worker {i} serving" in text for i in range(processes)):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{processes} workers not serving within {within_s}s: {text}")
 
+    def text() -> str:
+        return log.read_text() if log.exists() else ""
 
-async def wait_until(condition: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"no {what} within {within_s}s")
-        await asyncio.sleep(0.1)
+    def serving() -> bool:
+        return all(f"worker {i} serving" in text() for i in range(processes))
+
+    await wait_until(serving, f"{processes} workers serving", within_s, 0.1, text)
 
 
 async def load(
@@ -156,7 +155,9 @@ async def test_a_worker_killed_under_load_admits_nothing_twice_and_comes_back(
         assert statuses[429] == 0 and statuses[200] + lost == 320, statuses
         assert len(upstream.requests) >= statuses[200]
         # The supervisor starts another worker; the state it finds is the same.
-        await wait_until(lambda: len(pids()) == 2 and before[0] not in pids(), "a new worker")
+        await wait_until(
+            lambda: len(pids()) == 2 and before[0] not in pids(), "a new worker", within_s=60.0
+        )
         await wait_serving_again(tmp_path, worker_id=0)
         after = await load(url, "127.0.0.2", connections=4, each=30)
         assert set(after) == {200, 429}, after
@@ -166,14 +167,15 @@ async def test_a_worker_killed_under_load_admits_nothing_twice_and_comes_back(
 
 
 async def wait_serving_again(tmp_path: Path, worker_id: int, within_s: float = 60.0) -> None:
+    """Until the log says worker ``worker_id`` is serving a second time (restarted)."""
     log = tmp_path / "gateway.log"
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while loop.time() < deadline:
-        if log.read_text().count(f"worker {worker_id} serving") >= 2:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"worker {worker_id} not restarted: {log.read_text()}")
+    await wait_until(
+        lambda: log.read_text().count(f"worker {worker_id} serving") >= 2,
+        f"worker {worker_id} restarted",
+        within_s,
+        every_s=0.1,
+        context=log.read_text,
+    )
 
 
 async def test_a_reload_under_load_rescales_once_across_workers(
@@ -194,7 +196,9 @@ async def test_a_reload_under_load_rescales_once_across_workers(
         replace_file(policy, policy.read_text().replace("limit: 10", "limit: 20"))
         log = tmp_path / "gateway.log"
         await wait_until(
-            lambda: log.read_text().count("policy reloaded from") == 2, "two workers reloading"
+            lambda: log.read_text().count("policy reloaded from") == 2,
+            "two workers reloading",
+            within_s=60.0,
         )
         await background
         assert (await load(url, "127.0.0.2", connections=4, each=4))[200] == 8
@@ -203,3 +207,110 @@ async def test_a_reload_under_load_rescales_once_across_workers(
 async def many_clients(url: str, clients: Sequence[str], rounds: int) -> None:
     for _ in range(rounds):
         await asyncio.gather(*(load(url, client, connections=1, each=2) for client in clients))
+
+
+def _run_with_shared_dir(shared: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        "upstreams:\n  backend:\n    url: http://127.0.0.1:9\n"
+        "routes:\n  - name: all\n    upstream: backend\n" + STACK
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "2"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GATEWAY_SHARED_DIR": str(shared)},
+    )
+
+
+def test_a_shared_dir_without_room_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    """On a 4 MiB tmpfs the first map (8 MiB) cannot be reserved: one line naming the
+    directory, what it needs and what is free, a non-zero exit, no worker started (before:
+    workers died of SIGBUS and were restarted forever, never ready, nothing logged)."""
+    with small_tmpfs(tmp_path / "small", "4m") as small:
+        result = _run_with_shared_dir(small, tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert re.fullmatch(
+        rf"gateway: {small}/gateway-limits-\d+: the shared limit state needs 8\.0 MiB there, "
+        r"3\.9 MiB free \(set GATEWAY_SHARED_DIR to a directory with room\)\n",
+        result.stderr,
+    ), result.stderr
+    assert "serving" not in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["read-only", "a file"])
+def test_a_shared_dir_that_cannot_hold_state_is_one_line(tmp_path: Path, kind: str) -> None:
+    if kind == "a file":
+        shared = tmp_path / "not-a-dir"
+        shared.write_text("")
+        expected = f"gateway: GATEWAY_SHARED_DIR {shared}: not a directory\n"
+        result = _run_with_shared_dir(shared, tmp_path)
+    else:
+        with small_tmpfs(tmp_path / "ro", "1m") as shared:
+            remount = ["mount", "-o", "remount,ro", str(shared)]
+            subprocess.run(remount, check=True, capture_output=True)
+            result = _run_with_shared_dir(shared, tmp_path)
+        expected = (
+            f"gateway: GATEWAY_SHARED_DIR {shared}: cannot keep the shared limit state there: "
+            "read-only file system\n"
+        )
+    assert result.returncode != 0
+    assert result.stderr == expected
+
+
+LONG_KEYS = """\
+limits:
+  per_key:
+    algorithm: fixed_window
+    limit: 3
+    window: 1h
+    key: [header:X-Key]
+"""
+
+
+async def test_a_shared_dir_that_fills_while_serving_crashes_no_worker(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    """Two workers on a 24 MiB tmpfs, filled but for 256 KiB once they serve: new keys
+    (380 bytes each) until the map cannot grow past its first 8 MiB. No worker dies (before:
+    both died of SIGBUS at once, a 0.6 s outage, and again at each new key), every request is
+    answered, each worker logs the switch to ``fallback`` once with the directory and sizes,
+    and a known key is still counted exactly."""
+    with small_tmpfs(tmp_path / "small", "24m") as small:
+        async with run_workers(upstream.url, tmp_path, LONG_KEYS, 2, shared_dir=small) as (
+            url,
+            _,
+            pids,
+        ):
+            await wait_serving(tmp_path, 2)
+            before = sorted(pids())
+            fill_to(small, 256 << 10)
+            statuses: Counter[int | str] = Counter()
+            connector = aiohttp.TCPConnector(limit=8)
+            async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
+
+                async def send(key: str) -> int | str:
+                    try:
+                        async with session.get(url + "/x", headers={"X-Key": key}) as resp:
+                            await resp.read()
+                            return resp.status
+                    except aiohttp.ClientError as exc:
+                        return type(exc).__name__
+
+                for start in range(0, 8_000, 200):
+                    batch = [f"{index:0380d}" for index in range(start, start + 200)]
+                    statuses.update(await asyncio.gather(*(send(key) for key in batch)))
+                known = [await send(f"{0:0380d}") for _ in range(3)]
+            log = (tmp_path / "gateway.log").read_text()
+            assert sorted(pids()) == before, log
+    switches = [line for line in log.splitlines() if "store state ok -> fallback" in line]
+    print(f"\nstatuses {dict(statuses)}; {switches[0] if switches else 'no switch'}")
+    assert statuses == Counter({200: 8_000}), statuses
+    assert "exited with" not in log and "Traceback" not in log, log
+    assert 1 <= len(switches) <= 2, switches  # once per worker that met the full map
+    assert f"{small}/gateway-limits-" in switches[0] and "256.0 KiB free" in switches[0]
+    assert known == [200, 200, 429]  # counted once when the map had room for it

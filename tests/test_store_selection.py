@@ -10,9 +10,11 @@ import pytest
 
 from gateway.engine.preflight import load_and_build
 from gateway.stores import build_store
-from tests import redis_harness
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.redis_harness import RedisServer
+from tests.support import redis_harness
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordingUpstream
 
 redis_server = redis_harness.redis_server
 

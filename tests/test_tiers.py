@@ -9,7 +9,6 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,13 @@ from gateway.policy.overrides import Overrides
 from gateway.redact import REDACTED
 from gateway.stores import MemoryStore, RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
-from tests import redis_harness
-from tests.conftest import GatewayFactory, RecordingUpstream, policy_for
-from tests.redis_harness import RedisServer
-from tests.support import replace_file
-from tests.test_redis_store import compiled
+from tests.support import redis_harness
+from tests.support.conformance import compiled
+from tests.support.gateways import GatewayFactory
+from tests.support.policies import policy_for, replace_file
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 
@@ -236,9 +237,9 @@ async def test_a_queued_weighted_request_is_refunded_whole(
         assert (await _get(session, gw.url + "/"))[0] == 200
         _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
         writer.write(b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n")
-        await _wait_until(lambda: shaped.counters.waiting == 1)
+        await wait_until(lambda: shaped.counters.waiting == 1)
         writer.close()
-        await _wait_until(lambda: shaped.counters.waiting == 0)
+        await wait_until(lambda: shaped.counters.waiting == 0)
         explained = {
             e["name"]: e["next_request"] for e in (await _explain(session, gw.admin_url))["limits"]
         }
@@ -359,7 +360,7 @@ async def test_overrides_file_is_loaded_and_reloaded_on_change(
         assert await admitted("key-b") == 1
         # Only the overrides file changes: the watcher reloads the policy.
         replace_file(tiers, "key-a: gold\nkey-b: gold\n")
-        await _wait_until(lambda: gateway.loaded.sha256 != first_sha, within_s=10.0)
+        await wait_until(lambda: gateway.loaded.sha256 != first_sha, within_s=10.0)
         # In process a key that changes tier starts afresh in its tier's table: 2 of 3.
         assert await admitted("key-b") == 2
         # A bad edit of the file keeps the running overrides, and says where it is.
@@ -486,14 +487,6 @@ def test_cidr_lookup_is_the_longest_matching_prefix(
         assert found is not None
         assert found.spec.burst == max(matching)[1]
     assert spec.burst == 1
-
-
-async def _wait_until(condition: Callable[[], bool], within_s: float = 2.0) -> None:
-    for _ in range(int(within_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    assert condition()
 
 
 async def test_dry_run_limits_show_whom_they_would_hit(

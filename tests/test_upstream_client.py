@@ -30,6 +30,7 @@ from gateway.edge.upstream_client import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from tests.support.waiting import wait_until
 
 HELLO = b"hello from upstream " * 5  # 100 bytes
 MIB = 1024 * 1024
@@ -48,15 +49,6 @@ async def read_all(response: UpstreamResponse) -> bytes:
     if response.body_complete:
         return response.body_bytes()
     return b"".join([chunk async for chunk in response.iter_chunks()])
-
-
-async def until(condition: Callable[[], bool], within_s: float = 3.0) -> None:
-    """Wait, bounded, for something the event loop will make true (a close, a callback)."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
 
 
 def header(response: UpstreamResponse, name: bytes) -> bytes | None:
@@ -454,7 +446,7 @@ async def test_idle_connections_close_after_idle_timeout(
     response.release()
     assert pool.idle_connections == 1
     started = time.monotonic()
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
     assert 0.15 < time.monotonic() - started < 2.0
     response = await pool.request(get("/hello"))
     assert response.body_bytes() == HELLO
@@ -483,7 +475,7 @@ async def test_at_most_max_idle_connections_are_kept(
     )
     for response in responses:
         response.release()
-    await until(lambda: pool.open_connections == 1)
+    await wait_until(lambda: pool.open_connections == 1)
     assert pool.idle_connections == 1
 
 
@@ -495,7 +487,7 @@ async def test_partly_read_response_discards_its_connection(
     assert not response.body_complete
     assert await response.read_chunk()
     response.release()
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
     response = await pool.request(get("/hello"))
     assert response.body_bytes() == HELLO
     response.release()
@@ -712,7 +704,7 @@ async def test_upstream_answering_before_the_body_is_sent_stops_the_upload(
     response.release()
     assert time.monotonic() - started < 3
     assert sent < 200
-    await until(lambda: pool.open_connections == 0)  # its framing is off: never reused
+    await wait_until(lambda: pool.open_connections == 0)  # its framing is off: never reused
 
 
 async def test_body_iterator_error_propagates_and_cuts_the_connection(
@@ -729,7 +721,7 @@ async def test_body_iterator_error_propagates_and_cuts_the_connection(
     head = head_of("POST", "/echo", b"Transfer-Encoding: chunked\r\n")
     with pytest.raises(ClientWentAway):
         await pool.request(head, body(), body_chunked=True)
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
 
 
 # -- bodiless responses, interim responses, read-until-close --------------------------------------
@@ -761,7 +753,7 @@ async def test_head_response_followed_by_a_body_is_not_reused(
     response = await pool.request(head_of("HEAD", "/"), expect_no_body=True)
     assert response.body_bytes() == b""
     response.release()
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
     response = await pool.request(head_of("HEAD", "/"), expect_no_body=True)
     assert response.status == 200
     response.release()
@@ -928,7 +920,7 @@ async def test_read_timeout_waiting_for_the_head(
     with pytest.raises(UpstreamTimeout):
         await pool.request(get("/slow-head?delay=5"))
     assert 0.25 < time.monotonic() - started < 2.0
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
 
 
 @pytest.mark.reliability
@@ -941,7 +933,7 @@ async def test_read_timeout_between_body_chunks(
     with pytest.raises(UpstreamTimeout):
         await response.read_chunk()
     response.release()
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
 
 
 async def test_a_slow_consumer_is_not_a_read_timeout(
@@ -965,7 +957,7 @@ async def test_cancelling_the_request_closes_the_upstream_connection(
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.wait_for(aio_upstream.rec.hang_cancelled.wait(), 3)
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
 
 
 async def test_cancelling_a_body_read_closes_the_upstream_connection(
@@ -979,7 +971,7 @@ async def test_cancelling_a_body_read_closes_the_upstream_connection(
     reading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reading
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
     response.release()
     assert pool.open_connections == 0
 
@@ -1163,7 +1155,7 @@ async def test_hostile_head_is_a_protocol_error_and_never_reused(
     pool = make_pool(up.port)
     with pytest.raises(UpstreamProtocolError):
         await _fetch(pool)
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
 
 
 @pytest.mark.reliability
@@ -1178,7 +1170,7 @@ async def test_hostile_body_is_a_protocol_error_and_never_reused(
     with pytest.raises(UpstreamProtocolError):
         await read_all(response)
     response.release()
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
 
 
 @pytest.mark.parametrize(
@@ -1229,7 +1221,7 @@ async def test_endless_header_line_hits_the_head_limit(
     with pytest.raises(UpstreamProtocolError):
         await pool.request(get("/"))
     assert time.monotonic() - started < 2.0
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
 
 
 async def test_head_under_the_limit_in_pieces_is_accepted(
@@ -1273,7 +1265,7 @@ async def test_unsolicited_bytes_on_an_idle_connection_discard_it(
     up = await raw_upstream(replying(OK_RESPONSE, b"HTTP/1.1 200 OK\r\n", pause_s=0.05))
     pool = make_pool(up.port)
     assert await _fetch(pool) == b"hello"
-    await until(lambda: pool.open_connections == 0)
+    await wait_until(lambda: pool.open_connections == 0)
     assert await _fetch(pool) == b"hello"
     assert up.connections == 2
 
@@ -1355,7 +1347,7 @@ def test_core_behaviour_under_uvloop() -> None:
             hostile_pool = UpstreamPool("127.0.0.1", hostile.port)
             with pytest.raises(UpstreamProtocolError):
                 await _fetch(hostile_pool)
-            await until(lambda: hostile_pool.open_connections == 0)
+            await wait_until(lambda: hostile_pool.open_connections == 0)
             await hostile_pool.close()
         finally:
             await pool.close()

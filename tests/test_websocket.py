@@ -13,9 +13,13 @@ import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from tests.conftest import GatewayFactory, RecordingUpstream, RunningGateway
-from tests.rawhttp import exchange, split_head, status_of
-from tests.support import TIMEOUT, policy_for, scrape_until, value
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.metrics import scrape_until, value
+from tests.support.network import TIMEOUT
+from tests.support.policies import policy_for
+from tests.support.rawhttp import exchange, split_head, status_of
+from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_until
 
 MESSAGES = 10_000
 LARGE = 4 * 1024 * 1024
@@ -79,14 +83,6 @@ async def _gateway(
     )
 
 
-async def _wait_for(condition: Callable[[], bool], within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_ten_thousand_messages_each_way(
     ws_upstream: WsUpstream, start_gateway: GatewayFactory
 ) -> None:
@@ -109,8 +105,8 @@ async def test_ten_thousand_messages_each_way(
         assert echoed == [f"message {i}" for i in range(MESSAGES)]
         assert pushed == [f"up {i}" for i in range(MESSAGES)]
     # The client closed first: the upstream saw its close handshake.
-    await _wait_for(lambda: ws_upstream.closes == [WSCloseCode.OK])
-    await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+    await wait_until(lambda: ws_upstream.closes == [WSCloseCode.OK])
+    await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
 
 
 async def test_large_frames_both_ways(
@@ -129,7 +125,7 @@ async def test_large_frames_both_ways(
                 echoed = await ws.receive_bytes()
                 assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
     stats = gw.gateway.server.upgrades
-    await _wait_for(lambda: stats.open == 0)
+    await wait_until(lambda: stats.open == 0)
     # Frames add a few bytes of header (and the client's mask) to each payload.
     total = sum(len(p) for p in payloads)
     assert total < stats.bytes_from_client < total + 1024
@@ -154,9 +150,9 @@ async def test_upstream_closes_first(
             assert (await ws.receive()).type == WSMsgType.CLOSED
     assert ws.close_code == 4001
     # The client's answering close frame (aiohttp answers 1000) reached the upstream.
-    await _wait_for(lambda: ws_upstream.closes == [WSCloseCode.OK])
-    await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
-    await _wait_for(lambda: gw.gateway.server.open_connections == 0)
+    await wait_until(lambda: ws_upstream.closes == [WSCloseCode.OK])
+    await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
+    await wait_until(lambda: gw.gateway.server.open_connections == 0)
 
 
 async def test_rejected_handshake_gets_429_with_its_headers(
@@ -290,8 +286,8 @@ async def test_half_close_is_passed_on_both_ways(start_gateway: GatewayFactory) 
         async with asyncio.timeout(5):
             assert await reader.read() == b"after-eof:hello"
         writer.close()
-        await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
-        await _wait_for(lambda: gw.gateway.server.open_connections == 0)
+        await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
+        await wait_until(lambda: gw.gateway.server.open_connections == 0)
 
 
 async def test_flow_control_holds_a_fast_upstream_to_a_slow_client(
@@ -327,7 +323,7 @@ async def test_flow_control_holds_a_fast_upstream_to_a_slow_client(
                 received += len(chunk)
         assert received == total and done.is_set()
         writer.close()
-        await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+        await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
 
 
 async def test_idle_timeout_closes_both_sides(
@@ -343,9 +339,9 @@ async def test_idle_timeout_closes_both_sides(
         async with asyncio.timeout(5):
             msg = await ws.receive()
         assert msg.type in (WSMsgType.CLOSED, WSMsgType.CLOSE, WSMsgType.ERROR)
-    await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+    await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
     assert gw.gateway.server.upgrades.idle_timeouts == 1
-    await _wait_for(lambda: len(ws_upstream.closes) == 1)
+    await wait_until(lambda: len(ws_upstream.closes) == 1)
 
 
 async def test_upstream_down_gets_502(start_gateway: GatewayFactory) -> None:
@@ -414,8 +410,8 @@ async def test_shutdown_gives_open_websockets_the_shutdown_timeout_then_closes_t
             await stopping
         assert msg.type in (WSMsgType.CLOSED, WSMsgType.CLOSE, WSMsgType.ERROR)
         assert 0.9 < loop.time() - started < 4
-    await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
-    await _wait_for(lambda: len(ws_upstream.closes) == 1)
+    await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
+    await wait_until(lambda: len(ws_upstream.closes) == 1)
 
 
 async def test_a_reload_does_not_wait_for_open_websockets(
@@ -435,11 +431,11 @@ async def test_a_reload_does_not_wait_for_open_websockets(
         old = gw.gateway.handler.runtime
         gw.gateway.apply(parse_and_build(policy_for(ws_upstream.url) + "# changed\n", "test.yaml"))
         assert gw.gateway.handler.runtime is not old
-        await _wait_for(lambda: not gw.gateway._retired)
+        await wait_until(lambda: not gw.gateway._retired)
         assert old.inflight == 0
         await ws.send_str("after")
         assert await ws.receive_str() == "after"
-    await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+    await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
     assert old.inflight == 0
 
 
@@ -474,7 +470,7 @@ async def test_bytes_sent_in_the_same_packet_as_the_101_reach_the_client(
             assert await reader.read() == b"first"  # then the end of stream
         writer.write(b"reply")
         writer.write_eof()
-        await _wait_for(lambda: gw.gateway.server.upgrades.open == 0)
+        await wait_until(lambda: gw.gateway.server.upgrades.open == 0)
         assert replies == [b"reply"]
         writer.close()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +46,8 @@ class AdminState:
     # included): a reload cannot move them, so the file's values may not be the ones in force.
     in_force: dict[str, Any] = field(default_factory=dict)
     auth: AdminAuth = field(default_factory=AdminAuth)
+    # A worker of several: asks the others to reload as well (after ``POST /reload``).
+    reload_siblings: Callable[[], None] | None = None
 
 
 ADMIN_STATE = web.AppKey("admin_state", AdminState)
@@ -76,6 +80,10 @@ async def _policy(request: web.Request) -> web.Response:
             "store_url": redact_url(store_url(runtime.loaded.policy.store)),
             "reload": reload_status.model_dump() if reload_status is not None else None,
             "in_force": state.in_force,
+            "pools": {
+                name: [dataclasses.asdict(member) for member in target.pool.states()]
+                for name, target in runtime.upstreams.items()
+            },
             "policy": policy,
         }
     )
@@ -101,6 +109,9 @@ async def _reload(request: web.Request) -> web.Response:
     if reloader is None:
         return web.json_response({"error": "the gateway runs without a policy file"}, status=409)
     result = await reloader.reload()
+    siblings = request.app[ADMIN_STATE].reload_siblings
+    if result == "ok" and siblings is not None:
+        siblings()
     body = {"result": result, "error": reloader.status.last_error}
     return web.json_response(body, status=200 if result != "failed" else 422)
 

@@ -7,6 +7,7 @@ Every mistake of the user's is one line on stderr and a non-zero exit, never a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -15,12 +16,20 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gateway import __version__
-from gateway.cli.supervisor import supervise, worker_main
+from gateway.cli import listen_addresses
+from gateway.cli.supervisor import EXIT_STARTUP, supervise, worker_main
 from gateway.engine.preflight import build_problems, load_and_build
 from gateway.log_setup import LOG_FORMATS, LOG_LEVELS
 from gateway.log_setup import configure as configure_logging
-from gateway.policy.loader import LoadedPolicy, PolicyError
-from gateway.policy.models import Policy, Route, Upstream, policy_json_schema, split_host_port
+from gateway.policy.loader import LoadedPolicy, Loc, PolicyError
+from gateway.policy.models import (
+    Policy,
+    Route,
+    Upstream,
+    listeners_collide,
+    policy_json_schema,
+    split_host_port,
+)
 
 log = logging.getLogger("gateway")
 
@@ -61,7 +70,13 @@ def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gateway.serving.lifecycle import check_aiohttp
+    from gateway.serving.lifecycle import (
+        ENV_ADMIN_LISTEN,
+        ENV_LISTEN,
+        StartupError,
+        check_aiohttp,
+        listen_address,
+    )
 
     check_aiohttp()
     loaded = _load_for_run(args)
@@ -78,17 +93,57 @@ def cmd_run(args: argparse.Namespace) -> int:
         # fallback divides each limit by it).
         for _, problem in build_problems(loaded.policy, workers):
             raise SystemExit(f"gateway: --workers {workers}: {problem}")
-    if workers == 1:
-        worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
-        return 0
-    return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
+    server = loaded.policy.server
+    try:
+        listen = listen_address(args.listen, ENV_LISTEN, server.listen)
+        admin = listen_address(args.admin_listen, ENV_ADMIN_LISTEN, server.admin_listen)
+    except StartupError as exc:
+        return _startup_error(str(exc))
+    where = listen_addresses.display(*listen), listen_addresses.display(*admin)
+    if listeners_collide(*where):
+        # The policy's own are refused with its line; this is an override's doing.
+        return _startup_error(
+            f"the proxy ({where[0]}) and the admin listener ({where[1]}) take the same port: "
+            "give the admin listener a port of its own"
+        )
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(listen_addresses.held([("proxy", *listen), ("admin", *admin)]))
+        except listen_addresses.AddressHeld as exc:
+            return _startup_error(str(exc))
+        if workers == 1:
+            worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
+            return 0
+        return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
+
+
+def _startup_error(message: str) -> int:
+    """What a worker that cannot start says and exits with (a restart would fail alike)."""
+    sys.stderr.write(f"gateway: {message}\n")
+    return EXIT_STARTUP
+
+
+def listen_problems(policy: Policy) -> list[tuple[Loc, str]]:
+    """The policy's listen addresses that ``run`` could not bind here, tried as ``nginx -t``
+    does (one in use is fine: it may be this very gateway's). An address the environment
+    overrides (``GATEWAY_LISTEN``, ``GATEWAY_ADMIN_LISTEN``) is not the one ``run`` binds."""
+    from gateway.serving.lifecycle import ENV_ADMIN_LISTEN, ENV_LISTEN
+
+    problems: list[tuple[Loc, str]] = []
+    for name, env_name in (("listen", ENV_LISTEN), ("admin_listen", ENV_ADMIN_LISTEN)):
+        if os.environ.get(env_name):
+            continue
+        problem = listen_addresses.check_problem(*split_host_port(getattr(policy.server, name)))
+        if problem is not None:
+            problems.append((("server", name), problem))
+    return problems
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     failed = False
     for file in args.files:
         try:
-            loaded = load_and_build(file)
+            loaded = load_and_build(file, also=listen_problems)
         except PolicyError as exc:
             print(exc, file=sys.stderr)
             failed = True

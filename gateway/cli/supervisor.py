@@ -1,22 +1,31 @@
 """The worker supervisor of ``gateway run --workers N``: fork the workers, forward signals,
-restart a worker that dies, stop them all on SIGTERM."""
+restart a worker that dies, stop them all on SIGTERM. Workers do not outlive it: a worker
+whose supervisor is gone (killed with SIGKILL, say) stops as on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 import time
-from typing import Any
+from typing import Final
 
 from gateway.policy.loader import LoadedPolicy
 from gateway.stores import shared_store_selected
-from gateway.stores.shared.runtime_dir import clean_runtime_dir, runtime_dir
+from gateway.stores.shared.runtime_dir import (
+    SharedDirError,
+    claim_runtime_dir,
+    release_runtime_dir,
+    runtime_dir,
+)
 
 EXIT_STARTUP = 78  # EX_CONFIG: a worker could not start (a port in use, say); no restart
+_PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
+PARENT_POLL_S: Final = 1.0
 
 log = logging.getLogger("gateway")
 
@@ -28,12 +37,19 @@ def worker_main(
     worker_id: int,
     workers: int,
     policy_path: str | None,
+    supervisor_pid: int | None = None,
+    signalled_on_parent_death: bool = False,
 ) -> None:
     from gateway.serving.lifecycle import StartupError, run_event_loop, serve
 
-    try:
-        run_event_loop(
-            lambda: serve(
+    async def main() -> None:
+        watch = None
+        if supervisor_pid is not None:
+            watch = asyncio.get_running_loop().create_task(
+                _watch_parent(supervisor_pid, stop=not signalled_on_parent_death)
+            )
+        try:
+            await serve(
                 loaded,
                 listen=listen,
                 admin_listen=admin,
@@ -41,8 +57,14 @@ def worker_main(
                 worker_id=worker_id,
                 workers=workers,
                 policy_path=policy_path,
+                supervisor_pid=supervisor_pid,
             )
-        )
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    try:
+        run_event_loop(main)
     except StartupError as exc:
         # One write, line and newline together: the workers of --workers N fail at once on
         # one stderr, and print()'s two writes interleaved their lines.
@@ -51,13 +73,49 @@ def worker_main(
         raise SystemExit(EXIT_STARTUP) from None
 
 
-def _forked_worker_main(*args: Any) -> None:
+def _forked_worker_main(
+    loaded: LoadedPolicy,
+    listen: str | None,
+    admin: str | None,
+    worker_id: int,
+    workers: int,
+    policy_path: str | None,
+    supervisor_pid: int,
+) -> None:
     """A worker forked by the supervisor: drop the supervisor's signal handlers first (until
-    the worker's event loop installs its own, HUP is ignored and TERM/INT stop it at once)."""
+    the worker's event loop installs its own, HUP is ignored and TERM/INT stop it at once),
+    and have the kernel send SIGTERM when the supervisor dies."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    worker_main(*args)
+    signalled = _die_with_parent(signal.SIGTERM)
+    if os.getppid() != supervisor_pid:
+        sys.exit(0)  # it died before the request above: nothing will send the signal
+    worker_main(loaded, listen, admin, worker_id, workers, policy_path, supervisor_pid, signalled)
+
+
+def _die_with_parent(signum: int) -> bool:
+    """Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``). It is tied to the thread
+    that forked this process, not to the process: the supervisor forks from its main thread,
+    which lives as long as it does. False where there is no such call (the watch below
+    stops the worker then, within a second)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+async def _watch_parent(supervisor_pid: int, *, stop: bool) -> None:
+    """Say so once this worker's parent is no longer the supervisor; with ``stop`` (no
+    parent-death signal on this system) stop the worker as SIGTERM does."""
+    while True:  # polled: no event says a parent died
+        await asyncio.sleep(PARENT_POLL_S)
+        if os.getppid() != supervisor_pid:
+            break
+    log.warning("the supervisor (pid %d) is gone: this worker stops", supervisor_pid)
+    if stop:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def supervise(
@@ -70,11 +128,12 @@ def supervise(
     """Run ``workers`` processes on one port (SO_REUSEPORT); restart any that die."""
     ctx = multiprocessing.get_context("fork")
     stopping = False
+    supervisor_pid = os.getpid()
 
     def start(worker_id: int) -> multiprocessing.process.BaseProcess:
         proc = ctx.Process(
             target=_forked_worker_main,
-            args=(loaded, listen, admin, worker_id, workers, policy_path),
+            args=(loaded, listen, admin, worker_id, workers, policy_path, supervisor_pid),
             name=f"gateway-worker-{worker_id}",
         )
         proc.start()
@@ -93,9 +152,14 @@ def supervise(
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
     shared_dir = None
     if shared_store_selected(loaded.policy.store, workers):
-        # The workers' shared limit state starts empty, as in-process state does.
-        shared_dir = runtime_dir(os.getpid())
-        clean_runtime_dir(shared_dir)
+        # The workers' shared limit state starts empty, as in-process state does; the
+        # directory stays locked while any of them runs (runtime_dir).
+        shared_dir = runtime_dir(supervisor_pid)
+        try:
+            claim_runtime_dir(shared_dir)
+        except SharedDirError as exc:
+            sys.stderr.write(f"gateway: {exc}\n")
+            return EXIT_STARTUP
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_sighup)
@@ -122,5 +186,5 @@ def supervise(
         if proc.is_alive():
             proc.kill()
     if shared_dir is not None:
-        shutil.rmtree(shared_dir, ignore_errors=True)
+        release_runtime_dir(shared_dir)
     return 1 if failed else 0

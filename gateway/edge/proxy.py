@@ -32,6 +32,7 @@ from gateway.edge.forwarding import (
     response_head,
     response_headers,
 )
+from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
 from gateway.edge.responses import (
     HttpDate,
     PreparedResponse,
@@ -53,6 +54,7 @@ from gateway.limits.routing import normalise_host, routing_path
 if TYPE_CHECKING:
     from gateway.edge.runtime import Runtime, UpstreamTarget
     from gateway.engine.limit_engine import Outcome
+    from gateway.policy.models import Route
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _DATE = HttpDate()
@@ -98,16 +100,18 @@ class RelayedResponse(_Relayed, web.Response):
 class _Admitted:
     """What forwarding an admitted request needs: all of ours a request keeps while queued."""
 
-    __slots__ = ("forwarded", "framing", "outcome", "target", "upstream")
+    __slots__ = ("forwarded", "framing", "outcome", "route", "target", "upstream")
 
     def __init__(
         self,
+        route: Route,
         upstream: UpstreamTarget,
         target: str,
         framing: RequestFraming,
         forwarded: ForwardedFor,
         outcome: Outcome | None,
     ) -> None:
+        self.route = route
         self.upstream = upstream
         self.target = target  # origin-form (or "*"), as sent upstream after the base path
         self.framing = framing
@@ -275,6 +279,7 @@ class ProxyHandler:
                 return await _refuse(request, refusal, framing)
 
         return _Admitted(
+            route,
             upstream,
             target,
             framing,
@@ -298,7 +303,10 @@ class ProxyHandler:
             if outcome is not None and outcome.verdict is not None
             else None
         )
-        max_body = runtime.settings.max_body_size
+        route = admitted.route
+        max_body = route.max_body_size
+        if max_body is None:
+            max_body = runtime.settings.max_body_size
         if max_body and framing.content_length is not None and framing.content_length > max_body:
             return await _refuse(
                 request, error_response(413, "request body too large", close=True), framing
@@ -315,24 +323,46 @@ class ProxyHandler:
             request.transport.write(_CONTINUE)
 
         upstream = admitted.upstream
+        pool = upstream.pool
         target = admitted.target
         via = runtime.via
-        head = build_request_head(
-            request.method,
-            upstream.base_path + target if upstream.base_path else target,
-            request.raw_headers,
-            framing,
-            admitted.forwarded,
-            via,
-            underscores=runtime.settings.underscores_in_headers,
-        )
+        method = request.method
+        raw_headers = request.raw_headers
+        forwarded = admitted.forwarded
+        underscores = runtime.settings.underscores_in_headers
+
+        def head_for(base_path: str) -> bytes:
+            return build_request_head(
+                method,
+                base_path + target if base_path else target,
+                raw_headers,
+                framing,
+                forwarded,
+                via,
+                underscores=underscores,
+            )
+
         body_timeout = runtime.settings.body_timeout
-        body = _stream_body(request, max_body, body_timeout) if framing.has_body else None
         chunked = framing.chunked
-        is_head = request.method == "HEAD"
+        is_head = method == "HEAD"
         try:
-            response = await upstream.pool.request(
-                head, body, body_chunked=chunked, expect_no_body=is_head
+            body: AsyncIterator[bytes] | bytes | None = None
+            if framing.has_body:
+                body = _stream_body(request, max_body, body_timeout)
+                if should_buffer(pool, method, framing.content_length):
+                    body = await read_whole(body)
+            response, server = await send(
+                pool,
+                method,
+                head_for,
+                body,
+                body_chunked=chunked,
+                expect_no_body=is_head,
+                key=hash_key(
+                    request, pool, route.name, forwarded.client_ip, runtime.engine.ipv6_prefix
+                ),
+                connect_timeout_s=route.connect_timeout or 0.0,
+                read_timeout_s=route.read_timeout or 0.0,
             )
         except BodyTooLarge:
             refusal = error_response(413, "request body too large", close=True)
@@ -419,6 +449,7 @@ class ProxyHandler:
             return stream
         finally:
             response.close()
+            pool.finished(server)
 
 
 async def _refuse(

@@ -7,29 +7,30 @@ snapshot never serves a request under a half-applied policy.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from gateway import __version__
 from gateway.algorithms.registry import build_algorithm
 from gateway.edge.client_ip import ClientIPResolver
+from gateway.edge.pool.server_pool import ServerAddress, ServerPool, ServerStatsTable
 from gateway.edge.upstream_client import UpstreamPool
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.routing import RouteTable
 from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import ServerSettings, Upstream
+from gateway.policy.models import Policy, ServerSettings, Upstream
 from gateway.stores import LimitStore
 
 
 @dataclass(slots=True)
 class UpstreamTarget:
-    """One configured upstream: its connection pool and the path prefix its URL carries."""
+    """One configured upstream: its pool of servers (a pool of one for ``url:``)."""
 
     name: str
     config: Upstream
-    pool: UpstreamPool
-    base_path: str
+    pool: ServerPool
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class Runtime:
     client_ip: ClientIPResolver
     settings: ServerSettings
     engine: LimitEngine
+    server_stats: ServerStatsTable = field(default_factory=ServerStatsTable)
     via: bytes = b"1.1 gateway"
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0
@@ -56,6 +58,17 @@ class Runtime:
             self._idle_waiter = asyncio.get_running_loop().create_future()
             await self._idle_waiter
 
+    async def prepare(self) -> None:
+        """Before the listeners open: resolve the pools' names once."""
+        for target in self.upstreams.values():
+            await target.pool.prepare()
+
+    def start(self) -> None:
+        """Start the pools' own tasks (re-resolving, active checks); pools already running
+        (taken over from the previous runtime) are left as they are."""
+        for target in self.upstreams.values():
+            target.pool.start()
+
     async def close(self, keep: set[str] | None = None) -> None:
         """Close the upstream pools, except those a newer runtime took over (``keep``)."""
         for name, target in self.upstreams.items():
@@ -63,36 +76,43 @@ class Runtime:
                 await target.pool.close()
 
 
-def make_pool(config: Upstream, demo_address: tuple[str, int] | None) -> tuple[UpstreamPool, str]:
-    if config.url == "builtin:demo":
-        if demo_address is None:
-            raise RuntimeError("the built-in demo upstream is not running")
-        host, port = demo_address
-        base_path = ""
-        ssl_context = None
-    else:
-        parts = urlsplit(config.url)
-        host = parts.hostname or "127.0.0.1"
-        secure = parts.scheme == "https"
-        port = parts.port or (443 if secure else 80)
-        base_path = parts.path.rstrip("/")
-        ssl_context = None
-        if secure:
-            import ssl
+def connections_factory(config: Upstream) -> Callable[[ServerAddress], UpstreamPool]:
+    """What opens one server's keep-alive connections, with the upstream's settings."""
+    ssl_context: ssl.SSLContext | None = None
 
+    def connections(server: ServerAddress) -> UpstreamPool:
+        nonlocal ssl_context
+        secure = server.scheme == "https"
+        if secure and ssl_context is None:
             ssl_context = ssl.create_default_context()
-    pool = UpstreamPool(
-        host,
-        port,
-        max_connections=config.max_connections,
-        max_idle=config.max_idle if config.max_idle is not None else config.max_connections,
-        idle_timeout_s=config.idle_timeout,
-        connect_timeout_s=config.connect_timeout,
-        read_timeout_s=config.read_timeout,
-        ssl=ssl_context,
-        server_hostname=host if ssl_context is not None else None,
+        return UpstreamPool(
+            server.address,
+            server.port,
+            max_connections=config.max_connections,
+            max_idle=config.max_idle if config.max_idle is not None else config.max_connections,
+            idle_timeout_s=config.idle_timeout,
+            connect_timeout_s=config.connect_timeout,
+            read_timeout_s=config.read_timeout,
+            ssl=ssl_context if secure else None,
+            server_hostname=server.host if secure else None,
+        )
+
+    return connections
+
+
+def make_pool(
+    name: str,
+    config: Upstream,
+    demo_address: tuple[str, int] | None,
+    stats: ServerStatsTable | None = None,
+) -> ServerPool:
+    return ServerPool(
+        name,
+        config,
+        connections_factory(config),
+        stats if stats is not None else ServerStatsTable(),
+        demo=demo_address,
     )
-    return pool, base_path
 
 
 def build_runtime(
@@ -111,14 +131,17 @@ def build_runtime(
         policy, store, build_algorithm, previous=previous.engine if previous else None
     )
     store.configure(engine.limits, previous.engine.limits if previous else ())
+    server_stats = previous.server_stats if previous else ServerStatsTable()
     upstreams = {}
     for name, config in policy.upstreams.items():
         old = previous.upstreams.get(name) if previous else None
         if old is not None and old.config == config:
             upstreams[name] = old
             continue
-        pool, base_path = make_pool(config, demo_address)
-        upstreams[name] = UpstreamTarget(name, config, pool, base_path)
+        upstreams[name] = UpstreamTarget(
+            name, config, make_pool(name, config, demo_address, server_stats)
+        )
+    server_stats.keep_only({name: target.pool for name, target in upstreams.items()})
     return Runtime(
         loaded=loaded,
         routes=RouteTable(policy.routes),
@@ -128,8 +151,17 @@ def build_runtime(
         ),
         settings=policy.server,
         engine=engine,
+        server_stats=server_stats,
         via=f"1.1 gateway/{__version__}".encode(),
     )
+
+
+def largest_body_size(policy: Policy) -> int:
+    """The listener's limit on a body: the largest any route allows (0: unlimited); each
+    route's own is checked as its body is read."""
+    sizes = [policy.server.max_body_size]
+    sizes += [r.max_body_size for r in policy.routes if r.max_body_size is not None]
+    return 0 if 0 in sizes else max(sizes)
 
 
 def uses_demo(loaded: LoadedPolicy) -> bool:

@@ -24,6 +24,7 @@ import httptools
 __all__ = [
     "UpstreamClosed",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamPool",
     "UpstreamProtocolError",
@@ -56,6 +57,10 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     """No connection within the connect timeout, or silence past the read timeout (504)."""
+
+
+class UpstreamConnectTimeout(UpstreamTimeout):
+    """No connection within the connect timeout: nothing of the request went out (504)."""
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -193,6 +198,7 @@ class _Connection(asyncio.Protocol):
         "_parser",
         "_parser_spent",
         "_pool",
+        "_read_timeout_s",
         "_reading_paused",
         "_received",
         "_resp",
@@ -208,6 +214,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
         self._loop = loop
+        self._read_timeout_s = pool._read_timeout_s
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._parser_spent = False
@@ -381,6 +388,7 @@ class _Connection(asyncio.Protocol):
         body: AsyncIterable[bytes] | bytes | None,
         body_chunked: bool,
         expect_no_body: bool,
+        read_timeout_s: float,
     ) -> UpstreamResponse:
         """Send one request and wait for its response head."""
         transport = self._transport
@@ -391,6 +399,7 @@ class _Connection(asyncio.Protocol):
             self._parser_spent = False
         resp = UpstreamResponse(self)
         self._resp = resp
+        self._read_timeout_s = read_timeout_s
         self._expect_no_body = expect_no_body
         self._head_bytes = 0
         self._head_raw_bytes = 0
@@ -456,7 +465,7 @@ class _Connection(asyncio.Protocol):
         """Wait for the upstream to send or drain something, at most the read timeout."""
         if self._transport is None:
             raise UpstreamClosed("the upstream connection is closed")
-        self._arm(self._loop.time() + self._pool._read_timeout_s)
+        self._arm(self._loop.time() + self._read_timeout_s)
         waiter = self._loop.create_future()
         self._waiter = waiter
         try:
@@ -634,11 +643,14 @@ class UpstreamPool:
         *,
         body_chunked: bool = False,
         expect_no_body: bool = False,
+        connect_timeout_s: float = 0.0,
+        read_timeout_s: float = 0.0,
     ) -> UpstreamResponse:
         """Send ``head`` (request line, headers, blank line) and ``body``; return the response.
 
         ``body_chunked``: frame the body as chunked (the head says ``Transfer-Encoding: chunked``).
         ``expect_no_body``: the request is HEAD, so the response has no body whatever it says.
+        ``connect_timeout_s``, ``read_timeout_s``: this request's (a route's), 0 for the pool's.
         Exceptions from a streamed ``body`` propagate unchanged (after the connection is cut).
         """
         if self._closed:
@@ -649,16 +661,17 @@ class UpstreamPool:
             conn._in_idle = False
             conn._deadline = None
         else:
-            conn = await self._acquire(fresh=False)
+            conn = await self._acquire(False, connect_timeout_s)
+        read_timeout_s = read_timeout_s or self._read_timeout_s
         try:
-            return await conn.exchange(head, body, body_chunked, expect_no_body)
+            return await conn.exchange(head, body, body_chunked, expect_no_body, read_timeout_s)
         except _StaleConnection:
             if not (body is None or isinstance(body, bytes)):
                 raise
             if not head.startswith(_IDEMPOTENT_PREFIXES):
                 raise
-        conn = await self._acquire(fresh=True)
-        return await conn.exchange(head, body, body_chunked, expect_no_body)
+        conn = await self._acquire(True, connect_timeout_s)
+        return await conn.exchange(head, body, body_chunked, expect_no_body, read_timeout_s)
 
     async def connect_unpooled(
         self, protocol_factory: Callable[[], _P]
@@ -678,7 +691,9 @@ class UpstreamPool:
                     server_hostname=self._server_hostname,
                 )
         except TimeoutError:
-            raise UpstreamTimeout(f"connecting to {self._host}:{self._port} timed out") from None
+            raise UpstreamConnectTimeout(
+                f"connecting to {self._host}:{self._port} timed out"
+            ) from None
         except OSError as exc:
             raise UpstreamConnectError(
                 f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
@@ -709,12 +724,12 @@ class UpstreamPool:
 
     # -- slots and connections ------------------------------------------------------------------
 
-    async def _acquire(self, *, fresh: bool) -> _Connection:
+    async def _acquire(self, fresh: bool, connect_timeout_s: float) -> _Connection:
         """A connection that is not idle in the pool: waits for a slot, then connects."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._connect_timeout_s
+        deadline = loop.time() + (connect_timeout_s or self._connect_timeout_s)
         while self._open >= self._max_connections:
             conn = await self._wait_turn(loop, deadline)
             if conn is None:
@@ -751,7 +766,7 @@ class UpstreamPool:
             else:
                 waiter.cancel()
             if isinstance(exc, TimeoutError):
-                raise UpstreamTimeout(
+                raise UpstreamConnectTimeout(
                     "no upstream connection free within the connect timeout"
                 ) from None
             raise
@@ -771,7 +786,9 @@ class UpstreamPool:
                 )
         except TimeoutError:
             self._release_slot()
-            raise UpstreamTimeout(f"connecting to {self._host}:{self._port} timed out") from None
+            raise UpstreamConnectTimeout(
+                f"connecting to {self._host}:{self._port} timed out"
+            ) from None
         except OSError as exc:
             self._release_slot()
             raise UpstreamConnectError(

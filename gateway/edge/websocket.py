@@ -23,7 +23,7 @@ import httptools
 from aiohttp import HttpVersion11, web
 from aiohttp.web_request import BaseRequest
 
-from gateway.edge.annotations import UPSTREAM_ERROR, upstream_error_reason
+from gateway.edge.annotations import ROUTE_NAME, UPSTREAM_ERROR, upstream_error_reason
 from gateway.edge.forwarding import (
     ForwardedFor,
     RequestFraming,
@@ -31,6 +31,7 @@ from gateway.edge.forwarding import (
     response_head,
     response_headers,
 )
+from gateway.edge.next_upstream import hash_key
 from gateway.edge.responses import HttpDate, PreparedResponse, error_response
 from gateway.edge.server import GatewayProtocol
 from gateway.edge.upgrade_stats import UpgradeStats
@@ -84,9 +85,16 @@ async def forward_upgrade(
     loop = asyncio.get_running_loop()
     token = request.headers["Upgrade"].strip().lower().encode("latin-1")
     upgrade_headers = b"Connection: Upgrade\r\nUpgrade: " + token + b"\r\n\r\n"
+    pool = upstream.pool
+    route = request.get(ROUTE_NAME, "")
+    server = pool.pick(
+        (), hash_key(request, pool, route, forwarded.client_ip, runtime.engine.ipv6_prefix)
+    )
+    assert server is not None  # a first pick always finds one
+    base_path = server.base_path
     head = build_request_head(
         "GET",
-        upstream.base_path + target if upstream.base_path else target,
+        base_path + target if base_path else target,
         request.raw_headers,
         framing,
         forwarded,
@@ -100,28 +108,41 @@ async def forward_upgrade(
         if outcome is not None and outcome.verdict is not None
         else None
     )
-    pool = upstream.pool
+    connections = server.connections
+    started_at = pool.started(server)
+    failure: UpstreamError | None = None
+    answered = False
     try:
-        up_transport, up_side = await pool.connect_unpooled(lambda: _UpstreamSide(loop))
-    except UpstreamError as exc:
-        return _upstream_failed(request, exc)
-    try:
-        up_transport.write(head)
-        async with asyncio.timeout(pool.read_timeout_s):
-            await up_side.head_received
-            if up_side.status != 101:
-                await up_side.message_complete
-    except TimeoutError:
-        up_transport.abort()
-        return _upstream_failed(
-            request, UpstreamTimeout("the upstream sent nothing within the read timeout")
-        )
-    except UpstreamError as exc:
-        up_transport.abort()
-        return _upstream_failed(request, exc)
-    except BaseException:
-        up_transport.abort()
-        raise
+        try:
+            up_transport, up_side = await connections.connect_unpooled(lambda: _UpstreamSide(loop))
+        except UpstreamError as exc:
+            failure = exc
+            return _upstream_failed(request, exc)
+        try:
+            up_transport.write(head)
+            async with asyncio.timeout(connections.read_timeout_s):
+                await up_side.head_received
+                if up_side.status != 101:
+                    await up_side.message_complete
+        except TimeoutError:
+            up_transport.abort()
+            failure = UpstreamTimeout("the upstream sent nothing within the read timeout")
+            return _upstream_failed(request, failure)
+        except UpstreamError as exc:
+            up_transport.abort()
+            failure = exc
+            return _upstream_failed(request, exc)
+        except BaseException:
+            up_transport.abort()
+            raise
+        answered = True
+        pool.answered(server, up_side.status, started_at)
+    finally:
+        if failure is not None:
+            pool.failed(server, upstream_error_reason(failure), failure)
+        elif not answered:
+            pool.unanswered(server)
+        pool.finished(server)
 
     via = runtime.via
     if up_side.status != 101:

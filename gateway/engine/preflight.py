@@ -13,8 +13,9 @@ from pathlib import Path
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.engine.limit_engine import LimitEngine
-from gateway.policy.loader import LoadedPolicy, Loc, load_policy, parse_policy
+from gateway.policy.loader import BuildChecks, LoadedPolicy, Loc, load_policy, parse_policy
 from gateway.policy.models import ConcurrencyLimit, Policy
+from gateway.policy.tls_files import TlsFilesError, load_tls
 from gateway.redact import redact_text
 from gateway.stores import build_store
 
@@ -80,11 +81,30 @@ def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc
     return problems
 
 
-def load_and_build(path: str | Path, workers: int | None = None) -> LoadedPolicy:
-    """Load a policy file and refuse it, with its lines, if ``run`` could not build it."""
-    return load_policy(path, lambda policy: build_problems(policy, workers))
+def tls_problems(policy: Policy, policy_file: str) -> list[tuple[Loc, str]]:
+    """The listener's certificate and key, loaded as ``run`` loads them."""
+    if policy.server.tls is None:
+        return []
+    try:
+        load_tls(policy.server.tls, policy_file)
+    except TlsFilesError as exc:
+        return [(("server", "tls"), str(exc))]
+    return []
+
+
+def load_and_build(
+    path: str | Path, workers: int | None = None, also: BuildChecks | None = None
+) -> LoadedPolicy:
+    """Load a policy file and refuse it, with its lines, if ``run`` could not build it (or,
+    given ``also``, if that check names a problem: ``check`` binds the listeners)."""
+
+    def problems(policy: Policy) -> list[tuple[Loc, str]]:
+        found = build_problems(policy, workers) or tls_problems(policy, str(path))
+        return found or (also(policy) if also is not None else [])
+
+    return load_policy(path, problems)
 
 
 def parse_and_build(text: str, file: str = "<policy>") -> LoadedPolicy:
     """``load_and_build`` for policy text."""
-    return parse_policy(text, file, build_problems)
+    return parse_policy(text, file, lambda p: build_problems(p) or tls_problems(p, file))

@@ -219,6 +219,33 @@ def sse_message(event: str, data: object) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def upstream_servers(snapshot: GatewaySnapshot) -> dict[str, list[dict[str, Any]]]:
+    """Each upstream's servers now: state (by how many workers), in flight, counts."""
+    states: dict[tuple[str, str], dict[str, int]] = {}
+    for upstream, name, state, workers in snapshot.server_states:
+        states.setdefault((upstream, name), {})[state] = workers
+    out: dict[str, list[dict[str, Any]]] = {}
+    for server in snapshot.servers:
+        if not server.state:
+            continue  # left its pool
+        seen = states.get(server.key, {})
+        worst = next((name for name in ("down", "ejected") if seen.get(name)), server.state)
+        out.setdefault(server.upstream, []).append(
+            {
+                "server": server.server,
+                "state": worst,
+                "states": seen,
+                "weight": server.weight,
+                "backup": server.backup,
+                "inflight": server.inflight,
+                "requests": server.requests,
+                "failures": sum(server.failures.values()),
+                "ejections": server.ejections,
+            }
+        )
+    return out
+
+
 def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
     """Totals and status for the dashboard's numbers and tables."""
     reload = snapshot.reload
@@ -236,6 +263,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             "errors": snapshot.store.errors,
         },
         "requests": sum(n for *_, n in snapshot.requests),
+        "upstreams": upstream_servers(snapshot),
         "limits": {
             name: {
                 "algorithm": limit.algorithm,

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from gateway import __version__
 from gateway.edge.annotations import UPSTREAM_ERROR_REASONS
+from gateway.edge.pool.server_pool import SERVER_LATENCY_BUCKETS, SERVER_STATES
 from gateway.observability.leases import lease_metrics
 from gateway.observability.snapshot import DECISION_RESULTS, GatewaySnapshot, HistogramData
 from gateway.observability.stats import QUEUE_WAIT_BUCKETS, REQUEST_DURATION_BUCKETS
@@ -134,7 +135,83 @@ class GatewayCollector(Collector):
         header_timeouts.add_metric([], snap.header_timeouts)
         yield header_timeouts
         yield from self._websockets(snap)
+        yield from self._servers(snap)
+        yield from self._tls(snap)
         yield from self._processes(snap)
+
+    def _servers(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        labels = ["upstream", "server"]
+        requests = CounterMetricFamily(
+            "gateway_upstream_server_requests",
+            "Attempts sent to each server of an upstream's pool (retries included).",
+            labels=labels,
+        )
+        failures = CounterMetricFamily(
+            "gateway_upstream_server_failures",
+            "Failed attempts by server and reason (connect, timeout, reset, protocol, other; "
+            "status: a status listed in retry.when that counts as a failure).",
+            labels=[*labels, "reason"],
+        )
+        ejections = CounterMetricFamily(
+            "gateway_upstream_server_ejections",
+            "Times a server was ejected as an outlier (outlier_detection).",
+            labels=labels,
+        )
+        latency = HistogramMetricFamily(
+            "gateway_upstream_server_response_seconds",
+            "Time from sending a request to a server to its response head.",
+            labels=labels,
+        )
+        inflight = GaugeMetricFamily(
+            "gateway_upstream_server_inflight", "Requests in flight to a server now.", labels=labels
+        )
+        state = GaugeMetricFamily(
+            "gateway_upstream_server_state",
+            "Workers that see a server in each state: up, down (max_fails or active checks), "
+            "ejected (outlier), backup (a backup server, available).",
+            labels=[*labels, "state"],
+        )
+        states = {(u, s, st): n for u, s, st, n in snap.server_states}
+        for server in snap.servers:
+            key = [server.upstream, server.server]
+            requests.add_metric(key, server.requests)
+            for reason, count in sorted(server.failures.items()):
+                failures.add_metric([*key, reason], count)
+            ejections.add_metric(key, server.ejections)
+            latency.add_metric(
+                key, _buckets(server.latency, SERVER_LATENCY_BUCKETS), server.latency.total
+            )
+            if server.state:  # still in its pool
+                inflight.add_metric(key, server.inflight)
+                for name in SERVER_STATES:
+                    state.add_metric([*key, name], states.get((*key, name), 0))  # type: ignore[arg-type]
+        retries = CounterMetricFamily(
+            "gateway_upstream_retries",
+            "Requests sent on to another server of the pool, by upstream and the reason the "
+            "previous attempt failed.",
+            labels=["upstream", "reason"],
+        )
+        for upstream, reason, count in snap.retries:
+            retries.add_metric([upstream, reason], count)
+        yield from (requests, failures, ejections, latency, inflight, state, retries)
+
+    def _tls(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        if snap.tls_not_after is None:
+            return
+        expiry = GaugeMetricFamily(
+            "gateway_tls_certificate_expiry_timestamp_seconds",
+            "When the listener's TLS certificate in use expires, Unix time.",
+        )
+        expiry.add_metric([], snap.tls_not_after)
+        reloads = CounterMetricFamily(
+            "gateway_tls_certificate_reloads",
+            "Reloads of the listener's certificate and key by result (failed: the old pair "
+            "stayed).",
+            labels=["result"],
+        )
+        for result in ("ok", "failed"):
+            reloads.add_metric([result], snap.tls_reloads.get(result, 0))
+        yield from (expiry, reloads)
 
     def _websockets(self, snap: GatewaySnapshot) -> Iterator[Metric]:
         ws = snap.websockets

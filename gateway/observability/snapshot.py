@@ -13,6 +13,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict
 
+from gateway.edge.pool.server_pool import SERVER_LATENCY_BUCKETS
 from gateway.histogram import Histogram
 from gateway.limits.compiled import DecisionCounts
 from gateway.observability.leases import LeaseData, plus
@@ -142,6 +143,57 @@ class UpgradeData(_Model):
         )
 
 
+class ServerData(_Model):
+    """One server of an upstream's pool, as one worker sees it: ``state``, ``inflight`` gauges
+    (``state`` empty once the server left the pool), the rest counters."""
+
+    upstream: str
+    server: str
+    state: str = ""
+    weight: int = 1
+    backup: bool = False
+    inflight: int = 0
+    requests: int = 0
+    failures: dict[str, int] = {}
+    ejections: int = 0
+    latency: HistogramData = HistogramData.empty(SERVER_LATENCY_BUCKETS)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.upstream, self.server)
+
+    def plus(self, other: ServerData) -> ServerData:
+        """Counters of both added up (``self``'s gauges kept)."""
+        failures = Counter(self.failures)
+        failures.update(other.failures)
+        return self.model_copy(
+            update={
+                "requests": self.requests + other.requests,
+                "failures": dict(failures),
+                "ejections": self.ejections + other.ejections,
+                "latency": self.latency.plus(other.latency),
+            }
+        )
+
+
+def _add_servers(
+    into: dict[tuple[str, str], ServerData], servers: tuple[ServerData, ...], gauges: bool
+) -> None:
+    for server in servers:
+        if not gauges:
+            server = server.model_copy(update={"state": "", "inflight": 0})
+        old = into.get(server.key)
+        if old is None:
+            into[server.key] = server
+        else:
+            summed = old.plus(server)
+            if gauges and server.state:
+                summed = summed.model_copy(
+                    update={"state": server.state, "inflight": old.inflight + server.inflight}
+                )
+            into[server.key] = summed
+
+
 class ProcessData(_Model):
     """One worker process's own figures (``process.PROCESS_FIGURES``), read from /proc."""
 
@@ -180,6 +232,11 @@ class WorkerSnapshot(_Model):
     connections_open: int = 0  # gauge
     connections_refused: int = 0
     header_timeouts: int = 0
+    servers: tuple[ServerData, ...] = ()
+    # (upstream, reason, count): requests sent on to another server of the pool
+    retries: tuple[tuple[str, str, int], ...] = ()
+    tls_not_after: float | None = None  # gauge: the listener certificate's expiry, Unix time
+    tls_reloads: dict[str, int] = {}
 
     def with_base(self, base: WorkerSnapshot) -> WorkerSnapshot:
         """These figures plus a previous incarnation's counters (gauges are ours alone)."""
@@ -200,8 +257,24 @@ class WorkerSnapshot(_Model):
         store = self.store
         if base.store.name == store.name:
             store = store.plus(base.store)
+        servers: dict[tuple[str, str], ServerData] = {}
+        _add_servers(servers, self.servers, gauges=True)
+        for old_server in base.servers:
+            mine = servers.get(old_server.key)
+            servers[old_server.key] = (
+                mine.plus(old_server)
+                if mine is not None
+                else old_server.model_copy(update={"state": "", "inflight": 0})
+            )
+        retries = Counter({(u, r): n for u, r, n in base.retries})
+        retries.update({(u, r): n for u, r, n in self.retries})
+        tls_reloads = Counter(base.tls_reloads)
+        tls_reloads.update(self.tls_reloads)
         return self.model_copy(
             update={
+                "servers": tuple(servers.values()),
+                "retries": tuple((u, r, n) for (u, r), n in sorted(retries.items())),
+                "tls_reloads": dict(tls_reloads),
                 "requests": tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
                 "upstream_errors": tuple((r, x, n) for (r, x), n in sorted(errors.items())),
                 "local_responses": tuple((r, c, n) for (r, c), n in sorted(local.items())),
@@ -250,6 +323,13 @@ class GatewaySnapshot(_Model):
     header_timeouts: int
     websockets: UpgradeData = UpgradeData()
     processes: tuple[ProcessData, ...] = ()  # of live workers
+    # every server's counters (summed) and inflight (live workers'), state of the newest worker
+    servers: tuple[ServerData, ...] = ()
+    # (upstream, server, state, live workers that see it so)
+    server_states: tuple[tuple[str, str, str, int], ...] = ()
+    retries: tuple[tuple[str, str, int], ...] = ()
+    tls_not_after: float | None = None  # the soonest of the live workers'
+    tls_reloads: dict[str, int] = {}
 
 
 def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> GatewaySnapshot:
@@ -272,6 +352,19 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
     hitters: dict[str, Counter[str]] = {}
     hitter_errors: dict[str, Counter[str]] = {}
     store = StoreData(name=newest.store.name)
+    servers: dict[tuple[str, str], ServerData] = {}
+    server_states: Counter[tuple[str, str, str]] = Counter()
+    retries: Counter[tuple[str, str]] = Counter()
+    tls_reloads: Counter[str] = Counter()
+    for snap in sorted(snapshots, key=lambda s: s.at):  # the newest's gauges kept last
+        live_one = id(snap) in live_ids
+        _add_servers(servers, snap.servers, gauges=live_one)
+        if live_one:
+            server_states.update((s.upstream, s.server, s.state) for s in snap.servers if s.state)
+        retries.update({(u, r): n for u, r, n in snap.retries})
+        tls_reloads.update(snap.tls_reloads)
+    current = {s.key for s in newest.servers if s.state}
+    tls_expiries = [s.tls_not_after for s in live if s.tls_not_after is not None]
     for snap in snapshots:
         requests.update({(r, m, s): n for r, m, s, n in snap.requests})
         errors.update({(r, reason): n for r, reason, n in snap.upstream_errors})
@@ -345,6 +438,14 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             for s in sorted(live, key=lambda s: s.worker)
             if s.process
         ),
+        servers=tuple(
+            server if server.key in current else server.model_copy(update={"state": ""})
+            for _, server in sorted(servers.items())
+        ),
+        server_states=tuple((u, s, state, n) for (u, s, state), n in sorted(server_states.items())),
+        retries=tuple((u, r, n) for (u, r), n in sorted(retries.items())),
+        tls_not_after=min(tls_expiries) if tls_expiries else None,
+        tls_reloads=dict(tls_reloads),
     )
 
 

@@ -28,6 +28,7 @@ from gateway.edge.annotations import (
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
 )
+from gateway.edge.pool.server_pool import FAILURE_REASONS
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.limits.compiled import Check, DecisionCounts
 from gateway.limits.keys import shown_key
@@ -39,6 +40,7 @@ from gateway.observability.snapshot import (
     HistogramData,
     HitterData,
     LimitData,
+    ServerData,
     StoreData,
     UpgradeData,
     WorkerSnapshot,
@@ -52,6 +54,7 @@ from gateway.observability.stats import (
 from gateway.stores.store_stats import StoreStats
 
 if TYPE_CHECKING:
+    from gateway.edge.pool.server_pool import MemberState
     from gateway.edge.runtime import Runtime
     from gateway.engine.limit_engine import Outcome
     from gateway.policy.reload_status import ReloadStatus
@@ -128,6 +131,15 @@ class ConnectionCounts(Protocol):
     def upgrades(self) -> UpgradeStats: ...
 
 
+class TlsFigures(Protocol):
+    """The listener's TLS (``edge.tls.ListenerTls``): its certificate's expiry, its reloads."""
+
+    @property
+    def not_after(self) -> float: ...
+    @property
+    def reloads(self) -> dict[str, int]: ...
+
+
 class ReloadSource(Protocol):
     """Whatever reloads the policy file and keeps the status of its attempts."""
 
@@ -146,6 +158,7 @@ class WorkerState:
     connections: ConnectionCounts
     limiter_clock: Clock
     reloader: ReloadSource | None = None
+    tls: TlsFigures | None = None
 
 
 class WorkerMetrics:
@@ -241,6 +254,7 @@ class WorkerMetrics:
             transitions=dict(stats.transitions),
         )
         reload = state.reloader.status if state.reloader is not None else None
+        tls = state.tls
         connections = state.connections
         upgrades = connections.upgrades
         return WorkerSnapshot(
@@ -277,7 +291,46 @@ class WorkerMetrics:
                 idle_timeouts=upgrades.idle_timeouts,
             ),
             process=read_process(),
+            servers=server_data(runtime),
+            retries=retry_counts(runtime),
+            tls_not_after=tls.not_after if tls is not None else None,
+            tls_reloads=dict(tls.reloads) if tls is not None else {},
         )
+
+
+def retry_counts(runtime: Runtime) -> tuple[tuple[str, str, int], ...]:
+    """Retries by (upstream, reason), every pair from the start: a query finds the series."""
+    counts = dict.fromkeys(
+        ((name, reason) for name in runtime.upstreams for reason in FAILURE_REASONS), 0
+    )
+    counts.update(runtime.server_stats.retries)
+    return tuple((u, r, n) for (u, r), n in counts.items())
+
+
+def server_data(runtime: Runtime) -> tuple[ServerData, ...]:
+    """Every server's counters this worker kept; state and in-flight of the pools in force."""
+    live: dict[tuple[str, str], MemberState] = {}
+    for name, target in runtime.upstreams.items():
+        for member_state in target.pool.states():
+            live[(name, member_state.server)] = member_state
+    out = []
+    for (upstream, server), stats in runtime.server_stats.servers.items():
+        member = live.get((upstream, server))
+        out.append(
+            ServerData(
+                upstream=upstream,
+                server=server,
+                state=member.state if member is not None else "",
+                weight=member.weight if member is not None else 1,
+                backup=member.backup if member is not None else False,
+                inflight=member.inflight if member is not None else 0,
+                requests=stats.requests,
+                failures={reason: stats.failures.get(reason, 0) for reason in FAILURE_REASONS},
+                ejections=stats.ejections,
+                latency=HistogramData.of(stats.latency),
+            )
+        )
+    return tuple(out)
 
 
 class ObservedHandler:

@@ -78,6 +78,7 @@ class _LineMapBuilder:
     def __init__(self, file: str) -> None:
         self.file = file
         self.lines: dict[Loc, int] = {}
+        self._constructor = yaml.SafeLoader("")
 
     def build(self, node: yaml.Node, loc: Loc) -> Any:
         self.lines.setdefault(loc, node.start_mark.line + 1)
@@ -95,7 +96,7 @@ class _LineMapBuilder:
                             )
                         ],
                     )
-                key = yaml.safe_load(yaml.serialize(key_node))
+                key = self._scalar(key_node)
                 if key in result:
                     raise PolicyError(
                         self.file,
@@ -113,7 +114,12 @@ class _LineMapBuilder:
             return result
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*loc, i)) for i, item in enumerate(node.value)]
-        return yaml.safe_load(yaml.serialize(node))
+        return self._scalar(node)
+
+    def _scalar(self, node: yaml.Node) -> Any:
+        # The composer has resolved the tag (an empty value is null): construct from it, as
+        # safe_load would, without serialising the node again (an empty one cannot be).
+        return self._constructor.construct_object(node, deep=True)
 
 
 def _data_loc(data: Any, loc: Loc) -> Loc:
@@ -322,6 +328,8 @@ def parse_policy(
                 reason = reason[len("Value error, ") :]
             if error["type"] == "extra_forbidden":
                 reason = "unknown key" + _did_you_mean(raw_loc)
+            elif error["type"] in ("model_type", "dict_type") and error["input"] is None:
+                reason = "is empty: write its settings under it, or remove the line"
             elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
                 loc, reason = _tag_problem(loc, error)
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))

@@ -148,6 +148,22 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def listeners_collide(first: str, second: str) -> bool:
+    """Whether two listen addresses would take the same port: one address, or a wildcard and
+    an address of its family. With SO_REUSEPORT (``--workers N``) both binds succeed and the
+    kernel splits the connections between the two listeners, so this is refused up front."""
+    host_a, port_a = split_host_port(first)
+    host_b, port_b = split_host_port(second)
+    if port_a != port_b or port_a == 0:
+        return False
+    host_a, host_b = host_a.lower(), host_b.lower()
+    if host_a == host_b:
+        return True
+    wildcard = "::" if ":" in host_a else "0.0.0.0"
+    same_family = (":" in host_a) == (":" in host_b)
+    return same_family and wildcard in (host_a, host_b)
+
+
 # Admin paths that may be served without the token; POST /reload never is.
 AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
 
@@ -156,10 +172,29 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _version_text(value: Any) -> Any:
+    # YAML reads an unquoted 1.2 as a number.
+    return f"{value:.1f}" if isinstance(value, float) else value
+
+
+class TlsSettings(_Model):
+    """TLS on the client listener: a PEM certificate chain and its key, reloaded when either
+    file changes and on SIGHUP (a pair that does not load is refused; the old one stays)."""
+
+    cert: str = Field(description="PEM certificate chain (relative to the policy file)")
+    key: str = Field(description="PEM private key of the certificate (relative to the policy file)")
+    min_version: Annotated[Literal["1.2", "1.3"], BeforeValidator(_version_text)] = Field(
+        "1.2", description="oldest TLS version accepted: '1.2' or '1.3'"
+    )
+
+
 class ServerSettings(_Model):
     """The client-facing listener and its protections against slow or abusive clients."""
 
     listen: str = Field("0.0.0.0:8080", description="HOST:PORT of the proxy listener")
+    tls: TlsSettings | None = Field(
+        None, description="serve the proxy listener over TLS (HTTP/1.1 by ALPN)"
+    )
     admin_listen: str = Field(
         "127.0.0.1:9090", description="HOST:PORT of the admin listener (/healthz, /readyz, ...)"
     )
@@ -167,7 +202,11 @@ class ServerSettings(_Model):
     trusted_proxies: tuple[str, ...] = Field(
         (), description="CIDRs whose forwarding headers are believed (nginx set_real_ip_from)"
     )
-    client_ip_header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for"
+    client_ip_header: Literal["x-forwarded-for", "forwarded"] = Field(
+        "x-forwarded-for",
+        description="the header a trusted proxy names the client in: X-Forwarded-For, or "
+        "Forwarded (RFC 7239)",
+    )
     header_timeout: Timeout = Field(10.0, description="deadline to receive a request's headers")
     keepalive_timeout: Duration = Field(
         75.0, description="idle time before a client is closed; 0 closes after each response"
@@ -180,7 +219,7 @@ class ServerSettings(_Model):
         100 * 1024 * 1024, description="largest request body; 0 means unlimited"
     )
     max_header_size: Size = Field(8190, ge=256, description="longest request line or header")
-    max_headers: int = Field(100, ge=1)
+    max_headers: int = Field(100, ge=1, description="request headers at most (400 or 431 beyond)")
     underscores_in_headers: bool = Field(
         False,
         description="forward request headers whose names hold an underscore (nginx's "
@@ -199,6 +238,11 @@ class ServerSettings(_Model):
         300.0,
         description="a proxied WebSocket connection with no byte either way for this long is "
         "closed (nginx's proxy_read_timeout on an upgraded connection)",
+    )
+    client_error_log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description="level of the one line (per cause, at most every 10s) logged for a "
+        "client's malformed request on either listener; nginx logs these at info",
     )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
     access_log_format: Literal["text", "json"] = Field(
@@ -251,6 +295,15 @@ class ServerSettings(_Model):
                     "upstream past every check and limit of the gateway"
                 )
         return tuple(token.lower() for token in value)
+
+    @model_validator(mode="after")
+    def _two_listeners(self) -> ServerSettings:
+        if listeners_collide(self.listen, self.admin_listen):
+            raise ValueError(
+                f"listen ({self.listen}) and admin_listen ({self.admin_listen}) take the same "
+                "port: give the admin listener a port of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:
@@ -328,16 +381,198 @@ class AdaptiveSettings(_Model):
         return self
 
 
-class Upstream(_Model):
-    """A backend the gateway forwards to, with its own pool and timeouts."""
+def _check_server_url(value: str) -> str:
+    match = _UPSTREAM_URL_RE.match(value)
+    if not match:
+        raise ValueError(
+            f"invalid upstream url {value!r}: expected http://host[:port][/path] or 'builtin:demo'"
+        )
+    if match.group(2) and not 0 < int(match.group(2)[1:]) <= 65535:
+        raise ValueError(f"invalid upstream url {value!r}: port out of range")
+    return value
 
-    url: str = Field(
-        description="http://host:port[/base-path], https://..., or 'builtin:demo' for the "
-        "demo backend the gateway starts itself"
+
+class UpstreamServer(_Model):
+    """One server of an upstream's pool (nginx's ``server`` in an ``upstream`` block)."""
+
+    url: str = Field(description="http://host:port[/base-path] or https://...")
+    weight: int = Field(1, ge=1, le=1000, description="share of requests, relative to the others")
+    backup: bool = Field(
+        False, description="sent requests only while no other server of the pool is available"
     )
-    connect_timeout: Timeout = 5.0
-    read_timeout: Timeout = 60.0
-    max_connections: int = Field(256, ge=1, description="open connections to this upstream")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        # builtin:demo only as an upstream's url (Upstream refuses it among servers).
+        return value if value == "builtin:demo" else _check_server_url(value)
+
+
+def _server_entry(value: Any) -> Any:
+    return {"url": value} if isinstance(value, str) else value
+
+
+ServerEntry = Annotated[UpstreamServer, BeforeValidator(_server_entry)]
+
+# What sends a request on to the next server (nginx's proxy_next_upstream): a connection that
+# failed or timed out, or one of these statuses.
+RetryOn = Literal["error", "timeout", 500, 502, 503, 504, 403, 404, 429]
+
+
+class RetrySettings(_Model):
+    """When a request is tried again on another server of the pool (nginx's
+    ``proxy_next_upstream``, ``_tries`` and ``_timeout``).
+
+    A request is sent again only if nothing of it can have been acted on twice: after a failed
+    connect (nothing went out), any request whose body was not yet read; after the request went
+    out, only an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) whose body, if any,
+    was small enough to be held in memory (``buffer_body``). Never a POST or PATCH once sent.
+    """
+
+    when: tuple[RetryOn, ...] = Field(
+        ("error", "timeout"),
+        description="error (connect failed, connection reset), timeout, and statuses among "
+        "500, 502, 503, 504, 403, 404, 429; [] never retries",
+    )
+    tries: int = Field(
+        0, ge=0, description="attempts in all, the first included; 0: each server once at most"
+    )
+    retry_timeout: Duration = Field(
+        0.0, description="no new attempt once this long has passed since the first; 0: no limit"
+    )
+    buffer_body: Size = Field(
+        64 * 1024,
+        description="an idempotent request's body of at most this many bytes (Content-Length) "
+        "is read whole before it is sent, so it can be sent again; 0 streams every body",
+    )
+
+    @field_validator("when", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return tuple(v.lower() if isinstance(v, str) else v for v in value)
+        return value
+
+
+class OutlierDetection(_Model):
+    """Envoy's outlier ejection: each ``interval``, a server whose share of 5xx answers, or whose
+    latency, stands out from its peers' is ejected for a time that grows each time it is."""
+
+    interval: Timeout = Field(10.0, description="how often the servers are compared")
+    min_requests: int = Field(
+        10, ge=1, description="a server with fewer answers in an interval is not judged"
+    )
+    error_share: float | None = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="ejected when its share of 5xx answers is this much above the median of "
+        "its peers' (0.3: 30 points); null: errors never eject",
+    )
+    latency_factor: float | None = Field(
+        5.0,
+        gt=1,
+        description="ejected when its mean latency is this many times the median of its peers' "
+        "(and above min_latency); null: latency never ejects",
+    )
+    min_latency: Duration = Field(
+        0.01, description="a mean latency below this never ejects (a fast pool's jitter)"
+    )
+    base_ejection_time: Timeout = Field(
+        30.0, description="first ejection's length; each further one adds as much"
+    )
+    max_ejection_time: Timeout = Field(300.0, description="longest ejection")
+    max_ejection_percent: int = Field(
+        10,
+        ge=0,
+        le=100,
+        description="at most this share of the pool ejected at once (at least one server, as "
+        "Envoy; 0 ejects none)",
+    )
+
+
+class HealthCheck(_Model):
+    """Active checks: a request to each server every ``interval``, over the pool's connections."""
+
+    path: str = Field("/", description="path requested (GET)")
+    interval: Timeout = 5.0
+    timeout: Timeout = Field(2.0, description="an answer later than this fails the check")
+    healthy: int = Field(2, ge=1, description="passes in a row that bring a server back")
+    unhealthy: int = Field(3, ge=1, description="failures in a row that take a server out")
+    expect_status: tuple[int, ...] = Field(
+        (), description="statuses that pass; empty: any 2xx or 3xx"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        if not value.startswith("/") or any(c in value for c in " \r\n"):
+            raise ValueError(f"health_check path {value!r} must start with '/', no spaces")
+        return value
+
+    @field_validator("expect_status")
+    @classmethod
+    def _check_status(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        for status in value:
+            if not 100 <= status <= 599:
+                raise ValueError(f"expect_status {status} is not an HTTP status")
+        return value
+
+
+class Upstream(_Model):
+    """A backend the gateway forwards to: one server (``url``) or a pool (``servers``), each
+    server with its own keep-alive connections and these timeouts."""
+
+    url: str | None = Field(
+        None,
+        description="http://host:port[/base-path], https://..., or 'builtin:demo' for the "
+        "demo backend the gateway starts itself (a pool of one)",
+    )
+    servers: tuple[ServerEntry, ...] | None = Field(
+        None, description="the pool: URLs, or {url, weight, backup}"
+    )
+    balance: Literal["round_robin", "least_inflight", "hash"] = Field(
+        "round_robin",
+        description="round_robin (weighted, smooth as nginx's), least_inflight (fewest requests "
+        "in flight, by weight), hash (consistent hashing on hash_key)",
+    )
+    hash_key: tuple[str, ...] | None = Field(
+        None,
+        description="with balance: hash, the key parts a request is hashed on, as a limit's "
+        "key (client_ip, header:X-Tenant, ...); a missing part hashes the client IP",
+    )
+    max_fails: int = Field(
+        1,
+        ge=0,
+        description="failed attempts within fail_timeout that take a server out for "
+        "fail_timeout, then one trial request (nginx); 0: never; a pool of one never",
+    )
+    fail_timeout: Timeout = 10.0
+    retry: RetrySettings = Field(
+        RetrySettings(),
+        description="when a request goes on to another server (nginx's proxy_next_upstream)",
+    )
+    outlier_detection: OutlierDetection | None = Field(
+        None, description="eject servers that stand out from their peers; {} for the defaults"
+    )
+    health_check: HealthCheck | None = Field(None, description="active checks; off unless set")
+    resolve_interval: Timeout | None = Field(
+        None,
+        description="resolve the servers' host names again this often, a server per address "
+        "(a headless service's pods come and go); off: resolved at each connect",
+    )
+    resolver: str | None = Field(
+        None,
+        description="HOST:PORT of the DNS server asked with resolve_interval (nginx's "
+        "resolver); default: the system's resolver",
+    )
+    connect_timeout: Timeout = Field(
+        5.0, description="deadline to connect (502 when refused, 504 when it passes)"
+    )
+    read_timeout: Timeout = Field(
+        60.0, description="longest wait for the upstream's answer and between two reads (504)"
+    )
+    max_connections: int = Field(256, ge=1, description="open connections to each server")
     max_idle: int | None = Field(
         None,
         ge=0,
@@ -353,18 +588,57 @@ class Upstream(_Model):
 
     @field_validator("url")
     @classmethod
-    def _check_url(cls, value: str) -> str:
-        if value == "builtin:demo":
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None or value == "builtin:demo":
             return value
-        match = _UPSTREAM_URL_RE.match(value)
-        if not match:
-            raise ValueError(
-                f"invalid upstream url {value!r}: expected http://host[:port][/path] "
-                "or 'builtin:demo'"
-            )
-        if match.group(2) and not 0 < int(match.group(2)[1:]) <= 65535:
-            raise ValueError(f"invalid upstream url {value!r}: port out of range")
+        return _check_server_url(value)
+
+    @field_validator("hash_key")
+    @classmethod
+    def _check_hash_key(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if value is None else check_key_parts(value)
+
+    @field_validator("resolver")
+    @classmethod
+    def _check_resolver(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                split_host_port(value)
+            except ValueError:
+                raise ValueError(
+                    f"invalid resolver {value!r}: expected HOST:PORT, e.g. 127.0.0.1:53"
+                ) from None
         return value
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> Upstream:
+        if (self.url is None) == (self.servers is None):
+            raise ValueError("give url (one server) or servers (a pool), one of them")
+        if self.servers is not None:
+            if not self.servers:
+                raise ValueError("servers is empty: give at least one")
+            if all(server.backup for server in self.servers):
+                raise ValueError("every server is a backup: at least one must not be")
+            urls = [server.url for server in self.servers]
+            if "builtin:demo" in urls:
+                raise ValueError("builtin:demo is an upstream's url, not a server of a pool")
+            for url in urls:
+                if urls.count(url) > 1:
+                    raise ValueError(f"server {url!r} is listed twice (raise its weight instead)")
+        if (self.balance == "hash") != (self.hash_key is not None):
+            raise ValueError("balance: hash needs hash_key, and hash_key needs balance: hash")
+        if self.resolver is not None and self.resolve_interval is None:
+            raise ValueError("resolver is only asked with resolve_interval: give both")
+        if self.url == "builtin:demo" and self.resolve_interval is not None:
+            raise ValueError("builtin:demo has no host name to resolve")
+        return self
+
+    def server_list(self) -> tuple[UpstreamServer, ...]:
+        """The pool's servers; ``url`` is a pool of one."""
+        if self.servers is not None:
+            return self.servers
+        assert self.url is not None
+        return (UpstreamServer(url=self.url),)
 
 
 class RouteMatch(_Model):
@@ -373,10 +647,10 @@ class RouteMatch(_Model):
     host: str | None = Field(
         None, description="exact host, or '*.example.com' for any subdomain (port ignored)"
     )
-    path_prefix: str | None = None
+    path_prefix: str | None = Field(None, description="path starts with this")
     path: str | None = Field(None, description="exact path")
     path_regex: str | None = Field(None, description="Python regex matched from the start")
-    methods: tuple[str, ...] | None = None
+    methods: tuple[str, ...] | None = Field(None, description="request methods, e.g. [GET, POST]")
 
     @field_validator("path_prefix", "path")
     @classmethod
@@ -419,15 +693,33 @@ class RouteMatch(_Model):
 class Route(_Model):
     """Requests matching ``match`` go to ``upstream``; routes are tried in file order."""
 
-    name: str = Field(pattern=_NAME_RE)
-    match: RouteMatch = RouteMatch()
-    upstream: str
+    name: str = Field(pattern=_NAME_RE, description="the route's name in metrics, logs and limits")
+    match: RouteMatch = Field(RouteMatch(), description="omitted: every request")
+    upstream: str = Field(description="name of an upstream in upstreams")
+    connect_timeout: Timeout | None = Field(None, description="the upstream's, for this route")
+    read_timeout: Timeout | None = Field(None, description="the upstream's, for this route")
+    max_body_size: Size | None = Field(
+        None, description="server.max_body_size for this route; 0 means unlimited"
+    )
 
 
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
     r"|query:[^\s&=]+|const:\S+)$"
 )
+
+
+def check_key_parts(value: tuple[str, ...]) -> tuple[str, ...]:
+    """Key parts as a limit's ``key`` (and a pool's ``hash_key``) take them."""
+    if not value:
+        raise ValueError("key needs at least one part")
+    for part in value:
+        if not _KEY_PART_RE.match(part):
+            raise ValueError(
+                f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
+                "route, method, global or const:TEXT"
+            )
+    return value
 
 
 class LimitMatch(RouteMatch):
@@ -483,9 +775,13 @@ _HEADER_NAME_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 class Cost(_Model):
     """What one request costs a limit: by route name, else by method, else ``default``."""
 
-    default: int = Field(1, ge=1)
-    routes: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
-    methods: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    default: int = Field(1, ge=1, description="cost of a request no other entry names")
+    routes: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="route name -> cost (asked first)"
+    )
+    methods: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="method -> cost"
+    )
 
     @field_validator("methods")
     @classmethod
@@ -515,7 +811,7 @@ class _LimitBase(_Model):
         description="when a header/query key part is absent: skip the limit, or use "
         "the client IP in its place",
     )
-    match: LimitMatch = LimitMatch()
+    match: LimitMatch = Field(LimitMatch(), description="omitted: every request")
     dry_run: bool = Field(False, description="count would-delay/would-reject, never enforce")
     status: int = Field(429, ge=400, le=599, description="status for rejected requests")
     max_delay: Duration = Field(
@@ -592,15 +888,7 @@ class _LimitBase(_Model):
     @field_validator("key")
     @classmethod
     def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("key needs at least one part")
-        for part in value:
-            if not _KEY_PART_RE.match(part):
-                raise ValueError(
-                    f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
-                    "route, method, global or const:TEXT"
-                )
-        return value
+        return check_key_parts(value)
 
     @model_validator(mode="after")
     def _leasable(self) -> _LimitBase:
@@ -625,10 +913,10 @@ class _LimitBase(_Model):
 class LeakyBucketLimit(_LimitBase):
     """nginx ``limit_req``: ``rate``, ``burst``, and ``nodelay`` or ``delay=N``."""
 
-    algorithm: Literal["leaky_bucket"]
+    algorithm: Literal["leaky_bucket"] = Field(description="nginx limit_req, bit for bit")
     rate: RateField
-    burst: int = Field(0, ge=0)
-    nodelay: bool = False
+    burst: int = Field(0, ge=0, description="excess requests admitted (delayed unless nodelay)")
+    nodelay: bool = Field(False, description="admit the burst at once instead of delaying it")
     delay: int | None = Field(None, ge=0, description="requests served without delay (nginx)")
 
     @model_validator(mode="after")
@@ -643,9 +931,12 @@ class LeakyBucketLimit(_LimitBase):
 class WindowLimit(_LimitBase):
     """At most ``limit`` requests per ``window`` (fixed, sliding counter, or exact sliding log)."""
 
-    algorithm: Literal["fixed_window", "sliding_window", "sliding_log"]
-    limit: int = Field(ge=1)
-    window: Duration
+    algorithm: Literal["fixed_window", "sliding_window", "sliding_log"] = Field(
+        description="calendar windows; two windows weighted (approximate); every request's "
+        "time kept (exact)"
+    )
+    limit: int = Field(ge=1, description="requests per window")
+    window: Duration = Field(description="the window's length, above 0")
 
     @field_validator("window")
     @classmethod
@@ -658,10 +949,12 @@ class WindowLimit(_LimitBase):
 class TokenBucketLimit(_LimitBase):
     """``rate`` refill with ``burst`` capacity; ``queue`` waits for tokens (Guava semantics)."""
 
-    algorithm: Literal["token_bucket"]
+    algorithm: Literal["token_bucket"] = Field(description="Guava RateLimiter semantics")
     rate: RateField
     burst: int = Field(1, ge=1, description="bucket capacity in tokens")
-    mode: Literal["reject", "queue"] = "reject"
+    mode: Literal["reject", "queue"] = Field(
+        "reject", description="reject: no token, no entry; queue: wait for the tokens (Guava)"
+    )
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
 
 
@@ -670,7 +963,9 @@ class ConcurrencyLimit(_LimitBase):
     a slot held until the response has been sent, the client went away or the upstream
     failed."""
 
-    algorithm: Literal["concurrency"]
+    algorithm: Literal["concurrency"] = Field(
+        description="requests in flight per key (nginx limit_conn)"
+    )
     limit: int = Field(ge=1, description="slots held at once per key (a request holds cost)")
     max_delay: Duration = Field(
         0.0,
@@ -815,14 +1110,14 @@ class RateLimitHeaders(_Model):
 
     ietf: bool = Field(True, description="RateLimit-Policy and RateLimit (IETF httpapi draft)")
     x_ratelimit: bool = Field(False, description="X-RateLimit-Limit/-Remaining/-Reset")
-    retry_after: bool = True
+    retry_after: bool = Field(True, description="Retry-After on rejections")
 
 
 class Access(_Model):
     """Allowed clients bypass every limit; denied clients get 403."""
 
-    allow: tuple[str, ...] = ()
-    deny: tuple[str, ...] = ()
+    allow: tuple[str, ...] = Field((), description="CIDRs that bypass every limit")
+    deny: tuple[str, ...] = Field((), description="CIDRs answered 403")
 
     @field_validator("allow", "deny")
     @classmethod
@@ -850,7 +1145,8 @@ class StoreSettings(_Model):
     on_failure: Literal["local", "allow", "deny"] = Field(
         "local",
         description="when Redis fails: local (in-process limits divided by replicas), allow "
-        "(fail open) or deny (503)",
+        "(fail open) or deny (503); when the shared store's directory has no room for a new "
+        "key: deny (503), else decided without storing it",
     )
     replicas: int = Field(
         1,
@@ -880,15 +1176,21 @@ class StoreSettings(_Model):
 class Policy(_Model):
     """A whole policy file."""
 
-    version: Literal[1] = 1
-    server: ServerSettings = ServerSettings()
-    upstreams: dict[Name, Upstream] = Field(default_factory=dict)
-    routes: tuple[Route, ...] = ()
-    limits: dict[Name, Limit] = Field(default_factory=dict)
-    headers: RateLimitHeaders = RateLimitHeaders()
-    access: Access = Access()
+    version: Literal[1] = Field(1, description="the file format's version")
+    server: ServerSettings = Field(ServerSettings(), description="listeners and connections")
+    upstreams: dict[Name, Upstream] = Field(default_factory=dict, description="backends, by name")
+    routes: tuple[Route, ...] = Field(
+        (), description="which upstream a request goes to; the first route that matches"
+    )
+    limits: dict[Name, Limit] = Field(
+        default_factory=dict, description="rate limits, by name; all that apply are stacked"
+    )
+    headers: RateLimitHeaders = Field(
+        RateLimitHeaders(), description="the rate-limit headers of responses"
+    )
+    access: Access = Field(Access(), description="clients allowed past every limit, or denied")
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
-    store: StoreSettings = StoreSettings()
+    store: StoreSettings = Field(StoreSettings(), description="where the limits' state lives")
 
 
 def policy_json_schema() -> dict[str, Any]:

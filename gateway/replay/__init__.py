@@ -1,7 +1,8 @@
 """``gateway replay``: what a policy would have done to logged traffic.
 
-The logs (``logs``) are read as requests, decided by the live gateway's own engine on a
-simulated clock (``simulate``, ``run``), and reported as text, JSON or HTML (``report``).
+The logs are read as requests (``log_formats``: one table of readers, one per format), decided
+by the live gateway's own engine on a simulated clock (``simulate``, ``run``), and reported as
+text, JSON or HTML (``report``).
 """
 
 from __future__ import annotations

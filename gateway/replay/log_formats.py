@@ -1,9 +1,11 @@
 """Access logs read as requests: nginx ``combined``, the gateway's own JSON log, JSON lines.
 
-Every reader yields ``Request`` records with an integer microsecond instant. Logs are written
-when a request ends, not when it was decided, so records go through a bounded reorder heap
-(``in_time_order``) before the simulation sees them. A line that cannot be read is counted with
-its file, line number and reason (``Malformed``), never fatal.
+``READERS`` is the one table of formats: for each, how its first line is recognised and how a
+log of it is read; a new format is one entry there. Every reader yields ``Request`` records
+with an integer microsecond instant. Logs are written when a request ends, not when it was
+decided, so records go through a bounded reorder heap (``in_time_order``) before the
+simulation sees them. A line that cannot be read is counted with its file, line number and
+reason (``Malformed``), never fatal.
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ import re
 import sys
 import zlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import IO, Any, Literal, NamedTuple, cast
+from typing import IO, Any, Final, Literal, NamedTuple, cast
 
 Format = Literal["combined", "gateway", "jsonl"]
-FORMATS: tuple[str, ...] = ("auto", "combined", "gateway", "jsonl")
 
 US = 1_000_000
 # Malformed lines kept with their reason (all are counted).
@@ -491,17 +492,53 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
         yield Request(t_us, name, number, address, method, target, host, headers, forwarded_for)
 
 
-# -- format detection and the whole set of logs ----------------------------------------------
+# -- the table of formats, detection and the whole set of logs ------------------------------
+
+
+def _is_gateway_log(line: str) -> bool:
+    obj = _json_object(line)
+    return obj is not None and (
+        "t_us" in obj or ("route" in obj and "limit" in obj and "client" in obj)
+    )
+
+
+def _is_json_line(line: str) -> bool:
+    return _json_object(line) is not None
+
+
+def _is_combined(line: str) -> bool:
+    return _COMBINED.fullmatch(line.rstrip("\r\n")) is not None
+
+
+def read_gateway_log(opened: Opened, stats: ReadStats) -> Iterator[Request]:
+    return read_json(opened, stats, "gateway")
+
+
+def read_json_lines(opened: Opened, stats: ReadStats) -> Iterator[Request]:
+    return read_json(opened, stats, "jsonl")
+
+
+class LogReader(NamedTuple):
+    """One log format: whether a first line is of it, and how a log of it is read."""
+
+    detect: Callable[[str], bool]
+    read: Callable[[Opened, ReadStats], Iterator[Request]]
+
+
+# Asked in this order when the format is ``auto``: the gateway's JSON log is also JSON lines.
+READERS: Final[dict[Format, LogReader]] = {
+    "gateway": LogReader(_is_gateway_log, read_gateway_log),
+    "jsonl": LogReader(_is_json_line, read_json_lines),
+    "combined": LogReader(_is_combined, read_combined),
+}
+FORMATS: Final[tuple[str, ...]] = ("auto", *sorted(READERS))
 
 
 def detect(line: str) -> Format | None:
-    obj = _json_object(line)
-    if obj is not None:
-        if "t_us" in obj or ("route" in obj and "limit" in obj and "client" in obj):
-            return "gateway"
-        return "jsonl"
-    if _COMBINED.fullmatch(line.rstrip("\r\n")) is not None:
-        return "combined"
+    """The first format in ``READERS`` that ``line`` is of."""
+    for fmt, reader in READERS.items():
+        if reader.detect(line):
+            return fmt
     return None
 
 
@@ -516,6 +553,8 @@ def _first_line(text: IO[str]) -> str:
 
 
 def read_log(opened: Opened, fmt: str, stats: ReadStats) -> Iterator[Request]:
+    """The requests of one log, in ``fmt`` (one of ``FORMATS``; ``auto``: told from its
+    first line)."""
     chosen: Format
     if fmt == "auto":
         first = _first_line(opened.text)
@@ -526,15 +565,15 @@ def read_log(opened: Opened, fmt: str, stats: ReadStats) -> Iterator[Request]:
         if found is None:
             raise LogError(
                 f"{opened.name}: line 1: cannot tell the log format "
-                "(use --format combined|gateway|jsonl)"
+                f"(use --format {'|'.join(sorted(READERS))})"
             )
         chosen = found
+    elif fmt in READERS:
+        chosen = fmt
     else:
-        chosen = fmt  # type: ignore[assignment]
+        raise LogError(f"unknown log format {fmt!r}: expected one of {', '.join(FORMATS)}")
     stats.formats[opened.name] = chosen
-    if chosen == "combined":
-        return read_combined(opened, stats)
-    return read_json(opened, stats, chosen)
+    return READERS[chosen].read(opened, stats)
 
 
 def in_time_order(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -16,20 +17,25 @@ from aiohttp import web
 from gateway.admin.app import AdminState, make_admin_app
 from gateway.admin.auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
+from gateway.edge.client_errors import ClientErrorLog
 from gateway.edge.proxy import ProxyHandler
-from gateway.edge.runtime import Runtime, build_runtime, uses_demo
+from gateway.edge.runtime import Runtime, build_runtime, largest_body_size, uses_demo
 from gateway.edge.server import GatewayServer
+from gateway.edge.tls import ListenerTls
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
 from gateway.observability.snapshot_files import default_shared_dir
 from gateway.observability.worker import WorkerState
 from gateway.policy.loader import LoadedPolicy
 from gateway.policy.models import Policy, split_host_port
+from gateway.policy.tls_files import TlsFilesError, load_tls
 from gateway.redact import redact_text
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
+from gateway.serving.tls_site import TlsSite
 from gateway.stores import LimitStore, build_store
+from gateway.stores.shared.runtime_dir import SharedDirError
 
 log = logging.getLogger("gateway")
 
@@ -119,6 +125,7 @@ class Gateway:
         clock: Clock | None = None,
         store: LimitStore | None = None,
         policy_path: str | None = None,
+        supervisor_pid: int | None = None,
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
@@ -139,28 +146,48 @@ class Gateway:
             )
         except ValueError as exc:  # a store URL the client refuses; it may hold a password
             raise StartupError(f"store: {redact_text(str(exc))}") from None
+        except SharedDirError as exc:  # no room, read-only, not a directory
+            raise StartupError(str(exc)) from None
+        try:
+            self.tls = (
+                ListenerTls(settings.tls, loaded.source) if settings.tls is not None else None
+            )
+        except TlsFilesError as exc:
+            raise StartupError(f"server.tls: {exc}") from None
         self._demo = DemoUpstream() if uses_demo(loaded) else None
         self._demo_address = self._demo.address if self._demo is not None else None
         self._watch_stop = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
+        self._tls_watcher: asyncio.Task[None] | None = None
         self._retired: list[Runtime] = []
 
+        level = logging.getLevelNamesMapping()[settings.client_error_log_level.upper()]
+        self._client_errors = (
+            ClientErrorLog("proxy", level, clock),
+            ClientErrorLog("admin", level, clock),
+        )
         try:
             self.handler = ProxyHandler(build_runtime(loaded, self.store, self._demo_address))
             self.server = GatewayServer(
                 self.handler,
                 header_timeout=settings.header_timeout,
                 max_connections=settings.max_connections,
-                max_body_size=settings.max_body_size,
+                max_body_size=largest_body_size(loaded.policy),
                 keepalive_timeout=settings.keepalive_timeout,
                 max_line_size=settings.max_header_size,
                 max_field_size=settings.max_header_size,
                 max_headers=settings.max_headers,
                 auto_decompress=False,
                 access_log=None,  # the observability wrapper writes the access log line
+                logger=self._client_errors[0],
             )
             self.reloader = (
-                PolicyReloader(policy_path, running=lambda: self.loaded, apply=self.apply)
+                PolicyReloader(
+                    policy_path,
+                    running=lambda: self.loaded,
+                    apply=self.apply,
+                    refresh=self.refresh_admin_token,
+                )
                 if policy_path
                 else None
             )
@@ -171,6 +198,7 @@ class Gateway:
                     store=self.store,
                     connections=self.server,
                     reloader=self.reloader,
+                    tls=self.tls,
                     # The access log's ``t_us``: the limiter's instants (the store's clock).
                     limiter_clock=self.store.clock,
                 ),
@@ -182,13 +210,22 @@ class Gateway:
                 worker_id=worker_id,
                 reloader=self.reloader,
                 auth=self.admin_auth,
+                # POST /reload reaches one worker of several: the supervisor's SIGHUP reloads
+                # the others too (a rotated token must stop working on every one).
+                reload_siblings=(
+                    functools.partial(_signal, supervisor_pid, signal.SIGHUP)
+                    if supervisor_pid is not None
+                    else None
+                ),
             )
             admin_app = make_admin_app(self.admin_state)
             install_dashboard(admin_app, self.observability)
             self._proxy_runner = web.ServerRunner(
                 self.server, shutdown_timeout=settings.shutdown_timeout
             )
-            self._admin_runner = web.AppRunner(admin_app, access_log=None)
+            self._admin_runner = web.AppRunner(
+                admin_app, access_log=None, logger=self._client_errors[1]
+            )
         except BaseException:
             if self._demo is not None:
                 self._demo.discard()  # its port was bound for the runtime just built
@@ -199,11 +236,25 @@ class Gateway:
             await self._demo.start()
         # Before the listeners open: no request pays for connecting to the store.
         await self.store.prepare()
+        await self.handler.runtime.prepare()
+        self.handler.runtime.start()
         await self._proxy_runner.setup()
         host, port = self.listen
-        site = web.TCPSite(
-            self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
-        )
+        site: web.TCPSite
+        if self.tls is not None:
+            site = TlsSite(
+                self._proxy_runner,
+                host,
+                port,
+                ssl_context=self.tls.context,
+                handshake_timeout=self.loaded.policy.server.header_timeout,
+                backlog=1024,
+                reuse_port=self.reuse_port or None,
+            )
+        else:
+            site = web.TCPSite(
+                self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
+            )
         await _start_site(site, "proxy", host, port)
         self.proxy_port = self._proxy_runner.addresses[0][1]
 
@@ -224,6 +275,10 @@ class Gateway:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
             )
+        if self.tls is not None:
+            self._tls_watcher = asyncio.get_running_loop().create_task(
+                self.tls.watch(self._watch_stop)
+            )
         self.admin_state.ready = True
 
     def apply(self, loaded: LoadedPolicy) -> None:
@@ -242,16 +297,47 @@ class Gateway:
                 f"{', '.join(moved)} take effect on restart only; the running policy stays "
                 "(restart the gateway to apply them, or revert them to reload the rest)"
             )
+        new_tls = loaded.policy.server.tls
+        if (new_tls is None) != (self.tls is None):
+            raise ValueError(
+                "server.tls on or off takes effect on restart only; the running policy stays"
+            )
+        if new_tls is not None and new_tls != self.loaded.policy.server.tls:
+            load_tls(new_tls, loaded.source)  # TlsFilesError (a ValueError): refused whole
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
         self.handler.runtime = runtime
+        runtime.start()
         self.server.reconfigure(loaded.policy.server)
+        self.server.max_body_size = largest_body_size(loaded.policy)
+        if (
+            self.tls is not None
+            and new_tls is not None
+            and (new_tls != self.loaded.policy.server.tls or loaded.source != self.loaded.source)
+        ):
+            self.tls.reload(new_tls, loaded.source)
+        level = logging.getLevelNamesMapping()[loaded.policy.server.client_error_log_level.upper()]
+        for client_errors in self._client_errors:
+            client_errors.client_level = level
         self.loaded = loaded
+        self._swap_admin_auth(admin_auth)
+        asyncio.get_running_loop().create_task(self._retire(previous))
+
+    def refresh_admin_token(self) -> bool:
+        """Read the admin token (its file) again under the running policy: a reload whose
+        policy is unchanged still rotates the token. True if it changed; ``AdminTokenError``
+        (the file gone, empty, too short) changes nothing."""
+        return self._swap_admin_auth(AdminAuth.of(self.loaded.policy.server))
+
+    def _swap_admin_auth(self, admin_auth: AdminAuth) -> bool:
+        """From now on the old token and the cookies made from it open nothing."""
+        if admin_auth == self.admin_auth:
+            return False
         self.admin_auth = admin_auth
         self.admin_state.auth = admin_auth
-        asyncio.get_running_loop().create_task(self._retire(previous))
+        return True
 
     async def _retire(self, runtime: Runtime) -> None:
         """Once ``runtime`` serves no request, close its pools that no other runtime holds.
@@ -283,6 +369,8 @@ class Gateway:
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._tls_watcher is not None:
+            self._tls_watcher.cancel()
         # Queued requests that could not be served before the deadline get 503 now, rather
         # than being cut off when it passes.
         deadline = asyncio.get_running_loop().time() + max(
@@ -300,6 +388,11 @@ class Gateway:
         await self.store.close()
         if self._demo is not None:
             await self._demo.close()
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # gone: its workers are stopping too
+        os.kill(pid, signum)
 
 
 def _host_port(host: str, port: int) -> str:
@@ -331,6 +424,7 @@ async def serve(
     workers: int = 1,
     on_started: Callable[[Gateway], None] | None = None,
     policy_path: str | None = None,
+    supervisor_pid: int | None = None,
 ) -> None:
     gateway = Gateway(
         loaded,
@@ -340,6 +434,7 @@ async def serve(
         worker_id=worker_id,
         workers=workers,
         policy_path=policy_path,
+        supervisor_pid=supervisor_pid,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -356,6 +451,8 @@ async def serve(
     if reloader is not None:
 
         def on_sighup() -> None:
+            if gateway.tls is not None:  # nginx reads its certificates again on HUP too
+                gateway.tls.reload()
             task = loop.create_task(reloader.reload())
             tasks.add(task)
             task.add_done_callback(tasks.discard)

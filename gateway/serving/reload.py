@@ -26,8 +26,11 @@ logging.getLogger("watchfiles").setLevel(logging.WARNING)
 
 
 class PolicyReloader:
-    """Reloads one policy file: given the policy in force (``running``) and what swaps in a new
-    one (``apply``, which raises ``ValueError`` and changes nothing if it cannot)."""
+    """Reloads one policy file: given the policy in force (``running``), what swaps in a new
+    one (``apply``, which raises ``ValueError`` and changes nothing if it cannot), and what
+    reads again the files the policy names but whose content is not in it (``refresh``: the
+    admin token file; True if what it read changed what is in force, ``ValueError`` and nothing
+    changed if it cannot), which the policy's hash cannot see change."""
 
     def __init__(
         self,
@@ -35,9 +38,11 @@ class PolicyReloader:
         *,
         running: Callable[[], LoadedPolicy],
         apply: Callable[[LoadedPolicy], None],
+        refresh: Callable[[], bool] | None = None,
     ) -> None:
         self._running = running
         self._apply = apply
+        self._refresh = refresh
         self.path = Path(path)
         self.status = ReloadStatus(last_success_at=time.time())
         self._lock = asyncio.Lock()
@@ -46,12 +51,23 @@ class PolicyReloader:
         self._seen = self._file_signature()
 
     async def reload(self) -> str:
-        """Try to load the file now; returns 'ok', 'unchanged' or 'failed'."""
+        """Try to load the file now; returns 'ok', 'unchanged' or 'failed'. An unchanged
+        policy whose token file changed is 'ok' too: the token is rotated."""
         async with self._lock:
             self._update(last_attempt_at=time.time())
             try:
                 loaded = load_and_build(self.path)
                 if loaded.sha256 == self._running().sha256:
+                    if self._refresh is not None and self._refresh():
+                        self._update(succeeded=self.status.succeeded + 1)
+                        self._succeeded()
+                        log.info(
+                            "policy %s unchanged (sha256 %s); the admin token file changed: "
+                            "the token is rotated",
+                            self.path,
+                            loaded.sha256[:12],
+                        )
+                        return "ok"
                     self._update(unchanged=self.status.unchanged + 1)
                     if self.status.last_result == "failed":
                         # The bad edit was reverted: the file and the running policy agree

@@ -58,7 +58,13 @@ def build_store(
     url = store_url(settings)
     if shared_store_selected(settings, workers):
         shared_dir = worker_runtime_dir(workers) if open_shared else None
-        return SharedStore(shared_dir, clock, reports_counts=worker_id == 0, workers=workers)
+        return SharedStore(
+            shared_dir,
+            clock,
+            reports_counts=worker_id == 0,
+            workers=workers,
+            on_failure=settings.on_failure,
+        )
     if url == "memory":
         return MemoryStore(clock)
     return RedisStore(

@@ -213,9 +213,38 @@
     view.ratio.setData([s.x, s.ratio]);
   }
 
+  function renderServers(upstreams) {
+    const names = Object.keys(upstreams || {});
+    $("servers").hidden = names.length === 0;
+    const pools = $("server-pools");
+    pools.textContent = "";
+    for (const name of names) {
+      const row = document.createElement("div");
+      row.className = "pool";
+      row.dataset.upstream = name;
+      const label = document.createElement("span");
+      label.className = "upstream";
+      label.textContent = name;
+      row.appendChild(label);
+      for (const server of upstreams[name]) {
+        const chip = document.createElement("span");
+        chip.className = "server";
+        chip.dataset.state = server.state;
+        chip.textContent = server.server + " " + server.state;
+        chip.title = "weight " + server.weight + (server.backup ? " (backup)" : "") +
+          ", in flight " + server.inflight + ", requests " + server.requests +
+          ", failures " + server.failures + ", ejections " + server.ejections +
+          ", workers by state " + JSON.stringify(server.states);
+        row.appendChild(chip);
+      }
+      pools.appendChild(row);
+    }
+  }
+
   function render(state) {
     dash.state = state;
     renderHeader(state);
+    renderServers(state.upstreams);
     const names = Object.keys(state.limits);
     for (const name of names) renderLimit(name, state.limits[name]);
     for (const name of Object.keys(dash.limits)) {

@@ -48,6 +48,7 @@ from gateway.algorithms.base import Decision, build
 from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
+from gateway.stores.protocol import StoreUnavailableError
 from gateway.stores.shared.records import (
     MAX_KEY_BYTES,
     TAGGED,
@@ -57,10 +58,20 @@ from gateway.stores.shared.records import (
     encode_state,
     key_bytes,
 )
+from gateway.stores.shared.space import (
+    DATA_FILE,
+    FIRST_MAP_BYTES,
+    NoRoom,
+    create_map,
+    reserve,
+    reserved_size,
+    size_text,
+)
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
-# for keys up to ``MAX_KEY_BYTES``; the map is sparse, only pages in use take memory.
+# for keys up to ``MAX_KEY_BYTES``: the most the map grows to is bounded from the policy. It
+# starts smaller and doubles as it fills, each size reserved on the filesystem first (``space``).
 MAP_BYTES_PER_KEY: Final = 2048
 MAP_BYTES_BASE: Final = 64 << 20
 TICK_US: Final = 100_000  # LRU order to 100 ms: a hot key moves in it at most 10 times a second
@@ -69,6 +80,12 @@ _SLOT = struct.Struct(">I")
 _COUNTS = struct.Struct("<qqq")  # keys, evictions, expiries
 # Idle keys looked at, least recently used first, each time a new key is added (as nginx).
 EXPIRE_ON_INSERT: Final = 2
+# The end of the map new keys may not take (a 16th, at least this many bytes): it is kept for
+# the copy-on-write pages of known keys' updates, so that they go on when the map cannot grow.
+UPDATES_ROOM_BYTES: Final = 1 << 20
+# New keys added between two looks at the map's last page (a look costs some microseconds; 32
+# keys take a few dozen pages of the room kept, which is at least 256).
+INSERTS_PER_ROOM_CHECK: Final = 32
 _POLICY: Final = b"policy"
 _GENERATION: Final = b"generation"
 _NEXT_SLOT: Final = b"next_slot"
@@ -82,6 +99,10 @@ _Found = tuple[bytes, bytes | None, bytes | None]
 # A state whose key is new, moves in the LRU index or is forgotten: key, last tick (None: a
 # new key), limit, new state.
 _Moved = tuple[bytes, int | None, CompiledLimit, Any]
+
+
+class _MapNearlyFull(Exception):
+    """A new key would take the room kept for updates: the map must grow first."""
 
 
 class _Table(NamedTuple):
@@ -114,9 +135,16 @@ class SharedStore:
         *,
         reports_counts: bool = True,
         workers: int = 1,
+        on_failure: str = "local",
     ) -> None:
         # ``path`` None: build and validate only (``gateway check``), nothing opened.
         self.path = path
+        # A decision that needs room the filesystem cannot give: ``deny`` answers 503, the
+        # others decide on the state as it is, without writing (``_decide_without_room``).
+        self._on_failure = on_failure
+        self._map_bound = MAP_BYTES_BASE
+        self._insert_pages = 0  # new keys are added while the last page is below this
+        self._unchecked_inserts = INSERTS_PER_ROOM_CHECK  # the first new key looks
         self.clock: Clock = clock or MonotonicClock()
         self.stats = StoreStats()
         # Tracked keys and evictions are the shared tables': one worker reports them, so
@@ -140,14 +168,23 @@ class SharedStore:
 
     # -- opening and reloads -------------------------------------------------------------
 
-    def _open(self, map_size: int) -> lmdb.Environment:
+    def _open(self) -> lmdb.Environment:
         env = self._env
         if env is None:
             assert self.path is not None
             self.path.mkdir(parents=True, exist_ok=True)
+            data = self.path / DATA_FILE
+            try:
+                if reserved_size(data) == 0:  # not made by ``claim_runtime_dir``
+                    create_map(self.path)
+                # Every process maps the data file's size, all of it allocated: a smaller map
+                # would make LMDB truncate the file under the others' maps.
+                size = reserve(data, max(reserved_size(data), FIRST_MAP_BYTES))
+            except NoRoom as exc:
+                raise ValueError(str(exc)) from None
             env = lmdb.open(
                 str(self.path),
-                map_size=map_size,
+                map_size=size,
                 max_dbs=4,
                 sync=False,  # state starts empty at every start: nothing to make durable
                 metasync=False,
@@ -160,9 +197,51 @@ class SharedStore:
             self._lru = env.open_db(b"lru")
             self._meta = env.open_db(b"meta")
             self._env = env
-        elif env.info()["map_size"] < map_size:
-            env.set_mapsize(map_size)
+            self._mapped(env)
         return env
+
+    def _mapped(self, env: lmdb.Environment) -> None:
+        """The map changed size: where new keys stop (``UPDATES_ROOM_BYTES``)."""
+        page = int(env.stat()["psize"])
+        pages = int(env.info()["map_size"]) // page
+        self._insert_pages = pages - max(UPDATES_ROOM_BYTES // page, pages // 16)
+
+    def _grow(self, env: lmdb.Environment) -> str | None:
+        """Map more of the data file: as much as another worker reserved, else the next size
+        (twice the map, at most the policy's bound), reserved first. None once grown; else
+        why not (the store's state is then ``fallback``, logged with the reason once)."""
+        assert self.path is not None
+        data = self.path / DATA_FILE
+        mapped = int(env.info()["map_size"])
+        size = reserved_size(data)
+        if size <= mapped:
+            target = min(mapped * 2, self._map_bound)
+            if target <= mapped:
+                return self._no_room(f"{self.path}: the map is at its bound ({size_text(mapped)})")
+            try:
+                size = reserve(data, target)
+            except NoRoom as exc:
+                return self._no_room(str(exc))
+        env.set_mapsize(size)
+        self._mapped(env)
+        self.stats.set_state("ok")
+        return None
+
+    def _no_room(self, reason: str) -> str:
+        if self._on_failure == "deny":
+            then = "requests that need more room get 503 (store.on_failure: deny)"
+        else:
+            then = "requests that need more room are decided on the state as it is, not counted"
+        self.stats.set_state("fallback", f"{reason}; {then}")
+        return reason
+
+    def _adopt_map(self, env: lmdb.Environment) -> None:
+        """Another worker grew the map: map the data file's size, which it reserved first
+        (never LMDB's ``set_mapsize(0)``: the size it records may be larger than this process
+        knows is reserved, or smaller, and mapping less truncates the file under the others)."""
+        assert self.path is not None
+        env.set_mapsize(max(reserved_size(self.path / DATA_FILE), int(env.info()["map_size"])))
+        self._mapped(env)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         """Adopt a policy's limits. The first worker to adopt a policy keeps, rescales or frees
@@ -177,17 +256,27 @@ class SharedStore:
         self._limits = tuple(limits)
         if self.path is None:
             return
-        map_size = MAP_BYTES_BASE + MAP_BYTES_PER_KEY * sum(lim.spec.max_keys for lim in limits)
-        env = self._open(map_size)
+        self._map_bound = max(
+            MAP_BYTES_BASE + MAP_BYTES_PER_KEY * sum(lim.spec.max_keys for lim in limits),
+            self._map_bound,
+        )
+        env = self._open()
         wanted = policy_hash(limits)
         now_us = self.clock.now_us()
-        with self._begin(env, True) as txn:
-            if txn.get(_POLICY, db=self._meta) != wanted:
-                self._apply(txn, limits, now_us)
-                txn.put(_POLICY, wanted, db=self._meta)
-                generation = self._read_int(txn, _GENERATION) + 1
-                txn.put(_GENERATION, TICK.pack(generation), db=self._meta)
-            self._load_tables(txn)
+        while True:
+            try:
+                with self._begin(env, True) as txn:
+                    if txn.get(_POLICY, db=self._meta) != wanted:
+                        self._apply(txn, limits, now_us)
+                        txn.put(_POLICY, wanted, db=self._meta)
+                        generation = self._read_int(txn, _GENERATION) + 1
+                        txn.put(_GENERATION, TICK.pack(generation), db=self._meta)
+                    self._load_tables(txn)
+                return
+            except (lmdb.MapFullError, _MapNearlyFull):
+                reason = self._grow(env)
+                if reason is not None:
+                    raise ValueError(reason) from None
 
     def _apply(self, txn: Any, limits: Sequence[CompiledLimit], now_us: int) -> None:
         tables = self._read_tables(txn)
@@ -335,14 +424,12 @@ class SharedStore:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
         return env
 
-    @staticmethod
-    def _begin(env: lmdb.Environment, write: bool, db: Any = None) -> Any:
+    def _begin(self, env: lmdb.Environment, write: bool, db: Any = None) -> Any:
         # Positional arguments: py-lmdb parses keywords on every call.
         try:
             return env.begin(db, None, write)
         except lmdb.MapResizedError:
-            # Another worker grew the map (a reload raised ``max_keys``): map as much.
-            env.set_mapsize(0)
+            self._adopt_map(env)  # another worker grew the map
             return env.begin(db, None, write)
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
@@ -360,11 +447,24 @@ class SharedStore:
             if commit and self._optimistic:
                 return self._decide_optimistic(env, checks, now_us)
             return self._decide_in_one(env, checks, commit, now_us)
-        except lmdb.MapFullError:
-            # Another worker adopted a policy with more keys and grew the map first: map as
-            # much (the size it wrote) and decide again; nothing was committed.
-            env.set_mapsize(0)
-            return self._decide(checks, commit, now_us)
+        except (lmdb.MapFullError, _MapNearlyFull):
+            return self._decide_after_growing(env, checks, commit, now_us)
+
+    def _decide_after_growing(
+        self, env: lmdb.Environment, checks: Sequence[Check], commit: bool, now_us: int
+    ) -> CombinedDecision:
+        """The map is full (nothing was committed): grow it and decide again; without room
+        on the filesystem, decide without writing. A full disk never reaches a page LMDB
+        writes through the map (that would be SIGBUS), only this."""
+        if self._grow(env) is None:
+            try:
+                return self._decide(checks, commit, now_us)
+            except (lmdb.MapFullError, _MapNearlyFull):
+                pass
+        self.stats.error()
+        if self._on_failure == "deny":
+            raise StoreUnavailableError("the shared limit state has no room", 1.0)
+        return self._decide_in_one(env, checks, False, now_us)
 
     def _decide(self, checks: Sequence[Check], commit: bool, now_us: int) -> CombinedDecision:
         """``decide_now`` at ``now_us``, without its count and its retry."""
@@ -589,6 +689,12 @@ class SharedStore:
         Keys used that lately are left alone: a busy key whose state drains within the
         interval between its requests (a high rate) would otherwise be dropped and counted
         in again on every request, paying for both."""
+        self._unchecked_inserts += 1
+        if self._unchecked_inserts >= INSERTS_PER_ROOM_CHECK:
+            env = self._env
+            if env is not None and env.info()["last_pgno"] >= self._insert_pages:
+                raise _MapNearlyFull  # and the next new key looks again
+            self._unchecked_inserts = 0
         prefix = table.prefix
         recent = TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
         state_db = self._state
@@ -625,8 +731,17 @@ class SharedStore:
         return [await self.decide((check,)) for check in checks]
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
-        now_us = self.clock.now_us()
         env = self._env_for_requests()
+        try:
+            self._refund(env, checks, charged_us)
+        except (lmdb.MapFullError, _MapNearlyFull):
+            if self._grow(env) is None:  # else the charge stays: the strict side
+                self._refund(env, checks, charged_us)
+
+    def _refund(
+        self, env: lmdb.Environment, checks: Sequence[Check], charged_us: int | None
+    ) -> None:
+        now_us = self.clock.now_us()
         with self._begin(env, True) as txn:
             self._refresh(txn)
             for check in checks:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import httptools
 
+from tests.support.network import free_port
+
 NGINX_BIN = Path("/usr/sbin/nginx")
 STARTUP_TIMEOUT_S = 5.0
 
@@ -129,13 +131,6 @@ class Nginx:
         return self.prefix / "error.log"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _wait_listening(nginx: Nginx) -> bool:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -158,7 +153,7 @@ def running_nginx(
     (prefix / "html").mkdir(parents=True, exist_ok=True)
     (prefix / "html" / "ok.txt").write_text("ok\n")
     for _ in range(attempts):
-        port = _free_port()
+        port = free_port()
         config = prefix / "nginx.conf"
         config.write_text(render_config(prefix, port, locations))
         (prefix / "error.log").write_text("")

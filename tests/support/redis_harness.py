@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support import free_port
+from tests.support.network import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
