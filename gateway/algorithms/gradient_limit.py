@@ -5,10 +5,10 @@ upstream is too low on a good day and too high on a bad one; this one finds the 
 capacity from one signal, its latency, and follows it:
 
 1. **Probe.** The limit is pinned to ``min_limit``; the latency of ``probe_requests`` requests
-   started while no more than ``min_limit`` were in flight (their ``percentile``) is the
+   started while no more than ``min_limit`` were in flight (their mean, ``trimmed_mean``) is the
    upstream's **minimum latency**: what a request costs it when nothing queues. A probe lasts
    2 s at most (once it has one latency).
-2. **Sample.** Every ``sample_interval``, the ``percentile`` of the latencies measured in it
+2. **Sample.** Every ``sample_interval``, the (trimmed) mean of the latencies measured in it
    gives the gradient ``clamp(tolerated / sample, 0.5, 1 + buffer)``, where ``tolerated`` is
    the minimum plus ``buffer`` of it (plus ``min_buffer`` at least: below a millisecond or so
    latency moves with the event loops, not with a queue at the upstream). While latency stays
@@ -39,7 +39,6 @@ reads a clock, sleeps or takes a lock.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -51,6 +50,8 @@ MIN_GRADIENT: Final = 0.5
 MAX_SAMPLES: Final = 512
 # Latencies an interval needs before it moves the limit (a quiet interval is extended).
 MIN_SAMPLES: Final = 5
+# The tenth of a sample's latencies dropped at each end (``trimmed_mean``).
+TRIM: Final = 10
 # Each sample moves the limit half the way its gradient asks: a step's effect on the latency
 # shows in the next interval, and taking whole steps makes the limit swing around its level.
 SMOOTHING: Final = 0.5
@@ -72,7 +73,6 @@ class GradientParams:
     max_limit: int
     buffer: float
     min_buffer_us: int
-    percentile: float
     sample_interval_us: int
     probe_interval_us: int
     probe_requests: int
@@ -85,8 +85,6 @@ class GradientParams:
             )
         if not 0 < self.buffer <= 1:
             raise ValueError(f"buffer must be above 0 and at most 1, got {self.buffer}")
-        if not 0 < self.percentile <= 100:
-            raise ValueError(f"percentile must be above 0 and at most 100, got {self.percentile}")
         if self.min_buffer_us < 0:
             raise ValueError(f"min_buffer must be 0 or more, got {self.min_buffer_us} us")
         if min(self.sample_interval_us, self.probe_interval_us) < 1:
@@ -97,11 +95,17 @@ class GradientParams:
             raise ValueError(f"jitter must be between 0 and 1, got {self.jitter}")
 
 
-def percentile(samples: list[int], percent: float) -> int:
-    """The nearest-rank percentile of ``samples`` (not empty)."""
+def trimmed_mean(samples: list[int]) -> int:
+    """The mean of ``samples`` (not empty) without their highest and lowest tenth.
+
+    The mean, not a percentile: at an upstream's capacity the mean latency is its queue over
+    its throughput (Little's law), so it rises with every request queued, where a median stays
+    at the minimum until half of them queue (a steady upstream then settles near 1.4 C, not
+    1.15 C). Trimmed, so that one stray latency (a timeout) cannot move a probe's minimum."""
     ordered = sorted(samples)
-    rank = math.ceil(percent / 100 * len(ordered))
-    return ordered[rank - 1 if rank > 0 else 0]
+    cut = len(ordered) // TRIM
+    kept = ordered[cut : len(ordered) - cut] if cut else ordered
+    return sum(kept) // len(kept)
 
 
 class GradientLimit:
@@ -200,7 +204,7 @@ class GradientLimit:
         if len(samples) < MIN_SAMPLES:
             return  # too few to judge: the interval goes on
         params = self.params
-        sample_us = percentile(samples, params.percentile)
+        sample_us = trimmed_mean(samples)
         self.sample_latency_us = sample_us
         self.adjustments += 1
         minimum = self.min_latency_us
@@ -263,7 +267,7 @@ class GradientLimit:
         ):
             return
         # At least 1 us: a zero minimum would read any latency as infinitely far above it.
-        self.min_latency_us = max(percentile(self._probe_samples, params.percentile), 1)
+        self.min_latency_us = max(trimmed_mean(self._probe_samples), 1)
         self.probing = False
         self._probe_samples = []
         self._set_estimate(self._resume_estimate)

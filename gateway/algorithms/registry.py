@@ -60,7 +60,6 @@ def gradient_params(settings: AdaptiveSettings) -> GradientParams:
         max_limit=settings.max_limit,
         buffer=settings.buffer,
         min_buffer_us=round(settings.min_buffer * 1_000_000),
-        percentile=settings.percentile,
         sample_interval_us=max(round(settings.sample_interval * 1_000_000), 1),
         probe_interval_us=max(round(settings.probe_interval * 1_000_000), 1),
         probe_requests=settings.probe_requests,

@@ -337,9 +337,6 @@ class AdaptiveSettings(_Model):
         description="the tolerated latency above the minimum is at least this (event loops "
         "move latency by about a millisecond without any queue at the upstream)",
     )
-    percentile: float = Field(
-        50, gt=0, le=100, description="the percentile of the latencies compared with the minimum"
-    )
     sample_interval: Duration = Field(0.1, description="how often the limit moves")
     probe_interval: Duration = Field(
         30.0,
