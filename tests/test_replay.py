@@ -793,3 +793,44 @@ def test_each_format_is_one_entry_of_the_readers_table() -> None:
     replay_parser = parser._subparsers._group_actions[0].choices["replay"]  # type: ignore[union-attr]
     format_option = next(a for a in replay_parser._actions if "--format" in a.option_strings)
     assert tuple(format_option.choices) == FORMATS
+
+
+def _records(fmt: str, text: str) -> tuple[list[Request], ReadStats]:
+    stats = ReadStats()
+    empty = io.BufferedReader(io.BytesIO())
+    opened = Opened("log", io.StringIO(text, newline="\n"), empty, None)
+    return list(read_log(opened, fmt, stats)), stats  # type: ignore[arg-type]
+
+
+def test_each_format_gives_the_requests_durations_when_it_logs_them() -> None:
+    """What a concurrency limit's replay holds its slots for: nginx's $request_time, the
+    gateway's duration_ms, a JSON line's duration_ms or request_time; -1 where not logged."""
+    records, stats = _records(
+        "combined",
+        combined("192.0.2.1", 0, extra=f' "-" {START}.900 0.250')  # $msec, $request_time
+        + combined("192.0.2.1", 1, extra=' "-" 0.040')  # $request_time alone
+        + combined("192.0.2.1", 2),
+    )
+    assert [r.duration_us for r in records] == [250_000, 40_000, -1]
+    assert records[0].t_us == (START * 1000 + 900 - 250) * 1000  # it arrived 250 ms earlier
+    assert stats.durations == 2
+    line = {"client": "192.0.2.1", "method": "GET", "path": "/", "route": "all", "limit": None}
+    records, stats = _records(
+        "gateway",
+        json.dumps({**line, "t_us": 1, "duration_ms": 12.5})
+        + "\n"
+        + json.dumps({**line, "t_us": 2})
+        + "\n",
+    )
+    assert [r.duration_us for r in records] == [12_500, -1]
+    assert stats.durations == 1
+    base = {"ts": 1.0, "ip": "192.0.2.1", "method": "GET", "path": "/"}
+    records, stats = _records(
+        "jsonl",
+        "".join(
+            json.dumps({**base, **extra}) + "\n"
+            for extra in ({"request_time": 0.5}, {"duration_ms": 3}, {"duration_ms": -1})
+        ),
+    )
+    assert [r.duration_us for r in records] == [500_000, 3_000]
+    assert stats.malformed_kept[0].reason == "'duration_ms' is not a duration"

@@ -44,6 +44,9 @@ class Request(NamedTuple):
     host: str | None
     headers: tuple[tuple[str, str], ...]
     forwarded_for: str | None  # an X-Forwarded-For value, when the log has one
+    # How long the request took ($request_time, the gateway's duration_ms), in microseconds;
+    # -1 when the log does not say. A concurrency limit's slots are held that long.
+    duration_us: int = -1
 
 
 class Malformed(NamedTuple):
@@ -67,6 +70,7 @@ class ReadStats:
     has_forwarded_for: bool = False
     has_headers: bool = False
     has_host: bool = False
+    durations: int = 0  # requests whose log line gave their duration
 
     def bad(self, source: str, line: int, reason: str) -> None:
         self.malformed += 1
@@ -199,7 +203,7 @@ def _split_request_line(request_line: str) -> tuple[str, str] | None:
     return method, target
 
 
-# One request of a second not yet spread: (request_time_us, line, address, method, target,
+# One request of a second not yet spread: (duration_us or -1, line, address, method, target,
 # forwarded_for).
 _Pending = tuple[int, int, str, str, str, str | None]
 
@@ -252,7 +256,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                             yield from _spread(group, group_second, stats, name)
                             group.clear()
                         group_second = last_second
-                    group.append((0, number, address, method, target, None))
+                    group.append((-1, number, address, method, target, None))
                     continue
                 forwarded_for: str | None = None
                 msec_us: int | None = None
@@ -273,6 +277,10 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         forwarded_for = quoted
                 if forwarded_for is not None:
                     stats.has_forwarded_for = True
+                duration_us = -1
+                if seen_number:
+                    duration_us = request_time_us
+                    stats.durations += 1
                 if msec_us is not None:
                     if group:
                         yield from _spread(group, group_second, stats, name)
@@ -287,6 +295,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         None,
                         (),
                         forwarded_for,
+                        duration_us,
                     )
                     continue
                 if group_second != last_second:
@@ -294,7 +303,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         yield from _spread(group, group_second, stats, name)
                         group.clear()
                     group_second = last_second
-                group.append((request_time_us, number, address, method, target, forwarded_for))
+                group.append((duration_us, number, address, method, target, forwarded_for))
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
     except OSError as exc:
@@ -371,7 +380,7 @@ def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> 
         new(
             Request,
             (
-                base + index * US // count - request_time_us,
+                base + index * US // count - (duration_us if duration_us > 0 else 0),
                 name,
                 line,
                 address,
@@ -380,11 +389,10 @@ def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> 
                 None,
                 (),
                 forwarded_for,
+                duration_us,
             ),
         )
-        for index, (request_time_us, line, address, method, target, forwarded_for) in enumerate(
-            group
-        )
+        for index, (duration_us, line, address, method, target, forwarded_for) in enumerate(group)
     ]
 
 
@@ -435,10 +443,23 @@ def _text(obj: dict[str, Any], key: str, required: bool = True) -> str | None:
     return value
 
 
+def _duration_us(obj: dict[str, Any]) -> int:
+    """``duration_ms`` (the gateway's log) or ``request_time`` (seconds, as nginx logs it) in
+    microseconds; -1 when neither is given."""
+    for key, scale in (("duration_ms", 1000), ("request_time", US)):
+        value = obj.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{key!r} is not a duration")
+        return round(value * scale)
+    return -1
+
+
 def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request]:
     """The gateway's JSON access log (``t_us``: the limiter's instant; ``client``: the client
     it resolved) or JSON lines with ``ts``, ``ip``, ``method``, ``path`` and optional
-    ``headers`` (and ``host``)."""
+    ``headers`` (and ``host``); either with ``duration_ms`` or ``request_time``."""
     name = opened.name
     gateway = fmt == "gateway"
     for number, line in numbered_lines(opened, stats):
@@ -474,6 +495,7 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                     raise ValueError("'headers' is not an object of text values")
                 headers = tuple(raw_headers.items())
                 stats.has_headers = True
+            duration_us = _duration_us(obj)
         except ValueError as exc:
             stats.bad(name, number, str(exc))
             continue
@@ -489,7 +511,11 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                     host = value
         if host is not None:
             stats.has_host = True
-        yield Request(t_us, name, number, address, method, target, host, headers, forwarded_for)
+        if duration_us >= 0:
+            stats.durations += 1
+        yield Request(
+            t_us, name, number, address, method, target, host, headers, forwarded_for, duration_us
+        )
 
 
 # -- the table of formats, detection and the whole set of logs ------------------------------
