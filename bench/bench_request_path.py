@@ -34,7 +34,6 @@ from aiohttp.test_utils import make_mocked_request  # noqa: E402
 from limit_policies import NO_LIMITS, ONE_LIMIT, THREE_LIMITS, policy_text  # noqa: E402
 
 from gateway.edge.annotations import CLIENT_IP, LIMIT_OUTCOME, ROUTE_NAME  # noqa: E402
-from gateway.edge.client_ip import client_key  # noqa: E402
 from gateway.edge.forwarding import response_head  # noqa: E402
 from gateway.edge.runtime import Runtime, build_runtime  # noqa: E402
 from gateway.engine.preflight import load_and_build  # noqa: E402
@@ -91,8 +90,9 @@ async def one_round(runtime: Runtime, observer: ObservedHandler, requests: int) 
         request[CLIENT_IP] = client_ip
         outcome = None
         if engine.active:
-            facts = RequestFacts(
-                client_key(client_ip, engine.ipv6_prefix),
+            facts = RequestFacts.of(
+                client_ip,
+                engine.ipv6_prefix,
                 route.name,
                 "GET",
                 request.headers,
@@ -104,7 +104,7 @@ async def one_round(runtime: Runtime, observer: ObservedHandler, requests: int) 
                 outcome = await engine.evaluate(facts, route, host, path, client_ip)
             request[LIMIT_OUTCOME] = outcome
         t1 = clock()
-        extra = engine.headers(outcome) if outcome is not None else None
+        extra = engine.header_block(outcome) if outcome is not None else b""
         response_head(200, b"OK", UPSTREAM_HEADERS, via, extra, 100, True, b"now")
         t2 = clock()
         observer.finished(request, 200, 0.001)

@@ -1,5 +1,5 @@
-"""Regenerate docs/dashboard.png: a real gateway (in process, real clock) under a minute of mixed
-traffic, photographed in headless Chromium.
+"""Regenerate docs/dashboard.png: a real gateway (in process, real clock, six limits, one upstream
+down) under a minute of mixed traffic, photographed in headless Chromium at 1400x1000.
 
     python3 docs/dashboard_screenshot.py [--seconds 60] [--out docs/dashboard.png]
 
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import random
+import socket
 import sys
 from pathlib import Path
 
@@ -27,18 +28,29 @@ from gateway.serving.lifecycle import Gateway
 DOCS = Path(__file__).resolve().parent
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
-# Clients are told apart by X-Forwarded-For (the traffic all comes from 127.0.0.1).
+# Clients are told apart by X-Forwarded-For (the traffic all comes from 127.0.0.1). Six limits;
+# a second upstream, "billing", is down (nothing listens on its port), so its failures show.
 POLICY = """\
 server:
   listen: 127.0.0.1:0
   admin_listen: 127.0.0.1:0
   trusted_proxies: [127.0.0.1/32]
+  limit_log_level: off
 upstreams:
   backend:
     url: {upstream}
+  billing:
+    url: http://127.0.0.1:{closed}
+    connect_timeout: 200ms
 routes:
   - name: login
     match: {{path: /api/login, methods: [POST]}}
+    upstream: backend
+  - name: billing
+    match: {{path_prefix: /billing}}
+    upstream: billing
+  - name: search
+    match: {{path_prefix: /search}}
     upstream: backend
   - name: default
     upstream: backend
@@ -52,6 +64,29 @@ limits:
     algorithm: leaky_bucket
     rate: 40r/s
     burst: 20
+    key: [global]
+  per_key:
+    algorithm: token_bucket
+    rate: 1800r/m
+    burst: 60
+    key: ['header:X-API-Key']
+    on_missing_key: client_ip
+    plans:
+      gold: {{rate: 600r/m, burst: 20}}
+    overrides:
+      key-gold-1: gold
+      key-gold-2: gold
+    unlisted: shared
+  search:
+    algorithm: sliding_log
+    limit: 20
+    window: 10s
+    key: [client_ip]
+    match: {{routes: [search]}}
+  api_window:
+    algorithm: fixed_window
+    limit: 3000
+    window: 1m
     key: [global]
   login_attempts:
     algorithm: sliding_window
@@ -70,10 +105,20 @@ async def _client(
 ) -> None:
     loop = asyncio.get_running_loop()
     rng = random.Random(ip)
+    key = {"10.0.0.1": "key-gold-1", "10.0.0.2": "key-gold-2"}.get(ip, f"anon-{rng.randrange(9)}")
     while loop.time() < end:
-        method, path = ("POST", "/api/login") if rng.random() < 0.1 else ("GET", "/items")
+        roll = rng.random()
+        if roll < 0.1:
+            method, path = "POST", "/api/login"
+        elif roll < 0.13:
+            method, path = "GET", "/billing/invoices"
+        elif roll < 0.3:
+            method, path = "GET", "/search?q=x"
+        else:
+            method, path = "GET", "/items"
+        headers = {"X-Forwarded-For": ip, "X-API-Key": key}
         try:
-            async with session.request(method, url + path, headers={"X-Forwarded-For": ip}) as resp:
+            async with session.request(method, url + path, headers=headers) as resp:
                 await resp.read()
         except aiohttp.ClientError:
             pass
@@ -81,13 +126,18 @@ async def _client(
 
 
 async def _attacker(session: aiohttp.ClientSession, url: str, ip: str, end: float) -> None:
-    """Bursts of 30 requests now and then: over per_ip's burst, so some are rejected."""
+    """Bursts of 30 requests now and then, each with a key it made up: over per_ip's burst,
+    so some are rejected, and the made-up keys share one bucket (unlisted: shared)."""
     loop = asyncio.get_running_loop()
     rng = random.Random(ip)
     while (pause := rng.uniform(5, 15)) < end - loop.time():
         await asyncio.sleep(pause)
         burst = [
-            session.post(url + "/api/login", headers={"X-Forwarded-For": ip}) for _ in range(30)
+            session.post(
+                url + "/api/login",
+                headers={"X-Forwarded-For": ip, "X-API-Key": f"made-up-{rng.randrange(10**9)}"},
+            )
+            for _ in range(30)
         ]
         for response in await asyncio.gather(*burst, return_exceptions=True):
             if isinstance(response, aiohttp.ClientResponse):
@@ -106,24 +156,31 @@ async def main(seconds: float, out: Path) -> None:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
-    gateway = Gateway(parse_and_build(POLICY.format(upstream=f"http://127.0.0.1:{port}"), "demo"))
+    with socket.socket() as closed:  # a port nothing listens on: the billing upstream
+        closed.bind(("127.0.0.1", 0))
+        closed_port = closed.getsockname()[1]
+    policy = POLICY.format(upstream=f"http://127.0.0.1:{port}", closed=closed_port)
+    gateway = Gateway(parse_and_build(policy, "demo"))
     await gateway.start()
     url = f"http://127.0.0.1:{gateway.proxy_port}"
     admin = f"http://127.0.0.1:{gateway.admin_port}"
     try:
         async with async_playwright() as playwright:
             browser = await playwright.chromium.launch(executable_path=CHROMIUM)
-            page = await browser.new_page(viewport={"width": 1280, "height": 900})
+            page = await browser.new_page(viewport={"width": 1400, "height": 1000})
             await page.goto(admin + "/dashboard/")
-            end = asyncio.get_running_loop().time() + seconds
+            loop = asyncio.get_running_loop()
+            end = loop.time() + seconds + 3  # traffic goes on while the picture is taken
             connector = aiohttp.TCPConnector(limit=200)
             async with aiohttp.ClientSession(connector=connector) as session:
-                await asyncio.gather(
+                traffic = asyncio.gather(
                     *(_client(session, url, ip, 1.6, end) for ip in CLIENTS),
                     *(_attacker(session, url, ip, end) for ip in ATTACKERS),
                 )
-            await asyncio.sleep(1.5)  # the last second's point reaches the page
-            await page.screenshot(path=out, full_page=True)
+                await asyncio.sleep(seconds)
+                await page.click('.range button[data-range="60"]')  # the minute of traffic
+                await page.screenshot(path=out)  # the first screen: what 1400x1000 shows
+                await traffic
             await browser.close()
     finally:
         await gateway.stop()

@@ -7,6 +7,7 @@ exact enough for nginx's millisecond arithmetic and Guava's microsecond arithmet
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from typing import Protocol
 
 
@@ -39,3 +40,11 @@ class FakeClock:
 
     def set(self, now_us: int) -> None:
         self._now_us = now_us
+
+
+def rfc3339(epoch_s: float | None) -> str | None:
+    """Wall-clock epoch seconds as RFC 3339 in UTC (``2026-01-02T03:04:05.678Z``), for what
+    admin endpoints show beside the epoch figure."""
+    if epoch_s is None:
+        return None
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"

@@ -47,7 +47,12 @@ class GatewayFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         if getattr(record, JSON_LINE, False):
             return record.getMessage()
-        return self._inner.format(record)
+        text = self._inner.format(record)
+        if "\n" in text:
+            # One record, one line in text too (a JSON line escapes its newlines itself): a
+            # several-line reason or a traceback stays with its timestamp and level.
+            text = " | ".join(line for line in text.splitlines() if line.strip())
+        return text
 
 
 def configure(level: str, log_format: LogFormat) -> None:

@@ -5,5 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/python-env.sh
+# The compiled build when a C compiler is here (GATEWAY_PURE_PYTHON=1: the pure one). `-P`:
+# the installed package, not ./gateway (this source tree, which `python -m` would put first).
 "$PY" -m pip install -q --disable-pip-version-check '.[speed]'
-exec "$PY" -m gateway run --config policies/default.yaml "$@"
+exec "$PY" -P -m gateway run --config policies/default.yaml "$@"

@@ -38,6 +38,7 @@ GUARDED = [
     ("GET", "/dashboard/state"),
     ("GET", "/dashboard/events"),
     ("GET", "/dashboard/static/dashboard.js"),
+    ("GET", "/status"),
 ]
 OPEN = ["/healthz", "/readyz", "/metrics"]
 
@@ -279,6 +280,17 @@ def test_a_store_url_the_client_refuses_is_one_line_without_its_password() -> No
     assert str(started.value) == (
         "store: a Redis Cluster has only database 0, got 'redis://***@127.0.0.1:1/1'"
     )
+
+
+async def test_the_admin_root_sends_a_browser_to_the_dashboard(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url, LIMIT))
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(gw.admin_url + "/", allow_redirects=False) as resp,
+    ):
+        assert resp.status == 302 and resp.headers["Location"] == "/dashboard/"
 
 
 ROTATED = "a-rotated-admin-token-5550123"

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.edge.client_ip import UNKNOWN_PEER, ClientIPResolver, client_key
+from gateway.edge.client_ip import UNKNOWN_PEER, ClientIPResolver
+from gateway.limits.addresses import client_key
 
 TRUSTED = ("10.0.0.0/8", "fd00::/8")
 TRUSTED_NETS = tuple(ipaddress.ip_network(c) for c in TRUSTED)

@@ -77,7 +77,7 @@ async def test_dashboard_shows_rejections_live_and_agrees_with_metrics(
     assert await dashboard_field(page, "per_ip", "ratio") == f"{7 / 12:.1%}"
     assert await dashboard_field(page, "shadow", "rejected-total") == "6"
     assert await page.is_visible("#limit-shadow .badge.dry")
-    assert await page.inner_text("#limit-per_ip .top tbody") == "127.0.0.1\t7\t0"
+    assert await page.inner_text("#limit-per_ip .top tbody") == "127.0.0.1\t—\t7\t0"
 
     # The rejection chart: per-second rates, each over its point's interval, add up to the
     # 7 rejections.
@@ -147,7 +147,7 @@ async def test_page_and_vendored_chart_library_are_served_with_its_license(
     html = (STATIC / "index.html").read_text()
     # No CDN: every script, stylesheet and link points into this gateway.
     for target in re.findall(r'(?:src|href)="([^"]+)"', html):
-        assert target.startswith(("/dashboard/", "/metrics")), target
+        assert target.startswith(("/dashboard/", "/metrics", "/status")), target
 
 
 def prometheus_quantile(q: float, samples: Samples, name: str, **labels: str) -> float:
@@ -322,6 +322,129 @@ async def test_dashboard_shows_the_whole_gateway_with_two_workers(
         await until_shown(whole_gateway_shown, f"{requests} requests on the page", 5)
         assert await page.inner_text("#workers") == "2 (0, 1)"
         await page.close()
+
+
+SIX_LIMITS = """\
+  per_ip:
+    algorithm: leaky_bucket
+    rate: 1r/m
+    burst: 20
+    nodelay: true
+  login:
+    algorithm: sliding_window
+    limit: 5
+    window: 1m
+  per_key:
+    algorithm: token_bucket
+    rate: 1r/m
+    burst: 2
+    key: ['header:X-Api-Key']
+    plans: {gold: {burst: 3}}
+    overrides: {key-gold: gold}
+  window:
+    algorithm: fixed_window
+    limit: 1000
+    window: 1h
+  log:
+    algorithm: sliding_log
+    limit: 1000
+    window: 1h
+  shadow:
+    algorithm: fixed_window
+    limit: 1
+    window: 1h
+    dry_run: true
+"""
+
+
+def _ratio_pixels_script(limit: str) -> str:
+    """Pixels of the ratio series' colour (#6a1b9a) drawn on a limit's ratio chart."""
+    return f"""() => {{
+        const canvas = document.querySelector('#limit-{limit} .chart.ratio canvas');
+        const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+        let count = 0;
+        for (let i = 0; i < data.length; i += 4) {{
+            const [r, g, b, a] = [data[i], data[i + 1], data[i + 2], data[i + 3]];
+            const near = (v, want) => Math.abs(v - want) < 30;
+            if (a > 200 && near(r, 0x6a) && near(g, 0x1b) && near(b, 0x9a)) count++;
+        }}
+        return count;
+    }}"""
+
+
+async def test_six_limits_read_at_a_glance_at_1400x1000(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, browser: Browser, tmp_path: Path
+) -> None:
+    """The overview shows every limit without scrolling, the header the gateway's totals, a
+    limit that rejected in one second only (an isolated point between gaps) a ratio chart with
+    that point drawn, and a top key its plan. The page is drawn from the data it came with:
+    its event stream is cut here."""
+    gw = await start_gateway(limited_policy(upstream.url, SIX_LIMITS), clock=FakeClock())
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        # The gold key: per_key (its plan's burst of 3) refuses the 4th; then 8 without a key
+        # (per_key skips them): login has 2 of its 5 left.
+        gold = {"X-Api-Key": "key-gold"}
+        statuses = [await get_status(session, gw.url + "/", headers=gold) for _ in range(4)]
+        assert statuses == [200, 200, 200, 429]
+        statuses = [await get_status(session, gw.url + f"/{i}") for i in range(8)]
+        assert statuses == [200, 200] + [429] * 6
+        await asyncio.sleep(2.5)  # two ticks: the second holds the rejections, the next none
+
+    page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+    await page.route("**/dashboard/events", lambda route: route.abort())
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gw.admin_url + "/dashboard/")
+    rows = page.locator("#overview-rows tr")
+    assert await rows.count() == 6
+    for index in range(6):
+        box = await rows.nth(index).bounding_box()
+        assert box is not None and box["y"] + box["height"] <= 1000, (index, box)
+    assert await page.evaluate("window.scrollY") == 0
+    assert await page.inner_text("#requests-total") == "12"
+    assert await page.inner_text("#rejected-total") == "7"
+    login_row = page.locator('#overview-rows tr[data-limit="login"]')
+    assert await login_row.locator(".worst").inner_text() == "127.0.0.1: 6"
+    # The worst key of per_key: hashed (an API key), with its plan.
+    worst = await page.locator('#overview-rows tr[data-limit="per_key"] .worst').inner_text()
+    assert re.fullmatch(r"sha256:[0-9a-f]{12} \(gold\): 1", worst), worst
+    assert await page.inner_text("#limit-per_key .top tbody td:nth-child(2)") == "gold"
+    backend = page.locator('#server-pools tr[data-upstream="backend"]')
+    assert await backend.locator(".state").inner_text() == "ok"
+    assert await backend.locator(".server").inner_text() == f"127.0.0.1:{upstream.port} up"
+    assert await page.inner_text("#live") != "live"  # never heard from the stream
+
+    # Only the second (or two) the requests came in have a ratio, and it is drawn.
+    ratios = await page.evaluate(
+        "window.gatewayDashboard.limits.login.ratio.data[1].filter((r) => r !== null)"
+    )
+    assert 1 <= len(ratios) <= 2 and max(ratios) > 0
+    assert await page.evaluate(_ratio_pixels_script("login")) > 10
+    await page.click('.range button[data-range="60"]')
+    assert await page.get_attribute('.range button[data-range="60"]', "aria-pressed") == "true"
+    assert await page.evaluate(_ratio_pixels_script("login")) > 10
+    await page.screenshot(path=artifacts_dir(tmp_path) / "dashboard-six-limits.png")
+
+    # One second with a ratio between seconds without traffic: a point with no neighbour,
+    # which a line alone never draws.
+    await page.evaluate(
+        """() => {
+            const dash = window.gatewayDashboard;
+            const last = dash.history[dash.history.length - 1];
+            const history = [];
+            for (let i = 59; i >= 0; i--) {
+                const limits = i === 30 ? {login: {...last.limits.login, ratio: 0.5}} : {};
+                history.push({...last, t: last.t - i, limits});
+            }
+            dash.receive({history, state: dash.state});
+        }"""
+    )
+    assert await page.evaluate(
+        "window.gatewayDashboard.limits.login.ratio.data[1].filter((r) => r !== null)"
+    ) == [0.5]
+    assert await page.evaluate(_ratio_pixels_script("login")) > 10
+    assert not errors
+    await page.close()
 
 
 async def test_dashboard_shows_which_upstream_servers_are_up(

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path, PurePosixPath
@@ -20,9 +21,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway.admin.auth import AdminAuth
 from gateway.cli.supervisor import EXIT_STARTUP
 from gateway.engine.preflight import load_and_build, parse_and_build
-from gateway.policy.models import ServerSettings, StoreSettings, split_host_port
+from gateway.policy.models import Policy, ServerSettings, split_host_port
 from tests.support.dockerfile import dockerfile_env, final_stage
 from tests.support.gateways import GatewayFactory
 from tests.support.network import free_port
@@ -92,6 +94,19 @@ async def test_compose_backend_serves_json_about_the_request_and_no_files(spawn:
             assert "root:" not in body
             assert "PATH=" not in body
             assert "Directory listing" not in body
+
+
+def test_compose_admin_token_service_makes_one_token_and_keeps_it(tmp_path: Path) -> None:
+    entrypoint = [str(a) for a in compose()["services"]["admin-token"]["entrypoint"]]
+    assert entrypoint[:2] == ["gateway", "admin-token"]
+    token_file = tmp_path / "admin-token"
+    argv = [str(token_file) if a == entrypoint[2] else a for a in entrypoint[1:]]
+    first = _run_gateway(*argv)
+    assert first.returncode == 0, first.stderr
+    token = token_file.read_text()
+    assert len(token.strip()) >= 32 and token.strip() not in first.stdout
+    again = _run_gateway(*argv)  # the next `docker compose up`: the same token
+    assert again.returncode == 0 and token_file.read_text() == token
 
 
 # -- the image's entrypoint, driven by its environment ---------------------------------------
@@ -368,13 +383,25 @@ async def test_a_second_sigterm_ends_the_drain_early(spawn: Spawn, tmp_path: Pat
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 
 
-def documents(kind: str | None = None) -> list[dict[str, Any]]:
+def documents(kind: str | None = None, file: str | None = None) -> list[dict[str, Any]]:
     found = []
     for path in MANIFESTS:
+        if file is not None and path.name != file:
+            continue
         for doc in yaml.safe_load_all(path.read_text()):
             if doc is not None and (kind is None or doc["kind"] == kind):
                 found.append(doc)
     return found
+
+
+def manifest_policy(file: str, tmp_path: Path) -> Policy:
+    """The policy a manifest's ConfigMap holds, loaded as the gateway loads it."""
+    (configmap,) = documents("ConfigMap", file)
+    ((name, text),) = configmap["data"].items()
+    path = tmp_path / file.replace(".yaml", "") / name
+    path.parent.mkdir()
+    path.write_text(text)
+    return load_and_build(path).policy
 
 
 def gateway_deployment() -> dict[str, Any]:
@@ -394,13 +421,20 @@ def test_manifests_are_valid_kubernetes_resources(version: str) -> None:
     for doc in documents():
         kubernetes_validate.validate(doc, version, strict=True)
         kinds.add(doc["kind"])
-    assert kinds == {"ConfigMap", "Deployment", "Service"}
+    assert kinds == {
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "HorizontalPodAutoscaler",
+    }
 
 
 def test_configmap_policy_is_valid_and_mounted_where_the_gateway_reads_it(
     tmp_path: Path,
 ) -> None:
-    (configmap,) = documents("ConfigMap")
+    (configmap,) = documents("ConfigMap", "gateway.yaml")
     container = gateway_container()
     env = {e["name"]: e.get("value") for e in container["env"]}
     config = PurePosixPath(env["GATEWAY_CONFIG"])
@@ -419,10 +453,11 @@ def test_configmap_policy_is_valid_and_mounted_where_the_gateway_reads_it(
     server = policy.server
     assert server.drain_delay > 0
     assert spec["terminationGracePeriodSeconds"] > server.drain_delay + server.shutdown_timeout
-    # The token file is a mounted secret.
+    # The token file is in a volume the admin-token init container writes (next test).
     token_dir = str(PurePosixPath(env["GATEWAY_ADMIN_TOKEN_FILE"]).parent)
-    (secret_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == token_dir]
-    assert any(v["name"] == secret_mount["name"] and "secret" in v for v in spec["volumes"])
+    (token_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == token_dir]
+    (init,) = spec["initContainers"]
+    assert any(m["name"] == token_mount["name"] for m in init["volumeMounts"])
 
 
 def test_deployment_probes_ports_resources_and_user() -> None:
@@ -447,14 +482,117 @@ def test_deployment_probes_ports_resources_and_user() -> None:
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
 
 
-def test_redis_option_matches_the_url_it_documents() -> None:
-    text = (ROOT / "deploy" / "kubernetes" / "redis.yaml").read_text()
-    url = re.search(r"GATEWAY_STORE_URL=(\S+)", text)
-    assert url is not None
-    parts = urlsplit(url.group(1))
+def test_the_redis_overlay_is_the_same_policy_on_redis_and_safe_to_autoscale(
+    tmp_path: Path,
+) -> None:
+    """redis.yaml replaces gateway.yaml's policy with the same one on the Redis it runs, and
+    autoscales the gateway: store.replicas is the autoscaler's maximum, so with Redis down
+    (on_failure: local) the replicas together never admit more than a limit."""
+    alone, shared = (
+        manifest_policy("gateway.yaml", tmp_path),
+        manifest_policy("redis.yaml", tmp_path),
+    )
+    assert alone.model_copy(update={"store": shared.store}) == shared
+    assert alone.store.url == "memory" and shared.store.on_failure == "local"
+    parts = urlsplit(shared.store.url)
     (service,) = [s for s in documents("Service") if s["metadata"]["name"] == parts.hostname]
     assert [p["port"] for p in service["spec"]["ports"]] == [parts.port]
-    StoreSettings(url=url.group(1))
+    (hpa,) = documents("HorizontalPodAutoscaler", "redis.yaml")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == (
+        "Deployment",
+        gateway_deployment()["metadata"]["name"],
+    )
+    assert shared.store.replicas == hpa["spec"]["maxReplicas"] >= hpa["spec"]["minReplicas"] >= 2
+    # The two ConfigMaps are one object: the overlay's replaces the other's.
+    names = {c["metadata"]["name"] for c in documents("ConfigMap")}
+    assert names == {"gateway-policy"}
+
+
+def _run_gateway(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_example_applies_without_a_secret_and_still_has_a_token(tmp_path: Path) -> None:
+    """The Secret is optional: the init container's command writes the Secret's token when
+    there is one, else a random one, where GATEWAY_ADMIN_TOKEN_FILE points; run here with the
+    pod's paths under tmp_path."""
+    spec = gateway_deployment()["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    secret_volume = next(v for v in spec["volumes"] if "secret" in v)
+    assert secret_volume["secret"]["optional"] is True
+    command = [str(part) for part in init["command"]]
+    assert command[0] == "gateway"
+    env = {e["name"]: e.get("value") for e in gateway_container()["env"]}
+    token_file = env["GATEWAY_ADMIN_TOKEN_FILE"]
+    assert token_file in command
+    secret_mount = next(m for m in init["volumeMounts"] if m["name"] == secret_volume["name"])
+    given = next(part for part in command if part.startswith(secret_mount["mountPath"] + "/"))
+
+    def local(path: str) -> str:
+        return str(tmp_path / path.lstrip("/"))
+
+    (tmp_path / PurePosixPath(token_file).parent.relative_to("/")).mkdir(parents=True)
+    argv = [local(part) if part in (token_file, given) else part for part in command[1:]]
+    result = _run_gateway(*argv)
+    assert result.returncode == 0, result.stderr
+    written = Path(local(token_file))
+    token = written.read_text().strip()
+    assert len(token) >= 32 and written.stat().st_mode & 0o777 == 0o600
+    assert token not in result.stdout + result.stderr
+    # With the Secret: its token.
+    Path(local(given)).parent.mkdir(parents=True)
+    Path(local(given)).write_text("the-operators-own-token-0123456789\n")
+    result = _run_gateway(*argv)
+    assert result.returncode == 0, result.stderr
+    assert written.read_text().strip() == "the-operators-own-token-0123456789"
+    auth = AdminAuth.of(ServerSettings(), {"GATEWAY_ADMIN_TOKEN_FILE": str(written)})
+    assert auth.token == "the-operators-own-token-0123456789"
+
+
+def test_probes_survive_one_slow_answer_and_unready_comes_within_the_drain_delay(
+    tmp_path: Path,
+) -> None:
+    probe = gateway_container()["readinessProbe"]
+    assert probe["failureThreshold"] >= 2  # one slow or lost probe is not an outage
+    assert probe["timeoutSeconds"] >= 2
+    drain = manifest_policy("gateway.yaml", tmp_path).server.drain_delay
+    assert probe["periodSeconds"] * probe["failureThreshold"] <= drain
+
+
+def test_a_disruption_budget_and_a_network_policy_guard_the_gateway() -> None:
+    labels = gateway_deployment()["spec"]["template"]["metadata"]["labels"]
+    (budget,) = documents("PodDisruptionBudget")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # One pod at a time; never minAvailable == replicas, which would block every node drain.
+    assert budget["spec"] == {**budget["spec"], "maxUnavailable": 1}
+    policy = next(d for d in documents("NetworkPolicy") if d["metadata"]["name"] == "gateway")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    rules = policy["spec"]["ingress"]
+    open_ports = [p["port"] for rule in rules if "from" not in rule for p in rule["ports"]]
+    assert open_ports == ["http"]  # the admin port is never open to everyone
+    (admin,) = [rule for rule in rules if "from" in rule]
+    assert [p["port"] for p in admin["ports"]] == ["admin"]
+    sources = admin["from"]
+    assert {"podSelector": {}} in sources  # this namespace
+    prometheus = [s for s in sources if "namespaceSelector" in s]
+    assert prometheus and prometheus[0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "prometheus"
+    }
+    redis_policy = next(d for d in documents("NetworkPolicy") if d["metadata"]["name"] != "gateway")
+    ((source,),) = [rule["from"] for rule in redis_policy["spec"]["ingress"]]
+    assert source["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_header_says_how_client_addresses_survive_a_load_balancer() -> None:
+    text = (ROOT / "deploy" / "kubernetes" / "gateway.yaml").read_text()
+    assert "externalTrafficPolicy: Local" in text and "trusted_proxies" in text
 
 
 def gateway_source() -> str:
@@ -483,7 +621,7 @@ def _kubelet_update(mount: Path, files: dict[str, str], generation: int) -> None
 async def test_configmap_update_through_the_data_swap_reloads_the_policy(
     start_gateway: GatewayFactory, tmp_path: Path
 ) -> None:
-    (configmap,) = documents("ConfigMap")
+    (configmap,) = documents("ConfigMap", "gateway.yaml")
     name = next(iter(configmap["data"]))
     text = configmap["data"][name] + "  # generation {n}\n"
     text = text.replace("http://backend.default.svc.cluster.local:8000", "http://127.0.0.1:9")

@@ -168,9 +168,10 @@ async def test_tiers_policy_gives_plans_their_quota(
                     statuses.append(resp.status)
             return statuses.count(200)
 
-        # Burst 10 for anyone, 20 for silver (from the generated file), 100 for gold.
-        assert await served("anyone") == 10
+        # A search costs 10: one fits in the default burst of 10, which every key the
+        # overrides do not list shares (unlisted: shared): another made-up key gets nothing.
+        assert await served("another", "/api/search") == 1
+        assert await served("anyone") == 0
+        # Burst 20 for silver (from the generated file), 100 for gold, each its own.
         assert await served("key-0001") == 20
         assert await served("key-7f3a") == 25
-        # A search costs 10: one fits in the default burst of 10.
-        assert await served("another", "/api/search") == 1

@@ -131,11 +131,21 @@ def test_rescale_keeps_the_share_used() -> None:
 
 
 @pytest.mark.parametrize(
-    ("limit", "window_s"), [(0, 1), (-1, 1), (1.5, 1), (True, 1), (1, 0), (1, -2), (1, 1e-9)]
+    ("limit", "window_s"), [(0, 1), (-1, 1), (False, 1), (1, 0), (1, -2), (1, 1e-9)]
 )
 def test_rejects_impossible_parameters(limit: int, window_s: float) -> None:
     with pytest.raises(ValueError):
         FixedWindow(limit, window_s)
+
+
+@pytest.mark.parametrize(("limit", "window_s"), [(1.5, 1), ("1", 1), (1, "1")])
+def test_rejects_parameters_of_the_wrong_type_alike_in_both_builds(
+    limit: object, window_s: object
+) -> None:
+    """The compiled build's typed arguments refuse a float for an int with ``TypeError``; the
+    pure build refuses it with the same exception."""
+    with pytest.raises(TypeError):
+        FixedWindow(limit, window_s)  # type: ignore[arg-type]
 
 
 def test_rejects_cost_below_one() -> None:

@@ -11,7 +11,7 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 # Bottom up; names on one floor may not import each other across packages either.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("clock", "redact", "histogram", "log_setup"),
+    ("clock", "redact", "histogram", "log_setup", "log_throttle", "build", "exceptions"),
     ("policy",),
     ("algorithms",),
     ("limits",),

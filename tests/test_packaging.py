@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from gateway.engine.preflight import load_and_build
 from gateway.policy.models import split_host_port
@@ -109,6 +109,35 @@ def test_compose_publishes_the_admin_port_on_the_host_loopback_only() -> None:
         if int(container_port) == admin_port:
             assert host_part.startswith("127.0.0.1:"), f"admin port published as {mapping}"
     assert any(str(m).endswith(f":{admin_port}") for m in gateway["ports"])
+
+
+def test_compose_publishes_nothing_but_the_proxy_beyond_the_host_loopback() -> None:
+    """The admin port, Prometheus and Grafana (anonymous viewer, admin/admin) on 127.0.0.1."""
+    policy = load_and_build(ROOT / "policies" / "compose.yaml").policy
+    proxy_port = split_host_port(policy.server.listen)[1]
+    published = []
+    for name in ("docker-compose.yml", "docker-compose.observability.yml"):
+        for service, spec in yaml.safe_load((ROOT / name).read_text())["services"].items():
+            for mapping in spec.get("ports", []):
+                published.append((service, str(mapping)))
+    assert {service for service, _ in published} == {"gateway", "prometheus", "grafana"}
+    for service, mapping in published:
+        if mapping == f"{proxy_port}:{proxy_port}":
+            continue
+        assert mapping.startswith("127.0.0.1:"), f"{service} publishes {mapping} on every interface"
+
+
+def test_compose_sets_an_admin_token_from_a_file_the_admin_token_service_writes() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    gateway, maker = services["gateway"], services["admin-token"]
+    token_file = PurePosixPath(gateway["environment"]["GATEWAY_ADMIN_TOKEN_FILE"])
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in gateway["volumes"]}
+    volume = mounts[str(token_file.parent)]
+    assert gateway["volumes"][list(mounts).index(str(token_file.parent))].endswith(":ro")
+    assert f"{volume}:{token_file.parent}" in maker["volumes"]
+    assert maker["entrypoint"][:3] == ["gateway", "admin-token", str(token_file)]
+    assert "--keep" in maker["entrypoint"]  # one token for the volume's life
+    assert gateway["depends_on"]["admin-token"] == {"condition": "service_completed_successfully"}
 
 
 def test_compose_backend_is_the_demo_upstream_not_a_file_server() -> None:
@@ -211,6 +240,50 @@ def test_lock_file_pins_every_runtime_dependency_with_hashes() -> None:
             seen.add((name, wanted))
             pending += [(r, wanted) for r in metadata.requires(name) or []]
     assert set(locked) == {name for name, _ in seen}, "requirements.lock has stale entries"
+
+
+# The platforms the image is built for (python:3.11-slim: Debian, glibc): each must install
+# every locked package from a wheel whose hash the lock holds (no compiler in the image).
+IMAGE_PLATFORMS = ("x86_64", "aarch64")
+
+
+def _wheel_installs_on(filename: str, arch: str) -> bool:
+    """Whether CPython 3.11 on glibc Linux ``arch`` installs this wheel."""
+    _, _, _, tags = parse_wheel_filename(filename)
+    for tag in tags:
+        python_ok = tag.interpreter in ("py3", "py311", "cp311") or (
+            tag.abi == "abi3"
+            and tag.interpreter.startswith("cp3")
+            and int(tag.interpreter[3:]) <= 11
+        )
+        abi_ok = tag.abi in ("none", "abi3", "cp311")
+        platform_ok = tag.platform == "any" or (
+            tag.platform.startswith("manylinux") and tag.platform.endswith("_" + arch)
+        )
+        if python_ok and abi_ok and platform_ok:
+            return True
+    return False
+
+
+def test_the_lock_installs_from_wheels_on_x86_64_and_aarch64() -> None:
+    """requirements.wheels (scripts/lock_wheels.py: pip download --require-hashes for each
+    platform) names, per platform, the wheel of every locked package; each must fit that
+    platform and its hash be in the lock, or the image build fails there ("Expected sha256
+    ... Got ...") or falls back to an sdist it cannot compile."""
+    locked = _locked()
+    chosen: dict[str, dict[str, str]] = {f"linux-{arch}": {} for arch in IMAGE_PLATFORMS}
+    for line in (ROOT / "requirements.wheels").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        platform, filename, digest = line.split()
+        name, version, _, _ = parse_wheel_filename(filename)
+        assert platform in chosen, line
+        assert _wheel_installs_on(filename, platform.removeprefix("linux-")), line
+        assert locked[name][0] == str(version), f"{filename}: the lock pins {locked[name][0]}"
+        assert f"sha256:{digest}" in locked[name][1], f"{filename}: its hash is not in the lock"
+        chosen[platform][name] = filename
+    for platform, wheels in chosen.items():
+        assert set(wheels) == set(locked), f"{platform}: no wheel for {set(locked) - set(wheels)}"
 
 
 def test_image_installs_from_the_lock_file_with_hashes_required() -> None:

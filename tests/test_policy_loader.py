@@ -49,7 +49,8 @@ EXPECTED_ERRORS = {
     "yaml_syntax.yaml": "yaml_syntax.yaml:3: invalid YAML: expected ',' or ']', but got "
     "'<stream end>' (while parsing a flow sequence that starts on line 2)",
     "not_a_mapping.yaml": "not_a_mapping.yaml:1: the policy file must be a mapping",
-    "bad_version.yaml": "bad_version.yaml:1: version: Input should be 1",
+    "bad_version.yaml": "bad_version.yaml:1: version: unsupported policy version 2: this "
+    "gateway reads version: 1",
     "missing_url.yaml": "missing_url.yaml:2: upstreams.backend: give url (one server) or "
     "servers (a pool), one of them",
     "pool_hash_without_key.yaml": "pool_hash_without_key.yaml:2: upstreams.backend: balance: "
@@ -57,15 +58,14 @@ EXPECTED_ERRORS = {
     "pool_all_backup.yaml": "pool_all_backup.yaml:2: upstreams.backend: every server is a "
     "backup: at least one must not be",
     "pool_retry_bad_status.yaml": "pool_retry_bad_status.yaml:5: upstreams.backend.retry.when[1]: "
-    "Input should be 'error', 'timeout', 500, 502, 503, 504, 403, 404 or 429",
+    "expected 'error', 'timeout', 500, 502, 503, 504, 403, 404 or 429, got 501",
     "route_zero_read_timeout.yaml": "route_zero_read_timeout.yaml:7: routes[0].read_timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
-    "tls_bad_min_version.yaml": "tls_bad_min_version.yaml:2: server.tls.min_version: Input "
-    "should be '1.2' or '1.3'",
+    "tls_bad_min_version.yaml": "tls_bad_min_version.yaml:2: server.tls.min_version: expected "
+    "'1.2' or '1.3', got '1.1'",
     "tls_missing_files.yaml": "tls_missing_files.yaml:2: server.tls: "
     "{dir}/missing-cert.pem: cannot read: No such file or directory",
-    "bad_workers.toml": "bad_workers.toml:3: server.workers: Input should be a valid integer, "
-    "unable to parse string as an integer",
+    "bad_workers.toml": "bad_workers.toml:3: server.workers: expected a whole number, got 'many'",
     "limit_delay_over_burst.yaml": "limit_delay_over_burst.yaml:8: limits.per_ip: delay (5) "
     "cannot exceed burst (2)",
     "limit_delay_and_nodelay.yaml": "limit_delay_and_nodelay.yaml:8: limits.per_ip: give "
@@ -78,11 +78,12 @@ EXPECTED_ERRORS = {
     "limit_zero_window.yaml": "limit_zero_window.yaml:11: limits.per_ip.window: window must be "
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
-    "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global or "
-    "const:TEXT",
+    "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
+    "const:TEXT or plan:LIMIT",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
     "unknown route 'nope'",
-    "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: Field required",
+    "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "
+    "limit has no default, add it",
     "store_bad_url.yaml": "store_bad_url.yaml:2: store.url: invalid store url 'mysql://db': "
     "expected memory, shared, redis://, rediss:// or redis+cluster://",
     "store_bad_key_prefix.yaml": "store_bad_key_prefix.yaml:3: store.key_prefix: String should "
@@ -154,6 +155,21 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_store_timeout.yaml": "zero_store_timeout.yaml:3: store.timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
+    # PyYAML's and pydantic's own words (parser tokens, "Field required", "Input should be")
+    # said in the policy's.
+    "yaml_indentation.yaml": "yaml_indentation.yaml:4: invalid YAML: this line is indented 3 "
+    "spaces, which lines up with no key above it: indent it as far as the key it belongs beside "
+    "(the block from line 2 is indented 2)",
+    "yaml_tab.yaml": "yaml_tab.yaml:3: invalid YAML: a tab character: YAML indents with spaces "
+    "only",
+    "limit_rate_as_limit.yaml": "limit_rate_as_limit.yaml:10: limits.login.limit: limit counts "
+    "requests per window: write limit: 5, window: 1m (not '5/m')",
+    "window_given_rate.yaml": "window_given_rate.yaml:10: limits.login.rate: a sliding_window "
+    "takes limit and window, not rate (for 5r/m: limit: 5, window: 1m)",
+    "bucket_given_window.yaml": "bucket_given_window.yaml:10: limits.per_ip.limit: a "
+    "token_bucket takes rate and burst, not limit and window (for 10 per 1s: rate: 10r/s)",
+    "upstream_url_list.yaml": "upstream_url_list.yaml:3: upstreams.backend.url: expected one "
+    "URL, got a list",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
     "listen_is_admin_listen.yaml": "listen_is_admin_listen.yaml:1: server: listen (0.0.0.0:9090) "
@@ -311,3 +327,13 @@ def test_an_unclosed_quote_names_where_it_opened() -> None:
         "p.yaml:5: invalid YAML: found unexpected end of stream "
         "(while scanning a quoted scalar that starts on line 3)"
     )
+
+
+def test_a_bare_number_is_a_duration_in_seconds_as_in_nginx() -> None:
+    """Documented beside the Go syntax: ``connect_timeout: 5`` is five seconds, not 5 ms."""
+    text = (
+        "upstreams:\n  backend:\n    url: http://127.0.0.1:8000\n    connect_timeout: 5\n"
+        "    read_timeout: 0.5\nroutes:\n  - name: all\n    upstream: backend\n"
+    )
+    upstream = parse_and_build(text, "p.yaml").policy.upstreams["backend"]
+    assert (upstream.connect_timeout, upstream.read_timeout) == (5.0, 0.5)

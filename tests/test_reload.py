@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 
 import aiohttp
@@ -355,7 +356,7 @@ async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is
         async with session.post(gw.admin_url + "/reload") as resp:
             assert resp.status == 422
             assert (await resp.json())["error"] == (
-                "server.admin_listen ('127.0.0.1:0' -> '127.0.0.1:9999'), server.workers "
+                f"{path}: server.admin_listen ('127.0.0.1:0' -> '127.0.0.1:9999'), server.workers "
                 "(1 -> 2) take effect on restart only; the running policy stays (restart the "
                 "gateway to apply them, or revert them to reload the rest)"
             )
@@ -409,3 +410,26 @@ def test_a_log_file_beside_the_policy_stays_quiet_while_idle(tmp_path: Path) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+async def test_policy_shows_its_times_in_rfc_3339_beside_the_epoch_seconds(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
+    path.write_text(policy_for(upstream.url, server="  header_timeout: 3s\n"))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert (await resp.json())["result"] in ("ok", "unchanged")  # the watcher may be first
+        async with session.get(gw.admin_url + "/policy") as resp:
+            body = await resp.json()
+
+    def parsed(text: str) -> float:
+        assert text.endswith("Z"), text
+        return datetime.fromisoformat(text).timestamp()
+
+    assert parsed(body["loaded_at_rfc3339"]) == pytest.approx(body["loaded_at"], abs=0.001)
+    reload = body["reload"]
+    for name in ("last_success_at", "last_attempt_at"):
+        assert parsed(reload[name + "_rfc3339"]) == pytest.approx(reload[name], abs=0.001)

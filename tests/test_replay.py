@@ -39,10 +39,11 @@ from gateway.replay.log_formats import (
     open_log,
     read_log,
 )
-from gateway.replay.simulate import Simulation
+from gateway.replay.simulate import ALLOWED, DENIED, REJECTED, UNROUTED, Simulation
 from tests.support.browser import artifacts_dir
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for
+from tests.support.rawhttp import exchange, status_of
 from tests.support.upstreams import RecordingUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -456,6 +457,46 @@ async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decis
         }
 
 
+# Absolute-form targets (RFC 9112 3.2.2): the proxy forwards the origin-form part when the
+# authority is the Host header's and answers 400 otherwise; replay must decide them alike.
+ABSOLUTE_FORM = (
+    ("http://example.test/api/a", "example.test"),
+    ("http://EXAMPLE.test/api/b?x=1", "example.test"),
+    ("http://example.test", "example.test"),  # no path: "/", which no route takes
+    ("http://other.test/api/c", "example.test"),  # disagrees with Host
+    ("http://user@example.test/api/d", "example.test"),  # userinfo
+    ("example.test/api/e", "example.test"),  # neither origin- nor absolute-form
+    ("/api/f", "example.test"),
+)
+_LIVE = {200: ALLOWED, 429: REJECTED, 400: DENIED, 404: UNROUTED}
+
+
+async def test_replay_and_the_proxy_agree_on_absolute_form_targets(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    policy_text = (
+        policy_for(upstream.url).replace(
+            "  - name: all\n",
+            "  - name: api\n    match: {host: example.test, path_prefix: /api/}\n",
+        )
+        + "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: 3\n    window: 1h\n"
+        "    key: [client_ip]\n"
+    )
+    gw = await start_gateway(policy_text)
+    live = []
+    for target, host in ABSOLUTE_FORM:
+        data = f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+        live.append(_LIVE[status_of(await exchange(gw.port, data))])
+    simulation = Simulation(parse_and_build(policy_text, "test.yaml"))
+    replayed = []
+    for line, (target, host) in enumerate(ABSOLUTE_FORM):
+        request = Request(line * 1000, "log", line, "127.0.0.1", "GET", target, host, (), None)
+        replayed.append(await simulation.decide(request, simulation.client_ip(request)))
+    assert replayed == live
+    assert live == [ALLOWED, ALLOWED, UNROUTED, DENIED, DENIED, DENIED, ALLOWED]
+    assert [r.raw_path for r in upstream.requests] == ["/api/a", "/api/b?x=1", "/api/f"]
+
+
 # -- the HTML report in a real browser ---------------------------------------------------------
 
 
@@ -471,23 +512,45 @@ async def test_html_report_opens_offline_in_chromium_and_shows_its_charts(
     generate(log, 5_000, 200, 200.0, "combined", seed=3)
     report = tmp_path / "replay.html"
     current = ROOT / "policies" / "default.yaml"
+    # layered.yaml and a limit keyed by a header the combined log does not carry: skipped.
+    candidate = tmp_path / "candidate.yaml"
+    candidate.write_text(
+        (ROOT / "policies" / "layered.yaml")
+        .read_text()
+        .replace(
+            "\nlimits:\n",
+            "\nlimits:\n  per_key:\n    algorithm: fixed_window\n    limit: 10\n"
+            "    window: 1m\n    key: ['header:X-API-Key']\n",
+        )
+    )
     args = [
         "replay",
         "--config",
-        str(ROOT / "policies" / "layered.yaml"),
+        str(candidate),
         "--compare",
         str(current),
         "--html",
         str(report),
+        "--json",
         str(log),
     ]
     assert await asyncio.to_thread(main, args) == 0  # the command runs its own event loop
-    capsys.readouterr()
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == f"gateway replay: wrote {report.resolve()}"
+    doc = json.loads(out)
     page_text = report.read_text()
     assert "<script src" not in page_text and "<link" not in page_text  # all inlined
-    layered = load_and_build(ROOT / "policies" / "layered.yaml").policy
-    charts = 1 + len(layered.limits) + 1 + len(load_and_build(current).policy.limits)
-    page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+    # A chart per policy, and one per limit that decided something: none for a limit that
+    # never applied (an empty chart would read as no traffic), named in a note instead.
+    decided = [[lim["name"] for lim in p["limits"] if lim["decided"]] for p in doc["policies"]]
+    skipped = [[lim["name"] for lim in p["limits"] if not lim["decided"]] for p in doc["policies"]]
+    assert skipped == [["per_key"], []]
+    charts = sum(1 + len(names) for names in decided)
+    # A viewer half an hour off UTC: the times must still read as the log's (UTC).
+    context = await browser.new_context(
+        viewport={"width": 1400, "height": 1000}, timezone_id="Asia/Kolkata"
+    )
+    page = await context.new_page()
     requested: list[str] = []
     page.on("request", lambda request: requested.append(request.url))
     errors: list[str] = []
@@ -499,7 +562,27 @@ async def test_html_report_opens_offline_in_chromium_and_shows_its_charts(
     title = await page.locator(".u-title").first.inner_text()
     assert title == "all requests"
     assert "per_ip" in await page.inner_text("#policy-0")
+    for index, names in enumerate(skipped):
+        if names:
+            note = f"Decided no request (no chart): {', '.join(names)}."
+            assert note in await page.inner_text(f"#policy-{index}")
+    # The two policies on one scale, chart by chart.
+    for name in ("overall", *set(decided[0]) & set(decided[1])):
+        tops = await page.eval_on_selector_all(
+            f'[data-chart="{name}"]', "(charts) => charts.map((c) => c.dataset.yMax)"
+        )
+        assert len(tops) == 2 and tops[0] == tops[1], (name, tops)
+    # The legend's time under the cursor, at the first chart's left edge.
+    plot = page.locator(".u-over").first
+    box = await plot.bounding_box()
+    assert box is not None
+    await page.mouse.move(box["x"] + 2, box["y"] + box["height"] / 2)
+    shown = await page.locator(".u-legend .u-series:first-child .u-value").first.inner_text()
+    start, end = doc["series_start_s"], doc["series_start_s"] + doc["span_s"]
+    minutes = {datetime.fromtimestamp(t, UTC).strftime(":%M") for t in range(start, int(end) + 2)}
+    assert any(minute in shown for minute in minutes), (shown, minutes)
     await page.screenshot(path=directory / "replay-report.png", full_page=True)
+    await context.close()
     assert errors == []
     assert requested == [report.as_uri()]  # nothing fetched: it works offline
 
@@ -692,8 +775,11 @@ def test_decisions_do_not_depend_on_the_per_line_caches(
         )
     )
     targets = ("/", "/api/a", "/api/b?x=1", "http://example.test/api/c", "/static/app.js")
+    hosts = (None, None, None, "example.test", None)  # an absolute-form target's Host agrees
     requests = [
-        Request(n * 100_000, "log", n, f"192.0.2.{n % 8}", "GET", targets[n % 5], None, (), None)
+        Request(
+            n * 100_000, "log", n, f"192.0.2.{n % 8}", "GET", targets[n % 5], hosts[n % 5], (), None
+        )
         for n in range(400)
     ]
 

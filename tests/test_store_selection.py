@@ -82,12 +82,16 @@ async def test_store_settings_change_only_on_restart(
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT)
     gw = await start_gateway(load_and_build(path), policy_path=str(path))
-    path.write_text(policy_for(upstream.url) + LIMIT + "store:\n  url: redis://127.0.0.1:1\n")
+    moved = "store:\n  url: redis://:s3cret@127.0.0.1:1\n  replicas: 3\n"
+    path.write_text(policy_for(upstream.url) + LIMIT + moved)
     reloader = gw.gateway.reloader
     assert reloader is not None
     assert await reloader.reload() == "failed"
+    # The file, each setting (the URL without its password) and what to do.
     assert reloader.status.last_error == (
-        "store settings take effect on restart only; the running policy stays"
+        f"{path}: store.url ('memory' -> 'redis://:***@127.0.0.1:1'), store.replicas (1 -> 3) "
+        "take effect on restart only; the running policy stays (restart the gateway to apply "
+        "them, or revert them to reload the rest)"
     )
     assert gw.gateway.store.name == "memory"
 

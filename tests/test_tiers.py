@@ -24,9 +24,10 @@ from gateway.engine.limit_engine import LimitEngine
 from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.limits.compiled import Check
 from gateway.policy.loader import PolicyError
-from gateway.policy.overrides import Overrides
+from gateway.policy.overrides import UNLISTED_KEY, Overrides
 from gateway.redact import REDACTED
 from gateway.stores import MemoryStore, RedisStore
+from gateway.stores.redis.key_layout import tag_scheme
 from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
 from tests.support.conformance import compiled
@@ -120,6 +121,9 @@ async def test_overrides_give_keys_their_own_quota_and_headers(
         explained = await _explain(session, gw.admin_url, header="X-Api-Key: key-gold")
         entry = explained["limits"][0]
         assert entry["override"] == {"limit": 5, "window": 3600.0}
+        assert entry["plan"] == "gold"
+        own = (await _explain(session, gw.admin_url, header="X-Api-Key: key-silver"))["limits"][0]
+        assert (own["override"], own["plan"]) == ({"limit": 3, "window": 3600.0}, None)
         assert entry["next_request"]["limit"] == 5
         assert entry["next_request"]["remaining"] == 0
         plain = (await _explain(session, gw.admin_url, header="X-Api-Key: new"))["limits"][0]
@@ -420,6 +424,32 @@ def test_gateway_check_names_the_overrides_file_and_line(
             "algorithm: token_bucket\n    rate: 1r/s\n    exempt: [10.0.0.300/8]\n",
             "test.yaml:16: limits.l.exempt: invalid CIDR '10.0.0.300/8' in exempt",
         ),
+        (
+            "algorithm: token_bucket\n    rate: 1r/s\n    unlisted: shared\n",
+            "test.yaml:13: limits.l: unlisted: shared needs overrides (or an overrides_file) "
+            "that list keys: without them every key is unlisted",
+        ),
+        (
+            "algorithm: token_bucket\n    rate: 1r/s\n    exempt_listed: per_key\n",
+            "test.yaml:16: limits.l.exempt_listed: unknown limit 'per_key' (limits: none defined)",
+        ),
+        (
+            "algorithm: token_bucket\n    rate: 1r/s\n    overrides: {a: {burst: 2}}\n"
+            "    exempt_listed: l\n",
+            "test.yaml:17: limits.l.exempt_listed: a limit cannot read the keys it lists "
+            "itself: name another limit",
+        ),
+        (
+            "algorithm: token_bucket\n    rate: 1r/s\n    key: ['plan:l']\n"
+            "    overrides: {a: {burst: 2}}\n",
+            "test.yaml:16: limits.l.key: plan:l: a limit cannot read the keys it lists "
+            "itself: name another limit",
+        ),
+        (
+            "algorithm: token_bucket\n    rate: 1r/s\n    plans: {unlisted: {rate: 2r/s}}\n",
+            "test.yaml:13: limits.l: plan 'unlisted': the name is reserved (a plan: key part "
+            "gives it to keys not listed)",
+        ),
     ],
 )
 def test_invalid_tiers_in_the_policy_are_one_line_each(limit: str, expected: str) -> None:
@@ -544,3 +574,169 @@ def test_a_leased_limit_refuses_tiers_and_cost() -> None:
     with pytest.raises(PolicyError) as raised:
         parse_and_build(text, "test.yaml")
     assert "a leased limit takes no overrides, overrides_file or cost" in str(raised.value)
+
+
+UNLISTED = """limits:
+  per_key:
+    algorithm: sliding_log
+    limit: 2
+    window: 1h
+    key: ['header:X-Api-Key']
+    on_missing_key: client_ip
+    plans:
+      silver: {limit: 4}
+    overrides:
+      key-silver: silver
+    unlisted: %s
+"""
+
+
+@pytest.mark.parametrize("store", ALL_STORES)
+async def test_keys_a_client_invents_share_one_bucket(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    store: str,
+    tmp_path: Path,
+) -> None:
+    """``unlisted: shared``: a new key per request buys nothing, nor does sending none."""
+    clock = FakeClock()
+    gw = await start_gateway(
+        policy_for(upstream.url, UNLISTED % "shared" + _store(request, store)),
+        clock=clock,
+        **_shared(store, tmp_path, clock),
+    )
+    async with aiohttp.ClientSession() as session:
+        invented = [
+            (await _get(session, gw.url + "/", {"X-Api-Key": f"k{i}"}))[0] for i in range(6)
+        ]
+        assert invented == [200, 200, 429, 429, 429, 429]
+        assert (await _get(session, gw.url + "/"))[0] == 429  # no key: the same bucket
+        listed = [
+            (await _get(session, gw.url + "/", {"X-Api-Key": "key-silver"}))[0] for _ in range(5)
+        ]
+        assert listed == [200] * 4 + [429]
+        entry = (await _explain(session, gw.admin_url, header="X-Api-Key: k99"))["limits"][0]
+        assert entry["key"] == UNLISTED_KEY and "shared" in entry["unlisted"]
+        assert entry["next_request"]["allowed"] is False
+
+
+async def test_keys_each_get_their_own_bucket_by_default(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """What ``unlisted: shared`` changes: with ``own``, each invented key starts afresh."""
+    gw = await start_gateway(policy_for(upstream.url, UNLISTED % "own"), clock=FakeClock())
+    async with aiohttp.ClientSession() as session:
+        invented = [
+            (await _get(session, gw.url + "/", {"X-Api-Key": f"k{i}"}))[0] for i in range(6)
+        ]
+    assert invented == [200] * 6
+
+
+@pytest.mark.parametrize("store", STORES)
+async def test_keys_no_override_lists_are_refused_with_403(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    store: str,
+) -> None:
+    # A dry-run candidate first: it counts the keys it would refuse, and refuses none.
+    candidate = (
+        "  candidate:\n    algorithm: fixed_window\n    limit: 100\n    window: 1h\n"
+        "    key: ['header:X-Api-Key']\n    overrides: {key-silver: {limit: 200}}\n"
+        "    unlisted: reject\n    dry_run: true\n"
+    )
+    limits = UNLISTED.replace("limits:\n", "limits:\n" + candidate) % "reject"
+    gw = await start_gateway(
+        policy_for(upstream.url, limits + _store(request, store)), clock=FakeClock()
+    )
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/", headers={"X-Api-Key": "made-up"}) as resp:
+            assert resp.status == 403
+            body = await resp.json()
+        assert body["limit"] == "per_key" and "unlisted: reject" in body["detail"]
+        assert (await _get(session, gw.url + "/"))[0] == 403  # no key: the client IP, unlisted
+        statuses = [
+            (await _get(session, gw.url + "/", {"X-Api-Key": "key-silver"}))[0] for _ in range(5)
+        ]
+        assert statuses == [200] * 4 + [429]
+        explained = await _explain(session, gw.admin_url, header="X-Api-Key: made-up")
+        assert explained["verdict"]["status"] == 403
+        looks = {entry["name"]: entry for entry in explained["limits"]}
+        assert looks["per_key"]["next_request"]["status"] == 403
+        assert looks["candidate"]["next_request"]["status"] == 403  # what it would do
+        async with session.get(gw.admin_url + "/dashboard/state") as resp:
+            counted = (await resp.json())["state"]["limits"]
+    assert (counted["per_key"]["rejected"], counted["per_key"]["allowed"]) == (3, 4)
+    # The made-up key (the request without one skips it: on_missing_key: skip), and silver's 5.
+    assert (counted["candidate"]["dry_run_rejected"], counted["candidate"]["allowed"]) == (1, 5)
+    assert [r.raw_path for r in upstream.requests] == ["/"] * 4
+
+
+# The README's recipe (policies/tiers.yaml holds it too): paying clients are not starved by
+# anonymous ones, whatever keys the anonymous ones invent.
+RECIPE = """limits:
+  per_key:
+    algorithm: fixed_window
+    limit: 3
+    window: 1h
+    key: ['header:X-Api-Key']
+    on_missing_key: client_ip
+    plans:
+      silver: {limit: 100}
+    overrides:
+      key-silver: silver
+      key-own: {limit: 50}
+    unlisted: shared
+  per_ip:
+    algorithm: fixed_window
+    limit: 5
+    window: 1h
+    exempt_listed: per_key
+  per_plan:
+    algorithm: fixed_window
+    limit: 8
+    window: 1h
+    key: ['plan:per_key']
+    overrides:
+      silver: {limit: 40}
+"""
+
+
+async def test_paying_clients_are_not_starved_by_anonymous_ones(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """One NAT address (127.0.0.1) for everybody: anonymous clients with invented keys and
+    a silver customer. The anonymous traffic takes the shared bucket (3) and its per-address
+    limit; the silver key is exempt from per_ip and draws on its own plan's budget."""
+    gw = await start_gateway(policy_for(upstream.url, RECIPE), clock=FakeClock())
+    async with aiohttp.ClientSession() as session:
+        anonymous = [
+            (await _get(session, gw.url + "/", {"X-Api-Key": f"rnd-{i}"}))[0] for i in range(30)
+        ]
+        assert anonymous.count(200) == 3
+        silver = [
+            (await _get(session, gw.url + "/", {"X-Api-Key": "key-silver"}))[0] for _ in range(45)
+        ]
+        # per_plan's silver budget (40) binds, not per_ip (5) nor the anonymous bucket.
+        assert silver.count(200) == 40
+        own = (await _explain(session, gw.admin_url, header="X-Api-Key: key-own"))["limits"]
+        by_name = {entry["name"]: entry for entry in own}
+        assert "exempt" in by_name["per_ip"]
+        assert by_name["per_plan"]["key"] == "custom"  # a key with numbers of its own
+        seen = (await _explain(session, gw.admin_url, header="X-Api-Key: rnd-99"))["limits"]
+        assert {entry["name"]: entry["key"] for entry in seen}["per_plan"] == "unlisted"
+
+
+def test_a_shared_unlisted_key_keeps_a_request_in_one_cluster_slot() -> None:
+    """Two limits keyed by the same header would take its value as the cluster hash tag; the
+    one key ``unlisted: shared`` gives every unlisted value has another, so a request's keys
+    would span two slots. Such a policy's keys all carry the one fixed tag."""
+    two = UNLISTED % "shared" + "  per_key_too:\n    algorithm: fixed_window\n    limit: 9\n"
+    two += "    window: 1m\n    key: ['header:X-Api-Key']\n"
+    loaded = parse_and_build(policy_for("http://127.0.0.1:9", two), "t.yaml")
+    engine = LimitEngine(loaded.policy, MemoryStore(FakeClock()), build_algorithm)
+    assert tag_scheme(engine.limits) is None
+    own = parse_and_build(policy_for("http://127.0.0.1:9", two.replace("shared", "own")), "t.yaml")
+    engine = LimitEngine(own.policy, MemoryStore(FakeClock()), build_algorithm)
+    assert tag_scheme(engine.limits) == "header:X-Api-Key"

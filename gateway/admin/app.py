@@ -12,12 +12,13 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.admin.auth import AdminAuth, auth_middleware, login_routes
-from gateway.edge.client_ip import client_key
+from gateway.clock import rfc3339
 from gateway.edge.responses import SERVER
 from gateway.engine.limit_engine import Explanation, LimitEngine, LimitLook
 from gateway.limits.keys import RequestFacts
 from gateway.limits.routing import normalise_host
 from gateway.policy.models import OVERRIDE_PARAMS, Policy
+from gateway.policy.overrides import UNLISTED_KEY
 from gateway.redact import REDACTED, redact_url
 from gateway.stores import store_url
 
@@ -75,10 +76,11 @@ async def _policy(request: web.Request) -> web.Response:
             "source": runtime.loaded.source,
             "sha256": runtime.loaded.sha256,
             "loaded_at": runtime.loaded_at,
+            "loaded_at_rfc3339": rfc3339(runtime.loaded_at),
             "worker": state.worker_id,
             "store": runtime.engine.store.name,
             "store_url": redact_url(store_url(runtime.loaded.policy.store)),
-            "reload": reload_status.model_dump() if reload_status is not None else None,
+            "reload": reload_status.shown() if reload_status is not None else None,
             "in_force": state.in_force,
             "pools": {
                 name: [dataclasses.asdict(member) for member in target.pool.states()]
@@ -145,8 +147,9 @@ async def _explain(request: web.Request) -> web.Response:
         result["limits"] = []
         result["verdict"] = {"status": 404, "reason": "no route matches"}
         return web.json_response(result)
-    facts = RequestFacts(
-        client_key(client_ip, engine.ipv6_prefix),
+    facts = RequestFacts.of(
+        client_ip,
+        engine.ipv6_prefix,
         route.name,
         method,
         CIMultiDictProxy(headers),
@@ -173,15 +176,22 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         return entry
     entry["key"] = look.key
     if look.key is not None and limit.tiering is None and limit.table != limit.name:
-        # An override's variant: its own parameters, not the limit's.
+        # An override's variant: its own parameters, not the limit's, and the plan that
+        # gives them (None for a key with numbers of its own).
         spec = limit.spec.model_dump(mode="json")
         entry["override"] = {name: spec[name] for name in OVERRIDE_PARAMS if name in spec}
+        tier = limit.table.partition("~")[2]
+        entry["plan"] = None if tier.startswith("=") else tier
+    elif look.key == UNLISTED_KEY:
+        entry["unlisted"] = "shared: every key the overrides do not list shares this bucket"
     if look.key is not None and not look.exempt:
         entry["cost"] = look.cost
     if look.key is None:
         entry["skipped"] = "a key part is missing (on_missing_key: skip)"
     elif look.exempt:
-        entry["exempt"] = "exempt from this limit (exempt / exempt_headers)"
+        entry["exempt"] = "exempt from this limit (exempt / exempt_headers / exempt_listed)"
+    elif look.refused is not None:
+        entry["next_request"] = {"allowed": False, "status": 403, "reason": look.refused}
     elif look.unavailable is not None:
         entry["next_request"] = {"allowed": False, "status": 503, "reason": look.unavailable}
     elif look.decision is not None:
@@ -225,6 +235,11 @@ def _verdict(explanation: Explanation) -> dict[str, Any]:
     }
 
 
+async def _root(request: web.Request) -> web.StreamResponse:
+    """A browser opening the admin address lands on the dashboard."""
+    raise web.HTTPFound("/dashboard/")
+
+
 async def _name_server(request: web.Request, response: web.StreamResponse) -> None:
     """aiohttp would send ``Server: Python/x aiohttp/y``: versions are nobody's business."""
     response.headers["Server"] = SERVER
@@ -241,6 +256,7 @@ def make_admin_app(state: AdminState) -> web.Application:
     app[ADMIN_STATE] = state
     app.on_response_prepare.append(_name_server)
     app.router.add_routes(login_routes(current))
+    app.router.add_get("/", _root)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/policy", _policy)

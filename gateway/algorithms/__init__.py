@@ -8,7 +8,7 @@ Adding an algorithm touches these places, in this order:
    parameters (a reload keeps a limit's state while its algorithm is equal), and as public
    properties whatever the Lua mirror needs; mypy checks the protocol where it is built.
 2. ``gateway/policy/models.py``: its limit model (an ``algorithm`` literal,
-   ``extra="forbid"``) in the ``Limit`` union; ``engine._window_s`` gives its advertised
+   ``extra="forbid"``) in the ``Limit`` union, with a ``window_s`` property: its advertised
    window (``w`` of the ``RateLimit-Policy`` header).
 3. ``gateway/algorithms/registry.py``: ``build_algorithm`` maps the model to the class.
 4. ``gateway/stores/redis/lua/<name>.lua``: the Lua mirror (``MAKE[letter]``), listed in

@@ -36,9 +36,25 @@ class Decision(NamedTuple):
     reset_s: float
 
 
-# ``Decision(...)`` runs the NamedTuple's generated Python ``__new__``; the admission paths
-# build the same tuple in C instead: ``build(Decision, (allowed, delay_s, ..., reset_s))``,
-# every field given, in order (a store decides several limits per request).
+def require_int(what: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is an int: the pure build refuses what the compiled one's
+    typed arguments refuse, with the same exception (and takes a bool as the int it is, as the
+    compiled build's unboxed ints must)."""
+    if not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+
+
+def require_number(what: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is an int or a float."""
+    if not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number, got {value!r}")
+
+
+# ``Decision(...)`` runs the NamedTuple's generated Python ``__new__``, from compiled code as
+# from any other (mypyc calls the class); the admission paths build the same tuple in C
+# instead: ``build(Decision, (allowed, delay_s, ..., reset_s))``, every field given, in order
+# (a store decides several limits per request). Reading fields needs no such trick: compiled,
+# ``decision.allowed`` is a tuple item read.
 build = tuple.__new__
 
 

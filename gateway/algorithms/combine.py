@@ -36,9 +36,6 @@ from gateway.algorithms.base import Algorithm, Decision, build
 class CombinedDecision(NamedTuple):
     """The verdict of all limits on one request and the states to commit for it.
 
-    A NamedTuple, not a frozen dataclass: it is built on every request and a frozen dataclass
-    costs several times more to construct.
-
     ``states[i]`` is what to store for limit ``i``: the new state when the request is allowed,
     the input state unchanged when any limit rejected it. ``delay_s`` is the longest delay and
     ``delayed_by`` the limit imposing it (``None`` when no delay); ``rejected_by`` lists every
@@ -58,6 +55,41 @@ class CombinedDecision(NamedTuple):
     now_us: int | None = None
 
 
+def combine(
+    decisions: Sequence[Decision],
+    new_states: Sequence[Any],
+    input_states: Sequence[Any],
+    now_us: int | None = None,
+    max_delays_s: Sequence[float] | None = None,
+) -> CombinedDecision:
+    """The verdict of decisions taken at one instant, by nginx's rule: every store (in process,
+    shared, Redis's script reply, the leases) and ``decide_all`` call this one function.
+
+    All admit or none is charged (a rejected request's ``states`` are ``input_states``); the
+    longest delay wins and, on equal delays, the later limit is named (nginx's account loop);
+    a delay over its check's bound in ``max_delays_s`` turns the admission into a rejection
+    (``refuse_long_delays``). ``now_us`` is the instant decided at, kept for a refund.
+    """
+    delay_s = 0.0
+    delayed_by: int | None = None
+    for index, decision in enumerate(decisions):
+        if not decision.allowed:
+            return _rejected(decisions, input_states, now_us)
+        delay = decision.delay_s
+        if delay > 0.0 and delay >= delay_s:
+            delay_s = delay
+            delayed_by = index
+    # ``build`` (``tuple.__new__``), not ``CombinedDecision(...)``: compiled code too calls a
+    # NamedTuple's ``__new__``, written in Python, about three times the cost (bench/README.md).
+    verdict: CombinedDecision = build(
+        CombinedDecision,
+        (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+    )
+    if delayed_by is not None and max_delays_s is not None:
+        return refuse_long_delays(verdict, input_states, max_delays_s)
+    return verdict
+
+
 def decide_all(
     items: Sequence[tuple[Algorithm[Any], Any]],
     now_us: int,
@@ -66,77 +98,16 @@ def decide_all(
     stamp_us: int | None = None,
     costs: Sequence[int] | None = None,
 ) -> CombinedDecision:
-    """Check every ``(algorithm, state)`` at ``now_us``; commit all or nothing (nginx's rule).
-    ``stamp_us`` is the verdict's ``now_us`` (a store's, set here rather than by a copy);
-    ``costs``, one per item, replaces ``cost`` when limits weigh the request differently."""
-    # The request path: positions for the fields read (``decision[0]`` is ``allowed``,
-    # ``decision[1]`` ``delay_s``) and ``build`` for the verdict, each cheaper per call than
-    # the NamedTuple's attribute or constructor.
-    if len(items) == 1:
-        algorithm, state = items[0]
-        decision, new_state = algorithm.decide(state, now_us, costs[0] if costs else cost)
-        if decision[0]:
-            delay_s = decision[1]
-            delayed = 0 if delay_s > 0.0 else None
-            return build(
-                CombinedDecision,
-                (True, delay_s, 0.0, (), delayed, (decision,), (new_state,), stamp_us),
-            )
-        return CombinedDecision(
-            False, 0.0, decision.retry_after_s, (0,), None, (decision,), (state,), stamp_us
-        )
+    """The plain reference the stores are tested against: every ``(algorithm, state)`` decided
+    at ``now_us``, then ``combine``. ``stamp_us`` is the verdict's ``now_us``; ``costs``, one
+    per item, replaces ``cost`` when limits weigh the request differently."""
     decisions: list[Decision] = []
     new_states: list[Any] = []
-    delay_s = 0.0
-    delayed_by = None
     for index, (algorithm, state) in enumerate(items):
-        decision, new_state = algorithm.decide(state, now_us, costs[index] if costs else cost)
-        if not decision[0]:
-            break
-        decisions.append(decision)
-        new_states.append(new_state)
-        # ">=": on equal delays the later limit is named, as nginx's account loop does.
-        delay = decision[1]
-        if delay > 0.0 and delay >= delay_s:
-            delay_s = delay
-            delayed_by = index
-    else:  # all admit (the common case): ``combine``'s answer without its passes
-        return build(
-            CombinedDecision,
-            (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), stamp_us),
-        )
-    # Some limit rejects: every limit is still decided, for a Retry-After good for all.
-    for index in range(len(decisions), len(items)):
-        algorithm, state = items[index]
         decision, new_state = algorithm.decide(state, now_us, costs[index] if costs else cost)
         decisions.append(decision)
         new_states.append(new_state)
     return combine(decisions, new_states, [state for _, state in items], stamp_us)
-
-
-def combine(
-    decisions: Sequence[Decision],
-    new_states: Sequence[Any],
-    input_states: Sequence[Any],
-    stamp_us: int | None = None,
-) -> CombinedDecision:
-    """The verdict of decisions taken at one instant (by ``decide_all``, by a store that
-    decides each limit as it reads its state, or by a store's script): all admit or none is
-    charged, the longest delay wins."""
-    delay_s = 0.0
-    delayed_by = None
-    for index, decision in enumerate(decisions):
-        if not decision[0]:  # allowed
-            return _rejected(decisions, input_states, stamp_us)
-        # ">=": on equal delays the later limit is named, as nginx's account loop does.
-        delay = decision[1]
-        if delay > 0.0 and delay >= delay_s:
-            delay_s = delay
-            delayed_by = index
-    return build(
-        CombinedDecision,
-        (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), stamp_us),
-    )
 
 
 def _rejected(
@@ -169,14 +140,13 @@ def refuse_long_delays(
     """
     if not verdict.allowed or verdict.delay_s <= 0.0:
         return verdict
+    decisions = verdict.decisions
     over = tuple(
-        index
-        for index, (decision, bound) in enumerate(zip(verdict.decisions, max_delays_s, strict=True))
-        if decision.delay_s > bound
+        [index for index, bound in enumerate(max_delays_s) if decisions[index].delay_s > bound]
     )
     if not over:
         return verdict
-    retry_after_s = max(verdict.decisions[index].delay_s for index in over)
+    retry_after_s = max([decisions[index].delay_s for index in over])
     return CombinedDecision(
         False,
         0.0,

@@ -34,14 +34,15 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decision, build, require_int, require_number
 
 _INF: Final = float("inf")
 
 
 def window_us_from_s(window_s: float) -> int:
     """Window length in whole microseconds; at least 1."""
-    if isinstance(window_s, bool) or not isinstance(window_s, int | float) or not window_s > 0:
+    require_number("window", window_s)
+    if not window_s > 0:
         raise ValueError(f"window must be a positive number of seconds, got {window_s!r}")
     window_us = round(window_s * 1_000_000)
     if window_us < 1:
@@ -50,7 +51,8 @@ def window_us_from_s(window_s: float) -> int:
 
 
 def check_limit(limit: int) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+    require_int("limit", limit)
+    if limit < 1:
         raise ValueError(f"limit must be a positive integer, got {limit!r}")
     return limit
 
@@ -85,6 +87,11 @@ class FixedWindow:
 
     def __hash__(self) -> int:
         return hash((FixedWindow, self.limit, self.window_us))
+
+    def __reduce__(self) -> tuple[type[FixedWindow], tuple[int, float]]:
+        # Pickled by its parameters (the shared store records a limit's algorithm): a compiled
+        # class cannot be made without its constructor's arguments.
+        return FixedWindow, (self.limit, self.window_us / 1e6)
 
     def pack_state(self, window_index: int, count: int) -> int:
         """The state for ``count`` units charged in window number ``window_index``."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decision, build, require_int
 from gateway.policy.units import parse_rate
 
 _LAST_BITS: Final = 44
@@ -76,15 +76,17 @@ class LeakyBucket:
 
     def __init__(self, rate: int, period_s: int = 1, burst: int = 0, delay: int | None = 0) -> None:
         """``rate`` requests per ``period_s`` (1 for r/s, 60 for r/m); ``delay=None`` is nodelay."""
-        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+        require_int("rate", rate)
+        if rate < 1:
             raise ValueError(f"rate must be a positive integer, got {rate!r}")
         if period_s not in (1, 60):
             raise ValueError(f"period_s must be 1 (r/s) or 60 (r/m), got {period_s!r}")
-        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 0:
+        require_int("burst", burst)
+        if burst < 0:
             raise ValueError(f"burst must be a non-negative integer, got {burst!r}")
-        if delay is not None and (
-            isinstance(delay, bool) or not isinstance(delay, int) or delay < 0
-        ):
+        if delay is not None:
+            require_int("delay", delay)
+        if delay is not None and delay < 0:
             raise ValueError(f"delay must be a non-negative integer or None, got {delay!r}")
         self.rate = rate
         self.period_s = period_s
@@ -145,6 +147,11 @@ class LeakyBucket:
 
     def __hash__(self) -> int:
         return hash((self.rate, self.period_s, self.burst, self.delay))
+
+    def __reduce__(self) -> tuple[type[LeakyBucket], tuple[int, int, int, int | None]]:
+        # Pickled by its parameters (the shared store records a limit's algorithm): a compiled
+        # class cannot be made without its constructor's arguments.
+        return LeakyBucket, (self.rate, self.period_s, self.burst, self.delay)
 
     def decide(self, state: int | None, now_us: int, cost: int = 1) -> tuple[Decision, int | None]:
         now_ms = now_us // 1000

@@ -69,6 +69,11 @@ class SlidingLog:
     def __hash__(self) -> int:
         return hash((SlidingLog, self.limit, self.window_us))
 
+    def __reduce__(self) -> tuple[type[SlidingLog], tuple[int, float]]:
+        # Pickled by its parameters (the shared store records a limit's algorithm): a compiled
+        # class cannot be made without its constructor's arguments.
+        return SlidingLog, (self.limit, self.window_us / 1e6)
+
     def decide(
         self, state: bytes | None, now_us: int, cost: int = 1
     ) -> tuple[Decision, bytes | None]:

@@ -62,6 +62,11 @@ class SlidingWindow:
     def __hash__(self) -> int:
         return hash((SlidingWindow, self.limit, self.window_us))
 
+    def __reduce__(self) -> tuple[type[SlidingWindow], tuple[int, float]]:
+        # Pickled by its parameters (the shared store records a limit's algorithm): a compiled
+        # class cannot be made without its constructor's arguments.
+        return SlidingWindow, (self.limit, self.window_us / 1e6)
+
     def pack_state(self, window_index: int, previous: int, current: int) -> int:
         """The state for ``current`` units in window ``window_index`` and ``previous`` in the one
         before it."""

@@ -43,9 +43,9 @@ Both states are ints and ``now_us`` must not be negative.
 from __future__ import annotations
 
 import math
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decision, build, require_int, require_number
 
 Mode = Literal["reject", "queue"]
 COLD_FACTOR: Final = 3.0
@@ -59,9 +59,11 @@ class _Rate:
     __slots__ = ("interval_ticks", "period_us", "rate", "ticks_per_s", "ticks_per_us")
 
     def __init__(self, rate: int, period_s: float) -> None:
-        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+        require_int("rate", rate)
+        if rate < 1:
             raise ValueError(f"rate must be a positive integer, got {rate!r}")
-        if isinstance(period_s, bool) or not isinstance(period_s, int | float) or not period_s > 0:
+        require_number("period", period_s)
+        if not period_s > 0:
             raise ValueError(f"period must be a positive number of seconds, got {period_s!r}")
         period_us = round(period_s * 1_000_000)
         if period_us < 1:
@@ -81,8 +83,7 @@ class _Rate:
 
 
 def _max_delay_us(max_delay_s: float) -> float:
-    if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, int | float):
-        raise ValueError(f"max_delay must be a number of seconds, got {max_delay_s!r}")
+    require_number("max_delay", max_delay_s)
     if not max_delay_s >= 0:
         raise ValueError(f"max_delay must not be negative, got {max_delay_s!r}")
     return max_delay_s * 1_000_000 if max_delay_s != _INF else _INF
@@ -145,6 +146,14 @@ class _Bucket:
     def __hash__(self) -> int:
         return hash((type(self), *self._key()))
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Pickled by its parameters (the shared store records a limit's algorithm): a compiled
+        # class cannot be made without its constructor's arguments.
+        return _rebuild, (type(self).__name__, self._arguments())
+
+    def _arguments(self) -> tuple[object, ...]:
+        raise NotImplementedError
+
 
 class TokenBucket(_Bucket):
     """Guava ``SmoothBursty`` per key: ``capacity`` tokens, ``rate`` per ``period_s``.
@@ -175,7 +184,8 @@ class TokenBucket(_Bucket):
         (Guava ``tryAcquire(cost, max_delay)``), ``reject`` mode never borrows. Guava's
         ``maxBurstSeconds`` is ``capacity * period_s / rate``."""
         self._rate = _Rate(rate, period_s)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        require_int("capacity", capacity)
+        if capacity < 1:
             raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
         self.capacity = capacity
         self.mode = _check_mode(mode)
@@ -207,6 +217,9 @@ class TokenBucket(_Bucket):
 
     def _key(self) -> tuple[int, int, int, str, float]:
         return (self.rate, self._rate.period_us, self.capacity, self.mode, self.max_delay_s)
+
+    def _arguments(self) -> tuple[object, ...]:
+        return (self.rate, self.period_s, self.capacity, self.mode, self.max_delay_s)
 
     def state(self, stored_permits: float, next_free_us: int) -> int:
         """The state Guava's ``(storedPermits, nextFreeTicketMicros)`` describe (rounded down to
@@ -340,7 +353,8 @@ class WarmingUpTokenBucket(_Bucket):
     ) -> None:
         """Stable ``rate`` per ``period_s``, reached after ``warmup_s`` of saturation."""
         self._rate = _Rate(rate, period_s)
-        if isinstance(warmup_s, bool) or not isinstance(warmup_s, int | float) or not warmup_s > 0:
+        require_number("warmup", warmup_s)
+        if not warmup_s > 0:
             raise ValueError(f"warmup must be a positive number of seconds, got {warmup_s!r}")
         warmup_us = round(warmup_s * 1_000_000)
         if warmup_us < 1:
@@ -395,6 +409,9 @@ class WarmingUpTokenBucket(_Bucket):
 
     def _key(self) -> tuple[int, int, int, str, float]:
         return (self.rate, self._rate.period_us, self._warmup_ticks, self.mode, self.max_delay_s)
+
+    def _arguments(self) -> tuple[object, ...]:
+        return (self.rate, self.period_s, self.warmup_s, self.mode, self.max_delay_s)
 
     def state(self, stored_permits: float, next_free_us: int) -> int:
         """The state Guava's ``(storedPermits, nextFreeTicketMicros)`` describe."""
@@ -523,6 +540,14 @@ class WarmingUpTokenBucket(_Bucket):
         if credit_new >= self._warmup_ticks and next_free_us <= now_us:
             return None
         return (next_free_us * self._rate.ticks_per_us) << self._credit_bits | credit_new
+
+
+def _rebuild(kind: str, arguments: tuple[Any, ...]) -> TokenBucket | WarmingUpTokenBucket:
+    """A pickled bucket, made again from its parameters."""
+    rate, period_s, size, mode, max_delay_s = arguments
+    if kind == "WarmingUpTokenBucket":
+        return WarmingUpTokenBucket(rate, period_s, size, mode=mode, max_delay_s=max_delay_s)
+    return TokenBucket(rate, period_s, size, mode=mode, max_delay_s=max_delay_s)
 
 
 def token_bucket(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gateway import __version__
+from gateway.build import build_name
 from gateway.cli import listen_addresses
 from gateway.cli.supervisor import EXIT_STARTUP, supervise, worker_main
 from gateway.engine.preflight import build_problems, load_and_build
@@ -163,6 +164,19 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_admin_token(args: argparse.Namespace) -> int:
+    from gateway.admin.token_file import TokenFileError, write_token_file
+
+    try:
+        origin = write_token_file(args.file, getattr(args, "from"), keep=args.keep)
+    except TokenFileError as exc:
+        print(f"gateway admin-token: {exc}", file=sys.stderr)
+        return 1
+    said = {"given": f"the token of {getattr(args, 'from')}", "kept": "the token it held"}
+    print(f"gateway admin-token: {args.file}: {said.get(origin, 'a new random token')}")
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(policy_json_schema(), indent=2, ensure_ascii=False))
     return 0
@@ -215,6 +229,8 @@ environment:
   GATEWAY_LISTEN      proxy listener, over the policy's server.listen (the image: 0.0.0.0:8080)
   GATEWAY_ADMIN_LISTEN admin listener, over server.admin_listen (the image: 0.0.0.0:9090)
   GATEWAY_IN_CONTAINER set by the image: a loopback listener is logged as unreachable
+  GATEWAY_ADMIN_TOKEN  the admin listener's bearer token (over server.admin_token)
+  GATEWAY_ADMIN_TOKEN_FILE a file holding it, read at start and on every reload
 """
 
 
@@ -259,9 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"gateway {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"gateway {__version__} ({build_name()})"
+    )
     _add_log_options(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,check,schema,replay}")
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="{run,check,schema,healthcheck,replay,admin-token}",
+    )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         child = sub.add_parser(
@@ -297,6 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--path", default="/readyz", help="admin path to probe")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds")
     health.set_defaults(func=cmd_healthcheck)
+
+    token = command(
+        "admin-token",
+        "write an admin token to FILE for GATEWAY_ADMIN_TOKEN_FILE (mode 0600, never printed): "
+        "--from's when that file exists, else (--keep) the one FILE holds, else a random one",
+    )
+    token.add_argument("file", metavar="FILE")
+    token.add_argument("--from", metavar="SECRET", help="a mounted secret holding the token")
+    token.add_argument("--keep", action="store_true", help="keep the token FILE already holds")
+    token.set_defaults(func=cmd_admin_token)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)

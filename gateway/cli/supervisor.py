@@ -9,11 +9,13 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import time
 from typing import Final
 
+from gateway.observability.snapshot_files import ENV_METRICS_DIR, supervisor_dir
 from gateway.policy.loader import LoadedPolicy
 from gateway.stores import shared_store_selected
 from gateway.stores.shared.runtime_dir import (
@@ -39,6 +41,7 @@ def worker_main(
     policy_path: str | None,
     supervisor_pid: int | None = None,
     signalled_on_parent_death: bool = False,
+    startup_errors: multiprocessing.SimpleQueue[str] | None = None,
 ) -> None:
     from gateway.serving.lifecycle import StartupError, run_event_loop, serve
 
@@ -66,10 +69,12 @@ def worker_main(
     try:
         run_event_loop(main)
     except StartupError as exc:
-        # One write, line and newline together: the workers of --workers N fail at once on
-        # one stderr, and print()'s two writes interleaved their lines.
-        sys.stderr.write(f"gateway: {exc}\n")
-        sys.stderr.flush()
+        if startup_errors is not None:
+            # The supervisor says it, once: the workers of --workers N fail alike, at once.
+            startup_errors.put(f"gateway: {exc}")
+        else:
+            sys.stderr.write(f"gateway: {exc}\n")
+            sys.stderr.flush()
         raise SystemExit(EXIT_STARTUP) from None
 
 
@@ -81,6 +86,7 @@ def _forked_worker_main(
     workers: int,
     policy_path: str | None,
     supervisor_pid: int,
+    startup_errors: multiprocessing.SimpleQueue[str],
 ) -> None:
     """A worker forked by the supervisor: drop the supervisor's signal handlers first (until
     the worker's event loop installs its own, HUP is ignored and TERM/INT stop it at once),
@@ -91,7 +97,17 @@ def _forked_worker_main(
     signalled = _die_with_parent(signal.SIGTERM)
     if os.getppid() != supervisor_pid:
         sys.exit(0)  # it died before the request above: nothing will send the signal
-    worker_main(loaded, listen, admin, worker_id, workers, policy_path, supervisor_pid, signalled)
+    worker_main(
+        loaded,
+        listen,
+        admin,
+        worker_id,
+        workers,
+        policy_path,
+        supervisor_pid,
+        signalled,
+        startup_errors,
+    )
 
 
 def _die_with_parent(signum: int) -> bool:
@@ -129,11 +145,21 @@ def supervise(
     ctx = multiprocessing.get_context("fork")
     stopping = False
     supervisor_pid = os.getpid()
+    startup_errors: multiprocessing.SimpleQueue[str] = ctx.SimpleQueue()
 
     def start(worker_id: int) -> multiprocessing.process.BaseProcess:
         proc = ctx.Process(
             target=_forked_worker_main,
-            args=(loaded, listen, admin, worker_id, workers, policy_path, supervisor_pid),
+            args=(
+                loaded,
+                listen,
+                admin,
+                worker_id,
+                workers,
+                policy_path,
+                supervisor_pid,
+                startup_errors,
+            ),
             name=f"gateway-worker-{worker_id}",
         )
         proc.start()
@@ -187,4 +213,14 @@ def supervise(
             proc.kill()
     if shared_dir is not None:
         release_runtime_dir(shared_dir)
+    if not os.environ.get(ENV_METRICS_DIR):
+        # The workers' snapshots; a directory the operator named is theirs to keep.
+        shutil.rmtree(supervisor_dir(supervisor_pid), ignore_errors=True)
+    said: set[str] = set()
+    while not startup_errors.empty():
+        message = startup_errors.get()
+        if message not in said:
+            said.add(message)
+            sys.stderr.write(message + "\n")
+    sys.stderr.flush()
     return 1 if failed else 0

@@ -16,9 +16,10 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final, Literal
+
+from gateway.limits.addresses import CACHE_SIZE, client_key, format_address, pack_address
 
 __all__ = ["UNKNOWN_PEER", "ClientIPResolver", "client_key"]
 
@@ -27,12 +28,8 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 UNKNOWN_PEER: Final = "0.0.0.0"
 """What ``resolve`` returns when the transport has no peer address (a Unix socket, say)."""
 
-_CACHE_SIZE: Final = 4096
 _MAPPED_V4: Final = ipaddress.IPv6Network("::ffff:0:0/96")
-_MAPPED_PREFIX: Final = bytes(10) + b"\xff\xff"
 
-# A port after an address: digits, or an RFC 7239 obfuscated port ("_abc").
-_PORT: Final = re.compile(r"[0-9]{1,5}|_[A-Za-z0-9._-]+")
 
 # RFC 7239 is parsed right to left, on the reversed header, so that the proxies' elements at the
 # right are read before any client-written text at the left can confuse the parser (an
@@ -44,43 +41,6 @@ _REVERSED_PAIR: Final = re.compile(
 )
 _QUOTED_CONTENT: Final = re.compile(r"(?:[\t !#-\[\]-~]|\\[\t !-~])*+")
 _QUOTED_PAIR: Final = re.compile(r"\\([\t !-~])")
-
-
-def _pack(text: str) -> bytes | None:
-    """The address in one hop as 4 or 16 bytes, IPv4-mapped IPv6 as IPv4; None if it has none.
-
-    Accepts "1.2.3.4", "1.2.3.4:80", "2001:db8::1", "[2001:db8::1]:80" and zone ids
-    ("fe80::1%eth0"); ports and zones are dropped. ``inet_pton`` is the strict C parser (no
-    leading zeros, no short forms) and many times faster than ``ipaddress`` (bench/README.md).
-    """
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            return None
-        host, rest = text[1:close], text[close + 1 :]
-        if rest and not (rest[0] == ":" and _PORT.fullmatch(rest, 1)):
-            return None
-        if ":" not in host:
-            return None  # brackets are for IPv6 only
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
-        if not _PORT.fullmatch(port):
-            return None
-    else:
-        host = text
-    try:
-        if ":" not in host:
-            return socket.inet_pton(socket.AF_INET, host)
-        # A zone id names an interface of the proxy, not a client.
-        packed = socket.inet_pton(socket.AF_INET6, host.partition("%")[0])
-    except (OSError, ValueError):  # ValueError: NUL or non-ASCII text
-        return None
-    return packed[12:] if packed.startswith(_MAPPED_PREFIX) else packed
-
-
-def _format(packed: bytes) -> str:
-    """The canonical text of a packed address (RFC 5952 form for IPv6)."""
-    return socket.inet_ntop(socket.AF_INET if len(packed) == 4 else socket.AF_INET6, packed)
 
 
 def _normalise_network(network: IPNetwork) -> IPNetwork:
@@ -112,12 +72,12 @@ def _make_classifier(
     v6 = tuple((int(n.network_address), int(n.netmask)) for n in networks if n.version == 6)
 
     def classify(text: str) -> _Hop | None:
-        packed = _pack(text)
+        packed = pack_address(text)
         if packed is None:
             return None
         value = int.from_bytes(packed)
         trusted = any(value & mask == net for net, mask in (v4 if len(packed) == 4 else v6))
-        return _format(packed), trusted
+        return format_address(packed), trusted
 
     return functools.lru_cache(maxsize=cache_size)(classify) if cache_size else classify
 
@@ -191,7 +151,7 @@ class ClientIPResolver:
         trusted_cidrs: Sequence[str],
         header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for",
         *,
-        cache_size: int = _CACHE_SIZE,
+        cache_size: int = CACHE_SIZE,
     ) -> None:
         """Parse the trusted networks once; ``cache_size=0`` turns the parse cache off."""
         if isinstance(trusted_cidrs, str):
@@ -251,24 +211,3 @@ class ClientIPResolver:
             if not trusted:
                 break
         return address
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def client_key(ip: str, ipv6_prefix: int = 64) -> str:
-    """The per-IP limit key: an IPv4 address as is, an IPv6 address as its ``/ipv6_prefix``.
-
-    One IPv6 client usually holds a whole /64, so keying on single addresses would let it
-    rotate through keys. Text that is not an IP address is its own key.
-    """
-    if not 0 <= ipv6_prefix <= 128:
-        raise ValueError(f"ipv6_prefix must be between 0 and 128, got {ipv6_prefix}")
-    if ":" not in ip:
-        return ip
-    packed = _pack(ip)
-    if packed is None:
-        return ip
-    if len(packed) == 4:
-        return _format(packed)
-    host_bits = 128 - ipv6_prefix
-    network = int.from_bytes(packed) >> host_bits << host_bits
-    return f"{_format(network.to_bytes(16))}/{ipv6_prefix}"

@@ -202,54 +202,16 @@ def build_request_head(
     return b"".join(out)
 
 
-def response_headers(
+def forwarded_response_fields(
     raw_headers: Iterable[tuple[bytes, bytes]], via: bytes
-) -> list[tuple[str, str]]:
-    """Upstream response headers to send on: hop-by-hop and framing dropped, ``Via`` appended.
+) -> tuple[list[tuple[bytes, bytes]], bool]:
+    """The upstream's response headers to send on, and whether they hold a ``Date``: the one
+    hop-by-hop filter of responses (hop-by-hop, what its Connection header names and framing
+    dropped, ``Via`` extended with ours), whatever serialises them.
 
     One pass; the rare Connection header that names extra headers costs a second, filtering one.
     """
-    out: list[tuple[str, str]] = []
-    via_in: bytes | None = None
-    connection: set[bytes] | None = None
-    for name, value in raw_headers:
-        lname = name.lower()
-        if lname in _RESPONSE_REPLACED:
-            if lname == b"connection":
-                if connection is None:
-                    connection = set()
-                connection.update(t.strip().lower() for t in value.split(b","))
-            continue
-        if lname == b"via":
-            via_in = value if via_in is None else via_in + b", " + value
-            continue
-        out.append((name.decode("latin-1"), value.decode("latin-1")))
-    if connection:
-        named = {t.decode("latin-1") for t in _named_hop_by_hop(connection)}
-        if named:
-            out = [(n, v) for n, v in out if n.lower() not in named]
-    out.append(("Via", (via_in + b", " + via if via_in else via).decode("latin-1")))
-    return out
-
-
-def response_head(
-    status: int,
-    reason: bytes,
-    raw_headers: Iterable[tuple[bytes, bytes]],
-    via: bytes,
-    extra: list[tuple[str, str]] | None,
-    content_length: int,
-    keep_alive: bool,
-    date: bytes,
-) -> bytes:
-    """A whole HTTP/1.1 response head in bytes, for bodies the gateway already holds whole.
-
-    The same header rules as ``response_headers`` without decoding every header to ``str`` and
-    back through aiohttp's response object: on a small proxied response that object is a
-    large part of the gateway's own CPU time.
-    """
-    out = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]  # an empty reason is valid (RFC 9112)
-    append = out.append
+    kept: list[tuple[bytes, bytes]] = []
     via_in: bytes | None = None
     connection: set[bytes] | None = None
     has_date = False
@@ -266,18 +228,48 @@ def response_head(
             continue
         if lname == b"date":
             has_date = True
-        append(name + b": " + value + b"\r\n")
+        kept.append((name, value))
     if connection:
         named = _named_hop_by_hop(connection)
         if named:
-            out = [line for line in out if line.split(b":", 1)[0].lower() not in named]
-            append = out.append
-    append(b"Via: " + (via_in + b", " + via if via_in else via) + b"\r\n")
+            kept = [(name, value) for name, value in kept if name.lower() not in named]
+    kept.append((b"Via", via_in + b", " + via if via_in else via))
+    return kept, has_date
+
+
+def response_headers(
+    raw_headers: Iterable[tuple[bytes, bytes]], via: bytes
+) -> list[tuple[str, str]]:
+    """``forwarded_response_fields`` as text, for aiohttp's response objects."""
+    kept, _ = forwarded_response_fields(raw_headers, via)
+    return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in kept]
+
+
+def response_head(
+    status: int,
+    reason: bytes,
+    raw_headers: Iterable[tuple[bytes, bytes]],
+    via: bytes,
+    extra: bytes,
+    content_length: int,
+    keep_alive: bool,
+    date: bytes,
+) -> bytes:
+    """A whole HTTP/1.1 response head in bytes, for bodies the gateway already holds whole.
+
+    The headers ``forwarded_response_fields`` keeps, without decoding every header to ``str``
+    and back through aiohttp's response object (on a small proxied response that object is a
+    large part of the gateway's own CPU time); ``extra`` is a block of whole header lines (the
+    rate-limit headers, encoded by the engine), copied as it is.
+    """
+    kept, has_date = forwarded_response_fields(raw_headers, via)
+    out = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]  # an empty reason is valid (RFC 9112)
+    append = out.append
+    for name, value in kept:
+        append(name + b": " + value + b"\r\n")
     if not has_date:
         append(b"Date: " + date + b"\r\n")
-    if extra:
-        for name_s, value_s in extra:
-            append(f"{name_s}: {value_s}\r\n".encode("latin-1"))
+    append(extra)
     append(b"Content-Length: %d\r\n" % content_length)
     if not keep_alive:
         append(b"Connection: close\r\n")

@@ -17,7 +17,6 @@ from typing import Final
 from aiohttp.web_request import BaseRequest
 
 from gateway.edge.annotations import upstream_error_reason
-from gateway.edge.client_ip import client_key
 from gateway.edge.pool.server_pool import PoolMember, ServerPool
 from gateway.edge.upstream_client import (
     UpstreamConnectError,
@@ -26,6 +25,7 @@ from gateway.edge.upstream_client import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from gateway.limits.addresses import client_key
 from gateway.limits.keys import RequestFacts
 
 IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
-from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
+from aiohttp import HttpVersion10, HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
+from gateway.edge.aiohttp_private import RelayedResponse, RelayedStream, request_message
 from gateway.edge.annotations import (
     CLIENT_IP,
     LIMIT_OUTCOME,
@@ -21,7 +22,6 @@ from gateway.edge.annotations import (
     UPSTREAM_ERROR,
     upstream_error_reason,
 )
-from gateway.edge.client_ip import client_key
 from gateway.edge.forwarding import (
     BadFraming,
     BadRequest,
@@ -49,7 +49,7 @@ from gateway.edge.upstream_client import (
 from gateway.edge.websocket import forward_upgrade, wants_upgrade
 from gateway.engine.delay_queue import ShuttingDown
 from gateway.limits.keys import RequestFacts
-from gateway.limits.routing import normalise_host, routing_path
+from gateway.limits.routing import RefusedTarget, normalise_host, origin_form, routing_path
 
 if TYPE_CHECKING:
     from gateway.edge.runtime import Runtime, UpstreamTarget
@@ -71,30 +71,6 @@ class BodyTimeout(Exception):
 
 class BodyBroken(Exception):
     """The client's body went bad while streaming (bad chunking, trailers); aiohttp said why."""
-
-
-class _Relayed:
-    """Sends the upstream's headers as they came: aiohttp would add ``Content-Type:
-    application/octet-stream`` and ``Server: Python/... aiohttp/...`` (versions) where the
-    upstream sent none, and only on the responses that take this path (large, streamed)."""
-
-    async def _prepare_headers(self) -> None:
-        headers: CIMultiDict[str] = self._headers  # type: ignore[attr-defined]
-        had_type = hdrs.CONTENT_TYPE in headers
-        had_server = hdrs.SERVER in headers
-        await super()._prepare_headers()  # type: ignore[misc]
-        if not had_type:
-            headers.popall(hdrs.CONTENT_TYPE, None)
-        if not had_server:
-            headers.popall(hdrs.SERVER, None)
-
-
-class RelayedStream(_Relayed, web.StreamResponse):
-    pass
-
-
-class RelayedResponse(_Relayed, web.Response):
-    pass
 
 
 class _Admitted:
@@ -153,7 +129,9 @@ class ProxyHandler:
                         raise
                     finally:
                         engine.leave_queue(outcome)
-                if request._message.upgrade and wants_upgrade(request, admitted.framing, runtime):
+                if request_message(request).upgrade and wants_upgrade(
+                    request, admitted.framing, runtime
+                ):
                     response = await forward_upgrade(
                         request,
                         runtime,
@@ -195,31 +173,22 @@ class ProxyHandler:
             return _answer_raw_and_close(request, version_not_supported())
         try:
             framing = check_request(request.raw_headers, version)
-        except BadFraming as exc:
+        except BadFraming as bad_framing:
             # Where this body ends is unknown: reading on for aiohttp's lingering close would
             # hold the connection for up to 10 s to no purpose.
             return await _answer_and_close(
-                request, error_response(exc.status, exc.reason, close=True)
+                request, error_response(bad_framing.status, bad_framing.reason, close=True)
             )
-        except BadRequest as exc:
-            return error_response(exc.status, exc.reason, close=True)
+        except BadRequest as bad_request:
+            return error_response(bad_request.status, bad_request.reason, close=True)
         method = request.method
         if method == "CONNECT":
             return error_response(405, "CONNECT is not supported", close=True)
-        target = request.raw_path
         host_header = request.headers.get("Host")
-        if not target.startswith("/"):
-            if target == "*" and method == "OPTIONS":
-                pass
-            elif "://" in target:
-                # absolute-form (RFC 9112 3.2.2): forward the origin-form part, and refuse an
-                # authority that disagrees with Host (two parsers would pick different ones).
-                authority, slash, rest = target.split("://", 1)[1].partition("/")
-                if "@" in authority or authority.lower() != (host_header or "").lower():
-                    return error_response(400, "request target disagrees with Host", close=True)
-                target = slash + rest if slash else "/"
-            else:
-                return error_response(400, "invalid request target", close=True)
+        try:
+            target = origin_form(request.raw_path, method, host_header)
+        except RefusedTarget as refused:
+            return error_response(400, str(refused), close=True)
 
         host = normalise_host(host_header)
         path = routing_path(target)
@@ -244,8 +213,9 @@ class ProxyHandler:
         outcome: Outcome | None = None
         engine = runtime.engine
         if engine.active:
-            facts = RequestFacts(
-                client_key(client_ip, engine.ipv6_prefix),
+            facts = RequestFacts.of(
+                client_ip,
+                engine.ipv6_prefix,
                 route.name,
                 method,
                 request.headers,
@@ -299,9 +269,9 @@ class ProxyHandler:
         framing = admitted.framing
         outcome = admitted.outcome
         limit_headers = (
-            runtime.engine.headers(outcome)
+            runtime.engine.header_block(outcome)
             if outcome is not None and outcome.verdict is not None
-            else None
+            else b""
         )
         route = admitted.route
         max_body = route.max_body_size
@@ -346,9 +316,9 @@ class ProxyHandler:
         chunked = framing.chunked
         is_head = method == "HEAD"
         try:
-            body: AsyncIterator[bytes] | bytes | None = None
+            body: RequestBody | bytes | None = None
             if framing.has_body:
-                body = _stream_body(request, max_body, body_timeout)
+                body = RequestBody(request, max_body, body_timeout)
                 if should_buffer(pool, method, framing.content_length):
                     body = await read_whole(body)
             response, server = await send(
@@ -382,15 +352,17 @@ class ProxyHandler:
             return await _answer_and_close(
                 request, error_response(400, "malformed request body", close=True)
             )
-        except UpstreamConnectError as exc:
-            request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(502, "upstream connection failed")
-        except UpstreamTimeout as exc:
-            request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(504, "upstream timed out")
-        except UpstreamError as exc:
-            request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-            return error_response(502, "upstream error")
+        # One name per handler: compiled, a name bound by several ``except`` clauses takes the
+        # first clause's type (tests/test_build.py checks every compiled module for it).
+        except UpstreamConnectError as connect_error:  # the pool logged each server's failure
+            request[UPSTREAM_ERROR] = upstream_error_reason(connect_error)
+            return error_response(502, f"upstream {upstream.name!r}: connection failed")
+        except UpstreamTimeout as timeout:
+            request[UPSTREAM_ERROR] = upstream_error_reason(timeout)
+            return error_response(504, f"upstream {upstream.name!r}: timed out")
+        except UpstreamError as upstream_error:
+            request[UPSTREAM_ERROR] = upstream_error_reason(upstream_error)
+            return error_response(502, f"upstream {upstream.name!r}: error")
 
         try:
             status = response.status
@@ -416,8 +388,8 @@ class ProxyHandler:
                 )
                 return cast(web.StreamResponse, PreparedResponse(status, head + whole, keep_alive))
             headers = CIMultiDict(response_headers(response.headers, via))
-            if limit_headers:
-                headers.extend(limit_headers)
+            if limit_headers and outcome is not None:
+                headers.extend(runtime.engine.headers(outcome))
             reason = response.reason.decode("latin-1")  # "" stays "": aiohttp keeps it
             if response.body_complete and not is_head:
                 whole = response.body_bytes()
@@ -439,6 +411,7 @@ class ProxyHandler:
                     await write(chunk)
             except UpstreamError as exc:
                 request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+                pool.failures.record(server.config.url, server.label, exc)
                 # Headers are gone already: the only honest signal left is to cut the
                 # connection, so the client sees a truncated body rather than a short one.
                 if request.transport is not None:
@@ -483,16 +456,27 @@ def _answer_raw_and_close(request: BaseRequest, data: bytes) -> web.StreamRespon
     return cast(web.StreamResponse, PreparedResponse(505, b"", False))
 
 
-async def _stream_body(
-    request: BaseRequest, max_body: int, body_timeout: float
-) -> AsyncIterator[bytes]:
-    received = 0
-    content = request.content
-    while True:
+class RequestBody:
+    """The client's request body as it arrives, for the upstream client to send on: each read
+    under the body timeout, the total under ``max_body``. (An async iterator class: mypyc
+    compiles no async generator.)"""
+
+    __slots__ = ("_content", "_max_body", "_received", "_timeout")
+
+    def __init__(self, request: BaseRequest, max_body: int, body_timeout: float) -> None:
+        self._content = request.content
+        self._max_body = max_body
+        self._timeout = body_timeout or None
+        self._received = 0
+
+    def __aiter__(self) -> RequestBody:
+        return self
+
+    async def __anext__(self) -> bytes:
         try:
             # The deadline is for each read: a slow but steady upload is fine.
-            async with asyncio.timeout(body_timeout or None):
-                chunk = await content.readany()
+            async with asyncio.timeout(self._timeout):
+                chunk = await self._content.readany()
         except ChunkTooLarge:
             raise BodyTooLarge from None
         except RequestPayloadError as exc:
@@ -500,8 +484,8 @@ async def _stream_body(
         except TimeoutError:
             raise BodyTimeout from None
         if not chunk:
-            return
-        received += len(chunk)
-        if max_body and received > max_body:
+            raise StopAsyncIteration
+        self._received += len(chunk)
+        if self._max_body and self._received > self._max_body:
             raise BodyTooLarge
-        yield chunk
+        return chunk

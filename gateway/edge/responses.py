@@ -66,7 +66,7 @@ def version_not_supported() -> bytes:
     )
 
 
-_PROBLEM_TITLES = {429: "Too Many Requests", 503: "Service Unavailable"}
+_PROBLEM_TITLES = {403: "Forbidden", 429: "Too Many Requests", 503: "Service Unavailable"}
 
 
 def rate_limited_response(

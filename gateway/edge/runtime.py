@@ -21,6 +21,7 @@ from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.routing import RouteTable
 from gateway.policy.loader import LoadedPolicy
 from gateway.policy.models import Policy, ServerSettings, Upstream
+from gateway.policy.upstream_tls import client_context
 from gateway.stores import LimitStore
 
 
@@ -77,14 +78,15 @@ class Runtime:
 
 
 def connections_factory(config: Upstream) -> Callable[[ServerAddress], UpstreamPool]:
-    """What opens one server's keep-alive connections, with the upstream's settings."""
+    """What opens one server's keep-alive connections, with the upstream's settings (for
+    https:// servers the CAs of ``ca_file`` and the certificate of ``client_cert``)."""
     ssl_context: ssl.SSLContext | None = None
 
     def connections(server: ServerAddress) -> UpstreamPool:
         nonlocal ssl_context
         secure = server.scheme == "https"
         if secure and ssl_context is None:
-            ssl_context = ssl.create_default_context()
+            ssl_context = client_context(config)
         return UpstreamPool(
             server.address,
             server.port,

@@ -12,11 +12,16 @@ import re
 from collections import deque
 from typing import Any
 
+# The modules defining the base classes of the non-native classes below: the compiled module
+# looks them up by name, so they must be imported here by name.
+import aiohttp.web_server  # noqa: F401
 from aiohttp import web
 from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
+from mypy_extensions import mypyc_attr
 
+from gateway.edge.aiohttp_private import ErrInfo, MessageQueue
 from gateway.edge.responses import SERVER
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.policy.models import ServerSettings
@@ -33,10 +38,12 @@ _HEX_RE = re.compile(rb"[0-9A-Fa-f]+")
 ABSURD_CHUNK = 1 << 60
 
 
+@mypyc_attr(native_class=False)
 class ChunkTooLarge(RequestPayloadError):
     """A chunk announced a size that takes the body past ``max_body_size``."""
 
 
+@mypyc_attr(native_class=False)
 class ChunkSizeAbsurd(RequestPayloadError):
     """A chunk announced a size no body could have (llhttp takes up to 2**64 - 1)."""
 
@@ -86,17 +93,10 @@ class ChunkSizes:
             self._skip = size + 2
 
 
-class _MessageQueue(list[Any]):
-    """aiohttp's per-connection queue of parsed requests, as a list: an empty ``deque`` is many
-    times the size of an empty list, and this queue holds one or two entries (pipelining), on
-    every connection a shaping queue holds (bench/README.md)."""
-
-    __slots__ = ()
-
-    def popleft(self) -> Any:
-        return self.pop(0)
-
-
+# Compiled, these two stay non-native classes (they derive from aiohttp's): their methods are
+# compiled, their attributes stay Python's. The private aiohttp attributes they use are named in
+# ``aiohttp_private``.
+@mypyc_attr(native_class=False)
 class GatewayProtocol(RequestHandler):
     """One client connection; arms a header deadline whenever it waits for a request."""
 
@@ -112,7 +112,7 @@ class GatewayProtocol(RequestHandler):
     def __init__(self, manager: GatewayServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         if type(self._messages) is deque and not self._messages:
-            self._messages = _MessageQueue()  # type: ignore[assignment]
+            self._messages = MessageQueue()  # type: ignore[assignment]
         self._gw_server = manager
         self._body: StreamReader | None = None
         self._awaiting_request = True
@@ -160,8 +160,8 @@ class GatewayProtocol(RequestHandler):
             self._arm_header_deadline()
         body = self._body
         if body is not None and len(self._messages) > queued and not body.is_eof():
-            message = self._messages[-1][0]
-            if isinstance(message, _ErrInfo):
+            message: Any = self._messages[-1][0]
+            if isinstance(message, ErrInfo):
                 # aiohttp queues a parse error met inside a body as a next "request" and
                 # leaves the body being read waiting forever; fail that read instead.
                 body.set_exception(RequestPayloadError(message.message))
@@ -196,8 +196,11 @@ class GatewayProtocol(RequestHandler):
         head ends at the first blank line); a head that came in pieces, or a request behind
         another, keeps only the limit on the bytes actually received.
         """
-        message, payload = self._messages[-1]
-        if isinstance(message, _ErrInfo) or not message.chunked:
+        # Untyped: under aiohttp's C parser the message is not the NamedTuple its stubs say.
+        entry: Any = self._messages[-1]
+        message: Any = entry[0]
+        payload: StreamReader = entry[1]
+        if isinstance(message, ErrInfo) or not message.chunked:
             return
         if not data.startswith(f"{message.method} {message.path} ".encode("latin-1")):
             return
@@ -251,6 +254,7 @@ class GatewayProtocol(RequestHandler):
             self.force_close()  # closes the transport too
 
 
+@mypyc_attr(native_class=False)
 class GatewayServer(web.Server):
     """``web.Server`` that builds ``GatewayProtocol`` connections."""
 

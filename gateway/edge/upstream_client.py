@@ -14,12 +14,16 @@ checks the response framing, and never reuses a connection it cannot vouch for.
 from __future__ import annotations
 
 import asyncio
+import asyncio.protocols
 import ssl as ssl_module
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import TypeVar, cast
 
 import httptools
+from mypy_extensions import mypyc_attr
+
+from gateway.exceptions import caused_by
 
 __all__ = [
     "UpstreamClosed",
@@ -150,9 +154,9 @@ class UpstreamResponse:
                 conn._abandon()
                 raise
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        while chunk := await self.read_chunk():
-            yield chunk
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body's pieces, as ``read_chunk`` gives them, to its end."""
+        return _BodyChunks(self)
 
     def release(self) -> None:
         """Done with the response: reuse its connection if it is clean, otherwise close it."""
@@ -182,6 +186,27 @@ class UpstreamResponse:
         return data
 
 
+class _BodyChunks:
+    """``UpstreamResponse.iter_chunks``: an async iterator class (mypyc compiles no async
+    generator)."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> _BodyChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._response.read_chunk()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
+# Compiled, a non-native class (it derives from asyncio's): its methods are compiled.
+@mypyc_attr(native_class=False)
 class _Connection(asyncio.Protocol):
     """One upstream connection: the parser's callback target and the request/response exchange."""
 
@@ -286,7 +311,12 @@ class _Connection(asyncio.Protocol):
             elif not self._received and self._served:
                 self._exc = _StaleConnection("the upstream closed an idle keep-alive connection")
             else:
-                self._exc = UpstreamClosed("the upstream closed the connection mid-response")
+                # Before any byte of the answer on a fresh connection, over TLS, is how an
+                # upstream that wants a client certificate refuses (TLS 1.3 says so after the
+                # handshake): "before answering" lets the log say so.
+                when = "mid-response" if self._received else "before answering"
+                self._exc = UpstreamClosed(f"the upstream closed the connection {when}")
+                self._exc.__cause__ = exc  # why, when the transport knows
         self._wake()
 
     def pause_writing(self) -> None:
@@ -695,8 +725,11 @@ class UpstreamPool:
                 f"connecting to {self._host}:{self._port} timed out"
             ) from None
         except OSError as exc:
-            raise UpstreamConnectError(
-                f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+            raise caused_by(
+                UpstreamConnectError(
+                    f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+                ),
+                exc,
             ) from exc
         return transport, protocol
 
@@ -791,8 +824,11 @@ class UpstreamPool:
             ) from None
         except OSError as exc:
             self._release_slot()
-            raise UpstreamConnectError(
-                f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+            raise caused_by(
+                UpstreamConnectError(
+                    f"cannot connect to {self._host}:{self._port}: {exc.strerror or exc}"
+                ),
+                exc,
             ) from exc
         except BaseException:
             self._release_slot()

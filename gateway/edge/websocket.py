@@ -104,9 +104,9 @@ async def forward_upgrade(
     # build_request_head drops Connection and Upgrade (hop-by-hop): this hop asks for them anew.
     head = head[:-2] + upgrade_headers
     limit_headers = (
-        runtime.engine.headers(outcome)
+        runtime.engine.header_block(outcome)
         if outcome is not None and outcome.verdict is not None
-        else None
+        else b""
     )
     connections = server.connections
     started_at = pool.started(server)
@@ -117,7 +117,7 @@ async def forward_upgrade(
             up_transport, up_side = await connections.connect_unpooled(lambda: _UpstreamSide(loop))
         except UpstreamError as exc:
             failure = exc
-            return _upstream_failed(request, exc)
+            return _upstream_failed(request, upstream, exc)
         try:
             up_transport.write(head)
             async with asyncio.timeout(connections.read_timeout_s):
@@ -127,11 +127,11 @@ async def forward_upgrade(
         except TimeoutError:
             up_transport.abort()
             failure = UpstreamTimeout("the upstream sent nothing within the read timeout")
-            return _upstream_failed(request, failure)
+            return _upstream_failed(request, upstream, failure)
         except UpstreamError as exc:
             up_transport.abort()
             failure = exc
-            return _upstream_failed(request, exc)
+            return _upstream_failed(request, upstream, exc)
         except BaseException:
             up_transport.abort()
             raise
@@ -162,7 +162,9 @@ async def forward_upgrade(
         return cast(web.StreamResponse, PreparedResponse(up_side.status, data + body, keep_alive))
     if not _switches_to(token, up_side.headers):
         up_transport.abort()
-        return _upstream_failed(request, UpstreamProtocolError("101 to another protocol"))
+        wrong = UpstreamProtocolError("101 to another protocol")
+        pool.failures.record(server.config.url, server.label, wrong)
+        return _upstream_failed(request, upstream, wrong)
 
     protocol = request.protocol
     transport = request.transport
@@ -170,8 +172,7 @@ async def forward_upgrade(
     lines = [b"HTTP/1.1 101 " + (up_side.reason or b"Switching Protocols") + b"\r\n"]
     for name, value in response_headers(up_side.headers, via):
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-    for name, value in limit_headers or ():
-        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(limit_headers)
     lines.append(upgrade_headers)
     transport.write(b"".join(lines))
 
@@ -201,13 +202,17 @@ async def forward_upgrade(
     return cast(web.StreamResponse, PreparedResponse(101, b"", False))
 
 
-def _upstream_failed(request: BaseRequest, exc: UpstreamError) -> web.StreamResponse:
+def _upstream_failed(
+    request: BaseRequest, upstream: UpstreamTarget, exc: UpstreamError
+) -> web.StreamResponse:
+    """The answer to a handshake no server took (the pool logged why)."""
     request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+    name = upstream.name
     if isinstance(exc, UpstreamTimeout):
-        return error_response(504, "upstream timed out")
+        return error_response(504, f"upstream {name!r}: timed out")
     if isinstance(exc, UpstreamProtocolError | UpstreamClosed):
-        return error_response(502, "upstream error")
-    return error_response(502, "upstream connection failed")
+        return error_response(502, f"upstream {name!r}: error")
+    return error_response(502, f"upstream {name!r}: connection failed")
 
 
 def _switches_to(token: bytes, headers: list[tuple[bytes, bytes]]) -> bool:

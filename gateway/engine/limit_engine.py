@@ -23,18 +23,17 @@ from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.routing import CompiledMatch, compile_match
 from gateway.policy.models import (
+    CUSTOM_PLAN,
+    UNLISTED_PLAN,
     Access,
-    ConcurrencyLimit,
-    LeakyBucketLimit,
-    Limit,
     LimitMatch,
     Policy,
     RateLimitHeaders,
     Route,
-    WindowLimit,
 )
-from gateway.policy.overrides import compile_tiering
+from gateway.policy.overrides import UnlistedKey, compile_tiering
 from gateway.stores import LimitStore, StoreUnavailableError
+from gateway.stores.protocol import DecidesNow
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 _ADVERTISED_MAX = 1024
@@ -71,8 +70,10 @@ class LimitLook:
     key: str | None = None
     decision: Decision | None = None
     unavailable: str | None = None
-    # The limit's ``exempt`` / ``exempt_headers`` let this request through.
+    # The limit's ``exempt`` / ``exempt_headers`` / ``exempt_listed`` let this request through.
     exempt: bool = False
+    # ``unlisted: reject`` refuses this request's key.
+    refused: str | None = None
     # What this request would take from the quota (``cost``).
     cost: int = 1
 
@@ -85,16 +86,6 @@ class Explanation:
     outcome: Outcome
     access: str | None
     limits: tuple[LimitLook, ...]
-
-
-def _window_s(spec: Limit) -> float:
-    """The window advertised in ``RateLimit-Policy`` (``w``): how long the quota takes to refill."""
-    if isinstance(spec, WindowLimit):
-        return float(spec.window)
-    if isinstance(spec, ConcurrencyLimit):
-        return 0.0  # slots are given back, not refilled: no quota is advertised for them
-    quota = spec.burst + 1 if isinstance(spec, LeakyBucketLimit) else spec.burst
-    return quota / spec.rate.per_second
 
 
 def _compile_limit_match(match: LimitMatch) -> CompiledMatch | None:
@@ -139,43 +130,44 @@ class LimitEngine:
         previous: LimitEngine | None = None,
     ) -> None:
         self.store = store
-        # The in-process store decides without waiting: called directly, no coroutine per request.
-        self._decide_now: Callable[[Sequence[Check]], CombinedDecision] | None = getattr(
-            store, "decide_now", None
-        )
-        # The proxy calls ``evaluate_now`` then, not ``evaluate``.
-        self.decides_now = self._decide_now is not None
-        # A store that decides some requests without a wait (leased limits) and the others
-        # by a call: tried first on ``evaluate``'s path.
-        self._try_decide_now: Callable[[Sequence[Check]], CombinedDecision | None] | None = getattr(
-            store, "try_decide_now", None
-        )
+        # A store that decides every request without waiting (in process, shared) is called
+        # directly, no coroutine per request: the proxy calls ``evaluate_now`` then.
+        self._immediate: DecidesNow | None = store if isinstance(store, DecidesNow) else None
+        self.decides_now = self._immediate is not None
         self.headers_config: RateLimitHeaders = policy.headers
         # (limit name, advertised quota) -> the limit's RateLimit-Policy item, the start of its
-        # RateLimit item, and its window in whole seconds: the same on every response.
-        self._advertised: dict[tuple[str, int], tuple[str, str, int]] = {}
+        # RateLimit item (encoded), and its window in whole seconds: the same on every response.
+        self._advertised: dict[tuple[str, int], tuple[bytes, bytes, int]] = {}
         access: Access = policy.access
         self.allow = Networks(access.allow)
         self.deny = Networks(access.deny)
         # Whether either access list has entries: one attribute read on the request path.
         self._screens = bool(self.allow) or bool(self.deny)
         old = {limit.name: limit for limit in previous.limits} if previous else {}
-        limits = []
+        limits: dict[str, CompiledLimit] = {}
+
+        def plan_part(name: str) -> Callable[[RequestFacts], str | None]:
+            # Looked up per request: the limit named may come later in the file.
+            return lambda facts: _plan_of(limits[name], facts)
+
         for name, spec in policy.limits.items():
             kept = old.get(name)
-            limit = CompiledLimit(
+            limits[name] = CompiledLimit(
                 name=name,
                 spec=spec,
                 algorithm=build_algorithm(spec),
-                keys=KeyBuilder(spec.key, spec.on_missing_key),
+                keys=KeyBuilder(spec.key, spec.on_missing_key, plan_part),
                 match=_compile_limit_match(spec.match),
                 routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
-                window_s=_window_s(spec),
+                window_s=spec.window_s,
                 counters=kept.counters if kept is not None else LimitCounters(),
             )
-            limit.tiering = compile_tiering(limit, build_algorithm)
-            limits.append(limit)
-        self.limits: tuple[CompiledLimit, ...] = tuple(limits)
+        for limit in limits.values():
+            listed_in = limit.spec.exempt_listed
+            limit.tiering = compile_tiering(
+                limit, build_algorithm, _listed_in(limits[listed_in]) if listed_in else None
+            )
+        self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
         self.queue = DelayQueue()
         self.ipv6_prefix = policy.ipv6_prefix
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.
@@ -198,10 +190,18 @@ class LimitEngine:
             cost = 1
             tiering = limit.tiering
             if tiering is not None:
-                resolved = tiering.resolve(limit, key, facts)
+                try:
+                    resolved = tiering.resolve(limit, key, facts)
+                except UnlistedKey:
+                    if limit.spec.dry_run:
+                        if reserve:  # counted only when the request is decided for real
+                            limit.counters.dry_run_rejected += 1
+                        continue
+                    _release(enforced)
+                    raise UnlistedKey(limit) from None
                 if resolved is None:
                     continue  # exempt from this limit
-                limit, cost = resolved
+                limit, key, cost = resolved
             spec = limit.spec
             if spec.dry_run:
                 dry.append(Check(limit, key, cost=cost))
@@ -233,7 +233,10 @@ class LimitEngine:
             screened = self._screen(client_ip)
             if screened is not None:
                 return screened
-        enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
+        try:
+            enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
+        except UnlistedKey as refused:
+            return _refuse_unlisted(refused.limit, commit)
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
@@ -253,8 +256,8 @@ class LimitEngine:
                 if would_reject:
                     outcome.would_reject = would_reject
             else:
-                at_hand = self._try_decide_now
-                verdict = at_hand(enforced) if at_hand is not None else None
+                # Some requests are decided without a wait (a leased limit's unit at hand).
+                verdict = self.store.try_decide_now(enforced)
                 if verdict is not None:
                     outcome = self._settle(enforced, verdict, True)
                 else:
@@ -270,13 +273,17 @@ class LimitEngine:
         """``evaluate`` where the store decides without waiting (``decides_now``: in process,
         or the shared store): no coroutine per request, and nothing between the checks' places
         and the verdict."""
-        decide_now = self._decide_now
-        assert decide_now is not None
+        store = self._immediate
+        assert store is not None
+        decide_now = store.decide_now
         if self._screens:
             screened = self._screen(client_ip)
             if screened is not None:
                 return screened
-        enforced, dry = self.checks_for(facts, route, host, path)
+        try:
+            enforced, dry = self.checks_for(facts, route, host, path)
+        except UnlistedKey as refused:
+            return _refuse_unlisted(refused.limit, True)
         try:
             would_reject: list[Check] = []
             if dry:
@@ -321,11 +328,16 @@ class LimitEngine:
                 continue
             cost = 1
             if limit.tiering is not None:
-                resolved = limit.tiering.resolve(limit, key, facts)
+                try:
+                    resolved = limit.tiering.resolve(limit, key, facts)
+                except UnlistedKey:
+                    refused = _refuse_unlisted(limit, False).reason
+                    looks.append(LimitLook(limit, applies=True, key=key, refused=refused))
+                    continue
                 if resolved is None:
                     looks.append(LimitLook(limit, applies=True, key=key, exempt=True))
                     continue
-                limit, cost = resolved
+                limit, key, cost = resolved
             try:
                 verdict = await self.store.decide((Check(limit, key, cost=cost),), commit=False)
             except StoreUnavailableError as exc:  # on_failure: deny, and the store is down
@@ -434,37 +446,53 @@ class LimitEngine:
         return would_reject
 
     def headers(self, outcome: Outcome) -> list[tuple[str, str]]:
-        """The rate-limit response headers for an outcome.
+        """``header_block`` as (name, value) pairs, for aiohttp's response objects (refusals,
+        streamed answers)."""
+        pairs: list[tuple[str, str]] = []
+        for line in self.header_block(outcome).decode("latin-1").split("\r\n"):
+            if line:
+                name, _, value = line.partition(": ")
+                pairs.append((name, value))
+        return pairs
 
-        Built on demand, not with the outcome: a request waiting in the queue should not hold
-        its header strings while it waits.
+    def header_block(self, outcome: Outcome) -> bytes:
+        """The rate-limit response headers for an outcome, as whole header lines (CRLF each):
+        what a response copies into its head as it is.
+
+        Each limit's ``RateLimit-Policy`` item and the start of its ``RateLimit`` item are
+        encoded once per limit and quota; a request formats only its own numbers. Built on
+        demand, not with the outcome: a request waiting in the queue should not hold its
+        header bytes while it waits.
         """
-        if outcome.verdict is None:
-            return []
+        verdict = outcome.verdict
+        if verdict is None:
+            return b""
         checks = outcome.checks
-        decisions = outcome.verdict.decisions
+        decisions = verdict.decisions
         retry_after_s = outcome.retry_after_s if outcome.status else 0.0
         config = self.headers_config
-        headers: list[tuple[str, str]] = []
+        lines: list[bytes] = []
         if retry_after_s > 0.0 and config.retry_after:
-            headers.append(("Retry-After", str(max(1, math.ceil(retry_after_s)))))
+            lines.append(b"Retry-After: %d\r\n" % max(1, math.ceil(retry_after_s)))
         if not (config.ietf or config.x_ratelimit):
-            return headers
-        rejecting = outcome.verdict.rejected_by if outcome.status else ()
+            return b"".join(lines)
+        rejecting = verdict.rejected_by if outcome.status else ()
         advertised = self._advertised
-        policy_items: list[str] = []
-        state_items: list[str] = []
+        policy_items: list[bytes] = []
+        state_items: list[bytes] = []
         resets: list[int] = []
-        for index, (check, decision) in enumerate(zip(checks, decisions, strict=True)):
-            name = check.limit.name
-            parts = advertised.get((name, decision.limit))
+        for index, check in enumerate(checks):
+            decision = decisions[index]
+            limit = check.limit
+            parts = advertised.get((limit.name, decision.limit))
             if parts is None:
                 if len(advertised) >= _ADVERTISED_MAX:  # quotas that vary per key: stay bounded
                     advertised.clear()
-                window = max(1, math.ceil(check.limit.window_s))
-                parts = advertised[name, decision.limit] = (
-                    f'"{name}";q={decision.limit};w={window}',
-                    f'"{name}";r=',
+                window = max(1, math.ceil(limit.window_s))
+                name = limit.name.encode("latin-1")
+                parts = advertised[limit.name, decision.limit] = (
+                    b'"%s";q=%d;w=%d' % (name, decision.limit, window),
+                    b'"%s";r=' % name,
                     window,
                 )
             policy_item, state_start, window = parts
@@ -475,16 +503,53 @@ class LimitEngine:
             resets.append(reset)
             policy_items.append(policy_item)
             remaining = decision.remaining
-            state_items.append(f"{state_start}{remaining if remaining > 0 else 0};t={reset}")
+            state_items.append(
+                b"%s%d;t=%d" % (state_start, remaining if remaining > 0 else 0, reset)
+            )
         if config.ietf:
-            headers.append(("RateLimit-Policy", ", ".join(policy_items)))
-            headers.append(("RateLimit", ", ".join(state_items)))
+            lines.append(b"RateLimit-Policy: " + b", ".join(policy_items) + b"\r\n")
+            lines.append(b"RateLimit: " + b", ".join(state_items) + b"\r\n")
         if config.x_ratelimit:
-            tightest = min(range(len(decisions)), key=lambda index: decisions[index].remaining)
-            headers.append(("X-RateLimit-Limit", str(decisions[tightest].limit)))
-            headers.append(("X-RateLimit-Remaining", str(max(0, decisions[tightest].remaining))))
-            headers.append(("X-RateLimit-Reset", str(resets[tightest])))
-        return headers
+            tightest = 0
+            for index in range(1, len(decisions)):
+                if decisions[index].remaining < decisions[tightest].remaining:
+                    tightest = index
+            decision = decisions[tightest]
+            lines.append(
+                b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n"
+                % (decision.limit, max(0, decision.remaining), resets[tightest])
+            )
+        return b"".join(lines)
+
+
+def _plan_of(limit: CompiledLimit, facts: RequestFacts) -> str:
+    """The plan ``limit``'s overrides give a request's key (``plan:LIMIT``): the plan's name,
+    ``custom`` for a key with numbers of its own, ``unlisted`` for any other key or none."""
+    key = limit.keys.build(facts)
+    tiering = limit.tiering
+    if key is None or tiering is None or tiering.overrides is None:
+        return UNLISTED_PLAN
+    variant = tiering.overrides.resolve(key)
+    if variant is None:
+        return UNLISTED_PLAN
+    tier = variant.table.partition("~")[2]
+    return CUSTOM_PLAN if tier.startswith("=") else tier
+
+
+def _listed_in(other: CompiledLimit) -> Callable[[RequestFacts], bool]:
+    """Whether ``other``'s overrides list a request's key (``exempt_listed``)."""
+    return lambda facts: _plan_of(other, facts) != UNLISTED_PLAN
+
+
+def _refuse_unlisted(limit: CompiledLimit, commit: bool) -> Outcome:
+    """A key ``unlisted: reject`` refuses: 403 naming the limit, counted as its rejection."""
+    if commit:
+        limit.counters.rejected += 1
+    return Outcome(
+        status=403,
+        rejected_by=limit.name,
+        reason=f"the key is not listed by limit {limit.name!r} (unlisted: reject)",
+    )
 
 
 def _reset_header(decision: Decision, window_s: int, rejecting: bool) -> int:

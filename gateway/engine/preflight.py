@@ -26,7 +26,7 @@ def algorithm_problems(policy: Policy) -> list[tuple[Loc, str]]:
     for name, limit in policy.limits.items():
         try:
             build_algorithm(limit)
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:  # TypeError: a value of the wrong type
             problems.append((("limits", name), str(exc)))
     return problems
 

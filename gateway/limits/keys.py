@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDictProxy, MultiMapping
 
+from gateway.limits.addresses import client_key
+from gateway.policy.overrides import UNLISTED_KEY
+
 
 @dataclass(slots=True)
 class RequestFacts:
@@ -19,6 +22,20 @@ class RequestFacts:
     headers: CIMultiDictProxy[str]
     query: Callable[[], MultiMapping[str]]
 
+    @classmethod
+    def of(
+        cls,
+        client_ip: str,
+        ipv6_prefix: int,
+        route: str,
+        method: str,
+        headers: CIMultiDictProxy[str],
+        query: Callable[[], MultiMapping[str]],
+    ) -> RequestFacts:
+        """A request's facts, as the proxy, ``/explain`` and ``gateway replay`` all make them:
+        ``query`` is called only if a key reads the query string."""
+        return cls(client_key(client_ip, ipv6_prefix), route, method, headers, query)
+
 
 Part = Callable[[RequestFacts], str | None]
 
@@ -29,6 +46,7 @@ Part = Callable[[RequestFacts], str | None]
 # fallback bucket of another client's IP.
 SEP = "\x1f"
 TAG = "\x1e"
+assert UNLISTED_KEY.startswith(TAG)  # unlisted: shared's one key is a stand-in too
 
 
 def _client_value(value: str | None) -> str | None:
@@ -66,7 +84,7 @@ _FIXED: Mapping[str, Part] = {
 }
 
 
-def _part(spec: str) -> Part:
+def _part(spec: str, plan_of: Callable[[str], Part] | None) -> Part:
     if spec in _FIXED:
         return _FIXED[spec]
     kind, _, arg = spec.partition(":")
@@ -76,17 +94,26 @@ def _part(spec: str) -> Part:
         return _query(arg)
     if kind == "const":
         return _const(arg)
+    if kind == "plan" and plan_of is not None:
+        return plan_of(arg)
     raise ValueError(f"unknown key part {spec!r}")
 
 
 class KeyBuilder:
-    """Joins a limit's key parts; ``None`` means the limit does not apply (missing part, skip)."""
+    """Joins a limit's key parts; ``None`` means the limit does not apply (missing part, skip).
+
+    ``plan_of``: the part ``plan:LIMIT`` reads, given LIMIT (the engine knows the limits)."""
 
     __slots__ = ("_fallback_to_ip", "_parts", "_single_client_ip", "spec")
 
-    def __init__(self, spec: tuple[str, ...], on_missing_key: str = "skip") -> None:
+    def __init__(
+        self,
+        spec: tuple[str, ...],
+        on_missing_key: str = "skip",
+        plan_of: Callable[[str], Part] | None = None,
+    ) -> None:
         self.spec = spec
-        self._parts = tuple(_part(p) for p in spec)
+        self._parts = tuple(_part(p, plan_of) for p in spec)
         self._fallback_to_ip = on_missing_key == "client_ip"
         self._single_client_ip = spec == ("client_ip",)
 
@@ -108,7 +135,7 @@ def shown_key(spec: tuple[str, ...], key: str, plain: bool = False) -> str:
     """A key as the dashboard shows it: ``header:`` and ``query:`` parts (API keys, tokens)
     as ``sha256:`` and 12 hex digits of their hash, unless the limit opts in to plain values.
     The hash of a known value can be computed to find it; a client-IP stand-in stays as is."""
-    if plain or not any(p.startswith(("header:", "query:")) for p in spec):
+    if plain or key == UNLISTED_KEY or not any(p.startswith(("header:", "query:")) for p in spec):
         return key
     values = key.split(SEP) if len(spec) > 1 else [key]
     shown = []

@@ -57,6 +57,28 @@ def compile_match(match: RouteMatch) -> CompiledMatch:
     )
 
 
+class RefusedTarget(ValueError):
+    """A request target the gateway answers with 400 before routing it."""
+
+
+def origin_form(target: str, method: str, host_header: str | None) -> str:
+    """The target as routes match it and the upstream gets it (after its base path), for the
+    proxy and ``gateway replay`` alike: an origin-form target as is, ``*`` for ``OPTIONS``,
+    and the origin-form part of an absolute-form one (RFC 9112 3.2.2) whose authority is the
+    Host header's; ``RefusedTarget`` otherwise (an authority that disagrees with Host would
+    let two parsers pick different hosts)."""
+    if target.startswith("/"):
+        return target
+    if target == "*" and method == "OPTIONS":
+        return target
+    if "://" in target:
+        authority, slash, rest = target.split("://", 1)[1].partition("/")
+        if "@" in authority or authority.lower() != (host_header or "").lower():
+            raise RefusedTarget("request target disagrees with Host")
+        return slash + rest if slash else "/"
+    raise RefusedTarget("invalid request target")
+
+
 def routing_path(raw_path: str) -> str:
     """The path routes and limits match on: percent-decoded, dot segments resolved.
 

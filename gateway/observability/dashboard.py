@@ -1,15 +1,18 @@
-"""Admin routes: ``/metrics`` for Prometheus, ``/dashboard`` (a static page and its vendored chart
+"""Admin routes: ``/metrics`` for Prometheus, ``/status`` (upstream failures, store, policy),
+``/dashboard`` (a static page and its vendored chart
 library) and its live feed ``/dashboard/events`` (server-sent events: the last 15 minutes at
 once, then a point a second)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from gateway.observability.observer import Observability, dashboard_state
+from gateway.clock import rfc3339
+from gateway.observability.observer import Observability, dashboard_state, upstreams_state
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static" / "dashboard"
 
@@ -33,8 +36,21 @@ async def _dashboard_redirect(request: web.Request) -> web.StreamResponse:
     raise web.HTTPFound("/dashboard/")
 
 
-async def _dashboard_page(request: web.Request) -> web.FileResponse:
-    return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+# Where the page carries its first data, so it is drawn at load (a `chromium --screenshot` of
+# it shows the figures), before the event stream's first message.
+INITIAL_DATA = '<script id="initial-data" type="application/json">null</script>'
+
+
+async def _dashboard_page(request: web.Request) -> web.Response:
+    page = (STATIC_DIR / "index.html").read_text(encoding="utf-8")
+    data = json.dumps(_observability(request).initial_data(), separators=(",", ":"))
+    # Inside <script>, "</" could end the element: JSON allows "<\/" for it.
+    embedded = INITIAL_DATA.replace("null", data.replace("</", "<\\/"))
+    return web.Response(
+        text=page.replace(INITIAL_DATA, embedded),
+        content_type="text/html",
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
 async def _state(request: web.Request) -> web.Response:
@@ -47,6 +63,25 @@ async def _state(request: web.Request) -> web.Response:
             "state": dashboard_state(snapshot),
             "history": list(obs.timeline.points),
             "worker": obs.worker_id,
+        }
+    )
+
+
+async def _status(request: web.Request) -> web.Response:
+    """The whole gateway's health beyond readiness: each upstream's recent failures (over all
+    workers), the store's state, the policy in force and its last reload."""
+    obs = _observability(request)
+    snapshot = obs.gateway_snapshot()
+    reload = snapshot.reload
+    return web.json_response(
+        {
+            "at": snapshot.at,
+            "at_rfc3339": rfc3339(snapshot.at),
+            "workers": snapshot.workers,
+            "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
+            "reload": reload.shown() if reload is not None else None,
+            "store": {"name": snapshot.store_name, "state": snapshot.store.state},
+            "upstreams": upstreams_state(snapshot),
         }
     )
 
@@ -78,6 +113,7 @@ def install(app: web.Application, obs: Observability) -> None:
     app[OBSERVABILITY] = obs
     obs.run_with(app)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/status", _status)
     app.router.add_get("/dashboard", _dashboard_redirect)
     app.router.add_get("/dashboard/", _dashboard_page)
     app.router.add_get("/dashboard/state", _state)

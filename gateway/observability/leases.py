@@ -4,10 +4,11 @@ dashboard: read from the store when it leases, summed over workers, exported per
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict
+
+from gateway.stores.protocol import LeasingStore
 
 
 class LeaseData(BaseModel):
@@ -29,24 +30,6 @@ class LeaseData(BaseModel):
         summed = {name: getattr(self, name) + getattr(other, name) for name in fields}
         summed["last_size"] = max(self.last_size, other.last_size)
         return LeaseData(**summed)
-
-
-class LeaseFigures(Protocol):
-    granted: int
-    units_granted: int
-    returned: int
-    units_returned: int
-    expired: int
-    last_size: int
-    calls: int
-    decided: int
-
-
-@runtime_checkable
-class LeasingStore(Protocol):
-    """A store that leases some limits (the Redis store)."""
-
-    def lease_counters(self, limit_name: str) -> LeaseFigures | None: ...
 
 
 def lease_data(store: object, limit_name: str) -> LeaseData | None:

@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
+from gateway.clock import rfc3339
 from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
 from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
@@ -205,13 +206,16 @@ class Observability:
                 queue.get_nowait()
             queue.put_nowait(None)
 
-    def initial_message(self) -> bytes:
+    def initial_data(self) -> dict[str, Any]:
+        """The history and the state now: what a page draws first (in the page itself, and
+        in its event stream's first message)."""
         # Added up afresh, not the last tick's sum: a page that reconnects to another worker
         # must not see its totals go back.
         snapshot = self.gateway_snapshot()
-        return sse_message(
-            "init", {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
-        )
+        return {"history": list(self.timeline.points), "state": dashboard_state(snapshot)}
+
+    def initial_message(self) -> bytes:
+        return sse_message("init", self.initial_data())
 
 
 def sse_message(event: str, data: object) -> bytes:
@@ -254,7 +258,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
         "workers": snapshot.workers,
         "worker_ids": list(snapshot.worker_ids),
         "policy": {"sha256": list(snapshot.policy_sha256), "source": snapshot.policy_source},
-        "reload": reload.model_dump() if reload is not None else None,
+        "reload": reload.shown() if reload is not None else None,
         "store": {
             "name": snapshot.store_name,
             "state": snapshot.store.state,
@@ -263,7 +267,9 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             "errors": snapshot.store.errors,
         },
         "requests": sum(n for *_, n in snapshot.requests),
-        "upstreams": upstream_servers(snapshot),
+        "rejected": snapshot.limited_requests,
+        "delayed": snapshot.delayed_requests,
+        "upstreams": upstreams_state(snapshot),
         "limits": {
             name: {
                 "algorithm": limit.algorithm,
@@ -277,4 +283,23 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             }
             for name, limit in snapshot.limits.items()
         },
+    }
+
+
+def upstreams_state(snapshot: GatewaySnapshot) -> dict[str, dict[str, Any]]:
+    """Each upstream for the dashboard and ``/status``: its servers (state, in flight, counts),
+    its failures by cause and the latest (times in RFC 3339 too)."""
+    servers = upstream_servers(snapshot)
+    return {
+        name: {
+            "url": upstream.url,
+            "failures_total": sum(upstream.failures.values()),
+            "failures": upstream.failures,
+            "recent": [
+                {**failure.model_dump(), "at_rfc3339": rfc3339(failure.at)}
+                for failure in upstream.recent
+            ],
+            "servers": servers.get(name, []),
+        }
+        for name, upstream in snapshot.upstreams.items()
     }

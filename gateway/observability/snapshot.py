@@ -206,6 +206,35 @@ class HitterData(_Model):
     key: str
     count: int
     error: int
+    tier: str = ""  # the plan it was decided under ("" the limit's own numbers)
+
+
+class FailureData(_Model):
+    """One failed exchange with an upstream's server (``edge.upstream_failures.Failure``)."""
+
+    at: float
+    server: str
+    address: str
+    cause: str
+    detail: str
+
+
+class UpstreamData(_Model):
+    """An upstream's failures since its settings last changed: counts by cause, the latest."""
+
+    url: str  # its url, or its servers' URLs
+    failures: dict[str, int] = {}
+    recent: tuple[FailureData, ...] = ()  # newest first
+
+    def plus(self, other: UpstreamData) -> UpstreamData:
+        failures = Counter(self.failures)
+        failures.update(other.failures)
+        recent = sorted((*self.recent, *other.recent), key=lambda f: -f.at)[:RECENT_FAILURES]
+        return self.model_copy(update={"failures": dict(failures), "recent": tuple(recent)})
+
+
+# The recent failures kept per upstream (each worker keeps as many: the sum shows the newest).
+RECENT_FAILURES = 10
 
 
 class WorkerSnapshot(_Model):
@@ -218,6 +247,8 @@ class WorkerSnapshot(_Model):
     policy_loaded_at: float = 0.0  # when the running policy was built (start-up or reload)
     # (route, method, status class, count)
     requests: tuple[tuple[str, str, int, int], ...] = ()
+    limited_requests: int = 0  # refused by a limit
+    delayed_requests: int = 0  # delayed by a limit
     durations: dict[str, HistogramData] = {}
     # (route, reason, count)
     upstream_errors: tuple[tuple[str, str, int], ...] = ()
@@ -232,6 +263,7 @@ class WorkerSnapshot(_Model):
     connections_open: int = 0  # gauge
     connections_refused: int = 0
     header_timeouts: int = 0
+    upstreams: dict[str, UpstreamData] = {}
     servers: tuple[ServerData, ...] = ()
     # (upstream, reason, count): requests sent on to another server of the pool
     retries: tuple[tuple[str, str, int], ...] = ()
@@ -284,6 +316,8 @@ class WorkerSnapshot(_Model):
                 "websockets": self.websockets.plus(base.websockets, gauge=False),
                 "connections_refused": self.connections_refused + base.connections_refused,
                 "header_timeouts": self.header_timeouts + base.header_timeouts,
+                "limited_requests": self.limited_requests + base.limited_requests,
+                "delayed_requests": self.delayed_requests + base.delayed_requests,
             }
         )
 
@@ -311,6 +345,8 @@ class GatewaySnapshot(_Model):
     durations: dict[str, HistogramData]
     upstream_errors: tuple[tuple[str, str, int], ...]
     local_responses: tuple[tuple[str, int, int], ...] = ()
+    limited_requests: int = 0
+    delayed_requests: int = 0
     limits: dict[str, LimitData]
     top_keys: dict[str, tuple[HitterData, ...]]
     store_name: str
@@ -323,6 +359,7 @@ class GatewaySnapshot(_Model):
     header_timeouts: int
     websockets: UpgradeData = UpgradeData()
     processes: tuple[ProcessData, ...] = ()  # of live workers
+    upstreams: dict[str, UpstreamData] = {}  # those of the newest policy
     # every server's counters (summed) and inflight (live workers'), state of the newest worker
     servers: tuple[ServerData, ...] = ()
     # (upstream, server, state, live workers that see it so)
@@ -351,6 +388,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
     limits: dict[str, LimitData] = {}
     hitters: dict[str, Counter[str]] = {}
     hitter_errors: dict[str, Counter[str]] = {}
+    hitter_tiers: dict[str, dict[str, str]] = {}
     store = StoreData(name=newest.store.name)
     servers: dict[tuple[str, str], ServerData] = {}
     server_states: Counter[tuple[str, str, str]] = Counter()
@@ -395,21 +433,31 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                 continue
             counts = hitters.setdefault(name, Counter())
             errs = hitter_errors.setdefault(name, Counter())
+            tiers = hitter_tiers.setdefault(name, {})
             for hitter in top:
                 counts[hitter.key] += hitter.count
                 errs[hitter.key] += hitter.error
+                tiers[hitter.key] = hitter.tier
         if snap.store.name == store.name:
             store = store.plus(snap.store)
     # Limits a reload removed linger in older snapshots: show those the newest policy has.
     limits = {name: limits[name] for name in newest.limits if name in limits}
     top_keys = {
         name: tuple(
-            HitterData(key=key, count=count, error=hitter_errors[name][key])
+            HitterData(
+                key=key, count=count, error=hitter_errors[name][key], tier=hitter_tiers[name][key]
+            )
             for key, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:20]
         )
         for name, counts in hitters.items()
         if name in limits
     }
+    upstreams: dict[str, UpstreamData] = {}
+    for snap in snapshots:
+        for name, upstream in snap.upstreams.items():
+            if name in newest.upstreams and upstream.url == newest.upstreams[name].url:
+                old_upstream = upstreams.get(name)
+                upstreams[name] = old_upstream.plus(upstream) if old_upstream else upstream
     states = Counter(s.store.state for s in live)
     reloads = [s.reload for s in live if s.reload is not None]
     return GatewaySnapshot(
@@ -423,6 +471,8 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         durations=durations,
         upstream_errors=tuple((r, x, n) for (r, x), n in sorted(errors.items())),
         local_responses=tuple((r, c, n) for (r, c), n in sorted(local.items())),
+        limited_requests=sum(s.limited_requests for s in snapshots),
+        delayed_requests=sum(s.delayed_requests for s in snapshots),
         limits=limits,
         top_keys=top_keys,
         store_name=store.name,
@@ -438,6 +488,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             for s in sorted(live, key=lambda s: s.worker)
             if s.process
         ),
+        upstreams={name: upstreams[name] for name in newest.upstreams if name in upstreams},
         servers=tuple(
             server if server.key in current else server.model_copy(update={"state": ""})
             for _, server in sorted(servers.items())

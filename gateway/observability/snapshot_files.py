@@ -34,9 +34,18 @@ def default_shared_dir(reuse_port: bool) -> Path | None:
         return Path(configured)
     if not reuse_port:
         return None
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    _remove_dirs_of_gone_supervisors(base)
-    return base / f"{DIR_PREFIX}{os.getppid()}"
+    _remove_dirs_of_gone_supervisors(_base())
+    return supervisor_dir(os.getppid())
+
+
+def supervisor_dir(supervisor_pid: int) -> Path:
+    """The directory the workers of the supervisor ``supervisor_pid`` share (when
+    ``$GATEWAY_METRICS_DIR`` names none); the supervisor removes it when it stops."""
+    return _base() / f"{DIR_PREFIX}{supervisor_pid}"
+
+
+def _base() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 def _remove_dirs_of_gone_supervisors(base: Path) -> None:

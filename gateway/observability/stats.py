@@ -10,11 +10,12 @@ from typing import Final
 
 from gateway.histogram import Histogram
 
+# (Typed in full: mypyc 2.4 leaves a ``Final`` tuple of floats with an inferred type unset.)
 # Upper bounds (seconds, Prometheus ``le``) of the histogram buckets; +Inf is implied.
-REQUEST_DURATION_BUCKETS: Final = (
+REQUEST_DURATION_BUCKETS: Final[tuple[float, ...]] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
-QUEUE_WAIT_BUCKETS: Final = (
+QUEUE_WAIT_BUCKETS: Final[tuple[float, ...]] = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 
@@ -30,9 +31,13 @@ UNMATCHED_ROUTE: Final = "_unmatched"
 class RequestStats:
     """Requests by (route, method, status class), durations by route, upstream errors."""
 
-    __slots__ = ("durations", "local", "requests", "upstream_errors")
+    __slots__ = ("delayed", "durations", "limited", "local", "requests", "upstream_errors")
 
     def __init__(self) -> None:
+        # Requests a limit refused, and requests a limit delayed (each once, however many
+        # limits took part).
+        self.limited = 0
+        self.delayed = 0
         # (route, method, status // 100) -> count
         self.requests: dict[tuple[str, str, int], int] = {}
         self.durations: dict[str, Histogram] = {}

@@ -74,10 +74,15 @@ class Timeline:
             }
         requests_now = sum(n for *_, n in snapshot.requests)
         requests_before = sum(n for *_, n in previous.requests)
+        limited = max(0, snapshot.limited_requests - previous.limited_requests)
+        delayed = max(0, snapshot.delayed_requests - previous.delayed_requests)
         point = {
             "t": round(snapshot.at, 3),
             "dt": round(elapsed, 3),  # the rates are over the ``dt`` seconds before ``t``
             "requests": round(max(0, requests_now - requests_before) / elapsed, 3),
+            # Requests refused, and delayed, by the limits (each once, however many limits).
+            "rejected": round(limited / elapsed, 3),
+            "delayed": round(delayed / elapsed, 3),
             "limits": limits,
         }
         self.points.append(point)

@@ -34,15 +34,18 @@ from gateway.limits.compiled import Check, DecisionCounts
 from gateway.limits.keys import shown_key
 from gateway.log_setup import JSON_LINE, json_line
 from gateway.observability.leases import lease_data
+from gateway.observability.limit_log import LimitLog
 from gateway.observability.process import read_process
 from gateway.observability.sketch import RecentTopKeys
 from gateway.observability.snapshot import (
+    FailureData,
     HistogramData,
     HitterData,
     LimitData,
     ServerData,
     StoreData,
     UpgradeData,
+    UpstreamData,
     WorkerSnapshot,
 )
 from gateway.observability.stats import (
@@ -51,6 +54,7 @@ from gateway.observability.stats import (
     QueueWaits,
     RequestStats,
 )
+from gateway.policy.overrides import UNLISTED_KEY
 from gateway.stores.store_stats import StoreStats
 
 if TYPE_CHECKING:
@@ -66,6 +70,20 @@ JSON_EXTRA: Final = {JSON_LINE: True}
 TOP_KEYS_CAPACITY = 64
 TOP_KEYS_SHOWN = 20
 TOP_KEYS_PERIOD_S = 60.0
+
+
+# Between a key and its tier in the top-keys sketch (a key shown never holds it).
+TIER_SEP: Final = "\x1d"
+
+
+def tier_of(check: Check) -> str:
+    """The tier a check was decided under: a plan's name, ``custom`` for a key with numbers
+    of its own, ``unlisted`` for the key ``unlisted: shared`` gives the others, or "" (the
+    limit's own numbers)."""
+    if check.key == UNLISTED_KEY:
+        return "unlisted"
+    tier = check.limit.table.partition("~")[2]
+    return "custom" if tier.startswith("=") else tier
 
 
 class _RunningTotals:
@@ -191,7 +209,8 @@ class WorkerMetrics:
                     TOP_KEYS_CAPACITY, TOP_KEYS_PERIOD_S
                 )
             spec = check.limit.spec
-            sketch.offer(shown_key(spec.key, check.key, plain=spec.top_keys == "plain"))
+            shown = shown_key(spec.key, check.key, plain=spec.top_keys == "plain")
+            sketch.offer(shown + TIER_SEP + tier_of(check))
 
     def note_waited(self, outcome: Outcome, waited_s: float) -> None:
         verdict = outcome.verdict
@@ -241,8 +260,9 @@ class WorkerMetrics:
             sketch = self.top_keys.get(name)
             if sketch is not None:
                 top_keys[name] = tuple(
-                    HitterData(key=h.key, count=h.count, error=h.error)
+                    HitterData(key=key, tier=tier, count=h.count, error=h.error)
                     for h in sketch.top(TOP_KEYS_SHOWN)
+                    for key, _, tier in (h.key.partition(TIER_SEP),)
                 )
         stats = store.stats
         store_data = StoreData(
@@ -276,6 +296,8 @@ class WorkerMetrics:
                 (route, code, count) for (route, code), count in self.requests.local.items()
             ),
             policy_loaded_at=runtime.loaded_at,
+            limited_requests=self.requests.limited,
+            delayed_requests=self.requests.delayed,
             limits=limits,
             top_keys=top_keys,
             store=store_data,
@@ -291,6 +313,24 @@ class WorkerMetrics:
                 idle_timeouts=upgrades.idle_timeouts,
             ),
             process=read_process(),
+            upstreams={
+                name: UpstreamData(
+                    url=target.config.url
+                    or ", ".join(server.url for server in target.config.server_list()),
+                    failures=dict(target.pool.failures.by_cause),
+                    recent=tuple(
+                        FailureData(
+                            at=f.at,
+                            server=f.server,
+                            address=f.address,
+                            cause=f.cause,
+                            detail=f.detail,
+                        )
+                        for f in reversed(target.pool.failures.recent)
+                    ),
+                )
+                for name, target in runtime.upstreams.items()
+            },
             servers=server_data(runtime),
             retries=retry_counts(runtime),
             tls_not_after=tls.not_after if tls is not None else None,
@@ -340,11 +380,14 @@ class ObservedHandler:
     queue should not carry an extra frame), then hands over status and duration here.
     """
 
-    __slots__ = ("_metrics", "_proxy")
+    __slots__ = ("_limit_log", "_metrics", "_proxy")
 
-    def __init__(self, proxy: CurrentRuntime, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, proxy: CurrentRuntime, metrics: WorkerMetrics, limit_log: LimitLog | None = None
+    ) -> None:
         self._proxy = proxy
         self._metrics = metrics
+        self._limit_log = limit_log or LimitLog()
 
     def finished(self, request: BaseRequest, status: int, duration_s: float) -> None:
         metrics = self._metrics
@@ -353,12 +396,19 @@ class ObservedHandler:
         metrics.requests.record(route, request.method, status, duration_s)
         outcome = request.get(LIMIT_OUTCOME) if runtime.engine.active else None
         if outcome is not None:
+            limit_log = self._limit_log
             if outcome.would_reject:
                 metrics.note_keys(outcome.would_reject)
+                for check in outcome.would_reject:
+                    limit_log.would_reject(runtime, check, request, route)
             if outcome.rejected_by is not None:
+                metrics.requests.limited += 1
                 metrics.note_limited(outcome)
+                limit_log.rejected(runtime, outcome, request, route)
             elif outcome.delay_s > 0.0 and not outcome.status:
+                metrics.requests.delayed += 1
                 metrics.note_waited(outcome, min(outcome.delay_s, duration_s))
+                limit_log.delayed(runtime, outcome, request, route)
         upstream_error = request.get(UPSTREAM_ERROR) if status >= 500 else None
         if upstream_error is not None:
             metrics.requests.upstream_error(route, upstream_error)

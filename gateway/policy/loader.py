@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.policy.models import ALGORITHMS, OverrideError, Policy, tier_specs
 from gateway.policy.overrides_file import OverridesFileError, line_of, read_overrides, resolve_path
+from gateway.policy.upstream_tls import TLS_FILES, tls_problem
 
 Loc = tuple[str | int, ...]
 # What building a valid policy would refuse, each with its place in the file.
@@ -212,6 +213,108 @@ def _tag_problem(loc: Loc, error: Any) -> tuple[Loc, str]:
     return loc, f"algorithm is missing: give one of {known}"
 
 
+_TYPE_NAMES: dict[type, str] = {
+    list: "a list",
+    dict: "a mapping",
+    bool: "true/false",
+    int: "a number",
+    float: "a number",
+}
+# The parameters of each family of algorithms, and a rate's period as a window.
+_WINDOW_PARAMS = ("limit", "window")
+_BUCKET_PARAMS = ("rate", "burst")
+_PERIODS = {"s": "1s", "m": "1m", "h": "1h", "d": "24h"}
+
+
+def _given(value: Any) -> str:
+    for kind, name in _TYPE_NAMES.items():
+        if value.__class__ is kind:
+            return name
+    return repr(value)
+
+
+def _in_words(error: Any, loc: Loc) -> str:
+    """Pydantic's message for one error, in the policy's terms where pydantic's are its own."""
+    kind = error["type"]
+    given = error.get("input")
+    field = loc[-1] if loc else ""
+    if kind == "missing":
+        return f"missing: {field} has no default, add it"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        if field == "limit" and isinstance(given, str) and "/" in given:
+            return _limit_as_rate(given)
+        return f"expected a whole number, got {_given(given)}"
+    if kind in ("float_parsing", "float_type"):
+        return f"expected a number, got {_given(given)}"
+    if kind == "bool_parsing" or kind == "bool_type":
+        return f"expected true or false, got {_given(given)}"
+    if kind == "string_type":
+        what = "one URL" if field == "url" else "text"
+        return f"expected {what}, got {_given(given)}"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"expected a mapping (name: value lines), got {_given(given)}"
+    if kind in ("tuple_type", "list_type"):
+        return f"expected a list, got {_given(given)}"
+    if kind == "literal_error":
+        if loc == ("version",):
+            return f"unsupported policy version {given!r}: this gateway reads version: 1"
+        return f"expected {error.get('ctx', {}).get('expected', 'another value')}, got {given!r}"
+    reason: str = error["msg"]
+    return reason.removeprefix("Value error, ")
+
+
+def _limit_as_rate(given: str) -> str:
+    """``limit: 5/m`` on a window algorithm: the count and the window written apart."""
+    count, _, period = given.partition("/")
+    count = count.strip().removesuffix("r").strip()
+    window = _PERIODS.get(period.strip()[:1], "1m") if period.strip() else "1m"
+    example = f"limit: {count}, window: {window}" if count.isdigit() else "limit: 5, window: 1m"
+    return f"limit counts requests per window: write {example} (not {given!r})"
+
+
+def _limit_shape_problems(data: Any) -> tuple[list[tuple[Loc, str]], set[Loc]]:
+    """A limit given the other family's parameters (``rate:`` on a window algorithm, ``limit:``
+    on a bucket): one problem naming what its algorithm takes, in place of pydantic's
+    "unknown key" and "Field required" for each parameter. Also the places it covers."""
+    problems: list[tuple[Loc, str]] = []
+    covered: set[Loc] = set()
+    limits = data.get("limits") if isinstance(data, dict) else None
+    if not isinstance(limits, dict):
+        return problems, covered
+    for name, spec in limits.items():
+        if not isinstance(spec, dict) or spec.get("algorithm") not in ALGORITHMS:
+            continue
+        algorithm = spec["algorithm"]
+        takes, other = (
+            (_BUCKET_PARAMS, _WINDOW_PARAMS)
+            if algorithm in ("leaky_bucket", "token_bucket")
+            else (_WINDOW_PARAMS, _BUCKET_PARAMS)
+        )
+        wrong = [key for key in other if key in spec]
+        if not wrong:
+            continue
+        reason = (
+            f"a {algorithm} takes {' and '.join(takes)}, not {' and '.join(wrong)}"
+            + _converted(spec, takes)
+        )
+        problems.append((("limits", name, wrong[0]), reason))
+        covered.update(("limits", name, key) for key in (*takes, *wrong))
+    return problems, covered
+
+
+def _converted(spec: dict[str, Any], takes: tuple[str, ...]) -> str:
+    """The same numbers in the parameters the algorithm takes, when they convert plainly."""
+    if takes == _WINDOW_PARAMS and isinstance(spec.get("rate"), str):
+        count, _, period = spec["rate"].strip().partition("r/")
+        if count.isdigit() and period in _PERIODS:
+            return f" (for {spec['rate']}: limit: {count}, window: {_PERIODS[period]})"
+    if takes == _BUCKET_PARAMS and isinstance(spec.get("limit"), int):
+        window = spec.get("window")
+        if window in ("1s", "1m"):
+            return f" (for {spec['limit']} per {window}: rate: {spec['limit']}r/{window[1]})"
+    return ""
+
+
 def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -220,7 +323,10 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
         line = mark.line + 1 if mark is not None else None
         reason = f"invalid YAML: {exc.problem or exc.context}"
         opened = exc.context_mark
-        if exc.problem and exc.context and opened is not None and opened.line + 1 != line:
+        plain = _yaml_in_words(exc)
+        if plain is not None:
+            reason = f"invalid YAML: {plain}"
+        elif exc.problem and exc.context and opened is not None and opened.line + 1 != line:
             # Where parsing stopped is often far from the mistake: an unclosed bracket or
             # quote is found at the end of the file. Name where the construct started too.
             reason += f" ({exc.context} that starts on line {opened.line + 1})"
@@ -231,6 +337,23 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
         return {}, {}
     builder = _LineMapBuilder(file)
     return builder.build(node, ()), builder.lines
+
+
+def _yaml_in_words(exc: yaml.MarkedYAMLError) -> str | None:
+    """The YAML mistakes PyYAML names in parser tokens (``<block end>``), in the file's terms."""
+    problem = exc.problem or ""
+    mark, opened = exc.problem_mark, exc.context_mark
+    if problem.startswith("expected <block end>, but found") and mark is not None:
+        where = ""
+        if opened is not None:
+            where = f" (the block from line {opened.line + 1} is indented {opened.column})"
+        return (
+            f"this line is indented {mark.column} spaces, which lines up with no key above it: "
+            f"indent it as far as the key it belongs beside{where}"
+        )
+    if "'\\t' that cannot start any token" in problem:
+        return "a tab character: YAML indents with spaces only"
+    return None
 
 
 def _parse_toml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
@@ -290,6 +413,15 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
                 problems.append(
                     (("limits", name, "match", "routes"), f"unknown route {route_name!r}")
                 )
+        if limit.exempt_listed is not None:
+            reason = _names_a_lister(policy, name, limit.exempt_listed)
+            if reason is not None:
+                problems.append((("limits", name, "exempt_listed"), reason))
+        for part in limit.key:
+            if part.startswith("plan:"):
+                reason = _names_a_lister(policy, name, part[len("plan:") :])
+                if reason is not None:
+                    problems.append((("limits", name, "key"), f"{part}: {reason}"))
     seen: dict[str, int] = {}
     for i, route in enumerate(policy.routes):
         if route.name in seen:
@@ -301,6 +433,22 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
             )
         seen.setdefault(route.name, i)
     return problems
+
+
+def _names_a_lister(policy: Policy, name: str, other_name: str) -> str | None:
+    """Why limit ``name`` cannot read the keys limit ``other_name`` lists (``exempt_listed``,
+    ``plan:`` key parts), or None."""
+    other = policy.limits.get(other_name)
+    if other_name == name:
+        return "a limit cannot read the keys it lists itself: name another limit"
+    if other is None:
+        known = ", ".join(sorted(set(policy.limits) - {name})) or "none defined"
+        return f"unknown limit {other_name!r} (limits: {known})"
+    if not other.overrides:
+        return f"limit {other_name!r} lists no key: it has no overrides"
+    if any(part.startswith("plan:") for part in other.key):
+        return f"limit {other_name!r} is keyed by a plan itself: name the limit that lists keys"
+    return None
 
 
 def parse_policy(
@@ -320,12 +468,15 @@ def parse_policy(
         policy = Policy.model_validate(data)
     except ValidationError as exc:
         problems = []
+        shapes, covered = _limit_shape_problems(data)
+        for loc, reason in shapes:
+            problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         for error in exc.errors(include_url=False):
             raw_loc = tuple(error["loc"])
             loc = _data_loc(data, raw_loc)
-            reason = error["msg"]
-            if reason.startswith("Value error, "):
-                reason = reason[len("Value error, ") :]
+            if loc in covered:
+                continue
+            reason = _in_words(error, loc)
             if error["type"] == "extra_forbidden":
                 reason = "unknown key" + _did_you_mean(raw_loc)
             elif error["type"] in ("model_type", "dict_type") and error["input"] is None:
@@ -335,7 +486,8 @@ def parse_policy(
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         raise PolicyError(file, problems) from None
     policy, files, digest_parts = _with_overrides_files(policy, file, lines)
-    ref_problems = _check_references(policy) or (checks(policy) if checks else [])
+    policy, tls_problems = _with_tls_files(policy, file)
+    ref_problems = _check_references(policy) or tls_problems or (checks(policy) if checks else [])
     if ref_problems:
         raise PolicyError(
             file,
@@ -383,6 +535,26 @@ def _with_overrides_files(
     if not files:
         return policy, (), []
     return policy.model_copy(update={"limits": limits}), tuple(files), digest_parts
+
+
+def _with_tls_files(policy: Policy, file: str) -> tuple[Policy, list[tuple[Loc, str]]]:
+    """The policy with each upstream's TLS files relative to the policy file's directory, and
+    the files that cannot be used (built as ``run`` builds them)."""
+    upstreams = dict(policy.upstreams)
+    problems: list[tuple[Loc, str]] = []
+    for name, upstream in policy.upstreams.items():
+        given = {s: getattr(upstream, s) for s in TLS_FILES if getattr(upstream, s)}
+        if not given:
+            continue
+        resolved = {s: str(resolve_path(file, path)) for s, path in given.items()}
+        upstream = upstreams[name] = upstream.model_copy(update=resolved)
+        problem = tls_problem(upstream)
+        if problem is not None:
+            setting, reason = problem
+            problems.append((("upstreams", name, setting), reason))
+    if upstreams == policy.upstreams:
+        return policy, problems
+    return policy.model_copy(update={"upstreams": upstreams}), problems
 
 
 def load_policy(path: str | Path, checks: BuildChecks | None = None) -> LoadedPolicy:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
-from typing import Annotated, Any, Literal, NamedTuple, get_args
+from typing import Annotated, Any, Final, Literal, NamedTuple, get_args
 
 from pydantic import (
     AfterValidator,
@@ -148,6 +148,18 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def _off(value: Any) -> Any:
+    return "off" if value is False else value  # YAML reads a bare `off` as false
+
+
+# The levels of a limit's rejection lines (nginx's limit_req_log_level); delays one lower.
+LimitLogLevel = Annotated[
+    Literal["error", "warning", "info", "off"],
+    BeforeValidator(_off),
+    WithJsonSchema({"enum": ["error", "warning", "info", "off", False]}),
+]
+
+
 def listeners_collide(first: str, second: str) -> bool:
     """Whether two listen addresses would take the same port: one address, or a wildcard and
     an address of its family. With SO_REUSEPORT (``--workers N``) both binds succeed and the
@@ -165,7 +177,9 @@ def listeners_collide(first: str, second: str) -> bool:
 
 
 # Admin paths that may be served without the token; POST /reload never is.
-AdminPath = Literal["/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain"]
+AdminPath = Literal[
+    "/healthz", "/readyz", "/metrics", "/dashboard", "/policy", "/explain", "/status"
+]
 
 
 class _Model(BaseModel):
@@ -245,6 +259,12 @@ class ServerSettings(_Model):
         "client's malformed request on either listener; nginx logs these at info",
     )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
+    limit_log_level: LimitLogLevel = Field(
+        "warning",
+        description="level of the log line a limit writes when it rejects a request (delays one "
+        "level lower), at most one per limit per 10 s with the count of the others; off for "
+        "none (nginx's limit_req_log_level); a limit's log_level overrides it",
+    )
     access_log_format: Literal["text", "json"] = Field(
         "text", description="access log lines as key=value text or as JSON objects"
     )
@@ -577,11 +597,35 @@ class Upstream(_Model):
         "the pool close and reopen connections under load)",
     )
     idle_timeout: Timeout = Field(60.0, description="idle keep-alive connections closed after")
+    ca_file: str | None = Field(
+        None,
+        description="https:// servers: PEM file of the CA certificates their certificates are "
+        "verified against (a private CA), instead of the system's; relative to the policy file",
+    )
+    client_cert: str | None = Field(
+        None,
+        description="https:// servers: PEM certificate the gateway presents to a server that "
+        "asks for one (mutual TLS); with its key unless client_key names another file",
+    )
+    client_key: str | None = Field(None, description="PEM private key of client_cert")
     adaptive: AdaptiveSettings | None = Field(
         None,
         description="protect this upstream with an in-flight limit the gateway finds from its "
         "latency; {} for the defaults",
     )
+
+    @model_validator(mode="after")
+    def _tls_settings(self) -> Upstream:
+        given = [name for name in ("ca_file", "client_cert", "client_key") if getattr(self, name)]
+        urls = [server.url for server in self.server_list()] if self.url or self.servers else []
+        if given and not any(url.startswith("https://") for url in urls):
+            raise ValueError(
+                f"{', '.join(given)}: TLS settings are for https:// servers, and this upstream "
+                f"has none ({', '.join(urls)})"
+            )
+        if self.client_key and not self.client_cert:
+            raise ValueError("client_key without client_cert: give the certificate it belongs to")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -702,19 +746,25 @@ class Route(_Model):
 
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-    r"|query:[^\s&=]+|const:\S+)$"
+    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
 )
+# The values a ``plan:LIMIT`` key part takes besides a plan's name: a key that limit does not
+# list (or a request without one), and a key listed with numbers of its own.
+UNLISTED_PLAN: Final = "unlisted"
+CUSTOM_PLAN: Final = "custom"
 
 
-def check_key_parts(value: tuple[str, ...]) -> tuple[str, ...]:
-    """Key parts as a limit's ``key`` (and a pool's ``hash_key``) take them."""
+def check_key_parts(value: tuple[str, ...], *, plans: bool = False) -> tuple[str, ...]:
+    """Key parts as a limit's ``key`` (``plans``: with ``plan:LIMIT``) and a pool's
+    ``hash_key`` take them."""
     if not value:
         raise ValueError("key needs at least one part")
     for part in value:
-        if not _KEY_PART_RE.match(part):
+        if not _KEY_PART_RE.match(part) or (part.startswith("plan:") and not plans):
+            expected = "global, const:TEXT or plan:LIMIT" if plans else "global or const:TEXT"
             raise ValueError(
                 f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
-                "route, method, global or const:TEXT"
+                f"route, method, {expected}"
             )
     return value
 
@@ -801,7 +851,8 @@ class _LimitBase(_Model):
     key: tuple[str, ...] = Field(
         ("client_ip",),
         description="parts joined into the key: client_ip, header:NAME, query:NAME, route, "
-        "method, global, const:TEXT",
+        "method, global, const:TEXT, plan:LIMIT (the plan another limit's overrides give the "
+        "request's key: a plan's name, custom, or unlisted)",
     )
     on_missing_key: Literal["skip", "client_ip"] = Field(
         "skip",
@@ -816,6 +867,11 @@ class _LimitBase(_Model):
     )
     max_queue: int = Field(1000, ge=0, description="requests waiting on this limit at most")
     max_keys: int = Field(100_000, ge=1, description="tracked keys; least recently used evicted")
+    log_level: LimitLogLevel | None = Field(
+        None,
+        description="level of this limit's rejection lines (delays one lower), or off; "
+        "default: server.limit_log_level",
+    )
     top_keys: Literal["hashed", "plain"] = Field(
         "hashed",
         description="how the dashboard's top limited keys show header: and query: key parts "
@@ -849,6 +905,16 @@ class _LimitBase(_Model):
         description="YAML or JSON file of more overrides (relative to the policy file), "
         "reloaded with the policy",
     )
+    unlisted: Literal["own", "shared", "reject"] = Field(
+        "own",
+        description="keys the overrides do not list (a key a client invents): own (each its "
+        "own bucket at the limit's numbers), shared (all of them one bucket), or reject (403)",
+    )
+    exempt_listed: Name | None = Field(
+        None,
+        description="the name of another limit: requests whose key that limit's overrides "
+        "list (a client on a plan) bypass this limit",
+    )
 
     @field_validator("cost")
     @classmethod
@@ -880,12 +946,17 @@ class _LimitBase(_Model):
     @model_validator(mode="after")
     def _check_overrides(self) -> _LimitBase:
         tier_specs(self, self.overrides)
+        if self.unlisted != "own" and not (self.overrides or self.overrides_file):
+            raise ValueError(
+                f"unlisted: {self.unlisted} needs overrides (or an overrides_file) that list "
+                "keys: without them every key is unlisted"
+            )
         return self
 
     @field_validator("key")
     @classmethod
     def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return check_key_parts(value)
+        return check_key_parts(value, plans=True)
 
     @model_validator(mode="after")
     def _leasable(self) -> _LimitBase:
@@ -924,6 +995,12 @@ class LeakyBucketLimit(_LimitBase):
             raise ValueError(f"delay ({self.delay}) cannot exceed burst ({self.burst})")
         return self
 
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``): how long the
+        quota, ``burst + 1`` requests, takes to refill."""
+        return (self.burst + 1) / self.rate.per_second
+
 
 class WindowLimit(_LimitBase):
     """At most ``limit`` requests per ``window`` (fixed, sliding counter, or exact sliding log)."""
@@ -942,6 +1019,11 @@ class WindowLimit(_LimitBase):
             raise ValueError("window must be longer than 0")
         return value
 
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``)."""
+        return float(self.window)
+
 
 class TokenBucketLimit(_LimitBase):
     """``rate`` refill with ``burst`` capacity; ``queue`` waits for tokens (Guava semantics)."""
@@ -953,6 +1035,12 @@ class TokenBucketLimit(_LimitBase):
         "reject", description="reject: no token, no entry; queue: wait for the tokens (Guava)"
     )
     warmup: Duration | None = Field(None, description="ramp from a third of rate to rate")
+
+    @property
+    def window_s(self) -> float:
+        """The window a response advertises (``w`` of ``RateLimit-Policy``): how long the
+        quota, ``burst`` tokens, takes to refill."""
+        return self.burst / self.rate.per_second
 
 
 class ConcurrencyLimit(_LimitBase):
@@ -999,6 +1087,12 @@ class ConcurrencyLimit(_LimitBase):
                 "slots than the limit has could never be admitted"
             )
         return self
+
+    @property
+    def window_s(self) -> float:
+        """Slots are given back, not refilled: no quota window is advertised for them (the IETF
+        draft has no RateLimit field for concurrency)."""
+        return 0.0
 
 
 # What a plan or an override may set: the algorithm's numbers, nothing about keys or matching.
@@ -1049,6 +1143,11 @@ def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
     or override (``OverrideError`` for an override)."""
     plans: dict[str, Any] = {}
     for name, params in spec.plans.items():
+        if name in (UNLISTED_PLAN, CUSTOM_PLAN):
+            raise ValueError(
+                f"plan {name!r}: the name is reserved (a plan: key part gives it to keys "
+                f"{'not listed' if name == UNLISTED_PLAN else 'with numbers of their own'})"
+            )
         try:
             plans[name] = variant_spec(spec, params)
         except ValueError as exc:

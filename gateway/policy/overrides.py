@@ -14,7 +14,7 @@ import dataclasses
 import hmac
 import ipaddress
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from gateway.policy.models import Cost, tier_specs
 
@@ -22,13 +22,18 @@ from gateway.policy.models import Cost, tier_specs
 # generic here so that this module needs nothing from it).
 L = TypeVar("L")
 
+# The one key of every unlisted key of a limit with ``unlisted: shared``: tagged as the key
+# builder tags its own stand-ins (``limits.keys.TAG``), so no value a client sends is it.
+UNLISTED_KEY: Final = "\x1eunlisted"
 
-def _window_s(spec: Any) -> float:
-    # The engine's rule, repeated to keep this module free of the engine.
-    if spec.algorithm in ("fixed_window", "sliding_window", "sliding_log"):
-        return float(spec.window)
-    quota = spec.burst + 1 if spec.algorithm == "leaky_bucket" else spec.burst
-    return float(quota / spec.rate.per_second)
+
+class UnlistedKey(Exception):
+    """A key the limit's overrides do not list, under ``unlisted: reject``; ``limit`` is the
+    compiled limit that refused it (set by whoever knows it)."""
+
+    def __init__(self, limit: Any = None) -> None:
+        super().__init__()
+        self.limit = limit
 
 
 class Overrides(Generic[L]):
@@ -47,7 +52,7 @@ class Overrides(Generic[L]):
                 limit,
                 spec=spec,
                 algorithm=build_algorithm(spec),
-                window_s=_window_s(spec),
+                window_s=spec.window_s,
                 table=f"{limit.name}~{tier}",
             )
             for tier, spec in tiers.specs.items()
@@ -139,32 +144,50 @@ class Tiering:
     exemptions: Exemptions | None
     cost: int | Cost
     overrides: Overrides[Any] | None
+    # ``unlisted:``: keys the overrides do not list share one bucket, or are refused.
+    share_unlisted: bool = False
+    reject_unlisted: bool = False
+    # ``exempt_listed:``: whether another limit's overrides list this request's key.
+    listed_elsewhere: Callable[[Any], bool] | None = None
 
-    def resolve(self, limit: L, key: str, facts: Any) -> tuple[L, int] | None:
-        """The variant of ``limit`` that decides this request and its cost; ``None`` when the
-        request is exempt from the limit."""
+    def resolve(self, limit: L, key: str, facts: Any) -> tuple[L, str, int] | None:
+        """The variant of ``limit`` that decides this request, the key it decides it under and
+        its cost; ``None`` when the request is exempt from the limit. Raises ``UnlistedKey``
+        for a key the overrides do not list under ``unlisted: reject``."""
         exemptions = self.exemptions
         if exemptions is not None and exemptions.exempt(facts.client_key, facts.headers):
+            return None
+        listed_elsewhere = self.listed_elsewhere
+        if listed_elsewhere is not None and listed_elsewhere(facts):
             return None
         overrides = self.overrides
         if overrides is not None:
             variant = overrides.resolve(key)
             if variant is not None:
                 limit = variant
+            elif self.share_unlisted:
+                key = UNLISTED_KEY
+            elif self.reject_unlisted:
+                raise UnlistedKey
         cost = self.cost
-        return limit, cost if isinstance(cost, int) else cost.of(facts.route, facts.method)
+        return limit, key, cost if isinstance(cost, int) else cost.of(facts.route, facts.method)
 
 
 def compile_tiering(
     limit: Any,
     build_algorithm: Callable[[Any], Any],
-    extra_overrides: Mapping[str, Any] | None = None,
+    listed_elsewhere: Callable[[Any], bool] | None = None,
 ) -> Tiering | None:
     spec = limit.spec
     entries: dict[str, Any] = dict(spec.overrides)
-    if extra_overrides:
-        entries.update(extra_overrides)
-    if not (spec.exempt or spec.exempt_headers or entries or spec.cost != 1):
+    if not (
+        spec.exempt
+        or spec.exempt_headers
+        or entries
+        or spec.cost != 1
+        or spec.unlisted != "own"
+        or listed_elsewhere is not None
+    ):
         return None
     exemptions = (
         Exemptions(spec.exempt, spec.exempt_headers)
@@ -174,4 +197,14 @@ def compile_tiering(
     overrides: Overrides[Any] | None = (
         Overrides(limit, build_algorithm, entries) if entries else None
     )
-    return Tiering(exemptions, spec.cost, overrides)
+    if overrides is None and spec.unlisted != "own":
+        # An overrides_file that lists nobody (yet): every key is unlisted.
+        overrides = Overrides(limit, build_algorithm, {})
+    return Tiering(
+        exemptions,
+        spec.cost,
+        overrides,
+        share_unlisted=spec.unlisted == "shared",
+        reject_unlisted=spec.unlisted == "reject",
+        listed_elsewhere=listed_elsewhere,
+    )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
+
+from gateway.clock import rfc3339
 
 
 class ReloadStatus(BaseModel):
@@ -18,3 +22,11 @@ class ReloadStatus(BaseModel):
     last_error: str | None = None
     last_success_at: float | None = None
     last_attempt_at: float | None = None
+
+    def shown(self) -> dict[str, Any]:
+        """The record as ``/policy``, ``/status`` and the dashboard show it: each time (epoch
+        seconds) with its RFC 3339 form beside it."""
+        fields = self.model_dump()
+        for name in ("last_success_at", "last_attempt_at"):
+            fields[name + "_rfc3339"] = rfc3339(fields[name])
+        return fields

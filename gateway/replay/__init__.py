@@ -68,6 +68,8 @@ def main(
         except OSError as exc:
             print(f"gateway replay: {html_file}: cannot write: {exc.strerror}", file=sys.stderr)
             return 1
+        # On stderr: stdout carries the report (or --json's document).
+        print(f"gateway replay: wrote {Path(html_file).resolve()}", file=sys.stderr)
     if as_json:
         json.dump(doc, sys.stdout, separators=(",", ":"))
         sys.stdout.write("\n")

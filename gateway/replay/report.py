@@ -346,27 +346,46 @@ _PAGE_SCRIPT = r"""
   const times = [];
   const points = doc.policies.length ? doc.policies[0].series.requests.length : 0;
   for (let i = 0; i < points; i++) times.push(doc.series_start_s + i * doc.series_step_s);
-  function chart(element, title, series) {
+  // Times as the log has them, in UTC, whatever the viewer's zone.
+  const utc = (ts) => uPlot.tzDate(new Date(ts * 1000), "Etc/UTC");
+  function seriesOf(policy, chartName) {
+    if (chartName === "overall") return policy.series;
+    const limit = policy.limits.find((l) => l.name === chartName);
+    return limit ? limit.series : null;
+  }
+  // One y-scale per chart across the policies compared: the same height means the same count.
+  function peak(chartName) {
+    let top = 1;
+    for (const policy of doc.policies) {
+      const series = seriesOf(policy, chartName);
+      if (series) for (const values of Object.values(series)) top = Math.max(top, ...values);
+    }
+    return top * 1.05;
+  }
+  function chart(element, title, series, yMax) {
     const names = Object.keys(series).filter(
       (name) => !name.startsWith("dry_run") || series[name].some((v) => v > 0));
     const opts = {
       title: title, width: Math.min(900, element.clientWidth || 900), height: 220,
-      scales: {x: {time: true}},
-      axes: [{}, {label: "requests per " + doc.series_step_s + " s", size: 60}],
+      tzDate: utc,
+      scales: {x: {time: true}, y: {range: [0, yMax]}},
+      axes: [{label: "UTC"}, {label: "requests per " + doc.series_step_s + " s", size: 60}],
       series: [{}].concat(names.map((name) => ({
         label: name.replace(/_/g, " "), stroke: colours[name], width: 1.5,
         fill: colours[name] + "22"}))),
     };
     new uPlot(opts, [times].concat(names.map((name) => series[name])), element);
     element.dataset.rendered = "true";
+    element.dataset.yMax = String(yMax);
   }
   document.querySelectorAll("[data-chart]").forEach((element) => {
     const policy = doc.policies[Number(element.dataset.policy)];
-    if (element.dataset.chart === "overall") {
-      chart(element, "all requests", policy.series);
+    const name = element.dataset.chart;
+    if (name === "overall") {
+      chart(element, "all requests", policy.series, peak(name));
     } else {
-      const limit = policy.limits.find((l) => l.name === element.dataset.chart);
-      chart(element, limit.name + " (" + limit.algorithm + ")", limit.series);
+      const limit = policy.limits.find((l) => l.name === name);
+      chart(element, limit.name + " (" + limit.algorithm + ")", limit.series, peak(name));
     }
   });
 })();
@@ -492,9 +511,17 @@ def html_page(doc: dict[str, Any]) -> str:
                 + "</details>"
             )
         parts.append(f'<div class="chart" data-chart="overall" data-policy="{index}"></div>')
+        skipped = [limit["name"] for limit in policy["limits"] if not limit["decided"]]
         for limit in policy["limits"]:
+            if limit["decided"]:
+                parts.append(
+                    f'<div class="chart" data-chart="{esc(limit["name"])}" '
+                    f'data-policy="{index}"></div>'
+                )
+        if skipped:
+            # An empty chart would say "no traffic" where the limit never applied.
             parts.append(
-                f'<div class="chart" data-chart="{esc(limit["name"])}" data-policy="{index}"></div>'
+                f'<p class="note">Decided no request (no chart): {esc(", ".join(skipped))}.</p>'
             )
         parts.append("</section>")
     parts.append("</div>")

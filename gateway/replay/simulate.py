@@ -22,10 +22,16 @@ from yarl import URL
 
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
-from gateway.edge.client_ip import ClientIPResolver, client_key
+from gateway.edge.client_ip import ClientIPResolver
 from gateway.engine.limit_engine import LimitEngine, Outcome
 from gateway.limits.keys import RequestFacts
-from gateway.limits.routing import RouteTable, normalise_host, routing_path
+from gateway.limits.routing import (
+    RefusedTarget,
+    RouteTable,
+    normalise_host,
+    origin_form,
+    routing_path,
+)
 from gateway.policy.loader import LoadedPolicy
 from gateway.policy.models import Route
 from gateway.replay.log_formats import US, Request
@@ -35,7 +41,7 @@ from gateway.stores import MemoryStore, store_url
 ALLOWED = "allowed"  # every limit that applies admitted it at once
 DELAYED = "delayed"
 REJECTED = "rejected"
-DENIED = "denied"  # access.deny, or a method the proxy refuses
+DENIED = "denied"  # access.deny, or a method or target the proxy refuses
 UNLIMITED = "unlimited"  # routed, but no enforced limit applies (or access.allow)
 UNROUTED = "unrouted"  # no route: the proxy's 404
 
@@ -180,6 +186,9 @@ class Simulation:
                 found = self._facts[where] = self._facts_of(request, client_ip)
         route, host, path, facts = found
         if route is None or facts is None:
+            if not path:  # a target refused (400) before routing, as the proxy refuses it
+                outcomes[DENIED] += 1
+                return DENIED
             outcomes[UNROUTED] += 1
             return UNROUTED
         if not engine.active:
@@ -255,8 +264,9 @@ class Simulation:
         headers = (
             CIMultiDictProxy(CIMultiDict(request.headers)) if request.headers else _EMPTY_HEADERS
         )
-        facts = RequestFacts(
-            client_key(client_ip, self.engine.ipv6_prefix),
+        facts = RequestFacts.of(
+            client_ip,
+            self.engine.ipv6_prefix,
             route.name,
             method,
             headers,
@@ -269,12 +279,11 @@ class Simulation:
     ) -> tuple[str, str, str, Route | None]:
         """The request's host, routing path, target (origin form) and route, as the proxy
         finds them: a pure function of the request line and its host, so kept per line."""
-        if not target.startswith("/") and "://" in target:
-            authority, slash, rest = target.split("://", 1)[1].partition("/")
-            if host_header is None:
-                host_header = authority
-            target = slash + rest if slash else "/"
         host = normalise_host(host_header)
+        try:
+            target = origin_form(target, method, host_header)
+        except RefusedTarget:
+            return host, "", target, None  # no routing path: answered 400 before routing
         path = routing_path(target)
         return host, path, target, self.routes.match(host, path, method)
 

@@ -27,14 +27,14 @@ from gateway.observability.observer import Observability
 from gateway.observability.snapshot_files import default_shared_dir
 from gateway.observability.worker import WorkerState
 from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import Policy, split_host_port
+from gateway.policy.models import Policy, StoreSettings, split_host_port
 from gateway.policy.tls_files import TlsFilesError, load_tls
-from gateway.redact import redact_text
+from gateway.redact import redact_text, redact_url
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
 from gateway.serving.tls_site import TlsSite
-from gateway.stores import LimitStore, build_store
+from gateway.stores import LimitStore, build_store, store_url
 from gateway.stores.shared.runtime_dir import SharedDirError
 
 log = logging.getLogger("gateway")
@@ -289,13 +289,12 @@ class Gateway:
         """
         if uses_demo(loaded) and self._demo_address is None:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
-        if loaded.policy.store != self.loaded.policy.store:
-            raise ValueError("store settings take effect on restart only; the running policy stays")
         moved = restart_only_changes(self.loaded.policy, loaded.policy)
         if moved:
             raise ValueError(
-                f"{', '.join(moved)} take effect on restart only; the running policy stays "
-                "(restart the gateway to apply them, or revert them to reload the rest)"
+                f"{loaded.source}: {', '.join(moved)} take effect on restart only; the running "
+                "policy stays (restart the gateway to apply them, or revert them to reload the "
+                "rest)"
             )
         new_tls = loaded.policy.server.tls
         if (new_tls is None) != (self.tls is None):
@@ -406,12 +405,20 @@ RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout", "drain_
 
 
 def restart_only_changes(running: Policy, new: Policy) -> list[str]:
-    """``server.*`` settings that differ between two policies but only move on restart."""
-    return [
+    """``server.*`` and ``store.*`` settings that differ between two policies but only move on
+    restart (a store URL shown without its password)."""
+    moved = [
         f"server.{name} ({getattr(running.server, name)!r} -> {getattr(new.server, name)!r})"
         for name in RESTART_ONLY
         if getattr(running.server, name) != getattr(new.server, name)
     ]
+    for name in StoreSettings.model_fields:
+        before, after = getattr(running.store, name), getattr(new.store, name)
+        if before != after:
+            if name == "url":
+                before, after = redact_url(before), redact_url(after)
+            moved.append(f"store.{name} ({before!r} -> {after!r})")
+    return moved
 
 
 async def serve(
@@ -465,8 +472,12 @@ async def serve(
             signal.SIGHUP, lambda: log.info("SIGHUP: no policy file to reload (--upstream)")
         )
 
+    admin_host = gateway.admin_listen[0]
+    if admin_host in ("0.0.0.0", "::", ""):
+        admin_host = "127.0.0.1"  # a wildcard: this machine reaches it on loopback
     log.info(
-        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s",
+        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s, store %s; "
+        "dashboard http://%s/dashboard/",
         worker_id,
         gateway.listen[0],
         gateway.proxy_port,
@@ -474,6 +485,8 @@ async def serve(
         gateway.admin_port,
         loaded.source,
         loaded.sha256[:12],
+        redact_url(store_url(loaded.policy.store)),
+        _host_port(admin_host, gateway.admin_port),
     )
     if gateway.admin_auth.token is not None:
         log.info(

@@ -87,7 +87,10 @@ class PolicyReloader:
                 self._update(
                     failed=self.status.failed + 1, last_result="failed", last_error=str(exc)
                 )
-                log.error("policy reload failed, keeping the running policy:\n%s", exc)
+                log.error(
+                    "policy reload failed, keeping the running policy: %s",
+                    "; ".join(str(exc).splitlines()),
+                )
                 return "failed"
             self._update(succeeded=self.status.succeeded + 1)
             self._succeeded()

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from itertools import chain
 from typing import Any, Final, Generic, TypeVar
 
-from gateway.algorithms.base import Algorithm
+from gateway.algorithms.base import Algorithm, require_int
 
 S = TypeVar("S")
 
@@ -253,6 +253,7 @@ class KeyedState(Generic[S]):
 
 
 def _check_max_keys(max_keys: int) -> int:
-    if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+    require_int("max_keys", max_keys)
+    if max_keys < 1:
         raise ValueError(f"max_keys must be a positive integer, got {max_keys!r}")
     return max_keys

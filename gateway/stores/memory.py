@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.algorithms.base import Decision, build
-from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
+from gateway.algorithms.base import Decision
+from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.keyed_state import KeyedState
@@ -40,38 +40,11 @@ class MemoryStore:
         directly on the request path and saves a coroutine object per request."""
         now_us = self.clock.now_us()
         self.stats.calls += 1
-        if len(checks) == 1:  # the common case, without the lists
-            check = checks[0]
-            limit = check.limit
-            table = self.tables.get(limit.table)
-            if table is None:
-                table = self._table(limit)
-            state = table.get(check.key) if commit else table.peek(check.key)
-            decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
-            if not decision[0]:  # rejected
-                return combine((decision,), (new_state,), (state,), now_us)
-            delay_s = decision[1]
-            verdict = build(
-                CombinedDecision,
-                (True, delay_s, 0.0, (), 0 if delay_s > 0.0 else None, (decision,),
-                 (new_state,), now_us),
-            )  # fmt: skip
-            if delay_s > 0.0:
-                verdict = refuse_long_delays(verdict, (state,), (check.max_delay_s,))
-            if commit and verdict[0]:
-                table.put(check.key, new_state, now_us)
-            return verdict
-        # One pass over the checks (the request path): each limit's table, the key's state,
-        # and its decision; the admission's verdict made as ``combine`` makes it, without its
-        # passes (the rare rejection goes to ``combine``).
         known = self.tables
         tables: list[KeyedState[Any]] = []
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
-        admitted = True
-        delay_s = 0.0
-        delayed_by = None
         for check in checks:
             limit = check.limit
             table = known.get(limit.table)
@@ -80,14 +53,6 @@ class MemoryStore:
             # A look (commit=False, for /explain) leaves the keys' places in the LRU order alone.
             state = table.get(check.key) if commit else table.peek(check.key)
             decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
-            if decision[0]:  # allowed
-                # ">=": on equal delays the later limit is named, as nginx's account loop does.
-                delay = decision[1]
-                if delay > 0.0 and delay >= delay_s:
-                    delay_s = delay
-                    delayed_by = len(decisions)
-            else:
-                admitted = False
             tables.append(table)
             states.append(state)
             decisions.append(decision)
@@ -95,20 +60,16 @@ class MemoryStore:
         # Stamped with the instant decided at: a delayed request's refund needs it, and the
         # access log records it so ``gateway replay`` can decide the same request at the same
         # instant.
-        if not admitted:
-            return combine(decisions, new_states, states, now_us)
-        verdict = build(
-            CombinedDecision,
-            (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+        verdict = combine(
+            decisions, new_states, states, now_us, [check.max_delay_s for check in checks]
         )
-        if delayed_by is not None:
-            verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-            if not verdict[0]:
-                return verdict
-        if commit:
+        if commit and verdict.allowed:
             for index, check in enumerate(checks):
                 tables[index].put(check.key, new_states[index], now_us)
         return verdict
+
+    def try_decide_now(self, checks: Sequence[Check]) -> CombinedDecision:
+        return self.decide_now(checks)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]

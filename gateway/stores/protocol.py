@@ -7,7 +7,7 @@ decide at one instant, and either every new state is written (allowed) or none (
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gateway.algorithms.combine import CombinedDecision
 from gateway.clock import Clock
@@ -40,6 +40,12 @@ class LimitStore(Protocol):
         """
         ...
 
+    def try_decide_now(self, checks: Sequence[Check]) -> CombinedDecision | None:
+        """The verdict, committed, without a wait where one is at hand (the Redis store's leased
+        limit with a unit left; every decision of a store that ``DecidesNow``); None when
+        ``decide`` must be awaited. Nothing is taken or counted for a None."""
+        ...
+
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         """Decide and commit each check on its own (dry-run limits do not stack)."""
         ...
@@ -67,3 +73,33 @@ class LimitStore(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class DecidesNow(LimitStore, Protocol):
+    """A store that decides every request without waiting (in process, the shared store): the
+    engine calls ``decide_now`` directly, with no coroutine per request."""
+
+    def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
+        """``decide``, returned rather than awaited."""
+        ...
+
+
+class LeaseFigures(Protocol):
+    """What one limit's leases did on this replica (``stores.redis.lease.LeaseCounters``)."""
+
+    granted: int
+    units_granted: int
+    returned: int
+    units_returned: int
+    expired: int
+    last_size: int
+    calls: int
+    decided: int
+
+
+@runtime_checkable
+class LeasingStore(Protocol):
+    """A store that leases some limits (the Redis store): the metrics read their counters."""
+
+    def lease_counters(self, limit_name: str) -> LeaseFigures | None: ...

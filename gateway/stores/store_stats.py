@@ -13,8 +13,9 @@ from gateway.histogram import Histogram
 
 log = logging.getLogger("gateway.store")
 
+# (Typed in full: mypyc 2.4 leaves a ``Final`` tuple of floats with an inferred type unset.)
 # Upper bounds (seconds, Prometheus ``le``) of the store latency buckets; +Inf is implied.
-STORE_LATENCY_BUCKETS: Final = (
+STORE_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 )  # fmt: skip
 

@@ -24,6 +24,7 @@ from gateway.edge.pool.dns import ResolveError, resolve
 from gateway.edge.pool.outliers import Ejection, OutlierDetector
 from gateway.edge.pool.passive_health import PassiveHealth
 from gateway.edge.upstream_client import UpstreamError, UpstreamPool
+from gateway.edge.upstream_failures import UpstreamFailures
 from gateway.histogram import Histogram
 from gateway.limits.keys import KeyBuilder
 from gateway.policy.models import Upstream, UpstreamServer, split_host_port
@@ -31,7 +32,7 @@ from gateway.policy.models import Upstream, UpstreamServer, split_host_port
 log = logging.getLogger("gateway.upstream")
 
 # Time to a server's response head (seconds, Prometheus ``le``); +Inf implied.
-SERVER_LATENCY_BUCKETS: Final = (
+SERVER_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 # Statuses that count as a server's failure when retried on (nginx: never 403 and 404).
@@ -220,6 +221,8 @@ class ServerPool:
         self.key_builder = (
             KeyBuilder(config.hash_key, "client_ip") if config.hash_key is not None else None
         )
+        # Each failed exchange with a server: logged once per cause, the latest kept (/status).
+        self.failures = UpstreamFailures(name)
         self._tasks: list[asyncio.Task[None]] = []  # the pool's loops
         self._closing: set[asyncio.Task[None]] = set()  # retired members' connections closing
         self._started = False
@@ -328,6 +331,7 @@ class ServerPool:
     def failed(self, member: PoolMember, reason: str, exc: UpstreamError) -> None:
         """The exchange with the member failed (``reason``: an ``upstream_error_reason``)."""
         member.pending -= 1
+        self.failures.record(member.config.url, member.label, exc)
         now = self._now()
         if self._outliers is not None:
             self._outliers.record(member.index, True, None)

@@ -20,6 +20,8 @@ def tag_scheme(limits: Sequence[CompiledLimit]) -> str | None:
     when there is none (then all keys share one fixed tag, hence one slot)."""
     if not limits:
         return None
+    if len(limits) > 1 and any(limit.spec.unlisted == "shared" for limit in limits):
+        return None  # the unlisted keys of one share one key, whatever their tag part holds
     common = set(limits[0].spec.key)
     for limit in limits[1:]:
         common &= set(limit.spec.key)

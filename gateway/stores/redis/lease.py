@@ -50,6 +50,7 @@ from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import Clock
+from gateway.exceptions import caused_by
 from gateway.limits.compiled import Check, CompiledLimit
 from gateway.policy.models import LeaseSettings
 from gateway.stores.redis.circuit import CircuitBreaker
@@ -153,7 +154,7 @@ def plan_for(limit: CompiledLimit, settings: LeaseSettings, key_prefix: str) -> 
         kind = b"F" if isinstance(algorithm, FixedWindow) else b"S"
         quota = algorithm.limit
         span = b"%d" % algorithm.window_us
-        window_us = algorithm.window_us
+        window_us = float(algorithm.window_us)
     elif type(algorithm) is TokenBucket and algorithm.mode == "reject":
         kind = b"T"
         quota = algorithm.capacity
@@ -340,32 +341,15 @@ class LeaseBook:
             raise
         for place, decision in zip(places, verdict.decisions, strict=True):
             decisions[place] = decision
-        states = (None,) * len(decisions)
         if not verdict.allowed:
             # As the script decided (a delay over its bound included): charged to none.
             self._give_back(taken)
-            return CombinedDecision(
-                False,
-                0.0,
-                verdict.retry_after_s,
-                tuple(places[index] for index in verdict.rejected_by),
-                None,
-                tuple(decisions),
-                states,
-                verdict.now_us,
-            )
-        # Leases never delay: the delay is the script's; a delayed request's refund needs the
+        # Leases never delay: the delays are the script's, combined by the one rule again over
+        # every limit (so the indices are the request's); a delayed request's refund needs the
         # script's instant.
-        delayed_by = verdict.delayed_by
-        return CombinedDecision(
-            True,
-            verdict.delay_s,
-            0.0,
-            (),
-            places[delayed_by] if delayed_by is not None else None,
-            tuple(decisions),
-            states,
-            verdict.now_us,
+        states = (None,) * len(decisions)
+        return combine(
+            decisions, states, states, verdict.now_us, [check.max_delay_s for check in checks]
         )
 
     def decide_now(self, check: Check) -> CombinedDecision | None:
@@ -447,7 +431,7 @@ class LeaseBook:
                 fetching.set_result(None)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                raise LeaseUnavailableError(str(exc)) from exc
+                raise caused_by(LeaseUnavailableError(str(exc)), exc) from exc
             finally:
                 lease.fetching = None
             fetches += 1

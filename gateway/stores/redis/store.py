@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from gateway.algorithms.base import Algorithm, Decision
-from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
+from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.memory import MemoryStore
@@ -29,7 +29,7 @@ from gateway.stores.redis.clients import (
     ThinClient,
     recovered,
 )
-from gateway.stores.redis.codecs import Codec, codec_for
+from gateway.stores.redis.codecs import codec_for
 from gateway.stores.redis.fallback import CarryBackFailedError, Owed, carry_back
 from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
@@ -619,31 +619,15 @@ def _sketch(reply: Any) -> str:
 def _verdict(
     checks: Sequence[Check], plans: Sequence[LimitPlan], reply: Sequence[int]
 ) -> CombinedDecision:
-    """The verdict the script reached, as the memory store reaches it: combined, then a delay
-    over its check's bound refused (the script did not commit it either)."""
-    verdict = _combine([plan.codec for plan in plans], reply)
-    if verdict.delay_s > 0.0:
-        verdict = refuse_long_delays(
-            verdict, verdict.states, [check.max_delay_s for check in checks]
-        )
-        if verdict.allowed:  # delayed: it may be refunded, exactly with the script's instant
-            verdict = verdict._replace(now_us=reply[0])
-    return verdict
-
-
-def _combine(codecs: Sequence[Codec], reply: Sequence[int]) -> CombinedDecision:
-    """The combined verdict from the script's reply, as ``decide_all`` builds it."""
-    if len(codecs) == 1:
-        decision = codecs[0].decision(reply[1], reply[2], reply[3], reply[4], reply[5])
-        if decision.allowed:
-            delayed = 0 if decision.delay_s > 0.0 else None
-            return CombinedDecision(True, decision.delay_s, 0.0, (), delayed, (decision,), (None,))
-        return CombinedDecision(
-            False, 0.0, decision.retry_after_s, (0,), None, (decision,), (None,)
-        )
+    """The verdict the script reached, by the rule every store's verdict follows (``combine``):
+    a delay over its check's bound refused (the script did not commit it either). A delayed
+    admission keeps the script's instant: a refund gives windows back exactly that charge."""
     decisions = [
-        codec.decision(*reply[base : base + 5])
-        for codec, base in zip(codecs, range(1, 5 * len(codecs), 5), strict=True)
+        plan.codec.decision(*reply[base : base + 5])
+        for plan, base in zip(plans, range(1, 5 * len(plans), 5), strict=True)
     ]
     states = (None,) * len(decisions)  # the script committed them: nothing to store here
-    return combine(decisions, states, states)
+    verdict = combine(decisions, states, states, None, [check.max_delay_s for check in checks])
+    if verdict.allowed and verdict.delay_s > 0.0:
+        verdict = verdict._replace(now_us=reply[0])
+    return verdict

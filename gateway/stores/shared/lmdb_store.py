@@ -18,10 +18,11 @@ Three databases:
   shortest is ``meta``, which as a key would need slot 0x6d657461.)
 - ``lru``: ``slot | tick | key`` -> empty: each table's keys by last use, oldest first. A key
   moves in it at most once per tick, so a hot key costs one put per request.
-- ``meta``: the policy in force (its hash and a generation number, so that a reload rescales
-  once whichever worker reloads first), each limit's slot, identity and algorithm, each
-  table's key count, evictions and expiries, and (``dropped:``) the evictions of tables a
-  reload dropped, by name, so that a limit's evictions never go down.
+- ``meta`` (``tables.py`` administers it on a reload): the policy in force (its hash and a
+  generation number, so that a reload rescales once whichever worker reloads first), each
+  limit's slot, identity and algorithm, each table's key count, evictions and expiries, and
+  (``dropped:``) the evictions of tables a reload dropped, by name, so that a limit's
+  evictions never go down.
 
 Bounded like an nginx zone: a new key first looks at the table's two least recently used
 keys and drops those whose state is idle (a fresh key would decide the same: an expiry, as
@@ -35,17 +36,16 @@ other state is tagged (``tick | tag | payload``, the tick's top bit set to say s
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import lmdb
+from mypy_extensions import mypyc_attr
 
-from gateway.algorithms.base import Decision, build
-from gateway.algorithms.combine import CombinedDecision, combine, refuse_long_delays
+from gateway.algorithms.base import Decision
+from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.protocol import StoreUnavailableError
@@ -67,6 +67,20 @@ from gateway.stores.shared.space import (
     reserved_size,
     size_text,
 )
+from gateway.stores.shared.tables import (
+    COUNTS,
+    DROPPED,
+    GENERATION,
+    POLICY,
+    Databases,
+    Table,
+    apply_policy,
+    forget_key,
+    policy_hash,
+    read_int,
+    read_tables,
+    table_counts,
+)
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
@@ -76,8 +90,6 @@ MAP_BYTES_PER_KEY: Final = 2048
 MAP_BYTES_BASE: Final = 64 << 20
 TICK_US: Final = 100_000  # LRU order to 100 ms: a hot key moves in it at most 10 times a second
 
-_SLOT = struct.Struct(">I")
-_COUNTS = struct.Struct("<qqq")  # keys, evictions, expiries
 # Idle keys looked at, least recently used first, each time a new key is added (as nginx).
 EXPIRE_ON_INSERT: Final = 2
 # The end of the map new keys may not take (a 16th, at least this many bytes): it is kept for
@@ -86,10 +98,6 @@ UPDATES_ROOM_BYTES: Final = 1 << 20
 # New keys added between two looks at the map's last page (a look costs some microseconds; 32
 # keys take a few dozen pages of the room kept, which is at least 256).
 INSERTS_PER_ROOM_CHECK: Final = 32
-_POLICY: Final = b"policy"
-_GENERATION: Final = b"generation"
-_NEXT_SLOT: Final = b"next_slot"
-_DROPPED: Final = b"dropped:"  # table name -> evictions of its tables reloads dropped
 _MAX_STATE_KEY: Final = 4 + MAX_KEY_BYTES
 
 
@@ -105,23 +113,9 @@ class _MapNearlyFull(Exception):
     """A new key would take the room kept for updates: the map must grow first."""
 
 
-class _Table(NamedTuple):
-    """A limit's record in ``meta``."""
-
-    slot: int
-    identity: tuple[str, tuple[str, ...], str]
-    algorithm: Any
-    max_keys: int
-    prefix: bytes = b""  # the slot as the keys' prefix (not stored)
-
-
-def policy_hash(limits: Sequence[CompiledLimit]) -> bytes:
-    described = [
-        (limit.table, limit.identity, limit.algorithm, limit.spec.max_keys) for limit in limits
-    ]
-    return hashlib.sha256(pickle.dumps(described)).digest()
-
-
+# Interpreted subclasses allowed: a test makes another worker's commit happen between a
+# snapshot and its write by overriding ``_read_and_decide``.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SharedStore:
     """State shared by a gateway's workers in one LMDB environment (see the module)."""
 
@@ -156,14 +150,15 @@ class SharedStore:
         self._state: Any = None
         self._lru: Any = None
         self._meta: Any = None
+        self._dbs = Databases(None, None, None)
         self._generation: bytes | None = b"unread"
         # The last committed transaction at which ``_generation`` was read or known current
         # (-1: none): a transaction that starts from it needs no read of the generation.
         self._current_at = -1
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, Table] = {}
         # Table name -> (the limit last seen under it, its table or None, the table's key
         # prefix or None): the request path's look-up (see ``_table_of``).
-        self._by_limit: dict[str, tuple[CompiledLimit, _Table | None, bytes | None]] = {}
+        self._by_limit: dict[str, tuple[CompiledLimit, Table | None, bytes | None]] = {}
         self._limits: Sequence[CompiledLimit] = ()
 
     # -- opening and reloads -------------------------------------------------------------
@@ -196,6 +191,7 @@ class SharedStore:
             self._state = env.open_db(None)  # the main database (see the module)
             self._lru = env.open_db(b"lru")
             self._meta = env.open_db(b"meta")
+            self._dbs = Databases(self._state, self._lru, self._meta)
             self._env = env
             self._mapped(env)
         return env
@@ -266,11 +262,11 @@ class SharedStore:
         while True:
             try:
                 with self._begin(env, True) as txn:
-                    if txn.get(_POLICY, db=self._meta) != wanted:
-                        self._apply(txn, limits, now_us)
-                        txn.put(_POLICY, wanted, db=self._meta)
-                        generation = self._read_int(txn, _GENERATION) + 1
-                        txn.put(_GENERATION, TICK.pack(generation), db=self._meta)
+                    if txn.get(POLICY, db=self._meta) != wanted:
+                        apply_policy(txn, self._dbs, limits, now_us)
+                        txn.put(POLICY, wanted, db=self._meta)
+                        generation = read_int(txn, self._dbs, GENERATION) + 1
+                        txn.put(GENERATION, TICK.pack(generation), db=self._meta)
                     self._load_tables(txn)
                 return
             except (lmdb.MapFullError, _MapNearlyFull):
@@ -278,51 +274,14 @@ class SharedStore:
                 if reason is not None:
                     raise ValueError(reason) from None
 
-    def _apply(self, txn: Any, limits: Sequence[CompiledLimit], now_us: int) -> None:
-        tables = self._read_tables(txn)
-        kept: set[str] = set()
-        for limit in limits:
-            table = tables.get(limit.table)
-            if table is not None and table.identity == limit.identity:
-                if table.algorithm != limit.algorithm:
-                    self._rescale(txn, table, limit.algorithm, now_us)
-                if limit.spec.max_keys < table.max_keys:
-                    self._shrink(txn, table.slot, limit.spec.max_keys)
-                slot = table.slot
-                kept.add(limit.table)
-            else:
-                slot = self._read_int(txn, _NEXT_SLOT)
-                txn.put(_NEXT_SLOT, TICK.pack(slot + 1), db=self._meta)
-            record = (slot, limit.identity, limit.algorithm, limit.spec.max_keys)
-            txn.put(b"table:" + limit.table.encode(), pickle.dumps(record), db=self._meta)
-        for name, table in tables.items():
-            if name in kept:
-                continue
-            self._drop_slot(txn, name, table.slot)
-            if name not in {limit.table for limit in limits}:
-                txn.delete(b"table:" + name.encode(), db=self._meta)
-
-    def _read_tables(self, txn: Any) -> dict[str, _Table]:
-        tables: dict[str, _Table] = {}
-        with txn.cursor(db=self._meta) as cursor:
-            if cursor.set_range(b"table:"):
-                for raw_name, raw in cursor:
-                    if not raw_name.startswith(b"table:"):
-                        break
-                    slot, identity, algorithm, max_keys = pickle.loads(raw)
-                    tables[raw_name[6:].decode()] = _Table(
-                        slot, identity, algorithm, max_keys, _SLOT.pack(slot)
-                    )
-        return tables
-
     def _load_tables(self, txn: Any) -> None:
-        self._tables = self._read_tables(txn)
+        self._tables = read_tables(txn, self._dbs)
         self._by_limit = {}
-        raw = txn.get(_GENERATION, db=self._meta)
+        raw = txn.get(GENERATION, db=self._meta)
         self._generation = None if raw is None else bytes(raw)
         self._current_at = -1
 
-    def _table_of(self, limit: CompiledLimit) -> _Table | None:
+    def _table_of(self, limit: CompiledLimit) -> Table | None:
         """The table holding ``limit``'s states, or None: a table another worker's newer
         policy made for other keys or another algorithm is not this limit's (its requests are
         decided afresh and stored nowhere until this worker adopts that policy too).
@@ -337,83 +296,9 @@ class SharedStore:
         self._by_limit[limit.table] = (limit, table, None if table is None else table.prefix)
         return table
 
-    def _read_int(self, txn: Any, name: bytes) -> int:
-        raw = txn.get(name, db=self._meta)
-        return 0 if raw is None else int(TICK.unpack(raw)[0])
-
-    def _slot_keys(self, txn: Any, db: Any, prefix: bytes) -> list[tuple[bytes, bytes]]:
-        items: list[tuple[bytes, bytes]] = []
-        with txn.cursor(db=db) as cursor:
-            if cursor.set_range(prefix):
-                for key, value in cursor:
-                    if not key.startswith(prefix):
-                        break
-                    items.append((bytes(key), bytes(value)))
-        return items
-
-    def _rescale(self, txn: Any, table: _Table, algorithm: Any, now_us: int) -> None:
-        """Carry each key's state over with ``algorithm.rescale``; visits every key (reloads
-        only)."""
-        prefix = _SLOT.pack(table.slot)
-        for key, raw in self._slot_keys(txn, self._state, prefix):
-            tick, state = decode_state(raw)
-            new_state = algorithm.rescale(state, table.algorithm, now_us)
-            if new_state is None:
-                self._forget(txn, table.slot, key, tick)
-            else:
-                txn.put(key, encode_state(tick, new_state), db=self._state)
-
-    def _shrink(self, txn: Any, slot: int, max_keys: int) -> None:
-        count, evictions, expiries = self._counts(txn, slot)
-        prefix = _SLOT.pack(slot)
-        while count > max_keys:
-            oldest = self._oldest(txn, prefix)
-            if oldest is None:
-                break
-            txn.delete(oldest, db=self._lru)
-            txn.delete(prefix + oldest[12:], db=self._state)
-            count -= 1
-            evictions += 1
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count, evictions, expiries), db=self._meta)
-
-    def _drop_slot(self, txn: Any, name: str, slot: int) -> None:
-        """Free a table a reload removed or gave other keys; its evictions stay counted under
-        its name (``dropped:``), so that a limit's evictions never go down."""
-        prefix = _SLOT.pack(slot)
-        for db in (self._state, self._lru):
-            for key, _ in self._slot_keys(txn, db, prefix):
-                txn.delete(key, db=db)
-        _, evictions, _ = self._counts(txn, slot)
-        txn.delete(b"counts:" + prefix, db=self._meta)
-        if evictions:
-            dropped_key = _DROPPED + name.encode()
-            txn.put(dropped_key, TICK.pack(self._read_int(txn, dropped_key) + evictions),
-                    db=self._meta)  # fmt: skip
-
-    def _forget(self, txn: Any, slot: int, key: bytes, tick: int) -> None:
-        """Drop one key (``key`` with its slot prefix)."""
-        prefix = _SLOT.pack(slot)
-        txn.delete(key, db=self._state)
-        txn.delete(prefix + TICK.pack(tick) + key[4:], db=self._lru)
-        count, evictions, expiries = self._counts(txn, slot)
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count - 1, evictions, expiries), db=self._meta)
-
-    def _counts(self, txn: Any, slot: int) -> tuple[int, int, int]:
-        """A table's keys, evictions and expiries."""
-        raw = txn.get(b"counts:" + _SLOT.pack(slot), db=self._meta)
-        return (0, 0, 0) if raw is None else _COUNTS.unpack(raw)
-
-    def _oldest(self, txn: Any, prefix: bytes) -> bytes | None:
-        with txn.cursor(db=self._lru) as cursor:
-            if cursor.set_range(prefix):
-                key = bytes(cursor.key())
-                if key.startswith(prefix):
-                    return key
-        return None
-
     def _refresh(self, txn: Any) -> None:
         """Another worker adopted a policy: read the tables it left."""
-        if txn.get(_GENERATION, db=self._meta) != self._generation:
+        if txn.get(GENERATION, db=self._meta) != self._generation:
             self._load_tables(txn)
 
     # -- the request path ------------------------------------------------------------------
@@ -484,7 +369,7 @@ class SharedStore:
             txn = self._begin(env, commit, self._state)
         try:
             verdict = self._read_and_decide(txn, checks, now_us, commit)[0]
-            if commit and verdict[0]:  # allowed
+            if commit and verdict.allowed:
                 committed = self._current_at + 1  # ``txn``'s own id (see ``_read_and_decide``)
                 txn.commit()
                 self._current_at = committed  # a request's commit leaves the policy as it was
@@ -517,7 +402,7 @@ class SharedStore:
             seen = snapshot.id()
         finally:
             snapshot.abort()
-        if not verdict[0]:  # rejected: nothing to write
+        if not verdict.allowed:  # rejected: nothing to write
             return verdict
         try:
             txn = env.begin(self._state, None, True)
@@ -527,7 +412,7 @@ class SharedStore:
             committed = txn.id()
             if committed != seen + 1 and self._changed_since(txn, found):
                 verdict = self._read_and_decide(txn, checks, now_us, True)[0]
-                if not verdict[0]:
+                if not verdict.allowed:
                     txn.abort()
                     return verdict
             else:
@@ -547,7 +432,7 @@ class SharedStore:
     def _changed_since(self, txn: Any, found: Sequence[_Found]) -> bool:
         """Whether the policy or any state read (``found``) is not what ``txn`` holds."""
         get = txn.get
-        if get(_GENERATION, None, self._meta) != self._generation:
+        if get(GENERATION, None, self._meta) != self._generation:
             return True
         return any(get(key) != raw for key, raw, _ in found)
 
@@ -565,7 +450,7 @@ class SharedStore:
         # ``_current_at`` is ``base`` on return (a lone process's commit reads it).
         base = txn.id() - write  # the committed transaction ``txn`` starts from
         if base != self._current_at:
-            if txn.get(_GENERATION, None, self._meta) != self._generation:
+            if txn.get(GENERATION, None, self._meta) != self._generation:
                 self._load_tables(txn)  # another worker adopted a policy
             self._current_at = base
         by_limit = self._by_limit
@@ -576,14 +461,9 @@ class SharedStore:
         now_tick = now_us // TICK_US
         found: list[_Found] = []
         moved: list[_Moved] | None = None
-        # Each limit decided as its state is read, and the verdict made as ``combine`` makes
-        # an admission's, without its passes; the rare rejection goes to ``combine``.
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
-        admitted = True
-        delay_s = 0.0
-        delayed_by = None
         for check in checks:
             limit = check.limit
             entry = by_limit.get(limit.table)
@@ -627,26 +507,13 @@ class SharedStore:
                         moved.append((key, tick, limit, new_state))
                 if put is None:
                     found.append((key, raw, value))
-            if decision[0]:  # allowed
-                # ">=": on equal delays the later limit is named, as nginx's account loop does.
-                delay = decision[1]
-                if delay > 0.0 and delay >= delay_s:
-                    delay_s = delay
-                    delayed_by = len(decisions)
-            else:
-                admitted = False
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
-        if not admitted:
-            return combine(decisions, new_states, states, now_us), found, moved
-        verdict: CombinedDecision = build(
-            CombinedDecision,
-            (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+        verdict = combine(
+            decisions, new_states, states, now_us, [check.max_delay_s for check in checks]
         )
-        if delayed_by is not None:
-            verdict = refuse_long_delays(verdict, states, [c.max_delay_s for c in checks])
-        if put is not None and moved is not None and verdict[0]:
+        if put is not None and moved is not None and verdict.allowed:
             self._write_moved_states(txn, moved, now_us)
         return verdict, found, moved
 
@@ -671,7 +538,7 @@ class SharedStore:
         assert table is not None  # ``key`` was made from it in this transaction
         if state is None:
             if tick is not None:
-                self._forget(txn, table.slot, key, tick)
+                forget_key(txn, self._dbs, table.slot, key, tick)
             return
         if tick is None:
             self._insert(txn, table, key, now_us, now_tick)
@@ -681,7 +548,7 @@ class SharedStore:
             txn.put(key[:4] + TICK.pack(now_tick) + key[4:], b"", True, True, False, lru)
         txn.put(key, encode_state(now_tick, state), True, True, False, self._state)
 
-    def _insert(self, txn: Any, table: _Table, key: bytes, now_us: int, now_tick: int) -> None:
+    def _insert(self, txn: Any, table: Table, key: bytes, now_us: int, now_tick: int) -> None:
         """Count a new key. First the table's least recently used keys are looked at: up to
         ``EXPIRE_ON_INSERT`` idle ones not used in this tick or the one before are dropped
         (expiries), and in a full table as many as make room (evictions, unless idle).
@@ -698,7 +565,7 @@ class SharedStore:
         prefix = table.prefix
         recent = TICK.pack(max(now_tick - 1, 0))  # LRU ticks are big-endian: bytes compare
         state_db = self._state
-        count, evictions, expiries = self._counts(txn, table.slot)
+        count, evictions, expiries = table_counts(txn, self._dbs, table.slot)
         is_idle = table.algorithm.is_idle
         looked = 0
         with txn.cursor(self._lru) as cursor:
@@ -723,9 +590,12 @@ class SharedStore:
                 txn.delete(state_key, b"", state_db)
                 found = cursor.delete()  # and on to the next oldest
                 count -= 1
-        txn.put(b"counts:" + prefix, _COUNTS.pack(count + 1, evictions, expiries),
+        txn.put(b"counts:" + prefix, COUNTS.pack(count + 1, evictions, expiries),
                 True, True, False, self._meta)  # fmt: skip
         txn.put(prefix + TICK.pack(now_tick) + key[4:], b"", True, True, False, self._lru)
+
+    def try_decide_now(self, checks: Sequence[Check]) -> CombinedDecision:
+        return self.decide_now(checks)
 
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
@@ -777,16 +647,16 @@ class SharedStore:
         keys = evictions = 0
         with self._begin(env, False) as txn:
             for slot in slots:
-                count, evicted, _ = self._counts(txn, slot)
+                count, evicted, _ = table_counts(txn, self._dbs, slot)
                 keys += count
                 evictions += evicted
             with txn.cursor(self._meta) as cursor:
-                found = cursor.set_range(_DROPPED + limit_name.encode())
+                found = cursor.set_range(DROPPED + limit_name.encode())
                 while found:
                     name = bytes(cursor.key())
-                    if not name.startswith(_DROPPED + limit_name.encode()):
+                    if not name.startswith(DROPPED + limit_name.encode()):
                         break
-                    table_name = name[len(_DROPPED) :].decode()
+                    table_name = name[len(DROPPED) :].decode()
                     if table_name == limit_name or table_name.startswith(variant):
                         evictions += TICK.unpack(cursor.value())[0]
                     found = cursor.next()
@@ -796,7 +666,7 @@ class SharedStore:
         """One table's keys, evictions and expiries (for inspection)."""
         table = self._tables[table_name]
         with self._begin(self._env_for_requests(), False) as txn:
-            return self._counts(txn, table.slot)
+            return table_counts(txn, self._dbs, table.slot)
 
     def tracked_keys(self, limit_name: str) -> int:
         return self._limit_counts(limit_name)[0]

@@ -1,0 +1,69 @@
+"""What the edge takes from aiohttp's insides, named in one place, and the subclasses that
+reach into them.
+
+aiohttp's low-level server has no public hook for these. An aiohttp upgrade that renames one
+fails ``tests/test_aiohttp_private.py``, not production. This module stays interpreted (its
+classes derive from aiohttp's and from ``list``, which mypyc does not compile); nothing here
+runs per request but ``MessageQueue``'s two list operations and ``request_message``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from aiohttp import hdrs, web
+from aiohttp.web_protocol import _ErrInfo
+from aiohttp.web_request import BaseRequest
+from multidict import CIMultiDict
+
+# A parse error aiohttp queues in ``RequestHandler._messages`` in place of a request.
+ErrInfo: Final = _ErrInfo
+
+# ``RequestHandler`` slots ``GatewayProtocol`` reads or replaces.
+HANDLER_ATTRIBUTES: Final = ("_messages", "_keepalive_handle", "_loop")
+# ``StreamResponse`` internals the relayed responses wrap.
+RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers")
+# ``BaseRequest``'s parsed request line and headers (a C ``RawRequestMessage`` under aiohttp's
+# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``).
+REQUEST_ATTRIBUTES: Final = ("_message",)
+
+
+def request_message(request: BaseRequest) -> Any:
+    """The request's parsed message, untyped: compiled code that typed it as aiohttp's stubs do
+    (a NamedTuple) would check for a tuple and refuse the C parser's ``RawRequestMessage``."""
+    return request._message
+
+
+class MessageQueue(list[Any]):
+    """aiohttp's per-connection queue of parsed requests, as a list: an empty ``deque`` is many
+    times the size of an empty list, and this queue holds one or two entries (pipelining), on
+    every connection a shaping queue holds (bench/README.md)."""
+
+    __slots__ = ()
+
+    def popleft(self) -> Any:
+        return self.pop(0)
+
+
+class _Relayed:
+    """Sends the upstream's headers as they came: aiohttp would add ``Content-Type:
+    application/octet-stream`` and ``Server: Python/... aiohttp/...`` (versions) where the
+    upstream sent none, and only on the responses that take this path (large, streamed)."""
+
+    async def _prepare_headers(self) -> None:
+        headers: CIMultiDict[str] = self._headers  # type: ignore[attr-defined]
+        had_type = hdrs.CONTENT_TYPE in headers
+        had_server = hdrs.SERVER in headers
+        await super()._prepare_headers()  # type: ignore[misc]
+        if not had_type:
+            headers.popall(hdrs.CONTENT_TYPE, None)
+        if not had_server:
+            headers.popall(hdrs.SERVER, None)
+
+
+class RelayedStream(_Relayed, web.StreamResponse):
+    pass
+
+
+class RelayedResponse(_Relayed, web.Response):
+    pass

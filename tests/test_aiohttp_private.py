@@ -1,0 +1,50 @@
+"""The private aiohttp attributes the edge relies on (``gateway/edge/aiohttp_private.py``) still
+exist: an aiohttp upgrade that renames one fails here, not in production."""
+
+from __future__ import annotations
+
+import inspect
+
+from aiohttp import web
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.test_utils import make_mocked_request
+from aiohttp.web_protocol import RequestHandler
+
+from gateway.edge.aiohttp_private import (
+    HANDLER_ATTRIBUTES,
+    REQUEST_ATTRIBUTES,
+    RESPONSE_ATTRIBUTES,
+    ErrInfo,
+    request_message,
+)
+
+
+def _attributes(cls: type) -> set[str]:
+    names = set(dir(cls))
+    for klass in cls.__mro__:
+        names.update(getattr(klass, "__slots__", ()))
+    return names
+
+
+def test_request_handler_has_the_slots_the_protocol_uses() -> None:
+    assert set(HANDLER_ATTRIBUTES) <= _attributes(RequestHandler)
+
+
+def test_responses_have_the_internals_the_relayed_responses_wrap() -> None:
+    for response in (web.StreamResponse(), web.Response()):
+        assert all(hasattr(response, name) for name in RESPONSE_ATTRIBUTES)
+    assert inspect.iscoroutinefunction(web.StreamResponse._prepare_headers)
+
+
+def test_a_parse_error_entry_carries_its_message() -> None:
+    assert "message" in inspect.signature(ErrInfo).parameters
+
+
+def test_a_request_keeps_its_parsed_message() -> None:
+    request = make_mocked_request("GET", "/x", headers={"Host": "h"})
+    assert all(hasattr(request, name) for name in REQUEST_ATTRIBUTES)
+    message = request_message(request)
+    assert message.path == "/x" and message.upgrade is False and message.chunked is False
+    # Under aiohttp's C parser (production) the message is its own class, not the NamedTuple
+    # the stubs declare: why compiled code reads it untyped.
+    assert {"method", "path", "upgrade", "chunked"} <= set(dir(RawRequestMessage))
