@@ -189,9 +189,6 @@ EXPECTED_ERRORS = {
     "ahead would be held by nobody",
     "concurrency_zero_limit.yaml": "concurrency_zero_limit.yaml:10: limits.per_client.limit: "
     "Input should be greater than or equal to 1",
-    "concurrency_not_enforced_yet.yaml": "concurrency_not_enforced_yet.yaml:9: "
-    "limits.per_client.algorithm: concurrency limits are not enforced by this version of the "
-    "gateway yet: remove this limit",
     "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "
     "min_limit (10) cannot exceed max_limit (5)",
     "adaptive_zero_buffer.yaml": "adaptive_zero_buffer.yaml:5: upstreams.backend.adaptive.buffer: "

@@ -111,6 +111,7 @@ class ProxyHandler:
         runtime = self.runtime
         runtime.inflight += 1
         status = 500
+        outcome: Outcome | None = None
         try:
             # Admit, wait, forward: a request in the shaping queue holds this one coroutine of
             # ours and what ``_admit`` kept for forwarding, not the frames that decided it
@@ -155,6 +156,10 @@ class ProxyHandler:
             status = 499  # the client went away (nginx's code for it)
             raise
         finally:
+            if outcome is not None and outcome.held:
+                # Its concurrency slots: the response is sent (the body handed to the
+                # connection), the client went away, the upstream failed or a WebSocket closed.
+                runtime.engine.release(outcome)
             runtime.request_done()
             if isinstance(protocol, GatewayProtocol):
                 protocol.request_finished()
@@ -225,6 +230,8 @@ class ProxyHandler:
                 outcome = engine.evaluate_now(facts, route, host, path, client_ip)
             else:
                 outcome = await engine.evaluate(facts, route, host, path, client_ip)
+            if outcome.waits_on is not None:  # over a concurrency limit: in line for a slot
+                outcome = await engine.wait_for_slot(outcome)
             request[LIMIT_OUTCOME] = outcome
             if outcome.status:
                 # Marked to close: aiohttp still reads an unread body for up to its

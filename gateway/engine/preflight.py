@@ -14,7 +14,7 @@ from pathlib import Path
 from gateway.algorithms.registry import build_algorithm
 from gateway.engine.limit_engine import LimitEngine
 from gateway.policy.loader import BuildChecks, LoadedPolicy, Loc, load_policy, parse_policy
-from gateway.policy.models import ConcurrencyLimit, Policy
+from gateway.policy.models import Policy
 from gateway.policy.tls_files import TlsFilesError, load_tls
 from gateway.redact import redact_text
 from gateway.stores import build_store
@@ -35,15 +35,6 @@ def unenforced_problems(policy: Policy) -> list[tuple[Loc, str]]:
     """What the schema describes but the request path does not enforce yet: refused, so that
     no policy is accepted and then silently not applied."""
     problems: list[tuple[Loc, str]] = []
-    for name, limit in policy.limits.items():
-        if isinstance(limit, ConcurrencyLimit):
-            problems.append(
-                (
-                    ("limits", name, "algorithm"),
-                    "concurrency limits are not enforced by this version of the gateway yet: "
-                    "remove this limit",
-                )
-            )
     for name, upstream in policy.upstreams.items():
         if upstream.adaptive is not None:
             problems.append(

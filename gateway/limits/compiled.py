@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
+from gateway.algorithms.concurrency import Concurrency
 from gateway.limits.keys import KeyBuilder
 from gateway.limits.routing import CompiledMatch
 from gateway.policy.models import Limit, Route
@@ -44,6 +45,9 @@ class LimitCounters:
     # Requests between the queue-bound check and their decision (or their place in the queue):
     # counted against max_queue too, so requests decided together cannot overfill the queue.
     deciding: int = 0
+    # A concurrency limit's slots this process's requests hold (summed over workers and
+    # replicas: the slots in use), and the requests its line turned away or timed out.
+    slots_held: int = 0
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(
@@ -67,10 +71,13 @@ class CompiledLimit:
     tiering: Tiering | None = None
     # The name of this limit's state table: ``name``, or ``name~N`` for an override's variant.
     table: str = ""
+    # A concurrency limit: an admitted request holds ``cost`` slots until it gives them back.
+    holds_slots: bool = False
 
     def __post_init__(self) -> None:
         if not self.table:
             self.table = self.name
+        self.holds_slots = isinstance(self.algorithm, Concurrency)
 
     def applies(self, route: Route, host: str, path: str, method: str) -> bool:
         if self.routes is not None and route.name not in self.routes:

@@ -99,6 +99,7 @@ class RedisStore:
 
     name = "redis"
     verdicts_on_clock = False  # decided on Redis TIME
+    slots_shared = True  # other replicas hold slots of the same keys
 
     def __init__(
         self,
@@ -333,6 +334,9 @@ class RedisStore:
                 self._answered()
                 verdicts.append(_verdict((check,), (plan,), reply))
         return verdicts
+
+    def release(self, checks: Sequence[Check]) -> asyncio.Future[None] | None:
+        return None
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         """Best effort, never raises: a refund that cannot reach Redis is given locally.
