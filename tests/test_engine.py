@@ -467,7 +467,7 @@ def test_lines_grant_slots_in_arrival_order_and_nothing_is_left_behind(
             await asyncio.sleep(0.01)
             table = bench.store.slot_tables.get("in_flight")
             if table is not None:
-                assert all(table.held(key) <= limit for key in table.keys())
+                assert all(table.held(key) <= limit for key in table.held_keys())
         while waiting or holding:
             while holding:
                 engine.release(holding.pop())

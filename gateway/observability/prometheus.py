@@ -279,6 +279,11 @@ class GatewayCollector(Collector):
         dry_run = GaugeMetricFamily(
             "gateway_limit_dry_run", "1 for a dry-run (never enforced) limit.", labels=["limit"]
         )
+        slots = GaugeMetricFamily(
+            "gateway_limit_slots_in_use",
+            "Slots a concurrency limit's requests hold now (requests in flight, by cost).",
+            labels=["limit"],
+        )
         # Aggregates of the top-keys view (never the keys: labels are config names only), for
         # enforced limits and for dry-run ones, whose view holds the keys they would limit.
         limited_keys = GaugeMetricFamily(
@@ -302,7 +307,10 @@ class GatewayCollector(Collector):
             tracked.add_metric([name], limit.tracked_keys)
             evictions.add_metric([name], limit.evictions)
             dry_run.add_metric([name], 1 if limit.dry_run else 0)
-        yield from (decisions, wait, depth, tracked, evictions, dry_run, limited_keys, top_key_hits)
+            if limit.algorithm == "concurrency":
+                slots.add_metric([name], limit.slots_in_use)
+        yield from (decisions, wait, depth, tracked, evictions, dry_run, slots)
+        yield from (limited_keys, top_key_hits)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:

@@ -94,6 +94,7 @@ class LimitData(_Model):
     evictions: int = 0
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
+    slots_in_use: int = 0  # gauge: a concurrency limit's slots held by this process's requests
     wait: HistogramData = HistogramData.empty(QUEUE_WAIT_BUCKETS)
     lease: LeaseData | None = None  # a leased limit's leases (lease: on the Redis store)
 
@@ -413,9 +414,13 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             durations[route] = old.plus(histogram) if old is not None else histogram
         for name, limit in snap.limits.items():
             if id(snap) in live_ids:
-                gauges = {"waiting": limit.waiting, "tracked_keys": limit.tracked_keys}
+                gauges = {
+                    "waiting": limit.waiting,
+                    "tracked_keys": limit.tracked_keys,
+                    "slots_in_use": limit.slots_in_use,
+                }
             else:
-                gauges = {"waiting": 0, "tracked_keys": 0}
+                gauges = {"waiting": 0, "tracked_keys": 0, "slots_in_use": 0}
             counted = limit.model_copy(update=gauges)
             old_limit = limits.get(name)
             if old_limit is None:
@@ -426,6 +431,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                     update={
                         "waiting": old_limit.waiting + counted.waiting,
                         "tracked_keys": old_limit.tracked_keys + counted.tracked_keys,
+                        "slots_in_use": old_limit.slots_in_use + counted.slots_in_use,
                     }
                 )
         for name, top in snap.top_keys.items():

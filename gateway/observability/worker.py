@@ -252,6 +252,7 @@ class WorkerMetrics:
                 evictions=store.evictions(name),
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
+                slots_in_use=counters.slots_held,
                 lease=lease_data(store, name),
                 wait=HistogramData.of(wait)
                 if wait is not None

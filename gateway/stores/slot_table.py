@@ -78,6 +78,6 @@ class SlotTable:
             raise ValueError(f"max_keys must be at least 1, got {max_keys!r}")
         self.max_keys = max_keys
 
-    def keys(self) -> list[str]:
+    def held_keys(self) -> list[str]:
         """Keys holding slots (for the dashboard and tests)."""
         return list(self._held)
