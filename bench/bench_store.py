@@ -178,7 +178,12 @@ async def serve(args: argparse.Namespace) -> None:
                 **dataclasses.asdict(store.counters),
                 "lease_calls": lease_calls,
                 "round_trips": store.round_trips,
-                "circuit_transitions": store.breaker.transitions,
+                # Per node (a cluster's masters; "" a single server).
+                "circuit_transitions": {
+                    node: breaker.transitions
+                    for node, breaker in store.circuits.breakers().items()
+                    if breaker.transitions
+                },
             }
             print("STORE_STATS " + json.dumps(counters), flush=True)
         await gateway.stop()

@@ -315,6 +315,36 @@ def test_check_binds_the_listen_addresses_as_nginx_t_does(tmp_path: Path) -> Non
         assert _gateway("check", str(policy)).returncode == 0
 
 
+def test_check_refuses_the_admin_token_run_refuses(tmp_path: Path) -> None:
+    """A token file that cannot be read, or a token too short: ``run`` will not start, so
+    ``check`` does not say ok (the token never printed). A relative name is beside the policy
+    file, as its other files are, wherever the gateway is started."""
+    policy = tmp_path / "policy.yaml"
+    missing = tmp_path / "admin-token"
+    policy.write_text(
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        "  admin_token_file: admin-token\n"
+        "upstreams:\n  backend:\n    url: http://127.0.0.1:9\n"
+        "routes:\n  - name: all\n    upstream: backend\n"
+    )
+    checked = _gateway("check", str(policy))
+    assert (checked.returncode, checked.stderr) == (
+        1,
+        f"{policy}:4: server.admin_token_file: admin token file {missing}: cannot read it: "
+        "No such file or directory\n",
+    )
+    run = _gateway("run", "--config", str(policy))
+    assert _one_line_no_traceback(run) == (
+        f"gateway: admin token file {missing}: cannot read it: No such file or directory"
+    )
+    missing.write_text("short-secret\n")
+    checked = _gateway("check", str(policy))
+    assert checked.returncode == 1 and "shorter than 16 characters" in checked.stderr
+    assert "short-secret" not in checked.stderr
+    missing.write_text("a-token-long-enough-to-use\n")
+    assert _gateway("check", str(policy)).returncode == 0
+
+
 @pytest.mark.reliability
 def test_run_refuses_listen_and_admin_listen_on_one_port_from_the_command_line() -> None:
     result = _gateway(

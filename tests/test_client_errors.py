@@ -99,6 +99,11 @@ def test_the_reason_never_carries_the_clients_bytes() -> None:
     assert reason_of(LineTooLong(bytearray(b"\x1b]0;x\x07"), 10)) == (
         "Got more than 10 bytes when reading"
     )
+    # The parser's own apostrophe is not where a quotation starts.
+    assert reason_of(BadHttpMessage("Transfer-Encoding can't be present with Content-Length")) == (
+        "Transfer-Encoding can't be present with Content-Length"
+    )
+    assert reason_of(BadHttpMessage("Bad status line 'x'")) == "Bad status line"
 
 
 def test_causes_remembered_are_bounded(caplog: pytest.LogCaptureFixture) -> None:

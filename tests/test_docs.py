@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -163,12 +164,16 @@ def test_every_policy_shown_passes_gateway_check(block: Block, tmp_path: Path) -
     shutil.copytree(ROOT / "policies" / "tiers", tmp_path / "tiers")
     policy = tmp_path / "policy.yaml"
     policy.write_text(text)
+    # A token from the environment, as a deployment gives one: an example's token file (a
+    # mounted secret) is not on this machine, and check reads the token as run does.
+    env = {**os.environ, "GATEWAY_ADMIN_TOKEN": "a-token-for-the-snippet-check"}
     done = subprocess.run(
         [sys.executable, "-m", "gateway", "check", str(policy)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert done.returncode == 0, f"{block}: {done.stderr}\n{text}"
 
@@ -326,3 +331,31 @@ def test_the_metrics_page_names_every_metric() -> None:
     assert len(names) > 30
     missing = sorted(n for n in names if not re.search(rf"`{n}(_total)?`", page))
     assert missing == [], "add them to docs/observability.md"
+
+
+def _logger_names() -> set[str]:
+    """The names the code gives its loggers (``logging.getLogger("gateway....")``)."""
+    names: set[str] = set()
+    for module in (ROOT / "gateway").rglob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", "")) == "getLogger"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                names.add(node.args[0].value)
+    return names
+
+
+def test_every_logger_the_pages_name_exists() -> None:
+    """``logger `gateway.x``` and ``loggers `gateway.x` and `gateway.y```: an operator filters
+    the log on these names, so each must be a logger the code writes on."""
+    named: set[str] = set()
+    for path in MARKDOWN:
+        text = path.read_text(encoding="utf-8")
+        for phrase in re.findall(r"loggers? ((?:`gateway[\w.]*`(?: and | or |, )?)+)", text):
+            named.update(re.findall(r"`(gateway[\w.]*)`", phrase))
+    assert {"gateway.access", "gateway.limits", "gateway.upstream"} <= named
+    assert sorted(named - _logger_names()) == [], "the code has no logger of these names"

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import random
 import struct
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ from gateway.stores import RedisStore
 from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.clients import PipelineClient, ThinClient
 from gateway.stores.redis.lease import load_lease_script
-from gateway.stores.redis.lease_grant import grant_size, want_within
+from gateway.stores.redis.lease_grant import first_ask, grant_size, want_within
 from tests.support import redis_harness
 from tests.support.browser import dashboard_field, until_shown
 from tests.support.conformance import T0_US, burst
@@ -57,19 +60,31 @@ low_waters = st.integers(0, 999)
     asking=st.integers(1, 64),
     share_pm=shares,
     low_water_pm=low_waters,
+    first=st.integers(1, 10**9),
 )
 def test_a_grant_never_exceeds_its_share_of_what_remains(
-    quota: int, data: st.DataObject, want: int, asking: int, share_pm: int, low_water_pm: int
+    quota: int,
+    data: st.DataObject,
+    want: int,
+    asking: int,
+    share_pm: int,
+    low_water_pm: int,
+    first: int,
 ) -> None:
     remaining = data.draw(st.integers(0, quota))
-    granted = grant_size(remaining, quota, want, asking, share_pm, low_water_pm)
+    granted = grant_size(remaining, quota, want, asking, share_pm, low_water_pm, first)
     assert 0 <= granted <= remaining
     assert granted <= math.ceil(remaining * share_pm / 1000)
+    # Never more than an even part among the askers: when the quota runs out, none holds
+    # much more than another.
+    assert granted <= math.ceil(remaining / asking)
     if remaining > 0:
         assert granted >= 1  # the last units can still be had
     if want > 0:
         assert granted <= want
-    if remaining * 1000 <= quota * low_water_pm:  # near exhaustion: split among the askers
+    else:  # no history: at most an interval of the quota's rate, split
+        assert granted <= math.ceil(first / asking)
+    if remaining * 1000 <= quota * low_water_pm:  # near exhaustion: the share split
         assert granted <= math.ceil(math.ceil(remaining * share_pm / 1000) / asking)
 
 
@@ -95,7 +110,7 @@ def test_live_leases_and_spent_units_never_exceed_the_quota(
     given_out = 0  # what the script counts: granted minus returned
     for replica, action, amount in steps:
         if action == "ask":
-            granted = grant_size(quota - given_out, quota, amount, 5, share_pm, low_water_pm)
+            granted = grant_size(quota - given_out, quota, amount, 5, share_pm, low_water_pm, quota)
             held[replica] += granted
             given_out += granted
         elif action == "spend":
@@ -110,13 +125,28 @@ def test_live_leases_and_spent_units_never_exceed_the_quota(
 
 
 def test_grants_shrink_near_exhaustion() -> None:
-    """A busy replica takes at most half of what remains; under the low water the rest is
-    spread over the replicas asking rather than stranded on one."""
-    assert grant_size(1000, 1000, 900, 3, 500, 100) == 500
-    assert grant_size(100, 1000, 900, 3, 500, 100) == 17  # ceil(ceil(100 / 2) / 3)
-    assert grant_size(1, 1000, 900, 3, 500, 100) == 1
-    assert grant_size(0, 1000, 900, 3, 500, 100) == 0
-    assert grant_size(1000, 1000, 0, 4, 500, 100) == 125  # no history: a fair share
+    """A busy replica takes at most half of what remains, and no more than an even part of it
+    among the replicas asking; under the low water the rest is spread over them rather than
+    stranded on one."""
+    assert grant_size(1000, 1000, 900, 1, 500, 100, 200) == 500  # alone: half
+    assert grant_size(1000, 1000, 900, 3, 500, 100, 200) == 334  # ceil(1000 / 3)
+    assert grant_size(1000, 1000, 300, 3, 500, 100, 200) == 300  # what it wants
+    assert grant_size(100, 1000, 900, 3, 500, 100, 200) == 17  # ceil(ceil(100 / 2) / 3)
+    assert grant_size(1, 1000, 900, 3, 500, 100, 200) == 1
+    assert grant_size(0, 1000, 900, 3, 500, 100, 200) == 0
+    # No history: a fair share, and at most an interval of the quota's rate split.
+    assert grant_size(1000, 1000, 0, 4, 500, 100, 1000) == 125
+    assert grant_size(1000, 1000, 0, 1, 500, 100, 200) == 200
+    assert grant_size(1000, 1000, 0, 4, 500, 100, 200) == 50
+
+
+def test_a_first_ask_is_an_interval_of_the_quota_at_its_rate() -> None:
+    # 3,000 per 10 s window, interval 2 s: 600; a window ending in 0.5 s: 150.
+    assert first_ask(3000, 10_000_000, 10_000_000, 2_000_000, False) == 600
+    assert first_ask(3000, 10_000_000, 500_000, 2_000_000, False) == 150
+    assert first_ask(3000, 10_000_000, None, 2_000_000, False) == 600
+    # A bucket refilling a token every 100 ms: 20 over a 2 s interval.
+    assert first_ask(1000, 100_000.0, None, 2_000_000, True) == 20
 
 
 @pytest.fixture
@@ -177,7 +207,8 @@ def test_the_script_grants_what_the_python_mirror_computes(
     )
     lasts_us = (index + 1) * window_us - now_us
     wanted = want_within(want, lasts_us, interval_us)
-    expected = grant_size(remaining, quota, wanted, asking, share_pm, low_water_pm)
+    first = first_ask(quota, window_us, lasts_us, interval_us, False)
+    expected = grant_size(remaining, quota, wanted, asking, share_pm, low_water_pm, first)
     assert reply == [
         expected,
         index,
@@ -318,6 +349,75 @@ async def test_replicas_sharing_a_leased_window_admit_exactly_the_limit(
             await store.close()
 
 
+def exact_split(
+    arrivals: list[tuple[int, int]], limit: int, window_us: int
+) -> Counter[tuple[int, int]]:
+    """What a per-request limit admits of each replica's requests, per window: the first
+    ``limit`` of each window in arrival order. ``arrivals``: (instant, replica), sorted."""
+    admitted: Counter[tuple[int, int]] = Counter()
+    taken: Counter[int] = Counter()
+    for at_us, replica in arrivals:
+        window = at_us // window_us
+        if taken[window] < limit:
+            taken[window] += 1
+            admitted[window, replica] += 1
+    return admitted
+
+
+@pytest.mark.parametrize("arrivals", ["even", "poisson"])
+async def test_equal_replicas_share_a_leased_window_fairly_from_a_cold_start(
+    redis_server: RedisServer, arrivals: str
+) -> None:
+    """Three equal replicas, 150 requests a second each, start together on a 3,000 per 10 s
+    window nobody has asked for. Each is admitted in every window, the first included, what a
+    per-request limit would admit of its requests, within 2 % of the limit. Before, the first
+    to ask found no other asking and was granted half of the quota, more than it could spend
+    before the others ran the rest out: 1,500 / 750 / 750 in the first window."""
+    window_us = 10_000_000
+    clock = FakeClock(T0_US - T0_US % window_us)
+    limit = leased_limit(
+        {
+            "algorithm": "fixed_window",
+            "limit": 3000,
+            "window": "10s",
+            "key": ["global"],
+            "lease": {},
+        }
+    )
+    stores = replicas(redis_server, clock, limit, 3)
+    check = Check(limit, "g")
+    start_us = clock.now_us()
+    events: list[tuple[int, int]] = []
+    for replica in range(3):
+        rng = random.Random(replica)
+        at_s = replica * 0.0003
+        while at_s < 3 * window_us / 1e6:
+            events.append((start_us + round(at_s * 1e6), replica))
+            at_s += rng.expovariate(150.0) if arrivals == "poisson" else 1 / 150
+    events.sort()
+    admitted: Counter[tuple[int, int]] = Counter()
+    try:
+        for at_us, replica in events:
+            clock.advance((at_us - clock.now_us()) / 1e6)
+            store = stores[replica]
+            verdict = store.try_decide_now([check]) or await store.decide([check])
+            if verdict.allowed:
+                admitted[at_us // window_us, replica] += 1
+    finally:
+        for store in stores:
+            await store.close()
+    exact = exact_split(events, 3000, window_us)
+    windows = sorted({window for window, _ in exact})
+    table = [[admitted[w, r] for r in range(3)] for w in windows]
+    assert [sum(row) for row in table] == [3000] * 3, table
+    for window in windows:
+        for replica in range(3):
+            assert abs(admitted[window, replica] - exact[window, replica]) <= 0.02 * 3000, (
+                table,
+                [[exact[w, r] for r in range(3)] for w in windows],
+            )
+
+
 async def test_a_replica_that_stops_gives_its_lease_back(redis_server: RedisServer) -> None:
     """Graceful shutdown returns the unused units: the other replica can spend them in the same
     window. A replica that vanishes without closing strands at most its lease."""
@@ -409,14 +509,14 @@ async def test_lease_metrics_and_dashboard(
     start_gateway: GatewayFactory,
     browser: Browser,
 ) -> None:
-    """A gateway leasing its global limit: 50 requests take one lease of the fair share and
+    """A gateway leasing its global limit: 50 requests take one lease (a first ask) and
     make one Redis call; /metrics, the dashboard's state and the page (in Chromium) show it
     beside the limit."""
     limits = f"""\
   global:
     algorithm: fixed_window
     limit: 1000
-    window: 1m
+    window: 10s
     key: [global]
     lease: {{}}
 store:
@@ -425,6 +525,10 @@ store:
   timeout: 2s
 """
     gateway = await start_gateway(limited_policy(upstream.url, limits))
+    # The first ask is sized by the time left in the window (at most an interval, 2 s): not
+    # in the last 3 s of one (Redis TIME, the wall clock here).
+    if time.time() % 10 > 7:
+        await asyncio.sleep(10.05 - time.time() % 10)
     async with aiohttp.ClientSession() as session:
         for _ in range(50):
             assert await get_status(session, gateway.url + "/") == 200
@@ -434,13 +538,13 @@ store:
 
         samples = await scrape_until(session, gateway.admin_url, leased)
         assert value(samples, "gateway_limit_leases_total", limit="global", event="granted") == 1
-        # No history yet: half of the quota split among the replicas asking (one).
-        assert value(samples, "gateway_limit_lease_size", limit="global") == 500
+        # No history yet: the quota's units over an interval (2 s of 10), one replica asking.
+        assert value(samples, "gateway_limit_lease_size", limit="global") == 200
         assert value(samples, "gateway_limit_lease_store_calls_total", limit="global") == 1
         async with session.get(gateway.admin_url + "/dashboard/state") as response:
             state = await response.json()
         lease = state["state"]["limits"]["global"]["lease"]
-        assert lease["granted"] == 1 and lease["last_size"] == 500 and lease["decided"] == 50
+        assert lease["granted"] == 1 and lease["last_size"] == 200 and lease["decided"] == 50
     page = await browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -449,7 +553,7 @@ store:
     async def lease_shown() -> bool:
         if not await page.locator("#limit-global .lease").is_visible():
             return False
-        return await dashboard_field(page, "global", "lease-size") == "500"
+        return await dashboard_field(page, "global", "lease-size") == "200"
 
     await until_shown(lease_shown, "the lease line beside the limit")
     assert await dashboard_field(page, "global", "lease-granted") == "1"
@@ -471,11 +575,12 @@ async def test_an_expired_bucket_lease_goes_back_with_the_sweep(redis_server: Re
     try:
         assert (await first.decide([check])).allowed
         held = first.leases.leases["global"]["g"].units
-        assert held == 49  # a fair share of 100 (half, one replica asking) less the one spent
+        # A first ask: the refill over an interval (20 s at 1 r/s), less the one spent.
+        assert held == 19
         clock.advance(first.leases.plans["global"].interval_us * 2 / 1e6)
         await first.leases.sweep()
         counters = first.leases.counters["global"]
-        assert (counters.expired, counters.returned, counters.units_returned) == (1, 1, 49)
+        assert (counters.expired, counters.returned, counters.units_returned) == (1, 1, 19)
         # 99 tokens back in the bucket, plus what 200 s of refill... capped at the capacity.
         admitted = 0
         for _ in range(120):
@@ -574,7 +679,8 @@ async def test_a_reload_that_changes_a_leased_limit_gives_its_leases_back(
     try:
         assert (await first.decide([check])).allowed
         held = first.leases.leases["global"]["g"].units
-        assert held == 49  # a fair share of 100 (half, one replica asking) less the one spent
+        # A first ask: the quota over an interval (200 ms of 1 s), less the one spent.
+        assert held == 19
         changed = leased_limit({**spec, "limit": 120, "lease": {}})
         first.configure([changed], [limit])
         await first.leases.returns_done()
@@ -608,7 +714,8 @@ async def test_lease_calls_go_through_the_configured_client(
     )
     store.configure([limit], ())
     try:
-        for _ in range(60):  # two leases of the fair share: two calls
+        # Two leases: a first ask (the quota over an interval, 20), then 20 by demand.
+        for _ in range(30):
             assert (await store.decide([Check(limit, "g")])).allowed
         expected = PipelineClient if client == "redis-py" else ThinClient
         assert type(store.leases.client) is expected
@@ -651,16 +758,17 @@ async def test_a_leased_quota_is_admitted_once_across_an_outage(
     check = Check(limit, "g")
     loop = asyncio.get_running_loop()
     try:
-        # One lease of the fair share (20, half of 40 with one replica asking), 10 spent.
+        # Leases (a first ask: the quota over an interval; then by demand), 10 spent.
         before = await burst(store, check, 10)
         held = store.leases.leases["global"]["g"].units
-        assert (before, held) == (10, 10)
+        assert before == 10
 
         server.pause()
         during = await burst(store, check, 120)
         assert store.breaker.state == "open" and store.counters.local_decisions > 0
-        # The lease's 10, then the fallback's quota (40) less the 20 the leases admitted.
-        assert during == 10 + 20, during
+        # What the lease held, then the fallback's quota (40) less the 10 + held the leases
+        # admitted: 30 in all, however the grants were cut.
+        assert during == 30, (held, during)
 
         server.resume()
         after = 0

@@ -314,8 +314,8 @@ async def test_redis_down_replicas_spend_their_leases_then_follow_on_failure(
     answers as ``on_failure: deny`` says (503), never more than the limit in all."""
     server = redis_factory.start()
     path = tmp_path / "policy.yaml"
-    # A long window, so that the whole test stays in one; each replica's first ask gets a fair
-    # share: half of what remains split among the replicas that asked.
+    # A long window, so that the whole test stays in one; each replica's first ask gets the
+    # quota over an interval, split among the replicas that asked.
     path.write_text(
         policy(upstream.url, server.url, f"down{os.getpid()}:", "deny", limit=200, window="10s")
     )
@@ -329,8 +329,8 @@ async def test_redis_down_replicas_spend_their_leases_then_follow_on_failure(
                     await response.read()
                     return response.status
 
-            # The first to ask gets half of the 200 (alone in asking), the second half of the
-            # 100 left split between the two.
+            # A first ask is the quota over an interval (2 s of the 10 s window: 40): the
+            # first to ask gets 40 (alone in asking), the second 40 split between the two.
             assert await get(started[0]) == 200
             assert await get(started[1]) == 200
             server.stop()
@@ -342,6 +342,70 @@ async def test_redis_down_replicas_spend_their_leases_then_follow_on_failure(
                     if status != 200:
                         break
     # Each spent the lease it held (less the unit its first request took), then deny.
-    assert [replica.count(200) for replica in statuses] == [99, 24]
+    assert [replica.count(200) for replica in statuses] == [39, 19]
     assert [replica[-1] for replica in statuses] == [503, 503]
-    assert len(upstream.requests) == 100 + 25
+    assert len(upstream.requests) == 40 + 20
+
+
+async def test_equal_replicas_from_a_cold_start_share_the_first_window_fairly(
+    redis_factory: RedisFactory,
+    upstream: RecordingUpstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Three gateways that have never asked for the limit, each offered 150 requests a second
+    (open loop) from the start of a 5 s window of 1,500: each is admitted in that first window
+    what a per-request limit would admit of its requests (the first 1,500 sent), within 2 % of
+    the limit. The probe found 1,500 / 750 / 750 of 3,000 there (the first to ask was granted
+    half of the quota, more than it could spend before the others ran the rest out)."""
+    limit, window_s, rate = 1500, 5, 150.0
+    server = redis_factory.start()
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        policy(upstream.url, server.url, f"cold{os.getpid()}:", limit=limit, window=f"{window_s}s")
+    )
+    sent: list[tuple[float, int]] = []  # (wall clock when sent, replica)
+    admitted = [0, 0, 0]
+    statuses: Counter[int] = Counter()
+    async with gateways(path) as started:
+        # From the start of a window (Redis TIME: the wall clock here), for one window.
+        await asyncio.sleep(window_s - time.time() % window_s + 0.01)
+        first = int(time.time()) // window_s
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=5)
+        ) as session:
+
+            async def one(replica: int) -> None:
+                at = time.time()
+                sent.append((at, replica))
+                async with session.get(f"http://127.0.0.1:{started[replica].port}/") as response:
+                    await response.read()
+                statuses[response.status] += 1
+                if response.status == 200 and int(at) // window_s == first:
+                    admitted[replica] += 1
+
+            async def offer(replica: int) -> None:
+                # Open loop: a request every 1/rate s on the loop's clock, whatever the answers.
+                begin = loop.time() + replica * 0.002
+                tasks = []
+                for n in range(int(rate * window_s) + 10):  # bounded: a little past the window
+                    await asyncio.sleep(max(begin + n / rate - loop.time(), 0))
+                    tasks.append(asyncio.create_task(one(replica)))
+                await asyncio.gather(*tasks)
+
+            await asyncio.gather(*(offer(replica) for replica in range(3)))
+    in_window = sorted(item for item in sent if int(item[0]) // window_s == first)
+    exact = Counter(replica for _, replica in in_window[:limit])
+    with capsys.disabled():
+        print(
+            f"\ncold start, 3 replicas at {rate:g} req/s, {limit} per {window_s} s: admitted "
+            f"{admitted} in the first window, a per-request limit {[exact[r] for r in range(3)]}"
+            f" ({len(in_window)} sent in it)"
+        )
+    assert set(statuses) <= {200, 429}, statuses
+    # Saturated (offered about 2,250): the limit, within 2 % (counted by when each request was
+    # sent, a request sent just before the window's end may be decided just after it).
+    assert abs(sum(admitted) - limit) <= 0.02 * limit
+    for replica in range(3):
+        assert abs(admitted[replica] - exact[replica]) <= 0.02 * limit, (admitted, exact)

@@ -100,6 +100,32 @@ async def test_rejected_request_consumes_from_no_limit(
     assert per_client["key"] == "a"
 
 
+async def test_explain_refuses_a_question_about_no_possible_client(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """A client_ip that is no address, or a header without its value: a 400 saying what to
+    ask, not an answer about a key no client can have."""
+    limit = "  per_client:\n    algorithm: fixed_window\n    limit: 5\n    window: 1m\n"
+    gw = await start_gateway(limited_policy(upstream.url, limit))
+    async with aiohttp.ClientSession() as session:
+        for params, error in (
+            (
+                {"path": "/", "client_ip": "300.1.1.1"},
+                "client_ip='300.1.1.1': not an IP address (203.0.113.9, 2001:db8::1)",
+            ),
+            (
+                {"path": "/", "header": "X-API-Key"},
+                "header='X-API-Key': write header=Name:value (X-API-Key:abc)",
+            ),
+        ):
+            async with session.get(gw.admin_url + "/explain", params=params) as resp:
+                assert (resp.status, await resp.json()) == (400, {"error": error})
+        params = {"path": "/", "client_ip": "2001:db8::1", "header": "X-API-Key: abc"}
+        async with session.get(gw.admin_url + "/explain", params=params) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["limits"][0]["key"] == "2001:db8::/64"
+
+
 async def test_dry_run_limit_counts_but_never_enforces(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:

@@ -345,6 +345,9 @@ async def test_sighup_reads_the_certificate_again(
     original = first.fingerprint
     gw = await gateway_process(policy=process_policy(body))
     assert (await served_certificate(gw.port))[0] == original
+    # The start line says the port speaks TLS (a plain-HTTP client gets no answer there).
+    (start,) = [line for line in gw.log().splitlines() if "serving on" in line]
+    assert f"serving on 127.0.0.1:{gw.port} over TLS (certificate {first.cert}, valid" in start
     for source, target in ((second.cert, first.cert), (second.key, first.key)):
         before = target.stat()
         with target.open("r+b") as file:

@@ -26,10 +26,10 @@ EXPECTED_ERRORS = {
     "expected bytes or nginx syntax like '64k', '10m'",
     "bad_cidr.yaml": "bad_cidr.yaml:2: server.trusted_proxies: invalid CIDR '300.1.2.3/8' "
     "in trusted_proxies",
-    "zero_workers.yaml": "zero_workers.yaml:2: server.workers: "
-    "Input should be greater than or equal to 1",
+    "zero_workers.yaml": "zero_workers.yaml:2: server.workers: must be at least 1, got 0",
     "bad_upstream_url.yaml": "bad_upstream_url.yaml:3: upstreams.backend.url: invalid upstream "
-    "url 'ftp://example': expected http://host[:port][/path] or 'builtin:demo'",
+    "url 'ftp://example': expected http://host[:port][/path] or https://host[:port][/path], "
+    "or 'builtin:demo'",
     "unknown_upstream.yaml": "unknown_upstream.yaml:6: routes[0].upstream: unknown upstream "
     "'missing' (known: backend)",
     "duplicate_route.yaml": "duplicate_route.yaml:7: routes[1].name: duplicate route name 'api' "
@@ -86,12 +86,12 @@ EXPECTED_ERRORS = {
     "limit has no default, add it",
     "store_bad_url.yaml": "store_bad_url.yaml:2: store.url: invalid store url 'mysql://db': "
     "expected memory, shared, redis://, rediss:// or redis+cluster://",
-    "store_bad_key_prefix.yaml": "store_bad_key_prefix.yaml:3: store.key_prefix: String should "
-    "match pattern '^[^{}\\s]*$'",
+    "store_bad_key_prefix.yaml": "store_bad_key_prefix.yaml:3: store.key_prefix: invalid "
+    "key_prefix 'gw:{tenant}:': no braces (Redis hash tags) and no spaces",
     "route_bad_method.yaml": "route_bad_method.yaml:8: routes[0].match.methods: "
     "invalid method 'P0ST': expected a method name like GET",
-    "route_bad_name.yaml": "route_bad_name.yaml:5: routes[0].name: String should match pattern "
-    "'^[A-Za-z0-9][A-Za-z0-9_.\\-]*$'",
+    "route_bad_name.yaml": "route_bad_name.yaml:5: routes[0].name: invalid name 'login api': "
+    "use ASCII letters, digits, '_', '.' and '-', starting with a letter or digit",
     "limit_empty_key.yaml": "limit_empty_key.yaml:12: limits.per_ip.key: "
     "key needs at least one part",
     "access_bad_allow.yaml": "access_bad_allow.yaml:2: access.allow: invalid CIDR '192.168.0.0/33'",
@@ -105,13 +105,12 @@ EXPECTED_ERRORS = {
     "port_out_of_range.yaml": "port_out_of_range.yaml:2: server.listen: invalid listen address "
     "'0.0.0.0:65536': port out of range",
     "limit_status_below_400.yaml": "limit_status_below_400.yaml:11: limits.per_ip.status: "
-    "Input should be greater than or equal to 400",
+    "must be at least 400, got 302",
     "limit_status_above_599.yaml": "limit_status_above_599.yaml:11: limits.per_ip.status: "
-    "Input should be less than or equal to 599",
-    "ipv6_prefix_zero.yaml": "ipv6_prefix_zero.yaml:1: ipv6_prefix: "
-    "Input should be greater than or equal to 1",
+    "must be at most 599, got 600",
+    "ipv6_prefix_zero.yaml": "ipv6_prefix_zero.yaml:1: ipv6_prefix: must be at least 1, got 0",
     "ipv6_prefix_over_128.yaml": "ipv6_prefix_over_128.yaml:3: ipv6_prefix: "
-    "Input should be less than or equal to 128",
+    "must be at most 128, got 129",
     "limit_missing_algorithm.yaml": "limit_missing_algorithm.yaml:8: limits.per_ip: "
     "algorithm is missing: give one of leaky_bucket, fixed_window, sliding_window, sliding_log, "
     "token_bucket, concurrency",
@@ -120,8 +119,8 @@ EXPECTED_ERRORS = {
     "limit_window_under_1us.yaml": "limit_window_under_1us.yaml:8: limits.per_ip: "
     "window must be at least 1 microsecond, got 4e-07 s",
     "nonscalar_key.yaml": "nonscalar_key.yaml:3: server: mapping keys must be plain scalars",
-    # tomllib (Python < 3.14) gives no line attribute: the line is only inside the reason.
-    "toml_syntax.toml": "toml_syntax.toml: invalid TOML: Invalid value (at line 3, column 11)",
+    # tomllib (Python < 3.14) gives no line attribute: the line is read from its reason.
+    "toml_syntax.toml": "toml_syntax.toml:3: invalid TOML: Invalid value (column 11)",
     "not_utf8.yaml": "not_utf8.yaml: not valid UTF-8",
     "limit_bad_name.yaml": "limit_bad_name.yaml:8: limits.per ip: invalid name 'per ip': use "
     "ASCII letters, digits, '_', '.' and '-', starting with a letter or digit",
@@ -157,6 +156,26 @@ EXPECTED_ERRORS = {
     "must be longer than 0: a zero timeout would expire at once, every time",
     # PyYAML's and pydantic's own words (parser tokens, "Field required", "Input should be")
     # said in the policy's.
+    # A secret (an internal service token) is never repeated: a failed reload logs the line.
+    "exempt_header_value_not_a_list.yaml": "exempt_header_value_not_a_list.yaml:12: "
+    "limits.per_ip.exempt_headers.X-Internal-Token: expected a list, got text (not shown: a "
+    "secret)",
+    # builtin:demo is an upstream's url, never a pool's server: not offered there.
+    "pool_server_bad_url.yaml": "pool_server_bad_url.yaml:3: upstreams.backend.servers[1].url: "
+    "invalid upstream url 'ftp://127.0.0.1:8001': expected http://host[:port][/path] or "
+    "https://host[:port][/path]",
+    "limit_cost_unknown_route.yaml": "limit_cost_unknown_route.yaml:14: "
+    "limits.per_ip.cost.routes.serach: unknown route 'serach' (routes: search)",
+    "limit_misspelt_algorithm.yaml": "limit_misspelt_algorithm.yaml:9: limits.per_ip.algoritm: "
+    "unknown key: did you mean `algorithm`?",
+    # Another algorithm's parameter: which one takes it, not the nearest spelling here.
+    "token_bucket_nodelay.yaml": "token_bucket_nodelay.yaml:12: limits.per_ip.nodelay: a "
+    "token_bucket does not take nodelay (leaky_bucket does); it rejects what it cannot admit "
+    "(mode: reject) or waits for tokens (mode: queue)",
+    "window_delay.yaml": "window_delay.yaml:12: limits.per_ip.delay: a sliding_window does not "
+    "take delay (leaky_bucket does); it never delays: a request over the limit is rejected",
+    "admin_token_too_short.yaml": "admin_token_too_short.yaml:2: server.admin_token: must be at "
+    "least 16 characters long",
     "yaml_indentation.yaml": "yaml_indentation.yaml:4: invalid YAML: this line is indented 3 "
     "spaces, which lines up with no key above it: indent it as far as the key it belongs beside "
     "(the block from line 2 is indented 2)",
@@ -188,16 +207,16 @@ EXPECTED_ERRORS = {
     "cannot be leased: a slot is given back when its request ends, and a batch of slots taken "
     "ahead would be held by nobody",
     "concurrency_zero_limit.yaml": "concurrency_zero_limit.yaml:10: limits.per_client.limit: "
-    "Input should be greater than or equal to 1",
+    "must be at least 1, got 0",
     "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "
     "min_limit (10) cannot exceed max_limit (5)",
     "adaptive_zero_buffer.yaml": "adaptive_zero_buffer.yaml:5: upstreams.backend.adaptive.buffer: "
-    "Input should be greater than 0",
+    "must be above 0, got 0",
     "adaptive_zero_sample_interval.yaml": "adaptive_zero_sample_interval.yaml:5: "
     "upstreams.backend.adaptive.sample_interval: must be longer than 0: the limit would be "
     "measured without pause",
     "adaptive_jitter_over_1.yaml": "adaptive_jitter_over_1.yaml:5: "
-    "upstreams.backend.adaptive.jitter: Input should be less than or equal to 1",
+    "upstreams.backend.adaptive.jitter: must be at most 1, got 1.5",
     "adaptive_misspelt_key.yaml": "adaptive_misspelt_key.yaml:5: "
     "upstreams.backend.adaptive.min_limt: unknown key: did you mean `min_limit`?",
     "adaptive_not_enforced_yet.yaml": "adaptive_not_enforced_yet.yaml:4: "
@@ -240,9 +259,9 @@ def test_several_problems_are_all_reported() -> None:
     assert lines == [
         "p.yaml:3: server.listen: invalid listen address 'nowhere': "
         "expected HOST:PORT, e.g. 0.0.0.0:8080",
-        "p.yaml:2: server.workers: Input should be greater than or equal to 1",
+        "p.yaml:2: server.workers: must be at least 1, got 0",
     ] or lines == [
-        "p.yaml:2: server.workers: Input should be greater than or equal to 1",
+        "p.yaml:2: server.workers: must be at least 1, got 0",
         "p.yaml:3: server.listen: invalid listen address 'nowhere': "
         "expected HOST:PORT, e.g. 0.0.0.0:8080",
     ]

@@ -14,8 +14,9 @@ issued in order, each with its own instant, so the exact answer does not depend 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,13 @@ import redis
 from redis.crc import key_slot
 
 from gateway.algorithms.combine import CombinedDecision
+from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket
+from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
-from gateway.limits.compiled import Check, CompiledLimit
+from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
+from gateway.limits.keys import KeyBuilder
+from gateway.policy.models import Policy
 from gateway.stores import MemoryStore, RedisStore, StoreUnavailableError
 from gateway.stores.redis.store import StoreReplyError
 from gateway.stores.redis.store import _checked as checked
@@ -60,24 +65,28 @@ def summary(verdict: CombinedDecision) -> tuple[bool, float, float]:
     return verdict.allowed, round(verdict.delay_s, 6), round(verdict.retry_after_s, 6)
 
 
+# The instant of the event whose decision runs in this task (``Run.step``).
+_event_us: ContextVar[int | None] = ContextVar("event_us", default=None)
+
+
 class Instants:
-    """The store's clock: each script call reads the next instant queued (so calls queued
-    together still carry their own), the last one once they are used up."""
+    """The store's clock: a script call made for an event reads that event's instant (so calls
+    sent together still carry their own, whichever of them a circuit refused), any other the
+    last instant set."""
 
     def __init__(self, start_us: int) -> None:
-        self.queued: deque[int] = deque()
         self.last_us = start_us
 
     def set(self, now_us: int) -> None:
-        self.queued.clear()
         self.last_us = now_us
 
     def advance(self, seconds: float) -> None:
         self.set(self.last_us + round(seconds * 1e6))
 
     def now_us(self) -> int:
-        if self.queued:
-            self.last_us = self.queued.popleft()
+        event_us = _event_us.get()
+        if event_us is not None:
+            self.last_us = event_us
         return self.last_us
 
 
@@ -115,14 +124,15 @@ class Run:
 
     async def step(self, events: list[tuple[int, str]], *, failures_ok: bool = False) -> None:
         """Issue ``events`` (distinct clients) together, then compare each verdict."""
-        self.clock.queued.extend(T0_US + at_us for at_us, _ in events)
+
+        async def decide(at_us: int, client: str) -> CombinedDecision:
+            _event_us.set(T0_US + at_us)  # this task's: its calls read it
+            return await self.store.decide(self.checks(client))
+
         # The calls start in order within one turn of the loop: one pipeline per node.
         results = await asyncio.gather(
-            *[self.store.decide(self.checks(client)) for _, client in events],
-            return_exceptions=True,
+            *[decide(at_us, client) for at_us, client in events], return_exceptions=True
         )
-        # A call the open circuit refused read none: the calls before it read their own.
-        self.clock.queued.clear()
         for (at_us, client), got in zip(events, results, strict=True):
             if isinstance(got, StoreUnavailableError) and failures_ok:
                 self.failed += 1  # never charged anywhere: the memory store skips it too
@@ -361,8 +371,11 @@ async def test_a_dead_node_fails_its_own_calls_only_then_clusterdown_is_a_failur
 ) -> None:
     """Calls for two nodes go out together and one node is dead: its calls fail, the other's
     are answered (a pipeline's failure never takes a neighbour's verdict, nor charges a call
-    the caller was told failed). Once the cluster marks the node failed, the live nodes
-    answer CLUSTERDOWN: a failure too (on_failure), never a verdict."""
+    the caller was told failed), before the dead node's circuit opens and after, when only
+    its probes go out beside the live node's calls (redis-py failed a whole cluster pipeline
+    that could not connect to one node, after the others had run their calls: it now sends
+    a pipeline per node). Once the cluster marks the node failed, the live nodes answer
+    CLUSTERDOWN: a failure too (on_failure), never a verdict."""
     run = Run(fresh_cluster.url, client, [per_client()], on_failure="deny")
     try:
         await run.store.prepare()
@@ -371,12 +384,17 @@ async def test_a_dead_node_fails_its_own_calls_only_then_clusterdown_is_a_failur
         live_name = next(name for name, node in owners.items() if node is not owners["a"])
         await run.step([(0, dead_name), (0, live_name)])  # both keys exist, verdicts exact
         owners[dead_name].stop()
-        for at_us in range(100_000, 1_100_000, 100_000):
-            await run.step([(at_us, dead_name), (at_us, live_name)], failures_ok=True)
-            if run.failed >= 3:  # the circuit opens: everything fails from here
-                break
-        assert run.failed >= 1
-        assert run.compared >= 3  # the live node's calls were answered, and exactly
+        dead_circuit = run.store.circuits.of(f"127.0.0.1:{owners[dead_name].port}")
+        steps = 0
+        deadline = asyncio.get_running_loop().time() + 2.0
+        # Until the dead node's circuit has opened and probed again (0.5 s, real time).
+        while dead_circuit.probes < 2 and asyncio.get_running_loop().time() < deadline:
+            steps += 1
+            await run.step([(steps * 1000, dead_name), (steps * 1000, live_name)], failures_ok=True)
+            await asyncio.sleep(0.02)
+        assert dead_circuit.opened >= 1 and dead_circuit.probes >= 1
+        assert run.failed == steps  # the dead node's calls only
+        assert run.compared == 2 + steps  # the live node's calls were answered, and exactly
         assert_exact(run, whole_trace=False)
         # The cluster notices (cluster-node-timeout 3 s): the live node says CLUSTERDOWN.
         deadline = asyncio.get_running_loop().time() + 15
@@ -384,7 +402,6 @@ async def test_a_dead_node_fails_its_own_calls_only_then_clusterdown_is_a_failur
             while "cluster_state:fail" not in plain.execute_command("CLUSTER", "INFO").decode():
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.1)
-        await asyncio.sleep(run.store.breaker.retry_in_s + 0.1)  # let the circuit probe again
         compared = run.compared
         with pytest.raises(StoreUnavailableError, match=r"CLUSTERDOWN|cluster is down"):
             run.clock.set(T0_US + 2_000_000)
@@ -407,3 +424,260 @@ def test_a_reply_that_is_not_its_own_calls_answer_is_an_error_never_a_verdict() 
     ]:
         with pytest.raises(StoreReplyError):
             checked(reply, call, 6)
+
+
+@pytest.fixture
+def partial_cluster(tmp_path: Path) -> Iterator[RedisClusterHarness]:
+    """Three masters that go on serving their own slots while another is down
+    (``cluster-require-full-coverage no``: otherwise, once the cluster marks a master failed,
+    every node answers CLUSTERDOWN until a replica takes over)."""
+    (tmp_path / "partial").mkdir()
+    cluster = RedisClusterHarness(
+        tmp_path / "partial", extra_args=("--cluster-require-full-coverage", "no")
+    )
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def wait_marked_failed(cluster: RedisClusterHarness, dead: RedisServer, timeout_s: float) -> None:
+    """Until every live node flags ``dead`` as failed (cluster-node-timeout, 3 s here)."""
+    deadline = time.monotonic() + timeout_s
+    address = f"127.0.0.1:{dead.port}"
+    while time.monotonic() < deadline:
+        flagged = 0
+        for node in cluster.live():
+            with redis.Redis(host="127.0.0.1", port=node.port) as plain:
+                nodes = plain.execute_command("CLUSTER", "NODES")
+            text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+            line = next((ln for ln in text.splitlines() if address in ln), "")
+            flagged += "fail" in line.split()[2] if line else 0
+        if flagged == len(cluster.live()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{address} was not marked failed in {timeout_s:g} s")
+
+
+def leased_per_client() -> CompiledLimit:
+    policy = Policy.model_validate(
+        {
+            "limits": {
+                "per_client": {
+                    "algorithm": "fixed_window",
+                    "limit": 5,
+                    "window": "1s",
+                    "key": ["header:x-client"],
+                    "lease": {},
+                }
+            }
+        }
+    )
+    spec = policy.limits["per_client"]
+    return CompiledLimit(
+        "per_client", spec, build_algorithm(spec), KeyBuilder(spec.key), None, None, 1.0,
+        LimitCounters(),
+    )  # fmt: skip
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("kind", ["exact", "leased"])
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_dead_master_makes_only_its_own_keys_fall_back(
+    partial_cluster: RedisClusterHarness,
+    client: str,
+    kind: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One of three masters is killed (SIGKILL) under a per-client limit (5 a second, decided
+    per request or leased) with ``on_failure: local``. Its clients' keys fall back to the local
+    limit once its circuit opens (three failed calls, then a probe now and then); the other
+    two masters' keys are decided in Redis all along, every verdict the in-process store's,
+    before the cluster notices the dead node and after it marks it failed. Before, one circuit
+    for the whole store opened on the dead node's failures and every key fell back."""
+    if kind == "leased":
+        limit = leased_per_client()
+    else:
+        limit = compiled("per_client", FixedWindow(5, 1.0), ("header:x-client",))
+    clock = FakeClock(T0_US)  # the breaker's and the fallback's
+    instants = Instants(T0_US)  # the scripts'
+    memory_clock = FakeClock(T0_US)
+    memory = MemoryStore(memory_clock)
+    memory.configure([limit], [])
+    store = RedisStore(
+        partial_cluster.url,
+        client=client,  # type: ignore[arg-type]
+        key_prefix=f"dead{next(_prefixes)}:",
+        time_source=instants,
+        clock=clock,
+        timeout_s=1.0,
+        on_failure="local",
+    )
+    store.configure([limit], [])
+    names = [f"client{n}" for n in range(30)]
+    where = store.leases.redis_key if kind == "leased" else store.redis_key
+    owners = {name: partial_cluster.owner(slot_of(where(Check(limit, name)))) for name in names}
+    dead = owners[names[0]]
+    live = [name for name in names if owners[name] is not dead]
+    assert len({owners[name].port for name in live}) == 2  # keys on both other masters
+    mismatches: list[str] = []
+    local_live: list[str] = []
+    local_dead = 0
+    admitted = {"redis": 0, "memory": 0}
+
+    async def step(at_us: int) -> None:
+        nonlocal local_dead
+        instants.set(at_us)
+        clock.set(at_us)
+        memory_clock.set(at_us)
+        for name in names:
+            before = store.counters.local_decisions
+            got = await store.decide([Check(limit, name)])
+            fell_back = store.counters.local_decisions > before
+            if owners[name] is dead:
+                local_dead += fell_back
+                continue
+            want = await memory.decide([Check(limit, name)])
+            admitted["redis"] += got.allowed
+            admitted["memory"] += want.allowed
+            if fell_back:
+                local_live.append(f"{at_us - T0_US} {name}")
+            elif got.allowed != want.allowed or (
+                kind == "exact" and got.retry_after_s != want.retry_after_s
+            ):
+                mismatches.append(f"{at_us - T0_US} {name}: {got} != {want}")
+
+    try:
+        await store.prepare()
+        at_us = T0_US
+        for _ in range(10):  # 1 s: every key on Redis
+            await step(at_us)
+            at_us += 100_000
+        assert local_dead == 0 and not local_live and not mismatches
+        dead.stop()
+        for _ in range(20):  # 2 s, before the cluster notices
+            await step(at_us)
+            at_us += 100_000
+        wait_marked_failed(partial_cluster, dead, 20.0)
+        for _ in range(20):  # 2 s more, the dead node marked failed
+            await step(at_us)
+            at_us += 100_000
+        failed_calls = store.counters.failed_calls
+        state = store.stats.state
+    finally:
+        await store.close()
+    with capsys.disabled():
+        print(
+            f"\n[{client}, {kind}] a master of 3 killed: {len(live)} clients on the 2 live "
+            "masters, "
+            f"{admitted['redis']} admitted (in process: {admitted['memory']}), "
+            f"{len(local_live)} decided locally; {len(names) - len(live)} on the dead one, "
+            f"{local_dead} of {40 * (len(names) - len(live))} decisions local, "
+            f"{failed_calls} failed calls"
+        )
+    assert not local_live, f"{len(local_live)} live keys fell back: {local_live[:5]}"
+    assert not mismatches, mismatches[:5]
+    assert admitted["redis"] == admitted["memory"]
+    # The dead node's keys: all but the calls that opened its circuit and its probes.
+    assert local_dead >= 40 * (len(names) - len(live)) - failed_calls
+    assert failed_calls <= 3 + 4  # the threshold, then a probe every 0.5, 1, 2 s (fake)
+    assert state == "open"
+
+
+@pytest.fixture
+def partial_ha_cluster(tmp_path: Path) -> Iterator[RedisClusterHarness]:
+    """Three masters with a replica each, serving their own slots while another is down."""
+    (tmp_path / "partial-ha").mkdir()
+    cluster = RedisClusterHarness(
+        tmp_path / "partial-ha", replicas=1, extra_args=("--cluster-require-full-coverage", "no")
+    )
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_what_a_dead_masters_keys_admitted_locally_is_charged_to_its_successor(
+    partial_ha_cluster: RedisClusterHarness, client: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """10 requests an hour per client. Each client is admitted 3 through Redis; then one master
+    is killed. The other masters' clients are admitted 7 more through Redis; the dead one's,
+    7 more by the local fallback (its share starts from the 3 this replica admitted). Its
+    replica takes over its slots; then what the fallback admitted is charged to it before it
+    decides those keys again: no client is admitted more than 10 in all, and no key on a live
+    master was decided locally. The counts owed were filed under the dead master and are
+    filed again under the node serving the key once the client reads the new slot map."""
+    window_us = 3_600_000_000
+    start_us = T0_US - T0_US % window_us + 1  # one window all along
+    limit = compiled("per_client", FixedWindow(10, 3600.0), ("header:x-client",))
+    clock = FakeClock(start_us)
+    instants = Instants(start_us)
+    store = RedisStore(
+        partial_ha_cluster.url,
+        client=client,  # type: ignore[arg-type]
+        key_prefix=f"succ{next(_prefixes)}:",
+        time_source=instants,
+        clock=clock,
+        timeout_s=1.0,
+        on_failure="local",
+    )
+    store.configure([limit], [])
+    names = [f"client{n}" for n in range(24)]
+    slots = {name: slot_of(store.redis_key(Check(limit, name))) for name in names}
+    owners = {name: partial_ha_cluster.owner(slots[name]) for name in names}
+    dead = owners[names[0]]
+    successor = partial_ha_cluster.replica_of(dead)
+    partial_ha_cluster.wait_synced(successor)
+    on_dead = {name for name in names if owners[name] is dead}
+    admitted = dict.fromkeys(names, 0)
+    live_local: list[str] = []
+
+    async def round_of(requests: int) -> None:
+        clock.advance(1.0)  # and the circuits may probe (0.5, 1, 2, 4 s)
+        instants.set(clock.now_us())
+        for name in names:
+            for _ in range(requests):
+                before = store.counters.local_decisions
+                admitted[name] += (await store.decide([Check(limit, name)])).allowed
+                if name not in on_dead and store.counters.local_decisions > before:
+                    live_local.append(name)
+
+    try:
+        await store.prepare()
+        await round_of(3)
+        with redis.Redis(host="127.0.0.1", port=dead.port) as plain:
+            assert plain.execute_command("WAIT", 1, 2000) == 1  # its replica has every write
+        dead.stop()
+        await round_of(10)
+        during = {name: admitted[name] for name in names}
+        local_before = store.counters.local_decisions
+        partial_ha_cluster.wait_owner(slots[names[0]], successor)
+        for _ in range(10):  # until the dead master's keys are decided in Redis again
+            local = store.counters.local_decisions
+            await round_of(1)
+            if store.counters.local_decisions == local:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the dead master's keys never went back to Redis")
+        await round_of(5)
+        carried_back = store.counters.carried_back
+        owed = len(store.owed)
+    finally:
+        await store.close()
+    with capsys.disabled():
+        print(
+            f"\n[{client}] a master killed, its replica promoted: {len(on_dead)} of "
+            f"{len(names)} clients on it; admitted by the end of the outage "
+            f"{sorted(set(during.values()))}, in all {sorted(set(admitted.values()))}; "
+            f"{carried_back} units carried back; "
+            f"{store.counters.local_decisions - local_before} local decisions after"
+        )
+    assert not live_local, live_local[:5]
+    assert all(during[name] == 10 for name in names), during
+    assert all(count == 10 for count in admitted.values()), admitted
+    assert carried_back == 7 * len(on_dead) and owed == 0

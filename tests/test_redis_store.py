@@ -461,6 +461,12 @@ async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
         assert verdict.decisions[0].limit == 9
         assert store.breaker.transitions["open->half_open"] >= 1
         assert store.breaker.transitions["half_open->closed"] == 1
+        # What gateway_store_state_transitions_total counts: the circuit's moves too, so an
+        # outage between two scrapes shows (its state gauge was back to ok by then).
+        assert store.stats.transitions["ok>fallback"] == 1
+        assert store.stats.transitions["fallback>open"] == 1
+        assert store.stats.transitions["open>half_open"] >= 1
+        assert store.stats.transitions["half_open>ok"] == 1
     finally:
         await store.close()
 

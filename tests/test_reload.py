@@ -370,6 +370,12 @@ async def test_settings_that_need_a_restart_are_refused_and_policy_shows_what_is
         }
         assert body["in_force"] == in_force
         assert {k: body["policy"]["server"][k] for k in in_force} == in_force
+        path.write_text(policy_for(upstream.url, server="  workers: 2\n"))
+        async with session.post(gw.admin_url + "/reload") as resp:
+            assert (await resp.json())["error"] == (
+                f"{path}: server.workers (1 -> 2) takes effect on restart only; the running "
+                "policy stays (restart the gateway to apply it, or revert it to reload the rest)"
+            )
 
         # Connection settings do apply on reload, to connections opened afterwards.
         path.write_text(policy_for(upstream.url, server="  header_timeout: 3s\n"))

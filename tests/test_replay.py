@@ -29,6 +29,7 @@ from playwright.async_api import Browser
 
 from gateway.cli.main import main
 from gateway.engine.preflight import load_and_build, parse_and_build
+from gateway.log_setup import GatewayFormatter, LogFormat
 from gateway.replay import replay
 from gateway.replay.log_formats import (
     Opened,
@@ -242,6 +243,34 @@ def test_json_lines_with_bursts_headers_and_hosts(
     assert per_key["top_rejected_keys"] == [{"key": "a", "requests": 2}]
     assert limit_of(doc, "example")["rejected"] == 1
     assert doc["policies"][0]["outcomes"]["unlimited"] == 0
+
+
+def test_top_keys_name_the_shared_bucket_and_a_client_ip_stand_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keys read as the limit log and the dashboard show them: ``unlisted: shared``'s one
+    bucket, and the client IP standing in for a missing header, in words."""
+    limits = (
+        "  per_key:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n"
+        "    key: ['header:X-API-Key']\n    overrides: {gold: {limit: 100}}\n"
+        "    unlisted: shared\n"
+        "  per_anon:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n"
+        "    key: ['header:X-Other', route]\n    on_missing_key: client_ip\n"
+    )
+    policy = write_policy(tmp_path, limits)
+    records = [
+        {"ts": START + i, "ip": "192.0.2.9", "method": "GET", "path": "/", "headers": headers}
+        for i, headers in enumerate([{"X-API-Key": f"made-up-{n}"} for n in range(3)])
+    ]
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert limit_of(doc, "per_key")["top_rejected_keys"] == [
+        {"key": "(unlisted keys, shared)", "requests": 2}
+    ]
+    assert limit_of(doc, "per_anon")["top_rejected_keys"] == [
+        {"key": "192.0.2.9 (no key: client IP) · all", "requests": 2}
+    ]
 
 
 def test_malformed_truncated_and_empty_logs(
@@ -691,6 +720,66 @@ def test_gateway_log_lines_behind_a_logging_prefix(
     per_ip = limit_of(doc, "per_ip")
     assert (per_ip["allowed"], per_ip["rejected"]) == (2, 1)
     assert doc["late"] == 0
+
+
+def _own_line(log_format: LogFormat, logger: str, message: str, json_line: bool = False) -> str:
+    """A line as the gateway's logging writes it to stderr (its own formatter)."""
+    record = logging.LogRecord(logger, logging.INFO, __file__, 1, message, None, None)
+    if json_line:
+        record.json_line = True
+    return GatewayFormatter(log_format).format(record) + "\n"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_gateway_log_read_past_the_gateways_own_lines(
+    log_format: LogFormat, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The JSON access log shares stderr with the gateway's own lines (a start line, limit and
+    upstream lines), text or JSON: the log is told a gateway log and read past them."""
+    policy = write_policy(tmp_path, NGINX_NODELAY.replace("burst: 2", "burst: 0"))
+    fields = {"client": "192.0.2.4", "method": "GET", "host": "a", "path": "/", "route": "all"}
+    access = [
+        {**fields, "ts": 10.0, "t_us": t_us, "limit": "allowed", "status": 200}
+        for t_us in (5_000_000, 5_500_000, 7_000_000)
+    ]
+    own = [
+        ("gateway", "worker 0 serving on 127.0.0.1:8080 (admin 127.0.0.1:9090), policy p.yaml"),
+        ("gateway.limits", "limit per_ip rejected a request (429, retry after 0.5s): {key}"),
+        ("gateway.upstream", "upstream app failed: connection refused"),
+    ]
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        _own_line(log_format, *own[0])
+        + _own_line(log_format, "gateway.access", json.dumps(access[0]), json_line=True)
+        + _own_line(log_format, *own[1])
+        + "".join(
+            _own_line(log_format, "gateway.access", json.dumps(line), json_line=True)
+            for line in access[1:]
+        )
+        + _own_line(log_format, *own[2])
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert doc["logs"][0]["format"] == "gateway"
+    assert doc["requests"] == 3 and doc["malformed"]["count"] == 0
+    assert "3 of the gateway's own log lines (not access lines) skipped" in doc["notes"]
+    per_ip = limit_of(doc, "per_ip")
+    assert (per_ip["allowed"], per_ip["rejected"]) == (2, 1)  # 5.5 s: 500 ms after 5.0 s
+
+
+def test_a_text_access_log_is_refused_naming_the_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(tmp_path, NGINX_NODELAY)
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        _own_line("text", "gateway", "worker 0 serving on 127.0.0.1:8080")
+        + _own_line("text", "gateway.access", "ts=10.0 t_us=5000000 client=192.0.2.4 method=GET")
+    )
+    assert main(["replay", "--config", str(policy), str(log)]) == 1
+    assert capsys.readouterr().err == (
+        f"gateway replay: {log}: line 2: the gateway's access log in text cannot be replayed: "
+        "write it as JSON (server.access_log_format: json)\n"
+    )
 
 
 # -- properties of reading ---------------------------------------------------------------------

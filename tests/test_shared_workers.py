@@ -115,6 +115,8 @@ async def test_workers_admit_what_one_process_admits(
     240 (the sliding window's 100 less those 10); the upstream saw exactly those."""
     async with run_workers(upstream.url, tmp_path, STACK, processes) as (url, admin, pids):
         await wait_serving(tmp_path, processes)
+        store = "shared (store.url memory)" if processes > 1 else "memory"
+        assert f", store {store}; dashboard" in (tmp_path / "gateway.log").read_text()
         assert await run_trace(url) == (10, 90)
         assert len(upstream.requests) == 100
         if processes > 1:

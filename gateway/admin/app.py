@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -132,8 +133,17 @@ async def _explain(request: web.Request) -> web.Response:
     host = normalise_host(query.get("host", ""))
     headers: CIMultiDict[str] = CIMultiDict()
     for item in query.getall("header", []):
-        name, _, value = item.partition(":")
+        name, colon, value = item.partition(":")
+        if not colon or not name.strip():
+            return _bad_question(f"header={item!r}: write header=Name:value (X-API-Key:abc)")
         headers.add(name.strip(), value.strip())
+    try:
+        ipaddress.ip_address(client_ip)
+    except ValueError:
+        # A client the gateway could never see: its answer would be about a key of nobody.
+        return _bad_question(
+            f"client_ip={client_ip!r}: not an IP address (203.0.113.9, 2001:db8::1)"
+        )
     url = URL(target if target.startswith("/") else "/" + target)
     path = url.path
     route = runtime.routes.match(host, path, method)
@@ -161,6 +171,11 @@ async def _explain(request: web.Request) -> web.Response:
     result["limits"] = [_limit_entry(look, engine) for look in explanation.limits]
     result["verdict"] = _verdict(explanation)
     return web.json_response(result)
+
+
+def _bad_question(reason: str) -> web.Response:
+    """A question /explain cannot answer: 400, saying what to ask instead."""
+    return web.json_response({"error": reason}, status=400)
 
 
 def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:

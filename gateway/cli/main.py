@@ -140,11 +140,30 @@ def listen_problems(policy: Policy) -> list[tuple[Loc, str]]:
     return problems
 
 
+def admin_token_problems(policy: Policy) -> list[tuple[Loc, str]]:
+    """The admin token ``run`` would refuse to start with (a file it cannot read, an empty
+    one, a token too short), read as ``run`` reads it: the environment's first."""
+    from gateway.admin.auth import ENV_TOKEN, ENV_TOKEN_FILE, AdminTokenError, resolve_admin_token
+
+    try:
+        resolve_admin_token(policy.server)
+    except AdminTokenError as exc:
+        from_environment = os.environ.get(ENV_TOKEN) or os.environ.get(ENV_TOKEN_FILE)
+        field = "admin_token_file" if policy.server.admin_token_file else "admin_token"
+        return [(() if from_environment else ("server", field), str(exc))]
+    return []
+
+
+def check_problems(policy: Policy) -> list[tuple[Loc, str]]:
+    """What ``run`` refuses beyond building the policy: listen addresses, the admin token."""
+    return listen_problems(policy) + admin_token_problems(policy)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     failed = False
     for file in args.files:
         try:
-            loaded = load_and_build(file, also=listen_problems)
+            loaded = load_and_build(file, also=check_problems)
         except PolicyError as exc:
             print(exc, file=sys.stderr)
             failed = True

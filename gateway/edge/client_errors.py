@@ -30,8 +30,9 @@ INTERVAL_S: Final = 10.0
 MAX_CAUSES: Final = 256
 
 
-# Where a parser's message starts quoting what the client sent: a quote, b'...', bytearray(.
-_QUOTED = re.compile(r"""[:\s]*(?:b?['"]|bytearray\().*""")
+# Where a parser's message starts quoting what the client sent: a quote, b'...', bytearray(,
+# not inside a word (the parser's own "can't").
+_QUOTED = re.compile(r"""[:\s]*(?<![A-Za-z0-9])(?:b?['"]|bytearray\().*""")
 
 
 def reason_of(exc: HttpProcessingError) -> str:

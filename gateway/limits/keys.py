@@ -131,6 +131,22 @@ class KeyBuilder:
         return values[0] if len(values) == 1 else SEP.join(values)
 
 
+def key_in_words(key: str) -> str:
+    """A key for people: its parts joined with ' · ', the tagged ones spelled out (the limit
+    log and the replay report; ``dashboard.js``'s ``keyPart`` reads them alike)."""
+    return " · ".join(_part_in_words(part) for part in key.split(SEP))
+
+
+def _part_in_words(part: str) -> str:
+    if part == UNLISTED_KEY:
+        return "(unlisted keys, shared)"
+    if part.startswith(TAG + "ip"):
+        return f"{part[3:]} (no key: client IP)"
+    if part.startswith(TAG + "x"):
+        return f"hex:{part[2:]}"
+    return part
+
+
 def shown_key(spec: tuple[str, ...], key: str, plain: bool = False) -> str:
     """A key as the dashboard shows it: ``header:`` and ``query:`` parts (API keys, tokens)
     as ``sha256:`` and 12 hex digits of their hash, unless the limit opts in to plain values.

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Final
 from aiohttp.web_request import BaseRequest
 
 from gateway.edge.annotations import CLIENT_IP
-from gateway.limits.keys import SEP, TAG, shown_key
+from gateway.limits.keys import key_in_words, shown_key
 from gateway.log_throttle import LOG_INTERVAL_S, LogThrottle
-from gateway.policy.overrides import UNLISTED_KEY
 
 if TYPE_CHECKING:
     from gateway.edge.runtime import Runtime
@@ -140,15 +139,4 @@ def _key(check: Check | None) -> str:
         return ""
     spec = check.limit.spec
     shown = shown_key(spec.key, check.key, plain=spec.top_keys == "plain")
-    return f"key {' · '.join(_part(part) for part in shown.split(SEP))!r}, "
-
-
-def _part(part: str) -> str:
-    """A part tagged by the key builder, in words (``dashboard.js`` reads them alike)."""
-    if part == UNLISTED_KEY:
-        return "(unlisted keys, shared)"
-    if part.startswith(TAG + "ip"):
-        return f"{part[3:]} (no key: client IP)"
-    if part.startswith(TAG + "x"):
-        return f"hex:{part[2:]}"
-    return part
+    return f"key {key_in_words(shown)!r}, "

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import re
 import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Final, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from gateway.policy.models import ALGORITHMS, OverrideError, Policy, tier_specs
+from gateway.policy.models import ALGORITHM_MODELS, ALGORITHMS, OverrideError, Policy, tier_specs
 from gateway.policy.overrides_file import OverridesFileError, line_of, read_overrides, resolve_path
 from gateway.policy.upstream_tls import TLS_FILES, tls_problem
 
@@ -204,12 +205,47 @@ def _did_you_mean(raw_loc: Loc) -> str:
     return f": did you mean `{close[0]}`?" if close else ""
 
 
-def _tag_problem(loc: Loc, error: Any) -> tuple[Loc, str]:
-    """An unknown or missing algorithm, on the line of ``algorithm:``, naming those there are."""
+# How an algorithm does what another's parameter asks for, where it has a way.
+_WINDOWS_INSTEAD: Final = "; it never delays: a request over the limit is rejected"
+_INSTEAD: Final = {
+    "token_bucket": "; it rejects what it cannot admit (mode: reject) or waits for tokens "
+    "(mode: queue)",
+    "leaky_bucket": "; it delays excess requests (nodelay: true admits a burst at once)",
+    "fixed_window": _WINDOWS_INSTEAD,
+    "sliding_window": _WINDOWS_INSTEAD,
+    "sliding_log": _WINDOWS_INSTEAD,
+}
+
+
+def _other_algorithms(data: Any, loc: Loc) -> str | None:
+    """A limit given another algorithm's parameter (``nodelay`` on a token bucket): which
+    algorithms take it, rather than the nearest spelling among its own fields."""
+    if len(loc) != 3 or loc[0] != "limits" or not isinstance(loc[2], str):
+        return None
+    spec = data["limits"].get(loc[1]) if isinstance(data.get("limits"), dict) else None
+    algorithm = spec.get("algorithm") if isinstance(spec, dict) else None
+    owners = [name for name, model in ALGORITHM_MODELS.items() if loc[2] in model.model_fields]
+    if not isinstance(algorithm, str) or not owners:
+        return None
+    do = "does" if len(owners) == 1 else "do"
+    instead = _INSTEAD.get(algorithm, "")
+    return f"a {algorithm} does not take {loc[2]} ({', '.join(owners)} {do}){instead}"
+
+
+def _tag_problem(loc: Loc, error: Any, data: Any) -> tuple[Loc, str]:
+    """An unknown or missing algorithm, on the line of ``algorithm:``, naming those there are
+    (and a misspelt ``algorithm:`` key, on its line)."""
     known = ", ".join(ALGORITHMS)
     tag = error.get("ctx", {}).get("tag")
     if error["type"] == "union_tag_invalid":
         return (*loc, "algorithm"), f"unknown algorithm {tag!r}: expected one of {known}"
+    spec: Any = data
+    for part in loc:
+        spec = spec.get(part) if isinstance(spec, dict) else None
+    keys = [key for key in spec if isinstance(key, str)] if isinstance(spec, dict) else []
+    misspelt = difflib.get_close_matches("algorithm", keys, n=1, cutoff=0.7)
+    if misspelt:
+        return (*loc, misspelt[0]), "unknown key: did you mean `algorithm`?"
     return loc, f"algorithm is missing: give one of {known}"
 
 
@@ -233,10 +269,24 @@ def _given(value: Any) -> str:
     return repr(value)
 
 
+class _Secret:
+    """A secret's value in an error message (which a failed reload logs): never its text."""
+
+    def __repr__(self) -> str:
+        return "text (not shown: a secret)"
+
+
+def _is_secret(loc: Loc) -> bool:
+    """The admin token and exempt_headers' accepted values (internal service tokens)."""
+    return "exempt_headers" in loc or loc[-1:] == ("admin_token",)
+
+
 def _in_words(error: Any, loc: Loc) -> str:
     """Pydantic's message for one error, in the policy's terms where pydantic's are its own."""
     kind = error["type"]
     given = error.get("input")
+    if isinstance(given, str) and _is_secret(loc):
+        given = _Secret()
     field = loc[-1] if loc else ""
     if kind == "missing":
         return f"missing: {field} has no default, add it"
@@ -255,12 +305,40 @@ def _in_words(error: Any, loc: Loc) -> str:
         return f"expected a mapping (name: value lines), got {_given(given)}"
     if kind in ("tuple_type", "list_type"):
         return f"expected a list, got {_given(given)}"
+    bound = _bound_in_words(kind, error.get("ctx", {}))
+    if bound is not None:
+        # A token's length, never the token itself.
+        return bound if kind == "string_too_short" else f"{bound}, got {given!r}"
+    if kind == "string_pattern_mismatch":
+        if field == "key_prefix":
+            return f"invalid key_prefix {given!r}: no braces (Redis hash tags) and no spaces"
+        return f"invalid {field} {given!r}: expected text matching {error['ctx']['pattern']}"
     if kind == "literal_error":
         if loc == ("version",):
             return f"unsupported policy version {given!r}: this gateway reads version: 1"
         return f"expected {error.get('ctx', {}).get('expected', 'another value')}, got {given!r}"
     reason: str = error["msg"]
     return reason.removeprefix("Value error, ")
+
+
+_BOUNDS: Final = {
+    "greater_than_equal": ("ge", "at least"),
+    "greater_than": ("gt", "above"),
+    "less_than_equal": ("le", "at most"),
+    "less_than": ("lt", "below"),
+    "string_too_short": ("min_length", "at least"),
+}
+
+
+def _bound_in_words(kind: str, ctx: dict[str, Any]) -> str | None:
+    """pydantic's "Input should be greater than or equal to 1": ``must be at least 1``."""
+    if kind not in _BOUNDS:
+        return None
+    name, words = _BOUNDS[kind]
+    unit = " characters long" if kind == "string_too_short" else ""
+    bound = ctx[name]
+    shown = f"{bound:g}" if isinstance(bound, float) else str(bound)
+    return f"must be {words} {shown}{unit}"
 
 
 def _limit_as_rate(given: str) -> str:
@@ -360,8 +438,15 @@ def _parse_toml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
+        # tomllib before Python 3.14 keeps the place only in its message: "(at line 3, column
+        # 11)"; the line goes where every problem's line goes.
+        reason = str(exc)
+        place = re.search(r" \(at line (\d+), column (\d+)\)$", reason)
         line = getattr(exc, "lineno", None)
-        raise PolicyError(file, [PolicyProblem(line, "", f"invalid TOML: {exc}")]) from None
+        if place is not None:
+            line = line or int(place[1])
+            reason = f"{reason[: place.start()]} (column {place[2]})"
+        raise PolicyError(file, [PolicyProblem(line, "", f"invalid TOML: {reason}")]) from None
     return data, _toml_key_lines(text)
 
 
@@ -412,6 +497,16 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
             if route_name not in route_names:
                 problems.append(
                     (("limits", name, "match", "routes"), f"unknown route {route_name!r}")
+                )
+        cost = limit.cost
+        for route_name in () if isinstance(cost, int) else cost.routes:
+            if route_name not in route_names:
+                known = ", ".join(sorted(route_names)) or "none defined"
+                problems.append(
+                    (
+                        ("limits", name, "cost", "routes", route_name),
+                        f"unknown route {route_name!r} (routes: {known})",
+                    )
                 )
         if limit.exempt_listed is not None:
             reason = _names_a_lister(policy, name, limit.exempt_listed)
@@ -478,15 +573,16 @@ def parse_policy(
                 continue
             reason = _in_words(error, loc)
             if error["type"] == "extra_forbidden":
-                reason = "unknown key" + _did_you_mean(raw_loc)
+                reason = _other_algorithms(data, loc) or "unknown key" + _did_you_mean(raw_loc)
             elif error["type"] in ("model_type", "dict_type") and error["input"] is None:
                 reason = "is empty: write its settings under it, or remove the line"
             elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-                loc, reason = _tag_problem(loc, error)
+                loc, reason = _tag_problem(loc, error, data)
             problems.append(PolicyProblem(_line_for(lines, loc), format_loc(loc), reason))
         raise PolicyError(file, problems) from None
     policy, files, digest_parts = _with_overrides_files(policy, file, lines)
     policy, tls_problems = _with_tls_files(policy, file)
+    policy = _with_admin_token_file(policy, file)
     ref_problems = _check_references(policy) or tls_problems or (checks(policy) if checks else [])
     if ref_problems:
         raise PolicyError(
@@ -555,6 +651,19 @@ def _with_tls_files(policy: Policy, file: str) -> tuple[Policy, list[tuple[Loc, 
     if upstreams == policy.upstreams:
         return policy, problems
     return policy.model_copy(update={"upstreams": upstreams}), problems
+
+
+def _with_admin_token_file(policy: Policy, file: str) -> Policy:
+    """The policy with ``server.admin_token_file`` relative to the policy file's directory, as
+    its other files are (not to the directory the gateway was started in)."""
+    given = policy.server.admin_token_file
+    if not given:
+        return policy
+    resolved = str(resolve_path(file, given))
+    if resolved == given:
+        return policy
+    server = policy.server.model_copy(update={"admin_token_file": resolved})
+    return policy.model_copy(update={"server": server})
 
 
 def load_policy(path: str | Path, checks: BuildChecks | None = None) -> LoadedPolicy:

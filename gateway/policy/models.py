@@ -280,7 +280,9 @@ class ServerSettings(_Model):
         "prefer admin_token_file or GATEWAY_ADMIN_TOKEN for secrets",
     )
     admin_token_file: str | None = Field(
-        None, description="file holding the admin bearer token (read at start and on reload)"
+        None,
+        description="file holding the admin bearer token (relative to the policy file; read at "
+        "start and on reload)",
     )
     admin_public_paths: tuple[AdminPath, ...] = Field(
         ("/healthz", "/readyz", "/metrics"),
@@ -398,11 +400,14 @@ class AdaptiveSettings(_Model):
         return self
 
 
-def _check_server_url(value: str) -> str:
+def _check_server_url(value: str, demo: bool = False) -> str:
+    """An http:// or https:// URL (``demo``: where an upstream's url may be builtin:demo)."""
     match = _UPSTREAM_URL_RE.match(value)
     if not match:
+        also = ", or 'builtin:demo'" if demo else ""
         raise ValueError(
-            f"invalid upstream url {value!r}: expected http://host[:port][/path] or 'builtin:demo'"
+            f"invalid upstream url {value!r}: expected http://host[:port][/path] or "
+            f"https://host[:port][/path]{also}"
         )
     if match.group(2) and not 0 < int(match.group(2)[1:]) <= 65535:
         raise ValueError(f"invalid upstream url {value!r}: port out of range")
@@ -632,7 +637,7 @@ class Upstream(_Model):
     def _check_url(cls, value: str | None) -> str | None:
         if value is None or value == "builtin:demo":
             return value
-        return _check_server_url(value)
+        return _check_server_url(value, demo=True)
 
     @field_validator("hash_key")
     @classmethod
@@ -734,7 +739,7 @@ class RouteMatch(_Model):
 class Route(_Model):
     """Requests matching ``match`` go to ``upstream``; routes are tried in file order."""
 
-    name: str = Field(pattern=_NAME_RE, description="the route's name in metrics, logs and limits")
+    name: Name = Field(description="the route's name in metrics, logs and limits")
     match: RouteMatch = Field(RouteMatch(), description="omitted: every request")
     upstream: str = Field(description="name of an upstream in upstreams")
     connect_timeout: Timeout | None = Field(None, description="the upstream's, for this route")
@@ -795,13 +800,15 @@ class LeaseSettings(_Model):
         0.1,
         ge=0,
         lt=1,
-        description="below this fraction of the quota left, grants are split evenly among the "
-        "replicas that asked recently",
+        description="below this fraction of the quota left, a grant is at most the share split "
+        "evenly among the replicas that asked recently (above it, at most an even part of what "
+        "remains)",
     )
     interval: Timeout | None = Field(
         None,
-        description="a replica asks for what it spent over this long; a token bucket's lease "
-        "expires after it (default: a fifth of the window, or of the bucket's refill time)",
+        description="a replica asks for what it spent over this long (with no history yet, for "
+        "the quota's units over this long); a token bucket's lease expires after it (default: a "
+        "fifth of the window, or of the bucket's refill time)",
     )
 
 
@@ -1189,12 +1196,13 @@ def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
     return Tiers(of_value, specs)
 
 
-# The names ``algorithm:`` takes, for error messages.
-ALGORITHMS: tuple[str, ...] = tuple(
-    name
+# The model of each name ``algorithm:`` takes, and the names, for error messages.
+ALGORITHM_MODELS: dict[str, type[_LimitBase]] = {
+    name: model
     for model in (LeakyBucketLimit, WindowLimit, TokenBucketLimit, ConcurrencyLimit)
     for name in get_args(model.model_fields["algorithm"].annotation)
-)
+}
+ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_MODELS)
 Limit = Annotated[
     LeakyBucketLimit | WindowLimit | TokenBucketLimit | ConcurrencyLimit,
     Field(discriminator="algorithm"),

@@ -71,6 +71,7 @@ class ReadStats:
     has_headers: bool = False
     has_host: bool = False
     durations: int = 0  # requests whose log line gave their duration
+    own_records: int = 0  # the gateway's own log lines beside its access lines: skipped
 
     def bad(self, source: str, line: int, reason: str) -> None:
         self.malformed += 1
@@ -458,17 +459,24 @@ def _duration_us(obj: dict[str, Any]) -> int:
 
 def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request]:
     """The gateway's JSON access log (``t_us``: the limiter's instant; ``client``: the client
-    it resolved) or JSON lines with ``ts``, ``ip``, ``method``, ``path`` and optional
-    ``headers`` (and ``host``); either with ``duration_ms`` or ``request_time``."""
+    it resolved; the gateway's own log lines beside it skipped) or JSON lines with ``ts``,
+    ``ip``, ``method``, ``path`` and optional ``headers`` (and ``host``); either with
+    ``duration_ms`` or ``request_time``."""
     name = opened.name
     gateway = fmt == "gateway"
     for number, line in numbered_lines(opened, stats):
         stats.lines += 1
         if not line.strip():
             continue
+        if gateway and not line.startswith("{") and _is_own_record(line):
+            stats.own_records += 1
+            continue
         obj = _json_object(line)
         if obj is None:
             stats.bad(name, number, "not a JSON object")
+            continue
+        if gateway and "logger" in obj and "level" in obj and "t_us" not in obj:
+            stats.own_records += 1  # one of the gateway's own lines, with --log-format json
             continue
         try:
             if gateway:
@@ -520,6 +528,27 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
 
 # -- the table of formats, detection and the whole set of logs ------------------------------
 
+# The gateway's own log lines (``gateway/log_setup.py``), which share its stderr with the access
+# log: in text, ``TIME LEVEL LOGGER[PID]: message``; in JSON, an object with ``level`` and
+# ``logger``. They are not requests: a gateway log is read past them, not stopped by them.
+_OWN_TEXT: Final = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ([\w.-]+)\[\d+\]: ")
+ACCESS_LOGGER: Final = "gateway.access"
+
+
+def _is_own_record(line: str) -> bool:
+    """A line of the gateway's own log, not an access line (which may follow a text prefix)."""
+    prefix = _OWN_TEXT.match(line)
+    if prefix is not None:
+        return prefix.group(1) != ACCESS_LOGGER
+    obj = _json_object(line) if line.startswith("{") else None
+    return obj is not None and "logger" in obj and "level" in obj and "t_us" not in obj
+
+
+def _is_text_access_line(line: str) -> bool:
+    """An access line in text (``access_log_format: text``), which a replay cannot read."""
+    prefix = _OWN_TEXT.match(line)
+    return prefix is not None and prefix.group(1) == ACCESS_LOGGER and "{" not in line
+
 
 def _is_gateway_log(line: str) -> bool:
     obj = _json_object(line)
@@ -568,14 +597,20 @@ def detect(line: str) -> Format | None:
     return None
 
 
-def _first_line(text: IO[str]) -> str:
-    """Peek at the first non-blank line without consuming it."""
+def _first_line(text: IO[str]) -> tuple[int, str]:
+    """Peek at the first non-blank line that is not one of the gateway's own log lines (else
+    the first non-blank line), and its number, without consuming it."""
     buffer = text.buffer  # type: ignore[attr-defined]
     peeked = buffer.peek(65536) if hasattr(buffer, "peek") else b""
-    for raw in peeked.split(b"\n"):
+    first: tuple[int, str] = (0, "")
+    for number, raw in enumerate(peeked.split(b"\n"), 1):
         if raw.strip():
-            return str(raw.decode("utf-8", "replace"))
-    return ""
+            line = str(raw.decode("utf-8", "replace"))
+            if not _is_own_record(line):
+                return number, line
+            if not first[1]:
+                first = (number, line)
+    return first
 
 
 def read_log(opened: Opened, fmt: str, stats: ReadStats) -> Iterator[Request]:
@@ -583,14 +618,19 @@ def read_log(opened: Opened, fmt: str, stats: ReadStats) -> Iterator[Request]:
     first line)."""
     chosen: Format
     if fmt == "auto":
-        first = _first_line(opened.text)
+        number, first = _first_line(opened.text)
         if not first:
             stats.formats[opened.name] = "empty"
             return iter(())
         found = detect(first)
+        if found is None and _is_text_access_line(first):
+            raise LogError(
+                f"{opened.name}: line {number}: the gateway's access log in text cannot be "
+                "replayed: write it as JSON (server.access_log_format: json)"
+            )
         if found is None:
             raise LogError(
-                f"{opened.name}: line 1: cannot tell the log format "
+                f"{opened.name}: line {number}: cannot tell the log format "
                 f"(use --format {'|'.join(sorted(READERS))})"
             )
         chosen = found

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
-from gateway.limits.keys import SEP, TAG
+from gateway.limits.keys import key_in_words
 from gateway.replay.log_formats import US
 from gateway.replay.run import Run
 from gateway.replay.simulate import (
@@ -28,19 +28,8 @@ MALFORMED_SHOWN = 20
 
 
 def show_key(key: str) -> str:
-    """A limit key for people: parts joined with ' · ', tagged parts spelled out (as the
-    dashboard does)."""
-    if not key:
-        return "(all clients)"
-    parts = []
-    for part in key.split(SEP):
-        if part.startswith(TAG + "ip"):
-            parts.append(f"{part[3:]} (no key: client IP)")
-        elif part.startswith(TAG):
-            parts.append(f"hex:{part[2:]}")
-        else:
-            parts.append(part)
-    return " · ".join(parts)
+    """A limit key for people, as the limit log and the dashboard show it."""
+    return key_in_words(key) if key else "(all clients)"
 
 
 def _percentiles(values: array[float]) -> dict[str, float] | None:
@@ -160,6 +149,10 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
         notes.append(
             "timestamps have whole seconds: the requests logged in one second are spread "
             "evenly across it"
+        )
+    if stats.own_records:
+        notes.append(
+            f"{stats.own_records:,} of the gateway's own log lines (not access lines) skipped"
         )
     if stats.late:
         notes.append(

@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -291,10 +292,11 @@ class Gateway:
             raise ValueError("builtin:demo can only be used if the gateway started with it")
         moved = restart_only_changes(self.loaded.policy, loaded.policy)
         if moved:
+            takes, them = ("takes", "it") if len(moved) == 1 else ("take", "them")
             raise ValueError(
-                f"{loaded.source}: {', '.join(moved)} take effect on restart only; the running "
-                "policy stays (restart the gateway to apply them, or revert them to reload the "
-                "rest)"
+                f"{loaded.source}: {', '.join(moved)} {takes} effect on restart only; the running "
+                f"policy stays (restart the gateway to apply {them}, or revert {them} to reload "
+                "the rest)"
             )
         new_tls = loaded.policy.server.tls
         if (new_tls is None) != (self.tls is None):
@@ -394,6 +396,21 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
 
 
+def _tls_in_words(tls: ListenerTls | None) -> str:
+    """' over TLS (certificate F, valid until D)' for a TLS listener: a client speaking plain
+    HTTP to it gets no answer, so the start line says which protocol the port speaks."""
+    if tls is None:
+        return ""
+    until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(tls.not_after))
+    return f" over TLS (certificate {tls.files[0]}, valid until {until})"
+
+
+def _store_in_words(name: str, url: str) -> str:
+    """The store as the start line names it: the URL, and the shared store that ``memory``
+    becomes with --workers N (as /policy says: store shared, store_url memory)."""
+    return f"{name} (store.url {url})" if name == "shared" and url != "shared" else url
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -476,16 +493,17 @@ async def serve(
     if admin_host in ("0.0.0.0", "::", ""):
         admin_host = "127.0.0.1"  # a wildcard: this machine reaches it on loopback
     log.info(
-        "worker %d serving on %s:%d (admin %s:%d), policy %s sha256 %s, store %s; "
+        "worker %d serving on %s:%d%s (admin %s:%d), policy %s sha256 %s, store %s; "
         "dashboard http://%s/dashboard/",
         worker_id,
         gateway.listen[0],
         gateway.proxy_port,
+        _tls_in_words(gateway.tls),
         gateway.admin_listen[0],
         gateway.admin_port,
         loaded.source,
         loaded.sha256[:12],
-        redact_url(store_url(loaded.policy.store)),
+        _store_in_words(gateway.store.name, redact_url(store_url(loaded.policy.store))),
         _host_port(admin_host, gateway.admin_port),
     )
     if gateway.admin_auth.token is not None:

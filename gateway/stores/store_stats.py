@@ -60,6 +60,12 @@ class StoreStats:
             log.log(
                 level, "store state %s -> %s%s", self.state, state, f": {reason}" if reason else ""
             )
+            self.moved(state)
+
+    def moved(self, state: str) -> None:
+        """Move to ``state`` and count the transition, without a log line: for a change its
+        cause has logged already (the circuit breaker logs its own)."""
+        if state != self.state:
             change = f"{self.state}>{state}"
             self.transitions[change] = self.transitions.get(change, 0) + 1
             self.state = state

@@ -179,13 +179,21 @@ class RedisClusterHarness:
     """A real Redis Cluster: three masters (and ``replicas`` replicas of each), all 16384 slots
     covered. Slots can be migrated and masters failed over or killed while clients run."""
 
-    def __init__(self, work_dir: Path, masters: int = 3, replicas: int = 0) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        masters: int = 3,
+        replicas: int = 0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        """``extra_args`` go to every node's redis-server (``--cluster-require-full-coverage
+        no``, ...)."""
         self.replicas = replicas
         self.nodes = []
         for index in range(masters * (1 + replicas)):
             node_dir = work_dir / f"node{index}"
             node_dir.mkdir()
-            self.nodes.append(RedisServer(node_dir, cluster=True))
+            self.nodes.append(RedisServer(node_dir, cluster=True, extra_args=extra_args))
 
     @property
     def url(self) -> str:
@@ -259,11 +267,7 @@ class RedisClusterHarness:
         sync, until it serves the slot. Redis drops a manual failover that does not finish in
         5 s (the replica catching up, the election), which a busy machine can take: asked
         again then, up to three times."""
-        deadline = time.monotonic() + 20
-        while "master_link_status:up" not in _cli(replica.port, "INFO", "replication"):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"127.0.0.1:{replica.port} did not sync with its master")
-            time.sleep(0.1)
+        self.wait_synced(replica)
         for attempt in range(3):
             with contextlib.suppress(RuntimeError):  # a late success: it is a master already
                 _cli(replica.port, "CLUSTER", "FAILOVER")
@@ -273,6 +277,14 @@ class RedisClusterHarness:
             except RuntimeError:
                 if attempt == 2:
                     raise
+
+    def wait_synced(self, replica: RedisServer, timeout_s: float = 20.0) -> None:
+        """Until ``replica`` has synced with its master (``master_link_status:up``)."""
+        deadline = time.monotonic() + timeout_s
+        while "master_link_status:up" not in _cli(replica.port, "INFO", "replication"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"127.0.0.1:{replica.port} did not sync with its master")
+            time.sleep(0.1)
 
     def replica_of(self, master: RedisServer) -> RedisServer:
         master_id = _cli(master.port, "CLUSTER", "MYID").strip()

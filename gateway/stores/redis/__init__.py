@@ -21,9 +21,10 @@ per-client ones, for instance) every key carries the same tag and lives on one n
 When Redis fails or is slow (``timeout_s`` per call), ``on_failure`` says what to do: ``local``
 decides in an in-process ``MemoryStore`` with each limit divided by ``replicas``, ``allow``
 admits, ``deny`` raises ``StoreUnavailableError`` (the engine answers 503). A circuit breaker
-stops trying after a few failures in a row and probes again later. ``stats.state`` says what
-answers: ``ok`` (Redis), ``fallback`` (a call failed, the circuit is still closed), ``open`` or
-``half_open`` (the circuit's; ``on_failure`` answers meanwhile); each change is logged once.
+per node (a cluster's masters: a dead one makes only its own keys fall back) stops trying after
+a few failures in a row and probes again later. ``stats.state`` says what answers: ``ok``
+(Redis), ``fallback`` (a call failed, the circuit is still closed), ``open`` or ``half_open``
+(the worst node's circuit; ``on_failure`` answers meanwhile); each change is logged once.
 """
 
 from gateway.stores.redis.store import RedisStore

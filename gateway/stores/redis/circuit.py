@@ -7,6 +7,9 @@ circuit; failure opens it again for twice as long, up to ``max_reset_timeout_s``
 is cancelled before it can tell (its client hung up) puts the circuit back to open with the
 next call probing, so a half-open circuit always has a probe out. Every transition is logged
 and counted; ``state`` and the counters are plain attributes for metrics.
+
+``NodeCircuits`` keeps one breaker per Redis node: in a cluster, a dead master opens the
+circuit of the keys it serves only, and the others' keys go on being decided in Redis.
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ class CircuitBreaker:
         self.short_circuited = 0  # calls refused while open or while a probe was out
         self.transitions: dict[str, int] = {}  # "closed->open": count
 
+    def like(self, name: str) -> CircuitBreaker:
+        """A new breaker, closed, with this one's parameters and clock."""
+        return CircuitBreaker(
+            name,
+            failure_threshold=self.failure_threshold,
+            reset_timeout_s=self.reset_timeout_s,
+            max_reset_timeout_s=self.max_reset_timeout_s,
+            clock=self._clock,
+        )
+
     def allow(self) -> bool:
         """True if the caller may try the protected call now (and must report how it went)."""
         state = self.state
@@ -141,3 +154,50 @@ class CircuitBreaker:
         self.state = state
         if self.on_transition is not None:
             self.on_transition(state)
+
+
+class NodeCircuits:
+    """One circuit breaker per Redis node, by address (a cluster's masters; a single server is
+    the one node ``""``, whose breaker is ``default``). Each is made on first use like
+    ``default``, and logs its own transitions with the node's address. ``on_change`` is told
+    the circuits' worst state (open, then half_open, then closed) after any of them moves."""
+
+    __slots__ = ("_breakers", "default", "name", "on_change")
+
+    def __init__(
+        self, default: CircuitBreaker, on_change: Callable[[State], None] | None = None
+    ) -> None:
+        self.default = default
+        self.name = default.name
+        self.on_change = on_change
+        default.on_transition = self._moved
+        self._breakers: dict[str, CircuitBreaker] = {"": default}
+
+    def of(self, node: str) -> CircuitBreaker:
+        breaker = self._breakers.get(node)
+        if breaker is None:
+            breaker = self._breakers[node] = self.default.like(f"{self.name} {node}")
+            breaker.on_transition = self._moved
+        return breaker
+
+    def breakers(self) -> dict[str, CircuitBreaker]:
+        """Every node's breaker met so far, by address."""
+        return dict(self._breakers)
+
+    @property
+    def open_nodes(self) -> int:
+        """Nodes whose circuit is open or half-open (on_failure answers for their keys)."""
+        return sum(breaker.state != CLOSED for breaker in self._breakers.values())
+
+    def worst(self) -> State:
+        states = {breaker.state for breaker in self._breakers.values()}
+        if OPEN in states:
+            return OPEN
+        if HALF_OPEN in states:
+            return HALF_OPEN
+        return CLOSED
+
+    def _moved(self, state: State) -> None:
+        del state  # the breaker's own: what the store reports is the worst of them
+        if self.on_change is not None:
+            self.on_change(self.worst())

@@ -25,6 +25,17 @@ class ScriptClient(Protocol):
 
     round_trips: int
 
+    @property
+    def topology(self) -> int:
+        """A number that changes when the client reads a new cluster slot map (0 otherwise):
+        the nodes keys were filed under may have changed."""
+        ...
+
+    def node_of(self, key: bytes) -> str:
+        """The address of the node a call on ``key`` goes to (a cluster's master serving its
+        slot, as this client's slot map says); ``""`` for a single server."""
+        ...
+
     def submit(
         self, keys: Sequence[bytes], argv: Sequence[bytes], asking: str = ""
     ) -> asyncio.Future[Any]:
@@ -138,7 +149,12 @@ async def recovered(
 
 class PipelineClient:
     """redis-py (``redis.asyncio``, hiredis parser): each batch is one ``Pipeline`` (or
-    ``ClusterPipeline``), at most ``max_in_flight`` outstanding. Kept to compare against."""
+    ``ClusterPipeline``), at most ``max_in_flight`` outstanding per node. Kept to compare
+    against.
+
+    A cluster's calls are batched per node, as the thin client's: redis-py fails a whole
+    cluster pipeline when it cannot connect to one of its nodes, after the other nodes have
+    run their calls, and those callers would be told their charged calls failed."""
 
     def __init__(
         self,
@@ -154,35 +170,53 @@ class PipelineClient:
         self.max_in_flight = max_in_flight
         self.timeout_s = timeout_s
         self.round_trips = 0
-        self._filling: Batch | None = None
-        self._in_flight = 0
+        self._filling: dict[str, Batch] = {}  # by node (node_of), "" for a single server
+        self._in_flight: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loading: asyncio.Task[None] | None = None
         self._resetting: asyncio.Task[None] | None = None
+
+    @property
+    def topology(self) -> int:
+        """redis-py replaces its slot map when it reads it again (moved slots it patches in
+        place: not seen here)."""
+        client = self.client
+        return id(client.nodes_manager.slots_cache) if isinstance(client, RedisCluster) else 0
+
+    def node_of(self, key: bytes) -> str:
+        client = self.client
+        if not isinstance(client, RedisCluster):
+            return ""
+        try:
+            return str(client.nodes_manager.get_node_from_slot(key_slot(key)).name)
+        except (RedisError, LookupError):  # no slot map yet: the call will find its node
+            return ""
 
     def submit(
         self, keys: Sequence[bytes], argv: Sequence[bytes], asking: str = ""
     ) -> asyncio.Future[Any]:
         """``asking`` is never set: redis-py follows ASK itself."""
         loop = asyncio.get_running_loop()
-        batch = self._filling
+        node = self.node_of(keys[0]) if keys else ""
+        batch = self._filling.get(node)
         if batch is None:
-            batch = self._filling = Batch()
-            if self._in_flight < self.max_in_flight:
-                loop.call_soon(self._flush)
+            batch = self._filling[node] = Batch()
+            if self._in_flight.get(node, 0) < self.max_in_flight:
+                loop.call_soon(self._flush, node)
         return batch.add(("EVALSHA", self.sha, len(keys), *keys, *argv), loop)
 
-    def _flush(self) -> None:
-        batch = self._filling
-        if batch is None or self._in_flight >= self.max_in_flight:
+    def _flush(self, node: str) -> None:
+        batch = self._filling.get(node)
+        in_flight = self._in_flight.get(node, 0)
+        if batch is None or in_flight >= self.max_in_flight:
             return
-        self._filling = None
-        self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._run(batch))
+        del self._filling[node]
+        self._in_flight[node] = in_flight + 1
+        task = asyncio.get_running_loop().create_task(self._run(node, batch))
         self._tasks.add(task)  # a task nobody references may be collected mid-flight
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, batch: Batch) -> None:
+    async def _run(self, node: str, batch: Batch) -> None:
         self.round_trips += 1
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -199,9 +233,9 @@ class PipelineClient:
         else:
             batch.resolve(results)
         finally:
-            self._in_flight -= 1
-            if self._filling is not None:
-                self._flush()
+            self._in_flight[node] -= 1
+            if node in self._filling:
+                self._flush(node)
 
     async def prepare(self) -> None:
         client = self.client
@@ -457,6 +491,7 @@ class ThinClient:
         # replies fetch the map.
         self._slots: list[_Node | None] | None = None
         self._repairs: dict[str, asyncio.Task[None]] = {}
+        self._topology = 0  # slot maps read
 
     def _node(self, host: str, port: int) -> _Node:
         address = f"{host}:{port}"
@@ -464,6 +499,17 @@ class ThinClient:
         if node is None:
             node = self._nodes[address] = _Node(self, host, port)
         return node
+
+    @property
+    def topology(self) -> int:
+        return self._topology
+
+    def node_of(self, key: bytes) -> str:
+        if not self.cluster:
+            return ""
+        slots = self._slots
+        node = slots[key_slot(key)] if slots is not None else None
+        return (node or self._seed).address
 
     def submit(
         self, keys: Sequence[bytes], argv: Sequence[bytes], asking: str = ""
@@ -565,6 +611,7 @@ class ThinClient:
                 owner = self._node(master[0].decode() or node.host, int(master[1]))
                 slots[first : last + 1] = [owner] * (last - first + 1)
             self._slots = slots
+            self._topology += 1
             return
         raise RedisConnectionError("no cluster node gave its slot map: " + "; ".join(errors))
 

@@ -3,7 +3,8 @@
 Redis never sees the requests the fallback admits: when it answers again, its windows and
 buckets would admit a full quota on top of them. The store keeps a count per limit and key
 (bounded) and charges it to Redis, one script call per limit and key, before its next decision
-there.
+there. In a cluster the counts are kept per node (``OwedToNodes``): a master that answers again
+is charged its own before it decides again, while another may still be down.
 """
 
 from __future__ import annotations
@@ -84,3 +85,108 @@ async def carry_back(owed: Owed, charge: Callable[[Check, int], Awaitable[object
             for check, units in taken[start + len(batch) :]:
                 owed.add((check,), units)
             raise failure
+
+
+class OwedToNodes:
+    """``Owed`` per Redis node (``node_of`` a check: the master serving its key, ``""`` for a
+    single server), each charged by ``settle`` before that node decides again. Filed by the
+    node serving the key when the fallback admitted it, and again when the client reads a new
+    slot map (``topology``: a failover moved the keys of a dead master to its replica)."""
+
+    __slots__ = (
+        "_charge",
+        "_dropped",
+        "_failures",
+        "_locks",
+        "_node_of",
+        "_nodes",
+        "_settling",
+        "_topology",
+        "_topology_now",
+        "max_keys",
+    )
+
+    def __init__(
+        self,
+        charge: Callable[[Check, int], Awaitable[object]],
+        node_of: Callable[[Check], str],
+        topology: Callable[[], int],
+        max_keys: int = MAX_OWED_KEYS,
+    ) -> None:
+        self._charge = charge
+        self._node_of = node_of
+        self._topology_now = topology
+        self._topology = topology()
+        self.max_keys = max_keys  # per node
+        self._nodes: dict[str, Owed] = {}
+        self._settling: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._failures: dict[str, int] = {}
+        self._dropped = 0  # of the per-node counts no longer kept
+
+    def __bool__(self) -> bool:
+        return bool(self._nodes)
+
+    def __len__(self) -> int:
+        return sum(len(owed) for owed in self._nodes.values())
+
+    def add(self, checks: Sequence[Check], cost: int = 1) -> None:
+        for check in checks:
+            node = self._node_of(check)
+            owed = self._nodes.get(node)
+            if owed is None:
+                owed = self._nodes[node] = Owed(self.max_keys)
+            owed.add((check,), cost)
+
+    def due(self, node: str) -> bool:
+        """Is something owed to ``node``, or being charged to it, that a decision there must
+        wait for? (Cheap when nothing is owed anywhere: the request path asks.)"""
+        if not self._nodes and not self._settling:
+            return False
+        return (
+            node in self._nodes or node in self._settling or self._topology != self._topology_now()
+        )
+
+    async def settle(self, node: str) -> None:
+        """Charge what is owed to ``node`` (``carry_back``); raises, keeping what was not
+        charged, if Redis fails. Calls for the node meanwhile wait for it, and one that waited
+        for a charge that failed raises at once (the node is not answering: no second wait)."""
+        self._refile()
+        lock = self._locks.get(node)
+        if lock is None:
+            lock = self._locks[node] = asyncio.Lock()
+        failures = self._failures.get(node, 0)
+        async with lock:
+            if self._failures.get(node, 0) != failures:
+                raise CarryBackFailedError("charging the fallback's admissions to Redis failed")
+            owed = self._nodes.pop(node, None)
+            if owed is None:
+                return
+            self._dropped += owed.dropped
+            self._settling.add(node)
+            try:
+                await carry_back(owed, self._charge)
+            except Exception:
+                self._failures[node] = self._failures.get(node, 0) + 1
+                raise
+            finally:
+                self._settling.discard(node)
+                for check, units in owed.take():  # not charged: owed again, wherever it is now
+                    self.add((check,), units)
+
+    def _refile(self) -> None:
+        """After a new slot map, each count under the node now serving its key."""
+        topology = self._topology_now()
+        if topology == self._topology:
+            return
+        self._topology = topology
+        taken = [entry for owed in self._nodes.values() for entry in owed.take()]
+        self._dropped += sum(owed.dropped for owed in self._nodes.values())
+        self._nodes.clear()
+        for check, units in taken:
+            self.add((check,), units)
+
+    @property
+    def dropped(self) -> int:
+        """Units owed past ``max_keys`` keys of a node, not carried back."""
+        return self._dropped + sum(owed.dropped for owed in self._nodes.values())

@@ -53,9 +53,9 @@ from gateway.clock import Clock
 from gateway.exceptions import caused_by
 from gateway.limits.compiled import Check, CompiledLimit
 from gateway.policy.models import LeaseSettings
-from gateway.stores.redis.circuit import CircuitBreaker
+from gateway.stores.redis.circuit import NodeCircuits
 from gateway.stores.redis.clients import ScriptClient, submit_recovering
-from gateway.stores.redis.fallback import Owed, carry_back
+from gateway.stores.redis.fallback import OwedToNodes
 from gateway.stores.redis.lease_grant import permille
 from gateway.stores.store_stats import StoreStats
 
@@ -194,14 +194,14 @@ class LeaseBook:
         *,
         key_prefix: str,
         clock: Clock,
-        breaker: CircuitBreaker,
+        circuits: NodeCircuits,
         stats: StoreStats,
         time_source: Clock | None = None,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
         self.clock = clock
-        self.breaker = breaker
+        self.circuits = circuits  # the store's: one per node, shared with its calls
         self.stats = stats
         self.time_source = time_source
         # Not secret: tells replicas apart in the set of those that asked lately.
@@ -215,10 +215,9 @@ class LeaseBook:
         # on_failure local: charges the fallback's state with units admitted from a lease
         # (limit, key, units); None otherwise.
         self.seed: Callable[[CompiledLimit, str, int], None] | None = None
-        # What the fallback admitted on leased limits, owed to their lease states.
-        self.owed = Owed()
+        # What the fallback admitted on leased limits, owed to their lease states (per node).
+        self.owed = OwedToNodes(self._charge, self._node_of_check, self._topology)
         self.carried_back = 0  # units of it charged to Redis
-        self._carrying_back = asyncio.Lock()
         # Returns of the leases a reload dropped, in flight.
         self._returning: set[asyncio.Task[None]] = set()
 
@@ -274,6 +273,10 @@ class LeaseBook:
         """Wait for the returns of the leases the last reloads dropped."""
         while self._returning:
             await asyncio.gather(*self._returning, return_exceptions=True)
+
+    def redis_key(self, check: Check) -> str:
+        """Where the lease state of a leased limit's key lives in Redis."""
+        return _lease_key(self.plans[check.limit.name], check.key)
 
     def leased(self, limit: CompiledLimit) -> bool:
         plan = self.plans.get(limit.name)
@@ -490,12 +493,13 @@ class LeaseBook:
 
     async def _ask(self, plan: LeasePlan, key: str, lease: Lease, now_us: int) -> None:
         """One grant call; the lease replaced by its answer. Raises when Redis cannot answer
-        (the breaker told), and at once while the circuit is open."""
-        breaker = self.breaker
+        (the breaker told), and at once while the circuit of its node is open."""
+        node = self._node_of(plan, key)
+        breaker = self.circuits.of(node)
         if not breaker.allow():
             raise LeaseUnavailableError("circuit open")
         probe = breaker.probe_out
-        # The requests before this one: none yet (a new key) asks for a fair share.
+        # The requests before this one: none yet (a new key) asks as a first ask (lease_grant).
         want = max(_recent_demand(lease, plan.interval_us, now_us) - 1, 0)
         # No more than this replica spends in an interval: its requests count rejections too,
         # which in a closed loop come back far faster than admissions, and a grant larger than
@@ -506,8 +510,8 @@ class LeaseBook:
             want = min(want, max(math.ceil(lease.spend_per_us * plan.interval_us), 1))
         back, back_index = lease.unused_back, lease.back_index
         try:
-            if self.owed or self._carrying_back.locked():
-                await self._carry_back()
+            if self.owed.due(node):
+                await self.owed.settle(node)
             reply = await self._call(b"g", plan, key, want, back, back_index)
         except asyncio.CancelledError:
             breaker.cancelled(probe)
@@ -547,10 +551,21 @@ class LeaseBook:
             lease.units = lease.size = 0
             lease.blocked_until_us = now_us + max(retry_us, _MIN_RETRY_US)
 
+    def _node_of(self, plan: LeasePlan, key: str) -> str:
+        """The node serving a lease key (``""``: a single server)."""
+        return self.client.node_of(_lease_key(plan, key).encode())
+
+    def _node_of_check(self, check: Check) -> str:
+        plan = self.plans.get(check.limit.name)
+        return self._node_of(plan, check.key) if plan is not None else ""
+
+    def _topology(self) -> int:
+        return self.client.topology
+
     async def _call(
         self, mode: bytes, plan: LeasePlan, key: str, want: int, back: int, back_index: int
     ) -> list[int]:
-        redis_key = plan.key_head + key.replace("}", "%7D") + "}"
+        redis_key = _lease_key(plan, key)
         keys = [redis_key.encode(), (redis_key + ":askers").encode()]
         time_source = self.time_source
         self._calls += 1
@@ -586,14 +601,9 @@ class LeaseBook:
         self.stats.observe(loop.time() - started)
         return reply[:5]
 
-    async def _carry_back(self) -> None:
-        """Charge the lease states with what the fallback admitted (one call per limit and
-        key, a few in flight), before this replica asks again; raises, keeping what was not
-        charged, if Redis fails. Asks made meanwhile wait for it."""
-        async with self._carrying_back:
-            await carry_back(self.owed, self._charge)
-
     async def _charge(self, check: Check, units: int) -> None:
+        """Charge a lease state with ``units`` the fallback admitted (``OwedToNodes.settle``,
+        before this replica asks that node again; asks meanwhile wait for it)."""
         plan = self.plans.get(check.limit.name)
         if plan is None:  # no longer leased: its lease state is left to expire
             return
@@ -617,7 +627,10 @@ class LeaseBook:
                     self._expired(plan, lease)
                 if plan.kind == b"F":
                     lease.unused_back = 0  # its window is over: nothing to give back to
-                elif lease.unused_back and self.breaker.state == "closed":
+                elif (
+                    lease.unused_back
+                    and self.circuits.of(self._node_of(plan, key)).state == "closed"
+                ):
                     await self._return(plan, key, lease, b"r")
 
     async def _return(self, plan: LeasePlan, key: str, lease: Lease, mode: bytes) -> None:
@@ -669,6 +682,11 @@ class LeaseBook:
         self.leases.clear()
 
 
+def _lease_key(plan: LeasePlan, key: str) -> str:
+    """A lease state's Redis key (its hash tag: the limit and the key)."""
+    return plan.key_head + key.replace("}", "%7D") + "}"
+
+
 def _unspent(lease: Lease, now_us: int) -> None:
     """A live lease's units, set aside to be given back."""
     if lease.units > 0 and now_us < lease.expires_us:
@@ -693,7 +711,7 @@ def _demand(lease: Lease, interval_us: int, now_us: int) -> None:
 
 def _recent_demand(lease: Lease, interval_us: int, now_us: int) -> int:
     """Requests over the last interval: this interval's, and the one before's weighted by its
-    overlap (a sliding window's estimate); 0 for none (then a fair share is asked)."""
+    overlap (a sliding window's estimate); 0 for none (then a first ask: lease_grant.py)."""
     elapsed_us = now_us - lease.period_start_us
     if elapsed_us >= 2 * interval_us:
         return 0

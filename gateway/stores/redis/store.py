@@ -22,7 +22,7 @@ from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
-from gateway.stores.redis.circuit import CircuitBreaker
+from gateway.stores.redis.circuit import CircuitBreaker, NodeCircuits, State
 from gateway.stores.redis.clients import (
     PipelineClient,
     ScriptClient,
@@ -30,7 +30,7 @@ from gateway.stores.redis.clients import (
     recovered,
 )
 from gateway.stores.redis.codecs import codec_for
-from gateway.stores.redis.fallback import CarryBackFailedError, Owed, carry_back
+from gateway.stores.redis.fallback import OwedToNodes
 from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
 from gateway.stores.redis.shadow import FOLD_INTERVAL_S, PendingCharges
@@ -115,8 +115,9 @@ class RedisStore:
         time_source: Clock | None = None,
         breaker: CircuitBreaker | None = None,
     ) -> None:
-        """``clock`` drives the local fallback and the breaker; ``time_source`` (tests only)
-        replaces Redis ``TIME`` as the scripts' clock."""
+        """``clock`` drives the local fallback and the breakers; ``time_source`` (tests only)
+        replaces Redis ``TIME`` as the scripts' clock. ``breaker`` is the single server's
+        circuit breaker, and the model of each cluster node's."""
         if on_failure not in FAILURE_MODES:
             raise ValueError(f"on_failure must be local, allow or deny, got {on_failure!r}")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -137,7 +138,8 @@ class RedisStore:
         self.time_source = time_source
         self.clock: Clock = clock or MonotonicClock()
         self.breaker = breaker or CircuitBreaker("redis store", clock=self.clock)
-        self.breaker.on_transition = self._circuit_moved
+        # One breaker per node: a cluster's dead master opens the circuit of its own keys.
+        self.circuits = NodeCircuits(self.breaker, self._circuit_moved)
         # For the metrics: calls, errors, call latency, and the circuit's state.
         self.stats = StoreStats()
         self.counters = RedisStoreCounters()
@@ -148,9 +150,6 @@ class RedisStore:
         self.pending = PendingCharges()
         self.fold_interval_s = FOLD_INTERVAL_S
         self._fold_timer: asyncio.TimerHandle | None = None
-        self.owed = Owed()
-        self._carrying_back = asyncio.Lock()
-        self._carry_back_failures = 0
         self._min_ttl = b"%d" % _OVERRIDE_MIN_TTL_MS if time_source is not None else b"0"
         self.script = load_script()
         self.sha = hashlib.sha1(self.script.encode()).hexdigest()
@@ -169,6 +168,7 @@ class RedisStore:
             )
         else:
             raise ValueError(f"client must be 'thin' or 'redis-py', got {client!r}")
+        self.owed = OwedToNodes(self._charge_owed, self._node_of_check, self._topology)
         # Leased limits (``lease:``): their own script, on a client of their own (one call in
         # flight: asks are rare), of the kind configured.
         lease_script = load_lease_script()
@@ -186,7 +186,7 @@ class RedisStore:
             lease_client,
             key_prefix=key_prefix,
             clock=self.clock,
-            breaker=self.breaker,
+            circuits=self.circuits,
             stats=self.stats,
             time_source=time_source,
         )
@@ -280,21 +280,23 @@ class RedisStore:
         if not checks:
             return CombinedDecision(True, 0.0, 0.0, (), None, (), ())
         plans = [self.plan(check.limit) for check in checks]
-        breaker = self.breaker
+        # All of a request's keys share a hash tag: one slot, one node.
+        node = self._node_of(checks[0], plans[0]) if self.cluster else ""
+        breaker = self.circuits.of(node)
         if not breaker.allow():
             return await self._unavailable(checks, commit, "circuit open")
         probe = breaker.probe_out
         try:
-            if self.owed or self._carrying_back.locked():
-                await self._carry_back()
+            if self.owed.due(node):
+                await self.owed.settle(node)
             reply = await self._eval(b"d" if commit else b"p", checks, plans)
         except asyncio.CancelledError:  # the client hung up: a probe must not stay out
             breaker.cancelled(probe)
             raise
         except Exception as exc:
-            self._failed(exc)
+            self._failed(exc, breaker)
             return await self._unavailable(checks, commit, _describe(exc))
-        self._answered()
+        self._answered(breaker)
         verdict = _verdict(checks, plans, reply)
         if commit and verdict.allowed and self.on_failure == "local":
             # Counted now, charged to the fallback at most FOLD_INTERVAL_S later.
@@ -310,28 +312,43 @@ class RedisStore:
         """Dry-run limits, one script call each, all in flight together. They are never
         enforced, so when Redis fails they are decided locally whatever ``on_failure`` says."""
         plans = [self.plan(check.limit) for check in checks]
-        breaker = self.breaker
-        if not breaker.allow():
-            return [await self._local_decide((check,), True) for check in checks]
-        probe = breaker.probe_out
+        # Each limit's key is on its own node: each call asks that node's circuit.
+        breakers = [
+            self.circuits.of(self._node_of(check, plan) if self.cluster else "")
+            for check, plan in zip(checks, plans, strict=True)
+        ]
+        allowed: list[bool] = []
+        probes: list[int] = []  # each read right after its allow()
+        for breaker in breakers:
+            allowed.append(breaker.allow())
+            probes.append(breaker.probe_out if allowed[-1] else 0)
         calls = [
-            self._eval(b"d", (check,), (plan,)) for check, plan in zip(checks, plans, strict=True)
+            self._eval(b"d", (check,), (plan,))
+            for check, plan, ok in zip(checks, plans, allowed, strict=True)
+            if ok
         ]
         try:
-            replies = await asyncio.gather(*calls, return_exceptions=True)
+            answers = iter(await asyncio.gather(*calls, return_exceptions=True))
         except asyncio.CancelledError:
-            breaker.cancelled(probe)
+            for breaker, probe in zip(breakers, probes, strict=True):
+                breaker.cancelled(probe)
             raise
         verdicts = []
-        for check, plan, reply in zip(checks, plans, replies, strict=True):
+        for check, plan, breaker, ok, probe in zip(
+            checks, plans, breakers, allowed, probes, strict=True
+        ):
+            if not ok:
+                verdicts.append(await self._local_decide((check,), True))
+                continue
+            reply = next(answers)
             if isinstance(reply, BaseException):
                 if isinstance(reply, asyncio.CancelledError):
                     breaker.cancelled(probe)
                     raise reply
-                self._failed(reply)
+                self._failed(reply, breaker)
                 verdicts.append(await self._local_decide((check,), True))
             else:
-                self._answered()
+                self._answered(breaker)
                 verdicts.append(_verdict((check,), (plan,), reply))
         return verdicts
 
@@ -349,7 +366,7 @@ class RedisStore:
         if not checks:
             return
         plans = [self.plan(check.limit) for check in checks]
-        breaker = self.breaker
+        breaker = self.circuits.of(self._node_of(checks[0], plans[0]) if self.cluster else "")
         if breaker.allow():
             probe = breaker.probe_out
             charged = b"" if charged_us is None else b"%d" % charged_us
@@ -359,9 +376,9 @@ class RedisStore:
                 breaker.cancelled(probe)
                 raise
             except Exception as exc:
-                self._failed(exc)
+                self._failed(exc, breaker)
             else:
-                self._answered()
+                self._answered(breaker)
                 return
         self.counters.local_decisions += 1
         self._fold_pending()
@@ -451,44 +468,42 @@ class RedisStore:
         self.stats.observe(loop.time() - started)
         return result
 
-    async def _carry_back(self) -> None:
-        """Charge Redis with what the fallback admitted (one call per limit and key, a few in
-        flight), before any decision there; raises, keeping what was not charged, if Redis
-        fails. Concurrent requests wait for it, so none is decided on Redis before it."""
-        failures = self._carry_back_failures
-        async with self._carrying_back:
-            if self._carry_back_failures != failures:
-                # It failed while this request waited: Redis is not answering, do not wait
-                # for another timeout (the circuit may still be closed, below its threshold).
-                raise CarryBackFailedError("charging the fallback's admissions to Redis failed")
-            try:
-                await carry_back(self.owed, self._charge_owed)
-            except Exception:
-                self._carry_back_failures += 1
-                raise
-
     async def _charge_owed(self, check: Check, units: int) -> None:
+        """Charge Redis with ``units`` the fallback admitted (``OwedToNodes.settle``, before
+        the node decides again; concurrent requests for it wait, so none is decided first)."""
         await self._eval(b"c", (check,), (self.plan(check.limit),), cost=units)
         self.counters.carried_back += units
 
-    def _answered(self) -> None:
+    def _node_of(self, check: Check, plan: LimitPlan) -> str:
+        """The cluster node serving ``check``'s key (the client's slot map)."""
+        return self.client.node_of(plan.redis_key(check.key).encode())
+
+    def _node_of_check(self, check: Check) -> str:
+        return self._node_of(check, self.plan(check.limit)) if self.cluster else ""
+
+    def _topology(self) -> int:
+        return self.client.topology
+
+    def _answered(self, breaker: CircuitBreaker) -> None:
         """Redis answered a call."""
-        self.breaker.success()
-        if self.stats.state != "ok":  # "fallback": the circuit was closed all along
+        breaker.success()
+        if self.stats.state == "fallback":  # the circuit was closed all along
             self.stats.set_state("ok", "Redis answered")
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, breaker: CircuitBreaker) -> None:
         self.counters.failed_calls += 1
         self.stats.error()
         reason = _describe(exc)
-        self.breaker.failure(reason)
-        if self.breaker.state == "closed":  # below the threshold: on_failure answers this one
+        breaker.failure(reason)
+        if breaker.state == "closed" and self.stats.state == "ok":
+            # Below the threshold: on_failure answers this one. (Another node's open circuit
+            # is the worse state, and stays what the store reports.)
             self.stats.set_state("fallback", f"{reason} (on_failure: {self.on_failure})")
 
-    def _circuit_moved(self, state: str) -> None:
-        # The breaker has logged the transition: not again here. The metrics' names for its
-        # states (a closed circuit means Redis answered).
-        self.stats.state = "ok" if state == "closed" else state
+    def _circuit_moved(self, worst: State) -> None:
+        # The breaker has logged the transition: counted, not logged again here. The metrics'
+        # names for the worst of the nodes' states (a closed circuit means Redis answered).
+        self.stats.moved("ok" if worst == "closed" else worst)
 
     # -- when Redis cannot decide --
 
@@ -558,7 +573,8 @@ class RedisStore:
             )
             return CombinedDecision(True, 0.0, 0.0, (), None, decisions, (None,) * len(checks))
         self.counters.denied_closed += 1
-        retry_after_s = max(self.breaker.retry_in_s, self.timeout_s)
+        breaker = self.circuits.of(self._node_of_check(checks[0]) if checks else "")
+        retry_after_s = max(breaker.retry_in_s, self.timeout_s)
         raise StoreUnavailableError(f"rate-limit store unavailable: {reason}", retry_after_s)
 
 

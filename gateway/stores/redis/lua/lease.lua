@@ -15,7 +15,7 @@
 -- ARGV[4]   the quota: the window's limit, or the bucket's capacity
 -- ARGV[5]   F, S: the window in us; T: microseconds per token, a decimal
 -- ARGV[6]   this replica's name
--- ARGV[7]   units wanted (0: no history, a fair share)
+-- ARGV[7]   units wanted (0: no history: the quota's units over ARGV[13], split evenly)
 -- ARGV[8]   units taken back (unused of an earlier lease), ARGV[9] the window number that
 --           lease was granted in (F, S; '' none)
 -- ARGV[10]  share, ARGV[11] low water, in permille (lease_grant.py is the Python mirror)
@@ -43,15 +43,31 @@ local function want_within(lasts)
   end
 end
 
+-- lease_grant.first_ask: the quota's units over ``lasts`` (at most an interval) at its own
+-- rate, the size of a grant to a replica with no history
+local function first_ask(lasts)
+  local over = interval_us
+  if lasts and lasts < over then over = lasts end
+  if kind == 'T' then return ceil_div(over, span) end
+  return ceil_div(quota * over, span)
+end
+
 -- lease_grant.grant_size
-local function grant_size(remaining, asking)
+local function grant_size(remaining, asking, fresh)
   if remaining <= 0 then return 0 end
+  if asking < 1 then asking = 1 end
   local cap = ceil_div(remaining * share_pm, 1000)
+  local even = ceil_div(remaining, asking)
   if want <= 0 or remaining * 1000 <= quota * low_water_pm then
-    if asking < 1 then asking = 1 end
-    cap = ceil_div(cap, asking)
+    even = ceil_div(cap, asking)
   end
-  if want <= 0 or want > cap then return cap end
+  if even < cap then cap = even end
+  if want <= 0 then
+    local first = ceil_div(fresh, asking)
+    if first < cap then return first end
+    return cap
+  end
+  if want > cap then return cap end
   return want
 end
 
@@ -65,8 +81,9 @@ local function take(remaining, lasts)
     if want < remaining then return want end
     return remaining
   end
+  local fresh = first_ask(lasts)
   if lasts then want_within(lasts) end
-  return grant_size(remaining, asking)
+  return grant_size(remaining, asking, fresh)
 end
 
 if mode == 'g' then
