@@ -222,9 +222,6 @@ EXPECTED_ERRORS = {
     "upstreams.backend.adaptive.jitter: must be at most 1, got 1.5",
     "adaptive_misspelt_key.yaml": "adaptive_misspelt_key.yaml:5: "
     "upstreams.backend.adaptive.min_limt: unknown key: did you mean `min_limit`?",
-    "adaptive_not_enforced_yet.yaml": "adaptive_not_enforced_yet.yaml:4: "
-    "upstreams.backend.adaptive: adaptive limits are not enforced by this version of the "
-    "gateway yet: remove adaptive",
 }
 
 

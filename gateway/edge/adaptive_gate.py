@@ -25,7 +25,16 @@ from gateway.clock import Clock
 class AdaptiveGate:
     """``enter`` before a request goes to the upstream (False: shed it), ``release`` after."""
 
-    __slots__ = ("_clock", "_waiting", "controller", "max_delay_s", "max_queue", "shed")
+    __slots__ = (
+        "_clock",
+        "_waiting",
+        "controller",
+        "max_delay_s",
+        "max_queue",
+        "retry_after_s",
+        "shed",
+        "status",
+    )
 
     def __init__(
         self,
@@ -35,11 +44,15 @@ class AdaptiveGate:
         *,
         max_delay_s: float,
         max_queue: int,
+        status: int = 503,
+        retry_after_s: float = 1.0,
     ) -> None:
         self._clock = clock
         self.controller = GradientLimit(params, clock.now_us(), random)
         self.max_delay_s = max_delay_s
         self.max_queue = max_queue
+        self.status = status  # of a request shed, with ``Retry-After: retry_after_s``
+        self.retry_after_s = retry_after_s
         self._waiting: deque[asyncio.Future[None]] = deque()
         self.shed = 0  # requests refused a place (at once or after waiting max_delay)
 
@@ -74,6 +87,10 @@ class AdaptiveGate:
                 self._forget(waiter)
             raise
         return True
+
+    def now_us(self) -> int:
+        """The gate's clock: a request's start, for ``release``."""
+        return self._clock.now_us()
 
     def release(self, started_us: int, *, measured: bool = True) -> None:
         """Give a place back; ``started_us`` is when its request went to the upstream (its

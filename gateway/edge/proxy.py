@@ -13,6 +13,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
+from gateway.edge.adaptive_gate import AdaptiveGate
 from gateway.edge.aiohttp_private import RelayedResponse, RelayedStream, request_message
 from gateway.edge.annotations import (
     CLIENT_IP,
@@ -296,10 +297,20 @@ class ProxyHandler:
             message = "request body too large" if status == 413 else "malformed request body"
             return await _answer_and_close(request, error_response(status, message, close=True))
 
+        upstream = admitted.upstream
+        # The upstream's adaptive limit (this worker's): a place before the request goes out,
+        # given back once its response is in; beyond it, a wait or the answer at once.
+        gate = upstream.gate
+        started_us = 0
+        if gate is not None:
+            if not gate.try_enter() and not await gate.enter():
+                request[LOCAL_ANSWER] = True
+                return await _refuse(request, _shed_response(gate, upstream.name, framing), framing)
+            started_us = gate.now_us()
+
         if framing.expect_continue and request.transport is not None:
             request.transport.write(_CONTINUE)
 
-        upstream = admitted.upstream
         pool = upstream.pool
         target = admitted.target
         via = runtime.via
@@ -322,6 +333,7 @@ class ProxyHandler:
         body_timeout = runtime.settings.body_timeout
         chunked = framing.chunked
         is_head = method == "HEAD"
+        measured = False  # the response (or a timeout) tells the adaptive limit a latency
         try:
             body: RequestBody | bytes | None = None
             if framing.has_body:
@@ -341,6 +353,7 @@ class ProxyHandler:
                 connect_timeout_s=route.connect_timeout or 0.0,
                 read_timeout_s=route.read_timeout or 0.0,
             )
+            measured = True
         except BodyTooLarge:
             refusal = error_response(413, "request body too large", close=True)
             request[LOCAL_ANSWER] = True
@@ -365,11 +378,15 @@ class ProxyHandler:
             request[UPSTREAM_ERROR] = upstream_error_reason(connect_error)
             return error_response(502, f"upstream {upstream.name!r}: connection failed")
         except UpstreamTimeout as timeout:
+            measured = True
             request[UPSTREAM_ERROR] = upstream_error_reason(timeout)
             return error_response(504, f"upstream {upstream.name!r}: timed out")
         except UpstreamError as upstream_error:
             request[UPSTREAM_ERROR] = upstream_error_reason(upstream_error)
             return error_response(502, f"upstream {upstream.name!r}: error")
+        finally:
+            if gate is not None:  # whatever ended it, the client gone too
+                gate.release(started_us, measured=measured)
 
         try:
             status = response.status
@@ -430,6 +447,17 @@ class ProxyHandler:
         finally:
             response.close()
             pool.finished(server)
+
+
+def _shed_response(gate: AdaptiveGate, name: str, framing: RequestFraming) -> web.Response:
+    """A request the upstream's adaptive limit has no place for (at once, or within
+    ``max_delay``)."""
+    return error_response(
+        gate.status,
+        f"upstream {name!r} is at its adaptive limit",
+        close=framing.has_body,
+        headers={"Retry-After": str(max(1, math.ceil(gate.retry_after_s)))},
+    )
 
 
 async def _refuse(

@@ -31,26 +31,10 @@ def algorithm_problems(policy: Policy) -> list[tuple[Loc, str]]:
     return problems
 
 
-def unenforced_problems(policy: Policy) -> list[tuple[Loc, str]]:
-    """What the schema describes but the request path does not enforce yet: refused, so that
-    no policy is accepted and then silently not applied."""
-    problems: list[tuple[Loc, str]] = []
-    for name, upstream in policy.upstreams.items():
-        if upstream.adaptive is not None:
-            problems.append(
-                (
-                    ("upstreams", name, "adaptive"),
-                    "adaptive limits are not enforced by this version of the gateway yet: "
-                    "remove adaptive",
-                )
-            )
-    return problems
-
-
 def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc, str]]:
     """Build the algorithms, the store and the limit engine as ``run`` does; each refusal with
     its place."""
-    problems = unenforced_problems(policy) or algorithm_problems(policy)
+    problems = algorithm_problems(policy)
     if problems:
         return problems
     workers = workers or policy.server.workers

@@ -136,6 +136,7 @@ class GatewayCollector(Collector):
         yield header_timeouts
         yield from self._websockets(snap)
         yield from self._servers(snap)
+        yield from self._adaptive(snap)
         yield from self._tls(snap)
         yield from self._processes(snap)
 
@@ -194,6 +195,60 @@ class GatewayCollector(Collector):
         for upstream, reason, count in snap.retries:
             retries.add_metric([upstream, reason], count)
         yield from (requests, failures, ejections, latency, inflight, state, retries)
+
+    def _adaptive(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        """Each adaptive upstream's limit (per worker; these sum the live workers')."""
+        if not snap.adaptive:
+            return
+        labels = ["upstream"]
+        limit = GaugeMetricFamily(
+            "gateway_adaptive_limit",
+            "An upstream's adaptive in-flight limit now, summed over workers (each finds its own).",
+            labels=labels,
+        )
+        in_flight = GaugeMetricFamily(
+            "gateway_adaptive_in_flight",
+            "Requests holding a place under an upstream's adaptive limit now.",
+            labels=labels,
+        )
+        waiting = GaugeMetricFamily(
+            "gateway_adaptive_waiting",
+            "Requests waiting for a place under an upstream's adaptive limit now.",
+            labels=labels,
+        )
+        minimum = GaugeMetricFamily(
+            "gateway_adaptive_min_latency_seconds",
+            "An upstream's latency measured with min_limit in flight (the highest of the "
+            "workers'; 0 before the first measurement).",
+            labels=labels,
+        )
+        latency = GaugeMetricFamily(
+            "gateway_adaptive_latency_seconds",
+            "An upstream's latency over the last sample interval, the trimmed mean the "
+            "adaptive limit moves by (the highest of the workers').",
+            labels=labels,
+        )
+        shed = CounterMetricFamily(
+            "gateway_adaptive_shed",
+            "Requests answered with the adaptive block's status (503) without reaching the "
+            "upstream: no place at once, or none within max_delay.",
+            labels=labels,
+        )
+        probes = CounterMetricFamily(
+            "gateway_adaptive_probes",
+            "Measurements of an upstream's minimum latency started (the limit held at "
+            "min_limit meanwhile).",
+            labels=labels,
+        )
+        for name, gate in sorted(snap.adaptive.items()):
+            limit.add_metric([name], gate.limit)
+            in_flight.add_metric([name], gate.in_flight)
+            waiting.add_metric([name], gate.waiting)
+            minimum.add_metric([name], gate.min_latency_s)
+            latency.add_metric([name], gate.latency_s)
+            shed.add_metric([name], gate.shed)
+            probes.add_metric([name], gate.probes)
+        yield from (limit, in_flight, waiting, minimum, latency, shed, probes)
 
     def _tls(self, snap: GatewaySnapshot) -> Iterator[Metric]:
         if snap.tls_not_after is None:

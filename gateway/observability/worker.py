@@ -38,6 +38,7 @@ from gateway.observability.limit_log import LimitLog
 from gateway.observability.process import read_process
 from gateway.observability.sketch import RecentTopKeys
 from gateway.observability.snapshot import (
+    AdaptiveData,
     FailureData,
     HistogramData,
     HitterData,
@@ -58,6 +59,7 @@ from gateway.policy.overrides import UNLISTED_KEY
 from gateway.stores.store_stats import StoreStats
 
 if TYPE_CHECKING:
+    from gateway.edge.adaptive_gate import AdaptiveGate
     from gateway.edge.pool.server_pool import MemberState
     from gateway.edge.runtime import Runtime
     from gateway.engine.limit_engine import Outcome
@@ -336,7 +338,25 @@ class WorkerMetrics:
             retries=retry_counts(runtime),
             tls_not_after=tls.not_after if tls is not None else None,
             tls_reloads=dict(tls.reloads) if tls is not None else {},
+            adaptive={
+                name: adaptive_data(target.gate)
+                for name, target in runtime.upstreams.items()
+                if target.gate is not None
+            },
         )
+
+
+def adaptive_data(gate: AdaptiveGate) -> AdaptiveData:
+    controller = gate.controller
+    return AdaptiveData(
+        limit=controller.limit,
+        in_flight=controller.in_flight,
+        waiting=gate.waiting,
+        min_latency_s=controller.min_latency_us / 1e6,
+        latency_s=controller.sample_latency_us / 1e6,
+        shed=gate.shed,
+        probes=controller.probes,
+    )
 
 
 def retry_counts(runtime: Runtime) -> tuple[tuple[str, str, int], ...]:
