@@ -582,6 +582,16 @@ class LimitEngine:
             verdict=verdict,
         )
 
+    def without_waiting(self, outcome: Outcome) -> Outcome:
+        """``gateway replay``: a request that would wait in line for a slot, rejected as one
+        that waited ``max_delay`` in vain (the replay does not follow the lines)."""
+        check = outcome.waits_on
+        assert check is not None
+        if outcome.holds_places:
+            outcome.holds_places = False
+            _release(outcome.checks)
+        return self._waited_too_long(check, list(outcome.checks), outcome.verdict)
+
     def release(self, outcome: Outcome) -> None:
         """Give back the slots ``outcome`` holds (the response was sent, the client went away,
         the upstream failed, a WebSocket closed); once, however often called. The front of
