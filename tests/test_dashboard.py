@@ -78,6 +78,7 @@ async def test_dashboard_shows_rejections_live_and_agrees_with_metrics(
     assert await dashboard_field(page, "shadow", "rejected-total") == "6"
     assert await page.is_visible("#limit-shadow .badge.dry")
     assert await page.inner_text("#limit-per_ip .top tbody") == "127.0.0.1\t—\t7\t0"
+    assert await dashboard_field(page, "per_ip", "tracked-keys") == "1 key"  # one client
 
     # The rejection chart: per-second rates, each over its point's interval, add up to the
     # 7 rejections.
@@ -320,7 +321,7 @@ async def test_dashboard_shows_the_whole_gateway_with_two_workers(
             )
 
         await until_shown(whole_gateway_shown, f"{requests} requests on the page", 5)
-        assert await page.inner_text("#workers") == "2 (0, 1)"
+        assert await page.inner_text("#workers") == "2 (ids 0, 1)"
         await page.close()
 
 

@@ -194,6 +194,10 @@ EXPECTED_ERRORS = {
     "URL, got a list",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
+    # `header: X-Api-Key` in a flow list is a mapping to YAML: say how to write it.
+    "key_part_as_mapping.yaml": "key_part_as_mapping.yaml:12: limits.per_key.key[0]: expected "
+    "text, got a mapping: a space after a colon makes one in YAML; write header:X-Api-Key with "
+    "no space, or quote it ('header:X-Api-Key')",
     "listen_is_admin_listen.yaml": "listen_is_admin_listen.yaml:1: server: listen (0.0.0.0:9090) "
     "and admin_listen (127.0.0.1:9090) take the same port: give the admin listener a port of "
     "its own",

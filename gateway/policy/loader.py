@@ -300,6 +300,14 @@ def _in_words(error: Any, loc: Loc) -> str:
         return f"expected true or false, got {_given(given)}"
     if kind == "string_type":
         what = "one URL" if field == "url" else "text"
+        if isinstance(given, dict) and len(given) == 1 and not _is_secret(loc):
+            # `header: X-Api-Key` (a space after the colon) is a mapping to YAML.
+            ((name, value),) = given.items()
+            written = f"{name}:{'' if value is None else value}"
+            return (
+                f"expected {what}, got a mapping: a space after a colon makes one in YAML; "
+                f"write {written} with no space, or quote it ('{written}')"
+            )
         return f"expected {what}, got {_given(given)}"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         return f"expected a mapping (name: value lines), got {_given(given)}"

@@ -248,7 +248,9 @@
     $("rejected-ratio").textContent = fmtPercent(gatewayRatio());
     $("requests-total").textContent = fmtInt(state.requests);
     $("rejected-total").textContent = fmtInt(state.rejected);
-    $("workers").textContent = state.workers + (state.worker_ids.length ? " (" + state.worker_ids.join(", ") + ")" : "");
+    // The count, then which workers answered (their ids: a restarted worker keeps its id).
+    const ids = state.worker_ids;
+    $("workers").textContent = state.workers + (ids.length ? (ids.length === 1 ? " (id " : " (ids ") + ids.join(", ") + ")" : "");
     const store = $("store");
     store.textContent = state.store.name + (state.store.state !== "ok" ? ": " + state.store.state : "");
     store.dataset.state = state.store.state;
@@ -342,7 +344,7 @@
     setField(node, "allowed-total", fmtInt(info.allowed));
     setField(node, "delayed-total", fmtInt(dryRun ? info.dry_run_delayed : info.delayed));
     setField(node, "rejected-total", fmtInt(dryRun ? info.dry_run_rejected : info.rejected));
-    setField(node, "tracked-keys", fmtInt(info.tracked_keys));
+    setField(node, "tracked-keys", fmtInt(info.tracked_keys) + (info.tracked_keys === 1 ? " key" : " keys"));
     setField(node, "evictions", fmtInt(info.evictions));
     node.querySelector(".slots").hidden = info.algorithm !== "concurrency";
     setField(node, "slots-in-use", fmtInt(info.slots_in_use));
