@@ -60,6 +60,8 @@ class MemoryStore:
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
+        # Declared: compiled, a name takes the type of its first assignment (a slot count).
+        state: Any
         for check in checks:
             limit = check.limit
             if limit.holds_slots:

@@ -516,6 +516,8 @@ class SharedStore:
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
+        # Declared: compiled, a name takes the type of its first assignment (a slot count).
+        state: Any
         for check in checks:
             limit = check.limit
             entry = by_limit.get(limit.table)
