@@ -8,14 +8,30 @@ latency grows with the queue; that curve is drawn too.
     python bench/adaptive_curves.py --simulate --out bench/adaptive_curves_sim.png
 
 ``--simulate`` runs the controller on a virtual clock (bench/capacity_sim.py): deterministic,
-a second of traffic in a few milliseconds. Needs matplotlib (``pip install .[bench]``).
+a second of traffic in a few milliseconds. Without it, a real run: the capacity upstream
+(``--capacity``, ``--service-ms``), a gateway process with ``adaptive: {}`` in front of it
+offered an open-loop Poisson load of ``--load`` times its capacity (bench/offered_load.py), the
+limit read from its ``/metrics`` every half second (after 15 requests one at a time, so that
+its first measurement of the minimum latency is of the upstream unloaded); then the same load
+through a gateway without it. Latencies are the clients' (through the gateway). Needs matplotlib
+(``pip install .[bench]``).
+
+    python bench/adaptive_curves.py --out bench/adaptive_curves.png
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import math
+import re
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +40,7 @@ sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent))
 
 from capacity_sim import Trace, Upstream, simulate  # noqa: E402
+from offered_load import Offered, offer  # noqa: E402
 
 from gateway.algorithms.registry import gradient_params  # noqa: E402
 from gateway.policy.models import AdaptiveSettings  # noqa: E402
@@ -89,6 +106,134 @@ def simulated(duration_s: float, change_at_s: float, changed_capacity: int) -> C
     )
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], ready: re.Pattern[str] | None = None) -> Iterator[str]:
+    """A child process while the block runs (its first stdout line matched by ``ready``)."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=BENCH_DIR.parent)
+    try:
+        line = ""
+        if ready is not None:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if not ready.search(line):
+                raise RuntimeError(f"{argv[1]} did not start: {line!r}")
+        yield line
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def _gateway(upstream: str, adaptive: bool, work: Path) -> Iterator[tuple[str, str]]:
+    port, admin = _free_port(), _free_port()
+    policy = work / f"policy-{'adaptive' if adaptive else 'plain'}.yaml"
+    policy.write_text(
+        f"server:\n  listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin}\n"
+        f"upstreams:\n  backend:\n    url: {upstream}\n    max_connections: 2000\n"
+        + ("    adaptive: {}\n" if adaptive else "")
+        + "routes:\n  - name: all\n    upstream: backend\n"
+    )
+    with _process([sys.executable, "-m", "gateway", "run", "--config", str(policy)]):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", admin), 1):
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/", f"http://127.0.0.1:{admin}/metrics"
+
+
+async def _real_run(
+    gateway: str, metrics: str | None, upstream: str, rate: float, duration_s: float,
+    change_at_s: float, changed_capacity: int,
+) -> tuple[Offered, list[tuple[float, float]]]:  # fmt: skip
+    """The load through ``gateway``; C changed at ``change_at_s``; the limit read meanwhile."""
+    import aiohttp
+
+    limits: list[tuple[float, float]] = []
+    async with aiohttp.ClientSession() as session:
+        # Unloaded first, as tests/test_adaptive_e2e.py: the limit's first measurement of the
+        # minimum latency then sees the upstream unloaded, not a gateway just started under
+        # a flood of requests it sheds.
+        for _ in range(15):
+            async with session.get(gateway) as resp:
+                await resp.read()
+    began = time.monotonic()
+    load = asyncio.ensure_future(offer(gateway, rate, duration_s, seed=28))
+    changed = False
+    async with aiohttp.ClientSession() as session:
+        while not load.done():
+            now = time.monotonic() - began
+            if not changed and now >= change_at_s:
+                changed = True
+                async with session.put(f"{upstream}/_capacity?c={changed_capacity}") as resp:
+                    resp.raise_for_status()
+            if metrics is not None:
+                async with session.get(metrics) as resp:
+                    found = re.search(r'^gateway_adaptive_limit\{upstream="backend"\} (\S+)$',
+                                      await resp.text(), re.MULTILINE)  # fmt: skip
+                if found:
+                    limits.append((now, float(found.group(1))))
+            await asyncio.sleep(0.5)
+    return await load, limits
+
+
+def real(
+    capacity: int, service_ms: float, load: float, duration_s: float, change_at_s: float,
+    changed_capacity: int,
+) -> Curves:  # fmt: skip
+    """The curves of a real run (module docstring)."""
+    rate = load * capacity / (service_ms / 1000)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for adaptive in (True, False):
+            argv = [sys.executable, str(BENCH_DIR / "capacity_upstream.py"), "--port", "0",
+                    "--capacity", str(capacity), "--service-ms", str(service_ms)]  # fmt: skip
+            with _process(argv, re.compile(r":\d+$")) as line:
+                upstream = "http://127.0.0.1:" + line.strip().rsplit(":", 1)[1]
+                with _gateway(upstream, adaptive, Path(tmp)) as (url, metrics):
+                    runs[adaptive] = asyncio.run(
+                        _real_run(url, metrics if adaptive else None, upstream, rate,
+                                  duration_s, change_at_s, changed_capacity)
+                    )  # fmt: skip
+    (offered, limits), (unlimited, _) = runs[True], runs[False]
+    ok = [s for s in offered.sent if s.status == 200 and s.at_s < 2.0]
+    unloaded_ms = min((s.latency_s * 1000 for s in ok), default=service_ms)
+    curves = Curves(
+        f"Real run: C = {capacity} -> {changed_capacity} at {change_at_s:g} s, {service_ms:g} ms "
+        f"each, offered {load:g}x capacity (bench/capacity_upstream.py, a gateway process)",
+        0.5,
+        unloaded_ms=unloaded_ms,
+        service_ms=service_ms,
+    )
+    at = 0.0
+    while at < duration_s - 1e-9:
+        end = at + curves.step_s
+        curves.times_s.append(end)
+        seen = [limit for t, limit in limits if at <= t < end]
+        curves.limit.append(sum(seen) / len(seen) if seen else math.nan)
+        curves.capacity.append(capacity if at < change_at_s else changed_capacity)
+        served = [s.latency_s * 1000 for s in offered.between(at, end, 200)]
+        curves.p50_ms.append(_quantile(served, 0.5))
+        curves.p99_ms.append(_quantile(served, 0.99))
+        curves.goodput.append(len(served) / curves.step_s)
+        plain = [s.latency_s * 1000 for s in unlimited.between(at, end, 200)]
+        curves.unlimited_p99_ms.append(_quantile(plain, 0.99))
+        at = end
+    return curves
+
+
 def draw(curves: Curves, out: Path) -> None:
     import matplotlib
 
@@ -138,11 +283,18 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of traffic")
     parser.add_argument("--change-at", type=float, default=15.0, help="when C changes (s)")
     parser.add_argument("--changed-capacity", type=int, default=4, help="C after the change")
+    parser.add_argument("--capacity", type=int, default=10, help="C at the start (real run)")
+    parser.add_argument("--service-ms", type=float, default=100.0, help="real run")
+    parser.add_argument("--load", type=float, default=1.8, help="offered, times C (real run)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "adaptive_curves.png")
     args = parser.parse_args()
-    if not args.simulate:
-        parser.error("only --simulate for now")
-    curves = simulated(args.duration, args.change_at, args.changed_capacity)
+    if args.simulate:
+        curves = simulated(args.duration, args.change_at, args.changed_capacity)
+    else:
+        curves = real(
+            args.capacity, args.service_ms, args.load, args.duration, args.change_at,
+            args.changed_capacity,
+        )  # fmt: skip
     draw(curves, args.out)
     print(f"wrote {args.out}")
 
