@@ -251,6 +251,31 @@ async def test_a_concurrency_limit_holds_slots_until_each_request_gives_them_bac
     assert engine.limits[0].counters.slots_held == 3
 
 
+async def test_a_plan_gives_a_key_its_own_slots_and_exempt_clients_hold_none() -> None:
+    bench = Bench(
+        _slots(
+            "in_flight",
+            1,
+            "    plans: {wide: {limit: 3}}\n    overrides: {10.0.0.2: wide}\n"
+            "    exempt: [10.9.0.0/16]\n",
+        )
+    )
+    engine = bench.engine
+    one = await bench.evaluate(client="10.0.0.1")
+    assert one.status == 0 and one.held
+    assert (await bench.evaluate(client="10.0.0.1")).rejected_by == "in_flight"
+    wide = [await bench.evaluate(client="10.0.0.2") for _ in range(3)]
+    assert all(o.status == 0 and o.held for o in wide)
+    assert (await bench.evaluate(client="10.0.0.2")).rejected_by == "in_flight"
+    exempt = [await bench.evaluate(client="10.9.0.1") for _ in range(5)]
+    assert all(o.status == 0 and not o.held for o in exempt)
+    for outcome in (one, *wide):
+        engine.release(outcome)
+    again = [await bench.evaluate(client="10.0.0.2") for _ in range(3)]
+    assert all(o.status == 0 for o in again)
+    assert (await bench.evaluate(client="10.0.0.1")).status == 0
+
+
 async def test_cost_is_the_slots_held_and_no_ratelimit_quota_is_advertised() -> None:
     bench = Bench(_slots("in_flight", 3, "    cost: 2\n") + _nodelay("per_ip", 5))
     engine = bench.engine
