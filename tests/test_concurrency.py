@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 from hypothesis import given
@@ -123,3 +124,10 @@ def test_never_more_than_the_limit_and_every_slot_comes_back(
         assert state is not None
         state = algo.refund(state, NOW, cost)
     assert not holding or state == 0
+
+
+def test_it_pickles_by_its_parameters() -> None:
+    """The shared store records each limit's algorithm pickled; compiled, a class without
+    ``__reduce__`` cannot be made again (every worker of ``--workers N`` failed to start)."""
+    algorithm = Concurrency(3, 2.0)
+    assert pickle.loads(pickle.dumps(algorithm)) == algorithm

@@ -48,6 +48,11 @@ class Concurrency:
     def __hash__(self) -> int:
         return hash((Concurrency, self.limit, self.retry_after_s))
 
+    def __reduce__(self) -> tuple[type[Concurrency], tuple[int, float]]:
+        # Pickled by its parameters (the shared store records a limit's algorithm): a compiled
+        # class cannot be made without its constructor's arguments.
+        return Concurrency, (self.limit, self.retry_after_s)
+
     def share(self, replicas: int) -> Concurrency:
         if replicas == 1:
             return self
