@@ -16,6 +16,11 @@ class Clock(Protocol):
         """Monotonic time in integer microseconds."""
         ...
 
+    def unix_us(self) -> int:
+        """Calendar time: integer microseconds since the Unix epoch, what calendar windows
+        (a month in a time zone) are read by. It may step; ``now_us`` does not."""
+        ...
+
 
 class MonotonicClock:
     __slots__ = ()
@@ -23,17 +28,26 @@ class MonotonicClock:
     def now_us(self) -> int:
         return time.monotonic_ns() // 1000
 
+    def unix_us(self) -> int:
+        return time.time_ns() // 1000
+
 
 class FakeClock:
-    """A clock that moves only when told to; for tests."""
+    """A clock that moves only when told to; for tests. Its calendar time is its time plus
+    ``unix_offset_us`` (0: a test of calendar windows sets it to an instant since the epoch;
+    otherwise it stands for a monotonic clock counting from boot)."""
 
-    __slots__ = ("_now_us",)
+    __slots__ = ("_now_us", "unix_offset_us")
 
-    def __init__(self, start_us: int = 1_000_000_000) -> None:
+    def __init__(self, start_us: int = 1_000_000_000, unix_offset_us: int = 0) -> None:
         self._now_us = start_us
+        self.unix_offset_us = unix_offset_us
 
     def now_us(self) -> int:
         return self._now_us
+
+    def unix_us(self) -> int:
+        return self._now_us + self.unix_offset_us
 
     def advance(self, seconds: float = 0.0, *, us: int = 0) -> None:
         self._now_us += round(seconds * 1_000_000) + us

@@ -33,6 +33,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("limits.NAME", ""),
     ("limits.NAME.match", "LimitMatch"),
     ("limits.NAME.cost", "Cost"),
+    ("limits.NAME.count", "ResponseCount"),
     ("limits.NAME.lease", "LeaseSettings"),
     ("headers", "RateLimitHeaders"),
     ("access", "Access"),

@@ -58,7 +58,8 @@ PURE_TESTS=(
     tests/test_sliding_window.py tests/test_sliding_log.py tests/test_token_bucket.py
     tests/test_combine.py tests/test_engine.py tests/test_keyed_state.py tests/test_memory_store.py
     tests/test_tiers.py tests/test_nginx_differential.py tests/test_redis_store.py
-    tests/test_redis_codecs.py tests/test_shared_store.py
+    tests/test_redis_codecs.py tests/test_shared_store.py tests/test_response_charge.py
+    tests/test_calendar_period.py tests/test_calendar_window.py
 )
 pure_rc=0
 if [ $# -eq 0 ]; then

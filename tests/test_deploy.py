@@ -650,6 +650,6 @@ async def test_a_reload_cannot_move_the_drain_delay(
     policy = _drain_policy(0, 0, "1s")
     gw = await start_gateway(policy)
     moved = parse_and_build(policy.replace("drain_delay: 1s", "drain_delay: 30s"), "t.yaml")
-    with pytest.raises(ValueError, match=r"server.drain_delay \(1.0 -> 30.0\) take effect"):
+    with pytest.raises(ValueError, match=r"server.drain_delay \(1.0 -> 30.0\) takes effect"):
         gw.gateway.apply(moved)
     assert gw.gateway.loaded.policy.server.drain_delay == 1.0

@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
+from gateway.edge.server import GatewayServer
 from tests.support.gateways import GatewayFactory
 from tests.support.network import TIMEOUT
 from tests.support.policies import policy_for, policy_template
@@ -153,6 +154,32 @@ async def test_silent_connection_closed_at_header_deadline(
     assert closed and data == b""
     assert 0.8 <= loop.time() - started <= 2.5
     assert_no_errors_logged(caplog)
+
+
+async def test_a_connection_made_once_shutdown_began_is_closed_at_once() -> None:
+    """aiohttp closes the idle connections it knows when shutdown begins; one whose
+    ``connection_made`` comes after (accepted as the listener closed) would otherwise wait for
+    a request until its header deadline, and hold the stopping worker that long."""
+
+    async def handler(request: web.BaseRequest) -> web.Response:
+        return web.Response(text="ok")
+
+    server = GatewayServer(handler, header_timeout=30.0, max_connections=100)
+    loop = asyncio.get_running_loop()
+    listener = await loop.create_server(server, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        server.pre_shutdown()  # what the runner does first on SIGTERM
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            data, closed = await read_until_closed(reader, 3.0)
+        finally:
+            writer.close()
+        assert closed and data == b""
+        assert server.open_connections == 0
+    finally:
+        listener.close()
+        await server.shutdown(1.0)
 
 
 async def test_header_deadline_applies_to_each_request_on_a_keepalive_connection(

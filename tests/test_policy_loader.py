@@ -194,6 +194,35 @@ EXPECTED_ERRORS = {
     "URL, got a list",
     "limit_infinite_window.yaml": "limit_infinite_window.yaml:11: limits.per_ip.window: "
     "invalid duration inf: must be a finite number of seconds",
+    "calendar_without_flag.yaml": "calendar_without_flag.yaml:8: limits.monthly: window 1mo is "
+    "a calendar period: add calendar: true (and a timezone, UTC if none)",
+    "calendar_seconds_window.yaml": "calendar_seconds_window.yaml:8: limits.monthly: a calendar "
+    "window is 1d, 1w, 1mo or 1y, got a window of 2592000 s",
+    "calendar_sliding.yaml": "calendar_sliding.yaml:8: limits.daily: a calendar window is a "
+    "fixed window: use algorithm: fixed_window, not sliding_window",
+    "calendar_unknown_zone.yaml": "calendar_unknown_zone.yaml:13: limits.daily.timezone: unknown "
+    "time zone 'Europe/Berln': expected an IANA name like 'Europe/Berlin' or 'America/New_York' "
+    "(where the system has no time zone database, install the tzdata package)",
+    "calendar_period_unknown.yaml": "calendar_period_unknown.yaml:11: limits.quarterly.window: "
+    "invalid window '3mo': a calendar window is 1d, 1w, 1mo or 1y (with calendar: true); other "
+    "windows are Go durations like '90s', '15m', '720h'",
+    "count_leaky_bucket.yaml": "count_leaky_bucket.yaml:8: limits.login: count charges after "
+    "the response, which a leaky_bucket cannot: it delays each request by the state it finds; "
+    "use a token_bucket in reject mode or a window algorithm",
+    "count_override_warmup.yaml": "count_override_warmup.yaml:8: limits.metered: override "
+    "'key-1': cost_header charges after the response, which a token_bucket with warmup cannot: "
+    "its ramp is computed per request; remove warmup",
+    "count_token_bucket_queue.yaml": "count_token_bucket_queue.yaml:8: limits.metered: "
+    "cost_header charges after the response, which a token_bucket in queue mode cannot: a limit "
+    "charged after the response never delays; use mode: reject",
+    "count_bad_status.yaml": "count_bad_status.yaml:13: limits.failures.count.statuses[1]: "
+    "invalid status '6xx': expected a status code from 100 to 599 (401) or a class ('5xx')",
+    "count_leased.yaml": "count_leased.yaml:8: limits.failures: count charges after the "
+    "response, which a leased limit cannot: a lease is a batch of admissions taken ahead; "
+    "remove lease",
+    "cost_header_framing.yaml": "cost_header_framing.yaml:12: limits.metered.cost_header: "
+    "Content-Length frames the response, it cannot be a cost header (removing it would break "
+    "the response)",
     # `header: X-Api-Key` in a flow list is a mapping to YAML: say how to write it.
     "key_part_as_mapping.yaml": "key_part_as_mapping.yaml:12: limits.per_key.key[0]: expected "
     "text, got a mapping: a space after a colon makes one in YAML; write header:X-Api-Key with "

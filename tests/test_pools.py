@@ -98,13 +98,15 @@ async def test_least_inflight_favours_the_fast_server(
     backends: Callable[..., asyncio.Future[Backend]], start_gateway: GatewayFactory
 ) -> None:
     fast = await backends("fast")
-    slow = await backends("slow", delay_s=0.1)
+    # 300 ms: far slower than the fast one even when a loaded machine makes that one slow too
+    # (at 100 ms, a load of 9 on 2 cores brought the split down to 238 / 62).
+    slow = await backends("slow", delay_s=0.3)
     gw = await start_gateway(
         pool_policy(servers_of(fast, slow), extra="    balance: least_inflight\n")
     )
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         seen = await spread(session, gw.url + "/", 300, concurrency=8)
-    # Round robin would send each half; the slow one holds its requests 100 ms.
+    # Round robin would send each half; the slow one holds its requests 300 ms.
     assert seen["200 backend fast"] > 5 * seen["200 backend slow"], seen
 
 

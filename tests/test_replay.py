@@ -23,11 +23,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 from playwright.async_api import Browser
 
 from gateway.cli.main import main
+from gateway.clock import FakeClock
 from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.log_setup import GatewayFormatter, LogFormat
 from gateway.replay import replay
@@ -45,7 +47,7 @@ from tests.support.browser import artifacts_dir
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for
 from tests.support.rawhttp import exchange, status_of
-from tests.support.upstreams import RecordingUpstream
+from tests.support.upstreams import RecordedRequest, RecordingUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
 START = 1_700_000_000  # 2023-11-14T22:13:20Z
@@ -1062,3 +1064,122 @@ def test_a_concurrency_limit_holds_each_slot_for_the_logged_duration(
     doc = replay_json(capsys, "--config", str(waiting), str(log))
     assert (limit_of(doc, "in_flight")["allowed"], limit_of(doc, "in_flight")["rejected"]) == (4, 2)
     assert any("2 requests would have waited for a concurrency limit" in n for n in doc["notes"])
+
+
+# Limits charged after the response, replayed from the logged status (and the logged costs).
+FAILED_LOGINS = (
+    "  failed_logins:\n    algorithm: fixed_window\n    limit: 2\n    window: 15m\n"
+    "    count: {statuses: [401]}\n"
+)
+
+
+def test_a_limit_counted_by_status_is_replayed_from_the_logged_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 203.0.113.1: a success, two failures (charged), then a failure and a success refused
+    # before the upstream. 203.0.113.2: successes only, never charged.
+    lines = [combined("203.0.113.1", 0)]
+    lines += [combined("203.0.113.1", s).replace('" 200 ', '" 401 ') for s in (1, 2, 3)]
+    lines += [combined("203.0.113.1", 4)]
+    lines += [combined("203.0.113.2", s) for s in range(5)]
+    log = tmp_path / "access.log"
+    log.write_text("".join(lines))
+    policy = write_policy(tmp_path, FAILED_LOGINS)
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    counted = limit_of(doc, "failed_logins")
+    assert (counted["allowed"], counted["rejected"]) == (8, 2)
+    assert counted["top_rejected_keys"] == [{"key": "203.0.113.1", "requests": 2}]
+    assert any("failed_logins are charged after the response" in n for n in doc["notes"])
+
+
+def _gateway_line(ts: float, t_us: int, client: str, status: int, **more: Any) -> str:
+    fields = {"ts": ts, "t_us": t_us, "client": client, "method": "GET", "path": "/"}
+    return json.dumps({**fields, "status": status, "route": "all", **more}) + "\n"
+
+
+def test_logged_costs_are_charged_and_a_log_without_them_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = write_policy(
+        tmp_path,
+        "  metered:\n    algorithm: fixed_window\n    limit: 20\n    window: 1h\n"
+        "    cost_header: X-Cost\n",
+    )
+    # 10 + 10 reported: the third request finds the quota used up. Without the costs, each
+    # charges its cost (1): all four admitted.
+    costs = [{"x-cost": "10"}, {"x-cost": "10"}, {}, {}]
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        "".join(
+            _gateway_line(START + i, 1_000_000 * (i + 1), "198.51.100.1", 200, costs=c)
+            for i, c in enumerate(costs)
+        )
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert (limit_of(doc, "metered")["allowed"], limit_of(doc, "metered")["rejected"]) == (2, 2)
+    assert any("the log's costs" in note for note in doc["notes"])
+    log.write_text("".join(_gateway_line(START + i, i + 1, "198.51.100.1", 200) for i in range(4)))
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    assert (limit_of(doc, "metered")["allowed"], limit_of(doc, "metered")["rejected"]) == (4, 0)
+    assert any("which the log does not carry" in note for note in doc["notes"])
+
+
+def test_calendar_windows_replay_the_gateways_log_on_calendar_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gateway's ``t_us`` counts from boot; its ``ts`` is calendar time: a daily quota
+    replayed across midnight starts afresh at midnight, as it did live."""
+    policy = write_policy(
+        tmp_path,
+        "  daily:\n    algorithm: fixed_window\n    limit: 1\n    window: 1d\n    calendar: true\n",
+    )
+    midnight = datetime(2024, 3, 1, tzinfo=UTC).timestamp()
+    boot_us = 5_000_000_000
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        "".join(
+            _gateway_line(midnight + offset_s, boot_us + round(offset_s * 1e6), "198.51.100.1", 200)
+            for offset_s in (-1.0, -0.5, 0.5)
+        )
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    daily = limit_of(doc, "daily")
+    assert (daily["allowed"], daily["rejected"]) == (2, 1)
+
+
+async def test_the_gateways_log_records_reported_costs_and_a_replay_charges_them(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    async def report_cost(request: web.BaseRequest, recorded: RecordedRequest) -> web.Response:
+        return web.Response(text="done", headers={"X-Cost": request.headers["X-Want-Cost"]})
+
+    upstream.reply = report_cost
+    policy_text = (
+        policy_for(upstream.url, server="  access_log: true\n  access_log_format: json\n")
+        + "limits:\n  metered:\n    algorithm: fixed_window\n    limit: 20\n    window: 1h\n"
+        "    cost_header: X-Cost\n    key: [global]\n"
+    )
+    gw = await start_gateway(policy_text, clock=FakeClock(1_000_000_000))
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        async with aiohttp.ClientSession() as session:
+            statuses = []
+            for cost in ("12", "7", "1", "1"):
+                async with session.get(gw.url + "/", headers={"X-Want-Cost": cost}) as resp:
+                    await resp.read()
+                    statuses.append(resp.status)
+    assert statuses == [200, 200, 200, 429]  # 12 + 7 + 1 units: the fourth finds none left
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert [json.loads(line).get("costs") for line in lines] == [
+        {"x-cost": "12"},
+        {"x-cost": "7"},
+        {"x-cost": "1"},
+        None,
+    ]
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join(lines) + "\n")
+    run = await replay([str(log)], [Simulation(parse_and_build(policy_text, "test.yaml"))])
+    counted = run.simulations[0].counters()["metered"]
+    assert (counted["allowed"], counted["rejected"]) == (3, 1)

@@ -26,7 +26,7 @@ from tests.support.filesystems import fill_to, small_tmpfs
 from tests.support.held_upstream import HeldUpstream
 from tests.support.metrics import scrape_until, value
 from tests.support.policies import replace_file
-from tests.support.processes import REPO_ROOT, connections_to, run_workers
+from tests.support.processes import REPO_ROOT, connections_to, run_workers, wait_serving
 from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
 
@@ -56,19 +56,6 @@ limits:
     burst: 100000
     key: [global]
 """
-
-
-async def wait_serving(tmp_path: Path, processes: int, within_s: float = 60.0) -> None:
-    """Until the log says each of ``processes`` workers is serving."""
-    log = tmp_path / "gateway.log"
-
-    def text() -> str:
-        return log.read_text() if log.exists() else ""
-
-    def serving() -> bool:
-        return all(f"worker {i} serving" in text() for i in range(processes))
-
-    await wait_until(serving, f"{processes} workers serving", within_s, 0.1, text)
 
 
 async def load(

@@ -187,6 +187,13 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         "applies": look.applies,
         "waiting": limit.counters.waiting,
     }
+    counted = limit.spec
+    if counted.charged_after:
+        # Admitted while the key has room; what the response says is charged after it.
+        entry["charged_after_response"] = {
+            "statuses": list(counted.count.statuses) if counted.count is not None else "all",
+            "cost_header": counted.cost_header,
+        }
     if not look.applies:
         return entry
     entry["key"] = look.key
@@ -194,7 +201,11 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         # An override's variant: its own parameters, not the limit's, and the plan that
         # gives them (None for a key with numbers of its own).
         spec = limit.spec.model_dump(mode="json")
-        entry["override"] = {name: spec[name] for name in OVERRIDE_PARAMS if name in spec}
+        entry["override"] = {
+            name: spec[name]
+            for name in OVERRIDE_PARAMS
+            if name in spec and (name != "timezone" or spec["calendar"])
+        }
         tier = limit.table.partition("~")[2]
         entry["plan"] = None if tier.startswith("=") else tier
     elif look.key == UNLISTED_KEY:

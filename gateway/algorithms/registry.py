@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.algorithms.base import Algorithm
+from gateway.algorithms.calendar_window import CalendarWindow
 from gateway.algorithms.concurrency import Concurrency
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.gradient_limit import GradientParams
@@ -38,6 +39,8 @@ def build_algorithm(spec: Limit) -> Algorithm[Any]:
             None if spec.nodelay else (spec.delay or 0),
         )
     if isinstance(spec, WindowLimit):
+        if isinstance(spec.window, str):  # a calendar period (the schema checks calendar: true)
+            return CalendarWindow(spec.limit, spec.window, spec.timezone)
         return _WINDOWS[spec.algorithm](spec.limit, spec.window)
     if isinstance(spec, TokenBucketLimit):
         return token_bucket(

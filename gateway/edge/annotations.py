@@ -26,6 +26,9 @@ ROUTE_NAME: Final = web.RequestKey("route", str)
 CLIENT_IP: Final = web.RequestKey("client_ip", str)
 LIMIT_OUTCOME: Final = web.RequestKey("limit_outcome", Outcome)
 UPSTREAM_ERROR: Final = web.RequestKey("upstream_error", str)
+# The cost headers the upstream's response held (limits charged after the response), by
+# lower-case name: the access log records them, so a replay can charge what was charged.
+REPORTED_COSTS: Final = web.RequestKey("reported_costs", dict[str, str])
 # Set on the few answers of the gateway's own that the facts above do not already tell apart
 # from an upstream's answer (413, 408, 400 on a routed request; 503 while shutting down).
 LOCAL_ANSWER: Final = web.RequestKey("local_answer", bool)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 # RFC 9110 section 7.6.1, plus the non-standard ones proxies conventionally drop.
 HOP_BY_HOP = frozenset(
@@ -26,6 +27,8 @@ HOP_BY_HOP = frozenset(
 # Request headers the gateway sets or re-frames itself.
 _REQUEST_REPLACED = HOP_BY_HOP | {b"content-length", b"expect", b"x-real-ip"}
 _RESPONSE_REPLACED = HOP_BY_HOP | {b"content-length"}
+# No header hidden beyond those (the default of the response filters).
+_NONE: Final[frozenset[bytes]] = frozenset()
 
 _DIGITS_RE = re.compile(rb"^[0-9]{1,18}$")
 # RFC 9110 Host: uri-host [":" port]. A reg-name's comma is refused too: "a, b" reads as a list.
@@ -203,11 +206,12 @@ def build_request_head(
 
 
 def forwarded_response_fields(
-    raw_headers: Iterable[tuple[bytes, bytes]], via: bytes
+    raw_headers: Iterable[tuple[bytes, bytes]], via: bytes, hidden: frozenset[bytes] = _NONE
 ) -> tuple[list[tuple[bytes, bytes]], bool]:
     """The upstream's response headers to send on, and whether they hold a ``Date``: the one
     hop-by-hop filter of responses (hop-by-hop, what its Connection header names and framing
-    dropped, ``Via`` extended with ours), whatever serialises them.
+    dropped, ``Via`` extended with ours), whatever serialises them. ``hidden``: lower-case
+    names dropped too (the cost headers upstreams report to the gateway's limits).
 
     One pass; the rare Connection header that names extra headers costs a second, filtering one.
     """
@@ -222,6 +226,8 @@ def forwarded_response_fields(
                 if connection is None:
                     connection = set()
                 connection.update(t.strip().lower() for t in value.split(b","))
+            continue
+        if hidden and lname in hidden:
             continue
         if lname == b"via":
             via_in = value if via_in is None else via_in + b", " + value
@@ -238,10 +244,10 @@ def forwarded_response_fields(
 
 
 def response_headers(
-    raw_headers: Iterable[tuple[bytes, bytes]], via: bytes
+    raw_headers: Iterable[tuple[bytes, bytes]], via: bytes, hidden: frozenset[bytes] = _NONE
 ) -> list[tuple[str, str]]:
     """``forwarded_response_fields`` as text, for aiohttp's response objects."""
-    kept, _ = forwarded_response_fields(raw_headers, via)
+    kept, _ = forwarded_response_fields(raw_headers, via, hidden)
     return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in kept]
 
 
@@ -254,6 +260,7 @@ def response_head(
     content_length: int,
     keep_alive: bool,
     date: bytes,
+    hidden: frozenset[bytes] = _NONE,
 ) -> bytes:
     """A whole HTTP/1.1 response head in bytes, for bodies the gateway already holds whole.
 
@@ -262,7 +269,7 @@ def response_head(
     large part of the gateway's own CPU time); ``extra`` is a block of whole header lines (the
     rate-limit headers, encoded by the engine), copied as it is.
     """
-    kept, has_date = forwarded_response_fields(raw_headers, via)
+    kept, has_date = forwarded_response_fields(raw_headers, via, hidden)
     out = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]  # an empty reason is valid (RFC 9112)
     append = out.append
     for name, value in kept:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
@@ -19,6 +19,7 @@ from gateway.edge.annotations import (
     CLIENT_IP,
     LIMIT_OUTCOME,
     LOCAL_ANSWER,
+    REPORTED_COSTS,
     ROUTE_NAME,
     UPSTREAM_ERROR,
     upstream_error_reason,
@@ -77,7 +78,7 @@ class BodyBroken(Exception):
 class _Admitted:
     """What forwarding an admitted request needs: all of ours a request keeps while queued."""
 
-    __slots__ = ("forwarded", "framing", "outcome", "route", "target", "upstream")
+    __slots__ = ("forwarded", "framing", "outcome", "reported", "route", "target", "upstream")
 
     def __init__(
         self,
@@ -94,6 +95,8 @@ class _Admitted:
         self.framing = framing
         self.forwarded = forwarded
         self.outcome = outcome  # of the limits, for the rate-limit headers and queueing
+        # The cost headers the upstream's response held (limits charged after the response).
+        self.reported: dict[bytes, bytes] | None = None
 
 
 class ProxyHandler:
@@ -112,7 +115,7 @@ class ProxyHandler:
         runtime = self.runtime
         runtime.inflight += 1
         status = 500
-        outcome: Outcome | None = None
+        admitted: web.StreamResponse | _Admitted | None = None
         try:
             # Admit, wait, forward: a request in the shaping queue holds this one coroutine of
             # ours and what ``_admit`` kept for forwarding, not the frames that decided it
@@ -128,6 +131,7 @@ class ProxyHandler:
                         await engine.enter_queue(outcome)
                     except (asyncio.CancelledError, ShuttingDown):
                         await engine.give_back(outcome)
+                        outcome.charge_after = ()  # it never reached the upstream
                         raise
                     finally:
                         engine.leave_queue(outcome)
@@ -157,10 +161,18 @@ class ProxyHandler:
             status = 499  # the client went away (nginx's code for it)
             raise
         finally:
-            if outcome is not None and outcome.held:
-                # Its concurrency slots: the response is sent (the body handed to the
-                # connection), the client went away, the upstream failed or a WebSocket closed.
-                runtime.engine.release(outcome)
+            if isinstance(admitted, _Admitted):
+                outcome = admitted.outcome
+                if outcome is not None:
+                    if outcome.held:
+                        # Its concurrency slots: the response is sent (the body handed to the
+                        # connection), the client went away, the upstream failed or a
+                        # WebSocket closed.
+                        runtime.engine.release(outcome)
+                    if outcome.charge_after:
+                        # The status the client got (499 if it left), and what the upstream
+                        # said the request cost: never awaited by the response.
+                        runtime.engine.charge_after(outcome, status, admitted.reported)
             runtime.request_done()
             if isinstance(protocol, GatewayProtocol):
                 protocol.request_finished()
@@ -388,6 +400,15 @@ class ProxyHandler:
             if gate is not None:  # whatever ended it, the client gone too
                 gate.release(started_us, measured=measured)
 
+        engine = runtime.engine
+        hidden = engine.hidden_headers
+        if engine.cost_headers and outcome is not None and outcome.charge_after:
+            reported = admitted.reported = _reported_costs(response.headers, engine.cost_headers)
+            if reported is not None:
+                request[REPORTED_COSTS] = {
+                    name.decode("latin-1"): value.decode("latin-1")
+                    for name, value in reported.items()
+                }
         try:
             status = response.status
             if (
@@ -409,9 +430,10 @@ class ProxyHandler:
                     len(whole),
                     keep_alive,
                     _DATE.now(),
+                    hidden,
                 )
                 return cast(web.StreamResponse, PreparedResponse(status, head + whole, keep_alive))
-            headers = CIMultiDict(response_headers(response.headers, via))
+            headers = CIMultiDict(response_headers(response.headers, via, hidden))
             if limit_headers and outcome is not None:
                 headers.extend(runtime.engine.headers(outcome))
             reason = response.reason.decode("latin-1")  # "" stays "": aiohttp keeps it
@@ -458,6 +480,21 @@ def _shed_response(gate: AdaptiveGate, name: str, framing: RequestFraming) -> we
         close=framing.has_body,
         headers={"Retry-After": str(max(1, math.ceil(gate.retry_after_s)))},
     )
+
+
+def _reported_costs(
+    raw_headers: Iterable[tuple[bytes, bytes]], names: frozenset[bytes]
+) -> dict[bytes, bytes] | None:
+    """The first value of each cost header a response holds, by lower-case name."""
+    reported: dict[bytes, bytes] | None = None
+    for name, value in raw_headers:
+        lname = name.lower()
+        if lname in names:
+            if reported is None:
+                reported = {lname: value}
+            elif lname not in reported:
+                reported[lname] = value
+    return reported
 
 
 async def _refuse(

@@ -125,6 +125,12 @@ class GatewayProtocol(RequestHandler):
         server = self._gw_server
         server.open_connections += 1
         super().connection_made(transport)
+        if server.stopping:
+            # Accepted as the listener closed (after aiohttp closed the idle connections):
+            # nothing would close it before its header deadline, holding the worker's exit.
+            self.force_close()
+            transport.close()
+            return
         if server.open_connections > server.max_connections:
             server.refused_connections += 1
             assert isinstance(transport, asyncio.Transport)
@@ -276,6 +282,11 @@ class GatewayServer(web.Server):
         self.refused_connections = 0
         self.header_timeouts = 0
         self.upgrades = UpgradeStats()  # WebSocket connections (gateway/websocket.py)
+        self.stopping = False  # set once shutdown begins: connections made later are closed
+
+    def pre_shutdown(self) -> None:
+        self.stopping = True
+        super().pre_shutdown()
 
     def reconfigure(self, settings: ServerSettings) -> None:
         """Apply a reloaded policy's connection settings; connections opened from now on get

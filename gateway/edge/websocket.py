@@ -158,6 +158,7 @@ async def forward_upgrade(
             len(body),
             keep_alive,
             _DATE.now(),
+            runtime.engine.hidden_headers,
         )
         return cast(web.StreamResponse, PreparedResponse(up_side.status, data + body, keep_alive))
     if not _switches_to(token, up_side.headers):
@@ -170,7 +171,7 @@ async def forward_upgrade(
     transport = request.transport
     assert isinstance(protocol, GatewayProtocol) and transport is not None
     lines = [b"HTTP/1.1 101 " + (up_side.reason or b"Switching Protocols") + b"\r\n"]
-    for name, value in response_headers(up_side.headers, via):
+    for name, value in response_headers(up_side.headers, via, runtime.engine.hidden_headers):
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
     lines.append(limit_headers)
     lines.append(upgrade_headers)

@@ -44,6 +44,7 @@ from gateway.stores.protocol import DecidesNow
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 _ADVERTISED_MAX = 1024
+_UNCAPPED = 1 << 62
 
 
 @dataclass(slots=True)
@@ -66,6 +67,9 @@ class Outcome:
     # Over this concurrency check's limit, the request may wait in its line for a slot
     # (``LimitEngine.wait_for_slot``): neither admitted nor rejected yet.
     waits_on: Check | None = None
+    # Checks of limits charged after the response (``count:``, ``cost_header:``) that admitted
+    # the request: ``charge_after`` charges them what the response says.
+    charge_after: Sequence[Check] = ()
 
 
 ALLOW = Outcome()
@@ -180,6 +184,22 @@ class LimitEngine:
                 limit, build_algorithm, _listed_in(limits[listed_in]) if listed_in else None
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
+        # Limits charged after the response: whether any (the request path asks once), the
+        # response headers their upstreams report costs in, and those removed before the
+        # client sees them (unless ``keep_cost_header``).
+        rules = [limit.response_charge for limit in self.limits]
+        charged = [rule for rule in rules if rule is not None]
+        self.counts_responses = bool(charged)
+        self.cost_headers: frozenset[bytes] = frozenset(
+            rule.cost_header.encode() for rule in charged if rule.cost_header is not None
+        )
+        self.hidden_headers: frozenset[bytes] = frozenset(
+            rule.cost_header.encode()
+            for rule in charged
+            if rule.cost_header is not None and not rule.keep_cost_header
+        )
+        # Charges in flight to a store that is awaited (Redis): kept until done.
+        self._charging: set[asyncio.Future[None]] = set()
         self.queue = DelayQueue()
         # Whether any limit holds slots: the request path skips everything about them if not.
         self.has_slots = any(limit.holds_slots for limit in self.limits)
@@ -259,7 +279,13 @@ class LimitEngine:
         if not enforced:
             if dry:
                 verdicts = await self.store.decide_each(dry)
-                return self._with_dry_run(ALLOW, dry, verdicts)
+                outcome = self._with_dry_run(ALLOW, dry, verdicts)
+                after = _dry_charged_after(dry, verdicts) if self.counts_responses else ()
+                if after:
+                    if outcome is ALLOW:
+                        outcome = Outcome()
+                    outcome.charge_after = after
+                return outcome
             return ALLOW
         try:
             behind = self._line_ahead(enforced) if self.slot_lines.waiting else None
@@ -274,6 +300,8 @@ class LimitEngine:
                     self.store.decide_each(dry), self._enforce(enforced)
                 )
                 outcome = self._with_dry_run(outcome, dry, verdicts)
+                if self.counts_responses:
+                    outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts)
             else:
                 # Some requests are decided without a wait (a leased limit's unit at hand).
                 verdict = self.store.try_decide_now(enforced)
@@ -281,6 +309,8 @@ class LimitEngine:
                     outcome = self._settle(enforced, verdict, True)
                 else:
                     outcome = await self._enforce(enforced)
+                if self.counts_responses:
+                    outcome.charge_after = _charged_after(outcome, enforced, (), ())
         except BaseException:
             _release(enforced)
             raise
@@ -328,6 +358,12 @@ class LimitEngine:
             raise
         if verdicts is not None:
             outcome = self._with_dry_run(outcome, dry, verdicts)
+        if self.counts_responses and outcome is not ALLOW:
+            outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts or ())
+        elif self.counts_responses and dry and verdicts is not None:
+            after = _dry_charged_after(dry, verdicts)
+            if after:
+                outcome = Outcome(charge_after=after)
         return _hold_or_release(outcome, enforced)
 
     def _screen(self, client_ip: str) -> Outcome | None:
@@ -522,6 +558,8 @@ class LimitEngine:
         if outcome.holds_places:  # the places held while deciding: now one in the line
             outcome.holds_places = False
             _release(enforced)
+        # Slots its dry-run limits took go back now: the outcome it ends with is a new one.
+        self.release(outcome)
         ticket = lines.join(check.limit.table, check.key)
         verdict = outcome.verdict
         try:
@@ -542,7 +580,10 @@ class LimitEngine:
                     continue
                 verdict = await self._decide_again(enforced)
                 if verdict.allowed:
-                    return self._settle(enforced, verdict, True)
+                    admitted = self._settle(enforced, verdict, True)
+                    if self.counts_responses:
+                        admitted.charge_after = _charged_after(admitted, enforced, (), ())
+                    return admitted
                 blocking = _slot_wait(enforced, verdict)
                 if blocking is None:  # another limit refuses it now: rejected, counted
                     return self._settle(enforced, verdict, True, may_wait=False)
@@ -650,12 +691,55 @@ class LimitEngine:
         for check in _delaying(outcome):
             check.limit.counters.waiting -= 1
 
+    def charge_after(
+        self, outcome: Outcome, status: int, reported: dict[bytes, bytes] | None
+    ) -> None:
+        """Charge the limits counted by their responses what the response with ``status``
+        (and the upstream's cost headers, ``reported``, by lower-case name) says, as much as
+        each key has room for. In process at once; otherwise one store call in the background:
+        the response never waits for it, and a charge the store cannot make follows
+        ``on_failure`` there."""
+        checks: list[Check] = []
+        units: list[int] = []
+        for check in outcome.charge_after:
+            rule = check.limit.response_charge
+            if rule is None:
+                continue
+            value = None
+            if rule.cost_header is not None and reported:
+                raw = reported.get(rule.cost_header.encode())
+                value = raw.decode("latin-1") if raw is not None else None
+            cost = rule.charge(status, value, check.cost)
+            if cost > 0:
+                checks.append(check)
+                units.append(cost)
+        if not checks:
+            return
+        store = self._immediate
+        if store is not None:
+            _count_charges(checks, store.charge_now(checks, units))
+            return
+        task = asyncio.ensure_future(self._charge(checks, units))
+        self._charging.add(task)
+        task.add_done_callback(self._charging.discard)
+
+    async def _charge(self, checks: list[Check], units: list[int]) -> None:
+        _count_charges(checks, await self.store.charge(checks, units))
+
+    async def charges_done(self) -> None:
+        """Wait for the charges in flight (shutdown: before the store closes)."""
+        while self._charging:
+            await asyncio.gather(*self._charging, return_exceptions=True)
+
     async def give_back(self, outcome: Outcome) -> None:
         """Refund a queued request that will not go on (its client left, or shutdown), and
         give back the slots it holds."""
         self.release(outcome)
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
         checks = [c for c in outcome.checks if not c.limit.holds_slots]
+        if outcome.charge_after:
+            # A limit charged after the response took nothing at admission: nothing to give.
+            checks = [check for check in checks if check.limit.response_charge is None]
         if checks:
             await asyncio.shield(self.store.refund(checks, charged_us))
 
@@ -725,7 +809,9 @@ class LimitEngine:
                 parts = advertised[limit.name, decision.limit] = (
                     b'"%s";q=%d;w=%d' % (name, decision.limit, window),
                     b'"%s";r=' % name,
-                    window,
+                    # ``t`` counts to a calendar period's real end (a 31-day month, a 25-hour
+                    # day), past the nominal window it advertises.
+                    _UNCAPPED if limit.calendar else window,
                 )
             policy_item, state_start, window = parts
             if rejecting and index in rejecting:
@@ -754,6 +840,38 @@ class LimitEngine:
                 % (decision.limit, max(0, decision.remaining), resets[tightest])
             )
         return b"".join(lines)
+
+
+def _charged_after(
+    outcome: Outcome,
+    enforced: Sequence[Check],
+    dry: Sequence[Check],
+    dry_verdicts: Sequence[CombinedDecision],
+) -> list[Check]:
+    """The checks of limits charged after the response: an admitted request's enforced ones,
+    and the dry-run ones that would have admitted it (as an enforced limit would be charged)."""
+    after: list[Check] = []
+    if not outcome.status:
+        after = [check for check in enforced if check.limit.response_charge is not None]
+    if dry:
+        after += _dry_charged_after(dry, dry_verdicts)
+    return after
+
+
+def _dry_charged_after(dry: Sequence[Check], verdicts: Sequence[CombinedDecision]) -> list[Check]:
+    return [
+        check
+        for check, verdict in zip(dry, verdicts, strict=True)
+        if check.limit.response_charge is not None and verdict.allowed
+    ]
+
+
+def _count_charges(checks: Sequence[Check], taken: Sequence[int]) -> None:
+    """Count each limit's charged responses and the units they took."""
+    for check, units in zip(checks, taken, strict=True):
+        counters = check.limit.counters
+        counters.charged_responses += 1
+        counters.charged_units += units
 
 
 def _plan_of(limit: CompiledLimit, facts: RequestFacts) -> str:

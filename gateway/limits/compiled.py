@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
+from gateway.algorithms.calendar_window import CalendarWindow
 from gateway.algorithms.concurrency import Concurrency
 from gateway.limits.keys import KeyBuilder
+from gateway.limits.response_charge import ResponseCharge
 from gateway.limits.routing import CompiledMatch
 from gateway.policy.models import Limit, Route
 from gateway.policy.overrides import Tiering
@@ -27,6 +29,15 @@ class DecisionCounts(NamedTuple):
     rejected: int = 0
     dry_run_delayed: int = 0
     dry_run_rejected: int = 0
+
+
+class ChargeCounts(NamedTuple):
+    """What a limit charged after the response did: responses charged, the units they took
+    (what each key had room for, up to its cost), and charges the store could not make."""
+
+    charged_responses: int = 0
+    charged_units: int = 0
+    charge_failures: int = 0
 
 
 @dataclass(slots=True)
@@ -48,11 +59,19 @@ class LimitCounters:
     # A concurrency limit's slots this process's requests hold (summed over workers and
     # replicas: the slots in use), and the requests its line turned away or timed out.
     slots_held: int = 0
+    # A limit charged after the response: responses charged, the units they were charged
+    # (each takes what its key has room for, up to that), and charges the store could not make.
+    charged_responses: int = 0
+    charged_units: int = 0
+    charge_failures: int = 0
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(
             self.allowed, self.delayed, self.rejected, self.dry_run_delayed, self.dry_run_rejected
         )
+
+    def charges(self) -> ChargeCounts:
+        return ChargeCounts(self.charged_responses, self.charged_units, self.charge_failures)
 
 
 @dataclass(slots=True)
@@ -73,11 +92,24 @@ class CompiledLimit:
     table: str = ""
     # A concurrency limit: an admitted request holds ``cost`` slots until it gives them back.
     holds_slots: bool = False
+    # What a response is charged (``count:``, ``cost_header:``); None for a limit charged when
+    # it admits. A store never writes such a limit's decisions: its ``charge`` does.
+    response_charge: ResponseCharge | None = None
+    # Decided on calendar time (``Clock.unix_us``): a calendar window.
+    calendar: bool = False
 
     def __post_init__(self) -> None:
         if not self.table:
             self.table = self.name
         self.holds_slots = isinstance(self.algorithm, Concurrency)
+        spec = self.spec
+        if self.response_charge is None and (
+            spec.count is not None or spec.cost_header is not None
+        ):
+            self.response_charge = ResponseCharge(
+                spec.count, spec.cost_header, spec.keep_cost_header
+            )
+        self.calendar = isinstance(self.algorithm, CalendarWindow)
 
     def applies(self, route: Route, host: str, path: str, method: str) -> bool:
         if self.routes is not None and route.name not in self.routes:

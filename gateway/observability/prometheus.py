@@ -339,6 +339,24 @@ class GatewayCollector(Collector):
             "Slots a concurrency limit's requests hold now (requests in flight, by cost).",
             labels=["limit"],
         )
+        # Limits charged after the response (count:, cost_header:).
+        charged = CounterMetricFamily(
+            "gateway_limit_charged_responses",
+            "Responses a limit counted by its responses charged (their status matched and "
+            "their cost was above 0).",
+            labels=["limit"],
+        )
+        charged_units = CounterMetricFamily(
+            "gateway_limit_charged_units",
+            "Units responses took from a limit's quota (each what its key had left, up to "
+            "its cost: the limit's cost, or the upstream's cost header).",
+            labels=["limit"],
+        )
+        charge_failures = CounterMetricFamily(
+            "gateway_limit_charge_failures",
+            "Charges after the response the store could not make (they followed on_failure).",
+            labels=["limit"],
+        )
         # Aggregates of the top-keys view (never the keys: labels are config names only), for
         # enforced limits and for dry-run ones, whose view holds the keys they would limit.
         limited_keys = GaugeMetricFamily(
@@ -364,8 +382,11 @@ class GatewayCollector(Collector):
             dry_run.add_metric([name], 1 if limit.dry_run else 0)
             if limit.algorithm == "concurrency":
                 slots.add_metric([name], limit.slots_in_use)
+            charged.add_metric([name], limit.charged_responses)
+            charged_units.add_metric([name], limit.charged_units)
+            charge_failures.add_metric([name], limit.charge_failures)
         yield from (decisions, wait, depth, tracked, evictions, dry_run, slots)
-        yield from (limited_keys, top_key_hits)
+        yield from (limited_keys, top_key_hits, charged, charged_units, charge_failures)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gateway.edge.pool.server_pool import SERVER_LATENCY_BUCKETS
 from gateway.histogram import Histogram
-from gateway.limits.compiled import DecisionCounts
+from gateway.limits.compiled import ChargeCounts, DecisionCounts
 from gateway.observability.leases import LeaseData, plus
 from gateway.observability.stats import QUEUE_WAIT_BUCKETS, REQUEST_DURATION_BUCKETS
 from gateway.policy.reload_status import ReloadStatus
@@ -23,6 +23,8 @@ from gateway.stores.store_stats import STORE_LATENCY_BUCKETS
 
 # Results of the ``gateway_limit_decisions_total`` counter: ``LimitData`` has a field of each name.
 DECISION_RESULTS: tuple[str, ...] = DecisionCounts._fields
+# What a limit charged after the response counts: ``LimitData`` has a field of each name.
+CHARGE_COUNTS: tuple[str, ...] = ChargeCounts._fields
 
 
 class _Model(BaseModel):
@@ -91,6 +93,10 @@ class LimitData(_Model):
     rejected: int = 0
     dry_run_delayed: int = 0
     dry_run_rejected: int = 0
+    # A limit charged after the response (count:, cost_header:).
+    charged_responses: int = 0
+    charged_units: int = 0
+    charge_failures: int = 0
     evictions: int = 0
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
@@ -365,6 +371,8 @@ def _add_limit_counters(limit: LimitData, base: LimitData) -> LimitData:
     update: dict[str, object] = {
         result: getattr(limit, result) + getattr(base, result) for result in DECISION_RESULTS
     }
+    for charged in CHARGE_COUNTS:
+        update[charged] = getattr(limit, charged) + getattr(base, charged)
     update["evictions"] = limit.evictions + base.evictions
     update["wait"] = limit.wait.plus(base.wait)
     update["lease"] = plus(limit.lease, base.lease)

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from aiohttp.web_request import BaseRequest
 
@@ -24,13 +24,14 @@ from gateway.edge.annotations import (
     CLIENT_IP,
     LIMIT_OUTCOME,
     LOCAL_ANSWER,
+    REPORTED_COSTS,
     ROUTE_NAME,
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
 )
 from gateway.edge.pool.server_pool import FAILURE_REASONS
 from gateway.edge.upgrade_stats import UpgradeStats
-from gateway.limits.compiled import Check, DecisionCounts
+from gateway.limits.compiled import ChargeCounts, Check, DecisionCounts
 from gateway.limits.keys import shown_key
 from gateway.log_setup import JSON_LINE, json_line
 from gateway.observability.leases import lease_data
@@ -88,23 +89,27 @@ def tier_of(check: Check) -> str:
     return "custom" if tier.startswith("=") else tier
 
 
-class _RunningTotals:
-    """Totals of decision counts that can start again from zero (a limit a reload re-created),
-    kept growing by adding each source's increase since it was last read."""
+Counts = TypeVar("Counts", DecisionCounts, ChargeCounts)
 
-    __slots__ = ("_last", "_totals")
 
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[object, DecisionCounts]] = {}
-        self._totals: dict[str, DecisionCounts] = {}
+class _RunningTotals(Generic[Counts]):
+    """Totals of a limit's counts that can start again from zero (a limit a reload
+    re-created), kept growing by adding each source's increase since it was last read."""
 
-    def read(self, name: str, source: object, values: DecisionCounts) -> DecisionCounts:
+    __slots__ = ("_last", "_totals", "_zero")
+
+    def __init__(self, zero: Counts) -> None:
+        self._zero: Counts = zero
+        self._last: dict[str, tuple[object, Counts]] = {}
+        self._totals: dict[str, Counts] = {}
+
+    def read(self, name: str, source: object, values: Counts) -> Counts:
         last = self._last.get(name)
-        previous = last[1] if last is not None and last[0] is source else DecisionCounts()
-        totals = DecisionCounts._make(
+        previous = last[1] if last is not None and last[0] is source else self._zero
+        totals: Counts = type(self._zero)._make(
             total + max(0, value - before)
             for total, value, before in zip(
-                self._totals.get(name, DecisionCounts()), values, previous, strict=True
+                self._totals.get(name, self._zero), values, previous, strict=True
             )
         )
         self._totals[name] = totals
@@ -190,7 +195,8 @@ class WorkerMetrics:
         self.requests = RequestStats()
         self.queue_waits = QueueWaits()
         self.top_keys: dict[str, RecentTopKeys] = {}
-        self._decisions = _RunningTotals()
+        self._decisions = _RunningTotals(DecisionCounts())
+        self._charges = _RunningTotals(ChargeCounts())
 
     def note_limited(self, outcome: Outcome) -> None:
         """Count the keys a rejected request was refused under, for the top-keys view."""
@@ -246,11 +252,13 @@ class WorkerMetrics:
             name = limit.name
             counters = limit.counters
             decided = self._decisions.read(name, counters, counters.decisions())
+            charged = self._charges.read(name, counters, counters.charges())
             wait = self.queue_waits.by_limit.get(name)
             limits[name] = LimitData(
                 algorithm=limit.spec.algorithm,
                 dry_run=limit.spec.dry_run,
                 **decided._asdict(),
+                **charged._asdict(),
                 evictions=store.evictions(name),
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
@@ -491,6 +499,9 @@ def _log_access(
         "delay_ms": round(outcome.delay_s * 1000, 3) if outcome is not None else 0.0,
         "upstream_error": upstream_error,
     }
+    costs = request.get(REPORTED_COSTS)
+    if costs is not None:  # what the upstream said the request cost: a replay charges it
+        fields["costs"] = costs
     if runtime.settings.access_log_format == "json":
         # One JSON object per line, time included, never behind the text log prefix.
         access_log.info(json.dumps(json_line(fields), separators=(",", ":")), extra=JSON_EXTRA)

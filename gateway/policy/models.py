@@ -24,7 +24,14 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.policy.units import Rate, parse_duration, parse_rate, parse_size
+from gateway.policy.units import (
+    CALENDAR_PERIODS,
+    Rate,
+    parse_duration,
+    parse_rate,
+    parse_size,
+    time_zone,
+)
 from gateway.redact import redact_url
 
 
@@ -50,6 +57,39 @@ Duration = Annotated[
                 {"type": "number", "minimum": 0},
             ],
             "description": "Go-style duration ('500ms', '10s', '1m30s') or seconds",
+        }
+    ),
+]
+
+
+_CALENDAR_LIKE_RE = re.compile(r"^\s*\d+\s*(d|w|mo|y)\s*$")
+
+
+def _window_length(value: Any) -> float | str:
+    if isinstance(value, str):
+        if value.strip() in CALENDAR_PERIODS:
+            return value.strip()
+        if _CALENDAR_LIKE_RE.match(value):
+            raise ValueError(
+                f"invalid window {value!r}: a calendar window is 1d, 1w, 1mo or 1y (with "
+                "calendar: true); other windows are Go durations like '90s', '15m', '720h'"
+            )
+    return _duration(value)
+
+
+# A window: a duration, or a calendar period (with ``calendar: true``).
+WindowLength = Annotated[
+    float | str,
+    BeforeValidator(_window_length),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": r"^(\d+(\.\d+)?(ms|us|µs|s|m|h))+$"},
+                {"type": "number", "exclusiveMinimum": 0},
+                {"enum": list(CALENDAR_PERIODS)},
+            ],
+            "description": "Go-style duration ('500ms', '10s', '1m30s') or seconds; with "
+            "calendar: true, 1d, 1w, 1mo or 1y",
         }
     ),
 ]
@@ -849,6 +889,75 @@ class Cost(_Model):
         return cost
 
 
+# ``5xx``: every status of a class.
+_STATUS_CLASS_RE = re.compile(r"^[1-5]xx$")
+# Headers that frame the message or the connection: never a cost header, since removing one
+# would break the response.
+_FRAMING_HEADERS = frozenset(
+    {"connection", "content-length", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"}
+)
+
+
+def _status_item(value: Any) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if 100 <= value <= 599:
+            return value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if _STATUS_CLASS_RE.match(text):
+            return text
+        if text.isascii() and text.isdigit() and 100 <= int(text) <= 599:
+            return int(text)
+    raise ValueError(
+        f"invalid status {value!r}: expected a status code from 100 to 599 (401) or a class ('5xx')"
+    )
+
+
+StatusItem = Annotated[
+    int | str,
+    BeforeValidator(_status_item),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 100, "maximum": 599},
+                {"type": "string", "pattern": "^[1-5][xX][xX]$"},
+            ],
+            "description": "a status code (401) or a class of them ('5xx')",
+        }
+    ),
+]
+
+
+class ResponseCount(_Model):
+    """Which responses a limit is charged for: the request is admitted while the key has room
+    and charged after its response, only when the status matches."""
+
+    statuses: tuple[StatusItem, ...] = Field(
+        description="status codes (401) and classes ('5xx') of the responses charged"
+    )
+
+    @field_validator("statuses")
+    @classmethod
+    def _some(cls, value: tuple[int | str, ...]) -> tuple[int | str, ...]:
+        if not value:
+            raise ValueError(
+                "statuses is empty: the limit would charge no response (omit count to charge "
+                "every response)"
+            )
+        return value
+
+    def codes(self) -> frozenset[int]:
+        """Every status code charged."""
+        codes: set[int] = set()
+        for item in self.statuses:
+            if isinstance(item, int):
+                codes.add(item)
+            else:
+                first = int(item[0]) * 100
+                codes.update(range(first, first + 100))
+        return frozenset(codes)
+
+
 class _LimitBase(_Model):
     lease: LeaseSettings | None = Field(
         None,
@@ -890,6 +999,19 @@ class _LimitBase(_Model):
         description="units one request takes from the quota: a number, or a default with "
         "per-route and per-method costs",
     )
+    count: ResponseCount | None = Field(
+        None,
+        description="charge only responses with these statuses, after the response: a request "
+        "is admitted while the key has room (several in flight may all be, with one unit left)",
+    )
+    cost_header: str | None = Field(
+        None,
+        description="response header in which the upstream says what the request cost, in "
+        "the limit's units, charged after the response (missing or invalid: cost)",
+    )
+    keep_cost_header: bool = Field(
+        False, description="leave the cost header in the response the client gets"
+    )
     exempt: tuple[str, ...] = Field(
         (), description="CIDRs of clients this limit does not apply to (other limits still do)"
     )
@@ -930,6 +1052,20 @@ class _LimitBase(_Model):
             raise ValueError(f"cost must be at least 1, got {value}")
         return value
 
+    @field_validator("cost_header")
+    @classmethod
+    def _check_cost_header(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not _HEADER_NAME_RE.match(value):
+            raise ValueError(f"invalid header name {value!r} in cost_header")
+        if value.lower() in _FRAMING_HEADERS:
+            raise ValueError(
+                f"{value} frames the response, it cannot be a cost header (removing it would "
+                "break the response)"
+            )
+        return value
+
     @field_validator("exempt")
     @classmethod
     def _check_exempt(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -964,6 +1100,42 @@ class _LimitBase(_Model):
     @classmethod
     def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return check_key_parts(value, plans=True)
+
+    @property
+    def charged_after(self) -> bool:
+        """Whether the limit charges after the response (``count``, ``cost_header``)."""
+        return self.count is not None or self.cost_header is not None
+
+    @model_validator(mode="after")
+    def _chargeable_after(self) -> _LimitBase:
+        if self.keep_cost_header and self.cost_header is None:
+            raise ValueError("keep_cost_header applies to a cost_header: name one, or remove it")
+        if not self.charged_after:
+            return self
+        given = [name for name in ("count", "cost_header") if getattr(self, name) is not None]
+        subject = f"{' and '.join(given)} charge{'' if len(given) > 1 else 's'} after the response"
+        algorithm = getattr(self, "algorithm", "")
+        if algorithm == "leaky_bucket":
+            raise ValueError(
+                f"{subject}, which a leaky_bucket cannot: it delays each request by the state "
+                "it finds; use a token_bucket in reject mode or a window algorithm"
+            )
+        if getattr(self, "mode", "reject") != "reject":
+            raise ValueError(
+                f"{subject}, which a token_bucket in queue mode cannot: a limit charged after "
+                "the response never delays; use mode: reject"
+            )
+        if getattr(self, "warmup", None):
+            raise ValueError(
+                f"{subject}, which a token_bucket with warmup cannot: its ramp is computed per "
+                "request; remove warmup"
+            )
+        if self.lease is not None:
+            raise ValueError(
+                f"{subject}, which a leased limit cannot: a lease is a batch of admissions "
+                "taken ahead; remove lease"
+            )
+        return self
 
     @model_validator(mode="after")
     def _leasable(self) -> _LimitBase:
@@ -1009,27 +1181,80 @@ class LeakyBucketLimit(_LimitBase):
         return (self.burst + 1) / self.rate.per_second
 
 
+# A calendar period's nominal length in seconds (what ``RateLimit-Policy`` advertises as its
+# window; a month is 30 days and a year 365, as Kong counts them): the algorithm counts to the
+# period's real end.
+_NOMINAL_PERIOD_S: dict[str, float] = {
+    "1d": 86_400.0,
+    "1w": 7 * 86_400.0,
+    "1mo": 30 * 86_400.0,
+    "1y": 365 * 86_400.0,
+}
+
+
 class WindowLimit(_LimitBase):
     """At most ``limit`` requests per ``window`` (fixed, sliding counter, or exact sliding log)."""
 
     algorithm: Literal["fixed_window", "sliding_window", "sliding_log"] = Field(
-        description="calendar windows; two windows weighted (approximate); every request's "
-        "time kept (exact)"
+        description="aligned windows (on the calendar with calendar: true); two windows "
+        "weighted (approximate); every request's time kept (exact)"
     )
     limit: int = Field(ge=1, description="requests per window")
-    window: Duration = Field(description="the window's length, above 0")
+    window: WindowLength = Field(
+        description="the window's length, above 0; with calendar: true, 1d, 1w, 1mo or 1y"
+    )
+    calendar: bool = Field(
+        False,
+        description="a fixed window on the calendar: window 1d, 1w (from Monday), 1mo or 1y, "
+        "from local midnight in timezone (a daylight-saving day is 23 or 25 hours)",
+    )
+    timezone: str = Field(
+        "UTC", description="IANA time zone of a calendar window ('Europe/Berlin')"
+    )
 
     @field_validator("window")
     @classmethod
-    def _positive_window(cls, value: float) -> float:
-        if value <= 0:
+    def _positive_window(cls, value: float | str) -> float | str:
+        if isinstance(value, float) and value <= 0:
             raise ValueError("window must be longer than 0")
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        time_zone(value)
         return value
 
     @property
     def window_s(self) -> float:
-        """The window a response advertises (``w`` of ``RateLimit-Policy``)."""
-        return float(self.window)
+        """The window a response advertises (``w`` of ``RateLimit-Policy``); a calendar
+        period's nominal length."""
+        if isinstance(self.window, str):
+            return _NOMINAL_PERIOD_S[self.window]
+        return self.window
+
+    @model_validator(mode="after")
+    def _calendar_window(self) -> WindowLimit:
+        if not self.calendar:
+            if isinstance(self.window, str):
+                raise ValueError(
+                    f"window {self.window} is a calendar period: add calendar: true (and a "
+                    "timezone, UTC if none)"
+                )
+            if self.timezone != "UTC":
+                raise ValueError("timezone applies to a calendar window: add calendar: true")
+            return self
+        if self.algorithm != "fixed_window":
+            raise ValueError(
+                f"a calendar window is a fixed window: use algorithm: fixed_window, not "
+                f"{self.algorithm}"
+            )
+        if not isinstance(self.window, str):
+            seconds = int(self.window) if self.window.is_integer() else self.window
+            raise ValueError(f"a calendar window is 1d, 1w, 1mo or 1y, got a window of {seconds} s")
+        if self.lease is not None:
+            raise ValueError("a calendar window cannot be leased (not supported yet)")
+        return self
 
 
 class TokenBucketLimit(_LimitBase):
@@ -1102,8 +1327,14 @@ class ConcurrencyLimit(_LimitBase):
         return 0.0
 
 
-# What a plan or an override may set: the algorithm's numbers, nothing about keys or matching.
-OVERRIDE_PARAMS = frozenset({"rate", "burst", "limit", "window", "nodelay", "delay", "warmup"})
+# What a plan or an override may set: the algorithm's numbers (and a calendar window's time
+# zone: a customer's month is theirs), nothing about keys or matching.
+OVERRIDE_PARAMS = frozenset(
+    {"rate", "burst", "limit", "window", "nodelay", "delay", "warmup", "timezone"}
+)
+# What a plan's parameters are checked with but cannot change (a plan's warmup cannot ramp a
+# limit charged after the response).
+_VARIANT_CONTEXT = frozenset({"calendar", "count", "cost_header"})
 
 
 def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
@@ -1116,7 +1347,11 @@ def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
             f"{', '.join(map(repr, unknown))} cannot be set for {spec.algorithm} "
             f"(expected {', '.join(allowed)})"
         )
-    fields = {name: getattr(spec, name) for name in OVERRIDE_PARAMS if name in model.model_fields}
+    fields = {
+        name: getattr(spec, name)
+        for name in OVERRIDE_PARAMS | _VARIANT_CONTEXT
+        if name in model.model_fields
+    }
     # The cost too, so that a model checking its numbers against it checks the variant's.
     fields["cost"] = spec.cost
     try:

@@ -44,6 +44,9 @@ class Request(NamedTuple):
     host: str | None
     headers: tuple[tuple[str, str], ...]
     forwarded_for: str | None  # an X-Forwarded-For value, when the log has one
+    status: int | None = None  # the response's status, when the log has one
+    # Cost headers the upstream reported (the gateway's log records them), by lower-case name.
+    costs: tuple[tuple[str, str], ...] = ()
     # How long the request took ($request_time, the gateway's duration_ms), in microseconds;
     # -1 when the log does not say. A concurrency limit's slots are held that long.
     duration_us: int = -1
@@ -70,6 +73,11 @@ class ReadStats:
     has_forwarded_for: bool = False
     has_headers: bool = False
     has_host: bool = False
+    has_status: bool = False
+    has_costs: bool = False
+    # Calendar time minus the log's instants, when they are on another clock (the gateway's
+    # ``t_us`` is monotonic; its ``ts`` is calendar time): what calendar windows are read by.
+    unix_offset_us: int | None = None
     durations: int = 0  # requests whose log line gave their duration
     own_records: int = 0  # the gateway's own log lines beside its access lines: skipped
 
@@ -148,7 +156,7 @@ def numbered_lines(opened: Opened, stats: ReadStats) -> Iterator[tuple[int, str]
 # "$http_referer" "$http_user_agent", then optional extra fields ("$http_x_forwarded_for",
 # $msec, $request_time). nginx escapes '"' in logged strings as \x22.
 _COMBINED = re.compile(
-    r'(\S+) \S+ (?:"[^"]*"|\S+) \[([^\]]+)\] "([^"]*)" (?:\d{3}|-) \S+'
+    r'(\S+) \S+ (?:"[^"]*"|\S+) \[([^\]]+)\] "([^"]*)" (\d{3}|-) \S+'
     r'(?: "[^"]*" "[^"]*")?(.*)'
 )
 _EXTRA = re.compile(r'"([^"]*)"|(\S+)')
@@ -205,8 +213,8 @@ def _split_request_line(request_line: str) -> tuple[str, str] | None:
 
 
 # One request of a second not yet spread: (duration_us or -1, line, address, method, target,
-# forwarded_for).
-_Pending = tuple[int, int, str, str, str, str | None]
+# forwarded_for, status).
+_Pending = tuple[int, int, str, str, str, str | None, int | None]
 
 
 def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
@@ -231,7 +239,11 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                     if row.strip():
                         stats.bad(name, number, "not an nginx combined log line")
                     continue
-                address, time_text, request_line, rest = row
+                address, time_text, request_line, status_text, rest = row
+                status: int | None = None
+                if status_text != "-":
+                    status = int(status_text)
+                    stats.has_status = True
                 try:
                     request = split_lines[request_line]
                 except KeyError:
@@ -257,7 +269,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                             yield from _spread(group, group_second, stats, name)
                             group.clear()
                         group_second = last_second
-                    group.append((-1, number, address, method, target, None))
+                    group.append((-1, number, address, method, target, None, status))
                     continue
                 forwarded_for: str | None = None
                 msec_us: int | None = None
@@ -296,6 +308,8 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         None,
                         (),
                         forwarded_for,
+                        status,
+                        (),
                         duration_us,
                     )
                     continue
@@ -304,7 +318,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         yield from _spread(group, group_second, stats, name)
                         group.clear()
                     group_second = last_second
-                group.append((duration_us, number, address, method, target, forwarded_for))
+                group.append((duration_us, number, address, method, target, forwarded_for, status))
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
     except OSError as exc:
@@ -318,7 +332,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
 # The log read in pieces of about this many bytes, each matched as a whole.
 _PIECE_BYTES = 1 << 16
 _COMBINED_LINES = re.compile(f"^(?:{_COMBINED.pattern})$", re.MULTILINE)
-_Row = tuple[str, str, str, str]
+_Row = tuple[str, str, str, str, str]
 
 
 def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
@@ -390,10 +404,20 @@ def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> 
                 None,
                 (),
                 forwarded_for,
+                status,
+                (),
                 duration_us,
             ),
         )
-        for index, (duration_us, line, address, method, target, forwarded_for) in enumerate(group)
+        for index, (
+            duration_us,
+            line,
+            address,
+            method,
+            target,
+            forwarded_for,
+            status,
+        ) in enumerate(group)
     ]
 
 
@@ -488,6 +512,8 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                 else:
                     raise ValueError("no 't_us' or 'ts'")
                 address = _text(obj, "client")
+                if stats.unix_offset_us is None and "ts" in obj and "t_us" in obj:
+                    stats.unix_offset_us = parse_ts(obj["ts"]) - t_us
             else:
                 t_us = parse_ts(obj.get("ts"))
                 address = _text(obj, "ip")
@@ -504,6 +530,16 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                 headers = tuple(raw_headers.items())
                 stats.has_headers = True
             duration_us = _duration_us(obj)
+            status = _status(obj.get("status"))
+            costs: tuple[tuple[str, str], ...] = ()
+            raw_costs = obj.get("costs")
+            if raw_costs is not None:
+                if not isinstance(raw_costs, dict) or not all(
+                    isinstance(v, str) for v in raw_costs.values()
+                ):
+                    raise ValueError("'costs' is not an object of text values")
+                costs = tuple((name.lower(), value) for name, value in raw_costs.items())
+                stats.has_costs = True
         except ValueError as exc:
             stats.bad(name, number, str(exc))
             continue
@@ -519,11 +555,34 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                     host = value
         if host is not None:
             stats.has_host = True
+        if status is not None:
+            stats.has_status = True
         if duration_us >= 0:
             stats.durations += 1
         yield Request(
-            t_us, name, number, address, method, target, host, headers, forwarded_for, duration_us
+            t_us,
+            name,
+            number,
+            address,
+            method,
+            target,
+            host,
+            headers,
+            forwarded_for,
+            status,
+            costs,
+            duration_us,
         )
+
+
+def _status(value: object) -> int | None:
+    """A logged response status (100 to 599, a number or its digits), or None when there is
+    none or it is not one (the request is still replayed: the report says what that means)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 100 <= value <= 599:
+        return None
+    return value
 
 
 # -- the table of formats, detection and the whole set of logs ------------------------------

@@ -183,6 +183,25 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
                 "a concurrency limit's slot (max_delay): the replay does not follow that line "
                 "and counts them rejected"
             )
+        if sim.counted_by_response:
+            notes.append(
+                f"{sim.loaded.source}: limits {', '.join(sim.counted_by_response)} are charged "
+                "after the response: by the logged status"
+                + ("" if stats.has_status else " (the log has none: each counted as a 200)")
+                + ", at the request's instant; a request the logged gateway refused carries "
+                "its status, not the upstream's"
+            )
+        if sim.cost_header_limits:
+            notes.append(
+                f"{sim.loaded.source}: limits {', '.join(sim.cost_header_limits)} charge what "
+                "the upstream reported"
+                + (
+                    " (the log's costs; a request without one its configured cost)"
+                    if stats.has_costs
+                    else ", which the log does not carry: each request was charged its "
+                    "configured cost"
+                )
+            )
         if sim.header_parts and not stats.has_headers:
             notes.append(
                 f"{sim.loaded.source}: key parts {', '.join(sim.header_parts)} read request "

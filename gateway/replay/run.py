@@ -139,6 +139,11 @@ async def replay(
             count += 1
             if count & 0xFFF == 0:
                 progress.tick(count)
+            elif count == 1 and stats.unix_offset_us is not None:
+                # The log's instants are on the gateway's monotonic clock: calendar windows
+                # read calendar time, that far apart.
+                for simulation in simulations:
+                    simulation.clock.unix_offset_us = stats.unix_offset_us
             client_ip = first.client_ip(request)
             outcome = await first.decide(request, client_ip)
             if changes is not None:

@@ -112,6 +112,14 @@ class Simulation:
         self.reads_query = any(
             part.startswith("query:") for spec in policy.limits.values() for part in spec.key
         )
+        # Limits charged after the response: by the logged status, and those charging what
+        # the upstream reported (cost_header), which only the gateway's own log records.
+        self.counted_by_response = sorted(
+            name for name, spec in policy.limits.items() if spec.charged_after
+        )
+        self.cost_header_limits = sorted(
+            name for name, spec in policy.limits.items() if spec.cost_header is not None
+        )
         self.header_parts = sorted(
             {
                 part
@@ -227,6 +235,9 @@ class Simulation:
                     tally.limits[check.limit.name].rejected_keys[check.key] += 1
             outcomes[REJECTED] += 1
             return REJECTED
+        if outcome.charge_after:
+            # Charged what the logged response says, at once (the log has no response instant).
+            engine.charge_after(outcome, request.status or 200, _reported(request.costs))
         verdict = outcome.verdict
         if verdict is None:
             outcomes[UNLIMITED] += 1
@@ -350,6 +361,13 @@ class Simulation:
             }
             for limit in self.engine.limits
         }
+
+
+def _reported(costs: tuple[tuple[str, str], ...]) -> dict[bytes, bytes] | None:
+    """A logged request's cost headers as the engine takes the upstream's."""
+    if not costs:
+        return None
+    return {name.encode("latin-1"): value.encode("latin-1") for name, value in costs}
 
 
 def _no_query() -> MultiMapping[str]:

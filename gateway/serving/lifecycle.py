@@ -386,6 +386,9 @@ class Gateway:
         await self.handler.runtime.close()
         for runtime in list(self._retired):
             await runtime.close()
+        # What the last responses cost, charged before the store closes.
+        for runtime in (self.handler.runtime, *self._retired):
+            await runtime.engine.charges_done()
         await self.store.close()
         if self._demo is not None:
             await self._demo.close()

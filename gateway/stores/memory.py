@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.algorithms.base import Decision
+from gateway.algorithms.charging import charge_what_fits
 from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.concurrency import Concurrency
 from gateway.clock import Clock, MonotonicClock
@@ -53,17 +54,25 @@ class MemoryStore:
     def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """``decide`` without the coroutine: nothing here waits, so the engine calls this
         directly on the request path and saves a coroutine object per request."""
-        now_us = self.clock.now_us()
+        clock = self.clock
+        now_us = clock.now_us()
+        unix_us = 0  # calendar time, read when a calendar window needs it
         self.stats.calls += 1
         known = self.tables
         tables: list[KeyedState[Any] | None] = []
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
+        instants: list[int] = []
         # Declared: compiled, a name takes the type of its first assignment (a slot count).
         state: Any
         for check in checks:
             limit = check.limit
+            at_us = now_us
+            if limit.calendar:
+                if not unix_us:
+                    unix_us = clock.unix_us()
+                at_us = unix_us
             if limit.holds_slots:
                 slots = self._slot_table(limit)
                 state = slots.get(check.key) if commit else slots.peek(check.key)
@@ -76,10 +85,11 @@ class MemoryStore:
                 # alone.
                 state = table.get(check.key) if commit else table.peek(check.key)
                 tables.append(table)
-            decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
+            decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
+            instants.append(at_us)
         # Stamped with the instant decided at: a delayed request's refund needs it, and the
         # access log records it so ``gateway replay`` can decide the same request at the same
         # instant.
@@ -91,9 +101,32 @@ class MemoryStore:
                 table = tables[index]
                 if table is None:
                     self.slot_tables[check.limit.table].put(check.key, new_states[index])
-                else:
-                    table.put(check.key, new_states[index], now_us)
+                # A limit charged after the response admits without taking anything now.
+                elif check.limit.response_charge is None:
+                    table.put(check.key, new_states[index], instants[index])
         return verdict
+
+    def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        """Charge each check ``units`` after its response, as much as its key has room for;
+        what each took."""
+        clock = self.clock
+        taken: list[int] = []
+        for check, cost in zip(checks, units, strict=True):
+            limit = check.limit
+            table = self.tables.get(limit.table)
+            if table is None:
+                table = self._table(limit)
+            now_us = clock.unix_us() if limit.calendar else clock.now_us()
+            state = table.get(check.key)
+            # The table's algorithm: a reload since the admission may have rescaled the states.
+            charged, new_state = charge_what_fits(table.algorithm, state, now_us, cost)
+            if charged:
+                table.put(check.key, new_state, now_us)
+            taken.append(charged)
+        return taken
+
+    async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        return self.charge_now(checks, units)
 
     def try_decide_now(self, checks: Sequence[Check]) -> CombinedDecision:
         return self.decide_now(checks)
@@ -112,7 +145,9 @@ class MemoryStore:
                 table.release(check.key, check.cost)
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
-        now_us = self.clock.now_us()
+        clock = self.clock
+        now_us = clock.now_us()
+        unix_us = clock.unix_us()
         for check in checks:
             if check.limit.holds_slots:
                 self.release((check,))
@@ -125,12 +160,18 @@ class MemoryStore:
             state = table.get(check.key)
             if state is None:
                 continue
+            at_us, charged_at_us = now_us, charged_us
+            if check.limit.calendar:  # on calendar time; the verdict's instant is not
+                at_us = unix_us
+                if charged_us is not None:
+                    charged_at_us = charged_us + unix_us - now_us
             # The table's algorithm: rescaled by a reload that changed its parameters.
-            state = table.algorithm.refund(state, now_us, check.cost, charged_us=charged_us)
-            table.put(check.key, state, now_us)
+            state = table.algorithm.refund(state, at_us, check.cost, charged_us=charged_at_us)
+            table.put(check.key, state, at_us)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         now_us = self.clock.now_us()
+        unix_us = self.clock.unix_us()
         old = {limit.table: limit for limit in with_variants(previous)}
         tables: dict[str, KeyedState[Any]] = {}
         slot_tables: dict[str, SlotTable] = {}
@@ -152,7 +193,8 @@ class MemoryStore:
                 continue  # a new limit, or a different key or algorithm: start afresh
             table.resize(limit.spec.max_keys)
             if before.algorithm != limit.algorithm:
-                table.rescale(limit.algorithm, before.algorithm, now_us)
+                at_us = unix_us if limit.calendar else now_us
+                table.rescale(limit.algorithm, before.algorithm, at_us)
             tables[limit.table] = table
         for name, table in self.tables.items():
             if tables.get(name) is not table:

@@ -38,7 +38,9 @@ class LimitStore(Protocol):
     slots_shared: bool
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
-        """Decide all checks at one instant; with ``commit``, store the new states if allowed.
+        """Decide all checks at one instant; with ``commit``, store the new states if allowed
+        (but for a limit charged after the response: ``charge`` charges it). A calendar window
+        decides at calendar time (``Clock.unix_us``, or Redis ``TIME``).
 
         A check whose delay would exceed its ``max_delay_s`` turns the verdict into a rejection
         (``combine.refuse_long_delays``) before anything is stored.
@@ -59,6 +61,11 @@ class LimitStore(Protocol):
         """Give back the slots an admitted request's concurrency checks hold (each ``cost``);
         never raises. None when they are back already; else a future done once the store
         has them back (Redis: a call in flight)."""
+
+    async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        """Charge each check (of a limit charged after the response) ``units``, as much as
+        its key has room for: what each took. Never raises: a charge the store cannot make
+        is counted (``charge_failures``) and follows ``on_failure``."""
         ...
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
@@ -93,6 +100,10 @@ class DecidesNow(LimitStore, Protocol):
 
     def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """``decide``, returned rather than awaited."""
+        ...
+
+    def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        """``charge``, returned rather than awaited."""
         ...
 
 

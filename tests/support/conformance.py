@@ -21,6 +21,7 @@ import redis.cluster
 from hypothesis import strategies as st
 
 from gateway.algorithms.base import Algorithm
+from gateway.algorithms.calendar_window import CalendarWindow
 from gateway.algorithms.combine import CombinedDecision, decide_all, refuse_long_delays
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket
@@ -142,6 +143,9 @@ ALGORITHMS: dict[str, Any] = {
     "token bucket queue r/m": lambda: TokenBucket(30, 60, 2, mode="queue"),
     "warm-up": lambda: WarmingUpTokenBucket(5, 1, 2.0),
     "warm-up queue": lambda: WarmingUpTokenBucket(7, 1, 1.5, mode="queue", max_delay_s=0.5),
+    # Its periods are read off the calendar by the store (at T0, not near a period's end:
+    # tests/test_calendar_stores.py crosses those).
+    "calendar day": lambda: CalendarWindow(4, "1d", "Europe/Berlin"),
 }
 
 steps_us = st.one_of(
@@ -282,6 +286,12 @@ VARIANTS: dict[str, list[Any]] = {
         lambda: TokenBucket(999, 1, 5, mode="queue", max_delay_s=0.01),
         lambda: TokenBucket(30, 60, 2, mode="queue"),
         lambda: TokenBucket(1, 60, 100),
+    ],
+    "calendar": [
+        lambda: CalendarWindow(4, "1d", "Europe/Berlin"),
+        lambda: CalendarWindow(9, "1d", "Europe/Berlin"),
+        lambda: CalendarWindow(4, "1d"),
+        lambda: CalendarWindow(4, "1w", "Europe/Berlin"),
     ],
     "warm-up": [
         lambda: WarmingUpTokenBucket(5, 1, 2.0),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.network import free_port
-from tests.support.waiting import wait_for_status
+from tests.support.waiting import wait_for_status, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -270,3 +270,16 @@ def connections_to(pid: int, port: int) -> int:
         if remote_port == port and fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED
             count += 1
     return count
+
+
+async def wait_serving(tmp_path: Path, processes: int, within_s: float = 60.0) -> None:
+    """Until the log says each of ``processes`` workers is serving."""
+    log = tmp_path / "gateway.log"
+
+    def text() -> str:
+        return log.read_text() if log.exists() else ""
+
+    def serving() -> bool:
+        return all(f"worker {i} serving" in text() for i in range(processes))
+
+    await wait_until(serving, f"{processes} workers serving", within_s, 0.1, text)

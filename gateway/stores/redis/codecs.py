@@ -7,9 +7,12 @@ down is the algorithm's own ``share(replicas)``.
 from __future__ import annotations
 
 import struct
+import zlib
 from typing import Any, Final, Protocol
 
 from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.calendar_period import Period
+from gateway.algorithms.calendar_window import CalendarWindow
 from gateway.algorithms.concurrency import Concurrency
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket, pack_state
@@ -118,6 +121,57 @@ class _WindowCodec:
         return algorithm.pack_state(int(index), int(count))
 
 
+class CalendarCodec:
+    """A calendar window: a fixed window's reply, and each call the periods the script picks
+    from (``periods``), read off the calendar by the gateway."""
+
+    __slots__ = ("_algorithm", "_last", "_limit", "nominal_limit", "params")
+
+    def __init__(self, algorithm: CalendarWindow) -> None:
+        _exact("2 * limit + 1", 2 * algorithm.limit + 1)
+        self._algorithm = algorithm
+        self._limit = self.nominal_limit = algorithm.limit
+        # The period and zone as a number: another of either starts the keys afresh.
+        calendar = zlib.crc32(f"{algorithm.period} {algorithm.timezone}".encode())
+        self.params = b"C" + struct.pack("<dd", algorithm.limit, calendar)
+        self._last: tuple[Period, bytes] | None = None
+
+    def periods(self, unix_us: int) -> bytes:
+        """``o0 s0 o1 s1 e1 o2 e2``: the period holding ``unix_us`` (its first day's ordinal,
+        start and end), the one before it (ordinal, start) and the one after (ordinal, end);
+        encoded once per period."""
+        algorithm = self._algorithm
+        current = algorithm.period_at(unix_us)
+        last = self._last
+        if last is not None and last[0] is current:
+            return last[1]
+        before = algorithm.period_before(current)
+        after = algorithm.period_after(current)
+        text = b"%d %d %d %d %d %d %d" % (
+            before.ordinal,
+            before.start_us,
+            current.ordinal,
+            current.start_us,
+            current.end_us,
+            after.ordinal,
+            after.end_us,
+        )
+        self._last = (current, text)
+        return text
+
+    def decision(
+        self, allowed: int, _: int, retry_us: int, remaining: int, reset_us: int
+    ) -> Decision:
+        if allowed:
+            return Decision(True, 0.0, 0.0, self._limit, remaining, reset_us / 1e6)
+        retry_after_s = _INF if retry_us < 0 else retry_us / 1e6
+        return Decision(False, 0.0, retry_after_s, self._limit, remaining, reset_us / 1e6)
+
+    def decode_state(self, raw: bytes) -> int:
+        index, count = struct.unpack("<dd", _state_of(raw, self.params))
+        return self._algorithm.pack_state(int(index), int(count))
+
+
 def _ticks(algorithm: TokenBucket | WarmingUpTokenBucket) -> tuple[int, int, float]:
     """``(ticks_per_us, interval_ticks, ticks_per_s)`` of a token bucket's exact tick clock."""
     _exact("ticks per second", algorithm.ticks_per_us * 1_000_000)
@@ -220,6 +274,8 @@ def codec_for(algorithm: Algorithm[Any]) -> Codec:
         return _WindowCodec(b"S", algorithm)
     if isinstance(algorithm, FixedWindow):
         return _WindowCodec(b"F", algorithm)
+    if isinstance(algorithm, CalendarWindow):
+        return CalendarCodec(algorithm)
     if isinstance(algorithm, WarmingUpTokenBucket):
         return WarmingUpCodec(algorithm)
     if isinstance(algorithm, TokenBucket):

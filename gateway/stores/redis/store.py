@@ -29,7 +29,7 @@ from gateway.stores.redis.clients import (
     ThinClient,
     recovered,
 )
-from gateway.stores.redis.codecs import codec_for
+from gateway.stores.redis.codecs import CalendarCodec, codec_for
 from gateway.stores.redis.fallback import OwedToNodes
 from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
@@ -52,6 +52,7 @@ _LUA_FILES: Final = (
     "sliding_window.lua",
     "sliding_log.lua",
     "token_bucket.lua",
+    "calendar_window.lua",
     "decide.lua",
 )
 
@@ -137,6 +138,9 @@ class RedisStore:
         self.key_prefix = key_prefix
         self.time_source = time_source
         self.clock: Clock = clock or MonotonicClock()
+        # What a calendar window's periods are read off (the script then picks by Redis TIME):
+        # this replica's clock; a test that only replaces Redis TIME reads that instead.
+        self._calendar_clock: Clock = clock or time_source or self.clock
         self.breaker = breaker or CircuitBreaker("redis store", clock=self.clock)
         # One breaker per node: a cluster's dead master opens the circuit of its own keys.
         self.circuits = NodeCircuits(self.breaker, self._circuit_moved)
@@ -299,8 +303,9 @@ class RedisStore:
         self._answered(breaker)
         verdict = _verdict(checks, plans, reply)
         if commit and verdict.allowed and self.on_failure == "local":
-            # Counted now, charged to the fallback at most FOLD_INTERVAL_S later.
-            if self.pending.add(checks):
+            # Counted now, charged to the fallback at most FOLD_INTERVAL_S later (a limit
+            # charged after the response when its charge is made).
+            if self.pending.add(_charged_now(checks)):
                 self._fold_pending()
             elif self._fold_timer is None:
                 self._fold_timer = asyncio.get_running_loop().call_later(
@@ -354,6 +359,60 @@ class RedisStore:
 
     def release(self, checks: Sequence[Check]) -> asyncio.Future[None] | None:
         return None
+
+    async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        """One script call (mode 'c', pipelined with the others in flight) charging each check
+        what its response cost, as much as its key has room for; what each took. Never
+        raises: a charge Redis cannot make is counted per limit, then given to the local
+        fallback and owed to Redis (``on_failure: local``) or dropped (allow, deny)."""
+        if not checks:
+            return []
+        plans = [self.plan(check.limit) for check in checks]
+        # All of a request's keys share a hash tag: one slot, one node.
+        node = self._node_of(checks[0], plans[0]) if self.cluster else ""
+        breaker = self.circuits.of(node)
+        if breaker.allow():
+            probe = breaker.probe_out
+            try:
+                if self.owed.due(node):
+                    await self.owed.settle(node)
+                taken = await self._eval(b"c", checks, plans, units=units)
+            except asyncio.CancelledError:
+                breaker.cancelled(probe)
+                raise
+            except Exception as exc:
+                self._failed(exc, breaker)
+            else:
+                self._answered(breaker)
+                del taken[0]  # the instant charged at
+                if self.on_failure == "local":
+                    self._pend(checks, taken)
+                return taken
+        for check in checks:
+            check.limit.counters.charge_failures += 1
+        if self.on_failure != "local":
+            return [0] * len(checks)
+        self.counters.local_decisions += 1
+        self._fold_pending()
+        taken = self.local.charge_now([self._local_check(check) for check in checks], units)
+        self.owed.add(
+            [Check(check.limit, check.key, cost=n) for check, n in zip(checks, units, strict=True)]
+        )
+        return taken
+
+    def _pend(self, checks: Sequence[Check], units: Sequence[int]) -> None:
+        """Count units charged in Redis for the fallback, as an admission's are."""
+        charged = [
+            Check(check.limit, check.key, cost=n)
+            for check, n in zip(checks, units, strict=True)
+            if n > 0
+        ]
+        if self.pending.add(charged):
+            self._fold_pending()
+        elif charged and self._fold_timer is None:
+            self._fold_timer = asyncio.get_running_loop().call_later(
+                self.fold_interval_s, self._fold_pending
+            )
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         """Best effort, never raises: a refund that cannot reach Redis is given locally.
@@ -436,26 +495,43 @@ class RedisStore:
         charged_us: bytes = b"",
         *,
         cost: int = 1,
+        units: Sequence[int] | None = None,
     ) -> list[int]:
-        """One script call for all ``checks``; raises if Redis does not answer."""
+        """One script call for all ``checks``; raises if Redis does not answer. ``units``,
+        one per check, are what mode 'c' charges (else each check's cost times ``cost``)."""
         keys = [
             plan.redis_key(check.key).encode() for check, plan in zip(checks, plans, strict=True)
         ]
         time_source = self.time_source
-        now = b"" if time_source is None else b"%d" % time_source.now_us()
+        now_us = time_source.now_us() if time_source is not None else None
+        now = b"" if now_us is None else b"%d" % now_us
         self.counters.calls += 1
         call_id = self.counters.calls
         # One cost for every limit, or one per limit when limits weigh the request differently.
-        weights = [check.cost for check in checks]
-        if weights.count(1) != len(weights):
-            costs = b" ".join([b"%d" % (cost * weight) for weight in weights])
+        if units is not None:
+            costs = b" ".join([b"%d" % n for n in units])
         else:
-            costs = b"%d" % cost
+            weights = [check.cost for check in checks]
+            if weights.count(1) != len(weights):
+                costs = b" ".join([b"%d" % (cost * weight) for weight in weights])
+            else:
+                costs = b"%d" % cost
         argv = [b"%s%d" % (mode, call_id), now, costs, self._min_ttl]
         argv += [plan.codec.params for plan in plans]
-        argv += [_bound(check.max_delay_s) for check in checks]
-        if mode == b"r":
+        calendar = False
+        for check in checks:
+            limit = check.limit
+            # Charged after the response: 'd' decides it and writes nothing (it never delays).
+            argv.append(b"a" if limit.response_charge is not None else _bound(check.max_delay_s))
+            calendar = calendar or limit.calendar
+        if mode == b"r" or calendar:
             argv.append(charged_us)
+        if calendar:
+            # The gateway reads the calendar at its own time (Redis TIME picks the period).
+            unix_us = self._calendar_clock.unix_us()
+            for plan in plans:
+                codec = plan.codec
+                argv.append(codec.periods(unix_us) if isinstance(codec, CalendarCodec) else b"")
         loop = asyncio.get_running_loop()
         started = loop.time()
         reply = await self.client.submit(keys, argv)
@@ -464,7 +540,13 @@ class RedisStore:
             self.counters.recoveries += recoveries
             if isinstance(reply, Exception):
                 raise reply
-        result = _checked(reply, call_id, 1 if mode in (b"r", b"c") else 1 + 5 * len(checks))
+        if mode == b"r":
+            length = 1
+        elif mode == b"c":
+            length = 1 + len(checks)
+        else:
+            length = 1 + 5 * len(checks)
+        result = _checked(reply, call_id, length)
         self.stats.observe(loop.time() - started)
         return result
 
@@ -526,14 +608,7 @@ class RedisStore:
 
     def _charge_local(self, check: Check, units: int) -> None:
         """Charge ``units`` to a fallback check's state, as many as it has room for."""
-        local = self.local
-        # Room for all of them (almost always): one decision. Otherwise look how many fit.
-        if local.decide_now([Check(check.limit, check.key, cost=units)]).allowed:
-            return
-        look = local.decide_now([check], commit=False)
-        room = look.decisions[0].remaining + 1 if look.allowed else 0
-        if min(units, room) > 0:
-            local.decide_now([Check(check.limit, check.key, cost=min(units, room))])
+        self.local.charge_now((check,), (units,))
 
     def _fold_pending(self) -> None:
         """Charge the fallback with what Redis admitted since the last fold (shadow.py)."""
@@ -563,7 +638,7 @@ class RedisStore:
                 if leases.plans:
                     leases.owed.add([c for c in checks if leases.leased(c.limit)])
                     checks = [c for c in checks if not leases.leased(c.limit)]
-                self.owed.add(checks)
+                self.owed.add(_charged_now(checks))
             return verdict
         if mode == "allow":
             self.counters.allowed_open += 1
@@ -597,6 +672,14 @@ def _redis_py(
     if cluster:
         return RedisCluster.from_url(url, **options)
     return Redis.from_url(url, **options)
+
+
+def _charged_now(checks: Sequence[Check]) -> Sequence[Check]:
+    """The checks an admission charges: not those of limits charged after the response."""
+    for check in checks:
+        if check.limit.response_charge is not None:
+            return [c for c in checks if c.limit.response_charge is None]
+    return checks
 
 
 def _bound(max_delay_s: float) -> bytes:

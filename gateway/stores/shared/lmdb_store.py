@@ -54,6 +54,7 @@ import lmdb
 from mypy_extensions import mypyc_attr
 
 from gateway.algorithms.base import Decision
+from gateway.algorithms.charging import charge_what_fits
 from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.concurrency import Concurrency
 from gateway.clock import Clock, MonotonicClock
@@ -282,11 +283,12 @@ class SharedStore:
         env = self._open()
         wanted = policy_hash(limits)
         now_us = self.clock.now_us()
+        unix_us = self.clock.unix_us()
         while True:
             try:
                 with self._begin(env, True) as txn:
                     if txn.get(POLICY, db=self._meta) != wanted:
-                        apply_policy(txn, self._dbs, limits, now_us)
+                        apply_policy(txn, self._dbs, limits, now_us, unix_us)
                         txn.put(POLICY, wanted, db=self._meta)
                         generation = read_int(txn, self._dbs, GENERATION) + 1
                         txn.put(GENERATION, TICK.pack(generation), db=self._meta)
@@ -510,6 +512,7 @@ class SharedStore:
         unpack = TICK_STATE.unpack
         pack = TICK_STATE.pack
         now_tick = now_us // TICK_US
+        unix_us = 0  # calendar time, read when a calendar window needs it
         found: list[_Found] = []
         moved: list[_Moved] | None = None
         taken: list[_Taken] | None = None
@@ -525,9 +528,23 @@ class SharedStore:
                 self._table_of(limit)
                 entry = by_limit[limit.table]
             prefix = entry[2]
+            at_us = now_us
+            if limit.calendar:
+                if not unix_us:
+                    unix_us = self.clock.unix_us()
+                at_us = unix_us
             if prefix is None:
                 state = None
-                decision, new_state = limit.algorithm.decide(None, now_us, check.cost)
+                decision, new_state = limit.algorithm.decide(None, at_us, check.cost)
+            elif limit.response_charge is not None:
+                # Charged after the response (``charge``): decided, nothing written now.
+                key = prefix + key_bytes(check.key)
+                raw = get(key)
+                state = None if raw is None else decode_state(raw)[1]
+                decision, _ = limit.algorithm.decide(state, at_us, check.cost)
+                new_state = state
+                if put is None:
+                    found.append((key, raw, None))
             else:
                 try:
                     key = prefix + check.key.encode()
@@ -547,7 +564,7 @@ class SharedStore:
                         tick = TAGGED
                     if tick >= TAGGED:
                         tick, state = decode_state(raw)
-                decision, new_state = limit.algorithm.decide(state, now_us, check.cost)
+                decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
                 if limit.holds_slots:
                     if taken is None:
                         taken = [(key, check.cost)]
@@ -602,6 +619,58 @@ class SharedStore:
             count = cost if raw is None else TICK.unpack(raw)[0] + cost
             txn.put(record, TICK.pack(count), True, True, False, held_db)
 
+    def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        """Charge each check ``units`` after its response, as much as its key has room for, in
+        one write transaction; what each took. A full map takes nothing (the lenient side, as
+        a decision without room is)."""
+        env = self._env_for_requests()
+        try:
+            return self._charge(env, checks, units)
+        except (lmdb.MapFullError, _MapNearlyFull):
+            if self._grow(env) is None:
+                try:
+                    return self._charge(env, checks, units)
+                except (lmdb.MapFullError, _MapNearlyFull):
+                    pass
+            self.stats.error()
+            for check in checks:
+                check.limit.counters.charge_failures += 1
+            return [0] * len(checks)
+
+    async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
+        return self.charge_now(checks, units)
+
+    def _charge(
+        self, env: lmdb.Environment, checks: Sequence[Check], units: Sequence[int]
+    ) -> list[int]:
+        clock = self.clock
+        now_us = clock.now_us()
+        now_tick = now_us // TICK_US
+        taken: list[int] = []
+        txn = self._begin(env, True, self._state)
+        try:
+            self._refresh(txn)
+            for check, cost in zip(checks, units, strict=True):
+                limit = check.limit
+                table = self._table_of(limit)
+                if table is None:
+                    taken.append(0)
+                    continue
+                key = table.prefix + key_bytes(check.key)
+                raw = txn.get(key)
+                tick, state = (None, None) if raw is None else decode_state(raw)
+                at_us = clock.unix_us() if limit.calendar else now_us
+                # The table's algorithm: a reload since the admission may have rescaled it.
+                charged, new_state = charge_what_fits(table.algorithm, state, at_us, cost)
+                if charged:
+                    self._write_moved(txn, limit, key, tick, new_state, now_us, now_tick)
+                taken.append(charged)
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
+        return taken
+
     def _write_moved_states(self, txn: Any, moved: Sequence[_Moved], now_us: int) -> None:
         now_tick = now_us // TICK_US
         for key, tick, limit, state in moved:
@@ -626,7 +695,10 @@ class SharedStore:
                 forget_key(txn, self._dbs, table.slot, key, tick)
             return
         if tick is None:
-            self._insert(txn, table, key, now_us, now_tick)
+            # Its table's idle keys expire by the table's clock: calendar time for a calendar
+            # window (the LRU ticks stay on the store's clock).
+            at_us = self.clock.unix_us() if limit.calendar else now_us
+            self._insert(txn, table, key, at_us, now_tick)
         else:
             lru = self._lru
             txn.delete(key[:4] + TICK.pack(tick) + key[4:], b"", lru)
@@ -738,6 +810,7 @@ class SharedStore:
         self, env: lmdb.Environment, checks: Sequence[Check], charged_us: int | None
     ) -> None:
         now_us = self.clock.now_us()
+        unix_us = self.clock.unix_us()
         with self._begin(env, True) as txn:
             self._refresh(txn)
             for check in checks:
@@ -753,8 +826,13 @@ class SharedStore:
                 if raw is None:
                     continue
                 tick, state = decode_state(raw)
+                at_us, charged_at_us = now_us, charged_us
+                if check.limit.calendar:  # on calendar time; the verdict's instant is not
+                    at_us = unix_us
+                    if charged_us is not None:
+                        charged_at_us = charged_us + unix_us - now_us
                 # The table's algorithm: rescaled by a reload that changed its parameters.
-                state = table.algorithm.refund(state, now_us, check.cost, charged_us=charged_us)
+                state = table.algorithm.refund(state, at_us, check.cost, charged_us=charged_at_us)
                 txn.put(key, encode_state(tick, state), db=self._state)
 
     # -- what the metrics read ---------------------------------------------------------------

@@ -48,14 +48,19 @@ def policy_hash(limits: Sequence[CompiledLimit]) -> bytes:
     return hashlib.sha256(pickle.dumps(described)).digest()
 
 
-def apply_policy(txn: Any, dbs: Databases, limits: Sequence[CompiledLimit], now_us: int) -> None:
+def apply_policy(
+    txn: Any, dbs: Databases, limits: Sequence[CompiledLimit], now_us: int, unix_us: int
+) -> None:
+    """Adopt ``limits``: keep, rescale (at ``now_us``, a calendar window at ``unix_us``) or
+    drop each table."""
     tables = read_tables(txn, dbs)
     kept: set[str] = set()
     for limit in limits:
         table = tables.get(limit.table)
         if table is not None and table.identity == limit.identity:
             if table.algorithm != limit.algorithm:
-                rescale_table(txn, dbs, table, limit.algorithm, now_us)
+                at_us = unix_us if limit.calendar else now_us
+                rescale_table(txn, dbs, table, limit.algorithm, at_us)
             if limit.spec.max_keys < table.max_keys:
                 shrink_table(txn, dbs, table.slot, limit.spec.max_keys)
             slot = table.slot

@@ -18,17 +18,23 @@
 --            Python algorithm's rescale does, and in modes 'd' and 'r' written back rescaled
 --            even when the request is rejected (a rescale is not a charge)
 -- ARGV[4+n+i] the longest limit i may delay this request, in seconds ('': no bound); a
---            request that would wait longer is refused, and charged nothing
--- ARGV[5+2n] refund only: the now_us of the decision that charged the request ('': unknown),
+--            request that would wait longer is refused, and charged nothing. 'a': the limit
+--            is charged after the response (mode 'c'), so 'd' decides it and writes nothing
+-- ARGV[5+2n] refund: the now_us of the decision that charged the request ('': unknown),
 --            which lets the windows give back exactly that charge
+-- ARGV[5+2n+i] when a limit of the call needs it: what limit i's algorithm takes beside its
+--            parameters (a calendar window's periods, read off the calendar by the gateway;
+--            '' for the others), after ARGV[5+2n] ('' then, but for a refund)
 -- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four, then
---            the call's number.
+--            the call's number; for 'c', now_us, what each limit took, the call's number.
 -- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
 local costs = {}
 for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
 local function cost_of(i) return costs[i] or costs[1] end
 local min_ttl_ms = tonumber(ARGV[4])
 local n = #KEYS
+local function extra(i) return ARGV[5 + 2 * n + i] end
+local function after(i) return ARGV[4 + n + i] == 'a' end
 
 -- An idle state is what an absent key means, so a key lives until its state is idle.
 local function store(key, p, state, idle_in_us)
@@ -57,7 +63,7 @@ local function load(i, p)
     return nil, true, 0 -- another algorithm's (the key's fingerprint makes this unreachable)
   end
   local state, idle_in_us =
-    ALG[string.sub(p, 1, 1)].rescale(p, written, string.sub(raw, np + 1), now_us)
+    ALG[string.sub(p, 1, 1)].rescale(p, written, string.sub(raw, np + 1), now_us, extra(i))
   return state, true, idle_in_us
 end
 
@@ -68,7 +74,8 @@ if mode == 'r' then
     local raw, rescaled, rescaled_idle_us = load(i, p)
     local state, idle_in_us = nil, 0
     if raw then
-      state, idle_in_us = ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost_of(i), charged_us)
+      state, idle_in_us =
+        ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost_of(i), charged_us, extra(i))
     end
     if state then
       store(KEYS[i], p, state, idle_in_us)
@@ -80,34 +87,42 @@ if mode == 'r' then
 end
 
 if mode == 'c' then
+  local reply = {now_us}
   for i = 1, n do
     local p = ARGV[4 + i]
     local raw, rescaled, rescaled_idle_us = load(i, p)
     local algorithm = ALG[string.sub(p, 1, 1)]
     local cost = cost_of(i)
-    local ok, state, idle_in_us = algorithm.decide(p, raw, now_us, cost)
-    if ok == 0 then
+    local taken = 0
+    local ok, state, idle_in_us = 0, nil, 0
+    if cost > 0 then ok, state, idle_in_us = algorithm.decide(p, raw, now_us, cost, extra(i)) end
+    if ok == 1 then
+      taken = cost
+    else
       -- Every algorithm admits any smaller cost than one it admits: the largest cost that
       -- fits, by bisection (at most 53 decisions, no Redis calls).
       state = nil
       local lo, hi = 0, cost - 1
       while lo < hi do
         local mid = hi - floor((hi - lo) / 2)
-        local fits, mid_state, mid_idle_us = algorithm.decide(p, raw, now_us, mid)
+        local fits, mid_state, mid_idle_us = algorithm.decide(p, raw, now_us, mid, extra(i))
         if fits == 1 then
           lo, state, idle_in_us = mid, mid_state, mid_idle_us
         else
           hi = mid - 1
         end
       end
+      taken = lo
     end
     if state then
       store(KEYS[i], p, state, idle_in_us)
     elseif rescaled then
       store(KEYS[i], p, raw, rescaled_idle_us)
     end
+    reply[i + 1] = taken
   end
-  return {now_us, call_id}
+  reply[n + 2] = call_id
+  return reply
 end
 
 local reply = {now_us}
@@ -121,7 +136,7 @@ for i = 1, n do
   local raw, was_rescaled, rescaled_idle_us = load(i, p)
   if was_rescaled then rescaled[i] = {raw, rescaled_idle_us} end
   local ok, state, idle_in_us, a, b, c, d, delay_s =
-    ALG[string.sub(p, 1, 1)].decide(p, raw, now_us, cost_of(i))
+    ALG[string.sub(p, 1, 1)].decide(p, raw, now_us, cost_of(i), extra(i))
   if ok == 0 then allowed = false end
   local bound = tonumber(ARGV[4 + n + i])
   if delay_s and bound and delay_s > bound then too_long = true end
@@ -137,7 +152,7 @@ end
 if mode == 'd' then
   if allowed and not too_long then
     for i = 1, n do
-      if states[i] then
+      if states[i] and not after(i) then
         store(KEYS[i], ARGV[4 + i], states[i], idle[i])
       elseif rescaled[i] then
         store(KEYS[i], ARGV[4 + i], rescaled[i][1], rescaled[i][2])

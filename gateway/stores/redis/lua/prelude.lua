@@ -108,8 +108,9 @@ local function muldiv(a, b, c, up)
 end
 
 -- Each algorithm file sets MAKE[code] to a function returning
--- {decide = f(p, raw, now_us, cost), refund = f(p, raw, now_us, cost, charged_us),
---  rescale = f(p, old_p, raw, now_us)}.
+-- {decide = f(p, raw, now_us, cost, extra), refund = f(p, raw, now_us, cost, charged_us, extra),
+--  rescale = f(p, old_p, raw, now_us, extra)}; extra is what the call passes the limit beside
+-- its parameters (a calendar window's periods), nil for the others.
 -- p is the limit's parameter string (its code letter, then little-endian doubles); raw is the
 -- key's stored state (nil for a key never seen or expired).
 -- decide returns: allowed (1/0), new state (nil: nothing to write), microseconds until the

@@ -1,0 +1,53 @@
+"""What a limit charged after the response (``count:``, ``cost_header:``) takes for a response.
+
+Such a limit admits a request while the key has room for its ``cost`` and charges nothing
+then; when the response comes, it is charged ``charge(status, header value, cost)``: nothing
+for a status ``count`` does not name, else the upstream's cost header when the limit has one
+and the value is valid, else the limit's ``cost``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from gateway.policy.models import ResponseCount
+
+# A cost header's value: a decimal integer of at most this many digits (anything longer is
+# invalid, not a huge charge: a window's count stops at its limit anyway).
+_MAX_COST_DIGITS: Final = 18
+
+
+def parse_cost(value: str | None) -> int | None:
+    """A cost header's value as a charge (0 or more); ``None`` when missing or invalid."""
+    if value is None:
+        return None
+    text = value.strip(" \t")
+    if not text or len(text) > _MAX_COST_DIGITS or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)
+
+
+class ResponseCharge:
+    """One limit's rule for charging responses, compiled from its policy."""
+
+    __slots__ = ("cost_header", "keep_cost_header", "statuses")
+
+    def __init__(
+        self, count: ResponseCount | None, cost_header: str | None, keep_cost_header: bool
+    ) -> None:
+        # None: every status is charged.
+        self.statuses: frozenset[int] | None = count.codes() if count is not None else None
+        # Lower case, as aiohttp's and the access log's header lookups take it.
+        self.cost_header: str | None = cost_header.lower() if cost_header is not None else None
+        self.keep_cost_header = keep_cost_header
+
+    def charge(self, status: int, header_value: str | None, cost: int) -> int:
+        """Units to charge for a response with ``status`` and the cost header's value
+        (``None`` when absent); ``cost`` is the limit's configured cost for the request."""
+        statuses = self.statuses
+        if statuses is not None and status not in statuses:
+            return 0
+        if self.cost_header is None:
+            return cost
+        reported = parse_cost(header_value)
+        return cost if reported is None else reported
