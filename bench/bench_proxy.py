@@ -47,7 +47,14 @@ from typing import Any, TextIO
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from limit_policies import NO_LIMITS, ONE_LIMIT, THREE_LIMITS, policy_text  # noqa: E402
+from limit_policies import (  # noqa: E402
+    ADAPTIVE,
+    NO_LIMITS,
+    ONE_LIMIT,
+    THREE_AND_CONCURRENCY,
+    THREE_LIMITS,
+    policy_text,
+)
 from upstream import BACKLOG as UPSTREAM_BACKLOG  # noqa: E402
 from upstream import BODY  # noqa: E402  (the body every target must return)
 
@@ -72,11 +79,17 @@ GW_NONE = "gw-nolimit"
 GW_ONE = "gw-1limit"
 GW_THREE = "gw-3limits"
 GW_THREE_REDIS = "gw-3limits-redis"
+# The three with a never-binding concurrency limit stacked (against gw-3limits), and no limits
+# but the upstream's adaptive limit (against gw-nolimit): each within 5 % of its peer's req/s.
+GW_THREE_CONCURRENCY = "gw-3limits-conc"
+GW_ADAPTIVE = "gw-adaptive"
 LIMIT_TARGETS = {
     GW_NONE: (NO_LIMITS, False),
     GW_ONE: (ONE_LIMIT, False),
     GW_THREE: (THREE_LIMITS, False),
     GW_THREE_REDIS: (THREE_LIMITS, True),
+    GW_THREE_CONCURRENCY: (THREE_AND_CONCURRENCY, False),
+    GW_ADAPTIVE: (ADAPTIVE, False),
 }
 # The edge comparison: a pool of two upstream servers (round robin) against the one-server
 # gw-nolimit, and TLS on the listener against nginx with TLS.
@@ -103,6 +116,8 @@ RATIO_PAIRS = (
     (GATEWAY_1W, NGINX_TARGET),
     (GATEWAY_2W, NAIVE),
     (GATEWAY_2W, NGINX_TARGET),
+    (GW_THREE_CONCURRENCY, GW_THREE),
+    (GW_ADAPTIVE, GW_NONE),
 )
 
 

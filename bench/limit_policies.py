@@ -1,12 +1,16 @@
 """The policies of issue 11's comparison: no limits, one never-binding limit, three stacked
-never-binding limits (in process, or in Redis). Shared by ``bench_proxy.py`` and
-``bench_request_path.py`` so both measure the same limits."""
+never-binding limits (in process, or in Redis); and those three with a never-binding
+concurrency limit stacked on them, or no limits and the upstream's adaptive limit (a healthy
+upstream: what the gate costs). Shared by ``bench_proxy.py`` and ``bench_request_path.py`` so
+both measure the same limits."""
 
 from __future__ import annotations
 
 NO_LIMITS = "none"
 ONE_LIMIT = "1limit"
 THREE_LIMITS = "3limits"
+THREE_AND_CONCURRENCY = "3limits+concurrency"
+ADAPTIVE = "adaptive"
 
 _HEAD = """\
 version: 1
@@ -54,6 +58,21 @@ _THREE = (
 )
 
 
+_CONCURRENCY = """\
+  in_flight:
+    algorithm: concurrency
+    limit: 1000000
+    key: [client_ip]
+"""
+
+# Requests beyond the limit wait for a place (max_delay) rather than get 503 at once: wrk's
+# connections are more than the limit starts from, and the benchmark measures the gate, not
+# what it sheds while it finds the level.
+_ADAPTIVE = """\
+    adaptive: {max_delay: 5s}
+"""
+
+
 def policy_text(kind: str, upstream: str, redis: str | None = None) -> str:
     """The policy file for ``kind`` (``NO_LIMITS``, ``ONE_LIMIT``, ``THREE_LIMITS``)."""
     text = _HEAD.format(upstream=upstream)
@@ -63,6 +82,10 @@ def policy_text(kind: str, upstream: str, redis: str | None = None) -> str:
         text += _ONE
     elif kind == THREE_LIMITS:
         text += _THREE
+    elif kind == THREE_AND_CONCURRENCY:
+        text += _THREE + _CONCURRENCY
+    elif kind == ADAPTIVE:
+        text = text.replace(f"    url: {upstream}\n", f"    url: {upstream}\n{_ADAPTIVE}")
     elif kind != NO_LIMITS:
         raise ValueError(f"unknown policy kind {kind!r}")
     return text

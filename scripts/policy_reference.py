@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gateway.policy.models import policy_json_schema
 
 # Each model's section: its heading (the field's place in a file) and the model it documents,
-# in the order a policy file is written. "limits.NAME" is built from the three limit models.
+# in the order a policy file is written. "limits.NAME" is built from the limit models.
 SECTIONS: tuple[tuple[str, str], ...] = (
     ("server", "ServerSettings"),
     ("server.tls", "TlsSettings"),
@@ -27,6 +27,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("upstreams.NAME.retry", "RetrySettings"),
     ("upstreams.NAME.outlier_detection", "OutlierDetection"),
     ("upstreams.NAME.health_check", "HealthCheck"),
+    ("upstreams.NAME.adaptive", "AdaptiveSettings"),
     ("routes[]", "Route"),
     ("routes[].match", "RouteMatch"),
     ("limits.NAME", ""),
@@ -42,6 +43,7 @@ LIMIT_MODELS: tuple[tuple[str, str], ...] = (
     ("leaky_bucket", "LeakyBucketLimit"),
     ("fixed_window, sliding_window, sliding_log", "WindowLimit"),
     ("token_bucket", "TokenBucketLimit"),
+    ("concurrency", "ConcurrencyLimit"),
 )
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_.\\-]*$"
 

@@ -6,6 +6,7 @@ pytest_plugins = (
     "tests.support.browser",
     "tests.support.conformance",
     "tests.support.gateways",
+    "tests.support.held_upstream",
     "tests.support.processes",
     "tests.support.upstreams",
 )

@@ -138,6 +138,7 @@ def test_no_compiled_module_leaves_a_cause_to_raise_from() -> None:
 # under test) and in a pure-Python copy of the sources, they must be equal.
 TRACE = """
 import hashlib, random
+from gateway.algorithms.concurrency import Concurrency
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
@@ -154,7 +155,7 @@ algorithms = [
     LeakyBucket(5, 1, 4, 2), LeakyBucket(30, 60, 3, None), LeakyBucket(2, 1, 0, 0),
     FixedWindow(7, 1.5), SlidingWindow(9, 2), SlidingLog(4, 0.7),
     token_bucket(3, 1, 4), token_bucket(5, 1, 2, mode="queue", max_delay_s=1.0),
-    token_bucket(4, 1, mode="queue", warmup_s=2.0),
+    token_bucket(4, 1, mode="queue", warmup_s=2.0), Concurrency(3, 1.0),
 ]
 random.seed(24)
 digest = hashlib.sha256()

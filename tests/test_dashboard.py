@@ -489,3 +489,55 @@ async def test_dashboard_shows_which_upstream_servers_are_up(
     assert await shown() == {up: "up", down: "down"}
     assert not errors
     await page.close()
+
+
+async def test_dashboard_shows_an_upstreams_adaptive_limit_beside_its_latency(
+    make_upstream: Callable[[], Awaitable[RecordingUpstream]],
+    start_gateway: GatewayFactory,
+    browser: Browser,
+) -> None:
+    """The adaptive panel: the limit, in flight and latency as /metrics has them, and the
+    limit and latency drawn over time."""
+    upstream = await make_upstream()
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        f"upstreams:\n  api:\n    url: {upstream.url}\n"
+        "    adaptive: {min_limit: 4, probe_requests: 5}\n"
+        "routes:\n  - name: all\n    upstream: api\n"
+    )
+    gw = await start_gateway(parse_and_build(policy))
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for _ in range(12):
+            assert await get_status(session, gw.url + "/") == 200
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda s: (
+                s.get(("gateway_adaptive_min_latency_seconds", frozenset({("upstream", "api")})), 0)
+                > 0
+            ),
+        )
+    limit = value(samples, "gateway_adaptive_limit", upstream="api")
+    assert limit >= 4
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gw.admin_url + "/dashboard/")
+    card = page.locator('#adaptive-upstreams .adaptive-upstream[data-upstream="api"]')
+    await until_shown(lambda: card.count(), "the adaptive upstream")
+    assert await page.locator("#adaptive").is_visible()
+    assert await card.locator('[data-field="limit"]').inner_text() == str(int(limit))
+    assert await card.locator('[data-field="in-flight"]').inner_text() == "0"
+    assert "ms" in await card.locator('[data-field="latency"]').inner_text()
+
+    async def drawn() -> bool:
+        series = await page.evaluate(
+            "() => { const v = Object.values(window.gatewayDashboard.adaptive)[0];"
+            " return [v.limit.data[1].filter((x) => x != null).length,"
+            " v.latency.data[2].filter((x) => x != null).length]; }"
+        )
+        return bool(series[0] >= 2 and series[1] >= 1)
+
+    await until_shown(drawn, "the limit and the minimum latency over time")
+    assert not errors
+    await page.close()

@@ -31,6 +31,7 @@ from gateway.clock import FakeClock
 from gateway.observability.prometheus import make_registry
 from gateway.observability.sketch import RecentTopKeys, SpaceSaving
 from gateway.observability.snapshot import (
+    AdaptiveData,
     GatewaySnapshot,
     HistogramData,
     LimitData,
@@ -204,6 +205,30 @@ def test_a_restarted_worker_continues_from_its_predecessors_counters() -> None:
     assert continued.limits["per_ip"].allowed == 43
     assert continued.limits["per_ip"].waiting == 1
     assert continued.requests == (("all", "GET", 2, 54),)
+
+
+def test_adaptive_limits_add_up_over_live_workers_and_sheds_over_all() -> None:
+    """Each worker runs its own adaptive limit: the gateway's is their sum, its latency the
+    slowest worker's view; a dead worker's sheds stay counted, its limit does not, and a
+    restarted one continues its predecessor's count."""
+
+    def snap(worker: int, at: float, **gate: float) -> WorkerSnapshot:
+        data = AdaptiveData.model_validate(gate)
+        return _worker(worker, at, 1, 0, 1).model_copy(update={"adaptive": {"api": data}})
+
+    now = 10_000.0
+    one = snap(0, now, limit=9, in_flight=9, waiting=2, min_latency_s=0.1, latency_s=0.12, shed=5)
+    two = snap(1, now, limit=11, in_flight=4, min_latency_s=0.11, latency_s=0.115, shed=1)
+    dead = snap(2, now - 60, limit=30, in_flight=30, latency_s=0.5, shed=7, probes=2)
+    restarted = snap(3, now, limit=3, shed=2, probes=1).with_base(snap(3, now - 30, shed=4))
+    total = merge([one, two, dead, restarted], now).adaptive["api"]
+    assert (total.limit, total.in_flight, total.waiting) == (23, 13, 2)
+    assert (total.min_latency_s, total.latency_s) == (0.11, 0.12)
+    assert (total.shed, total.probes) == (19, 3)
+    registry = make_registry(lambda: merge([one, two, dead, restarted], now))
+    text = generate_latest(registry).decode()
+    assert 'gateway_adaptive_limit{upstream="api"} 23.0' in text
+    assert 'gateway_adaptive_shed_total{upstream="api"} 19.0' in text
 
 
 def test_store_state_changes_are_counted_across_workers_and_restarts() -> None:

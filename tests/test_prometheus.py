@@ -159,8 +159,14 @@ async def test_dashboard_rejection_ratio_query_returns_what_the_traffic_implies(
     limits = (
         "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 9\n    nodelay: true\n"
         "  shadow:\n    algorithm: fixed_window\n    limit: 20\n    window: 1h\n    dry_run: true\n"
+        # never binding: here so that the panels' and alerts' metrics of concurrency limits
+        # and adaptive upstreams exist (a request another limit refuses is charged nothing)
+        "  in_flight:\n    algorithm: concurrency\n    limit: 1000\n"
     )
-    gw = await start_gateway(limited_policy(upstream.url, limits), clock=clock)
+    policy = limited_policy(upstream.url, limits).replace(
+        "    read_timeout: 5s\n", "    read_timeout: 5s\n    adaptive: {}\n"
+    )
+    gw = await start_gateway(policy, clock=clock)
     proc, url, log_path = await start_prometheus(tmp_path, f"127.0.0.1:{gw.gateway.admin_port}")
     prometheus = Prometheus(url, session)
     try:
@@ -180,7 +186,11 @@ async def test_dashboard_rejection_ratio_query_returns_what_the_traffic_implies(
 
         result = await prometheus.query(substitute(rejection_ratio_query()))
         ratios = {series["metric"]["limit"]: float(series["value"][1]) for series in result}
-        assert ratios == {"per_ip": pytest.approx(0.75), "shadow": pytest.approx(0.5)}
+        assert ratios == {
+            "per_ip": pytest.approx(0.75),
+            "shadow": pytest.approx(0.5),
+            "in_flight": 0.0,
+        }
 
         # Every query of the dashboard parses and names only metrics the gateway exports.
         exported = await prometheus.metric_names()
@@ -240,6 +250,7 @@ def test_alert_rules_are_valid_and_fire_on_what_they_watch() -> None:
         "GatewayStoreDegraded",
         "GatewayPolicyReloadFailed",
         "GatewayUpstreamErrors",
+        "GatewayAdaptiveLimitShedding",
     }
 
 
@@ -273,6 +284,9 @@ def test_dashboard_json_covers_what_operators_watch() -> None:
         "gateway_limit_queue_wait_seconds_bucket",
         "gateway_upstream_errors_total",
         "gateway_store_state",
+        "gateway_limit_slots_in_use",
+        "gateway_adaptive_limit",
+        "gateway_adaptive_latency_seconds",
     ):
         assert metric in exprs, metric
     ids = [panel["id"] for panel in data["panels"]]

@@ -970,6 +970,100 @@ def test_each_format_is_one_entry_of_the_readers_table() -> None:
     assert tuple(format_option.choices) == FORMATS
 
 
+def _records(fmt: str, text: str) -> tuple[list[Request], ReadStats]:
+    stats = ReadStats()
+    empty = io.BufferedReader(io.BytesIO())
+    opened = Opened("log", io.StringIO(text, newline="\n"), empty, None)
+    return list(read_log(opened, fmt, stats)), stats  # type: ignore[arg-type]
+
+
+def test_each_format_gives_the_requests_durations_when_it_logs_them() -> None:
+    """What a concurrency limit's replay holds its slots for: nginx's $request_time, the
+    gateway's duration_ms, a JSON line's duration_ms or request_time; -1 where not logged."""
+    records, stats = _records(
+        "combined",
+        combined("192.0.2.1", 0, extra=f' "-" {START}.900 0.250')  # $msec, $request_time
+        + combined("192.0.2.1", 1, extra=' "-" 0.040')  # $request_time alone
+        + combined("192.0.2.1", 2),
+    )
+    assert [r.duration_us for r in records] == [250_000, 40_000, -1]
+    assert records[0].t_us == (START * 1000 + 900 - 250) * 1000  # it arrived 250 ms earlier
+    assert stats.durations == 2
+    line = {"client": "192.0.2.1", "method": "GET", "path": "/", "route": "all", "limit": None}
+    records, stats = _records(
+        "gateway",
+        json.dumps({**line, "t_us": 1, "duration_ms": 12.5})
+        + "\n"
+        + json.dumps({**line, "t_us": 2})
+        + "\n",
+    )
+    assert [r.duration_us for r in records] == [12_500, -1]
+    assert stats.durations == 1
+    base = {"ts": 1.0, "ip": "192.0.2.1", "method": "GET", "path": "/"}
+    records, stats = _records(
+        "jsonl",
+        "".join(
+            json.dumps({**base, **extra}) + "\n"
+            for extra in ({"request_time": 0.5}, {"duration_ms": 3}, {"duration_ms": -1})
+        ),
+    )
+    assert [r.duration_us for r in records] == [500_000, 3_000]
+    assert stats.malformed_kept[0].reason == "'duration_ms' is not a duration"
+
+
+def test_a_concurrency_limit_holds_each_slot_for_the_logged_duration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two slots per client. 0.0 s (1 s long) and 0.1 s (1 s) take both; 0.2 s is refused;
+    1.05 s gets the slot given back at 1.0 s (and holds it to 1.15 s); 1.06 s is refused (the
+    0.1 s request holds the other until 1.1 s); 1.2 s finds both free. Without durations in
+    the log, slots are given back at once, and the report says so."""
+    policy = write_policy(tmp_path, "  in_flight:\n    algorithm: concurrency\n    limit: 2\n")
+    timed = [(0.0, 1.0), (0.1, 1.0), (0.2, 0.1), (1.05, 0.1), (1.06, 0.1), (1.2, 0.1)]
+    log = tmp_path / "timed.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "ts": START + at,
+                    "ip": "192.0.2.7",
+                    "method": "GET",
+                    "path": "/",
+                    "request_time": took,
+                }
+            )
+            + "\n"
+            for at, took in timed
+        )
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(log))
+    in_flight = limit_of(doc, "in_flight")
+    assert (in_flight["allowed"], in_flight["rejected"]) == (4, 2)
+    assert not any("no duration" in note for note in doc["notes"])
+
+    untimed = tmp_path / "untimed.jsonl"
+    untimed.write_text(
+        "".join(
+            json.dumps({"ts": START + at, "ip": "192.0.2.7", "method": "GET", "path": "/"}) + "\n"
+            for at, _ in timed
+        )
+    )
+    doc = replay_json(capsys, "--config", str(policy), str(untimed))
+    assert (limit_of(doc, "in_flight")["allowed"], limit_of(doc, "in_flight")["rejected"]) == (6, 0)
+    assert any(
+        "6 requests admitted by a concurrency limit had no duration" in n for n in doc["notes"]
+    )
+
+    waiting = write_policy(
+        tmp_path,
+        "  in_flight:\n    algorithm: concurrency\n    limit: 2\n    max_delay: 1s\n",
+        "w.yaml",
+    )
+    doc = replay_json(capsys, "--config", str(waiting), str(log))
+    assert (limit_of(doc, "in_flight")["allowed"], limit_of(doc, "in_flight")["rejected"]) == (4, 2)
+    assert any("2 requests would have waited for a concurrency limit" in n for n in doc["notes"])
+
+
 # Limits charged after the response, replayed from the logged status (and the logged costs).
 FAILED_LOGINS = (
     "  failed_logins:\n    algorithm: fixed_window\n    limit: 2\n    window: 15m\n"

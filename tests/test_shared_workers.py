@@ -23,9 +23,10 @@ import aiohttp
 import pytest
 
 from tests.support.filesystems import fill_to, small_tmpfs
+from tests.support.held_upstream import HeldUpstream
 from tests.support.metrics import scrape_until, value
 from tests.support.policies import replace_file
-from tests.support.processes import REPO_ROOT, run_workers, wait_serving
+from tests.support.processes import REPO_ROOT, connections_to, run_workers, wait_serving
 from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
 
@@ -303,3 +304,57 @@ async def test_a_shared_dir_that_fills_while_serving_crashes_no_worker(
     assert 1 <= len(switches) <= 2, switches  # once per worker that met the full map
     assert f"{small}/gateway-limits-" in switches[0] and "256.0 KiB free" in switches[0]
     assert known == [200, 200, 429]  # counted once when the map had room for it
+
+
+async def test_a_concurrency_limit_holds_across_workers_and_a_killed_workers_slots_come_back(
+    held_upstream: HeldUpstream, tmp_path: Path
+) -> None:
+    """Eight slots per client over two workers: eight requests held in flight (spread over
+    both by the kernel), the ninth refused whichever worker takes it. SIGKILL the worker
+    holding most of them: the supervisor starts another in its place, which gives their slots
+    back, so exactly the slots of the requests still in flight stay taken."""
+    limit = "limits:\n  in_flight:\n    algorithm: concurrency\n    limit: 8\n"
+
+    async def get(url: str) -> int | str:
+        connector = aiohttp.TCPConnector(force_close=True, local_addr=("127.0.0.2", 0))
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session,
+                session.get(url) as resp,
+            ):
+                await resp.read()
+                return resp.status
+        except aiohttp.ClientError as exc:
+            return type(exc).__name__
+
+    async with run_workers(held_upstream.url, tmp_path, limit, 2) as (url, _, pids):
+        await wait_serving(tmp_path, 2)
+        held = [asyncio.create_task(get(f"{url}/hold/first")) for _ in range(8)]
+        await wait_until(lambda: held_upstream.in_flight.get("first") == 8, "8 in flight")
+        # Refused on either worker: new connections land on both.
+        assert [await get(url + "/fast") for _ in range(6)] == [429] * 6
+        workers = pids()
+        holding = {pid: connections_to(pid, held_upstream.port) for pid in workers}
+        victim = max(workers, key=holding.__getitem__)
+        assert holding[victim] > 0, holding
+        os.kill(victim, signal.SIGKILL)
+        await wait_until(lambda: len(pids()) == 2 and victim not in pids(), "a new worker", 60)
+        await wait_until(
+            lambda: (tmp_path / "gateway.log").read_text().count(" serving") >= 3,
+            "the new worker serving",
+            60,
+        )
+        lost = [task for task in held if task.done()]
+        assert len(lost) == holding[victim], (holding, [task.result() for task in lost])
+        survivors = 8 - len(lost)
+        # The killed worker's slots are free again: exactly that many more are admitted.
+        more = [asyncio.create_task(get(f"{url}/hold/second")) for _ in range(len(lost))]
+        await wait_until(
+            lambda: held_upstream.in_flight.get("second") == len(lost), "the freed slots taken"
+        )
+        assert [await get(url + "/fast") for _ in range(6)] == [429] * 6
+        held_upstream.release("first")
+        held_upstream.release("second")
+        done = await asyncio.gather(*(task for task in held if task not in lost), *more)
+        assert done == [200] * (survivors + len(lost))
+        assert [await get(url + "/fast") for _ in range(4)] == [200] * 4

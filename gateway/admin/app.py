@@ -230,6 +230,12 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
             "remaining": decision.remaining,
             "reset_s": decision.reset_s,
         }
+        if limit.holds_slots:
+            # A concurrency limit's key: the slots its requests hold now (on every worker and
+            # replica the store counts), of how many.
+            # (An admission's remaining is after the next request's cost is taken.)
+            free = decision.remaining + (look.cost if decision.allowed else 0)
+            entry["slots"] = {"held": decision.limit - free, "free": free, "limit": decision.limit}
         entry["tracked_keys"] = engine.store.tracked_keys(limit.name)
     return entry
 
@@ -244,6 +250,15 @@ def _verdict(explanation: Explanation) -> dict[str, Any]:
         reason = "client address is allowed" if explanation.access else "no enforced limit applies"
         return {"status": 200, "delay_s": 0.0, "reason": reason}
     checks = outcome.checks
+    if outcome.waits_on is not None:
+        limit = outcome.waits_on.limit
+        return {
+            "status": None,
+            "waits_for_slot": limit.name,
+            "max_delay_s": limit.spec.max_delay,
+            "reason": "over a concurrency limit: waits in line for a slot, first come first "
+            "served, then is decided again",
+        }
     if not verdict.allowed:
         # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
         queued = verdict.decisions[verdict.rejected_by[0]].allowed

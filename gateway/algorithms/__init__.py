@@ -20,4 +20,8 @@ Adding an algorithm touches these places, in this order:
    every store and check the Lua mirror against the Python class.
 
 The dashboard and the metrics show only the algorithm's ``name``: nothing to add there.
+
+``concurrency.py`` is one of them (slots held, given back by ``refund``); ``gradient_limit.py``
+is not: it is the controller behind an upstream's ``adaptive:`` limit, one per upstream, with
+an API of its own (``try_acquire``/``release``).
 """

@@ -6,12 +6,21 @@ from typing import Any
 
 from gateway.algorithms.base import Algorithm
 from gateway.algorithms.calendar_window import CalendarWindow
+from gateway.algorithms.concurrency import Concurrency
 from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.gradient_limit import GradientParams
 from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import token_bucket
-from gateway.policy.models import LeakyBucketLimit, Limit, TokenBucketLimit, WindowLimit
+from gateway.policy.models import (
+    AdaptiveSettings,
+    ConcurrencyLimit,
+    LeakyBucketLimit,
+    Limit,
+    TokenBucketLimit,
+    WindowLimit,
+)
 
 _WINDOWS: dict[str, type[FixedWindow | SlidingWindow | SlidingLog]] = {
     "fixed_window": FixedWindow,
@@ -42,4 +51,20 @@ def build_algorithm(spec: Limit) -> Algorithm[Any]:
             warmup_s=spec.warmup,
             max_delay_s=spec.max_delay,
         )
+    if isinstance(spec, ConcurrencyLimit):
+        return Concurrency(spec.limit, spec.retry_after)
     raise ValueError(f"unknown algorithm {spec!r}")
+
+
+def gradient_params(settings: AdaptiveSettings) -> GradientParams:
+    """An upstream's ``adaptive:`` block as the controller's parameters."""
+    return GradientParams(
+        min_limit=settings.min_limit,
+        max_limit=settings.max_limit,
+        buffer=settings.buffer,
+        min_buffer_us=round(settings.min_buffer * 1_000_000),
+        sample_interval_us=max(round(settings.sample_interval * 1_000_000), 1),
+        probe_interval_us=max(round(settings.probe_interval * 1_000_000), 1),
+        probe_requests=settings.probe_requests,
+        jitter=settings.jitter,
+    )

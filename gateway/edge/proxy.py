@@ -13,6 +13,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
+from gateway.edge.adaptive_gate import AdaptiveGate
 from gateway.edge.aiohttp_private import RelayedResponse, RelayedStream, request_message
 from gateway.edge.annotations import (
     CLIENT_IP,
@@ -162,10 +163,16 @@ class ProxyHandler:
         finally:
             if isinstance(admitted, _Admitted):
                 outcome = admitted.outcome
-                if outcome is not None and outcome.charge_after:
-                    # The status the client got (499 if it left), and what the upstream said
-                    # the request cost: never awaited by the response.
-                    runtime.engine.charge_after(outcome, status, admitted.reported)
+                if outcome is not None:
+                    if outcome.held:
+                        # Its concurrency slots: the response is sent (the body handed to the
+                        # connection), the client went away, the upstream failed or a
+                        # WebSocket closed.
+                        runtime.engine.release(outcome)
+                    if outcome.charge_after:
+                        # The status the client got (499 if it left), and what the upstream
+                        # said the request cost: never awaited by the response.
+                        runtime.engine.charge_after(outcome, status, admitted.reported)
             runtime.request_done()
             if isinstance(protocol, GatewayProtocol):
                 protocol.request_finished()
@@ -236,6 +243,8 @@ class ProxyHandler:
                 outcome = engine.evaluate_now(facts, route, host, path, client_ip)
             else:
                 outcome = await engine.evaluate(facts, route, host, path, client_ip)
+            if outcome.waits_on is not None:  # over a concurrency limit: in line for a slot
+                outcome = await engine.wait_for_slot(outcome)
             request[LIMIT_OUTCOME] = outcome
             if outcome.status:
                 # Marked to close: aiohttp still reads an unread body for up to its
@@ -300,10 +309,20 @@ class ProxyHandler:
             message = "request body too large" if status == 413 else "malformed request body"
             return await _answer_and_close(request, error_response(status, message, close=True))
 
+        upstream = admitted.upstream
+        # The upstream's adaptive limit (this worker's): a place before the request goes out,
+        # given back once its response is in; beyond it, a wait or the answer at once.
+        gate = upstream.gate
+        started_us = 0
+        if gate is not None:
+            if not gate.try_enter() and not await gate.enter():
+                request[LOCAL_ANSWER] = True
+                return await _refuse(request, _shed_response(gate, upstream.name, framing), framing)
+            started_us = gate.now_us()
+
         if framing.expect_continue and request.transport is not None:
             request.transport.write(_CONTINUE)
 
-        upstream = admitted.upstream
         pool = upstream.pool
         target = admitted.target
         via = runtime.via
@@ -326,6 +345,7 @@ class ProxyHandler:
         body_timeout = runtime.settings.body_timeout
         chunked = framing.chunked
         is_head = method == "HEAD"
+        measured = False  # the response (or a timeout) tells the adaptive limit a latency
         try:
             body: RequestBody | bytes | None = None
             if framing.has_body:
@@ -345,6 +365,7 @@ class ProxyHandler:
                 connect_timeout_s=route.connect_timeout or 0.0,
                 read_timeout_s=route.read_timeout or 0.0,
             )
+            measured = True
         except BodyTooLarge:
             refusal = error_response(413, "request body too large", close=True)
             request[LOCAL_ANSWER] = True
@@ -369,11 +390,15 @@ class ProxyHandler:
             request[UPSTREAM_ERROR] = upstream_error_reason(connect_error)
             return error_response(502, f"upstream {upstream.name!r}: connection failed")
         except UpstreamTimeout as timeout:
+            measured = True
             request[UPSTREAM_ERROR] = upstream_error_reason(timeout)
             return error_response(504, f"upstream {upstream.name!r}: timed out")
         except UpstreamError as upstream_error:
             request[UPSTREAM_ERROR] = upstream_error_reason(upstream_error)
             return error_response(502, f"upstream {upstream.name!r}: error")
+        finally:
+            if gate is not None:  # whatever ended it, the client gone too
+                gate.release(started_us, measured=measured)
 
         engine = runtime.engine
         hidden = engine.hidden_headers
@@ -444,6 +469,17 @@ class ProxyHandler:
         finally:
             response.close()
             pool.finished(server)
+
+
+def _shed_response(gate: AdaptiveGate, name: str, framing: RequestFraming) -> web.Response:
+    """A request the upstream's adaptive limit has no place for (at once, or within
+    ``max_delay``)."""
+    return error_response(
+        gate.status,
+        f"upstream {name!r} is at its adaptive limit",
+        close=framing.has_body,
+        headers={"Retry-After": str(max(1, math.ceil(gate.retry_after_s)))},
+    )
 
 
 def _reported_costs(

@@ -7,31 +7,52 @@ snapshot never serves a request under a half-applied policy.
 from __future__ import annotations
 
 import asyncio
+import random
 import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway import __version__
-from gateway.algorithms.registry import build_algorithm
+from gateway.algorithms.registry import build_algorithm, gradient_params
+from gateway.clock import MonotonicClock
+from gateway.edge.adaptive_gate import AdaptiveGate
 from gateway.edge.client_ip import ClientIPResolver
 from gateway.edge.pool.server_pool import ServerAddress, ServerPool, ServerStatsTable
 from gateway.edge.upstream_client import UpstreamPool
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.routing import RouteTable
 from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import Policy, ServerSettings, Upstream
+from gateway.policy.models import AdaptiveSettings, Policy, ServerSettings, Upstream
 from gateway.policy.upstream_tls import client_context
 from gateway.stores import LimitStore
 
 
 @dataclass(slots=True)
 class UpstreamTarget:
-    """One configured upstream: its pool of servers (a pool of one for ``url:``)."""
+    """One configured upstream: its pool of servers (a pool of one for ``url:``), and its
+    adaptive limit in this worker (``adaptive:``)."""
 
     name: str
     config: Upstream
     pool: ServerPool
+    gate: AdaptiveGate | None = None
+
+
+def make_gate(settings: AdaptiveSettings | None) -> AdaptiveGate | None:
+    """An upstream's adaptive limit, starting from its floor (it probes the minimum latency
+    first, then finds the level in a few samples)."""
+    if settings is None:
+        return None
+    return AdaptiveGate(
+        gradient_params(settings),
+        MonotonicClock(),
+        random.random,
+        max_delay_s=settings.max_delay,
+        max_queue=settings.max_queue,
+        status=settings.status,
+        retry_after_s=settings.retry_after,
+    )
 
 
 @dataclass(slots=True)
@@ -140,8 +161,13 @@ def build_runtime(
         if old is not None and old.config == config:
             upstreams[name] = old
             continue
+        # A reload that leaves the adaptive block as it was keeps the limit it has found.
+        gate = old.gate if old is not None and old.config.adaptive == config.adaptive else None
         upstreams[name] = UpstreamTarget(
-            name, config, make_pool(name, config, demo_address, server_stats)
+            name,
+            config,
+            make_pool(name, config, demo_address, server_stats),
+            gate if gate is not None else make_gate(config.adaptive),
         )
     server_stats.keep_only({name: target.pool for name, target in upstreams.items()})
     return Runtime(

@@ -5,6 +5,11 @@ nothing: nginx's multi-zone rule); dry-run limits are decided in calls of their 
 same time (one pipeline, no extra round trip), whose verdicts are only counted. A delayed request
 waits in a bounded queue per limit; one that would wait too long, or find the queue full, is
 rejected at once and its charge given back.
+
+A concurrency limit's admitted request holds its slots (``Outcome.held``) until the proxy gives
+them back (``release``). A request over a concurrency limit that lets requests wait joins the
+key's line (``slot_lines.py``) charged to nothing, and is decided again, all its limits at
+once, when it reaches the front and a slot frees (``wait_for_slot``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from typing import Any, Final
 
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
-from gateway.engine.delay_queue import DelayQueue
+from gateway.algorithms.concurrency import Concurrency
+from gateway.engine.delay_queue import DelayQueue, ShuttingDown
+from gateway.engine.slot_lines import POLL_S, SlotLines, Ticket
 from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.routing import CompiledMatch, compile_match
@@ -50,12 +57,14 @@ class Outcome:
         "charge_after",
         "checks",
         "delay_s",
+        "held",
         "holds_places",
         "reason",
         "rejected_by",
         "retry_after_s",
         "status",
         "verdict",
+        "waits_on",
         "would_reject",
     )
 
@@ -71,6 +80,8 @@ class Outcome:
         holds_places: bool = False,
         would_reject: Sequence[Check] = (),
         charge_after: Sequence[Check] = (),
+        held: Sequence[Check] = (),
+        waits_on: Check | None = None,
     ) -> None:
         self.status = status  # 0: go ahead (after ``delay_s``); otherwise reject with this
         self.delay_s = delay_s
@@ -88,6 +99,11 @@ class Outcome:
         # Checks of limits charged after the response (``count:``, ``cost_header:``) that
         # admitted the request: ``charge_after`` charges them what the response says.
         self.charge_after = charge_after
+        # Concurrency checks whose slots this request holds until ``LimitEngine.release``.
+        self.held = held
+        # Over this concurrency check's limit, the request may wait in its line for a slot
+        # (``LimitEngine.wait_for_slot``): neither admitted nor rejected yet.
+        self.waits_on = waits_on
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _OUTCOME_FIELDS)
@@ -105,6 +121,8 @@ _OUTCOME_FIELDS: Final = (
     "holds_places",
     "would_reject",
     "charge_after",
+    "held",
+    "waits_on",
 )
 
 
@@ -242,6 +260,11 @@ class LimitEngine:
         # Charges in flight to a store that is awaited (Redis): kept until done.
         self._charging: set[asyncio.Future[None]] = set()
         self.queue = DelayQueue()
+        # Whether any limit holds slots: the request path skips everything about them if not.
+        self.has_slots = any(limit.holds_slots for limit in self.limits)
+        # Lines outlive a reload: a request of the old policy gives back a slot someone
+        # waiting under the new one wants.
+        self.slot_lines: SlotLines = previous.slot_lines if previous else SlotLines()
         self.ipv6_prefix = policy.ipv6_prefix
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.
         self.active = bool(limits) or bool(self.allow) or bool(self.deny)
@@ -314,21 +337,27 @@ class LimitEngine:
         if not enforced:
             if dry:
                 verdicts = await self.store.decide_each(dry)
-                would_reject = self._count_dry_run(dry, verdicts)
+                outcome = self._with_dry_run(ALLOW, dry, verdicts)
                 after = _dry_charged_after(dry, verdicts) if self.counts_responses else ()
-                if would_reject or after:
-                    return Outcome(would_reject=would_reject, charge_after=after)
+                if after:
+                    if outcome is ALLOW:
+                        outcome = Outcome()
+                    outcome.charge_after = after
+                return outcome
             return ALLOW
         try:
-            if dry:
+            behind = self._line_ahead(enforced) if self.slot_lines.waiting else None
+            if behind is not None:
+                outcome = self._join_line(behind, enforced)
+                if dry:
+                    outcome = self._with_dry_run(outcome, dry, await self.store.decide_each(dry))
+            elif dry:
                 # Both at once: with the Redis store their script calls go out in one
                 # pipeline, so a dry-run limit adds no round trip to the request's wait.
                 verdicts, outcome = await asyncio.gather(
                     self.store.decide_each(dry), self._enforce(enforced)
                 )
-                would_reject = self._count_dry_run(dry, verdicts)
-                if would_reject:
-                    outcome.would_reject = would_reject
+                outcome = self._with_dry_run(outcome, dry, verdicts)
                 if self.counts_responses:
                     outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts)
             else:
@@ -362,25 +391,37 @@ class LimitEngine:
             enforced, dry = self.checks_for(facts, route, host, path)
         except UnlistedKey as refused:
             return _refuse_unlisted(refused.limit, True)
+        verdicts: list[CombinedDecision] | None = None
         try:
-            would_reject: list[Check] = []
-            verdicts: list[CombinedDecision] = []
+            # The dry-run limits first: a store error there comes before anything enforced
+            # is charged.
             if dry:
                 verdicts = [decide_now((check,)) for check in dry]
-                would_reject = self._count_dry_run(dry, verdicts)
             if not enforced:
-                after = _dry_charged_after(dry, verdicts) if self.counts_responses and dry else ()
-                if would_reject or after:
-                    return Outcome(would_reject=would_reject, charge_after=after)
-                return ALLOW
-            outcome = self._settle(enforced, decide_now(enforced), True)
+                outcome = ALLOW
+            elif self.slot_lines.waiting and (behind := self._line_ahead(enforced)) is not None:
+                outcome = self._join_line(behind, enforced)
+            else:
+                outcome = self._settle(enforced, decide_now(enforced), True)
         except BaseException:
             _release(enforced)  # a store error: the places held for the queue go back
+            if verdicts is not None and self.has_slots:  # and the dry-run slots taken
+                store.release(
+                    [
+                        c
+                        for c, v in zip(dry, verdicts, strict=True)
+                        if v.allowed and c.limit.holds_slots
+                    ]
+                )
             raise
-        if would_reject:
-            outcome.would_reject = would_reject
-        if self.counts_responses:
-            outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts)
+        if verdicts is not None:
+            outcome = self._with_dry_run(outcome, dry, verdicts)
+        if self.counts_responses and outcome is not ALLOW:
+            outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts or ())
+        elif self.counts_responses and dry and verdicts is not None:
+            after = _dry_charged_after(dry, verdicts)
+            if after:
+                outcome = Outcome(charge_after=after)
         return _hold_or_release(outcome, enforced)
 
     def _screen(self, client_ip: str) -> Outcome | None:
@@ -444,23 +485,41 @@ class LimitEngine:
             )
         return self._settle(enforced, verdict, commit)
 
-    def _settle(self, enforced: list[Check], verdict: CombinedDecision, commit: bool) -> Outcome:
-        """The outcome of the store's verdict, counted per limit when ``commit``."""
+    def _settle(
+        self,
+        enforced: list[Check],
+        verdict: CombinedDecision,
+        commit: bool,
+        *,
+        may_wait: bool = True,
+    ) -> Outcome:
+        """The outcome of the store's verdict, counted per limit when ``commit``; with
+        ``may_wait``, a request only concurrency limits refuse may wait for a slot."""
         if not verdict.allowed:
+            if may_wait and self.has_slots:
+                waits_on = _slot_wait(enforced, verdict)
+                if waits_on is not None:
+                    return Outcome(
+                        checks=enforced,
+                        verdict=verdict,
+                        waits_on=waits_on,
+                        reason=f"waits for a slot of concurrency limit {waits_on.limit.name!r}",
+                    )
             first = enforced[verdict.rejected_by[0]]
             if commit:
                 for index in verdict.rejected_by:
                     enforced[index].limit.counters.rejected += 1
             # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
             queued = verdict.decisions[verdict.rejected_by[0]].allowed
+            kind = "concurrency limit" if first.limit.holds_slots else "rate limit"
             return Outcome(
                 status=first.limit.status,
                 retry_after_s=verdict.retry_after_s,
                 rejected_by=first.limit.name,
                 reason=(
-                    f"rate limit {first.limit.name!r} queue is full"
+                    f"{kind} {first.limit.name!r} queue is full"
                     if queued
-                    else f"rate limit {first.limit.name!r} exceeded"
+                    else f"{kind} {first.limit.name!r} exceeded"
                 ),
                 checks=enforced,
                 verdict=verdict,
@@ -475,11 +534,192 @@ class LimitEngine:
                     check.limit.counters.delayed += 1
                 else:
                     check.limit.counters.allowed += 1
+            if self.has_slots:
+                held = _take_slots(enforced)
+                if held:
+                    return Outcome(
+                        delay_s=verdict.delay_s, checks=enforced, verdict=verdict, held=held
+                    )
         return Outcome(
             delay_s=verdict.delay_s,
             checks=enforced,
             verdict=verdict,
         )
+
+    def _with_dry_run(
+        self, outcome: Outcome, dry: list[Check], verdicts: Sequence[CombinedDecision]
+    ) -> Outcome:
+        """Count the dry-run verdicts into ``outcome``: the checks that would have rejected
+        it, and the slots its dry-run concurrency limits took (given back at once if the
+        request goes no further)."""
+        would_reject = self._count_dry_run(dry, verdicts)
+        held: list[Check] = []
+        if self.has_slots:
+            held = _take_slots(
+                [c for c, v in zip(dry, verdicts, strict=True) if v.allowed and c.limit.holds_slots]
+            )
+        if not would_reject and not held:
+            return outcome
+        if outcome is ALLOW:
+            outcome = Outcome()
+        if would_reject:
+            outcome.would_reject = would_reject
+        if held:
+            if outcome.status:
+                self._give_slots_back(held)
+            else:
+                outcome.held = [*outcome.held, *held]
+        return outcome
+
+    # -- concurrency limits: slots held, and the lines that wait for them --
+
+    def _line_ahead(self, enforced: list[Check]) -> Check | None:
+        """A concurrency check of this request whose key has a line already: first come,
+        first served, so the request goes behind it without taking a slot."""
+        lines = self.slot_lines
+        for check in enforced:
+            if check.limit.holds_slots and lines.ahead(check.limit.table, check.key):
+                return check
+        return None
+
+    def _join_line(self, check: Check, enforced: list[Check]) -> Outcome:
+        """A newcomer behind a line: it waits (decided when it reaches the front), or, with no
+        place left in the line, is rejected at once (charged to nothing)."""
+        if check.max_delay_s > 0.0:
+            return Outcome(
+                checks=enforced,
+                waits_on=check,
+                reason=f"waits for a slot of concurrency limit {check.limit.name!r}",
+            )
+        limit = check.limit
+        limit.counters.rejected += 1
+        algorithm = limit.algorithm
+        assert isinstance(algorithm, Concurrency)
+        return Outcome(
+            status=limit.spec.status,
+            retry_after_s=algorithm.retry_after_s,
+            rejected_by=limit.name,
+            reason=f"concurrency limit {limit.name!r} queue is full",
+            checks=enforced,
+        )
+
+    async def wait_for_slot(self, outcome: Outcome) -> Outcome:
+        """Wait in line for the slot ``outcome.waits_on`` needs, then decide all the request's
+        limits again: the outcome it ends with, admitted (holding its slots) or rejected (it
+        waited ``max_delay``, or another limit refuses it now). A request cancelled while it
+        waits (its client went away) leaves the line holding nothing; one the gateway's
+        shutdown would cut off gets ``ShuttingDown``."""
+        check = outcome.waits_on
+        assert check is not None
+        enforced = list(outcome.checks)
+        loop = asyncio.get_running_loop()
+        lines = self.slot_lines
+        poll = self.store.slots_shared
+        deadline = loop.time() + check.limit.spec.max_delay
+        check.limit.counters.waiting += 1
+        if outcome.holds_places:  # the places held while deciding: now one in the line
+            outcome.holds_places = False
+            _release(enforced)
+        # Slots its dry-run limits took go back now: the outcome it ends with is a new one.
+        self.release(outcome)
+        ticket = lines.join(check.limit.table, check.key)
+        verdict = outcome.verdict
+        try:
+            while True:
+                now = loop.time()
+                if deadline > lines.closing_at:
+                    raise ShuttingDown
+                if now >= deadline:
+                    return self._waited_too_long(check, enforced, verdict)
+                woken = ticket.armed()
+                if not woken.done():
+                    timeout = deadline - now
+                    if poll and timeout > POLL_S and lines.is_front(ticket):
+                        timeout = POLL_S
+                    await asyncio.wait((woken,), timeout=timeout)
+                ticket.consume()
+                if not lines.is_front(ticket) or deadline > lines.closing_at:
+                    continue
+                verdict = await self._decide_again(enforced)
+                if verdict.allowed:
+                    admitted = self._settle(enforced, verdict, True)
+                    if self.counts_responses:
+                        admitted.charge_after = _charged_after(admitted, enforced, (), ())
+                    return admitted
+                blocking = _slot_wait(enforced, verdict)
+                if blocking is None:  # another limit refuses it now: rejected, counted
+                    return self._settle(enforced, verdict, True, may_wait=False)
+                if blocking.limit.table != ticket.table or blocking.key != ticket.key:
+                    # Another concurrency limit of the request is full now: its line.
+                    ticket, check = self._move(ticket, check, blocking)
+        finally:
+            lines.leave(ticket)
+            check.limit.counters.waiting -= 1
+
+    def _move(self, ticket: Ticket, check: Check, to: Check) -> tuple[Ticket, Check]:
+        lines = self.slot_lines
+        lines.leave(ticket)
+        check.limit.counters.waiting -= 1
+        to.limit.counters.waiting += 1
+        return lines.join(to.limit.table, to.key), to
+
+    async def _decide_again(self, enforced: list[Check]) -> CombinedDecision:
+        store = self._immediate
+        if store is not None:
+            return store.decide_now(enforced)
+        return await self.store.decide(enforced)
+
+    def _waited_too_long(
+        self, check: Check, enforced: list[Check], verdict: CombinedDecision | None
+    ) -> Outcome:
+        limit = check.limit
+        limit.counters.rejected += 1
+        algorithm = limit.algorithm
+        assert isinstance(algorithm, Concurrency)
+        return Outcome(
+            status=limit.spec.status,
+            retry_after_s=algorithm.retry_after_s,
+            rejected_by=limit.name,
+            reason=f"concurrency limit {limit.name!r}: no slot within max_delay",
+            checks=enforced,
+            verdict=verdict,
+        )
+
+    def without_waiting(self, outcome: Outcome) -> Outcome:
+        """``gateway replay``: a request that would wait in line for a slot, rejected as one
+        that waited ``max_delay`` in vain (the replay does not follow the lines)."""
+        check = outcome.waits_on
+        assert check is not None
+        if outcome.holds_places:
+            outcome.holds_places = False
+            _release(outcome.checks)
+        return self._waited_too_long(check, list(outcome.checks), outcome.verdict)
+
+    def release(self, outcome: Outcome) -> None:
+        """Give back the slots ``outcome`` holds (the response was sent, the client went away,
+        the upstream failed, a WebSocket closed); once, however often called. The front of
+        each key's line is woken once the store has them back."""
+        held = outcome.held
+        if not held:
+            return
+        outcome.held = ()
+        self._give_slots_back(held)
+
+    def _give_slots_back(self, held: Sequence[Check]) -> None:
+        for check in held:
+            check.limit.counters.slots_held -= check.cost
+        done = self.store.release(held)
+        if not self.slot_lines.waiting:
+            return
+        if done is None:
+            self._wake(held)
+        else:
+            done.add_done_callback(lambda _: self._wake(held))
+
+    def _wake(self, held: Sequence[Check]) -> None:
+        lines = self.slot_lines
+        for check in held:
+            lines.wake(check.limit.table, check.key)
 
     def enter_queue(self, outcome: Outcome) -> asyncio.Future[None]:
         """Queue a delayed request: a future done when its delay is over, or failed with
@@ -554,13 +794,16 @@ class LimitEngine:
             await asyncio.gather(*self._charging, return_exceptions=True)
 
     async def give_back(self, outcome: Outcome) -> None:
-        """Refund a queued request that will not go on (its client left, or shutdown)."""
+        """Refund a queued request that will not go on (its client left, or shutdown), and
+        give back the slots it holds."""
+        self.release(outcome)
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
-        checks = outcome.checks
+        checks = [c for c in outcome.checks if not c.limit.holds_slots]
         if outcome.charge_after:
             # A limit charged after the response took nothing at admission: nothing to give.
             checks = [check for check in checks if check.limit.response_charge is None]
-        await asyncio.shield(self.store.refund(checks, charged_us))
+        if checks:
+            await asyncio.shield(self.store.refund(checks, charged_us))
 
     @staticmethod
     def _count_dry_run(dry: list[Check], verdicts: Sequence[CombinedDecision]) -> list[Check]:
@@ -598,26 +841,28 @@ class LimitEngine:
         header bytes while it waits.
         """
         verdict = outcome.verdict
-        if verdict is None:
-            return b""
-        checks = outcome.checks
-        decisions = verdict.decisions
         retry_after_s = outcome.retry_after_s if outcome.status else 0.0
         ietf = self._ietf_headers
         x_ratelimit = self._x_ratelimit_headers
         lines: list[bytes] = []
         if retry_after_s > 0.0 and self._retry_after_header:
             lines.append(b"Retry-After: %d\r\n" % max(1, math.ceil(retry_after_s)))
-        if not (ietf or x_ratelimit):
+        if verdict is None or not (ietf or x_ratelimit):
             return b"".join(lines)
+        checks = outcome.checks
+        decisions = verdict.decisions
         rejecting = verdict.rejected_by if outcome.status else ()
         advertised = self._advertised
         policy_items: list[bytes] = []
         state_items: list[bytes] = []
         resets: list[int] = []
+        quotas: list[int] = []  # the checks with a quota: a concurrency limit has none
         for index, check in enumerate(checks):
             decision = decisions[index]
             limit = check.limit
+            if limit.holds_slots:
+                continue
+            quotas.append(index)
             parts = advertised.get((limit.name, decision.limit))
             if parts is None:
                 if len(advertised) >= _ADVERTISED_MAX:  # quotas that vary per key: stay bounded
@@ -642,15 +887,17 @@ class LimitEngine:
             state_items.append(
                 b"%s%d;t=%d" % (state_start, remaining if remaining > 0 else 0, reset)
             )
+        if not quotas:
+            return b"".join(lines)
         if ietf:
             lines.append(b"RateLimit-Policy: " + b", ".join(policy_items) + b"\r\n")
             lines.append(b"RateLimit: " + b", ".join(state_items) + b"\r\n")
         if x_ratelimit:
-            tightest = 0
-            for index in range(1, len(decisions)):
-                if decisions[index].remaining < decisions[tightest].remaining:
-                    tightest = index
-            decision = decisions[tightest]
+            tightest = 0  # a position in ``quotas`` (and ``resets``)
+            for position in range(1, len(quotas)):
+                if decisions[quotas[position]].remaining < decisions[quotas[tightest]].remaining:
+                    tightest = position
+            decision = decisions[quotas[tightest]]
             lines.append(
                 b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n"
                 % (decision.limit, max(0, decision.remaining), resets[tightest])
@@ -748,11 +995,35 @@ def _hold_or_release(outcome: Outcome, enforced: list[Check]) -> Outcome:
     """A delayed request keeps its checks' places until ``enter_queue`` turns them into places
     in the queue (the proxy calls it next, with no await in between); any other gives them
     back now."""
-    if outcome.status or outcome.delay_s <= 0.0:
+    if outcome.waits_on is None and (outcome.status or outcome.delay_s <= 0.0):
         _release(enforced)
     else:
         outcome.holds_places = True
     return outcome
+
+
+def _slot_wait(enforced: list[Check], verdict: CombinedDecision) -> Check | None:
+    """The concurrency check whose line a rejected request may wait in: only concurrency
+    limits refused it, the first of them lets requests wait (``max_delay``, with a place left
+    in its line), and a slot could ever be enough (its cost is within the limit)."""
+    rejected_by = verdict.rejected_by
+    for index in rejected_by:
+        if not enforced[index].limit.holds_slots:
+            return None
+    first = enforced[rejected_by[0]]
+    if first.max_delay_s <= 0.0:
+        return None
+    if not math.isfinite(verdict.decisions[rejected_by[0]].retry_after_s):
+        return None  # more slots than the limit has: no wait is long enough
+    return first
+
+
+def _take_slots(checks: Sequence[Check]) -> list[Check]:
+    """The concurrency checks among an admitted request's: the slots it now holds."""
+    held = [check for check in checks if check.limit.holds_slots]
+    for check in held:
+        check.limit.counters.slots_held += check.cost
+    return held
 
 
 def _release(checks: Sequence[Check]) -> None:

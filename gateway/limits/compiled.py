@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from gateway.algorithms.base import Algorithm
 from gateway.algorithms.calendar_window import CalendarWindow
+from gateway.algorithms.concurrency import Concurrency
 from gateway.limits.keys import KeyBuilder
 from gateway.limits.response_charge import ResponseCharge
 from gateway.limits.routing import CompiledMatch
@@ -55,6 +56,9 @@ class LimitCounters:
     # Requests between the queue-bound check and their decision (or their place in the queue):
     # counted against max_queue too, so requests decided together cannot overfill the queue.
     deciding: int = 0
+    # A concurrency limit's slots this process's requests hold (summed over workers and
+    # replicas: the slots in use), and the requests its line turned away or timed out.
+    slots_held: int = 0
     # A limit charged after the response: responses charged, the units they were charged
     # (each takes what its key has room for, up to that), and charges the store could not make.
     charged_responses: int = 0
@@ -86,6 +90,8 @@ class CompiledLimit:
     tiering: Tiering | None = None
     # The name of this limit's state table: ``name``, or ``name~N`` for an override's variant.
     table: str = ""
+    # A concurrency limit: an admitted request holds ``cost`` slots until it gives them back.
+    holds_slots: bool = False
     # What a response is charged (``count:``, ``cost_header:``); None for a limit charged when
     # it admits. A store never writes such a limit's decisions: its ``charge`` does.
     response_charge: ResponseCharge | None = None
@@ -101,6 +107,7 @@ class CompiledLimit:
     def __post_init__(self) -> None:
         if not self.table:
             self.table = self.name
+        self.holds_slots = isinstance(self.algorithm, Concurrency)
         spec = self.spec
         self.dry_run = spec.dry_run
         self.max_delay = spec.max_delay

@@ -276,6 +276,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
                 "dry_run": limit.dry_run,
                 **limit.decisions()._asdict(),
                 "waiting": limit.waiting,
+                "slots_in_use": limit.slots_in_use,
                 "tracked_keys": limit.tracked_keys,
                 "evictions": limit.evictions,
                 "lease": limit.lease.model_dump() if limit.lease is not None else None,
@@ -283,6 +284,7 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
             }
             for name, limit in snapshot.limits.items()
         },
+        "adaptive": {name: gate.model_dump() for name, gate in snapshot.adaptive.items()},
     }
 
 

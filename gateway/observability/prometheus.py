@@ -136,6 +136,7 @@ class GatewayCollector(Collector):
         yield header_timeouts
         yield from self._websockets(snap)
         yield from self._servers(snap)
+        yield from self._adaptive(snap)
         yield from self._tls(snap)
         yield from self._processes(snap)
 
@@ -194,6 +195,60 @@ class GatewayCollector(Collector):
         for upstream, reason, count in snap.retries:
             retries.add_metric([upstream, reason], count)
         yield from (requests, failures, ejections, latency, inflight, state, retries)
+
+    def _adaptive(self, snap: GatewaySnapshot) -> Iterator[Metric]:
+        """Each adaptive upstream's limit (per worker; these sum the live workers')."""
+        if not snap.adaptive:
+            return
+        labels = ["upstream"]
+        limit = GaugeMetricFamily(
+            "gateway_adaptive_limit",
+            "An upstream's adaptive in-flight limit now, summed over workers (each finds its own).",
+            labels=labels,
+        )
+        in_flight = GaugeMetricFamily(
+            "gateway_adaptive_in_flight",
+            "Requests holding a place under an upstream's adaptive limit now.",
+            labels=labels,
+        )
+        waiting = GaugeMetricFamily(
+            "gateway_adaptive_waiting",
+            "Requests waiting for a place under an upstream's adaptive limit now.",
+            labels=labels,
+        )
+        minimum = GaugeMetricFamily(
+            "gateway_adaptive_min_latency_seconds",
+            "An upstream's latency measured with min_limit in flight (the highest of the "
+            "workers'; 0 before the first measurement).",
+            labels=labels,
+        )
+        latency = GaugeMetricFamily(
+            "gateway_adaptive_latency_seconds",
+            "An upstream's latency over the last sample interval, the trimmed mean the "
+            "adaptive limit moves by (the highest of the workers').",
+            labels=labels,
+        )
+        shed = CounterMetricFamily(
+            "gateway_adaptive_shed",
+            "Requests answered with the adaptive block's status (503) without reaching the "
+            "upstream: no place at once, or none within max_delay.",
+            labels=labels,
+        )
+        probes = CounterMetricFamily(
+            "gateway_adaptive_probes",
+            "Measurements of an upstream's minimum latency started (the limit held at "
+            "min_limit meanwhile).",
+            labels=labels,
+        )
+        for name, gate in sorted(snap.adaptive.items()):
+            limit.add_metric([name], gate.limit)
+            in_flight.add_metric([name], gate.in_flight)
+            waiting.add_metric([name], gate.waiting)
+            minimum.add_metric([name], gate.min_latency_s)
+            latency.add_metric([name], gate.latency_s)
+            shed.add_metric([name], gate.shed)
+            probes.add_metric([name], gate.probes)
+        yield from (limit, in_flight, waiting, minimum, latency, shed, probes)
 
     def _tls(self, snap: GatewaySnapshot) -> Iterator[Metric]:
         if snap.tls_not_after is None:
@@ -279,6 +334,11 @@ class GatewayCollector(Collector):
         dry_run = GaugeMetricFamily(
             "gateway_limit_dry_run", "1 for a dry-run (never enforced) limit.", labels=["limit"]
         )
+        slots = GaugeMetricFamily(
+            "gateway_limit_slots_in_use",
+            "Slots a concurrency limit's requests hold now (requests in flight, by cost).",
+            labels=["limit"],
+        )
         # Limits charged after the response (count:, cost_header:).
         charged = CounterMetricFamily(
             "gateway_limit_charged_responses",
@@ -320,11 +380,13 @@ class GatewayCollector(Collector):
             tracked.add_metric([name], limit.tracked_keys)
             evictions.add_metric([name], limit.evictions)
             dry_run.add_metric([name], 1 if limit.dry_run else 0)
+            if limit.algorithm == "concurrency":
+                slots.add_metric([name], limit.slots_in_use)
             charged.add_metric([name], limit.charged_responses)
             charged_units.add_metric([name], limit.charged_units)
             charge_failures.add_metric([name], limit.charge_failures)
-        yield from (decisions, wait, depth, tracked, evictions, dry_run, limited_keys, top_key_hits)
-        yield from (charged, charged_units, charge_failures)
+        yield from (decisions, wait, depth, tracked, evictions, dry_run, slots)
+        yield from (limited_keys, top_key_hits, charged, charged_units, charge_failures)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:

@@ -100,6 +100,7 @@ class LimitData(_Model):
     evictions: int = 0
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
+    slots_in_use: int = 0  # gauge: a concurrency limit's slots held by this process's requests
     wait: HistogramData = HistogramData.empty(QUEUE_WAIT_BUCKETS)
     lease: LeaseData | None = None  # a leased limit's leases (lease: on the Redis store)
 
@@ -239,6 +240,38 @@ class UpstreamData(_Model):
         return self.model_copy(update={"failures": dict(failures), "recent": tuple(recent)})
 
 
+class AdaptiveData(_Model):
+    """An upstream's adaptive limit in one worker (each worker runs its own): ``limit``,
+    ``in_flight``, ``waiting`` and the latencies are gauges (seconds; 0 before the first
+    measurement), ``shed`` and ``probes`` counters."""
+
+    limit: int = 0
+    in_flight: int = 0
+    waiting: int = 0
+    min_latency_s: float = 0.0  # the latency measured with min_limit in flight
+    latency_s: float = 0.0  # the last sample interval's (trimmed mean)
+    shed: int = 0  # requests answered at once or after max_delay without a place
+    probes: int = 0  # measurements of the minimum latency started
+
+    def plus(self, other: AdaptiveData, *, gauges: bool = True) -> AdaptiveData:
+        """Both added up: limits and requests summed (the whole gateway's), latencies the
+        highest of the two (the worker that sees the upstream slowest); ``gauges`` False
+        adds ``other``'s counters only."""
+        if not gauges:
+            return self.model_copy(
+                update={"shed": self.shed + other.shed, "probes": self.probes + other.probes}
+            )
+        return AdaptiveData(
+            limit=self.limit + other.limit,
+            in_flight=self.in_flight + other.in_flight,
+            waiting=self.waiting + other.waiting,
+            min_latency_s=max(self.min_latency_s, other.min_latency_s),
+            latency_s=max(self.latency_s, other.latency_s),
+            shed=self.shed + other.shed,
+            probes=self.probes + other.probes,
+        )
+
+
 # The recent failures kept per upstream (each worker keeps as many: the sum shows the newest).
 RECENT_FAILURES = 10
 
@@ -275,6 +308,7 @@ class WorkerSnapshot(_Model):
     retries: tuple[tuple[str, str, int], ...] = ()
     tls_not_after: float | None = None  # gauge: the listener certificate's expiry, Unix time
     tls_reloads: dict[str, int] = {}
+    adaptive: dict[str, AdaptiveData] = {}  # per upstream with adaptive:
 
     def with_base(self, base: WorkerSnapshot) -> WorkerSnapshot:
         """These figures plus a previous incarnation's counters (gauges are ours alone)."""
@@ -308,11 +342,16 @@ class WorkerSnapshot(_Model):
         retries.update({(u, r): n for u, r, n in self.retries})
         tls_reloads = Counter(base.tls_reloads)
         tls_reloads.update(self.tls_reloads)
+        adaptive = {
+            name: (gate.plus(base.adaptive[name], gauges=False) if name in base.adaptive else gate)
+            for name, gate in self.adaptive.items()
+        }
         return self.model_copy(
             update={
                 "servers": tuple(servers.values()),
                 "retries": tuple((u, r, n) for (u, r), n in sorted(retries.items())),
                 "tls_reloads": dict(tls_reloads),
+                "adaptive": adaptive,
                 "requests": tuple((r, m, s, n) for (r, m, s), n in sorted(requests.items())),
                 "upstream_errors": tuple((r, x, n) for (r, x), n in sorted(errors.items())),
                 "local_responses": tuple((r, c, n) for (r, c), n in sorted(local.items())),
@@ -375,6 +414,8 @@ class GatewaySnapshot(_Model):
     retries: tuple[tuple[str, str, int], ...] = ()
     tls_not_after: float | None = None  # the soonest of the live workers'
     tls_reloads: dict[str, int] = {}
+    # per upstream with adaptive: (those of the newest policy), summed over live workers
+    adaptive: dict[str, AdaptiveData] = {}
 
 
 def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> GatewaySnapshot:
@@ -421,9 +462,13 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             durations[route] = old.plus(histogram) if old is not None else histogram
         for name, limit in snap.limits.items():
             if id(snap) in live_ids:
-                gauges = {"waiting": limit.waiting, "tracked_keys": limit.tracked_keys}
+                gauges = {
+                    "waiting": limit.waiting,
+                    "tracked_keys": limit.tracked_keys,
+                    "slots_in_use": limit.slots_in_use,
+                }
             else:
-                gauges = {"waiting": 0, "tracked_keys": 0}
+                gauges = {"waiting": 0, "tracked_keys": 0, "slots_in_use": 0}
             counted = limit.model_copy(update=gauges)
             old_limit = limits.get(name)
             if old_limit is None:
@@ -434,6 +479,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                     update={
                         "waiting": old_limit.waiting + counted.waiting,
                         "tracked_keys": old_limit.tracked_keys + counted.tracked_keys,
+                        "slots_in_use": old_limit.slots_in_use + counted.slots_in_use,
                     }
                 )
         for name, top in snap.top_keys.items():
@@ -466,6 +512,17 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             if name in newest.upstreams and upstream.url == newest.upstreams[name].url:
                 old_upstream = upstreams.get(name)
                 upstreams[name] = old_upstream.plus(upstream) if old_upstream else upstream
+    adaptive: dict[str, AdaptiveData] = {}
+    for snap in snapshots:
+        for name, gate in snap.adaptive.items():
+            if name not in newest.adaptive:
+                continue
+            old_gate = adaptive.get(name)
+            live_one = id(snap) in live_ids
+            if old_gate is None:
+                adaptive[name] = gate if live_one else AdaptiveData().plus(gate, gauges=False)
+            else:
+                adaptive[name] = old_gate.plus(gate, gauges=live_one)
     states = Counter(s.store.state for s in live)
     reloads = [s.reload for s in live if s.reload is not None]
     return GatewaySnapshot(
@@ -505,6 +562,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
         retries=tuple((u, r, n) for (u, r), n in sorted(retries.items())),
         tls_not_after=min(tls_expiries) if tls_expiries else None,
         tls_reloads=dict(tls_reloads),
+        adaptive=adaptive,
     )
 
 

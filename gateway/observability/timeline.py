@@ -72,6 +72,19 @@ class Timeline:
                 "wait_p50": recent.quantile(0.5, QUEUE_WAIT_BUCKETS),
                 "wait_p99": recent.quantile(0.99, QUEUE_WAIT_BUCKETS),
             }
+        # Each adaptive upstream's limit beside its latency (the workers' sum, the slowest's).
+        adaptive: dict[str, Any] = {}
+        for name, gate in snapshot.adaptive.items():
+            before_gate = previous.adaptive.get(name)
+            shed = gate.shed - (before_gate.shed if before_gate is not None else 0)
+            adaptive[name] = {
+                "limit": gate.limit,
+                "in_flight": gate.in_flight,
+                "waiting": gate.waiting,
+                "latency_s": gate.latency_s,
+                "min_latency_s": gate.min_latency_s,
+                "shed": round(max(0, shed) / elapsed, 3),
+            }
         requests_now = sum(n for *_, n in snapshot.requests)
         requests_before = sum(n for *_, n in previous.requests)
         limited = max(0, snapshot.limited_requests - previous.limited_requests)
@@ -84,6 +97,7 @@ class Timeline:
             "rejected": round(limited / elapsed, 3),
             "delayed": round(delayed / elapsed, 3),
             "limits": limits,
+            "adaptive": adaptive,
         }
         self.points.append(point)
         return point

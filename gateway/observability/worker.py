@@ -39,6 +39,7 @@ from gateway.observability.limit_log import LimitLog
 from gateway.observability.process import read_process
 from gateway.observability.sketch import RecentTopKeys
 from gateway.observability.snapshot import (
+    AdaptiveData,
     FailureData,
     HistogramData,
     HitterData,
@@ -59,6 +60,7 @@ from gateway.policy.overrides import UNLISTED_KEY
 from gateway.stores.store_stats import StoreStats
 
 if TYPE_CHECKING:
+    from gateway.edge.adaptive_gate import AdaptiveGate
     from gateway.edge.pool.server_pool import MemberState
     from gateway.edge.runtime import Runtime
     from gateway.engine.limit_engine import Outcome
@@ -260,6 +262,7 @@ class WorkerMetrics:
                 evictions=store.evictions(name),
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
+                slots_in_use=counters.slots_held,
                 lease=lease_data(store, name),
                 wait=HistogramData.of(wait)
                 if wait is not None
@@ -343,7 +346,25 @@ class WorkerMetrics:
             retries=retry_counts(runtime),
             tls_not_after=tls.not_after if tls is not None else None,
             tls_reloads=dict(tls.reloads) if tls is not None else {},
+            adaptive={
+                name: adaptive_data(target.gate)
+                for name, target in runtime.upstreams.items()
+                if target.gate is not None
+            },
         )
+
+
+def adaptive_data(gate: AdaptiveGate) -> AdaptiveData:
+    controller = gate.controller
+    return AdaptiveData(
+        limit=controller.limit,
+        in_flight=controller.in_flight,
+        waiting=gate.waiting,
+        min_latency_s=controller.min_latency_us / 1e6,
+        latency_s=controller.sample_latency_us / 1e6,
+        shed=gate.shed,
+        probes=controller.probes,
+    )
 
 
 def retry_counts(runtime: Runtime) -> tuple[tuple[str, str, int], ...]:

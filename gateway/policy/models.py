@@ -374,6 +374,72 @@ class ServerSettings(_Model):
         return self
 
 
+class AdaptiveSettings(_Model):
+    """An in-flight limit on an upstream that the gateway sets itself from the latency it
+    measures: a gradient controller (``gateway/algorithms/gradient_limit.py`` says how it
+    moves). Beyond the limit a request waits up to ``max_delay`` for a place, or gets
+    ``status`` with ``Retry-After``."""
+
+    min_limit: int = Field(
+        3,
+        ge=1,
+        description="the limit never goes below this; the minimum latency is measured with "
+        "this many requests in flight",
+    )
+    max_limit: int = Field(1000, ge=1, description="the limit never goes above this")
+    buffer: float = Field(
+        0.15,
+        gt=0,
+        le=1,
+        description="latency tolerated above the minimum, as a fraction of it: the limit grows "
+        "while the measured latency stays within it and shrinks as it rises beyond",
+    )
+    min_buffer: Duration = Field(
+        0.001,
+        description="the tolerated latency above the minimum is at least this (event loops "
+        "move latency by about a millisecond without any queue at the upstream)",
+    )
+    sample_interval: Duration = Field(0.1, description="how often the limit moves")
+    probe_interval: Duration = Field(
+        30.0,
+        description="how often the minimum latency is measured again (the limit is held at "
+        "min_limit meanwhile, for probe_requests requests, 2 s at most)",
+    )
+    probe_requests: int = Field(
+        25, ge=1, description="requests whose latency makes one measurement of the minimum"
+    )
+    jitter: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="each probe_interval is lengthened by up to this fraction of it at random, "
+        "so that gateways and workers do not measure at the same moment",
+    )
+    max_delay: Duration = Field(
+        0.0,
+        description="how long a request beyond the limit may wait for a place (first come, "
+        "first served); 0 answers status at once",
+    )
+    max_queue: int = Field(1000, ge=0, description="requests waiting for this upstream at most")
+    status: int = Field(503, ge=400, le=599, description="status of a request shed")
+    retry_after: Duration = Field(1.0, description="Retry-After on a request shed")
+
+    @field_validator("sample_interval", "probe_interval")
+    @classmethod
+    def _positive_interval(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be longer than 0: the limit would be measured without pause")
+        return value
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdaptiveSettings:
+        if self.min_limit > self.max_limit:
+            raise ValueError(
+                f"min_limit ({self.min_limit}) cannot exceed max_limit ({self.max_limit})"
+            )
+        return self
+
+
 def _check_server_url(value: str, demo: bool = False) -> str:
     """An http:// or https:// URL (``demo``: where an upstream's url may be builtin:demo)."""
     match = _UPSTREAM_URL_RE.match(value)
@@ -587,6 +653,11 @@ class Upstream(_Model):
         "asks for one (mutual TLS); with its key unless client_key names another file",
     )
     client_key: str | None = Field(None, description="PEM private key of client_cert")
+    adaptive: AdaptiveSettings | None = Field(
+        None,
+        description="protect this upstream with an in-flight limit the gateway finds from its "
+        "latency; {} for the defaults",
+    )
 
     @model_validator(mode="after")
     def _tls_settings(self) -> Upstream:
@@ -787,6 +858,8 @@ _NOT_LEASABLE = {
     "the shared state (nginx-exact), a batch taken ahead cannot shape them",
     "sliding_log": "sliding_log cannot be leased: it is exact per request timestamp, a batch "
     "taken ahead has none",
+    "concurrency": "concurrency cannot be leased: a slot is given back when its request ends, "
+    "and a batch of slots taken ahead would be held by nobody",
 }
 
 
@@ -1202,6 +1275,58 @@ class TokenBucketLimit(_LimitBase):
         return self.burst / self.rate.per_second
 
 
+class ConcurrencyLimit(_LimitBase):
+    """nginx ``limit_conn``: at most ``limit`` requests in flight per key (``cost`` slots each),
+    a slot held until the response has been sent, the client went away or the upstream
+    failed."""
+
+    algorithm: Literal["concurrency"] = Field(
+        description="requests in flight per key (nginx limit_conn)"
+    )
+    limit: int = Field(ge=1, description="slots held at once per key (a request holds cost)")
+    max_delay: Duration = Field(
+        0.0,
+        description="how long a request over the limit may wait for a slot (first come, first "
+        "served); 0 rejects it at once, as nginx's limit_conn does",
+    )
+    retry_after: Duration = Field(
+        1.0, description="Retry-After on a rejection (when a slot frees cannot be known)"
+    )
+    max_keys: int = Field(
+        100_000,
+        ge=1,
+        description="keys holding slots at once; a request under a new key beyond them is "
+        "rejected (nginx's full zone), none is evicted",
+    )
+
+    @model_validator(mode="after")
+    def _cost_fits(self) -> ConcurrencyLimit:
+        """Each plan and override is checked so too: ``variant_spec`` validates its limit
+        with this cost."""
+        cost = self.cost
+        if isinstance(cost, int):
+            named, largest = "cost", cost
+        else:
+            costs = {
+                "cost.default": cost.default,
+                **{f"cost.routes.{name}": value for name, value in cost.routes.items()},
+                **{f"cost.methods.{name}": value for name, value in cost.methods.items()},
+            }
+            named, largest = max(costs.items(), key=lambda item: item[1])
+        if largest > self.limit:
+            raise ValueError(
+                f"{named} ({largest}) exceeds limit ({self.limit}): a request needing more "
+                "slots than the limit has could never be admitted"
+            )
+        return self
+
+    @property
+    def window_s(self) -> float:
+        """Slots are given back, not refilled: no quota window is advertised for them (the IETF
+        draft has no RateLimit field for concurrency)."""
+        return 0.0
+
+
 # What a plan or an override may set: the algorithm's numbers (and a calendar window's time
 # zone: a customer's month is theirs), nothing about keys or matching.
 OVERRIDE_PARAMS = frozenset(
@@ -1227,6 +1352,8 @@ def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
         for name in OVERRIDE_PARAMS | _VARIANT_CONTEXT
         if name in model.model_fields
     }
+    # The cost too, so that a model checking its numbers against it checks the variant's.
+    fields["cost"] = spec.cost
     try:
         checked = model.model_validate({"algorithm": spec.algorithm, **fields, **params})
     except ValidationError as exc:
@@ -1307,12 +1434,13 @@ def tier_specs(spec: Any, overrides: dict[str, Any]) -> Tiers:
 # The model of each name ``algorithm:`` takes, and the names, for error messages.
 ALGORITHM_MODELS: dict[str, type[_LimitBase]] = {
     name: model
-    for model in (LeakyBucketLimit, WindowLimit, TokenBucketLimit)
+    for model in (LeakyBucketLimit, WindowLimit, TokenBucketLimit, ConcurrencyLimit)
     for name in get_args(model.model_fields["algorithm"].annotation)
 }
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_MODELS)
 Limit = Annotated[
-    LeakyBucketLimit | WindowLimit | TokenBucketLimit, Field(discriminator="algorithm")
+    LeakyBucketLimit | WindowLimit | TokenBucketLimit | ConcurrencyLimit,
+    Field(discriminator="algorithm"),
 ]
 
 

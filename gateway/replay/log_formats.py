@@ -47,6 +47,9 @@ class Request(NamedTuple):
     status: int | None = None  # the response's status, when the log has one
     # Cost headers the upstream reported (the gateway's log records them), by lower-case name.
     costs: tuple[tuple[str, str], ...] = ()
+    # How long the request took ($request_time, the gateway's duration_ms), in microseconds;
+    # -1 when the log does not say. A concurrency limit's slots are held that long.
+    duration_us: int = -1
 
 
 class Malformed(NamedTuple):
@@ -75,6 +78,7 @@ class ReadStats:
     # Calendar time minus the log's instants, when they are on another clock (the gateway's
     # ``t_us`` is monotonic; its ``ts`` is calendar time): what calendar windows are read by.
     unix_offset_us: int | None = None
+    durations: int = 0  # requests whose log line gave their duration
     own_records: int = 0  # the gateway's own log lines beside its access lines: skipped
 
     def bad(self, source: str, line: int, reason: str) -> None:
@@ -208,8 +212,8 @@ def _split_request_line(request_line: str) -> tuple[str, str] | None:
     return method, target
 
 
-# One request of a second not yet spread: (request_time_us, line, address, method, target,
-# forwarded_for).
+# One request of a second not yet spread: (duration_us or -1, line, address, method, target,
+# forwarded_for, status).
 _Pending = tuple[int, int, str, str, str, str | None, int | None]
 
 
@@ -265,7 +269,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                             yield from _spread(group, group_second, stats, name)
                             group.clear()
                         group_second = last_second
-                    group.append((0, number, address, method, target, None, status))
+                    group.append((-1, number, address, method, target, None, status))
                     continue
                 forwarded_for: str | None = None
                 msec_us: int | None = None
@@ -286,6 +290,10 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         forwarded_for = quoted
                 if forwarded_for is not None:
                     stats.has_forwarded_for = True
+                duration_us = -1
+                if seen_number:
+                    duration_us = request_time_us
+                    stats.durations += 1
                 if msec_us is not None:
                     if group:
                         yield from _spread(group, group_second, stats, name)
@@ -301,6 +309,8 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         (),
                         forwarded_for,
                         status,
+                        (),
+                        duration_us,
                     )
                     continue
                 if group_second != last_second:
@@ -308,9 +318,7 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                         yield from _spread(group, group_second, stats, name)
                         group.clear()
                     group_second = last_second
-                group.append(
-                    (request_time_us, number, address, method, target, forwarded_for, status)
-                )
+                group.append((duration_us, number, address, method, target, forwarded_for, status))
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
     except OSError as failed:  # one name per type: compiled, a shared one is typed as the first
@@ -387,7 +395,7 @@ def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> 
         new(
             Request,
             (
-                base + index * US // count - request_time_us,
+                base + index * US // count - (duration_us if duration_us > 0 else 0),
                 name,
                 line,
                 address,
@@ -398,10 +406,11 @@ def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> 
                 forwarded_for,
                 status,
                 (),
+                duration_us,
             ),
         )
         for index, (
-            request_time_us,
+            duration_us,
             line,
             address,
             method,
@@ -459,10 +468,24 @@ def _text(obj: dict[str, Any], key: str, required: bool = True) -> str | None:
     return value
 
 
+def _duration_us(obj: dict[str, Any]) -> int:
+    """``duration_ms`` (the gateway's log) or ``request_time`` (seconds, as nginx logs it) in
+    microseconds; -1 when neither is given."""
+    for key, scale in (("duration_ms", 1000), ("request_time", US)):
+        value = obj.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{key!r} is not a duration")
+        return round(value * scale)
+    return -1
+
+
 def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request]:
     """The gateway's JSON access log (``t_us``: the limiter's instant; ``client``: the client
     it resolved; the gateway's own log lines beside it skipped) or JSON lines with ``ts``,
-    ``ip``, ``method``, ``path`` and optional ``headers`` (and ``host``)."""
+    ``ip``, ``method``, ``path`` and optional ``headers`` (and ``host``); either with
+    ``duration_ms`` or ``request_time``."""
     name = opened.name
     gateway = fmt == "gateway"
     for number, line in numbered_lines(opened, stats):
@@ -506,6 +529,7 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
                     raise ValueError("'headers' is not an object of text values")
                 headers = tuple(raw_headers.items())
                 stats.has_headers = True
+            duration_us = _duration_us(obj)
             status = _status(obj.get("status"))
             costs: tuple[tuple[str, str], ...] = ()
             raw_costs = obj.get("costs")
@@ -533,8 +557,21 @@ def read_json(opened: Opened, stats: ReadStats, fmt: Format) -> Iterator[Request
             stats.has_host = True
         if status is not None:
             stats.has_status = True
+        if duration_us >= 0:
+            stats.durations += 1
         yield Request(
-            t_us, name, number, address, method, target, host, headers, forwarded_for, status, costs
+            t_us,
+            name,
+            number,
+            address,
+            method,
+            target,
+            host,
+            headers,
+            forwarded_for,
+            status,
+            costs,
+            duration_us,
         )
 
 

@@ -170,6 +170,19 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
                 f"{sim.loaded.source}: routes or limits match on the host, which the log does "
                 "not carry: requests were matched with no host"
             )
+        if sim.has_slots and sim.tally.slots_without_duration:
+            notes.append(
+                f"{sim.loaded.source}: {sim.tally.slots_without_duration:,} requests admitted "
+                "by a concurrency limit had no duration in the log (nginx's $request_time, the "
+                "gateway's duration_ms): their slots were given back at once, so the requests "
+                "in flight are undercounted"
+            )
+        if sim.tally.slot_waits:
+            notes.append(
+                f"{sim.loaded.source}: {sim.tally.slot_waits:,} requests would have waited for "
+                "a concurrency limit's slot (max_delay): the replay does not follow that line "
+                "and counts them rejected"
+            )
         if sim.counted_by_response:
             notes.append(
                 f"{sim.loaded.source}: limits {', '.join(sim.counted_by_response)} are charged "

@@ -83,6 +83,10 @@ class Tally:
     last_us: int | None = None
     # Per second of traffic: (requests, delayed, rejected).
     series: dict[int, list[int]] = field(default_factory=dict)
+    # Concurrency limits: admitted requests whose log line had no duration (their slots were
+    # given back at once), and requests that would have waited for a slot (counted rejected).
+    slots_without_duration: int = 0
+    slot_waits: int = 0
 
 
 class Simulation:
@@ -134,6 +138,9 @@ class Simulation:
         # The engine's outcome for the request decided last (None: no limit was asked).
         self.last: Outcome | None = None
         self._waiting: list[tuple[int, int, Outcome]] = []
+        # Admitted requests holding concurrency slots: (when their response ended, seq, outcome).
+        self._holding: list[tuple[int, int, Outcome]] = []
+        self.has_slots = self.engine.has_slots
         self._seq = 0
         self._second: int | None = None
         self._per_second: list[int] = [0, 0, 0]  # (requests, delayed, rejected) this second
@@ -169,6 +176,9 @@ class Simulation:
         engine = self.engine
         while waiting and waiting[0][0] <= now_us:
             engine.free_places(heapq.heappop(waiting)[2])
+        holding = self._holding
+        while holding and holding[0][0] <= now_us:
+            engine.release(heapq.heappop(holding)[2])
         if now_us // US != self._second:
             self._start_second(now_us)
         self.clock.set(now_us)
@@ -205,6 +215,11 @@ class Simulation:
             outcomes[UNLIMITED] += 1
             return UNLIMITED
         outcome = self.last = engine.evaluate_now(facts, route, host, path, client_ip)
+        if outcome.waits_on is not None:
+            tally.slot_waits += 1
+            outcome = self.last = engine.without_waiting(outcome)
+        if outcome.held:
+            self._hold_slots(outcome, now_us, request.duration_us)
         if outcome.status:
             if outcome.rejected_by is None:
                 outcomes[DENIED] += 1
@@ -248,6 +263,17 @@ class Simulation:
             return DELAYED
         outcomes[ALLOWED] += 1
         return ALLOWED
+
+    def _hold_slots(self, outcome: Outcome, now_us: int, duration_us: int) -> None:
+        """An admitted request holds its concurrency slots from its start, through its delay,
+        for as long as the log says it took; without a duration, for no time at all."""
+        if duration_us < 0:
+            self.tally.slots_without_duration += 1
+            self.engine.release(outcome)
+            return
+        self._seq += 1
+        ends_us = now_us + round(outcome.delay_s * US) + duration_us
+        heapq.heappush(self._holding, (ends_us, self._seq, outcome))
 
     def _start_second(self, now_us: int) -> None:
         """Close the second just ended; count from here in the one ``now_us`` falls in."""

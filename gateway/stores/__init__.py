@@ -64,6 +64,7 @@ def build_store(
             reports_counts=worker_id == 0,
             workers=workers,
             on_failure=settings.on_failure,
+            worker_id=worker_id,
         )
     if url == "memory":
         return MemoryStore(clock)

@@ -1,4 +1,5 @@
-"""Limit state in this process: one bounded table of per-key states per limit."""
+"""Limit state in this process: one bounded table of per-key states per limit (a slot table
+for a concurrency limit, whose keys are never evicted)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 from gateway.algorithms.base import Decision
 from gateway.algorithms.charging import charge_what_fits
 from gateway.algorithms.combine import CombinedDecision, combine
+from gateway.algorithms.concurrency import Concurrency
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.keyed_state import KeyedState
+from gateway.stores.slot_table import SlotTable
 from gateway.stores.store_stats import StoreStats
 
 
@@ -19,10 +22,14 @@ class MemoryStore:
 
     name = "memory"
     verdicts_on_clock = True
+    # Every slot is taken and given back in this process: a release wakes who waits for it.
+    slots_shared = False
 
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or MonotonicClock()
         self.tables: dict[str, KeyedState[Any]] = {}
+        # Concurrency limits' tables, by table name (apart: nothing in them is evicted).
+        self.slot_tables: dict[str, SlotTable] = {}
         self.stats = StoreStats()  # calls only: in-process calls take microseconds
         # Evictions of tables a reload dropped, so that ``evictions`` never goes down.
         self._dropped_evictions: dict[str, int] = {}
@@ -31,6 +38,14 @@ class MemoryStore:
         table = self.tables.get(limit.table)
         if table is None:
             table = self.tables[limit.table] = KeyedState(limit.spec.max_keys, limit.algorithm)
+        return table
+
+    def _slot_table(self, limit: CompiledLimit) -> SlotTable:
+        table = self.slot_tables.get(limit.table)
+        if table is None:
+            algorithm = limit.algorithm
+            assert isinstance(algorithm, Concurrency)
+            table = self.slot_tables[limit.table] = SlotTable(limit.spec.max_keys, algorithm)
         return table
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
@@ -44,25 +59,33 @@ class MemoryStore:
         unix_us = 0  # calendar time, read when a calendar window needs it
         self.stats.calls += 1
         known = self.tables
-        tables: list[KeyedState[Any]] = []
+        tables: list[KeyedState[Any] | None] = []
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
         instants: list[int] = []
+        # Declared: compiled, a name takes the type of its first assignment (a slot count).
+        state: Any
         for check in checks:
             limit = check.limit
-            table = known.get(limit.table)
-            if table is None:
-                table = self._table(limit)
             at_us = now_us
             if limit.calendar:
                 if not unix_us:
                     unix_us = clock.unix_us()
                 at_us = unix_us
-            # A look (commit=False, for /explain) leaves the keys' places in the LRU order alone.
-            state = table.get(check.key) if commit else table.peek(check.key)
+            if limit.holds_slots:
+                slots = self._slot_table(limit)
+                state = slots.get(check.key) if commit else slots.peek(check.key)
+                tables.append(None)
+            else:
+                table = known.get(limit.table)
+                if table is None:
+                    table = self._table(limit)
+                # A look (commit=False, for /explain) leaves the keys' places in the LRU order
+                # alone.
+                state = table.get(check.key) if commit else table.peek(check.key)
+                tables.append(table)
             decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
-            tables.append(table)
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
@@ -75,9 +98,12 @@ class MemoryStore:
         )
         if commit and verdict.allowed:
             for index, check in enumerate(checks):
+                table = tables[index]
+                if table is None:
+                    self.slot_tables[check.limit.table].put(check.key, new_states[index])
                 # A limit charged after the response admits without taking anything now.
-                if check.limit.response_charge is None:
-                    tables[index].put(check.key, new_states[index], instants[index])
+                elif check.limit.response_charge is None:
+                    table.put(check.key, new_states[index], instants[index])
         return verdict
 
     def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
@@ -108,11 +134,24 @@ class MemoryStore:
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
 
+    def release(self, checks: Sequence[Check]) -> None:
+        """Give back the slots of a request's concurrency checks (done at once: nothing to
+        wait for)."""
+        slot_tables = self.slot_tables
+        for check in checks:
+            table = slot_tables.get(check.limit.table)
+            # A reload may have removed the limit: its slots went with it.
+            if table is not None:
+                table.release(check.key, check.cost)
+
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         clock = self.clock
         now_us = clock.now_us()
         unix_us = clock.unix_us()
         for check in checks:
+            if check.limit.holds_slots:
+                self.release((check,))
+                continue
             table = self.tables.get(check.limit.table)
             # A reload may have removed the limit, or given its name another algorithm whose
             # states this request's charge is no part of: nothing to give back then.
@@ -135,8 +174,20 @@ class MemoryStore:
         unix_us = self.clock.unix_us()
         old = {limit.table: limit for limit in with_variants(previous)}
         tables: dict[str, KeyedState[Any]] = {}
+        slot_tables: dict[str, SlotTable] = {}
         for limit in with_variants(limits):
             before = old.get(limit.table)
+            if limit.holds_slots:
+                slots = self.slot_tables.get(limit.table)
+                if before is None or slots is None or before.identity != limit.identity:
+                    continue
+                # The requests in flight are still in flight: their slots stay held.
+                slots.resize(limit.spec.max_keys)
+                algorithm = limit.algorithm
+                assert isinstance(algorithm, Concurrency)
+                slots.algorithm = algorithm
+                slot_tables[limit.table] = slots
+                continue
             table = self.tables.get(limit.table)
             if before is None or table is None or before.identity != limit.identity:
                 continue  # a new limit, or a different key or algorithm: start afresh
@@ -151,6 +202,16 @@ class MemoryStore:
                     self._dropped_evictions.get(name, 0) + table.evictions
                 )
         self.tables = tables
+        self.slot_tables = slot_tables
+
+    def slots_in_use(self, limit_name: str) -> int:
+        """Slots held under a concurrency limit (and its overrides' variants)."""
+        prefix = limit_name + "~"
+        return sum(
+            table.slots_in_use
+            for name, table in self.slot_tables.items()
+            if name == limit_name or name.startswith(prefix)
+        )
 
     def _tables_of(self, limit_name: str) -> list[KeyedState[Any]]:
         """A limit's table and its overrides' (``name~N``)."""
@@ -162,7 +223,13 @@ class MemoryStore:
         return found
 
     def tracked_keys(self, limit_name: str) -> int:
-        return sum(len(table) for table in self._tables_of(limit_name))
+        prefix = limit_name + "~"
+        slot_keys = sum(
+            len(table)
+            for name, table in self.slot_tables.items()
+            if name == limit_name or name.startswith(prefix)
+        )
+        return slot_keys + sum(len(table) for table in self._tables_of(limit_name))
 
     def evictions(self, limit_name: str) -> int:
         current = sum(table.evictions for table in self._tables_of(limit_name))
@@ -177,3 +244,4 @@ class MemoryStore:
 
     async def close(self) -> None:
         self.tables.clear()
+        self.slot_tables.clear()

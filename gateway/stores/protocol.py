@@ -6,6 +6,7 @@ decide at one instant, and either every new state is written (allowed) or none (
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -31,6 +32,10 @@ class LimitStore(Protocol):
     # instant on it (in process) or on another (Redis ``TIME``): the access log's ``t_us``.
     clock: Clock
     verdicts_on_clock: bool
+    # Whether other processes take and give back slots of the same concurrency limits (the
+    # shared and Redis stores): a request waiting for a slot then looks again now and then,
+    # as their releases send no word to this process.
+    slots_shared: bool
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """Decide all checks at one instant; with ``commit``, store the new states if allowed
@@ -51,6 +56,11 @@ class LimitStore(Protocol):
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         """Decide and commit each check on its own (dry-run limits do not stack)."""
         ...
+
+    def release(self, checks: Sequence[Check]) -> asyncio.Future[None] | None:
+        """Give back the slots an admitted request's concurrency checks hold (each ``cost``);
+        never raises. None when they are back already; else a future done once the store
+        has them back (Redis: a call in flight)."""
 
     async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
         """Charge each check (of a limit charged after the response) ``units``, as much as

@@ -248,6 +248,30 @@ async def run_workers(
         await kill(process)
 
 
+def connections_to(pid: int, port: int) -> int:
+    """Established TCP connections of process ``pid`` to a loopback ``port`` (read from
+    /proc: the process's socket inodes, matched in /proc/net/tcp)."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        for fd in fd_dir.iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return 0
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+        if remote_port == port and fields[3] == "01" and fields[9] in inodes:  # ESTABLISHED
+            count += 1
+    return count
+
+
 async def wait_serving(tmp_path: Path, processes: int, within_s: float = 60.0) -> None:
     """Until the log says each of ``processes`` workers is serving."""
     log = tmp_path / "gateway.log"

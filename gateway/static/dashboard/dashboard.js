@@ -12,7 +12,7 @@
   const COLORS = { allowed: "#2e7d32", delayed: "#e0a100", rejected: "#c62828", ratio: "#6a1b9a" };
 
   // Exposed for tests and the curious: the history, the charts and how often we drew.
-  const dash = { history: [], state: null, limits: {}, updates: 0, lastUpdate: null, range: 300 };
+  const dash = { history: [], state: null, limits: {}, adaptive: {}, updates: 0, lastUpdate: null, range: 300 };
   window.gatewayDashboard = dash;
 
   const $ = (id) => document.getElementById(id);
@@ -346,6 +346,8 @@
     setField(node, "rejected-total", fmtInt(dryRun ? info.dry_run_rejected : info.rejected));
     setField(node, "tracked-keys", fmtInt(info.tracked_keys) + (info.tracked_keys === 1 ? " key" : " keys"));
     setField(node, "evictions", fmtInt(info.evictions));
+    node.querySelector(".slots").hidden = info.algorithm !== "concurrency";
+    setField(node, "slots-in-use", fmtInt(info.slots_in_use));
     const lease = info.lease;
     node.querySelector(".lease").hidden = !lease;
     if (lease) {
@@ -398,6 +400,83 @@
     row.querySelector(".worst").textContent = worst ? keyText(worst) + plan + ": " + fmtInt(worst.count) : "—";
   }
 
+  // An upstream's adaptive limit over time beside its latency: the limit moves with it.
+  function makeAdaptive(name) {
+    const node = $("adaptive-template").content.firstElementChild.cloneNode(true);
+    node.dataset.upstream = name;
+    node.querySelector(".name").textContent = name;
+    $("adaptive-upstreams").appendChild(node);
+    const limitEl = node.querySelector(".chart.limit");
+    const latencyEl = node.querySelector(".chart.latency");
+    const count = (u, v) => fmt(v, 0);
+    const limit = new uPlot(
+      {
+        width: chartWidth(limitEl),
+        height: CHART_HEIGHT,
+        scales: { x: { time: true, range: () => xRange() }, y: { range: (u, min, max) => [0, Math.max(1, max * 1.1)] } },
+        series: [
+          timeSeries,
+          { label: "limit", stroke: COLORS.ratio, width: 2, value: count },
+          { label: "in flight", stroke: COLORS.allowed, width: 1.5, value: count },
+          { label: "shed/s", stroke: COLORS.rejected, width: 1.5, points: { show: true, size: 5, filter: isolated }, value: (u, v) => fmt(v, 1) },
+        ],
+        axes: [timeAxis, { size: 50 }],
+        hooks: { setData: [showLatest] },
+      },
+      [[], [], [], []],
+      limitEl
+    );
+    const latency = new uPlot(
+      {
+        width: chartWidth(latencyEl),
+        height: CHART_HEIGHT,
+        scales: { x: { time: true, range: () => xRange() }, y: { range: (u, min, max) => [0, Math.max(1, max * 1.1)] } },
+        series: [
+          timeSeries,
+          { label: "latency", stroke: COLORS.delayed, width: 2, value: (u, v) => fmt(v, 1) + " ms" },
+          { label: "minimum", stroke: COLORS.allowed, width: 1.5, dash: [6, 4], value: (u, v) => fmt(v, 1) + " ms" },
+        ],
+        axes: [timeAxis, { size: 50, values: (u, ticks) => ticks.map((t) => t + " ms") }],
+        hooks: { setData: [showLatest] },
+      },
+      [[], [], []],
+      latencyEl
+    );
+    return { node, limit, latency };
+  }
+
+  function renderAdaptive(state, points) {
+    const gates = state.adaptive || {};
+    for (const [name, gate] of Object.entries(gates)) {
+      const view = dash.adaptive[name] || (dash.adaptive[name] = makeAdaptive(name));
+      const last = (dash.history.length && (dash.history[dash.history.length - 1].adaptive || {})[name]) || null;
+      setField(view.node, "limit", fmtInt(gate.limit));
+      setField(view.node, "in-flight", fmtInt(gate.in_flight));
+      setField(view.node, "waiting", fmtInt(gate.waiting));
+      setField(view.node, "latency", fmtSeconds(gate.latency_s) + " (" + fmtSeconds(gate.min_latency_s) + ")");
+      setField(view.node, "shed-rate", last ? fmt(last.shed, 1) : "—");
+      const x = [], limit = [], inFlight = [], shed = [], latency = [], minimum = [];
+      for (const point of points) {
+        const one = (point.adaptive || {})[name];
+        x.push(point.t);
+        limit.push(one ? one.limit : null);
+        inFlight.push(one ? one.in_flight : null);
+        shed.push(one && one.shed > 0 ? one.shed : null);
+        latency.push(one && one.latency_s > 0 ? one.latency_s * 1000 : null);
+        minimum.push(one && one.min_latency_s > 0 ? one.min_latency_s * 1000 : null);
+      }
+      view.limit.setData([x, limit, inFlight, shed]);
+      view.latency.setData([x, latency, minimum]);
+    }
+    for (const name of Object.keys(dash.adaptive)) {
+      if (!(name in gates)) {
+        dash.adaptive[name].node.remove();
+        delete dash.adaptive[name];
+      }
+    }
+    $("adaptive").hidden = Object.keys(gates).length === 0;
+  }
+
   function render(state) {
     dash.state = state;
     renderHeader(state);
@@ -405,6 +484,7 @@
     const points = visible();
     const names = Object.keys(state.limits);
     for (const name of names) renderLimit(name, state.limits[name], points);
+    renderAdaptive(state, points);
     for (const name of Object.keys(dash.limits)) {
       if (!(name in state.limits)) {
         dash.limits[name].node.remove();
@@ -451,8 +531,10 @@
   }
 
   window.addEventListener("resize", () => {
-    for (const view of Object.values(dash.limits)) {
-      for (const chart of [view.rates, view.ratio]) {
+    const charts = Object.values(dash.adaptive).map((view) => [view.limit, view.latency]);
+    for (const view of Object.values(dash.limits)) charts.push([view.rates, view.ratio]);
+    for (const pair of charts) {
+      for (const chart of pair) {
         chart.setSize({ width: chartWidth(chart.root.parentElement), height: CHART_HEIGHT });
       }
     }

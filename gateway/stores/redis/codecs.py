@@ -13,6 +13,7 @@ from typing import Any, Final, Protocol
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.calendar_period import Period
 from gateway.algorithms.calendar_window import CalendarWindow
+from gateway.algorithms.concurrency import Concurrency
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket, pack_state
 from gateway.algorithms.sliding_log import SlidingLog, pack_log
@@ -279,4 +280,9 @@ def codec_for(algorithm: Algorithm[Any]) -> Codec:
         return WarmingUpCodec(algorithm)
     if isinstance(algorithm, TokenBucket):
         return TokenBucketCodec(algorithm)
+    if isinstance(algorithm, Concurrency):
+        raise ValueError(
+            "concurrency limits are not enforced by the Redis store yet: use store url memory "
+            "(in process, or shared across --workers on one host)"
+        )
     raise ValueError(f"the Redis store has no Lua mirror of {algorithm!r}")

@@ -100,6 +100,7 @@ class RedisStore:
 
     name = "redis"
     verdicts_on_clock = False  # decided on Redis TIME
+    slots_shared = True  # other replicas hold slots of the same keys
 
     def __init__(
         self,
@@ -355,6 +356,9 @@ class RedisStore:
                 self._answered(breaker)
                 verdicts.append(_verdict((check,), (plan,), reply))
         return verdicts
+
+    def release(self, checks: Sequence[Check]) -> asyncio.Future[None] | None:
+        return None
 
     async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
         """One script call (mode 'c', pipelined with the others in flight) charging each check

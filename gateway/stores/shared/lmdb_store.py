@@ -23,6 +23,15 @@ Three databases:
   limit's slot, identity and algorithm, each table's key count, evictions and expiries, and
   (``dropped:``) the evictions of tables a reload dropped, by name, so that a limit's
   evictions never go down.
+- ``held``: ``slot | worker | key`` -> the slots of a concurrency limit's key this worker's
+  requests hold (8 bytes), written in the transaction that takes or gives them back. A worker
+  killed with requests in flight leaves its records; the worker the supervisor starts in its
+  place (the same worker number) gives those slots back before its first request
+  (``_reclaim``), so a dead worker's slots are held until the supervisor notices, not forever.
+
+A concurrency limit's key is forgotten as soon as it holds no slot, so its table counts the
+keys holding slots; a new key in a full table reads as holding every slot (refused, as nginx's
+``limit_conn`` refuses one when its zone is full): no key holding slots is ever evicted.
 
 Bounded like an nginx zone: a new key first looks at the table's two least recently used
 keys and drops those whose state is idle (a fresh key would decide the same: an expiry, as
@@ -47,10 +56,12 @@ from mypy_extensions import mypyc_attr
 from gateway.algorithms.base import Decision
 from gateway.algorithms.charging import charge_what_fits
 from gateway.algorithms.combine import CombinedDecision, combine
+from gateway.algorithms.concurrency import Concurrency
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.protocol import StoreUnavailableError
 from gateway.stores.shared.records import (
+    HELD,
     MAX_KEY_BYTES,
     TAGGED,
     TICK,
@@ -80,6 +91,7 @@ from gateway.stores.shared.tables import (
     policy_hash,
     read_int,
     read_tables,
+    slot_keys,
     table_counts,
 )
 from gateway.stores.store_stats import StoreStats
@@ -108,6 +120,8 @@ _Found = tuple[bytes, bytes | None, bytes | None]
 # A state whose key is new, moves in the LRU index or is forgotten: key, last tick (None: a
 # new key), limit, new state.
 _Moved = tuple[bytes, int | None, CompiledLimit, Any]
+# A concurrency check's slots an admission takes: its state key, and how many.
+_Taken = tuple[bytes, int]
 
 
 class _MapNearlyFull(Exception):
@@ -131,6 +145,7 @@ class SharedStore:
         reports_counts: bool = True,
         workers: int = 1,
         on_failure: str = "local",
+        worker_id: int = 0,
     ) -> None:
         # ``path`` None: build and validate only (``gateway check``), nothing opened.
         self.path = path
@@ -147,11 +162,18 @@ class SharedStore:
         self.reports_counts = reports_counts
         # Several processes write: decide outside the writers' lock (``_decide_optimistic``).
         self._optimistic = workers > 1
+        # Other workers take and give back slots too: a request waiting for one looks again.
+        self.slots_shared = workers > 1
+        # This worker's number in the ``held`` records: the same in the worker started in
+        # its place, which gives back what they hold (``_reclaim``, once).
+        self._worker = HELD.pack(worker_id)
+        self._reclaimed = False
         self._env: lmdb.Environment | None = None
         self._state: Any = None
         self._lru: Any = None
         self._meta: Any = None
-        self._dbs = Databases(None, None, None)
+        self._held: Any = None
+        self._dbs = Databases(None, None, None, None)
         self._generation: bytes | None = b"unread"
         # The last committed transaction at which ``_generation`` was read or known current
         # (-1: none): a transaction that starts from it needs no read of the generation.
@@ -192,7 +214,8 @@ class SharedStore:
             self._state = env.open_db(None)  # the main database (see the module)
             self._lru = env.open_db(b"lru")
             self._meta = env.open_db(b"meta")
-            self._dbs = Databases(self._state, self._lru, self._meta)
+            self._held = env.open_db(b"held")
+            self._dbs = Databases(self._state, self._lru, self._meta, self._held)
             self._env = env
             self._mapped(env)
         return env
@@ -270,11 +293,37 @@ class SharedStore:
                         generation = read_int(txn, self._dbs, GENERATION) + 1
                         txn.put(GENERATION, TICK.pack(generation), db=self._meta)
                     self._load_tables(txn)
+                    if not self._reclaimed:
+                        self._reclaim(txn)
+                self._reclaimed = True
                 return
             except (lmdb.MapFullError, _MapNearlyFull):
                 reason = self._grow(env)
                 if reason is not None:
                     raise ValueError(reason) from None
+
+    def _reclaim(self, txn: Any) -> None:
+        """Give back the slots a worker of this number held when it died (its ``held``
+        records): before this worker's first request, so its own records start empty."""
+        worker = self._worker
+        for table in self._tables.values():
+            for record, raw in slot_keys(txn, self._held, table.prefix + worker):
+                key = table.prefix + record[6:]
+                self._give_back(txn, table, key, TICK.unpack(raw)[0], self.clock.now_us())
+                txn.delete(record, db=self._held)
+
+    def _give_back(self, txn: Any, table: Table, key: bytes, cost: int, now_us: int) -> None:
+        """``cost`` slots of ``key`` back in its state (not below none); a key that holds
+        none is forgotten."""
+        raw = txn.get(key, db=self._state)
+        if raw is None:
+            return
+        tick, held = decode_state(raw)
+        held = table.algorithm.refund(held, now_us, cost)
+        if held > 0:
+            txn.put(key, encode_state(tick, held), db=self._state)
+        else:
+            forget_key(txn, self._dbs, table.slot, key, tick)
 
     def _load_tables(self, txn: Any) -> None:
         self._tables = read_tables(txn, self._dbs)
@@ -400,7 +449,7 @@ class SharedStore:
         except lmdb.MapResizedError:
             snapshot = self._begin(env, False, self._state)
         try:
-            verdict, found, moved = self._read_and_decide(snapshot, checks, now_us, False)
+            verdict, found, moved, taken = self._read_and_decide(snapshot, checks, now_us, False)
             seen = snapshot.id()
         finally:
             snapshot.abort()
@@ -424,6 +473,8 @@ class SharedStore:
                         put(key, value)
                 if moved is not None:
                     self._write_moved_states(txn, moved, now_us)
+                if taken is not None:
+                    self._hold(txn, taken)
             txn.commit()
             self._current_at = committed
         except BaseException:
@@ -440,11 +491,11 @@ class SharedStore:
 
     def _read_and_decide(
         self, txn: Any, checks: Sequence[Check], now_us: int, write: bool
-    ) -> tuple[CombinedDecision, list[_Found], list[_Moved] | None]:
+    ) -> tuple[CombinedDecision, list[_Found], list[_Moved] | None, list[_Taken] | None]:
         """Read the states in ``txn`` and decide. With ``write`` (a write transaction the
         caller commits only for an admission) each limit's new state is written as soon as
-        it is decided, and new and moved keys once all admit; without, what was read and
-        what an admission writes are returned."""
+        it is decided, and new and moved keys and this worker's slots once all admit;
+        without, what was read and what an admission writes are returned."""
         # The request path: each check's state read, states packed in 16 bytes. The state
         # database is the transaction's default and every py-lmdb call takes positional
         # arguments (keywords cost the binding a parse per call). The generation is read
@@ -464,9 +515,12 @@ class SharedStore:
         unix_us = 0  # calendar time, read when a calendar window needs it
         found: list[_Found] = []
         moved: list[_Moved] | None = None
+        taken: list[_Taken] | None = None
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
+        # Declared: compiled, a name takes the type of its first assignment (a slot count).
+        state: Any
         for check in checks:
             limit = check.limit
             entry = by_limit.get(limit.table)
@@ -501,6 +555,8 @@ class SharedStore:
                 raw = get(key)
                 if raw is None:
                     tick = state = None
+                    if limit.holds_slots:
+                        state = self._full_as_held(txn, entry[1], limit)
                 else:
                     try:
                         tick, state = unpack(raw)
@@ -509,6 +565,11 @@ class SharedStore:
                     if tick >= TAGGED:
                         tick, state = decode_state(raw)
                 decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
+                if limit.holds_slots:
+                    if taken is None:
+                        taken = [(key, check.cost)]
+                    else:
+                        taken.append((key, check.cost))
                 if tick == now_tick and new_state is not None:  # a known key, this LRU tick
                     try:
                         value: bytes | None = pack(now_tick, new_state)
@@ -530,9 +591,33 @@ class SharedStore:
         verdict = combine(
             decisions, new_states, states, now_us, [check.max_delay_s for check in checks]
         )
-        if put is not None and moved is not None and verdict.allowed:
-            self._write_moved_states(txn, moved, now_us)
-        return verdict, found, moved
+        if put is not None and verdict.allowed:
+            if moved is not None:
+                self._write_moved_states(txn, moved, now_us)
+            if taken is not None:
+                self._hold(txn, taken)
+        return verdict, found, moved, taken
+
+    def _full_as_held(self, txn: Any, table: Table | None, limit: CompiledLimit) -> int | None:
+        """A concurrency limit's new key: no state, or, in a table as full as ``max_keys``
+        (every key there holds slots), every slot held, so that the algorithm refuses it."""
+        if table is None:
+            return None
+        if table_counts(txn, self._dbs, table.slot)[0] < table.max_keys:
+            return None
+        algorithm = limit.algorithm
+        assert isinstance(algorithm, Concurrency)
+        return algorithm.limit
+
+    def _hold(self, txn: Any, taken: Sequence[_Taken]) -> None:
+        """Record the slots this worker's admitted request took (``held``)."""
+        held_db = self._held
+        worker = self._worker
+        for key, cost in taken:
+            record = key[:4] + worker + key[4:]
+            raw = txn.get(record, None, held_db)
+            count = cost if raw is None else TICK.unpack(raw)[0] + cost
+            txn.put(record, TICK.pack(count), True, True, False, held_db)
 
     def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
         """Charge each check ``units`` after its response, as much as its key has room for, in
@@ -672,6 +757,47 @@ class SharedStore:
     async def decide_each(self, checks: Sequence[Check]) -> list[CombinedDecision]:
         return [await self.decide((check,)) for check in checks]
 
+    def release(self, checks: Sequence[Check]) -> None:
+        """Give back the slots of an admitted request's concurrency checks, in its state and
+        this worker's ``held`` record (no more than that record holds: a slot taken while the
+        map had no room was never written). Never raises: the failure is counted, and the
+        slots stay held until this worker is restarted."""
+        env = self._env
+        if env is None:
+            return
+        try:
+            try:
+                self._release(env, checks)
+            except (lmdb.MapFullError, _MapNearlyFull):
+                if self._grow(env) is None:
+                    self._release(env, checks)
+        except lmdb.Error:
+            self.stats.error()
+
+    def _release(self, env: lmdb.Environment, checks: Sequence[Check]) -> None:
+        now_us = self.clock.now_us()
+        held_db = self._held
+        worker = self._worker
+        with self._begin(env, True) as txn:
+            self._refresh(txn)
+            for check in checks:
+                table = self._tables.get(check.limit.table)
+                if table is None or not isinstance(table.algorithm, Concurrency):
+                    continue  # a reload removed the limit, or made it another: nothing held
+                key = table.prefix + key_bytes(check.key)
+                record = key[:4] + worker + key[4:]
+                raw = txn.get(record, None, held_db)
+                if raw is None:
+                    continue
+                mine = TICK.unpack(raw)[0]
+                cost = min(check.cost, mine)
+                if mine > cost:
+                    txn.put(record, TICK.pack(mine - cost), True, True, False, held_db)
+                else:
+                    txn.delete(record, b"", held_db)
+                self._give_back(txn, table, key, cost, now_us)
+            self._current_at = -1  # this commit: read the generation again next time
+
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         env = self._env_for_requests()
         try:
@@ -692,6 +818,8 @@ class SharedStore:
                 # A reload may have removed the limit, or given its name another algorithm
                 # whose states this request's charge is no part of: nothing to give back then.
                 if table is None or type(table.algorithm) is not type(check.limit.algorithm):
+                    continue
+                if check.limit.holds_slots:  # given back by ``release``
                     continue
                 key = table.prefix + key_bytes(check.key)
                 raw = txn.get(key, db=self._state)
@@ -748,6 +876,13 @@ class SharedStore:
 
     def tracked_keys(self, limit_name: str) -> int:
         return self._limit_counts(limit_name)[0]
+
+    def slots_in_use(self, table_name: str) -> int:
+        """The slots held under a concurrency limit's table, by every worker (inspection: it
+        reads every key)."""
+        table = self._tables[table_name]
+        with self._begin(self._env_for_requests(), False) as txn:
+            return sum(decode_state(raw)[1] for _, raw in slot_keys(txn, self._state, table.prefix))
 
     def evictions(self, limit_name: str) -> int:
         return self._limit_counts(limit_name)[1]

@@ -11,6 +11,7 @@ MAX_KEY_BYTES: Final = 400  # LMDB keys stop at 511 bytes: longer limit keys are
 TICK: Final = struct.Struct(">Q")
 TICK_STATE: Final = struct.Struct(">Qq")  # a state that fits 64 bits, as almost every one does
 TAGGED: Final = 1 << 63  # on the tick: the state is tagged, not packed
+HELD: Final = struct.Struct(">H")  # a worker's number in its ``held`` records
 
 
 def encode_payload(state: Any) -> bytes:

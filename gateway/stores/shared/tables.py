@@ -23,11 +23,12 @@ DROPPED: Final = b"dropped:"  # table name -> evictions of its tables reloads dr
 
 
 class Databases(NamedTuple):
-    """The environment's three databases (see ``lmdb_store``)."""
+    """The environment's four databases (see ``lmdb_store``)."""
 
     state: Any
     lru: Any
     meta: Any
+    held: Any
 
 
 class Table(NamedTuple):
@@ -138,7 +139,7 @@ def drop_table(txn: Any, dbs: Databases, name: str, slot: int) -> None:
     """Free a table a reload removed or gave other keys; its evictions stay counted under
     its name (``dropped:``), so that a limit's evictions never go down."""
     prefix = SLOT.pack(slot)
-    for db in (dbs.state, dbs.lru):
+    for db in (dbs.state, dbs.lru, dbs.held):
         for key, _ in slot_keys(txn, db, prefix):
             txn.delete(key, db=db)
     _, evictions, _ = table_counts(txn, dbs, slot)
