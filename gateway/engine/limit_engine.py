@@ -591,17 +591,8 @@ class LimitEngine:
                 waits_on=check,
                 reason=f"waits for a slot of concurrency limit {check.limit.name!r}",
             )
-        limit = check.limit
-        limit.counters.rejected += 1
-        algorithm = limit.algorithm
-        assert isinstance(algorithm, Concurrency)
-        return Outcome(
-            status=limit.spec.status,
-            retry_after_s=algorithm.retry_after_s,
-            rejected_by=limit.name,
-            reason=f"concurrency limit {limit.name!r} queue is full",
-            checks=enforced,
-        )
+        reason = f"concurrency limit {check.limit.name!r} queue is full"
+        return _slot_refused(check, enforced, reason, None)
 
     async def wait_for_slot(self, outcome: Outcome) -> Outcome:
         """Wait in line for the slot ``outcome.waits_on`` needs, then decide all the request's
@@ -672,18 +663,8 @@ class LimitEngine:
     def _waited_too_long(
         self, check: Check, enforced: list[Check], verdict: CombinedDecision | None
     ) -> Outcome:
-        limit = check.limit
-        limit.counters.rejected += 1
-        algorithm = limit.algorithm
-        assert isinstance(algorithm, Concurrency)
-        return Outcome(
-            status=limit.spec.status,
-            retry_after_s=algorithm.retry_after_s,
-            rejected_by=limit.name,
-            reason=f"concurrency limit {limit.name!r}: no slot within max_delay",
-            checks=enforced,
-            verdict=verdict,
-        )
+        reason = f"concurrency limit {check.limit.name!r}: no slot within max_delay"
+        return _slot_refused(check, enforced, reason, verdict)
 
     def without_waiting(self, outcome: Outcome) -> Outcome:
         """``gateway replay``: a request that would wait in line for a slot, rejected as one
@@ -903,6 +884,25 @@ class LimitEngine:
                 % (decision.limit, max(0, decision.remaining), resets[tightest])
             )
         return b"".join(lines)
+
+
+def _slot_refused(
+    check: Check, enforced: list[Check], reason: str, verdict: CombinedDecision | None
+) -> Outcome:
+    """A request refused by a concurrency limit's line (full, or waited ``max_delay`` in
+    vain): rejected by that limit, counted there, charged to nothing."""
+    limit = check.limit
+    limit.counters.rejected += 1
+    algorithm = limit.algorithm
+    assert isinstance(algorithm, Concurrency)
+    return Outcome(
+        status=limit.status,
+        retry_after_s=algorithm.retry_after_s,
+        rejected_by=limit.name,
+        reason=reason,
+        checks=enforced,
+        verdict=verdict,
+    )
 
 
 def _charged_after(
