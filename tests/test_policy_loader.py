@@ -136,9 +136,6 @@ EXPECTED_ERRORS = {
     "would get 404; define at least one route (an empty or truncated file?)",
     "redis_limit_too_large.yaml": "redis_limit_too_large.yaml:10: limits.huge: 2 * limit + 1 "
     "(9.0072e+15) is too large for the Redis store: its Lua arithmetic is exact only below 2**53",
-    "concurrency_on_redis.yaml": "concurrency_on_redis.yaml:10: limits.in_flight: concurrency "
-    "limits are not enforced by the Redis store yet: use store url memory (in process, or "
-    "shared across --workers on one host)",
     "zero_header_timeout.yaml": "zero_header_timeout.yaml:2: server.header_timeout: "
     "must be longer than 0: a zero timeout would expire at once, every time",
     "zero_body_timeout.yaml": "zero_body_timeout.yaml:3: server.body_timeout: "

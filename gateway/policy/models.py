@@ -1495,6 +1495,12 @@ class StoreSettings(_Model):
     )
     timeout: Timeout = Field(0.05, description="deadline of one Redis call")
     key_prefix: str = Field("gw:", pattern=r"^[^{}\s]*$", description="namespace of Redis keys")
+    slot_ttl: Timeout = Field(
+        10.0,
+        description="how long a replica's concurrency slots outlive it in Redis (renewed "
+        "every third of it while it runs): a replica that dies or is cut off holds its slots "
+        "at most this long",
+    )
     client: Literal["thin", "redis-py"] = Field(
         "thin",
         description="thin: the gateway's pipelined client on redis-py's hiredis parser (less "

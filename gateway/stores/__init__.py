@@ -76,4 +76,5 @@ def build_store(
         key_prefix=settings.key_prefix,
         client=settings.client,
         clock=clock,
+        slot_ttl_s=settings.slot_ttl,
     )

@@ -263,9 +263,37 @@ class WarmingUpCodec:
         return ((int(whole_us) * self._tpu + int(frac)) << self._credit_bits) | int(credit)
 
 
-def codec_for(algorithm: Algorithm[Any]) -> Codec:
+class ConcurrencyCodec:
+    """A concurrency limit's slots, held by replicas (``lua/concurrency.lua``): the parameters
+    end with the replica's id, under which its slots are kept, and the time they live unless
+    renewed."""
+
+    __slots__ = ("_limit", "nominal_limit", "params")
+
+    def __init__(self, algorithm: Concurrency, owner: bytes, slot_ttl_s: float) -> None:
+        _exact("limit", algorithm.limit)
+        self._limit = self.nominal_limit = algorithm.limit
+        retry_us = round(algorithm.retry_after_s * 1e6)
+        _exact("retry_after in microseconds", retry_us)
+        self.params = b"C" + struct.pack("<ddd", algorithm.limit, retry_us, slot_ttl_s * 1e6)
+        self.params += owner
+
+    def decision(self, allowed: int, _: int, retry_us: int, remaining: int, __: int) -> Decision:
+        if allowed:
+            return Decision(True, 0.0, 0.0, self._limit, remaining, 0.0)
+        retry_after_s = _INF if retry_us < 0 else retry_us / 1e6
+        return Decision(False, 0.0, retry_after_s, self._limit, remaining, 0.0)
+
+    def decode_state(self, raw: bytes) -> int:
+        held, _ = struct.unpack("<dd", raw)
+        return int(held)
+
+
+def codec_for(algorithm: Algorithm[Any], owner: bytes = b"", slot_ttl_s: float = 10.0) -> Codec:
     """The Lua mirror's codec for an algorithm; ``ValueError`` if there is none or its
-    parameters cannot be computed exactly in Lua (refused when the policy is loaded)."""
+    parameters cannot be computed exactly in Lua (refused when the policy is loaded).
+    A concurrency limit's slots are kept under ``owner``, this replica's id, for
+    ``slot_ttl_s`` unless renewed."""
     if isinstance(algorithm, LeakyBucket):
         return LeakyBucketCodec(algorithm)
     if isinstance(algorithm, SlidingLog):
@@ -281,8 +309,5 @@ def codec_for(algorithm: Algorithm[Any]) -> Codec:
     if isinstance(algorithm, TokenBucket):
         return TokenBucketCodec(algorithm)
     if isinstance(algorithm, Concurrency):
-        raise ValueError(
-            "concurrency limits are not enforced by the Redis store yet: use store url memory "
-            "(in process, or shared across --workers on one host)"
-        )
+        return ConcurrencyCodec(algorithm, owner, slot_ttl_s)
     raise ValueError(f"the Redis store has no Lua mirror of {algorithm!r}")

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -34,6 +35,7 @@ from gateway.stores.redis.fallback import OwedToNodes
 from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
 from gateway.stores.redis.shadow import FOLD_INTERVAL_S, PendingCharges
+from gateway.stores.redis.slot_keeper import SlotKeeper
 from gateway.stores.store_stats import StoreStats
 
 FailureMode = Literal["local", "allow", "deny"]
@@ -43,6 +45,8 @@ log = logging.getLogger("gateway.store")
 _INF: Final = float("inf")
 # An overridden clock (tests) has nothing to do with the clock Redis expires keys by.
 _OVERRIDE_MIN_TTL_MS: Final = 600_000
+# How long a replica's concurrency slots live in Redis unless it renews them (every third of it).
+SLOT_TTL_S: Final = 10.0
 # Getting ready at start (several round trips, every master) may take longer than one call.
 _PREPARE_TIMEOUT_S: Final = 2.0
 _LUA_FILES: Final = (
@@ -53,6 +57,7 @@ _LUA_FILES: Final = (
     "sliding_log.lua",
     "token_bucket.lua",
     "calendar_window.lua",
+    "concurrency.lua",
     "decide.lua",
 )
 
@@ -115,6 +120,7 @@ class RedisStore:
         clock: Clock | None = None,
         time_source: Clock | None = None,
         breaker: CircuitBreaker | None = None,
+        slot_ttl_s: float = SLOT_TTL_S,
     ) -> None:
         """``clock`` drives the local fallback and the breakers; ``time_source`` (tests only)
         replaces Redis ``TIME`` as the scripts' clock. ``breaker`` is the single server's
@@ -127,6 +133,8 @@ class RedisStore:
             raise ValueError(f"timeout must be positive, got {timeout_s!r}")
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight!r}")
+        if not slot_ttl_s > 0:
+            raise ValueError(f"slot_ttl must be positive, got {slot_ttl_s!r}")
         if "{" in key_prefix or "}" in key_prefix:
             raise ValueError(f"key_prefix must not contain braces (hash tags), got {key_prefix!r}")
         redis_url, cluster = parse_store_url(url)
@@ -137,6 +145,11 @@ class RedisStore:
         self.timeout_s = timeout_s
         self.key_prefix = key_prefix
         self.time_source = time_source
+        # Concurrency slots this replica holds in Redis, under its own id, renewed while it
+        # runs (``slot_keeper.py``).
+        self.slot_ttl_s = slot_ttl_s
+        self.owner = uuid.uuid4().hex[:16].encode()
+        self.slots = SlotKeeper(self._renew_slots, slot_ttl_s / 3)
         self.clock: Clock = clock or MonotonicClock()
         # What a calendar window's periods are read off (the script then picks by Redis TIME):
         # this replica's clock; a test that only replaces Redis TIME reads that instead.
@@ -224,7 +237,7 @@ class RedisStore:
         self._stale_plans.clear()
 
     def _build_plan(self, limit: CompiledLimit, tag_part: str | None) -> LimitPlan:
-        codec = codec_for(limit.algorithm)
+        codec = codec_for(limit.algorithm, self.owner, self.slot_ttl_s)
         parts = limit.spec.key
         if tag_part is None or tag_part not in parts:
             tag_index = FIXED_TAG
@@ -290,6 +303,7 @@ class RedisStore:
         if not breaker.allow():
             return await self._unavailable(checks, commit, "circuit open")
         probe = breaker.probe_out
+        slot_keys = self.slots.calling(checks, plans) if commit else None
         try:
             if self.owed.due(node):
                 await self.owed.settle(node)
@@ -300,8 +314,13 @@ class RedisStore:
         except Exception as exc:
             self._failed(exc, breaker)
             return await self._unavailable(checks, commit, _describe(exc))
+        finally:
+            if slot_keys:
+                self.slots.answered(slot_keys)
         self._answered(breaker)
         verdict = _verdict(checks, plans, reply)
+        if slot_keys and verdict.allowed:
+            self.slots.took(checks, plans)
         if commit and verdict.allowed and self.on_failure == "local":
             # Counted now, charged to the fallback at most FOLD_INTERVAL_S later (a limit
             # charged after the response when its charge is made).
@@ -332,12 +351,16 @@ class RedisStore:
             for check, plan, ok in zip(checks, plans, allowed, strict=True)
             if ok
         ]
+        slot_keys = self.slots.calling(checks, plans)
         try:
             answers = iter(await asyncio.gather(*calls, return_exceptions=True))
         except asyncio.CancelledError:
             for breaker, probe in zip(breakers, probes, strict=True):
                 breaker.cancelled(probe)
             raise
+        finally:
+            if slot_keys:
+                self.slots.answered(slot_keys)
         verdicts = []
         for check, plan, breaker, ok, probe in zip(
             checks, plans, breakers, allowed, probes, strict=True
@@ -354,11 +377,63 @@ class RedisStore:
                 verdicts.append(await self._local_decide((check,), True))
             else:
                 self._answered(breaker)
-                verdicts.append(_verdict((check,), (plan,), reply))
+                verdict = _verdict((check,), (plan,), reply)
+                if verdict.allowed:
+                    self.slots.took((check,), (plan,))
+                verdicts.append(verdict)
         return verdicts
 
     def release(self, checks: Sequence[Check]) -> asyncio.Future[None] | None:
-        return None
+        """Give back slots taken in Redis there (one call, in flight: the future), and those
+        the local fallback gave in process at once. Never raises: a release Redis does not
+        hear of is set right by the next renewal, or expires with the replica's slots."""
+        in_redis: list[Check] = []
+        plans: list[LimitPlan] = []
+        for check in checks:
+            plan = self.plan(check.limit)
+            if self.slots.give_back(check, plan):
+                in_redis.append(check)
+                plans.append(plan)
+            else:
+                self.local.release((self._local_check(check),))
+        if not in_redis:
+            return None
+        return asyncio.ensure_future(self._release_in_redis(in_redis, plans))
+
+    async def _release_in_redis(self, checks: Sequence[Check], plans: Sequence[LimitPlan]) -> None:
+        node = self._node_of(checks[0], plans[0]) if self.cluster else ""
+        breaker = self.circuits.of(node)
+        if not breaker.allow():
+            return  # the next renewal sets the replica's count right, or it expires
+        probe = breaker.probe_out
+        keys = self.slots.calling(checks, plans)
+        try:
+            await self._eval(b"r", checks, plans)
+        except asyncio.CancelledError:
+            breaker.cancelled(probe)
+            raise
+        except Exception as exc:
+            self._failed(exc, breaker)
+        else:
+            self._answered(breaker)
+        finally:
+            self.slots.answered(keys)
+
+    async def _renew_slots(self, held: Sequence[tuple[Check, LimitPlan, int]]) -> None:
+        """Keep this replica's slots of each key alive (``slot_keeper.py``): one call per key
+        (each in its own hash slot), all in flight together; a key with no call in flight
+        also has its count set to what this replica holds."""
+        calls = []
+        for check, plan, units in held:
+            node = self._node_of(check, plan) if self.cluster else ""
+            if self.circuits.of(node).state == "open":
+                continue
+            calls.append(self._eval(b"k", (check,), (plan,), units=(units,)))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, Exception):
+                self.stats.error()
 
     async def charge(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
         """One script call (mode 'c', pipelined with the others in flight) charging each check
@@ -422,6 +497,11 @@ class RedisStore:
         if self.leases.plans and any(self.leases.leased(check.limit) for check in checks):
             self.leases.refund([c for c in checks if self.leases.leased(c.limit)])
             checks = [c for c in checks if not self.leases.leased(c.limit)]
+        if any(check.limit.holds_slots for check in checks):
+            done = self.release([c for c in checks if c.limit.holds_slots])
+            if done is not None:
+                await done
+            checks = [c for c in checks if not c.limit.holds_slots]
         if not checks:
             return
         plans = [self.plan(check.limit) for check in checks]
@@ -479,6 +559,7 @@ class RedisStore:
             )
 
     async def close(self) -> None:
+        self.slots.close()  # the slots still held expire with the replica's renewals
         await self.leases.close()  # graceful shutdown: unused leases go back
         await self.leases.client.close()
         self._fold_pending()  # and no timer left behind
@@ -540,7 +621,7 @@ class RedisStore:
             self.counters.recoveries += recoveries
             if isinstance(reply, Exception):
                 raise reply
-        if mode == b"r":
+        if mode in (b"r", b"k"):
             length = 1
         elif mode == b"c":
             length = 1 + len(checks)
@@ -675,10 +756,15 @@ def _redis_py(
 
 
 def _charged_now(checks: Sequence[Check]) -> Sequence[Check]:
-    """The checks an admission charges: not those of limits charged after the response."""
+    """The checks an admission charges: not those of limits charged after the response, nor
+    concurrency limits (a slot is not a charge: the fallback holds its own, released in
+    process, and none is owed to Redis)."""
     for check in checks:
-        if check.limit.response_charge is not None:
-            return [c for c in checks if c.limit.response_charge is None]
+        limit = check.limit
+        if limit.response_charge is not None or limit.holds_slots:
+            return [
+                c for c in checks if c.limit.response_charge is None and not c.limit.holds_slots
+            ]
     return checks
 
 

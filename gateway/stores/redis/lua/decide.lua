@@ -25,8 +25,14 @@
 -- ARGV[5+2n+i] when a limit of the call needs it: what limit i's algorithm takes beside its
 --            parameters (a calendar window's periods, read off the calendar by the gateway;
 --            '' for the others), after ARGV[5+2n] ('' then, but for a refund)
+--            'k' keep a replica's concurrency slots alive (each limit's cost: 0 renews the
+--            replica's slots of the key, n + 1 sets them to n, renewed)
 -- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four, then
---            the call's number; for 'c', now_us, what each limit took, the call's number.
+--            the call's number; for 'c', now_us, what each limit took, the call's number;
+--            for 'r' and 'k', now_us and the call's number.
+-- A concurrency limit ('C') keeps its key's slots in a hash, one field per replica
+-- (concurrency.lua): a decision counts every replica's live slots, a commit or a refund
+-- changes this replica's only; nothing of it is rescaled or charged after the response.
 -- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
 local costs = {}
 for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
@@ -35,6 +41,18 @@ local min_ttl_ms = tonumber(ARGV[4])
 local n = #KEYS
 local function extra(i) return ARGV[5 + 2 * n + i] end
 local function after(i) return ARGV[4 + n + i] == 'a' end
+local function holds_slots(p) return string.byte(p, 1) == 67 end -- 'C'
+
+if mode == 'k' then
+  for i = 1, n do
+    local p = ARGV[4 + i]
+    local set = cost_of(i)
+    local held = set - 1
+    if set == 0 then held = select(2, SLOTS.load(KEYS[i], p, true)) end
+    SLOTS.put(KEYS[i], p, held, min_ttl_ms)
+  end
+  return {now_us, call_id}
+end
 
 -- An idle state is what an absent key means, so a key lives until its state is idle.
 local function store(key, p, state, idle_in_us)
@@ -71,16 +89,21 @@ if mode == 'r' then
   local charged_us = tonumber(ARGV[5 + 2 * n])
   for i = 1, n do
     local p = ARGV[4 + i]
-    local raw, rescaled, rescaled_idle_us = load(i, p)
-    local state, idle_in_us = nil, 0
-    if raw then
-      state, idle_in_us =
-        ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost_of(i), charged_us, extra(i))
-    end
-    if state then
-      store(KEYS[i], p, state, idle_in_us)
-    elseif rescaled then
-      store(KEYS[i], p, raw, rescaled_idle_us)
+    if holds_slots(p) then
+      local own = select(2, SLOTS.load(KEYS[i], p, true))
+      SLOTS.put(KEYS[i], p, own - cost_of(i), min_ttl_ms)
+    else
+      local raw, rescaled, rescaled_idle_us = load(i, p)
+      local state, idle_in_us = nil, 0
+      if raw then
+        state, idle_in_us =
+          ALG[string.sub(p, 1, 1)].refund(p, raw, now_us, cost_of(i), charged_us, extra(i))
+      end
+      if state then
+        store(KEYS[i], p, state, idle_in_us)
+      elseif rescaled then
+        store(KEYS[i], p, raw, rescaled_idle_us)
+      end
     end
   end
   return {now_us, call_id}
@@ -90,36 +113,40 @@ if mode == 'c' then
   local reply = {now_us}
   for i = 1, n do
     local p = ARGV[4 + i]
-    local raw, rescaled, rescaled_idle_us = load(i, p)
-    local algorithm = ALG[string.sub(p, 1, 1)]
-    local cost = cost_of(i)
-    local taken = 0
-    local ok, state, idle_in_us = 0, nil, 0
-    if cost > 0 then ok, state, idle_in_us = algorithm.decide(p, raw, now_us, cost, extra(i)) end
-    if ok == 1 then
-      taken = cost
+    if holds_slots(p) then -- slots are taken by admissions only
+      reply[i + 1] = 0
     else
-      -- Every algorithm admits any smaller cost than one it admits: the largest cost that
-      -- fits, by bisection (at most 53 decisions, no Redis calls).
-      state = nil
-      local lo, hi = 0, cost - 1
-      while lo < hi do
-        local mid = hi - floor((hi - lo) / 2)
-        local fits, mid_state, mid_idle_us = algorithm.decide(p, raw, now_us, mid, extra(i))
-        if fits == 1 then
-          lo, state, idle_in_us = mid, mid_state, mid_idle_us
-        else
-          hi = mid - 1
+      local raw, rescaled, rescaled_idle_us = load(i, p)
+      local algorithm = ALG[string.sub(p, 1, 1)]
+      local cost = cost_of(i)
+      local taken = 0
+      local ok, state, idle_in_us = 0, nil, 0
+      if cost > 0 then ok, state, idle_in_us = algorithm.decide(p, raw, now_us, cost, extra(i)) end
+      if ok == 1 then
+        taken = cost
+      else
+        -- Every algorithm admits any smaller cost than one it admits: the largest cost that
+        -- fits, by bisection (at most 53 decisions, no Redis calls).
+        state = nil
+        local lo, hi = 0, cost - 1
+        while lo < hi do
+          local mid = hi - floor((hi - lo) / 2)
+          local fits, mid_state, mid_idle_us = algorithm.decide(p, raw, now_us, mid, extra(i))
+          if fits == 1 then
+            lo, state, idle_in_us = mid, mid_state, mid_idle_us
+          else
+            hi = mid - 1
+          end
         end
+        taken = lo
       end
-      taken = lo
+      if state then
+        store(KEYS[i], p, state, idle_in_us)
+      elseif rescaled then
+        store(KEYS[i], p, raw, rescaled_idle_us)
+      end
+      reply[i + 1] = taken
     end
-    if state then
-      store(KEYS[i], p, state, idle_in_us)
-    elseif rescaled then
-      store(KEYS[i], p, raw, rescaled_idle_us)
-    end
-    reply[i + 1] = taken
   end
   reply[n + 2] = call_id
   return reply
@@ -129,11 +156,17 @@ local reply = {now_us}
 local states = {}
 local idle = {}
 local rescaled = {}
+local own_slots = {}
 local allowed = true
 local too_long = false
 for i = 1, n do
   local p = ARGV[4 + i]
-  local raw, was_rescaled, rescaled_idle_us = load(i, p)
+  local raw, was_rescaled, rescaled_idle_us
+  if holds_slots(p) then
+    raw, own_slots[i] = SLOTS.load(KEYS[i], p, mode == 'd')
+  else
+    raw, was_rescaled, rescaled_idle_us = load(i, p)
+  end
   if was_rescaled then rescaled[i] = {raw, rescaled_idle_us} end
   local ok, state, idle_in_us, a, b, c, d, delay_s =
     ALG[string.sub(p, 1, 1)].decide(p, raw, now_us, cost_of(i), extra(i))
@@ -152,8 +185,11 @@ end
 if mode == 'd' then
   if allowed and not too_long then
     for i = 1, n do
-      if states[i] and not after(i) then
-        store(KEYS[i], ARGV[4 + i], states[i], idle[i])
+      local p = ARGV[4 + i]
+      if own_slots[i] then -- this replica's slots: what it held, and the ones taken now
+        SLOTS.put(KEYS[i], p, own_slots[i] + cost_of(i), min_ttl_ms)
+      elseif states[i] and not after(i) then
+        store(KEYS[i], p, states[i], idle[i])
       elseif rescaled[i] then
         store(KEYS[i], ARGV[4 + i], rescaled[i][1], rescaled[i][2])
       end

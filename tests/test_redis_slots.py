@@ -1,0 +1,209 @@
+"""Concurrency slots in Redis, held by the replica that took them (real Redis, real cluster).
+
+Each ``RedisStore`` here is one replica. The limit is counted over every replica's live slots
+in one script call; a replica's slots live ``slot_ttl`` unless it renews them, which it does
+every third of that while it runs. The expiry is on Redis ``TIME`` (or the scripts' test
+clock): tests that check it drive a fake clock, or wait out a short ``slot_ttl`` once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis
+
+from gateway.algorithms.concurrency import Concurrency
+from gateway.algorithms.fixed_window import FixedWindow
+from gateway.clock import FakeClock
+from gateway.limits.compiled import Check, CompiledLimit
+from gateway.stores import RedisStore
+from gateway.stores.redis.circuit import CircuitBreaker
+from tests.support import redis_harness
+from tests.support.conformance import T0_US, close_client, compiled
+from tests.support.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
+
+redis_server = redis_harness.redis_server
+redis_cluster = redis_harness.redis_cluster
+redis_factory = redis_harness.redis_factory
+_prefixes = redis_harness.key_prefixes()
+
+Replicas = Callable[..., RedisStore]
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[Replicas]:
+    """Replicas of one gateway on the shared server, on keys of their own."""
+    prefix = f"slots{next(_prefixes)}:"
+    made: list[RedisStore] = []
+
+    def make(*limits: CompiledLimit, url: str = redis_server.url, **options: object) -> RedisStore:
+        options.setdefault("timeout_s", 2.0)
+        store = RedisStore(url, key_prefix=prefix, **options)  # type: ignore[arg-type]
+        store.configure(limits, ())
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.close()
+
+
+async def admitted(store: RedisStore, *checks: Check) -> bool:
+    return (await store.decide(checks)).allowed
+
+
+async def test_the_limit_holds_across_replicas_and_a_release_admits_the_next(
+    replicas: Replicas,
+) -> None:
+    limit = compiled("in_flight", Concurrency(3))
+    a, b = replicas(limit), replicas(limit)
+    key = Check(limit, "10.0.0.1")
+    assert [await admitted(a, key), await admitted(a, key), await admitted(b, key)] == [True] * 3
+    verdict = await b.decide([key])
+    assert not verdict.allowed and verdict.retry_after_s == 1.0
+    assert not await admitted(a, key)
+    assert await admitted(b, Check(limit, "10.0.0.2"))  # another key, its own slots
+    done = a.release([key])
+    assert done is not None
+    await done
+    assert await admitted(b, key)
+    assert not await admitted(a, key)
+    # Each replica's slots are its own: b's release gives back b's, not a's.
+    for _ in range(2):
+        done = b.release([key])
+        assert done is not None
+        await done
+    assert [await admitted(a, key), await admitted(a, key), await admitted(a, key)] == [
+        True,
+        True,
+        False,
+    ]
+
+
+async def test_a_request_rejected_by_a_rate_limit_takes_no_slot(replicas: Replicas) -> None:
+    slots = compiled("in_flight", Concurrency(2))
+    rate = compiled("per_day", FixedWindow(1, 86_400.0))
+    a, b = replicas(slots, rate), replicas(slots, rate)
+    assert await admitted(a, Check(slots, "k"), Check(rate, "k"))
+    assert not await admitted(b, Check(slots, "k"), Check(rate, "k"))  # the window refuses
+    assert await admitted(b, Check(slots, "k"))  # so its slot is still free
+    assert not await admitted(a, Check(slots, "k"))
+
+
+async def test_a_replica_that_stops_renewing_loses_its_slots_after_the_ttl(
+    replicas: Replicas,
+) -> None:
+    """On the scripts' clock: slots taken at t expire at t + slot_ttl, not one microsecond
+    sooner, unless renewed; a renewal counts from its own instant."""
+    clock = FakeClock(T0_US)
+    limit = compiled("in_flight", Concurrency(2))
+    dead = replicas(limit, time_source=clock, slot_ttl_s=3.0)
+    alive = replicas(limit, time_source=clock, slot_ttl_s=3.0)
+    key = Check(limit, "k")
+    assert await admitted(dead, key)
+    assert await admitted(alive, key)
+    dead.slots.close()  # as if killed: nothing renews its slot
+    alive.slots.close()  # renewed below, by hand
+    clock.advance(2.0)
+    await alive._renew_slots([(key, alive.plan(limit), 0)])
+    clock.advance(0.999_999)
+    assert not await admitted(alive, key)  # both still held, at 3 s less 1 us
+    clock.advance(0.000_001)
+    assert await admitted(alive, key)  # the dead replica's slot expired; the renewed one not
+    assert not await admitted(alive, key)
+    # A replica's slots of a key are one record: the take at 3 s renewed it until 6 s.
+    clock.advance(2.999_999)
+    assert not await admitted(alive, key)
+    clock.advance(0.000_001)
+    assert await admitted(alive, key)
+
+
+async def test_slots_held_longer_than_the_ttl_stay_held_while_the_replica_runs(
+    replicas: Replicas,
+) -> None:
+    """Real time: the keeper renews every third of ``slot_ttl``."""
+    limit = compiled("in_flight", Concurrency(1))
+    holder, other = replicas(limit, slot_ttl_s=0.9), replicas(limit, slot_ttl_s=0.9)
+    key = Check(limit, "k")
+    assert await admitted(holder, key)
+    await asyncio.sleep(2.0)
+    assert holder.slots.renewals >= 3
+    assert not await admitted(other, key)
+    done = holder.release([key])
+    assert done is not None
+    await done
+    assert await admitted(other, key)
+
+
+async def test_the_renewal_sets_right_a_release_redis_did_not_hear_of(
+    replicas: Replicas, redis_server: RedisServer
+) -> None:
+    clock = FakeClock(T0_US)
+    limit = compiled("in_flight", Concurrency(2))
+    store = replicas(limit, time_source=clock)
+    key = Check(limit, "k")
+    assert await admitted(store, key) and await admitted(store, key)
+    store.slots.close()
+    store.slots.give_back(key, store.plan(limit))  # released here, the call lost
+    held = store.slots.held[store.redis_key(key)]
+    assert held.slots == 1
+    assert not await admitted(store, key)
+    await store._renew_slots([(key, store.plan(limit), held.slots + 1)])
+    assert await admitted(store, key)
+
+
+async def test_slots_taken_in_the_fallback_are_local_and_given_back_there(
+    redis_factory: RedisFactory, replicas: Replicas
+) -> None:
+    """Redis stopped: ``on_failure: local`` holds slots in process (the limit divided by the
+    replicas), released there; none is owed to Redis once it answers again."""
+    server = redis_factory.start()
+    limit = compiled("in_flight", Concurrency(4))
+    breaker = CircuitBreaker("test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4)
+    store = replicas(limit, url=server.url, replicas=2, timeout_s=0.2, breaker=breaker)
+    key = Check(limit, "k")
+    assert await admitted(store, key)  # in Redis
+    server.stop()
+    assert [await admitted(store, key) for _ in range(3)] == [True, True, False]  # 4 / 2 local
+    assert store.local.slots_in_use("in_flight") == 2
+    assert store.release([key]) is not None  # the Redis one: a call, which fails
+    assert store.local.slots_in_use("in_flight") == 2
+    assert store.release([key]) is None  # local ones, at once
+    assert store.release([key]) is None
+    assert store.local.slots_in_use("in_flight") == 0
+    assert not store.owed.due("")
+
+
+async def test_a_keys_slots_live_in_its_hash_slot_in_a_cluster(
+    redis_cluster: RedisClusterHarness,
+) -> None:
+    prefix = f"cslots{next(_prefixes)}:"
+    limit = compiled("in_flight", Concurrency(2), key=("client_ip", "route"))
+    rate = compiled("per_ip", FixedWindow(100, 3600.0))
+    stores = [RedisStore(redis_cluster.url, key_prefix=prefix, timeout_s=2.0) for _ in range(2)]
+    plain = redis.cluster.RedisCluster.from_url(
+        f"redis://127.0.0.1:{redis_cluster.nodes[0].port}"
+    )
+    try:
+        for store in stores:
+            store.configure([limit, rate], ())
+        for n in range(20):
+            ip = f"10.2.0.{n}"
+            checks = [Check(limit, f"{ip}\x1fapi"), Check(rate, ip)]
+            assert await admitted(stores[0], *checks)
+            assert await admitted(stores[1], *checks)
+            assert not await admitted(stores[n % 2], *checks)
+            hash_key = stores[0].redis_key(checks[0])
+            assert plain.keyslot(hash_key) == plain.keyslot(stores[0].redis_key(checks[1]))
+            assert plain.hlen(hash_key) == 2  # one field per replica
+            done = stores[1].release([checks[0]])
+            assert done is not None
+            await done
+            assert plain.hlen(hash_key) == 1
+            assert await admitted(stores[n % 2], *checks)
+    finally:
+        close_client(plain)
+        for store in stores:
+            await store.close()
