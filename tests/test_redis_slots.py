@@ -9,8 +9,11 @@ clock): tests that check it drive a fake clock, or wait out a short ``slot_ttl``
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 import pytest
 import redis
 
@@ -22,7 +25,10 @@ from gateway.stores import RedisStore
 from gateway.stores.redis.circuit import CircuitBreaker
 from tests.support import redis_harness
 from tests.support.conformance import T0_US, close_client, compiled
+from tests.support.held_upstream import HeldUpstream
+from tests.support.processes import StartGateway
 from tests.support.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
+from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 redis_cluster = redis_harness.redis_cluster
@@ -161,7 +167,9 @@ async def test_slots_taken_in_the_fallback_are_local_and_given_back_there(
     replicas), released there; none is owed to Redis once it answers again."""
     server = redis_factory.start()
     limit = compiled("in_flight", Concurrency(4))
-    breaker = CircuitBreaker("test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4)
+    breaker = CircuitBreaker(
+        "test", failure_threshold=2, reset_timeout_s=0.2, max_reset_timeout_s=0.4
+    )
     store = replicas(limit, url=server.url, replicas=2, timeout_s=0.2, breaker=breaker)
     key = Check(limit, "k")
     assert await admitted(store, key)  # in Redis
@@ -183,9 +191,7 @@ async def test_a_keys_slots_live_in_its_hash_slot_in_a_cluster(
     limit = compiled("in_flight", Concurrency(2), key=("client_ip", "route"))
     rate = compiled("per_ip", FixedWindow(100, 3600.0))
     stores = [RedisStore(redis_cluster.url, key_prefix=prefix, timeout_s=2.0) for _ in range(2)]
-    plain = redis.cluster.RedisCluster.from_url(
-        f"redis://127.0.0.1:{redis_cluster.nodes[0].port}"
-    )
+    plain = redis.cluster.RedisCluster.from_url(f"redis://127.0.0.1:{redis_cluster.nodes[0].port}")
     try:
         for store in stores:
             store.configure([limit, rate], ())
@@ -207,3 +213,79 @@ async def test_a_keys_slots_live_in_its_hash_slot_in_a_cluster(
         close_client(plain)
         for store in stores:
             await store.close()
+
+
+# -- real gateway processes, two replicas on one Redis --
+
+REPLICA_POLICY = """\
+server:
+  listen: 127.0.0.1:{{port}}
+  admin_listen: 127.0.0.1:{{admin_port}}
+upstreams:
+  backend:
+    url: {upstream}
+routes:
+  - name: all
+    upstream: backend
+store:
+  url: {redis}
+  key_prefix: "{prefix}"
+  replicas: 2
+  timeout: 2.0
+  slot_ttl: {ttl}
+limits:
+  in_flight:
+    algorithm: concurrency
+    limit: 4
+"""
+
+
+async def _get(url: str) -> int | str:
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session,
+            session.get(url) as resp,
+        ):
+            await resp.read()
+            return resp.status
+    except aiohttp.ClientError as exc:
+        return type(exc).__name__
+
+
+@pytest.mark.reliability
+async def test_two_replicas_share_the_limit_and_a_killed_replicas_slots_expire_within_the_ttl(
+    redis_server: RedisServer, held_upstream: HeldUpstream, gateway_process: StartGateway
+) -> None:
+    """Four slots over two gateway processes: two requests held through each, the fifth
+    refused by either. SIGKILL one: its two slots are still counted at once, then no later
+    than ``slot_ttl`` (1.5 s here) after the kill the other admits exactly two more."""
+    ttl = 1.5
+    policy = REPLICA_POLICY.format(
+        upstream=held_upstream.url, redis=redis_server.url, prefix=f"p{next(_prefixes)}:", ttl=ttl
+    )
+    a = await gateway_process(policy=policy)
+    b = await gateway_process(policy=policy)
+    held_a = [asyncio.create_task(_get(f"{a.url}/hold/a")) for _ in range(2)]
+    held_b = [asyncio.create_task(_get(f"{b.url}/hold/b")) for _ in range(2)]
+    await wait_until(lambda: held_upstream.holding() == 4, "4 in flight", 20)
+    assert [await _get(f"{a.url}/fast"), await _get(f"{b.url}/fast")] == [429, 429]
+    loop = asyncio.get_running_loop()
+    os.kill(a.proc.pid, signal.SIGKILL)
+    killed_at = loop.time()
+    await a.proc.wait()
+    assert await _get(f"{b.url}/fast") == 429  # renewed at most ttl/3 ago: still counted
+    while (status := await _get(f"{b.url}/fast")) == 429:
+        assert loop.time() - killed_at < ttl + 1.0, "the killed replica's slots did not expire"
+        await asyncio.sleep(0.05)
+    freed_after = loop.time() - killed_at
+    print(f"\nthe killed replica's slots freed {freed_after:.2f} s after SIGKILL (ttl {ttl} s)")
+    assert status == 200
+    assert freed_after >= ttl / 2 - 0.2  # not before its last renewal's ttl could run out
+    more = [asyncio.create_task(_get(f"{b.url}/hold/c")) for _ in range(2)]
+    await wait_until(lambda: held_upstream.in_flight.get("c") == 2, "2 more in flight", 20)
+    assert await _get(f"{b.url}/fast") == 429
+    for name in ("a", "b", "c"):
+        held_upstream.release(name)
+    assert await asyncio.gather(*held_b, *more) == [200] * 4
+    assert all(task.done() for task in held_a)
+    assert [await _get(f"{b.url}/fast") for _ in range(4)] == [200] * 4
