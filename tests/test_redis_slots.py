@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
 import redis
 
+import gateway.stores.redis
 from gateway.algorithms.concurrency import Concurrency
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.clock import FakeClock
@@ -289,3 +292,11 @@ async def test_two_replicas_share_the_limit_and_a_killed_replicas_slots_expire_w
     assert await asyncio.gather(*held_b, *more) == [200] * 4
     assert all(task.done() for task in held_a)
     assert [await _get(f"{b.url}/fast") for _ in range(4)] == [200] * 4
+
+
+def test_every_lua_mirror_has_a_letter_of_its_own() -> None:
+    """The script picks a mirror by its parameters' first letter: two under one letter would
+    decide one algorithm's keys by the other's rules."""
+    lua = Path(gateway.stores.redis.__file__).parent / "lua"
+    letters = re.findall(r"MAKE\['(.)'\]", "".join(p.read_text() for p in lua.glob("*.lua")))
+    assert len(letters) == len(set(letters)) >= 8, letters

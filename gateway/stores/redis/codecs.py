@@ -275,7 +275,7 @@ class ConcurrencyCodec:
         self._limit = self.nominal_limit = algorithm.limit
         retry_us = round(algorithm.retry_after_s * 1e6)
         _exact("retry_after in microseconds", retry_us)
-        self.params = b"C" + struct.pack("<ddd", algorithm.limit, retry_us, slot_ttl_s * 1e6)
+        self.params = b"N" + struct.pack("<ddd", algorithm.limit, retry_us, slot_ttl_s * 1e6)
         self.params += owner
 
     def decision(self, allowed: int, _: int, retry_us: int, remaining: int, __: int) -> Decision:

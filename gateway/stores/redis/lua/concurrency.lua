@@ -50,7 +50,7 @@ function SLOTS.put(key, p, held, min_ttl_ms)
   if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
 end
 
-MAKE['C'] = function()
+MAKE['N'] = function()
   return {
     -- raw: the slots every replica holds (nil: none).
     decide = function(p, raw, now_us, cost)

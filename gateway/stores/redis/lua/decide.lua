@@ -30,7 +30,7 @@
 -- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four, then
 --            the call's number; for 'c', now_us, what each limit took, the call's number;
 --            for 'r' and 'k', now_us and the call's number.
--- A concurrency limit ('C') keeps its key's slots in a hash, one field per replica
+-- A concurrency limit ('N', in flight) keeps its key's slots in a hash, one field per replica
 -- (concurrency.lua): a decision counts every replica's live slots, a commit or a refund
 -- changes this replica's only; nothing of it is rescaled or charged after the response.
 -- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
@@ -41,7 +41,7 @@ local min_ttl_ms = tonumber(ARGV[4])
 local n = #KEYS
 local function extra(i) return ARGV[5 + 2 * n + i] end
 local function after(i) return ARGV[4 + n + i] == 'a' end
-local function holds_slots(p) return string.byte(p, 1) == 67 end -- 'C'
+local function holds_slots(p) return string.byte(p, 1) == 78 end -- 'N'
 
 if mode == 'k' then
   for i = 1, n do
