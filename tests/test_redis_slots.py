@@ -146,21 +146,32 @@ async def test_slots_held_longer_than_the_ttl_stay_held_while_the_replica_runs(
     assert await admitted(other, key)
 
 
-async def test_the_renewal_sets_right_a_release_redis_did_not_hear_of(
-    replicas: Replicas, redis_server: RedisServer
+async def test_a_renewal_writes_back_slots_redis_lost_and_keeps_the_count_it_has(
+    replicas: Replicas,
 ) -> None:
+    """A replica cut off longer than ``slot_ttl`` finds its slots gone: the renewal writes back
+    the ones it still holds. Otherwise it keeps Redis's count (a take or release may be on its
+    way): a release whose answer was lost is not undone, and stays counted until the replica
+    holds none of the key and its field expires."""
     clock = FakeClock(T0_US)
     limit = compiled("in_flight", Concurrency(2))
-    store = replicas(limit, time_source=clock)
+    store = replicas(limit, time_source=clock, slot_ttl_s=3.0)
+    other = replicas(limit, time_source=clock, slot_ttl_s=3.0)
     key = Check(limit, "k")
+    plan = store.plan(limit)
     assert await admitted(store, key) and await admitted(store, key)
     store.slots.close()
-    store.slots.give_back(key, store.plan(limit))  # released here, the call lost
-    held = store.slots.held[store.redis_key(key)]
-    assert held.slots == 1
-    assert not await admitted(store, key)
-    await store._renew_slots([(key, store.plan(limit), held.slots + 1)])
-    assert await admitted(store, key)
+    clock.advance(3.0)  # cut off that long: Redis has none of its slots left
+    await store._renew_slots([(key, plan, 2)])
+    assert not await admitted(other, key)
+    store.slots.give_back(key, plan)  # given back here; Redis never heard of it
+    await store._renew_slots([(key, plan, 1)])
+    assert not await admitted(other, key)  # under-admits, never over
+    store.slots.give_back(key, plan)
+    clock.advance(2.999_999)
+    assert not await admitted(other, key)
+    clock.advance(0.000_001)
+    assert await admitted(other, key) and await admitted(other, key)
 
 
 async def test_slots_taken_in_the_fallback_are_local_and_given_back_there(

@@ -3,9 +3,14 @@
 A replica's slots of a key are one field of the key's hash, under the replica's id, with an
 expiry (``lua/concurrency.lua``). Every ``interval_s`` (a third of the slots' time to live) the
 keeper renews the field of each key this replica holds slots of; a replica that dies or is cut
-off from Redis stops renewing, and its slots stop counting within the time to live. The book
-here is the replica's own account: a key with no call in flight has its field set to it when
-renewed, so a release Redis did not hear of (a timeout) is set right within ``interval_s``.
+off from Redis stops renewing, and its slots stop counting within the time to live.
+
+A renewal keeps the count Redis has (a take or a release of the key may be on its way on another
+connection: an increment or a decrement is right whenever it lands, a count set from here would
+not be). Only when Redis has none of this replica's slots of the key left (it was cut off longer
+than their time to live) is the field written again from the book here. So a release that ran
+in Redis but whose answer was lost is not undone; nor is it over-counted for long: the key's
+field expires within the time to live once this replica holds no more slots of it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from gateway.stores.redis.key_layout import LimitPlan
 
 log = logging.getLogger("gateway.store")
 
-# (check, its plan, what the renewal sets: 0 renews the count Redis has, n + 1 sets it to n).
+# (check, its plan, the slots this replica holds of the key).
 Renewal = tuple[Check, LimitPlan, int]
 
 
@@ -41,35 +46,12 @@ class SlotKeeper:
         self._renew = renew
         self.interval_s = interval_s
         self.held: dict[str, _Held] = {}
-        # Calls in flight that may change a key's slots in Redis: its count is not set then.
-        self._in_flight: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self.renewals = 0  # rounds done (tests, debugging)
 
     @property
     def slots_held(self) -> int:
         return sum(held.slots for held in self.held.values())
-
-    def calling(self, checks: Sequence[Check], plans: Sequence[LimitPlan]) -> list[str]:
-        """A call that may take or give back slots is about to be sent: its slot keys."""
-        keys = [
-            plan.redis_key(check.key)
-            for check, plan in zip(checks, plans, strict=True)
-            if check.limit.holds_slots
-        ]
-        in_flight = self._in_flight
-        for key in keys:
-            in_flight[key] = in_flight.get(key, 0) + 1
-        return keys
-
-    def answered(self, keys: Sequence[str]) -> None:
-        in_flight = self._in_flight
-        for key in keys:
-            left = in_flight[key] - 1
-            if left:
-                in_flight[key] = left
-            else:
-                del in_flight[key]
 
     def took(self, checks: Sequence[Check], plans: Sequence[LimitPlan]) -> None:
         """Redis admitted ``checks``: their slots are this replica's to renew."""
@@ -100,11 +82,7 @@ class SlotKeeper:
         try:
             while self.held:
                 await asyncio.sleep(self.interval_s)
-                in_flight = self._in_flight
-                round_ = [
-                    (held.check, held.plan, 0 if key in in_flight else held.slots + 1)
-                    for key, held in self.held.items()
-                ]
+                round_ = [(held.check, held.plan, held.slots) for held in self.held.values()]
                 try:
                     await self._renew(round_)
                 except Exception:  # never: the renewal counts its failures; logged if it does

@@ -303,7 +303,6 @@ class RedisStore:
         if not breaker.allow():
             return await self._unavailable(checks, commit, "circuit open")
         probe = breaker.probe_out
-        slot_keys = self.slots.calling(checks, plans) if commit else None
         try:
             if self.owed.due(node):
                 await self.owed.settle(node)
@@ -314,12 +313,9 @@ class RedisStore:
         except Exception as exc:
             self._failed(exc, breaker)
             return await self._unavailable(checks, commit, _describe(exc))
-        finally:
-            if slot_keys:
-                self.slots.answered(slot_keys)
         self._answered(breaker)
         verdict = _verdict(checks, plans, reply)
-        if slot_keys and verdict.allowed:
+        if commit and verdict.allowed:
             self.slots.took(checks, plans)
         if commit and verdict.allowed and self.on_failure == "local":
             # Counted now, charged to the fallback at most FOLD_INTERVAL_S later (a limit
@@ -351,16 +347,12 @@ class RedisStore:
             for check, plan, ok in zip(checks, plans, allowed, strict=True)
             if ok
         ]
-        slot_keys = self.slots.calling(checks, plans)
         try:
             answers = iter(await asyncio.gather(*calls, return_exceptions=True))
         except asyncio.CancelledError:
             for breaker, probe in zip(breakers, probes, strict=True):
                 breaker.cancelled(probe)
             raise
-        finally:
-            if slot_keys:
-                self.slots.answered(slot_keys)
         verdicts = []
         for check, plan, breaker, ok, probe in zip(
             checks, plans, breakers, allowed, probes, strict=True
@@ -385,8 +377,8 @@ class RedisStore:
 
     def release(self, checks: Sequence[Check]) -> asyncio.Future[None] | None:
         """Give back slots taken in Redis there (one call, in flight: the future), and those
-        the local fallback gave in process at once. Never raises: a release Redis does not
-        hear of is set right by the next renewal, or expires with the replica's slots."""
+        the local fallback gave in process at once. Never raises: a slot Redis does not hear
+        is back stays counted until the replica holds no more of its key, then expires."""
         in_redis: list[Check] = []
         plans: list[LimitPlan] = []
         for check in checks:
@@ -404,9 +396,8 @@ class RedisStore:
         node = self._node_of(checks[0], plans[0]) if self.cluster else ""
         breaker = self.circuits.of(node)
         if not breaker.allow():
-            return  # the next renewal sets the replica's count right, or it expires
+            return  # Redis keeps the slots until they expire (slot_keeper.py)
         probe = breaker.probe_out
-        keys = self.slots.calling(checks, plans)
         try:
             await self._eval(b"r", checks, plans)
         except asyncio.CancelledError:
@@ -416,13 +407,10 @@ class RedisStore:
             self._failed(exc, breaker)
         else:
             self._answered(breaker)
-        finally:
-            self.slots.answered(keys)
 
     async def _renew_slots(self, held: Sequence[tuple[Check, LimitPlan, int]]) -> None:
         """Keep this replica's slots of each key alive (``slot_keeper.py``): one call per key
-        (each in its own hash slot), all in flight together; a key with no call in flight
-        also has its count set to what this replica holds."""
+        (each in its own hash slot), all in flight together."""
         calls = []
         for check, plan, units in held:
             node = self._node_of(check, plan) if self.cluster else ""

@@ -25,8 +25,9 @@
 -- ARGV[5+2n+i] when a limit of the call needs it: what limit i's algorithm takes beside its
 --            parameters (a calendar window's periods, read off the calendar by the gateway;
 --            '' for the others), after ARGV[5+2n] ('' then, but for a refund)
---            'k' keep a replica's concurrency slots alive (each limit's cost: 0 renews the
---            replica's slots of the key, n + 1 sets them to n, renewed)
+--            'k' keep a replica's concurrency slots alive (each limit's cost: the slots the
+--            replica knows it holds, written when Redis has none of its slots of the key left,
+--            after it was cut off longer than their time to live)
 -- Reply      now_us, then 5 integers per limit: allowed, then the algorithm's four, then
 --            the call's number; for 'c', now_us, what each limit took, the call's number;
 --            for 'r' and 'k', now_us and the call's number.
@@ -46,9 +47,10 @@ local function holds_slots(p) return string.byte(p, 1) == 78 end -- 'N'
 if mode == 'k' then
   for i = 1, n do
     local p = ARGV[4 + i]
-    local set = cost_of(i)
-    local held = set - 1
-    if set == 0 then held = select(2, SLOTS.load(KEYS[i], p, true)) end
+    -- What Redis has is kept: a call taking or giving back slots may be on its way, and an
+    -- increment or a decrement is right whenever it lands.
+    local held = select(2, SLOTS.load(KEYS[i], p, true))
+    if held == 0 then held = cost_of(i) end
     SLOTS.put(KEYS[i], p, held, min_ttl_ms)
   end
   return {now_us, call_id}
