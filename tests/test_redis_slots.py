@@ -267,21 +267,29 @@ async def _get(url: str) -> int | str:
 
 
 @pytest.mark.reliability
+@pytest.mark.parametrize("where", ["server", "cluster"])
 async def test_two_replicas_share_the_limit_and_a_killed_replicas_slots_expire_within_the_ttl(
-    redis_server: RedisServer, held_upstream: HeldUpstream, gateway_process: StartGateway
+    where: str,
+    request: pytest.FixtureRequest,
+    held_upstream: HeldUpstream,
+    gateway_process: StartGateway,
 ) -> None:
     """Four slots over two gateway processes: two requests held through each, the fifth
-    refused by either. SIGKILL one: its two slots are still counted at once, then no later
-    than ``slot_ttl`` (1.5 s here) after the kill the other admits exactly two more."""
+    refused by either, also once they were held longer than ``slot_ttl`` (renewed). SIGKILL
+    one: its two slots are still counted at once, then no later than ``slot_ttl`` (1.5 s
+    here) after the kill the other admits exactly two more."""
     ttl = 1.5
+    url = request.getfixturevalue(f"redis_{where}").url
     policy = REPLICA_POLICY.format(
-        upstream=held_upstream.url, redis=redis_server.url, prefix=f"p{next(_prefixes)}:", ttl=ttl
+        upstream=held_upstream.url, redis=url, prefix=f"p{next(_prefixes)}:", ttl=ttl
     )
     a = await gateway_process(policy=policy)
     b = await gateway_process(policy=policy)
     held_a = [asyncio.create_task(_get(f"{a.url}/hold/a")) for _ in range(2)]
     held_b = [asyncio.create_task(_get(f"{b.url}/hold/b")) for _ in range(2)]
     await wait_until(lambda: held_upstream.holding() == 4, "4 in flight", 20)
+    assert [await _get(f"{a.url}/fast"), await _get(f"{b.url}/fast")] == [429, 429]
+    await asyncio.sleep(ttl + 0.5)  # held past the ttl: renewed by both replicas
     assert [await _get(f"{a.url}/fast"), await _get(f"{b.url}/fast")] == [429, 429]
     loop = asyncio.get_running_loop()
     os.kill(a.proc.pid, signal.SIGKILL)
