@@ -28,7 +28,9 @@ from gateway.stores import RedisStore
 from gateway.stores.redis.circuit import CircuitBreaker
 from tests.support import redis_harness
 from tests.support.conformance import T0_US, close_client, compiled
+from tests.support.gateways import GatewayFactory
 from tests.support.held_upstream import HeldUpstream
+from tests.support.policies import policy_for
 from tests.support.processes import StartGateway
 from tests.support.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
 from tests.support.waiting import wait_until
@@ -319,3 +321,29 @@ def test_every_lua_mirror_has_a_letter_of_its_own() -> None:
     lua = Path(gateway.stores.redis.__file__).parent / "lua"
     letters = re.findall(r"MAKE\['(.)'\]", "".join(p.read_text() for p in lua.glob("*.lua")))
     assert len(letters) == len(set(letters)) >= 8, letters
+
+
+async def test_a_request_waiting_for_a_slot_gets_the_one_another_replica_gives_back(
+    replicas: Replicas, held_upstream: HeldUpstream, start_gateway: GatewayFactory
+) -> None:
+    """Two gateways on one Redis, one slot per key, ``max_delay`` 5 s: a request through the
+    second waits while the first holds the slot, and is admitted once it is given back (the
+    front of the line looks again now and then: the other replica sends no word)."""
+    limits = (
+        "limits:\n  in_flight:\n    algorithm: concurrency\n    limit: 1\n"
+        "    max_delay: 5s\n    max_queue: 4\n"
+    )
+    policy = policy_for(held_upstream.url, limits)
+    limit = compiled("in_flight", Concurrency(1))
+    first = await start_gateway(policy, store=replicas(limit))
+    second = await start_gateway(policy, store=replicas(limit))
+    holding = asyncio.create_task(_get(f"{first.url}/hold/first"))
+    await wait_until(lambda: held_upstream.in_flight.get("first") == 1, "the slot taken", 10)
+    waiting = asyncio.create_task(_get(f"{second.url}/hold/second"))
+    await asyncio.sleep(0.3)
+    assert not waiting.done() and held_upstream.in_flight.get("second", 0) == 0
+    held_upstream.release("first")
+    assert await holding == 200
+    await wait_until(lambda: held_upstream.in_flight.get("second") == 1, "admitted", 5)
+    held_upstream.release("second")
+    assert await waiting == 200
