@@ -51,7 +51,14 @@ def ext_modules() -> list[Any]:
 
     os.chdir(ROOT)  # mypyc takes paths relative to the project and reads its mypy settings
     paths = [os.path.join(*module.split(".")) + ".py" for module in listed_modules()]
-    return mypycify(paths, opt_level="3", group_name="gateway")  # type: ignore[no-any-return]
+    # One C file per module (multi_file), compiled in parallel below: the same code, built in
+    # about half the time on two cores as one 50 MB file (bench/README.md has the figures).
+    return mypycify(  # type: ignore[no-any-return]
+        paths, opt_level="3", group_name="gateway", multi_file=True
+    )
 
 
-setup(ext_modules=ext_modules())
+setup(
+    ext_modules=ext_modules(),
+    options={"build_ext": {"parallel": os.cpu_count() or 1}},
+)
