@@ -34,7 +34,7 @@ from tests.support.metrics import scrape, value
 from tests.support.policies import policy_template
 from tests.support.processes import StartGateway
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 CAPACITY = 10
 SERVICE_S = 0.1

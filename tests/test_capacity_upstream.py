@@ -19,6 +19,9 @@ from offered_load import offer
 
 from tests.support.capacity import capacity_upstream
 
+# Its latency and queue figures are measured in real time: runs alone (scripts/test.sh).
+pytestmark = pytest.mark.serial
+
 
 def test_the_queue_serves_capacity_at_once_and_the_rest_in_order() -> None:
     queue: CapacityQueue[str] = CapacityQueue(2)

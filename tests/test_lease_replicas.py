@@ -29,7 +29,7 @@ from tests.support.redis_harness import RedisFactory, RedisServer
 from tests.support.upstreams import RecordedRequest, RecordingUpstream
 
 redis_factory = redis_harness.redis_factory
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.serial]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 300

@@ -18,6 +18,9 @@ from tests.support.network import TIMEOUT
 from tests.support.pools import Backend, DnsServer, HangUp, process_policy
 from tests.support.processes import StartGateway
 
+# Its spread, ejection and recovery figures are measured under load: runs alone (scripts/test.sh).
+pytestmark = pytest.mark.serial
+
 SERVER = "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
 
 

@@ -43,7 +43,7 @@ REPLICAS = 3
 LOAD_S = 10.0
 STATS_PREFIX = "STORE_STATS "
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.serial]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -400,6 +400,7 @@ def _live_result(line: dict[str, Any]) -> tuple[str, str | None, float]:
     return line["limit"], line["limit_name"], float(line["delay_ms"])
 
 
+@pytest.mark.serial  # its traffic must be decided as sent: runs alone (scripts/test.sh)
 async def test_replay_of_the_gateways_own_log_gives_every_request_the_same_decision(
     upstream: RecordingUpstream,
     start_gateway: GatewayFactory,
