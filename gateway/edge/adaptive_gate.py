@@ -9,6 +9,12 @@ still send, so it reads a little high: the tolerance is then a little wider, nev
 A request beyond the limit waits first come, first served for ``max_delay`` at most (and only
 while fewer than ``max_queue`` wait), or is shed at once; whoever holds a place gives it back
 with ``release`` once the upstream has answered (or failed), and the front of the line gets it.
+
+Waiting is cheap because it is common: in front of an upstream whose latency rises with load,
+the limit settles below the clients' concurrency and the rest wait their turn. A waiter costs a
+future and a place in the line, not a timer of its own: the line is first come, first served
+and ``max_delay`` is the same for all, so deadlines come in the line's order and one loop timer,
+set for the front's deadline, sheds whoever is at the front when theirs has passed.
 """
 
 from __future__ import annotations
@@ -17,9 +23,13 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable
+from typing import Final
 
 from gateway.algorithms.gradient_limit import GradientLimit, GradientParams
 from gateway.clock import Clock
+
+# Loop timers may fire a little early (uvloop counts in milliseconds); closer than this is due.
+_TIMER_SLACK_S: Final = 0.001
 
 
 class AdaptiveGate:
@@ -27,6 +37,7 @@ class AdaptiveGate:
 
     __slots__ = (
         "_clock",
+        "_timer",
         "_waiting",
         "controller",
         "max_delay_s",
@@ -53,7 +64,12 @@ class AdaptiveGate:
         self.max_queue = max_queue
         self.status = status  # of a request shed, with ``Retry-After: retry_after_s``
         self.retry_after_s = retry_after_s
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        # The line: each waiter's deadline (loop time) and its future (True: granted a place,
+        # False: shed). Deadlines rise along it: arrival order plus the same ``max_delay_s``.
+        self._waiting: deque[tuple[float, asyncio.Future[bool]]] = deque()
+        # Set for a deadline no later than the front's while anyone waits (it may be a
+        # deadline of someone granted since: it then sets itself again for the new front).
+        self._timer: asyncio.TimerHandle | None = None
         self.shed = 0  # requests refused a place (at once or after waiting max_delay)
 
     @property
@@ -72,21 +88,22 @@ class AdaptiveGate:
         if self.max_delay_s <= 0 or len(self._waiting) >= self.max_queue:
             self.shed += 1
             return False
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        deadline = loop.time() + self.max_delay_s
+        place = (deadline, waiter)
+        self._waiting.append(place)
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._expire, loop)
         try:
-            await asyncio.wait_for(waiter, self.max_delay_s)
-        except TimeoutError:
-            self._forget(waiter)
-            self.shed += 1
-            return False
+            return await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            if not waiter.done() or waiter.cancelled():
+                with contextlib.suppress(ValueError):  # skipped by a grant or the timer
+                    self._waiting.remove(place)
+            elif waiter.result():
                 self.release(0, measured=False)  # granted as it left: pass the place on
-            else:
-                self._forget(waiter)
             raise
-        return True
 
     def now_us(self) -> int:
         """The gate's clock: a request's start, for ``release``."""
@@ -102,12 +119,23 @@ class AdaptiveGate:
         waiting = self._waiting
         controller = self.controller
         while waiting and controller.in_flight < controller.limit:
-            waiter = waiting.popleft()
+            _, waiter = waiting.popleft()
             if waiter.done():
-                continue  # timed out or cancelled: already left
+                continue  # cancelled: already leaving
             controller.try_acquire()
-            waiter.set_result(None)
+            waiter.set_result(True)
 
-    def _forget(self, waiter: asyncio.Future[None]) -> None:
-        with contextlib.suppress(ValueError):  # granted and popped already
-            self._waiting.remove(waiter)
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Shed those at the front whose deadline has passed; set the timer for the next."""
+        self._timer = None
+        waiting = self._waiting
+        due = loop.time() + _TIMER_SLACK_S
+        while waiting:
+            deadline, waiter = waiting[0]
+            if deadline > due:
+                self._timer = loop.call_at(deadline, self._expire, loop)
+                return
+            waiting.popleft()
+            if not waiter.done():  # else cancelled: already leaving
+                waiter.set_result(False)
+                self.shed += 1
