@@ -51,8 +51,8 @@ def ext_modules() -> list[Any]:
 
     os.chdir(ROOT)  # mypyc takes paths relative to the project and reads its mypy settings
     paths = [os.path.join(*module.split(".")) + ".py" for module in listed_modules()]
-    # One C file per module (multi_file), compiled in parallel below: the same code, built in
-    # about half the time on two cores as one 50 MB file (bench/README.md has the figures).
+    # One C file per module (multi_file): the same code as one 50 MB C file, compiled with half
+    # the CPU (gcc's optimiser is slower than linear in a file's size; bench/README.md).
     return mypycify(  # type: ignore[no-any-return]
         paths, opt_level="3", group_name="gateway", multi_file=True
     )
@@ -60,5 +60,6 @@ def ext_modules() -> list[Any]:
 
 setup(
     ext_modules=ext_modules(),
+    # The package's small extension modules compile beside the shared library's C files.
     options={"build_ext": {"parallel": os.cpu_count() or 1}},
 )
