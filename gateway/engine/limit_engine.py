@@ -126,7 +126,7 @@ _OUTCOME_FIELDS: Final = (
 )
 
 
-ALLOW = Outcome()
+ALLOW: Final = Outcome()
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +383,6 @@ class LimitEngine:
         and the verdict."""
         store = self._immediate
         assert store is not None
-        decide_now = store.decide_now
         if self._screens:
             screened = self._screen(client_ip)
             if screened is not None:
@@ -397,13 +396,19 @@ class LimitEngine:
             # The dry-run limits first: a store error there comes before anything enforced
             # is charged.
             if dry:
-                verdicts = [decide_now((check,)) for check in dry]
+                verdicts = [store.decide_now((check,)) for check in dry]
             if not enforced:
                 outcome = ALLOW
-            elif self.slot_lines.waiting and (behind := self._line_ahead(enforced)) is not None:
+            # Only a concurrency limit has a line: without one, ``SlotLines`` (interpreted)
+            # is not asked.
+            elif (
+                self.has_slots
+                and self.slot_lines.waiting
+                and (behind := self._line_ahead(enforced)) is not None
+            ):
                 outcome = self._join_line(behind, enforced)
             else:
-                outcome = self._settle(enforced, decide_now(enforced), True)
+                outcome = self._settle(enforced, store.decide_now(enforced), True)
         except BaseException:
             _release(enforced)  # a store error: the places held for the queue go back
             if verdicts is not None and self.has_slots:  # and the dry-run slots taken
