@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aiohttp.test_utils import make_mocked_request  # noqa: E402
 from limit_policies import NO_LIMITS, ONE_LIMIT, THREE_LIMITS, policy_text  # noqa: E402
 
-from gateway.edge.annotations import CLIENT_IP, LIMIT_OUTCOME, ROUTE_NAME  # noqa: E402
+from gateway.edge.annotations import CLIENT_IP, ROUTE_NAME  # noqa: E402
 from gateway.edge.forwarding import response_head  # noqa: E402
 from gateway.edge.runtime import Runtime, build_runtime  # noqa: E402
 from gateway.engine.preflight import load_and_build  # noqa: E402
@@ -102,12 +102,11 @@ async def one_round(runtime: Runtime, observer: ObservedHandler, requests: int) 
                 outcome = engine.evaluate_now(facts, route, host, path, client_ip)
             else:
                 outcome = await engine.evaluate(facts, route, host, path, client_ip)
-            request[LIMIT_OUTCOME] = outcome
         t1 = clock()
         extra = engine.header_block(outcome) if outcome is not None else b""
         response_head(200, b"OK", UPSTREAM_HEADERS, via, extra, 100, True, b"now")
         t2 = clock()
-        observer.finished(request, 200, 0.001)
+        observer.finished(request, 200, 0.001, outcome)
         t3 = clock()
         spent["evaluate"] += t1 - t0
         spent["headers"] += t2 - t1

@@ -1,10 +1,11 @@
 """What the proxy handler leaves on a request for the observer to read once it is answered.
 
-The proxy learns a request's route, client and limiter outcome at different points; rather than
+The proxy learns a request's route, client and upstream errors at different points; rather than
 thread a record through every return path, it writes each fact into the request's own storage
 (one dict write each, typed ``RequestKey``\\ s) and the observer wrapped around the handler reads
-them when the handler returns. This module imports nothing from the proxy, so the proxy can
-import it.
+them when the handler returns. The limits' outcome, present on every limited request, is handed
+to the observer as an argument instead. This module imports nothing from the proxy, so the proxy
+can import it.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from gateway.edge.upstream_client import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from gateway.engine.limit_engine import Outcome
 
 ROUTE_NAME: Final = web.RequestKey("route", str)
 CLIENT_IP: Final = web.RequestKey("client_ip", str)
-LIMIT_OUTCOME: Final = web.RequestKey("limit_outcome", Outcome)
 UPSTREAM_ERROR: Final = web.RequestKey("upstream_error", str)
 # The cost headers the upstream's response held (limits charged after the response), by
 # lower-case name: the access log records them, so a replay can charge what was charged.

@@ -126,7 +126,7 @@ _OUTCOME_FIELDS: Final = (
 )
 
 
-ALLOW = Outcome()
+ALLOW: Final = Outcome()
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,9 +210,10 @@ class LimitEngine:
         self._ietf_headers = policy.headers.ietf
         self._x_ratelimit_headers = policy.headers.x_ratelimit
         self._retry_after_header = policy.headers.retry_after
-        # (limit name, advertised quota) -> the limit's RateLimit-Policy item, the start of its
-        # RateLimit item (encoded), and its window in whole seconds: the same on every response.
-        self._advertised: dict[tuple[str, int], tuple[bytes, bytes, int]] = {}
+        # Each limit's header parts (``_Advertised``), the same on every response: by limit
+        # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
+        self._advertised: dict[str, _Advertised] = {}
+        self._advertised_by_quota: dict[tuple[str, int], _Advertised] = {}
         access: Access = policy.access
         self.allow = Networks(access.allow)
         self.deny = Networks(access.deny)
@@ -382,7 +383,6 @@ class LimitEngine:
         and the verdict."""
         store = self._immediate
         assert store is not None
-        decide_now = store.decide_now
         if self._screens:
             screened = self._screen(client_ip)
             if screened is not None:
@@ -396,13 +396,19 @@ class LimitEngine:
             # The dry-run limits first: a store error there comes before anything enforced
             # is charged.
             if dry:
-                verdicts = [decide_now((check,)) for check in dry]
+                verdicts = [store.decide_now((check,)) for check in dry]
             if not enforced:
                 outcome = ALLOW
-            elif self.slot_lines.waiting and (behind := self._line_ahead(enforced)) is not None:
+            # Only a concurrency limit has a line: without one, ``SlotLines`` (interpreted)
+            # is not asked.
+            elif (
+                self.has_slots
+                and self.slot_lines.waiting
+                and (behind := self._line_ahead(enforced)) is not None
+            ):
                 outcome = self._join_line(behind, enforced)
             else:
-                outcome = self._settle(enforced, decide_now(enforced), True)
+                outcome = self._settle(enforced, store.decide_now(enforced), True)
         except BaseException:
             _release(enforced)  # a store error: the places held for the queue go back
             if verdicts is not None and self.has_slots:  # and the dry-run slots taken
@@ -817,73 +823,165 @@ class LimitEngine:
         what a response copies into its head as it is.
 
         Each limit's ``RateLimit-Policy`` item and the start of its ``RateLimit`` item are
-        encoded once per limit and quota; a request formats only its own numbers. Built on
+        encoded once per limit and quota (``_Advertised``); a request formats only its own
+        numbers, and a request under one limit joins its header lines in one step. Built on
         demand, not with the outcome: a request waiting in the queue should not hold its
         header bytes while it waits.
         """
         verdict = outcome.verdict
-        retry_after_s = outcome.retry_after_s if outcome.status else 0.0
+        retry_after = b""
+        if outcome.status and self._retry_after_header:
+            retry_after_s = outcome.retry_after_s
+            if retry_after_s > 0.0:
+                retry_after = b"Retry-After: %s\r\n" % _ascii(max(1, math.ceil(retry_after_s)))
         ietf = self._ietf_headers
         x_ratelimit = self._x_ratelimit_headers
-        lines: list[bytes] = []
-        if retry_after_s > 0.0 and self._retry_after_header:
-            lines.append(b"Retry-After: %d\r\n" % max(1, math.ceil(retry_after_s)))
         if verdict is None or not (ietf or x_ratelimit):
-            return b"".join(lines)
+            return retry_after
         checks = outcome.checks
         decisions = verdict.decisions
         rejecting = verdict.rejected_by if outcome.status else ()
-        advertised = self._advertised
-        policy_items: list[bytes] = []
-        state_items: list[bytes] = []
-        resets: list[int] = []
-        quotas: list[int] = []  # the checks with a quota: a concurrency limit has none
+        if len(checks) == 1:
+            # The common case, one limit: no lists, one join.
+            limit = checks[0].limit
+            if limit.holds_slots:  # a concurrency limit advertises no quota
+                return retry_after
+            decision = decisions[0]
+            parts = self._advertised_parts(limit, decision.limit)
+            if rejecting and 0 in rejecting:
+                reset = _reset_header(decision, parts.window, True)
+            else:
+                reset = min(math.ceil(decision.reset_s), parts.window)
+            remaining = decision.remaining
+            if remaining < 0:
+                remaining = 0
+            if not x_ratelimit:
+                return b"%s%s%s%s;t=%s\r\n" % (
+                    retry_after,
+                    parts.policy_line,
+                    parts.state_line_start,
+                    _ascii(remaining),
+                    _ascii(reset),
+                )
+            x_lines = _x_ratelimit_lines(decision.limit, remaining, reset)
+            if not ietf:
+                return retry_after + x_lines
+            return b"%s%s%s%s;t=%s\r\n%s" % (
+                retry_after,
+                parts.policy_line,
+                parts.state_line_start,
+                _ascii(remaining),
+                _ascii(reset),
+                x_lines,
+            )
+        # Several limits: each item joined on as it comes, and the X-RateLimit trio's limit
+        # (the tightest: the first with the fewest remaining) found on the way.
+        policy_line = state_line = b""
+        tightest: Decision | None = None
+        tightest_reset = 0
         for index, check in enumerate(checks):
             decision = decisions[index]
             limit = check.limit
-            if limit.holds_slots:
+            if limit.holds_slots:  # a concurrency limit advertises no quota
                 continue
-            quotas.append(index)
-            parts = advertised.get((limit.name, decision.limit))
-            if parts is None:
-                if len(advertised) >= _ADVERTISED_MAX:  # quotas that vary per key: stay bounded
-                    advertised.clear()
-                window = max(1, math.ceil(limit.window_s))
-                name = limit.name.encode("latin-1")
-                parts = advertised[limit.name, decision.limit] = (
-                    b'"%s";q=%d;w=%d' % (name, decision.limit, window),
-                    b'"%s";r=' % name,
-                    # ``t`` counts to a calendar period's real end (a 31-day month, a 25-hour
-                    # day), past the nominal window it advertises.
-                    _UNCAPPED if limit.calendar else window,
-                )
-            policy_item, state_start, window = parts
+            parts = self._advertised_parts(limit, decision.limit)
             if rejecting and index in rejecting:
-                reset = _reset_header(decision, window, True)
+                reset = _reset_header(decision, parts.window, True)
             else:
-                reset = min(math.ceil(decision.reset_s), window)
-            resets.append(reset)
-            policy_items.append(policy_item)
+                reset = min(math.ceil(decision.reset_s), parts.window)
             remaining = decision.remaining
-            state_items.append(
-                b"%s%d;t=%d" % (state_start, remaining if remaining > 0 else 0, reset)
-            )
-        if not quotas:
-            return b"".join(lines)
-        if ietf:
-            lines.append(b"RateLimit-Policy: " + b", ".join(policy_items) + b"\r\n")
-            lines.append(b"RateLimit: " + b", ".join(state_items) + b"\r\n")
+            if tightest is None:
+                policy_line = parts.policy_item
+                state_line = b"%s%s;t=%s" % (
+                    parts.state_start,
+                    _ascii(remaining if remaining > 0 else 0),
+                    _ascii(reset),
+                )
+            else:
+                policy_line = b"%s, %s" % (policy_line, parts.policy_item)
+                state_line = b"%s, %s%s;t=%s" % (
+                    state_line,
+                    parts.state_start,
+                    _ascii(remaining if remaining > 0 else 0),
+                    _ascii(reset),
+                )
+            if tightest is None or remaining < tightest.remaining:
+                tightest = decision
+                tightest_reset = reset
+        if tightest is None:
+            return retry_after
+        x_lines = b""
         if x_ratelimit:
-            tightest = 0  # a position in ``quotas`` (and ``resets``)
-            for position in range(1, len(quotas)):
-                if decisions[quotas[position]].remaining < decisions[quotas[tightest]].remaining:
-                    tightest = position
-            decision = decisions[quotas[tightest]]
-            lines.append(
-                b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n"
-                % (decision.limit, max(0, decision.remaining), resets[tightest])
-            )
-        return b"".join(lines)
+            x_lines = _x_ratelimit_lines(tightest.limit, max(0, tightest.remaining), tightest_reset)
+        if not ietf:
+            return retry_after + x_lines
+        return b"%sRateLimit-Policy: %s\r\nRateLimit: %s\r\n%s" % (
+            retry_after,
+            policy_line,
+            state_line,
+            x_lines,
+        )
+
+    def _advertised_parts(self, limit: CompiledLimit, quota: int) -> _Advertised:
+        """``limit``'s header parts at ``quota``, encoded on first use."""
+        parts = self._advertised.get(limit.name)
+        if parts is not None and parts.quota == quota:
+            return parts
+        by_quota = self._advertised_by_quota
+        parts = by_quota.get((limit.name, quota))
+        if parts is None:
+            if len(by_quota) >= _ADVERTISED_MAX:  # quotas that vary per key: stay bounded
+                by_quota.clear()
+            parts = by_quota[limit.name, quota] = _Advertised(limit, quota)
+        self._advertised[limit.name] = parts
+        return parts
+
+
+class _Advertised:
+    """What one limit's rate-limit headers say at one quota on every response, encoded once:
+    its ``RateLimit-Policy`` item (and the whole line, for a request under this limit alone),
+    the start of its ``RateLimit`` item (and of the whole line), and its window in whole
+    seconds."""
+
+    __slots__ = (
+        "policy_item",
+        "policy_line",
+        "quota",
+        "state_line_start",
+        "state_start",
+        "window",
+    )
+
+    def __init__(self, limit: CompiledLimit, quota: int) -> None:
+        window = max(1, math.ceil(limit.window_s))
+        name = limit.name.encode("latin-1")
+        self.quota = quota
+        self.policy_item = b'"%s";q=%d;w=%d' % (name, quota, window)
+        self.policy_line = b"RateLimit-Policy: " + self.policy_item + b"\r\n"
+        self.state_start = b'"%s";r=' % name
+        self.state_line_start = b"RateLimit: " + self.state_start
+        # ``t`` counts to a calendar period's real end (a 31-day month, a 25-hour day), past
+        # the nominal window it advertises.
+        self.window = _UNCAPPED if limit.calendar else window
+
+
+# The numbers a header says most often (remaining requests, seconds to reset), encoded once.
+_SMALL_INTS: Final = tuple([b"%d" % number for number in range(1024)])
+
+
+def _ascii(number: int) -> bytes:
+    """``b"%d" % number``, from ``_SMALL_INTS`` when there."""
+    if 0 <= number < 1024:
+        return _SMALL_INTS[number]
+    return b"%d" % number
+
+
+def _x_ratelimit_lines(limit: int, remaining: int, reset: int) -> bytes:
+    return b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n" % (
+        limit,
+        remaining,
+        reset,
+    )
 
 
 def _slot_refused(

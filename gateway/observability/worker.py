@@ -22,7 +22,6 @@ from aiohttp.web_request import BaseRequest
 from gateway.clock import Clock
 from gateway.edge.annotations import (
     CLIENT_IP,
-    LIMIT_OUTCOME,
     LOCAL_ANSWER,
     REPORTED_COSTS,
     ROUTE_NAME,
@@ -127,7 +126,7 @@ class CurrentRuntime(Protocol):
 class ObservedProxy(CurrentRuntime, Protocol):
     """The proxy handler as the observer sees it: told about every finished request."""
 
-    observer: Callable[[BaseRequest, int, float], None] | None
+    observer: Callable[[BaseRequest, int, float, Outcome | None], None] | None
 
 
 class StoreFigures(Protocol):
@@ -406,7 +405,8 @@ class ObservedHandler:
     """Counts each request the proxy handler finished; the handler calls ``finished``.
 
     The handler times the request itself (no wrapper coroutine: a request waiting in a shaping
-    queue should not carry an extra frame), then hands over status and duration here.
+    queue should not carry an extra frame), then hands over status, duration and the limits'
+    outcome here.
     """
 
     __slots__ = ("_limit_log", "_metrics", "_proxy")
@@ -418,12 +418,13 @@ class ObservedHandler:
         self._metrics = metrics
         self._limit_log = limit_log or LimitLog()
 
-    def finished(self, request: BaseRequest, status: int, duration_s: float) -> None:
+    def finished(
+        self, request: BaseRequest, status: int, duration_s: float, outcome: Outcome | None
+    ) -> None:
         metrics = self._metrics
         runtime = self._proxy.runtime
         route = request.get(ROUTE_NAME, UNMATCHED_ROUTE)
         metrics.requests.record(route, request.method, status, duration_s)
-        outcome = request.get(LIMIT_OUTCOME) if runtime.engine.active else None
         if outcome is not None:
             limit_log = self._limit_log
             if outcome.would_reject:
