@@ -83,21 +83,6 @@ class Progress:
             self.stream.flush()
 
 
-def _file_records(
-    opened: Opened, fmt: str, stats: ReadStats, window_us: int, progress: Progress
-) -> Iterator[Request]:
-    records = read_log(opened, fmt, stats)
-
-    def announced() -> Iterator[Request]:
-        progress.file(opened)
-        try:
-            yield from records
-        finally:
-            close_log(opened)
-
-    return in_time_order(announced(), window_us, stats)
-
-
 async def replay(
     paths: Sequence[str],
     simulations: list[Simulation],
@@ -122,11 +107,13 @@ async def replay(
         show_progress = sys.stderr.isatty()
     progress = Progress(sys.stderr if show_progress else None, total)
     try:
-        streams = [_file_records(o, fmt, stats, window_us, progress) for o in opened]
+        streams = [in_time_order(read_log(o, fmt, stats), window_us, stats) for o in opened]
     except LogError:
         for item in opened:
             close_log(item)
         raise
+    for item in opened:  # each log's size before the next: what the progress bar reads
+        progress.file(item)
     merged: Iterator[Request] = (
         streams[0] if len(streams) == 1 else heapq.merge(*streams, key=lambda r: r.t_us)
     )
@@ -157,6 +144,8 @@ async def replay(
                     changes.requests_newly_admitted += 1
     finally:
         progress.close()
+        for item in opened:
+            close_log(item)
     for simulation in simulations:
         simulation.finish()
     return Run(stats, simulations, changes, time.perf_counter() - started)
