@@ -27,7 +27,7 @@ from typing import IO, Any, Final, Literal, NamedTuple, cast
 
 Format = Literal["combined", "gateway", "jsonl"]
 
-US = 1_000_000
+US: Final = 1_000_000
 # Malformed lines kept with their reason (all are counted).
 MALFORMED_KEPT = 50
 
@@ -235,9 +235,12 @@ def numbered_lines(opened: Opened, stats: ReadStats) -> Iterator[tuple[int, str]
 # $remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
 # "$http_referer" "$http_user_agent", then optional extra fields ("$http_x_forwarded_for",
 # $msec, $request_time). nginx escapes '"' in logged strings as \x22.
+# Each repeat is possessive (``++``, ``*+``), the same matches found faster: what follows it
+# starts with a character it cannot take (or is ``(.*)``, which takes the rest of the line),
+# so giving characters back could never lead to a match, and the matcher keeps no place for it.
 _COMBINED = re.compile(
-    r'(\S+) \S+ (?:"[^"]*"|\S+) \[([^\]]+)\] "([^"]*)" (\d{3}|-) \S+'
-    r'(?: "[^"]*" "[^"]*")?(.*)'
+    r'(\S++) \S++ (?:"[^"]*+"|\S++) \[([^\]]++)\] "([^"]*+)" (\d{3}|-) \S++'
+    r'(?: "[^"]*+" "[^"]*+")?(.*)'
 )
 _EXTRA = re.compile(r'"([^"]*)"|(\S+)')
 _MONTHS = {
@@ -275,8 +278,10 @@ def parse_time_local(text: str) -> int:
     return seconds - offset
 
 
-# Distinct request lines kept split by ``read_combined`` before it starts afresh.
+# Distinct request lines kept split by ``read_combined`` before it starts afresh; likewise
+# status texts read as numbers.
 _REQUEST_LINES_KEPT = 1 << 16
+_STATUSES_KEPT = 1 << 10
 
 
 def _split_request_line(request_line: str) -> tuple[str, str] | None:
@@ -307,10 +312,14 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
     last_second = 0
     group_second = 0
     group: list[Request] = []  # one second's requests, not yet spread
+    # Each status text's number: ``int()`` of one costs more than a lookup.
+    statuses: dict[str, int] = {}
     number = 0
     try:
         for first, rows in _combined_pieces(opened):
-            for number, row in enumerate(rows, first):
+            number = first - 1
+            for row in rows:  # not ``enumerate``: compiled, it builds a tuple per line
+                number += 1
                 if isinstance(row, str):
                     if row.strip():
                         stats.bad(name, number, "not an nginx combined log line")
@@ -318,7 +327,11 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                 address, time_text, request_line, status_text, rest = row
                 status: int | None = None
                 if status_text != "-":
-                    status = int(status_text)
+                    status = statuses.get(status_text)
+                    if status is None:
+                        if len(statuses) >= _STATUSES_KEPT:
+                            statuses.clear()
+                        status = statuses[status_text] = int(status_text)
                     stats.has_status = True
                 try:
                     request = split_lines[request_line]
