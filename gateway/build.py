@@ -74,6 +74,7 @@ COMPILED_MODULES: Final = (
     # ``gateway replay``: reading the log and deciding each line, a million lines a run.
     "gateway.replay.log_formats",
     "gateway.replay.simulate",
+    "gateway.replay.run",
 )
 
 

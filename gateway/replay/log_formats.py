@@ -27,29 +27,109 @@ from typing import IO, Any, Final, Literal, NamedTuple, cast
 
 Format = Literal["combined", "gateway", "jsonl"]
 
-US = 1_000_000
+US: Final = 1_000_000
 # Malformed lines kept with their reason (all are counted).
 MALFORMED_KEPT = 50
 
 
-class Request(NamedTuple):
-    """One logged request, as the simulation needs it."""
+class Request:
+    """One logged request, as the simulation needs it. Treated as immutable (compared by
+    value); the reader sets a second's spread instants before handing it on.
 
-    t_us: int
-    source: str  # file name, for messages
-    line: int
-    address: str  # the log's client address field
-    method: str
-    target: str  # as sent: path and query
-    host: str | None
-    headers: tuple[tuple[str, str], ...]
-    forwarded_for: str | None  # an X-Forwarded-For value, when the log has one
-    status: int | None = None  # the response's status, when the log has one
-    # Cost headers the upstream reported (the gateway's log records them), by lower-case name.
-    costs: tuple[tuple[str, str], ...] = ()
-    # How long the request took ($request_time, the gateway's duration_ms), in microseconds;
-    # -1 when the log does not say. A concurrency limit's slots are held that long.
-    duration_us: int = -1
+    A plain class, not a NamedTuple: compiled, one is built per line in place, where a
+    NamedTuple is built through its interpreted ``__new__`` (or as a tuple, then copied)."""
+
+    __slots__ = (
+        "address",
+        "costs",
+        "duration_us",
+        "forwarded_for",
+        "headers",
+        "host",
+        "line",
+        "method",
+        "source",
+        "status",
+        "t_us",
+        "target",
+    )
+
+    def __init__(
+        self,
+        t_us: int,
+        source: str,
+        line: int,
+        address: str,
+        method: str,
+        target: str,
+        host: str | None,
+        headers: tuple[tuple[str, str], ...],
+        forwarded_for: str | None,
+        status: int | None = None,
+        costs: tuple[tuple[str, str], ...] = (),
+        duration_us: int = -1,
+    ) -> None:
+        self.t_us = t_us
+        self.source = source  # file name, for messages
+        self.line = line
+        self.address = address  # the log's client address field
+        self.method = method
+        self.target = target  # as sent: path and query
+        self.host = host
+        self.headers = headers
+        self.forwarded_for = forwarded_for  # an X-Forwarded-For value, when the log has one
+        self.status = status  # the response's status, when the log has one
+        # Cost headers the upstream reported (the gateway's log records them), by lower-case
+        # name.
+        self.costs = costs
+        # How long the request took ($request_time, the gateway's duration_ms), in
+        # microseconds; -1 when the log does not say. A concurrency limit's slots are held
+        # that long.
+        self.duration_us = duration_us
+
+    def _fields(self) -> tuple[object, ...]:
+        return (
+            self.t_us,
+            self.source,
+            self.line,
+            self.address,
+            self.method,
+            self.target,
+            self.host,
+            self.headers,
+            self.forwarded_for,
+            self.status,
+            self.costs,
+            self.duration_us,
+        )
+
+    def at(self, t_us: int) -> Request:
+        """The same request at another instant."""
+        return Request(
+            t_us,
+            self.source,
+            self.line,
+            self.address,
+            self.method,
+            self.target,
+            self.host,
+            self.headers,
+            self.forwarded_for,
+            self.status,
+            self.costs,
+            self.duration_us,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Request):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return f"Request{self._fields()!r}"
 
 
 class Malformed(NamedTuple):
@@ -155,9 +235,12 @@ def numbered_lines(opened: Opened, stats: ReadStats) -> Iterator[tuple[int, str]
 # $remote_addr - $remote_user [$time_local] "$request" $status $body_bytes_sent
 # "$http_referer" "$http_user_agent", then optional extra fields ("$http_x_forwarded_for",
 # $msec, $request_time). nginx escapes '"' in logged strings as \x22.
+# Each repeat is possessive (``++``, ``*+``), the same matches found faster: what follows it
+# starts with a character it cannot take (or is ``(.*)``, which takes the rest of the line),
+# so giving characters back could never lead to a match, and the matcher keeps no place for it.
 _COMBINED = re.compile(
-    r'(\S+) \S+ (?:"[^"]*"|\S+) \[([^\]]+)\] "([^"]*)" (\d{3}|-) \S+'
-    r'(?: "[^"]*" "[^"]*")?(.*)'
+    r'(\S++) \S++ (?:"[^"]*+"|\S++) \[([^\]]++)\] "([^"]*+)" (\d{3}|-) \S++'
+    r'(?: "[^"]*+" "[^"]*+")?(.*)'
 )
 _EXTRA = re.compile(r'"([^"]*)"|(\S+)')
 _MONTHS = {
@@ -195,8 +278,10 @@ def parse_time_local(text: str) -> int:
     return seconds - offset
 
 
-# Distinct request lines kept split by ``read_combined`` before it starts afresh.
+# Distinct request lines kept split by ``read_combined`` before it starts afresh; likewise
+# status texts read as numbers.
 _REQUEST_LINES_KEPT = 1 << 16
+_STATUSES_KEPT = 1 << 10
 
 
 def _split_request_line(request_line: str) -> tuple[str, str] | None:
@@ -212,29 +297,29 @@ def _split_request_line(request_line: str) -> tuple[str, str] | None:
     return method, target
 
 
-# One request of a second not yet spread: (duration_us or -1, line, address, method, target,
-# forwarded_for, status).
-_Pending = tuple[int, int, str, str, str, str | None, int | None]
-
-
 def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
     """nginx ``combined``: ``$time_local`` has whole seconds, so the requests logged in one
     second are spread evenly across it (unless a ``$msec`` field gives the instant); a
     ``$request_time`` field moves each back to when it arrived.
 
     The hot loop of a replay: a request line, like a time, is split once while it repeats (a
-    log has few distinct ones), and records are built as plain tuples."""
+    log has few distinct ones), and each record is built once (a second's are given their
+    instants when the second ends)."""
     name = opened.name
     extras = _EXTRA.findall
     split_lines: dict[str, tuple[str, str] | None] = {}
     last_text = ""
     last_second = 0
     group_second = 0
-    group: list[_Pending] = []
+    group: list[Request] = []  # one second's requests, not yet spread
+    # Each status text's number: ``int()`` of one costs more than a lookup.
+    statuses: dict[str, int] = {}
     number = 0
     try:
         for first, rows in _combined_pieces(opened):
-            for number, row in enumerate(rows, first):
+            number = first - 1
+            for row in rows:  # not ``enumerate``: compiled, it builds a tuple per line
+                number += 1
                 if isinstance(row, str):
                     if row.strip():
                         stats.bad(name, number, "not an nginx combined log line")
@@ -242,7 +327,11 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                 address, time_text, request_line, status_text, rest = row
                 status: int | None = None
                 if status_text != "-":
-                    status = int(status_text)
+                    status = statuses.get(status_text)
+                    if status is None:
+                        if len(statuses) >= _STATUSES_KEPT:
+                            statuses.clear()
+                        status = statuses[status_text] = int(status_text)
                     stats.has_status = True
                 try:
                     request = split_lines[request_line]
@@ -266,10 +355,14 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                 if not rest:
                     if group_second != last_second:
                         if group:
-                            yield from _spread(group, group_second, stats, name)
+                            _spread(group, group_second, stats)
+                            for spread in group:
+                                yield spread
                             group.clear()
                         group_second = last_second
-                    group.append((-1, number, address, method, target, None, status))
+                    group.append(
+                        Request(0, name, number, address, method, target, None, (), None, status)
+                    )
                     continue
                 forwarded_for: str | None = None
                 msec_us: int | None = None
@@ -296,7 +389,9 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                     stats.durations += 1
                 if msec_us is not None:
                     if group:
-                        yield from _spread(group, group_second, stats, name)
+                        _spread(group, group_second, stats)
+                        for spread in group:
+                            yield spread
                         group.clear()
                     yield Request(
                         msec_us - request_time_us,
@@ -315,10 +410,27 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                     continue
                 if group_second != last_second:
                     if group:
-                        yield from _spread(group, group_second, stats, name)
+                        _spread(group, group_second, stats)
+                        for spread in group:
+                            yield spread
                         group.clear()
                     group_second = last_second
-                group.append((duration_us, number, address, method, target, forwarded_for, status))
+                group.append(
+                    Request(
+                        0,
+                        name,
+                        number,
+                        address,
+                        method,
+                        target,
+                        None,
+                        (),
+                        forwarded_for,
+                        status,
+                        (),
+                        duration_us,
+                    )
+                )
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         stats.notes.append(f"{opened.name}: compressed data ends early after line {number}: {exc}")
     except OSError as failed:  # one name per type: compiled, a shared one is typed as the first
@@ -326,7 +438,9 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
     finally:
         stats.lines += number
     if group:
-        yield from _spread(group, group_second, stats, name)
+        _spread(group, group_second, stats)
+        for spread in group:
+            yield spread
 
 
 # The log read in pieces of about this many bytes, each matched as a whole.
@@ -385,40 +499,15 @@ def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
             return
 
 
-def _spread(group: list[_Pending], second: int, stats: ReadStats, name: str) -> list[Request]:
-    """The requests logged in one second, spread evenly across it."""
+def _spread(group: list[Request], second: int, stats: ReadStats) -> None:
+    """Give the requests logged in one second their instants, spread evenly across it (each
+    moved back by its duration, when the log gives one)."""
     stats.spread_seconds = True
     count = len(group)
     base = second * US
-    new = tuple.__new__  # ``Request(...)`` without its Python-level ``__new__``
-    return [
-        new(
-            Request,
-            (
-                base + index * US // count - (duration_us if duration_us > 0 else 0),
-                name,
-                line,
-                address,
-                method,
-                target,
-                None,
-                (),
-                forwarded_for,
-                status,
-                (),
-                duration_us,
-            ),
-        )
-        for index, (
-            duration_us,
-            line,
-            address,
-            method,
-            target,
-            forwarded_for,
-            status,
-        ) in enumerate(group)
-    ]
+    for index, request in enumerate(group):
+        duration_us = request.duration_us
+        request.t_us = base + index * US // count - (duration_us if duration_us > 0 else 0)
 
 
 # -- JSON logs ---------------------------------------------------------------------------------
@@ -725,11 +814,11 @@ def in_time_order(
     try:
         for record in records:
             seq += 1
-            t_us = record[0]
+            t_us = record.t_us
             if t_us < emitted:
                 late += 1
                 t_us = emitted
-                record = record._replace(t_us=t_us)
+                record = record.at(t_us)
             if heap:
                 push(heap, (t_us, seq, record))
             elif t_us >= last_in:
@@ -738,7 +827,7 @@ def in_time_order(
             else:
                 # The queue holds the last len(queue) records, in order: a sorted list is a heap.
                 first = seq - len(queue)
-                heap = [(r[0], first + i, r) for i, r in enumerate(queue)]
+                heap = [(r.t_us, first + i, r) for i, r in enumerate(queue)]
                 queue.clear()
                 push(heap, (t_us, seq, record))
             if t_us > newest:
@@ -752,9 +841,9 @@ def in_time_order(
                     if not heap:
                         last_in = emitted
                 else:
-                    while queue and queue[0][0] <= horizon:
+                    while queue and queue[0].t_us <= horizon:
                         record = popleft()
-                        emitted = record[0]
+                        emitted = record.t_us
                         yield record
         while heap:
             yield pop(heap)[2]

@@ -15,7 +15,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy, MultiMapping
 from yarl import URL
@@ -38,12 +38,13 @@ from gateway.replay.log_formats import US, Request
 from gateway.stores import MemoryStore, store_url
 
 # What came of one request, beside the engine's own counters.
-ALLOWED = "allowed"  # every limit that applies admitted it at once
-DELAYED = "delayed"
-REJECTED = "rejected"
-DENIED = "denied"  # access.deny, or a method or target the proxy refuses
-UNLIMITED = "unlimited"  # routed, but no enforced limit applies (or access.allow)
-UNROUTED = "unrouted"  # no route: the proxy's 404
+# Final: compiled, each is then a constant, not a lookup in the module's globals per request.
+ALLOWED: Final = "allowed"  # every limit that applies admitted it at once
+DELAYED: Final = "delayed"
+REJECTED: Final = "rejected"
+DENIED: Final = "denied"  # access.deny, or a method or target the proxy refuses
+UNLIMITED: Final = "unlimited"  # routed, but no enforced limit applies (or access.allow)
+UNROUTED: Final = "unrouted"  # no route: the proxy's 404
 
 _EMPTY_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
 # Resolved addresses kept by ``Simulation.client_ip`` before it starts afresh.
