@@ -42,6 +42,7 @@ from gateway.replay.log_formats import (
     open_log,
     read_log,
 )
+from gateway.replay.run import Progress
 from gateway.replay.simulate import ALLOWED, DENIED, REJECTED, UNROUTED, Simulation
 from tests.support.browser import artifacts_dir
 from tests.support.gateways import GatewayFactory
@@ -672,6 +673,29 @@ def test_generated_log_on_a_terminal_draws_progress_and_reports_throughput(
     assert b"requests" in drawn and b"%" in drawn and drawn.endswith(b"\r\x1b[K")
     out = done.stdout.decode()
     assert "20,000 lines, 20,000 requests" in out and "lines/s)" in out
+
+
+def test_the_progress_of_several_logs_is_what_has_been_read_of_all_of_them(
+    tmp_path: Path,
+) -> None:
+    """Logs are merged, so read side by side: nothing read is 0 %, one of two equal logs read
+    to its end is 50 % (not the other log's share counted as done from the start)."""
+    logs = []
+    for name in ("a.log", "b.log"):
+        path = tmp_path / name
+        path.write_bytes(b"x" * 1000)
+        logs.append(open_log(str(path)))
+    try:
+        shown = io.StringIO()
+        Progress(shown, 2000, logs).tick(0)
+        assert "  0% " in shown.getvalue(), shown.getvalue()
+        logs[0].raw.read()
+        shown = io.StringIO()
+        Progress(shown, 2000, logs).tick(0)
+        assert " 50% " in shown.getvalue(), shown.getvalue()
+    finally:
+        for log in logs:
+            close_log(log)
 
 
 def test_a_log_without_hosts_under_a_policy_matching_hosts_is_said_so(

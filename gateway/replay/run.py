@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import heapq
 import sys
@@ -49,20 +50,27 @@ class Run:
 
 
 class Progress:
-    """A one-line progress bar on a terminal (stderr); nothing when it is not one."""
+    """A one-line progress bar on a terminal (stderr); nothing when it is not one.
 
-    def __init__(self, stream: IO[str] | None, total_bytes: int | None) -> None:
+    The logs are read side by side (merged in time order), so the bar is the bytes read of
+    all of them over their total."""
+
+    def __init__(
+        self, stream: IO[str] | None, total_bytes: int | None, logs: Sequence[Opened]
+    ) -> None:
         self.stream = stream
         self.total = total_bytes
-        self.done_bytes = 0
-        self.current: Opened | None = None
+        self.logs = logs
         self.started = time.monotonic()
         self.last_draw = self.started - 1.0  # the first tick draws at once
 
-    def file(self, opened: Opened) -> None:
-        if self.current is not None and self.current.size is not None:
-            self.done_bytes += self.current.size
-        self.current = opened
+    def position(self) -> int:
+        """Bytes read so far, of every log."""
+        read = 0
+        for log in self.logs:
+            with contextlib.suppress(OSError, ValueError):  # a pipe, or a log already closed
+                read += log.raw.tell()
+        return read
 
     def tick(self, requests: int) -> None:
         if self.stream is None:
@@ -73,12 +81,8 @@ class Progress:
         self.last_draw = now
         rate = requests / max(now - self.started, 1e-9)
         text = f"replay: {requests:,} requests, {rate:,.0f}/s"
-        if self.total and self.current is not None:
-            try:
-                position = self.done_bytes + self.current.raw.tell()
-            except (OSError, ValueError):
-                position = self.done_bytes
-            fraction = min(1.0, position / self.total)
+        if self.total:
+            fraction = min(1.0, self.position() / self.total)
             bar = "#" * int(fraction * 30)
             text = f"[{bar:<30}] {fraction:4.0%} " + text
         self.stream.write("\r" + text + "\x1b[K")
@@ -112,15 +116,13 @@ async def replay(
     total = None if any(o.size is None for o in opened) else sum(o.size or 0 for o in opened)
     if show_progress is None:
         show_progress = sys.stderr.isatty()
-    progress = Progress(sys.stderr if show_progress else None, total)
+    progress = Progress(sys.stderr if show_progress else None, total, opened)
     try:
         streams = [in_time_order(read_log(o, fmt, stats), window_us, stats) for o in opened]
     except LogError:
         for item in opened:
             close_log(item)
         raise
-    for item in opened:  # each log's size before the next: what the progress bar reads
-        progress.file(item)
     merged: Iterator[Request] = (
         streams[0] if len(streams) == 1 else heapq.merge(*streams, key=lambda r: r.t_us)
     )
