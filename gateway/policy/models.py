@@ -407,10 +407,32 @@ def _listen_address(value: Any) -> Any:
     return value
 
 
+def _listeners_agree(value: str | tuple[Listener, ...]) -> str | tuple[Listener, ...]:
+    """A list's listeners on ports of their own, each redirect with a TLS port to go to."""
+    if isinstance(value, str):
+        return value
+    for index, listener in enumerate(value):
+        for before in range(index):
+            if listeners_collide(value[before].address, listener.address):
+                raise ValueError(
+                    f"listen[{before}] ({value[before].address}) and listen[{index}] "
+                    f"({listener.address}) take the same port: give each listener its own"
+                )
+        if listener.redirect_to_https is True and all(other.tls is None for other in value):
+            raise ValueError(
+                f"listen[{index}] redirects to HTTPS but no listener has tls: add one, or "
+                "give redirect_to_https the port clients reach HTTPS on"
+            )
+    if all(listener.redirects for listener in value):
+        raise ValueError("every listener redirects: nothing would serve the proxy")
+    return value
+
+
 Listen = Annotated[
     Annotated[str, Tag("address")] | Annotated[tuple[Listener, ...], Tag("listeners")],
     Discriminator(_listen_kind),
     BeforeValidator(_listen_address),
+    AfterValidator(_listeners_agree),
 ]
 
 
@@ -550,29 +572,13 @@ class ServerSettings(_Model):
                 "tls is for a listen address; with listen as a list, give the TLS listener "
                 "its own tls"
             )
-        listeners = self.listen
-        for index, listener in enumerate(listeners):
+        for index, listener in enumerate(self.listen):
             if listeners_collide(listener.address, self.admin_listen):
                 raise ValueError(
                     f"listen[{index}] ({listener.address}) and admin_listen "
                     f"({self.admin_listen}) take the same port: give the admin listener a port "
                     "of its own"
                 )
-            for before in range(index):
-                if listeners_collide(listeners[before].address, listener.address):
-                    raise ValueError(
-                        f"listen[{before}] ({listeners[before].address}) and listen[{index}] "
-                        f"({listener.address}) take the same port: give each listener its own"
-                    )
-            if listener.redirect_to_https is True and not any(
-                other.tls is not None for other in listeners
-            ):
-                raise ValueError(
-                    f"listen[{index}] redirects to HTTPS but no listener has tls: add one, or "
-                    "give redirect_to_https the port clients reach HTTPS on"
-                )
-        if all(listener.redirects for listener in listeners):
-            raise ValueError("every listener redirects: nothing would serve the proxy")
         return self
 
     @property
