@@ -352,7 +352,10 @@ async def test_every_worker_serves_every_listener_and_drains_them_on_sigterm(
         f"upstreams:\n  backend:\n    url: {upstream.url}\n"
         "routes:\n  - name: all\n    upstream: backend\n"
     )
-    gw = await gateway_process("--workers", "2", policy=policy)
+    # The image's GATEWAY_LISTEN does not replace a list of listeners: it is said, once a worker.
+    gw = await gateway_process(
+        "--workers", "2", policy=policy, env={"GATEWAY_LISTEN": "127.0.0.1:1"}
+    )
     await wait_until(
         lambda: len([ln for ln in gw.log().splitlines() if "serving on" in ln]) == 2,
         "both workers serving",
@@ -365,6 +368,9 @@ async def test_every_worker_serves_every_listener_and_drains_them_on_sigterm(
             f"{tls_files.server_cert}, valid until " in line
         )
         assert f"127.0.0.1:{redirect} (redirects to https port {secure})" in line
+    assert (
+        gw.log().count("GATEWAY_LISTEN (127.0.0.1:1) is not used: the policy's server.listen") == 2
+    )
     connector = aiohttp.TCPConnector(ssl=trusting(tls_files.ca))
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
 
