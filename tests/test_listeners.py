@@ -17,8 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.edge.tls import ServerNames
 from gateway.engine.preflight import parse_and_build
 from gateway.policy.loader import parse_policy
+from gateway.policy.models import Certificate, TlsSettings
 from tests.support.certificates import TLSFiles, make_named_certificate, make_tls_files
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.network import TIMEOUT, free_port
@@ -228,6 +230,29 @@ async def test_sni_chooses_the_certificate_by_name_with_a_default(
         session.get(f"https://127.0.0.1:{gw.port}/", server_hostname="a.test") as resp,
     ):
         assert resp.status == 200
+
+
+def test_an_exact_name_wins_over_a_wildcard_and_a_longer_wildcard_over_a_shorter() -> None:
+    names = ServerNames(
+        TlsSettings(
+            certificates=(
+                Certificate(cert="w.pem", key="w.key", server_names=("*.example.com",)),
+                Certificate(cert="d.pem", key="d.key", default=True),
+                Certificate(
+                    cert="x.pem", key="x.key", server_names=("*.api.example.com", "api.example.com")
+                ),
+                Certificate(cert="e.pem", key="e.key", server_names=("a.api.example.com.",)),
+            )
+        )
+    )
+    assert names.index_for("a.api.example.com") == 3
+    assert names.index_for("A.API.Example.com.") == 3
+    assert names.index_for("b.api.example.com") == 2
+    assert names.index_for("api.example.com") == 2
+    assert names.index_for("www.example.com") == 0
+    assert names.index_for("example.com") == 1
+    assert names.index_for("notexample.com") == 1
+    assert names.index_for(None) == 1
 
 
 async def test_each_certificate_is_reloaded_on_its_own_when_its_files_change(

@@ -445,7 +445,6 @@ class Gateway:
         for _, runner in self._redirect_runners:
             if isinstance(runner.server, GatewayServer):
                 runner.server.reconfigure(loaded.policy.server)
-                runner.server.max_body_size = 0
         for listener_tls, tls_settings in renewed:
             listener_tls.reload(tls_settings, loaded.source)
         level = logging.getLevelNamesMapping()[loaded.policy.server.client_error_log_level.upper()]
@@ -578,7 +577,7 @@ def _listener_layout(server: ServerSettings) -> tuple[tuple[object, ...], ...]:
         (
             listener.address,
             listener.tls is None,
-            listener.redirect_to_https,
+            repr(listener.redirect_to_https),  # True is 1 to ==, and port 1 is not the TLS one
             listener.redirect_status,
         )
         for listener in server.listeners
