@@ -21,7 +21,7 @@ from gateway.limits.routing import RefusedTarget, origin_form
 
 # A Host header: a DNS name or an IPv4 address, or an IPv6 literal in brackets; then a port.
 _HOST_RE: Final = re.compile(
-    r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?)(?::\d{1,5})?$"
+    r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?)(?::\d{1,5})?"
 )
 _KEEPS_METHOD: Final = 308  # POST stays POST, its body resent
 _FOR_READS: Final = 301  # GET and HEAD: the permanent redirect every client knows
@@ -31,7 +31,7 @@ HTTPS_PORT: Final = 443
 def https_location(host_header: str, target: str, port: int) -> str:
     """``https://`` the Host header's host (without its port), ``port`` unless 443, and the
     target; ``ValueError`` for a Host that names no host."""
-    match = _HOST_RE.match(host_header.strip())
+    match = _HOST_RE.fullmatch(host_header.strip())
     if match is None:
         raise ValueError("invalid Host header")
     host = match.group(1).lower()
