@@ -296,7 +296,7 @@ def test_an_expired_certificate_stops_check_and_run_with_one_line(tmp_path: Path
 
 def test_relative_names_are_read_beside_the_policy_file(tmp_path: Path) -> None:
     made = make_pair(tmp_path, "beside")
-    loaded = load_tls(
+    (loaded,) = load_tls(
         TlsSettings(cert="beside.crt", key="beside.key"), str(tmp_path / "policy.yaml")
     )
     assert loaded.cert == made.cert

@@ -66,6 +66,23 @@ EXPECTED_ERRORS = {
     "tls_missing_files.yaml": "tls_missing_files.yaml:2: server.tls: "
     "{dir}/missing-cert.pem: cannot read: No such file or directory",
     "bad_workers.toml": "bad_workers.toml:3: server.workers: expected a whole number, got 'many'",
+    "listen_same_port_twice.yaml": "listen_same_port_twice.yaml:2: server.listen: listen[0] "
+    "(127.0.0.1:8080) and listen[1] (0.0.0.0:8080) take the same port: give each listener its own",
+    "listen_redirect_without_tls.yaml": "listen_redirect_without_tls.yaml:2: server.listen: "
+    "listen[0] redirects to HTTPS but no listener has tls: add one, or give redirect_to_https "
+    "the port clients reach HTTPS on",
+    "listen_list_and_server_tls.yaml": "listen_list_and_server_tls.yaml:1: server: tls is for a "
+    "listen address; with listen as a list, give the TLS listener its own tls",
+    "tls_two_defaults.yaml": "tls_two_defaults.yaml:4: server.listen[0].tls: certificates[0] and "
+    "certificates[1] are both the default: give default: true to one",
+    "tls_server_name_twice.yaml": "tls_server_name_twice.yaml:2: server.tls: server name "
+    "'a.test' is in certificates[0] and certificates[1]: list it once",
+    "tls_bad_server_name.yaml": "tls_bad_server_name.yaml:4: "
+    "server.tls.certificates[0].server_names: invalid server name 'api.*': expected a host name "
+    "(api.example.com) or a wildcard over a domain (*.example.com)",
+    "tls_certificate_missing_file.yaml": "tls_certificate_missing_file.yaml:6: "
+    "server.listen[0].tls.certificates[0]: {dir}/missing-cert.pem: cannot read: No such file or "
+    "directory",
     "limit_delay_over_burst.yaml": "limit_delay_over_burst.yaml:8: limits.per_ip: delay (5) "
     "cannot exceed burst (2)",
     "limit_delay_and_nodelay.yaml": "limit_delay_and_nodelay.yaml:8: limits.per_ip: give "

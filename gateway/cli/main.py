@@ -73,9 +73,9 @@ def _load_for_run(args: argparse.Namespace) -> LoadedPolicy:
 def cmd_run(args: argparse.Namespace) -> int:
     from gateway.serving.lifecycle import (
         ENV_ADMIN_LISTEN,
-        ENV_LISTEN,
         StartupError,
         check_aiohttp,
+        configured_listeners,
         listen_address,
     )
 
@@ -96,20 +96,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise SystemExit(f"gateway: --workers {workers}: {problem}")
     server = loaded.policy.server
     try:
-        listen = listen_address(args.listen, ENV_LISTEN, server.listen)
+        listeners = [address for _, address in configured_listeners(args.listen, server)]
         admin = listen_address(args.admin_listen, ENV_ADMIN_LISTEN, server.admin_listen)
     except StartupError as exc:
         return _startup_error(str(exc))
-    where = listen_addresses.display(*listen), listen_addresses.display(*admin)
-    if listeners_collide(*where):
-        # The policy's own are refused with its line; this is an override's doing.
-        return _startup_error(
-            f"the proxy ({where[0]}) and the admin listener ({where[1]}) take the same port: "
-            "give the admin listener a port of its own"
-        )
+    admin_where = listen_addresses.display(*admin)
+    for listen in listeners:
+        where = listen_addresses.display(*listen)
+        if listeners_collide(where, admin_where):
+            # The policy's own are refused with its line; this is an override's doing.
+            return _startup_error(
+                f"the proxy ({where}) and the admin listener ({admin_where}) take the same "
+                "port: give the admin listener a port of its own"
+            )
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(listen_addresses.held([("proxy", *listen), ("admin", *admin)]))
+            stack.enter_context(
+                listen_addresses.held(
+                    [*(("proxy", *listen) for listen in listeners), ("admin", *admin)]
+                )
+            )
         except listen_addresses.AddressHeld as exc:
             return _startup_error(str(exc))
         if workers == 1:
@@ -131,12 +137,22 @@ def listen_problems(policy: Policy) -> list[tuple[Loc, str]]:
     from gateway.serving.lifecycle import ENV_ADMIN_LISTEN, ENV_LISTEN
 
     problems: list[tuple[Loc, str]] = []
-    for name, env_name in (("listen", ENV_LISTEN), ("admin_listen", ENV_ADMIN_LISTEN)):
-        if os.environ.get(env_name):
-            continue
-        problem = listen_addresses.check_problem(*split_host_port(getattr(policy.server, name)))
+    server = policy.server
+    tried: list[tuple[Loc, str]] = []
+    if isinstance(server.listen, str):
+        if not os.environ.get(ENV_LISTEN):
+            tried.append((("server", "listen"), server.listen))
+    else:  # a list names every address itself: GATEWAY_LISTEN does not replace it
+        tried += [
+            (("server", "listen", index, "address"), listener.address)
+            for index, listener in enumerate(server.listen)
+        ]
+    if not os.environ.get(ENV_ADMIN_LISTEN):
+        tried.append((("server", "admin_listen"), server.admin_listen))
+    for loc, address in tried:
+        problem = listen_addresses.check_problem(*split_host_port(address))
         if problem is not None:
-            problems.append((("server", name), problem))
+            problems.append((loc, problem))
     return problems
 
 

@@ -15,7 +15,7 @@ from gateway.algorithms.registry import build_algorithm
 from gateway.engine.limit_engine import LimitEngine
 from gateway.policy.loader import BuildChecks, LoadedPolicy, Loc, load_policy, parse_policy
 from gateway.policy.models import Policy
-from gateway.policy.tls_files import TlsFilesError, load_tls
+from gateway.policy.tls_files import TlsFilesError, listener_tls_loc, load_tls
 from gateway.redact import redact_text
 from gateway.stores import build_store
 
@@ -57,14 +57,16 @@ def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc
 
 
 def tls_problems(policy: Policy, policy_file: str) -> list[tuple[Loc, str]]:
-    """The listener's certificate and key, loaded as ``run`` loads them."""
-    if policy.server.tls is None:
-        return []
-    try:
-        load_tls(policy.server.tls, policy_file)
-    except TlsFilesError as exc:
-        return [(("server", "tls"), str(exc))]
-    return []
+    """Each TLS listener's certificates and keys, loaded as ``run`` loads them."""
+    problems: list[tuple[Loc, str]] = []
+    for index, listener in enumerate(policy.server.listeners):
+        if listener.tls is None:
+            continue
+        try:
+            load_tls(listener.tls, policy_file)
+        except TlsFilesError as exc:
+            problems.append((listener_tls_loc(policy.server, index, exc.index), str(exc)))
+    return problems
 
 
 def load_and_build(

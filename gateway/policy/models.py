@@ -16,8 +16,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     PlainSerializer,
+    Tag,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -231,23 +233,221 @@ def _version_text(value: Any) -> Any:
     return f"{value:.1f}" if isinstance(value, float) else value
 
 
-class TlsSettings(_Model):
-    """TLS on the client listener: a PEM certificate chain and its key, reloaded when either
-    file changes and on SIGHUP (a pair that does not load is refused; the old one stays)."""
+# A server name a certificate is chosen by: a host name, or ``*.`` and a domain (any name under
+# it, as nginx's ``server_name *.example.com``).
+_SERVER_NAME_RE: Final = re.compile(
+    r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"
+)
+
+
+class Certificate(_Model):
+    """One certificate of a TLS listener with several: served to the clients whose SNI names
+    one of its ``server_names``; the default one to every other client."""
 
     cert: str = Field(description="PEM certificate chain (relative to the policy file)")
     key: str = Field(description="PEM private key of the certificate (relative to the policy file)")
+    server_names: tuple[str, ...] = Field(
+        (),
+        description="the names (SNI) it is served for: exact (api.example.com) or a wildcard "
+        "(*.example.com: any name under example.com); an exact name wins over a wildcard, a "
+        "longer wildcard over a shorter",
+    )
+    default: bool = Field(
+        False,
+        description="served when the client names no server or one no certificate lists; "
+        "when none says so, the first certificate is the default",
+    )
+
+    @field_validator("server_names")
+    @classmethod
+    def _check_server_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = tuple(name.strip().lower().rstrip(".") for name in value)
+        for name in names:
+            if _SERVER_NAME_RE.fullmatch(name) is None:
+                raise ValueError(
+                    f"invalid server name {name!r}: expected a host name (api.example.com) "
+                    "or a wildcard over a domain (*.example.com)"
+                )
+        return names
+
+
+class TlsSettings(_Model):
+    """TLS on a client listener: a PEM certificate chain and its key (``cert``, ``key``), or
+    several chosen by the name the client asks for (``certificates``, SNI). Each is read again
+    when its files change and on SIGHUP (one that does not load is refused; the old one stays)."""
+
+    cert: str | None = Field(
+        None,
+        description="PEM certificate chain (relative to the policy file); with key, or give "
+        "certificates instead",
+    )
+    key: str | None = Field(
+        None, description="PEM private key of the certificate (relative to the policy file)"
+    )
+    certificates: tuple[Certificate, ...] = Field(
+        (),
+        description="several certificates, chosen by the server name the client sends (SNI), "
+        "instead of cert and key",
+    )
     min_version: Annotated[Literal["1.2", "1.3"], BeforeValidator(_version_text)] = Field(
         "1.2", description="oldest TLS version accepted: '1.2' or '1.3'"
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_certificates(self) -> TlsSettings:
+        if self.certificates:
+            if self.cert is not None or self.key is not None:
+                raise ValueError(
+                    "give cert and key (one certificate) or certificates (several), not both"
+                )
+        elif self.cert is None or self.key is None:
+            raise ValueError(
+                "give cert and key (one certificate) or certificates (several, chosen by SNI)"
+            )
+        defaults = [i for i, c in enumerate(self.certificates) if c.default]
+        if len(defaults) > 1:
+            raise ValueError(
+                f"certificates[{defaults[0]}] and certificates[{defaults[1]}] are both the "
+                "default: give default: true to one"
+            )
+        seen: dict[str, int] = {}
+        for index, certificate in enumerate(self.certificates):
+            if not certificate.server_names and index != self.default_index:
+                raise ValueError(
+                    f"certificates[{index}] has no server_names and is not the default: no "
+                    "client would get it (list the names it serves)"
+                )
+            for name in certificate.server_names:
+                if name in seen:
+                    raise ValueError(
+                        f"server name {name!r} is in certificates[{seen[name]}] and "
+                        f"certificates[{index}]: list it once"
+                    )
+                seen[name] = index
+        return self
+
+    @property
+    def default_index(self) -> int:
+        """The certificate served when no name matches: the one marked, else the first."""
+        return next((i for i, c in enumerate(self.certificates) if c.default), 0)
+
+    @property
+    def chain_files(self) -> tuple[Certificate, ...]:
+        """Every certificate, one per entry (``cert`` and ``key`` make one, the default)."""
+        if self.certificates:
+            return self.certificates
+        assert self.cert is not None and self.key is not None
+        return (Certificate(cert=self.cert, key=self.key),)
+
+
+RedirectStatus = Literal[301, 302, 307, 308]
+
+
+class Listener(_Model):
+    """One listener of ``server.listen`` given as a list: the proxy in plain HTTP, the proxy
+    over TLS (``tls``), or a plain-HTTP listener that sends every request to HTTPS
+    (``redirect_to_https``)."""
+
+    address: str = Field(description="HOST:PORT to listen on")
+    tls: TlsSettings | None = Field(None, description="serve this listener over TLS")
+    redirect_to_https: bool | int = Field(
+        False,
+        description="answer every request with a redirect to https://HOST[:PORT] and the same "
+        "path and query, HOST from the request's Host header: true for the port of the first "
+        "TLS listener, or the port clients reach HTTPS on (443 behind a port mapping); "
+        "not rate-limited, nothing proxied",
+    )
+    redirect_status: RedirectStatus | None = Field(
+        None,
+        description="the redirect's status: 301, 302, 307 or 308; by default 301 for GET and "
+        "HEAD, 308 for other methods (which keeps the method and body)",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        split_host_port(value)
+        return value
+
+    @field_validator("redirect_to_https")
+    @classmethod
+    def _check_redirect_port(cls, value: bool | int) -> bool | int:
+        if not isinstance(value, bool) and not 1 <= value <= 65535:
+            raise ValueError(f"expected true, false or a port from 1 to 65535, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _redirect_or_serve(self) -> Listener:
+        if self.redirect_to_https is not False and self.tls is not None:
+            raise ValueError(
+                "a listener with tls already serves HTTPS: give it tls or redirect_to_https, "
+                "not both"
+            )
+        if self.redirect_status is not None and self.redirect_to_https is False:
+            raise ValueError("redirect_status needs redirect_to_https: true (or a port)")
+        return self
+
+    @property
+    def redirects(self) -> bool:
+        return self.redirect_to_https is not False
+
+
+def _listen_kind(value: Any) -> str:
+    return "address" if isinstance(value, str) else "listeners"
+
+
+def _listen_address(value: Any) -> Any:
+    """``listen`` as one address (checked here, so its error is the field's own) or a list."""
+    if isinstance(value, str):
+        split_host_port(value)
+    elif not isinstance(value, list | tuple):
+        raise ValueError(f"expected HOST:PORT (0.0.0.0:8080) or a list of listeners, got {value!r}")
+    elif not value:
+        raise ValueError("an empty list of listeners: give at least one")
+    return value
+
+
+def _listeners_agree(value: str | tuple[Listener, ...]) -> str | tuple[Listener, ...]:
+    """A list's listeners on ports of their own, each redirect with a TLS port to go to."""
+    if isinstance(value, str):
+        return value
+    for index, listener in enumerate(value):
+        for before in range(index):
+            if listeners_collide(value[before].address, listener.address):
+                raise ValueError(
+                    f"listen[{before}] ({value[before].address}) and listen[{index}] "
+                    f"({listener.address}) take the same port: give each listener its own"
+                )
+        if listener.redirect_to_https is True and all(other.tls is None for other in value):
+            raise ValueError(
+                f"listen[{index}] redirects to HTTPS but no listener has tls: add one, or "
+                "give redirect_to_https the port clients reach HTTPS on"
+            )
+    if all(listener.redirects for listener in value):
+        raise ValueError("every listener redirects: nothing would serve the proxy")
+    return value
+
+
+Listen = Annotated[
+    Annotated[str, Tag("address")] | Annotated[tuple[Listener, ...], Tag("listeners")],
+    Discriminator(_listen_kind),
+    BeforeValidator(_listen_address),
+    AfterValidator(_listeners_agree),
+]
 
 
 class ServerSettings(_Model):
     """The client-facing listener and its protections against slow or abusive clients."""
 
-    listen: str = Field("0.0.0.0:8080", description="HOST:PORT of the proxy listener")
+    listen: Listen = Field(
+        "0.0.0.0:8080",
+        description="HOST:PORT of the proxy listener, or a list of listeners (plain, TLS, "
+        "redirect to HTTPS), each as server.listen[] says",
+    )
     tls: TlsSettings | None = Field(
-        None, description="serve the proxy listener over TLS (HTTP/1.1 by ALPN)"
+        None,
+        description="serve the proxy listener over TLS (HTTP/1.1 by ALPN); with listen as a "
+        "list, each listener has its own tls",
     )
     admin_listen: str = Field(
         "127.0.0.1:9090", description="HOST:PORT of the admin listener (/healthz, /readyz, ...)"
@@ -329,7 +529,7 @@ class ServerSettings(_Model):
         description="admin paths served without the token when one is set",
     )
 
-    @field_validator("listen", "admin_listen")
+    @field_validator("admin_listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
         split_host_port(value)
@@ -360,12 +560,33 @@ class ServerSettings(_Model):
 
     @model_validator(mode="after")
     def _two_listeners(self) -> ServerSettings:
-        if listeners_collide(self.listen, self.admin_listen):
+        if isinstance(self.listen, str):
+            if listeners_collide(self.listen, self.admin_listen):
+                raise ValueError(
+                    f"listen ({self.listen}) and admin_listen ({self.admin_listen}) take the "
+                    "same port: give the admin listener a port of its own"
+                )
+            return self
+        if self.tls is not None:
             raise ValueError(
-                f"listen ({self.listen}) and admin_listen ({self.admin_listen}) take the same "
-                "port: give the admin listener a port of its own"
+                "tls is for a listen address; with listen as a list, give the TLS listener "
+                "its own tls"
             )
+        for index, listener in enumerate(self.listen):
+            if listeners_collide(listener.address, self.admin_listen):
+                raise ValueError(
+                    f"listen[{index}] ({listener.address}) and admin_listen "
+                    f"({self.admin_listen}) take the same port: give the admin listener a port "
+                    "of its own"
+                )
         return self
+
+    @property
+    def listeners(self) -> tuple[Listener, ...]:
+        """The proxy's listeners, whichever way the file gives them."""
+        if isinstance(self.listen, str):
+            return (Listener(address=self.listen, tls=self.tls),)
+        return self.listen
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:

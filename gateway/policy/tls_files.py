@@ -1,4 +1,4 @@
-"""The listener's certificate and key: read from their PEM files, checked, made into a context.
+"""A TLS listener's certificates and keys: read from their PEM files, checked, made into contexts.
 
 What ``gateway check``, ``gateway run`` and a reload all refuse, each in one line: a file that
 cannot be read, a key that is not the certificate's, a certificate already expired. The expiry
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from gateway.policy.models import TlsSettings
+from gateway.policy.models import Certificate, ServerSettings, TlsSettings
 from gateway.policy.overrides_file import resolve_path
 
 _PEM_CERT_RE: Final = re.compile(
@@ -27,7 +27,12 @@ ALPN_PROTOCOLS: Final = ["http/1.1"]
 
 
 class TlsFilesError(ValueError):
-    """A certificate and key the listener cannot use; ``str()`` is one line naming the file."""
+    """A certificate and key the listener cannot use; ``str()`` is one line naming the file.
+    ``index``: which of the settings' ``certificates`` (None for ``cert`` and ``key``)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +46,22 @@ class TlsPair:
     key: Path
 
 
-def tls_paths(settings: TlsSettings, policy_file: str) -> tuple[Path, Path]:
+def certificate_paths(certificate: Certificate, policy_file: str) -> tuple[Path, Path]:
     """The certificate's and the key's paths (relative names: to the policy file's directory)."""
-    return resolve_path(policy_file, settings.cert), resolve_path(policy_file, settings.key)
+    return resolve_path(policy_file, certificate.cert), resolve_path(policy_file, certificate.key)
+
+
+def listener_tls_loc(
+    server: ServerSettings, listener: int, certificate: int | None
+) -> tuple[str | int, ...]:
+    """Where a listener's certificate is in the policy file: ``server.tls`` for the one listen
+    address, ``server.listen[N].tls`` in a list; then ``certificates[M]`` when it names several."""
+    loc: tuple[str | int, ...] = (
+        ("server", "tls")
+        if isinstance(server.listen, str)
+        else ("server", "listen", listener, "tls")
+    )
+    return loc if certificate is None else (*loc, "certificates", certificate)
 
 
 def file_signature(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int] | None, ...]:
@@ -59,10 +77,26 @@ def file_signature(paths: tuple[Path, ...]) -> tuple[tuple[int, int, int] | None
     return tuple(out)
 
 
-def load_tls(settings: TlsSettings, policy_file: str, now: float | None = None) -> TlsPair:
-    """A server context with the pair loaded (TLS ``min_version``+, ALPN http/1.1), or
+def load_tls(
+    settings: TlsSettings, policy_file: str, now: float | None = None
+) -> tuple[TlsPair, ...]:
+    """Every certificate of ``settings`` loaded, in their order; ``TlsFilesError`` (with the
+    certificate's index) for the first that does not load."""
+    pairs: list[TlsPair] = []
+    for index, certificate in enumerate(settings.chain_files):
+        try:
+            pairs.append(load_pair(certificate, settings, policy_file, now))
+        except TlsFilesError as exc:
+            raise TlsFilesError(str(exc), index if settings.certificates else None) from None
+    return tuple(pairs)
+
+
+def load_pair(
+    certificate: Certificate, settings: TlsSettings, policy_file: str, now: float | None = None
+) -> TlsPair:
+    """A server context with one pair loaded (TLS ``min_version``+, ALPN http/1.1), or
     ``TlsFilesError``."""
-    cert, key = tls_paths(settings, policy_file)
+    cert, key = certificate_paths(certificate, policy_file)
     try:
         pem = cert.read_text(encoding="ascii", errors="replace")
     except OSError as exc:

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -20,16 +21,24 @@ from gateway.admin.auth import AdminAuth, AdminTokenError
 from gateway.clock import Clock
 from gateway.edge.client_errors import ClientErrorLog
 from gateway.edge.proxy import ProxyHandler
+from gateway.edge.redirect import HttpsRedirect
 from gateway.edge.runtime import Runtime, build_runtime, largest_body_size, uses_demo
 from gateway.edge.server import GatewayServer
-from gateway.edge.tls import ListenerTls
+from gateway.edge.tls import ListenerTls, TlsListeners
 from gateway.observability.dashboard import install as install_dashboard
 from gateway.observability.observer import Observability
 from gateway.observability.snapshot_files import default_shared_dir
 from gateway.observability.worker import WorkerState
-from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import Policy, StoreSettings, split_host_port
-from gateway.policy.tls_files import TlsFilesError, load_tls
+from gateway.policy.loader import LoadedPolicy, format_loc
+from gateway.policy.models import (
+    Listener,
+    Policy,
+    ServerSettings,
+    StoreSettings,
+    TlsSettings,
+    split_host_port,
+)
+from gateway.policy.tls_files import TlsFilesError, listener_tls_loc, load_tls
 from gateway.redact import redact_text, redact_url
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
@@ -59,6 +68,40 @@ def listen_address(flag: str | None, env_name: str, from_policy: str) -> tuple[s
     except ValueError as exc:
         source = "the command line" if flag else env_name if env_value else "the policy file"
         raise StartupError(f"{source}: {exc}") from None
+
+
+def configured_listeners(
+    flag: str | None, settings: ServerSettings
+) -> tuple[tuple[Listener, tuple[str, int]], ...]:
+    """The proxy's listeners and where each binds. One listen address: ``--listen``, else
+    ``GATEWAY_LISTEN``, else the policy's. A list of listeners names every address itself:
+    ``--listen`` is refused, ``GATEWAY_LISTEN`` not used (``serve`` says so)."""
+    if isinstance(settings.listen, str):
+        (listener,) = settings.listeners
+        return ((listener, listen_address(flag, ENV_LISTEN, settings.listen)),)
+    if flag:
+        raise StartupError(
+            "--listen: the policy's server.listen is a list of listeners: change their "
+            "addresses there"
+        )
+    return tuple((listener, split_host_port(listener.address)) for listener in settings.listen)
+
+
+@dataclass(eq=False)
+class ProxyListener:
+    """One listener of the proxy in this worker: its settings, where it binds, its TLS or its
+    redirect, and the port it got."""
+
+    settings: Listener
+    host: str
+    port: int
+    tls: ListenerTls | None = None
+    redirect: HttpsRedirect | None = None
+    bound_port: int = 0
+
+    @property
+    def where(self) -> str:
+        return _host_port(self.host, self.bound_port or self.port)
 
 
 def in_container() -> bool:
@@ -130,7 +173,12 @@ class Gateway:
     ) -> None:
         settings = loaded.policy.server
         self.loaded = loaded
-        self.listen = listen_address(listen, ENV_LISTEN, settings.listen)
+        self.listeners = [
+            ProxyListener(listener, *address)
+            for listener, address in configured_listeners(listen, settings)
+        ]
+        first = next(listener for listener in self.listeners if not listener.settings.redirects)
+        self.listen = first.host, first.port
         self.admin_listen = listen_address(admin_listen, ENV_ADMIN_LISTEN, settings.admin_listen)
         try:
             self.admin_auth = AdminAuth.of(settings)
@@ -149,17 +197,26 @@ class Gateway:
             raise StartupError(f"store: {redact_text(str(exc))}") from None
         except SharedDirError as exc:  # no room, read-only, not a directory
             raise StartupError(str(exc)) from None
-        try:
-            self.tls = (
-                ListenerTls(settings.tls, loaded.source) if settings.tls is not None else None
-            )
-        except TlsFilesError as exc:
-            raise StartupError(f"server.tls: {exc}") from None
+        for index, listener in enumerate(self.listeners):
+            tls = listener.settings.tls
+            if tls is not None:
+                try:
+                    listener.tls = ListenerTls(tls, loaded.source)
+                except TlsFilesError as exc:
+                    where = format_loc(listener_tls_loc(settings, index, exc.index))
+                    raise StartupError(f"{where}: {exc}") from None
+            elif listener.settings.redirects:
+                to = listener.settings.redirect_to_https
+                listener.redirect = HttpsRedirect(
+                    0 if to is True else int(to), listener.settings.redirect_status
+                )
+        served = [listener.tls for listener in self.listeners if listener.tls is not None]
+        self.tls = TlsListeners(served) if served else None
         self._demo = DemoUpstream() if uses_demo(loaded) else None
         self._demo_address = self._demo.address if self._demo is not None else None
         self._watch_stop = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
-        self._tls_watcher: asyncio.Task[None] | None = None
+        self._tls_watchers: list[asyncio.Task[None]] = []
         self._retired: list[Runtime] = []
 
         level = logging.getLevelNamesMapping()[settings.client_error_log_level.upper()]
@@ -224,6 +281,18 @@ class Gateway:
             self._proxy_runner = web.ServerRunner(
                 self.server, shutdown_timeout=settings.shutdown_timeout
             )
+            # A redirecting listener has a server of its own: its handler answers every request.
+            self._redirect_runners = [
+                (
+                    listener,
+                    web.ServerRunner(
+                        self._redirect_server(listener.redirect, settings),
+                        shutdown_timeout=settings.shutdown_timeout,
+                    ),
+                )
+                for listener in self.listeners
+                if listener.redirect is not None
+            ]
             self._admin_runner = web.AppRunner(
                 admin_app, access_log=None, logger=self._client_errors[1]
             )
@@ -231,6 +300,48 @@ class Gateway:
             if self._demo is not None:
                 self._demo.discard()  # its port was bound for the runtime just built
             raise
+
+    def _redirect_server(self, redirect: HttpsRedirect, settings: ServerSettings) -> GatewayServer:
+        """The server of a redirecting listener, with the proxy's protections against slow
+        clients (it reads no body)."""
+        return GatewayServer(
+            redirect,
+            header_timeout=settings.header_timeout,
+            max_connections=settings.max_connections,
+            keepalive_timeout=settings.keepalive_timeout,
+            max_line_size=settings.max_header_size,
+            max_field_size=settings.max_header_size,
+            max_headers=settings.max_headers,
+            auto_decompress=False,
+            access_log=None,
+            logger=self._client_errors[0],
+        )
+
+    async def _bind(self, runner: web.BaseRunner, listener: ProxyListener) -> int:
+        """Open one listener's site on ``runner`` (each worker its own socket, SO_REUSEPORT
+        with --workers N); the port it got."""
+        site: web.TCPSite
+        if listener.tls is not None:
+            site = TlsSite(
+                runner,
+                listener.host,
+                listener.port,
+                ssl_context=listener.tls.context,
+                handshake_timeout=self.loaded.policy.server.header_timeout,
+                backlog=1024,
+                reuse_port=self.reuse_port or None,
+            )
+        else:
+            site = web.TCPSite(
+                runner,
+                listener.host,
+                listener.port,
+                backlog=1024,
+                reuse_port=self.reuse_port or None,
+            )
+        what = "redirect to https" if listener.redirect is not None else "proxy"
+        await _start_site(site, what, listener.host, listener.port)
+        return site.port
 
     async def start(self) -> None:
         if self._demo is not None:
@@ -240,24 +351,20 @@ class Gateway:
         await self.handler.runtime.prepare()
         self.handler.runtime.start()
         await self._proxy_runner.setup()
-        host, port = self.listen
-        site: web.TCPSite
-        if self.tls is not None:
-            site = TlsSite(
-                self._proxy_runner,
-                host,
-                port,
-                ssl_context=self.tls.context,
-                handshake_timeout=self.loaded.policy.server.header_timeout,
-                backlog=1024,
-                reuse_port=self.reuse_port or None,
-            )
-        else:
-            site = web.TCPSite(
-                self._proxy_runner, host, port, backlog=1024, reuse_port=self.reuse_port or None
-            )
-        await _start_site(site, "proxy", host, port)
-        self.proxy_port = self._proxy_runner.addresses[0][1]
+        for listener in self.listeners:
+            if listener.redirect is None:
+                listener.bound_port = await self._bind(self._proxy_runner, listener)
+        # Redirects to `true` go to the first TLS listener's port, known once it is bound.
+        https_port = next((lsn.bound_port for lsn in self.listeners if lsn.tls is not None), 0)
+        for listener, runner in self._redirect_runners:
+            assert listener.redirect is not None
+            if listener.settings.redirect_to_https is True:
+                listener.redirect.port = https_port
+            await runner.setup()
+            listener.bound_port = await self._bind(runner, listener)
+        self.proxy_port = next(
+            listener.bound_port for listener in self.listeners if listener.redirect is None
+        )
 
         await self._admin_runner.setup()
         admin_host, admin_port = self.admin_listen
@@ -267,7 +374,7 @@ class Gateway:
         await _start_site(admin_site, "admin", admin_host, admin_port)
         self.admin_port = self._admin_runner.addresses[0][1]
         self.admin_state.in_force = {
-            "listen": _host_port(self.listen[0], self.proxy_port),
+            "listen": self._listen_in_force(),
             "admin_listen": _host_port(admin_host, self.admin_port),
             "workers": self.workers,
             "shutdown_timeout": self.loaded.policy.server.shutdown_timeout,
@@ -276,11 +383,21 @@ class Gateway:
             self._watcher = asyncio.get_running_loop().create_task(
                 self.reloader.watch(self._watch_stop)
             )
-        if self.tls is not None:
-            self._tls_watcher = asyncio.get_running_loop().create_task(
-                self.tls.watch(self._watch_stop)
-            )
+        for listener in self.listeners:
+            if listener.tls is not None:
+                self._tls_watchers.append(
+                    asyncio.get_running_loop().create_task(listener.tls.watch(self._watch_stop))
+                )
         self.admin_state.ready = True
+
+    def _listen_in_force(self) -> object:
+        """``listen`` as bound: the address, or each listener with its address."""
+        if isinstance(self.loaded.policy.server.listen, str):
+            return _host_port(self.listen[0], self.proxy_port)
+        return [
+            {**listener.settings.model_dump(mode="json"), "address": listener.where}
+            for listener in self.listeners
+        ]
 
     def apply(self, loaded: LoadedPolicy) -> None:
         """Swap in a new policy; raises (and changes nothing) if it cannot be built.
@@ -298,13 +415,25 @@ class Gateway:
                 f"policy stays (restart the gateway to apply {them}, or revert {them} to reload "
                 "the rest)"
             )
-        new_tls = loaded.policy.server.tls
-        if (new_tls is None) != (self.tls is None):
+        if (loaded.policy.server.tls is None) != (self.loaded.policy.server.tls is None):
             raise ValueError(
                 "server.tls on or off takes effect on restart only; the running policy stays"
             )
-        if new_tls is not None and new_tls != self.loaded.policy.server.tls:
-            load_tls(new_tls, loaded.source)  # TlsFilesError (a ValueError): refused whole
+        # Each TLS listener whose certificates changed: all of them loaded before anything
+        # changes (TlsFilesError, a ValueError: the reload refused whole).
+        renewed: list[tuple[ListenerTls, TlsSettings]] = []
+        pairs = zip(
+            self.listeners,
+            self.loaded.policy.server.listeners,
+            loaded.policy.server.listeners,
+            strict=True,
+        )
+        for listener, before, after in pairs:
+            if listener.tls is not None and after.tls is not None:
+                if after.tls != before.tls:
+                    load_tls(after.tls, loaded.source)
+                if after.tls != before.tls or loaded.source != self.loaded.source:
+                    renewed.append((listener.tls, after.tls))
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
         previous = self.handler.runtime
@@ -313,12 +442,11 @@ class Gateway:
         runtime.start()
         self.server.reconfigure(loaded.policy.server)
         self.server.max_body_size = largest_body_size(loaded.policy)
-        if (
-            self.tls is not None
-            and new_tls is not None
-            and (new_tls != self.loaded.policy.server.tls or loaded.source != self.loaded.source)
-        ):
-            self.tls.reload(new_tls, loaded.source)
+        for _, runner in self._redirect_runners:
+            if isinstance(runner.server, GatewayServer):
+                runner.server.reconfigure(loaded.policy.server)
+        for listener_tls, tls_settings in renewed:
+            listener_tls.reload(tls_settings, loaded.source)
         level = logging.getLevelNamesMapping()[loaded.policy.server.client_error_log_level.upper()]
         for client_errors in self._client_errors:
             client_errors.client_level = level
@@ -370,8 +498,8 @@ class Gateway:
         self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.cancel()
-        if self._tls_watcher is not None:
-            self._tls_watcher.cancel()
+        for watcher in self._tls_watchers:
+            watcher.cancel()
         # Queued requests that could not be served before the deadline get 503 now, rather
         # than being cut off when it passes.
         deadline = asyncio.get_running_loop().time() + max(
@@ -379,6 +507,9 @@ class Gateway:
         )
         for runtime in (self.handler.runtime, *self._retired):
             runtime.engine.queue.release_after(deadline)
+        for _, runner in self._redirect_runners:
+            if runner.server is not None:
+                await runner.cleanup()
         if self._proxy_runner.server is not None:
             await self._proxy_runner.cleanup()
         if self._admin_runner.server is not None:
@@ -405,7 +536,22 @@ def _tls_in_words(tls: ListenerTls | None) -> str:
     if tls is None:
         return ""
     until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(tls.not_after))
-    return f" over TLS (certificate {tls.files[0]}, valid until {until})"
+    if tls.certificates == 1:
+        return f" over TLS (certificate {tls.files[0]}, valid until {until})"
+    return (
+        f" over TLS ({tls.certificates} certificates chosen by SNI, default {tls.files[0]}, "
+        f"the first to expire valid until {until})"
+    )
+
+
+def _listeners_in_words(listeners: list[ProxyListener]) -> str:
+    """Each listener as the start line says it: its address, and TLS or where it redirects."""
+    return ", ".join(
+        f"{listener.where} (redirects to https port {listener.redirect.port})"
+        if listener.redirect is not None
+        else f"{listener.where}{_tls_in_words(listener.tls)}"
+        for listener in listeners
+    )
 
 
 def _store_in_words(name: str, url: str) -> str:
@@ -421,13 +567,37 @@ def _host_port(host: str, port: int) -> str:
 # Server settings a running worker cannot change: its sockets are bound, its processes forked,
 # and its runner holds the shutdown deadline (the supervisor's kill deadline adds the drain
 # delay it started with). The rest apply on reload.
-RESTART_ONLY = ("listen", "admin_listen", "workers", "shutdown_timeout", "drain_delay")
+RESTART_ONLY = ("admin_listen", "workers", "shutdown_timeout", "drain_delay")
+
+
+def _listener_layout(server: ServerSettings) -> tuple[tuple[object, ...], ...]:
+    """What of the listeners only a restart moves: their addresses, TLS on or off, redirects
+    (their certificates apply on reload)."""
+    return tuple(
+        (
+            listener.address,
+            listener.tls is None,
+            repr(listener.redirect_to_https),  # True is 1 to ==, and port 1 is not the TLS one
+            listener.redirect_status,
+        )
+        for listener in server.listeners
+    )
+
+
+def _listen_moved(running: ServerSettings, new: ServerSettings) -> list[str]:
+    if isinstance(running.listen, str) and isinstance(new.listen, str):
+        if running.listen == new.listen:
+            return []  # TLS on or off is said apart
+        return [f"server.listen ({running.listen!r} -> {new.listen!r})"]
+    if _listener_layout(running) == _listener_layout(new):
+        return []
+    return ["server.listen (the listeners' addresses, TLS on or off, or redirects)"]
 
 
 def restart_only_changes(running: Policy, new: Policy) -> list[str]:
     """``server.*`` and ``store.*`` settings that differ between two policies but only move on
     restart (a store URL shown without its password)."""
-    moved = [
+    moved = _listen_moved(running.server, new.server) + [
         f"server.{name} ({getattr(running.server, name)!r} -> {getattr(new.server, name)!r})"
         for name in RESTART_ONLY
         if getattr(running.server, name) != getattr(new.server, name)
@@ -479,7 +649,8 @@ async def serve(
 
         def on_sighup() -> None:
             if gateway.tls is not None:  # nginx reads its certificates again on HUP too
-                gateway.tls.reload()
+                for listener_tls in gateway.tls.listeners:
+                    listener_tls.reload()
             task = loop.create_task(reloader.reload())
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -496,12 +667,10 @@ async def serve(
     if admin_host in ("0.0.0.0", "::", ""):
         admin_host = "127.0.0.1"  # a wildcard: this machine reaches it on loopback
     log.info(
-        "worker %d serving on %s:%d%s (admin %s:%d), policy %s sha256 %s, store %s; "
+        "worker %d serving on %s (admin %s:%d), policy %s sha256 %s, store %s; "
         "dashboard http://%s/dashboard/",
         worker_id,
-        gateway.listen[0],
-        gateway.proxy_port,
-        _tls_in_words(gateway.tls),
+        _listeners_in_words(gateway.listeners),
         gateway.admin_listen[0],
         gateway.admin_port,
         loaded.source,
@@ -515,6 +684,13 @@ async def serve(
             ", ".join(gateway.admin_auth.public_paths) or "no path",
         )
     warn_if_unreachable(gateway)
+    if not isinstance(loaded.policy.server.listen, str) and os.environ.get(ENV_LISTEN):
+        log.warning(
+            "%s (%s) is not used: the policy's server.listen is a list of listeners, each with "
+            "its own address",
+            ENV_LISTEN,
+            os.environ[ENV_LISTEN],
+        )
     if on_started is not None:
         on_started(gateway)
     try:
@@ -533,7 +709,7 @@ def warn_if_unreachable(gateway: Gateway) -> None:
     if not in_container():
         return
     for what, (host, port), env_name in (
-        ("proxy", gateway.listen, ENV_LISTEN),
+        *(("proxy", (listener.host, listener.port), ENV_LISTEN) for listener in gateway.listeners),
         ("admin", gateway.admin_listen, ENV_ADMIN_LISTEN),
     ):
         if is_loopback(host):
