@@ -22,6 +22,7 @@ from gateway.policy.models import policy_json_schema
 SECTIONS: tuple[tuple[str, str], ...] = (
     ("server", "ServerSettings"),
     ("server.tls", "TlsSettings"),
+    ("server.access_log", "AccessLogSettings"),
     ("upstreams.NAME", "Upstream"),
     ("upstreams.NAME.servers[]", "UpstreamServer"),
     ("upstreams.NAME.retry", "RetrySettings"),
@@ -96,8 +97,11 @@ def type_of(schema: dict[str, Any], links: dict[str, str]) -> str:
     """A field's type in words."""
     if "$ref" in schema:
         return _link(links, schema["$ref"])
-    if "oneOf" in schema:  # the limits, told apart by their algorithm
+    if "oneOf" in schema and all("$ref" in o for o in schema["oneOf"]):
+        # the limits, told apart by their algorithm
         return "a limit, by `algorithm`: " + _link(links, schema["oneOf"][0]["$ref"])
+    if "oneOf" in schema:  # one of several forms (access_log: true, or its settings)
+        return " or ".join(type_of(option, links) for option in schema["oneOf"])
     if _is_duration(schema):
         strict = any("exclusiveMinimum" in option for option in schema["anyOf"])
         return "duration > 0" if strict else "duration"

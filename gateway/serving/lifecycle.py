@@ -206,6 +206,10 @@ class Gateway:
                 shared_dir=default_shared_dir(reuse_port),
             )
             self.observability.wrap(self.handler)
+            try:
+                self.observability.access_log.configure(loaded.policy)
+            except OSError as exc:
+                raise StartupError(f"server.access_log.path: {_cannot_open(exc)}") from None
             self.admin_state = AdminState(
                 handler=self.handler,
                 worker_id=worker_id,
@@ -309,6 +313,13 @@ class Gateway:
         admin_auth = AdminAuth.of(loaded.policy.server)
         previous = self.handler.runtime
         runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
+        try:
+            self.observability.access_log.configure(loaded.policy)
+        except OSError as exc:
+            raise ValueError(
+                f"{loaded.source}: server.access_log.path: {_cannot_open(exc)}; the running "
+                "policy stays"
+            ) from None
         self.handler.runtime = runtime
         runtime.start()
         self.server.reconfigure(loaded.policy.server)
@@ -392,6 +403,21 @@ class Gateway:
         await self.store.close()
         if self._demo is not None:
             await self._demo.close()
+        self.observability.access_log.close()
+
+    def reopen_logs(self) -> None:
+        """SIGUSR1, as nginx: the access log's file opened again (logrotate renamed it)."""
+        try:
+            log.info("SIGUSR1: %s", self.observability.access_log.reopen())
+        except OSError as exc:
+            log.error(
+                "SIGUSR1: cannot reopen the access log: %s; still writing to the file it had",
+                _cannot_open(exc),
+            )
+
+
+def _cannot_open(exc: OSError) -> str:
+    return f"cannot open {exc.filename}: {exc.strerror or exc}"
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -491,6 +517,8 @@ async def serve(
         loop.add_signal_handler(
             signal.SIGHUP, lambda: log.info("SIGHUP: no policy file to reload (--upstream)")
         )
+
+    loop.add_signal_handler(signal.SIGUSR1, gateway.reopen_logs)
 
     admin_host = gateway.admin_listen[0]
     if admin_host in ("0.0.0.0", "::", ""):
