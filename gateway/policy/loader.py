@@ -18,7 +18,7 @@ from types import UnionType
 from typing import Annotated, Any, Final, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 from gateway.policy.models import (
     ACCESS_LOG_TAGS,
@@ -193,6 +193,10 @@ def _step(tp: Any, part: str | int) -> Any:
     if origin in (Union, UnionType):
         # A tagged union: pydantic's location names the tag (the algorithm) here.
         for member in get_args(tp):
+            if get_origin(member) is Annotated and any(
+                isinstance(meta, Tag) and meta.tag == part for meta in member.__metadata__
+            ):
+                return get_args(member)[0]  # a member told apart by a Tag (access_log's)
             member = _unwrap(member)
             tag = member.model_fields.get("algorithm") if _is_model(member) else None
             if tag is not None and part in get_args(tag.annotation):
