@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.cli.main import main
-from gateway.engine.preflight import load_and_build
+from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.policy.loader import PolicyError
 from gateway.redact import hashed
 from gateway.replay.log_formats import detect
@@ -72,8 +72,9 @@ async def test_json_lines_go_to_the_file_with_the_chosen_headers_secrets_hashed(
         "User-Agent": "curl/8.5",
         "Authorization": hashed("Bearer abc.def.ghi"),
     }
-    assert hashed("k-secret-0123456789") == "sha256:" + (
-        __import__("hashlib").sha256(b"k-secret-0123456789").hexdigest()[:12]
+    assert (
+        hashed("k-secret-0123456789")
+        == "sha256:" + (__import__("hashlib").sha256(b"k-secret-0123456789").hexdigest()[:12])
     )
     text = log.read_text()
     for secret in ("k-secret", "team-blue", "abc.def.ghi"):
@@ -276,3 +277,37 @@ async def _replay(args: list[str]) -> dict[str, Any]:
         assert await asyncio.to_thread(main, args) == 0
     doc: dict[str, Any] = json.loads(out.getvalue())
     return doc
+
+
+async def test_a_reload_moves_the_log_to_a_new_path_and_one_it_cannot_open_is_refused(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    first, second = tmp_path / "first.log", tmp_path / "second.log"
+
+    def policy(path: Path) -> str:
+        return policy_for(upstream.url, server=f"  access_log:\n    path: {path}\n")
+
+    gw = await start_gateway(policy(first))
+    async with aiohttp.ClientSession() as session:
+        assert await _get(session, f"{gw.url}/one", {}) == 200
+        gw.gateway.apply(parse_and_build(policy(second), "test.yaml"))
+        assert await _get(session, f"{gw.url}/two", {}) == 200
+        with pytest.raises(ValueError, match=r"server\.access_log\.path: cannot open .*/missing/"):
+            gw.gateway.apply(parse_and_build(policy(tmp_path / "missing" / "x.log"), "test.yaml"))
+        assert await _get(session, f"{gw.url}/three", {}) == 200
+    await wait_until(lambda: len(_lines(second)) == 2, "two lines in the second file")
+    assert [json.loads(line)["path"] for line in _lines(first)] == ["/one"]
+    assert [json.loads(line)["path"] for line in _lines(second)] == ["/two", "/three"]
+
+
+async def test_run_refuses_to_start_when_the_file_cannot_be_opened(
+    upstream: RecordingUpstream, gateway_process: StartGateway, tmp_path: Path
+) -> None:
+    path = tmp_path / "missing" / "access.log"
+    policy = policy_template(upstream.url, server=f"  access_log:\n    path: {path}\n")
+    gateway = await gateway_process(policy=policy, wait_ready=False)
+    assert await asyncio.wait_for(gateway.proc.wait(), 60) != 0
+    assert (
+        f"gateway: server.access_log.path: cannot open {path}: No such file or directory"
+        in gateway.log()
+    )
