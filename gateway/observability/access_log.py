@@ -323,19 +323,32 @@ class AccessLog:
         return self._file.path if self._file is not None else None
 
     def configure(self, policy: Policy) -> None:
-        """Write as ``policy`` says from now on (its ``path`` made absolute by the loader). A
-        new file is opened first: OSError, and nothing changed, if it cannot be."""
+        """Write as ``policy`` says from now on (its ``path`` made absolute by the loader).
+        OSError, and nothing changed, if a new file cannot be opened."""
+        self.use(policy, self.open_for(policy))
+
+    def open_for(self, policy: Policy) -> LogFile | None:
+        """The file ``policy`` names, opened: the one in use when the path is the same, else
+        a new one (OSError if it cannot be opened). None for stderr or no access log."""
         settings = policy.server.access_log_settings()
         path = settings.path if settings is not None else None
+        if path is None:
+            return None
         current = self._file
-        if path is not None and (current is None or current.path != path):
-            self._file = LogFile(path)
-            if current is not None:
-                current.close()
-        elif path is None and current is not None:
-            self._file = None
-            current.close()
+        return current if current is not None and current.path == path else LogFile(path)
+
+    def use(self, policy: Policy, log_file: LogFile | None) -> None:
+        """Write as ``policy`` says, to ``log_file`` (``open_for``'s), from now on."""
+        settings = policy.server.access_log_settings()
+        previous, self._file = self._file, log_file
+        if previous is not None and previous is not log_file:
+            previous.close()
         self._format = LineFormat(settings, policy) if settings is not None else None
+
+    def discard(self, log_file: LogFile | None) -> None:
+        """A file ``open_for`` opened for a policy that is not applied after all."""
+        if log_file is not None and log_file is not self._file:
+            log_file.close()
 
     def reopen(self) -> str:
         """Reopen the file (SIGUSR1, after logrotate renamed it); what was done, in words.

@@ -311,15 +311,21 @@ class Gateway:
             load_tls(new_tls, loaded.source)  # TlsFilesError (a ValueError): refused whole
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
-        previous = self.handler.runtime
-        runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
+        access_log = self.observability.access_log
         try:
-            self.observability.access_log.configure(loaded.policy)
+            log_file = access_log.open_for(loaded.policy)
         except OSError as exc:
             raise ValueError(
                 f"{loaded.source}: server.access_log.path: {_cannot_open(exc)}; the running "
                 "policy stays"
             ) from None
+        previous = self.handler.runtime
+        try:
+            runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
+        except BaseException:
+            access_log.discard(log_file)
+            raise
+        access_log.use(loaded.policy, log_file)
         self.handler.runtime = runtime
         runtime.start()
         self.server.reconfigure(loaded.policy.server)
