@@ -209,7 +209,8 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
             notes.append(
                 f"{sim.loaded.source}: key parts {', '.join(sim.header_parts)} read request "
                 "headers or query parameters the log may not carry: such limits were skipped "
-                "or keyed as on_missing_key says"
+                "or keyed as on_missing_key says (the gateway's own log carries the headers "
+                "its server.access_log.fields names)"
             )
     labels = ["candidate", "current"] if len(sims) == 2 else ["policy"]
     doc: dict[str, Any] = {
