@@ -311,3 +311,20 @@ async def test_run_refuses_to_start_when_the_file_cannot_be_opened(
         f"gateway: server.access_log.path: cannot open {path}: No such file or directory"
         in gateway.log()
     )
+
+
+async def test_sigusr1_to_a_single_worker_logging_to_stderr_ends_nothing(
+    upstream: RecordingUpstream, gateway_process: StartGateway
+) -> None:
+    policy = policy_template(upstream.url, server="  access_log: true\n")
+    gateway = await gateway_process(policy=policy)
+    os.kill(gateway.proc.pid, signal.SIGUSR1)
+    await wait_until(
+        lambda: "SIGUSR1: no access log file to reopen" in gateway.log(),
+        "the signal said so",
+        10.0,
+        context=gateway.log,
+    )
+    async with aiohttp.ClientSession() as session:
+        assert await _get(session, f"{gateway.url}/after", {}) == 200
+    assert gateway.proc.returncode is None
