@@ -71,6 +71,8 @@ COMPILED_MODULES: Final = (
     "gateway.edge.proxy",
     "gateway.observability.stats",
     "gateway.observability.worker",
+    "gateway.observability.access_log",
+    "gateway.observability.log_file",
     # ``gateway replay``: reading the log and deciding each line, a million lines a run.
     "gateway.replay.log_formats",
     "gateway.replay.simulate",

@@ -1,11 +1,27 @@
-"""Secrets out of everything shown or logged: store URLs keep their host, lose their password."""
+"""Secrets out of everything shown or logged: store URLs keep their host, lose their password;
+header values (API keys) are shown by their hash."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 REDACTED = "***"
+# A hashed value: this prefix and the first HASH_DIGITS hex digits of the value's SHA-256.
+HASHED_PREFIX = "sha256:"
+HASH_DIGITS = 12
+
+
+def hashed(value: str) -> str:
+    """``sha256:`` and 12 hex digits of a value's SHA-256: how the dashboard, the limit log
+    and the access log show an API key. Unkeyed on purpose: equal values hash equal in every
+    process and every log (``gateway replay`` keys on them), and whoever knows a key can
+    compute its hash to find it; a key is long and random, so the hash does not give it away."""
+    digest = hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+    return HASHED_PREFIX + digest[:HASH_DIGITS]
+
+
 # Query parameters of a Redis URL that carry a credential (redis-py reads ``password``).
 _SECRET_PARAMS = frozenset({"password", "pass", "passwd", "token", "secret"})
 _USERINFO_RE = re.compile(r"//[^/@]*@")

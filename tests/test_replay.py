@@ -1120,6 +1120,43 @@ def _gateway_line(ts: float, t_us: int, client: str, status: int, **more: Any) -
     return json.dumps({**fields, "status": status, "route": "all", **more}) + "\n"
 
 
+async def test_html_report_of_the_gateways_own_log_charts_it_at_the_logs_own_times(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], browser: Browser
+) -> None:
+    """The gateway's log is replayed on its limiter's clock (``t_us``: here 5000 s since the
+    host booted); the charts' time axis is the log's calendar time (``ts``), not 1970."""
+    policy = write_policy(
+        tmp_path, "  per_ip:\n    algorithm: fixed_window\n    limit: 2\n    window: 1m\n"
+    )
+    boot_us = 5_000_000_000
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        "".join(
+            _gateway_line(START + i / 2, boot_us + i * 500_000, "198.51.100.1", 200)
+            for i in range(40)
+        )
+    )
+    report = tmp_path / "report.html"
+    args = ["replay", "--config", str(policy), "--html", str(report), "--json", str(log)]
+    assert await asyncio.to_thread(main, args) == 0  # the command runs its own event loop
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["first_ts"] == START  # the first line's time
+    assert doc["series_start_s"] == START
+    assert doc["span_s"] == 19.5
+    context = await browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = await context.new_page()
+    await page.goto(report.as_uri())
+    await page.wait_for_selector('[data-rendered="true"]', timeout=10_000)
+    plot = page.locator(".u-over").first
+    box = await plot.bounding_box()
+    assert box is not None
+    await page.mouse.move(box["x"] + 1, box["y"] + box["height"] / 2)
+    shown = await page.locator(".u-legend .u-series:first-child .u-value").first.inner_text()
+    await context.close()
+    # The legend's time at the chart's left edge: the log's first second, in UTC.
+    assert shown == "2023-11-14 10:13pm", shown
+
+
 def test_logged_costs_are_charged_and_a_log_without_them_is_said_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

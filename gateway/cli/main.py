@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from gateway import __version__
@@ -170,9 +171,28 @@ def admin_token_problems(policy: Policy) -> list[tuple[Loc, str]]:
     return []
 
 
+def access_log_problems(policy: Policy) -> list[tuple[Loc, str]]:
+    """An access log file ``run`` could not open for appending, seen without creating it."""
+    settings = policy.server.access_log_settings()
+    if settings is None or settings.path is None:
+        return []
+    path = Path(settings.path)
+    if path.exists():
+        if path.is_dir() or not os.access(path, os.W_OK):
+            return [(("server", "access_log", "path"), f"cannot append to {path}")]
+    elif not path.parent.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
+        return [
+            (
+                ("server", "access_log", "path"),
+                f"cannot create {path}: its directory is missing or not writable",
+            )
+        ]
+    return []
+
+
 def check_problems(policy: Policy) -> list[tuple[Loc, str]]:
     """What ``run`` refuses beyond building the policy: listen addresses, the admin token."""
-    return listen_problems(policy) + admin_token_problems(policy)
+    return listen_problems(policy) + admin_token_problems(policy) + access_log_problems(policy)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -45,6 +45,10 @@ def worker_main(
 ) -> None:
     from gateway.serving.lifecycle import StartupError, run_event_loop, serve
 
+    # Until the event loop handles it (reopen the access log), SIGUSR1 must not end the
+    # process, as its default action would: logrotate may send it at any time.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
     async def main() -> None:
         watch = None
         if supervisor_pid is not None:
@@ -169,11 +173,12 @@ def supervise(
         nonlocal stopping
         stopping = True
 
-    def on_sighup(signum: int, frame: object) -> None:
-        # Each worker reloads the policy file on its own SIGHUP (nginx: HUP to the master).
+    def forward(signum: int, frame: object) -> None:
+        # Each worker reloads the policy file on its own SIGHUP, and reopens its access log
+        # on its own SIGUSR1 (nginx: both signals to the master).
         for proc in procs.values():
             if proc.pid is not None and proc.is_alive():
-                os.kill(proc.pid, signal.SIGHUP)
+                os.kill(proc.pid, signum)
 
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
     shared_dir = None
@@ -188,7 +193,8 @@ def supervise(
             return EXIT_STARTUP
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_sighup)
+    signal.signal(signal.SIGHUP, forward)
+    signal.signal(signal.SIGUSR1, forward)
     procs.update({i: start(i) for i in range(workers)})
     log.info("supervisor pid %d started %d workers", os.getpid(), workers)
     failed = False

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping
 
 from multidict import CIMultiDictProxy, MultiMapping
 
 from gateway.limits.addresses import client_key
 from gateway.policy.overrides import UNLISTED_KEY
+from gateway.redact import hashed
 
 
 class RequestFacts:
@@ -169,7 +169,6 @@ def shown_key(spec: tuple[str, ...], key: str, plain: bool = False) -> str:
     shown = []
     for part, value in zip(spec, values, strict=False):
         if part.startswith(("header:", "query:")) and not value.startswith(TAG + "ip"):
-            digest = hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
-            value = "sha256:" + digest[:12]
+            value = hashed(value)
         shown.append(value)
     return SEP.join(shown)

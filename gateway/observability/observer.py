@@ -27,6 +27,7 @@ from aiohttp import web
 from prometheus_client.registry import CollectorRegistry
 
 from gateway.clock import rfc3339
+from gateway.observability.access_log import AccessLog
 from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
 from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
@@ -57,6 +58,8 @@ class Observability:
     ) -> None:
         self.worker_id = state.worker_id
         self.metrics = WorkerMetrics(state)
+        # Off until the gateway configures it from its policy (start, each reload).
+        self.access_log = AccessLog()
         self.wall_clock = wall_clock
         self.directory = (
             SnapshotDirectory(shared_dir, state.worker_id) if shared_dir is not None else None
@@ -77,7 +80,9 @@ class Observability:
 
     def wrap(self, handler: ObservedProxy) -> None:
         """Make the proxy handler report each request it finishes."""
-        handler.observer = ObservedHandler(handler, self.metrics).finished
+        handler.observer = ObservedHandler(
+            handler, self.metrics, access_log=self.access_log
+        ).finished
 
     def run_with(self, admin_app: web.Application) -> None:
         """Run the tick while the admin app runs (``dashboard.install`` adds the routes)."""

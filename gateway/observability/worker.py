@@ -1,29 +1,25 @@
 """This worker's figures: the hot-path counters, and a snapshot of everything countable.
 
 ``ObservedHandler`` wraps the proxy handler: per request it reads what the proxy left on the
-request (``hooks``), increments a few dict entries, and, only when the access log is on, writes
-the request's log line. Everything else (limit decisions, queue depth, tracked keys, connection
-counts, reload status) is already counted by the objects that own it and is read only when a
-snapshot is taken, once a second and per scrape.
+request (``hooks``), increments a few dict entries, and, only when the access log is on, has
+it write the request's line (``access_log.py``). Everything else (limit decisions, queue depth,
+tracked keys, connection counts, reload status) is already counted by the objects that own it
+and is read only when a snapshot is taken, once a second and per scrape.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
 from aiohttp.web_request import BaseRequest
 
 from gateway.clock import Clock
 from gateway.edge.annotations import (
-    CLIENT_IP,
     LOCAL_ANSWER,
-    REPORTED_COSTS,
     ROUTE_NAME,
     UPSTREAM_ERROR,
     UPSTREAM_ERROR_REASONS,
@@ -32,7 +28,7 @@ from gateway.edge.pool.server_pool import FAILURE_REASONS
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.limits.compiled import ChargeCounts, Check, DecisionCounts
 from gateway.limits.keys import shown_key
-from gateway.log_setup import JSON_LINE, json_line
+from gateway.observability.access_log import AccessLog
 from gateway.observability.leases import lease_data
 from gateway.observability.limit_log import LimitLog
 from gateway.observability.process import read_process
@@ -65,8 +61,6 @@ if TYPE_CHECKING:
     from gateway.engine.limit_engine import Outcome
     from gateway.policy.reload_status import ReloadStatus
 
-access_log = logging.getLogger("gateway.access")
-JSON_EXTRA: Final = {JSON_LINE: True}
 
 # Keys kept per limit by the heavy-hitters sketch, and how many the dashboard shows.
 TOP_KEYS_CAPACITY = 64
@@ -409,14 +403,19 @@ class ObservedHandler:
     outcome here.
     """
 
-    __slots__ = ("_limit_log", "_metrics", "_proxy")
+    __slots__ = ("_access_log", "_limit_log", "_metrics", "_proxy")
 
     def __init__(
-        self, proxy: CurrentRuntime, metrics: WorkerMetrics, limit_log: LimitLog | None = None
+        self,
+        proxy: CurrentRuntime,
+        metrics: WorkerMetrics,
+        limit_log: LimitLog | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         self._proxy = proxy
         self._metrics = metrics
         self._limit_log = limit_log or LimitLog()
+        self._access_log = access_log or AccessLog()
 
     def finished(
         self, request: BaseRequest, status: int, duration_s: float, outcome: Outcome | None
@@ -450,7 +449,8 @@ class ObservedHandler:
             or LOCAL_ANSWER in request
         ):
             metrics.requests.local_answer(route, status)
-        if runtime.settings.access_log:
+        access_log = self._access_log
+        if access_log.on:
             state = metrics.state
             t_us = None
             if outcome is not None and state.store.verdicts_on_clock:
@@ -458,62 +458,4 @@ class ObservedHandler:
                 t_us = verdict.now_us if verdict is not None else None
             if t_us is None:  # not decided in process: when it arrived, on the same clock
                 t_us = state.limiter_clock.now_us() - round(duration_s * 1_000_000)
-            _log_access(request, status, duration_s, route, outcome, upstream_error, runtime, t_us)
-
-
-def limit_result(outcome: Outcome | None) -> str:
-    """The limiter's word on a request, for the access log."""
-    if outcome is None:
-        return "none"
-    if outcome.status:
-        return "rejected" if outcome.rejected_by is not None else "denied"
-    return "delayed" if outcome.delay_s > 0.0 else "allowed"
-
-
-def _log_access(
-    request: BaseRequest,
-    status: int,
-    duration_s: float,
-    route: str,
-    outcome: Outcome | None,
-    upstream_error: str | None,
-    runtime: Runtime,
-    t_us: int,
-) -> None:
-    """One line per request. ``ts`` is the wall-clock arrival (epoch seconds, microseconds);
-    ``t_us`` the limiter's clock (monotonic, integer microseconds) at the instant the limits
-    decided the request, or at its arrival when no limit did: what ``gateway replay`` decides
-    the request at, so a replay of this log gives the same decisions."""
-    peer = request.remote or "-"
-    fields: dict[str, Any] = {
-        "ts": round(time.time() - duration_s, 6),
-        "t_us": t_us,
-        "client": request.get(CLIENT_IP, peer),
-        "method": request.method,
-        "host": request.headers.get("Host"),
-        "path": request.raw_path,
-        "status": status,
-        "duration_ms": round(duration_s * 1000, 3),
-        "route": route,
-        "limit": limit_result(outcome),
-        "limit_name": outcome.rejected_by if outcome is not None else None,
-        "delay_ms": round(outcome.delay_s * 1000, 3) if outcome is not None else 0.0,
-        "upstream_error": upstream_error,
-    }
-    costs = request.get(REPORTED_COSTS)
-    if costs is not None:  # what the upstream said the request cost: a replay charges it
-        fields["costs"] = costs
-    if runtime.settings.access_log_format == "json":
-        # One JSON object per line, time included, never behind the text log prefix.
-        access_log.info(json.dumps(json_line(fields), separators=(",", ":")), extra=JSON_EXTRA)
-    else:
-        access_log.info(" ".join(f"{k}={_logfmt(v)}" for k, v in fields.items()))
-
-
-def _logfmt(value: object) -> str:
-    if value is None:
-        return "-"
-    text = str(value)
-    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-        return json.dumps(text)
-    return text
+            access_log.write(request, status, duration_s, route, outcome, upstream_error, t_us)

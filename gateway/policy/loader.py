@@ -18,9 +18,18 @@ from types import UnionType
 from typing import Annotated, Any, Final, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
-from gateway.policy.models import ALGORITHM_MODELS, ALGORITHMS, OverrideError, Policy, tier_specs
+from gateway.policy.models import (
+    ACCESS_LOG_TAGS,
+    ALGORITHM_MODELS,
+    ALGORITHMS,
+    AccessLogSettings,
+    OverrideError,
+    Policy,
+    headers_limits_read,
+    tier_specs,
+)
 from gateway.policy.overrides_file import OverridesFileError, line_of, read_overrides, resolve_path
 from gateway.policy.upstream_tls import TLS_FILES, tls_problem
 
@@ -140,6 +149,8 @@ def _data_loc(data: Any, loc: Loc) -> Loc:
             out.append(part)
         elif part == "[key]":
             pass  # pydantic's marker for an invalid mapping key: the key itself is the place
+        elif i == len(loc) - 1 and part in ACCESS_LOG_TAGS and not isinstance(node, dict):
+            pass  # the member of ``access_log: true | {...}`` tried on a scalar: not in the file
         elif i == len(loc) - 1 and not (isinstance(node, dict) and part in node.values()):
             out.append(part)
         # else: a tag pydantic inserted for a tagged union; not part of the file's structure.
@@ -182,6 +193,10 @@ def _step(tp: Any, part: str | int) -> Any:
     if origin in (Union, UnionType):
         # A tagged union: pydantic's location names the tag (the algorithm) here.
         for member in get_args(tp):
+            if get_origin(member) is Annotated and any(
+                isinstance(meta, Tag) and meta.tag == part for meta in member.__metadata__
+            ):
+                return get_args(member)[0]  # a member told apart by a Tag (access_log's)
             member = _unwrap(member)
             tag = member.model_fields.get("algorithm") if _is_model(member) else None
             if tag is not None and part in get_args(tag.annotation):
@@ -525,6 +540,7 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
                 reason = _names_a_lister(policy, name, part[len("plan:") :])
                 if reason is not None:
                     problems.append((("limits", name, "key"), f"{part}: {reason}"))
+    problems += _raw_exempt_headers(policy)
     seen: dict[str, int] = {}
     for i, route in enumerate(policy.routes):
         if route.name in seen:
@@ -536,6 +552,23 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
             )
         seen.setdefault(route.name, i)
     return problems
+
+
+def _raw_exempt_headers(policy: Policy) -> list[tuple[Loc, str]]:
+    """``access_log.raw`` naming a header of ``exempt_headers``: its values are secrets."""
+    settings = policy.server.access_log
+    if not isinstance(settings, AccessLogSettings) or not settings.raw:
+        return []
+    exempt = headers_limits_read(policy)[1]
+    return [
+        (
+            ("server", "access_log", "raw"),
+            f"{name} is an exempt_headers header, whose values let a client past a limit: "
+            f"the access log writes it hashed only (take {name} out of raw)",
+        )
+        for name in settings.raw
+        if name.lower() in exempt
+    ]
 
 
 def _names_a_lister(policy: Policy, name: str, other_name: str) -> str | None:
@@ -591,6 +624,7 @@ def parse_policy(
     policy, files, digest_parts = _with_overrides_files(policy, file, lines)
     policy, tls_problems = _with_tls_files(policy, file)
     policy = _with_admin_token_file(policy, file)
+    policy = _with_access_log_path(policy, file)
     ref_problems = _check_references(policy) or tls_problems or (checks(policy) if checks else [])
     if ref_problems:
         raise PolicyError(
@@ -671,6 +705,20 @@ def _with_admin_token_file(policy: Policy, file: str) -> Policy:
     if resolved == given:
         return policy
     server = policy.server.model_copy(update={"admin_token_file": resolved})
+    return policy.model_copy(update={"server": server})
+
+
+def _with_access_log_path(policy: Policy, file: str) -> Policy:
+    """The policy with ``server.access_log.path`` relative to the policy file's directory."""
+    settings = policy.server.access_log
+    if not isinstance(settings, AccessLogSettings) or not settings.path:
+        return policy
+    resolved = str(resolve_path(file, settings.path))
+    if resolved == settings.path:
+        return policy
+    server = policy.server.model_copy(
+        update={"access_log": settings.model_copy(update={"path": resolved})}
+    )
     return policy.model_copy(update={"server": server})
 
 

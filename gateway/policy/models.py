@@ -21,11 +21,13 @@ from pydantic import (
     PlainSerializer,
     Tag,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 
+from gateway.policy.log_template import is_template, parse_template
 from gateway.policy.units import (
     CALENDAR_PERIODS,
     Rate,
@@ -436,6 +438,107 @@ Listen = Annotated[
 ]
 
 
+# Request headers whose values are credentials by their name: written hashed in the access log
+# (as are the headers a limit reads) unless ``access_log.raw`` names them.
+_CREDENTIAL_HEADERS: Final = frozenset({"authorization", "proxy-authorization", "cookie"})
+_CREDENTIAL_WORDS: Final = (
+    "key",
+    "token",
+    "secret",
+    "auth",
+    "session",
+    "password",
+    "passwd",
+    "signature",
+    "credential",
+)
+
+
+def credential_header(name: str) -> bool:
+    """Whether a header's name says it holds a credential: ``Authorization``,
+    ``Proxy-Authorization``, ``Cookie``, or a name with key, token, secret, auth, session,
+    password, passwd, signature or credential in it (``X-Api-Key``, ``X-Auth-Token``)."""
+    lower = name.lower()
+    return lower in _CREDENTIAL_HEADERS or any(word in lower for word in _CREDENTIAL_WORDS)
+
+
+class AccessLogSettings(_Model):
+    """The access log: one line per request, where and how the operator chooses. A header
+    value is written as `sha256:` and 12 hex digits of its hash when its name says it is a
+    credential (Authorization, Proxy-Authorization, Cookie, or a name with key, token,
+    secret, auth, session, password, passwd, signature or credential in it) or when a limit
+    reads it (a `header:NAME` key part, `exempt_headers`), unless `raw` names it."""
+
+    path: str | None = Field(
+        None,
+        description="file the lines are appended to (relative to the policy file), reopened on "
+        "SIGUSR1 (logrotate); every worker appends to it; absent: stderr",
+    )
+    format: str = Field(
+        "json",
+        description="json (one object per line), text (key=value) or a template of "
+        "nginx-style $variables ($remote_addr, $request, $status, $http_x_api_key, ...; "
+        "docs/operating.md lists them)",
+    )
+    fields: tuple[str, ...] = Field(
+        (),
+        description="request headers the json format carries (under headers), such as "
+        "[X-Api-Key]: what gateway replay needs to decide limits keyed on them",
+    )
+    raw: tuple[str, ...] = Field(
+        (),
+        description="headers written as sent rather than hashed (never an exempt_headers one)",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("an empty path: give a file, or leave path out for stderr")
+        return value
+
+    @field_validator("format")
+    @classmethod
+    def _check_format(cls, value: str) -> str:
+        if value in ("json", "text"):
+            return value
+        if not is_template(value):
+            raise ValueError(
+                f"format {value!r}: expected json, text or a template of $variables "
+                "('$remote_addr \"$request\" $status')"
+            )
+        parse_template(value)
+        return value
+
+    @field_validator("fields", "raw")
+    @classmethod
+    def _check_header_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not _HEADER_NAME_RE.match(name):
+                raise ValueError(f"invalid header name {name!r}: expected a name like X-Api-Key")
+        return value
+
+    @field_validator("fields")
+    @classmethod
+    def _fields_need_json(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        if value and info.data.get("format", "json") != "json":
+            raise ValueError(
+                "fields are carried by the json format: a template names its headers itself "
+                "($http_x_api_key)"
+            )
+        return value
+
+
+# The tags of ``access_log``'s two forms (pydantic names the one tried in an error's place).
+ACCESS_LOG_TAGS: Final = frozenset({"bool", "settings"})
+
+
+def _access_log_kind(value: Any) -> str:
+    """``access_log: true`` or its settings: a mapping is read as settings, so its mistakes
+    are told as such (not as "expected true or false")."""
+    return "settings" if isinstance(value, dict | AccessLogSettings) else "bool"
+
+
 class ServerSettings(_Model):
     """The client-facing listener and its protections against slow or abusive clients."""
 
@@ -498,7 +601,14 @@ class ServerSettings(_Model):
         description="level of the one line (per cause, at most every 10s) logged for a "
         "client's malformed request on either listener; nginx logs these at info",
     )
-    access_log: bool = Field(False, description="one line per request on logger gateway.access")
+    access_log: Annotated[
+        Annotated[bool, Tag("bool")] | Annotated[AccessLogSettings, Tag("settings")],
+        Discriminator(_access_log_kind),
+    ] = Field(
+        False,
+        description="one line per request: true (stderr, logger gateway.access, in "
+        "access_log_format), or where and how (path, format, fields, raw)",
+    )
     limit_log_level: LimitLogLevel = Field(
         "warning",
         description="level of the log line a limit writes when it rejects a request (delays one "
@@ -506,7 +616,9 @@ class ServerSettings(_Model):
         "none (nginx's limit_req_log_level); a limit's log_level overrides it",
     )
     access_log_format: Literal["text", "json"] = Field(
-        "text", description="access log lines as key=value text or as JSON objects"
+        "text",
+        description="with access_log: true, lines as key=value text or as JSON objects "
+        "(access_log.format says it otherwise)",
     )
     drain_delay: Duration = Field(
         0.0,
@@ -587,6 +699,24 @@ class ServerSettings(_Model):
         if isinstance(self.listen, str):
             return (Listener(address=self.listen, tls=self.tls),)
         return self.listen
+
+    @model_validator(mode="after")
+    def _one_access_log_format(self) -> ServerSettings:
+        if isinstance(self.access_log, AccessLogSettings) and (
+            "access_log_format" in self.model_fields_set
+        ):
+            raise ValueError(
+                "access_log_format is for access_log: true; with access_log's settings, give "
+                "the format as access_log.format"
+            )
+        return self
+
+    def access_log_settings(self) -> AccessLogSettings | None:
+        """The access log's settings (``access_log: true`` is stderr in
+        ``access_log_format``), or None when it is off."""
+        if isinstance(self.access_log, AccessLogSettings):
+            return self.access_log
+        return AccessLogSettings(format=self.access_log_format) if self.access_log else None
 
     @model_validator(mode="after")
     def _one_token_source(self) -> ServerSettings:
@@ -1757,6 +1887,19 @@ class Policy(_Model):
     access: Access = Field(Access(), description="clients allowed past every limit, or denied")
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
     store: StoreSettings = Field(StoreSettings(), description="where the limits' state lives")
+
+
+def headers_limits_read(policy: Policy) -> tuple[frozenset[str], frozenset[str]]:
+    """The request headers the policy's limits read, lower-case: those their keys name
+    (``header:NAME``), and those their ``exempt_headers`` name (whose values are secrets)."""
+    keyed = {
+        part.partition(":")[2].lower()
+        for spec in policy.limits.values()
+        for part in spec.key
+        if part.startswith("header:")
+    }
+    exempt = {name.lower() for spec in policy.limits.values() for name in spec.exempt_headers}
+    return frozenset(keyed), frozenset(exempt)
 
 
 def policy_json_schema() -> dict[str, Any]:

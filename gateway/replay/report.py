@@ -142,6 +142,9 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
     first_us = min((s.tally.first_us for s in sims if s.tally.first_us is not None), default=0)
     last_us = max((s.tally.last_us for s in sims if s.tally.last_us is not None), default=0)
     first_s, last_s = first_us // US, last_us // US
+    # The gateway's own log is replayed on its limiter's clock (``t_us``, monotonic: seconds
+    # since the host booted); its times for people are calendar times, that far apart.
+    calendar_us = stats.unix_offset_us or 0
     step = _step_s(first_s, last_s)
     points = (last_s - first_s) // step + 1 if stats.requests else 0
     notes = list(stats.notes)
@@ -206,7 +209,8 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
             notes.append(
                 f"{sim.loaded.source}: key parts {', '.join(sim.header_parts)} read request "
                 "headers or query parameters the log may not carry: such limits were skipped "
-                "or keyed as on_missing_key says"
+                "or keyed as on_missing_key says (the gateway's own log carries the headers "
+                "its server.access_log.fields names)"
             )
     labels = ["candidate", "current"] if len(sims) == 2 else ["policy"]
     doc: dict[str, Any] = {
@@ -220,12 +224,13 @@ def document(run: Run, top: int = 10) -> dict[str, Any]:
             ],
         },
         "late": stats.late,
-        "first_ts": first_us / US if stats.requests else None,
+        "first_ts": (first_us + calendar_us) / US if stats.requests else None,
         "span_s": round((last_us - first_us) / US, 6) if stats.requests else 0.0,
         "elapsed_s": round(run.elapsed_s, 3),
         "lines_per_s": round(stats.lines / run.elapsed_s) if run.elapsed_s > 0 else None,
         "notes": notes,
-        "series_start_s": first_s,
+        # Epoch seconds of the first point (the charts' time axis), to the second.
+        "series_start_s": (first_s * US + calendar_us) // US,
         "series_step_s": step,
         "policies": [
             _policy_document(sim, label, top, first_s, step, points)

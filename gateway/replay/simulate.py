@@ -24,7 +24,7 @@ from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
 from gateway.edge.client_ip import ClientIPResolver
 from gateway.engine.limit_engine import LimitEngine, Outcome
-from gateway.limits.keys import RequestFacts
+from gateway.limits.keys import SEP, RequestFacts
 from gateway.limits.routing import (
     RefusedTarget,
     RouteTable,
@@ -33,7 +33,8 @@ from gateway.limits.routing import (
     routing_path,
 )
 from gateway.policy.loader import LoadedPolicy
-from gateway.policy.models import Route
+from gateway.policy.models import Policy, Route
+from gateway.redact import hashed
 from gateway.replay.log_formats import US, Request
 from gateway.stores import MemoryStore, store_url
 
@@ -94,7 +95,7 @@ class Simulation:
     """One policy over one stream of requests, decided in the order given."""
 
     def __init__(self, loaded: LoadedPolicy, *, forwarded_for: bool = False) -> None:
-        policy = loaded.policy
+        policy = with_hashed_aliases(loaded.policy)
         self.loaded = loaded
         self.clock = FakeClock(0)
         self.store = MemoryStore(self.clock)
@@ -364,6 +365,42 @@ class Simulation:
             }
             for limit in self.engine.limits
         }
+
+
+def with_hashed_aliases(policy: Policy) -> Policy:
+    """The policy with each value a limit looks a request header up by (the overrides of a
+    limit keyed on a header, its ``exempt_headers``) listed by its hash too, as the gateway's
+    access log writes such headers (``sha256:`` and 12 hex digits): a replay of that log finds
+    a key's plan, and an exempt client, by the hash, as the gateway did by the value."""
+    limits: dict[str, Any] = {}
+    for name, spec in policy.limits.items():
+        update: dict[str, Any] = {}
+        if spec.overrides and any(part.startswith("header:") for part in spec.key):
+            overrides = dict(spec.overrides)
+            for value, target in spec.overrides.items():
+                overrides.setdefault(_hashed_key(spec.key, value), target)
+            update["overrides"] = overrides
+        if spec.exempt_headers:
+            update["exempt_headers"] = {
+                header: values + tuple(hashed(value) for value in values)
+                for header, values in spec.exempt_headers.items()
+            }
+        if update:
+            limits[name] = spec.model_copy(update=update)
+    if not limits:
+        return policy
+    return policy.model_copy(update={"limits": {**policy.limits, **limits}})
+
+
+def _hashed_key(parts: tuple[str, ...], value: str) -> str:
+    """A key value as it is built from a log whose header values are hashed."""
+    values = value.split(SEP) if len(parts) > 1 else [value]
+    if len(values) != len(parts):
+        return value
+    return SEP.join(
+        hashed(v) if part.startswith("header:") else v
+        for part, v in zip(parts, values, strict=True)
+    )
 
 
 def _reported(costs: tuple[tuple[str, str], ...]) -> dict[bytes, bytes] | None:

@@ -263,6 +263,10 @@ class Gateway:
                 shared_dir=default_shared_dir(reuse_port),
             )
             self.observability.wrap(self.handler)
+            try:
+                self.observability.access_log.configure(loaded.policy)
+            except OSError as exc:
+                raise StartupError(f"server.access_log.path: {_cannot_open(exc)}") from None
             self.admin_state = AdminState(
                 handler=self.handler,
                 worker_id=worker_id,
@@ -436,8 +440,21 @@ class Gateway:
                     renewed.append((listener.tls, after.tls))
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
+        access_log = self.observability.access_log
+        try:
+            log_file = access_log.open_for(loaded.policy)
+        except OSError as exc:
+            raise ValueError(
+                f"{loaded.source}: server.access_log.path: {_cannot_open(exc)}; the running "
+                "policy stays"
+            ) from None
         previous = self.handler.runtime
-        runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
+        try:
+            runtime = build_runtime(loaded, self.store, self._demo_address, previous=previous)
+        except BaseException:
+            access_log.discard(log_file)
+            raise
+        access_log.use(loaded.policy, log_file)
         self.handler.runtime = runtime
         runtime.start()
         self.server.reconfigure(loaded.policy.server)
@@ -523,6 +540,21 @@ class Gateway:
         await self.store.close()
         if self._demo is not None:
             await self._demo.close()
+        self.observability.access_log.close()
+
+    def reopen_logs(self) -> None:
+        """SIGUSR1, as nginx: the access log's file opened again (logrotate renamed it)."""
+        try:
+            log.info("SIGUSR1: %s", self.observability.access_log.reopen())
+        except OSError as exc:
+            log.error(
+                "SIGUSR1: cannot reopen the access log: %s; still writing to the file it had",
+                _cannot_open(exc),
+            )
+
+
+def _cannot_open(exc: OSError) -> str:
+    return f"cannot open {exc.filename}: {exc.strerror or exc}"
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -662,6 +694,8 @@ async def serve(
         loop.add_signal_handler(
             signal.SIGHUP, lambda: log.info("SIGHUP: no policy file to reload (--upstream)")
         )
+
+    loop.add_signal_handler(signal.SIGUSR1, gateway.reopen_logs)
 
     admin_host = gateway.admin_listen[0]
     if admin_host in ("0.0.0.0", "::", ""):
