@@ -81,7 +81,7 @@ EXPECTED_ERRORS = {
     "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
     "const:TEXT or plan:LIMIT",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
-    "unknown route 'nope'",
+    "unknown route 'nope' (routes: api)",
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "
     "limit has no default, add it",
     "store_bad_url.yaml": "store_bad_url.yaml:2: store.url: invalid store url 'mysql://db': "

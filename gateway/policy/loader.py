@@ -500,16 +500,19 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
                 (("routes", i, "upstream"), f"unknown upstream {route.upstream!r} (known: {known})")
             )
     route_names = {route.name for route in policy.routes}
+    known = ", ".join(sorted(route_names)) or "none defined"
     for name, limit in policy.limits.items():
         for route_name in limit.match.routes or ():
             if route_name not in route_names:
                 problems.append(
-                    (("limits", name, "match", "routes"), f"unknown route {route_name!r}")
+                    (
+                        ("limits", name, "match", "routes"),
+                        f"unknown route {route_name!r} (routes: {known})",
+                    )
                 )
         cost = limit.cost
         for route_name in () if isinstance(cost, int) else cost.routes:
             if route_name not in route_names:
-                known = ", ".join(sorted(route_names)) or "none defined"
                 problems.append(
                     (
                         ("limits", name, "cost", "routes", route_name),
