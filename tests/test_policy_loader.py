@@ -214,6 +214,8 @@ EXPECTED_ERRORS = {
     "charged after the response never delays; use mode: reject",
     "count_bad_status.yaml": "count_bad_status.yaml:13: limits.failures.count.statuses[1]: "
     "invalid status '6xx': expected a status code from 100 to 599 (401) or a class ('5xx')",
+    "count_as_list.yaml": "count_as_list.yaml:12: limits.failures.count: expected a mapping, "
+    "got a list: write count: {statuses: [401]}",
     "count_leased.yaml": "count_leased.yaml:8: limits.failures: count charges after the "
     "response, which a leased limit cannot: a lease is a batch of admissions taken ahead; "
     "remove lease",

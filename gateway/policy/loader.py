@@ -310,6 +310,10 @@ def _in_words(error: Any, loc: Loc) -> str:
             )
         return f"expected {what}, got {_given(given)}"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
+        wrapper = _LIST_UNDER.get(str(field))
+        if wrapper is not None and isinstance(given, list):
+            items = ", ".join(str(item) for item in given)
+            return f"expected a mapping, got a list: write {field}: {{{wrapper}: [{items}]}}"
         return f"expected a mapping (name: value lines), got {_given(given)}"
     if kind in ("tuple_type", "list_type"):
         return f"expected a list, got {_given(given)}"
@@ -328,6 +332,9 @@ def _in_words(error: Any, loc: Loc) -> str:
     reason: str = error["msg"]
     return reason.removeprefix("Value error, ")
 
+
+# Sections that are a mapping around one list, written as the bare list by mistake.
+_LIST_UNDER: Final = {"count": "statuses"}
 
 _BOUNDS: Final = {
     "greater_than_equal": ("ge", "at least"),
