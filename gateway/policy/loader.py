@@ -45,12 +45,17 @@ class PolicyError(Exception):
         super().__init__(self.format())
 
     def format(self) -> str:
-        lines = []
-        for problem in self.problems:
-            where = f"{self.file}:{problem.line}" if problem.line is not None else self.file
-            what = f"{problem.path}: {problem.reason}" if problem.path else problem.reason
-            lines.append(f"{where}: {what}")
-        return "\n".join(lines)
+        return "\n".join(problem_lines(self.file, self.problems))
+
+
+def problem_lines(file: str, problems: Iterable[PolicyProblem], prefix: str = "") -> list[str]:
+    """One ``file:line: path: [prefix]reason`` line per problem."""
+    lines = []
+    for problem in problems:
+        where = f"{file}:{problem.line}" if problem.line is not None else file
+        what = f"{problem.path}: {problem.reason}" if problem.path else problem.reason
+        lines.append(f"{where}: {prefix}{what}")
+    return lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,13 @@ class LoadedPolicy:
     sha256: str
     # Files the policy names (overrides_file): a change to one reloads the policy too.
     files: tuple[str, ...] = ()
+    # What the policy accepts but most likely does not mean: `check` prints them, `run` and a
+    # reload log them, none refuses the policy.
+    warnings: tuple[PolicyProblem, ...] = ()
+
+    def warning_lines(self) -> list[str]:
+        """One ``file:line: warning: path: reason`` line per warning."""
+        return problem_lines(self.source, self.warnings, "warning: ")
 
 
 def format_loc(loc: Loc) -> str:
@@ -548,6 +560,23 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
     return problems
 
 
+def _policy_warnings(policy: Policy) -> list[tuple[Loc, str]]:
+    """What the policy accepts but most likely does not mean, each at its place."""
+    warnings: list[tuple[Loc, str]] = []
+    for name, limit in policy.limits.items():
+        parts = [p for p in limit.key if p.startswith(("header:", "query:"))]
+        if limit.unlisted == "reject" and limit.on_missing_key == "skip" and parts:
+            warnings.append(
+                (
+                    ("limits", name, "unlisted"),
+                    f"reject, but a request without {' or '.join(parts)} skips this limit "
+                    "(on_missing_key: skip, the default) rather than being rejected: set "
+                    "on_missing_key: client_ip to reject it as unlisted too",
+                )
+            )
+    return warnings
+
+
 def _names_a_lister(policy: Policy, name: str, other_name: str) -> str | None:
     """Why limit ``name`` cannot read the keys limit ``other_name`` lists (``exempt_listed``,
     ``plan:`` key parts), or None."""
@@ -613,7 +642,13 @@ def parse_policy(
     digest = hashlib.sha256(text.encode())
     for part in digest_parts:
         digest.update(b"\0" + part.encode())
-    return LoadedPolicy(policy=policy, source=file, sha256=digest.hexdigest(), files=files)
+    warnings = tuple(
+        PolicyProblem(_line_for(lines, loc), format_loc(loc), reason)
+        for loc, reason in _policy_warnings(policy)
+    )
+    return LoadedPolicy(
+        policy=policy, source=file, sha256=digest.hexdigest(), files=files, warnings=warnings
+    )
 
 
 def _with_overrides_files(

@@ -515,6 +515,9 @@ async def serve(
             ", ".join(gateway.admin_auth.public_paths) or "no path",
         )
     warn_if_unreachable(gateway)
+    if worker_id == 0:  # one line per warning, not one per worker
+        for line in loaded.warning_lines():
+            log.warning("%s", line)
     if on_started is not None:
         on_started(gateway)
     try:
