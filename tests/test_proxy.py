@@ -574,3 +574,26 @@ async def test_stalled_body_gets_408_and_the_upstream_is_cut(
         await asyncio.wait_for(upstream_closed.wait(), 2)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("passed", [False, True])
+async def test_clients_see_the_gateways_server_header_unless_the_upstreams_is_passed(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, passed: bool
+) -> None:
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        return web.Response(text="x", headers={"Server": "Apache/2.4.1 (Unix) PHP/5.3"})
+
+    upstream.reply = reply
+    setting = "  pass_upstream_server_header: true\n" if passed else ""
+    gw = await start_gateway(policy_for(upstream.url, server=setting))
+    expected = [b"Apache/2.4.1 (Unix) PHP/5.3"] if passed else [b"gateway"]
+    # GET: the whole answer written in one go; HEAD and HTTP/1.0: relayed through aiohttp.
+    for request in (
+        b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        b"HEAD / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        b"GET / HTTP/1.0\r\nHost: h\r\n\r\n",
+    ):
+        response = await exchange(gw.port, request)
+        assert status_of(response) == 200, response
+        headers, _ = split_head(response)
+        assert _values(headers, b"Server") == expected, request

@@ -35,6 +35,7 @@ from gateway.edge.forwarding import (
 )
 from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
 from gateway.edge.responses import (
+    SERVER,
     HttpDate,
     PreparedResponse,
     error_response,
@@ -421,7 +422,7 @@ class ProxyHandler:
                 gate.release(started_us, measured=measured)
 
         engine = runtime.engine
-        hidden = engine.hidden_headers
+        hidden = runtime.hidden_headers
         if engine.cost_headers and outcome is not None and outcome.charge_after:
             reported = admitted.reported = _reported_costs(response.headers, engine.cost_headers)
             if reported is not None:
@@ -446,7 +447,7 @@ class ProxyHandler:
                     response.reason,
                     response.headers,
                     via,
-                    limit_headers,
+                    runtime.server_line + limit_headers,
                     len(whole),
                     keep_alive,
                     _DATE.now(),
@@ -454,6 +455,8 @@ class ProxyHandler:
                 )
                 return cast(web.StreamResponse, PreparedResponse(status, head + whole, keep_alive))
             headers = CIMultiDict(response_headers(response.headers, via, hidden))
+            # aiohttp's own (its version) where the upstream's is hidden or absent
+            headers.setdefault("Server", SERVER)
             if limit_headers and outcome is not None:
                 headers.extend(runtime.engine.headers(outcome))
             reason = response.reason.decode("latin-1")  # "" stays "": aiohttp keeps it

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import time
 from email.utils import formatdate
+from typing import Final
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-SERVER = "gateway"
+SERVER: Final = "gateway"
+# The header line in answers relayed from an upstream, in place of the upstream's own.
+SERVER_LINE: Final = b"Server: " + SERVER.encode() + b"\r\n"
 
 _TITLES = {
     400: "bad_request",

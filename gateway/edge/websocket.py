@@ -154,11 +154,11 @@ async def forward_upgrade(
             up_side.reason,
             up_side.headers,
             via,
-            limit_headers,
+            runtime.server_line + limit_headers,
             len(body),
             keep_alive,
             _DATE.now(),
-            runtime.engine.hidden_headers,
+            runtime.hidden_headers,
         )
         return cast(web.StreamResponse, PreparedResponse(up_side.status, data + body, keep_alive))
     if not _switches_to(token, up_side.headers):
@@ -171,8 +171,9 @@ async def forward_upgrade(
     transport = request.transport
     assert isinstance(protocol, GatewayProtocol) and transport is not None
     lines = [b"HTTP/1.1 101 " + (up_side.reason or b"Switching Protocols") + b"\r\n"]
-    for name, value in response_headers(up_side.headers, via, runtime.engine.hidden_headers):
+    for name, value in response_headers(up_side.headers, via, runtime.hidden_headers):
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(runtime.server_line)
     lines.append(limit_headers)
     lines.append(upgrade_headers)
     transport.write(b"".join(lines))

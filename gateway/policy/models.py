@@ -298,6 +298,11 @@ class ServerSettings(_Model):
         description="level of the one line (per cause, at most every 10s) logged for a "
         "client's malformed request on either listener; nginx logs these at info",
     )
+    pass_upstream_server_header: bool = Field(
+        False,
+        description="send clients the upstream's Server header; off, they see the gateway's "
+        "own (Server: gateway) as nginx does, which names no backend software",
+    )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
     limit_log_level: LimitLogLevel = Field(
         "warning",
