@@ -148,7 +148,7 @@ async def test_xff_chain_through_two_trusted_proxies(
     assert _values(headers, b"x-forwarded-for") == [b"6.6.6.6, 9.9.9.9, 10.1.2.3, 127.0.0.1"]
 
 
-async def test_unmatched_request_gets_json_404(
+async def test_unmatched_request_gets_problem_json_404(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
     policy = (
@@ -161,7 +161,7 @@ async def test_unmatched_request_gets_json_404(
     async with aiohttp.ClientSession() as session:
         async with session.get(gw.url + "/other") as resp:
             assert resp.status == 404
-            assert resp.content_type == "application/json"
+            assert resp.content_type == "application/problem+json"
             assert (await resp.json())["status"] == 404
         async with session.post(gw.url + "/api/x") as resp:
             assert resp.status == 404

@@ -14,13 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
+from aiohttp import web
+
 from gateway import __version__
 from gateway.algorithms.registry import build_algorithm, gradient_params
 from gateway.clock import MonotonicClock
 from gateway.edge.adaptive_gate import AdaptiveGate
 from gateway.edge.client_ip import ClientIPResolver
 from gateway.edge.pool.server_pool import ServerAddress, ServerPool, ServerStatsTable
-from gateway.edge.responses import SERVER_LINE
+from gateway.edge.responses import SERVER_LINE, error_response
 from gateway.edge.upstream_client import UpstreamPool
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.routing import RouteTable
@@ -74,9 +76,23 @@ class Runtime:
     # passed), and the gateway's Server line in their place (empty when the upstream's passes).
     hidden_headers: frozenset[bytes] = frozenset({b"server"})
     server_line: bytes = SERVER_LINE
+    legacy_error_body: bool = False  # server.error_body: legacy
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0
     _idle_waiter: asyncio.Future[None] | None = None
+
+    def error_response(
+        self,
+        status: int,
+        message: str,
+        *,
+        close: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        """One of the gateway's own answers, in the body ``server.error_body`` asks for."""
+        return error_response(
+            status, message, close=close, headers=headers, legacy=self.legacy_error_body
+        )
 
     def request_done(self) -> None:
         self.inflight -= 1
@@ -193,6 +209,7 @@ def build_runtime(
         via=f"1.1 gateway/{__version__}".encode(),
         hidden_headers=engine.hidden_headers if passes_server else engine.hidden_headers | _SERVER,
         server_line=b"" if passes_server else SERVER_LINE,
+        legacy_error_body=policy.server.error_body == "legacy",
     )
 
 

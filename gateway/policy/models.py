@@ -303,6 +303,12 @@ class ServerSettings(_Model):
         description="send clients the upstream's Server header; off, they see the gateway's "
         "own (Server: gateway) as nginx does, which names no backend software",
     )
+    error_body: Literal["problem", "legacy"] = Field(
+        "problem",
+        description="body of the gateway's own answers (404, 413, 502, 504, ...): problem "
+        "(RFC 9457 application/problem+json, as its 429s), or legacy (application/json "
+        "{status, error, message}, for clients written against it)",
+    )
     access_log: bool = Field(False, description="one line per request on logger gateway.access")
     limit_log_level: LimitLogLevel = Field(
         "warning",

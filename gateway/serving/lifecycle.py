@@ -174,6 +174,7 @@ class Gateway:
                 header_timeout=settings.header_timeout,
                 max_connections=settings.max_connections,
                 max_body_size=largest_body_size(loaded.policy),
+                legacy_error_body=settings.error_body == "legacy",
                 keepalive_timeout=settings.keepalive_timeout,
                 max_line_size=settings.max_header_size,
                 max_field_size=settings.max_header_size,
