@@ -231,13 +231,16 @@ class GatewayProtocol(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        """The answer to a request aiohttp's parser refused: the gateway's own body, not
-        aiohttp's text (nor its version in ``Server``); aiohttp still logs it."""
+        """The answer to a request aiohttp's parser refused (or a handler's failure): the
+        gateway's own body, not aiohttp's text (nor its version in ``Server``); aiohttp still
+        logs it, and the connection closes as aiohttp's would."""
         super().handle_error(request, status, exc, message)
-        # aiohttp's message names what the parser refused; a 500's is never shown.
-        detail = message.split("\n", 1)[0] if message and status != 500 else ""
+        if status == 500:  # never a traceback
+            detail = "internal error"
+        else:  # aiohttp's message names what the parser refused
+            detail = (message or "").split("\n", 1)[0] or "the request could not be read"
         legacy = self._gw_server.legacy_error_body
-        return error_response(status, detail or "the request could not be read", legacy=legacy)
+        return error_response(status, detail, close=True, legacy=legacy)
 
     def _arm_header_deadline(self) -> None:
         self._header_deadline = self._loop.call_later(
