@@ -2,18 +2,27 @@
 
 Limiter algorithms never read a clock: callers pass ``now_us`` (integer microseconds), which is
 exact enough for nginx's millisecond arithmetic and Guava's microsecond arithmetic alike.
+
+``now_us`` is the monotonic clock set to the wall clock once, when this module is imported (in
+the supervisor, before it forks the workers: every worker, a restarted one too, has the same
+offset). So windows aligned on ``now_us`` are aligned on the wall clock as operators expect (a
+15-minute window ends at :00, :15, :30 and :45 UTC, as Redis ``TIME`` has them), while the time
+between two decisions is still measured on the monotonic clock: a step of the wall clock (NTP
+after a suspend, an operator's ``date -s``) neither shortens nor stretches a window. Windows
+keep the alignment of the start until the gateway restarts; calendar windows (a month in a
+time zone) read ``unix_us``, which follows the step at once.
 """
 
 from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Final, Protocol
 
 
 class Clock(Protocol):
     def now_us(self) -> int:
-        """Monotonic time in integer microseconds."""
+        """Monotonic time in integer microseconds, on the wall clock's epoch as of the start."""
         ...
 
     def unix_us(self) -> int:
@@ -22,20 +31,39 @@ class Clock(Protocol):
         ...
 
 
+def _wall_offset_us() -> int:
+    """The wall clock minus the monotonic clock, in microseconds: each read twice around the
+    other, the pair closest together kept (a preemption between two reads would skew it)."""
+    best_gap = best_offset = 0
+    for attempt in range(3):
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        if attempt == 0 or after - before < best_gap:
+            best_gap = after - before
+            best_offset = (wall - (before + after) // 2) // 1000
+    return best_offset
+
+
+# Captured once per gateway: forked workers inherit it.
+WALL_OFFSET_US: Final = _wall_offset_us()
+
+
 class MonotonicClock:
     __slots__ = ()
 
     def now_us(self) -> int:
-        return time.monotonic_ns() // 1000
+        return time.monotonic_ns() // 1000 + WALL_OFFSET_US
 
     def unix_us(self) -> int:
         return time.time_ns() // 1000
 
 
 class FakeClock:
-    """A clock that moves only when told to; for tests. Its calendar time is its time plus
-    ``unix_offset_us`` (0: a test of calendar windows sets it to an instant since the epoch;
-    otherwise it stands for a monotonic clock counting from boot)."""
+    """A clock that moves only when told to; for tests. Its time stands for the gateway's
+    monotonic clock, which reads the wall clock's instant at start (a test of wall-clock
+    windows starts it at one); its calendar time is its time plus ``unix_offset_us`` (a wall
+    clock stepped since the start)."""
 
     __slots__ = ("_now_us", "unix_offset_us")
 

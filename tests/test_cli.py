@@ -355,3 +355,55 @@ def test_run_refuses_listen_and_admin_listen_on_one_port_from_the_command_line()
         "gateway: the proxy (0.0.0.0:18999) and the admin listener (127.0.0.1:18999) take the "
         "same port: give the admin listener a port of its own"
     )
+
+
+UNLISTED_REJECT = (
+    "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+    "upstreams:\n  demo:\n    url: builtin:demo\n"
+    "routes:\n  - name: all\n    upstream: demo\n"
+    "limits:\n  per_key:\n    algorithm: fixed_window\n    limit: 10\n    window: 1m\n"
+    "    key: ['header:X-Api-Key']\n{missing}    overrides: {{key-1: {{limit: 100}}}}\n"
+    "    unlisted: reject\n"
+)
+UNLISTED_REJECT_WARNING = (
+    "policy.yaml:17: warning: limits.per_key.unlisted: reject, but a request without "
+    "header:X-Api-Key skips this limit (on_missing_key: skip, the default) rather than being "
+    "rejected: set on_missing_key: client_ip to reject it as unlisted too"
+)
+
+
+def test_check_warns_that_a_missing_key_skips_a_limit_that_rejects_unlisted_keys(
+    tmp_path: Path,
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(UNLISTED_REJECT.format(missing=""))
+    checked = _gateway("check", str(policy))
+    assert checked.returncode == 0, checked.stderr  # a warning, not a refusal: run accepts it
+    assert checked.stderr.splitlines() == [f"{tmp_path}/{UNLISTED_REJECT_WARNING}"]
+    assert checked.stdout.startswith(f"{policy}: ok")
+
+    policy.write_text(UNLISTED_REJECT.format(missing="    on_missing_key: client_ip\n"))
+    checked = _gateway("check", str(policy))
+    assert (checked.returncode, checked.stderr) == (0, "")
+
+
+def test_run_logs_the_warnings_check_prints(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(UNLISTED_REJECT.format(missing=""))
+    log = tmp_path / "stderr"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", "--config", str(policy)],
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while UNLISTED_REJECT_WARNING not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    (line,) = [line for line in log.read_text().splitlines() if "warning:" in line]
+    assert "WARNING" in line

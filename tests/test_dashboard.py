@@ -181,7 +181,8 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
     path = tmp_path / "policy.yaml"
     path.write_text(limited_policy(upstream.url, smooth))
     gw = await start_gateway(load_and_build(path), clock=FakeClock(), policy_path=str(path))
-    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    # A locale whose own times are 12-hour: the page's are 24-hour whatever the locale.
+    page = await browser.new_page(viewport={"width": 1280, "height": 900}, locale="en-US")
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     await page.goto(gw.admin_url + "/dashboard/")
@@ -240,7 +241,7 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
 
         async def reload_shown() -> bool:
             shown = await page.inner_text("#reload")
-            return bool(re.fullmatch(r"ok at .+ \(1 ok, 0 failed\)", shown)) and (
+            return bool(re.fullmatch(r"ok at \d\d:\d\d:\d\d \(1 ok, 0 failed\)", shown)) and (
                 await page.inner_text("#policy") == new_sha[:12]
             )
 
@@ -257,7 +258,8 @@ async def test_dashboard_shows_queue_store_policy_and_reloads(
             return await page.get_attribute("#reload", "data-result") == "failed"
 
         await until_shown(failure_shown, "the failed reload", within_s=3)
-        assert re.fullmatch(r"failed at .+ \(1 ok, [12] failed\)", await page.inner_text("#reload"))
+        shown = await page.inner_text("#reload")
+        assert re.fullmatch(r"failed at \d\d:\d\d:\d\d \(1 ok, [12] failed\)", shown), shown
         assert await page.get_attribute("#reload", "title") == error
         assert await page.inner_text("#policy") == new_sha[:12]
     assert not errors
@@ -473,12 +475,15 @@ async def test_dashboard_shows_which_upstream_servers_are_up(
     state = "gateway_upstream_server_state"
     assert value(samples, state, upstream="pool", server=down, state="down") == 1
     assert value(samples, state, upstream="pool", server=up, state="up") == 1
-    page = await browser.new_page()
+    page = await browser.new_page(locale="en-US")
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     await page.goto(gw.admin_url + "/dashboard/")
     chips = page.locator('#server-pools .pool[data-upstream="pool"] .server')
     await until_shown(lambda: chips.count(), "the pool's servers")
+    # The latest failure's time, 24-hour as every time on the page (en-US's own is 12-hour).
+    latest = await page.inner_text('#server-pools .pool[data-upstream="pool"] .detail')
+    assert re.match(rf"\d\d:\d\d:\d\d {re.escape(down)} ", latest), latest
 
     async def shown() -> dict[str, str]:
         return {

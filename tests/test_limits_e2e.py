@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
+from gateway.engine.limit_engine import LimitEngine
+from gateway.engine.preflight import parse_and_build
+from gateway.limits.compiled import Check
+from gateway.stores import RedisStore
+from gateway.stores.shared.lmdb_store import SharedStore
+from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for
+from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
+
+redis_server = redis_harness.redis_server
 
 
 def limited_policy(upstream_url: str, limits: str, extra: str = "") -> str:
@@ -456,3 +469,98 @@ async def test_ratelimit_t_agrees_with_retry_after_and_stays_within_the_window(
                 assert 0 <= fields["t"] <= window, headers
             clock.advance(7.0)
     assert rejections > 0
+
+
+QUARTER_HOURLY = """\
+  quota:
+    algorithm: fixed_window
+    limit: 100
+    window: 15m
+"""
+X_RATELIMIT = "headers:\n  x_ratelimit: true\n"
+# Saturday 28 November 2026, 20:16:52 UTC: the quarter hour ends at 20:30:00, 788 s later.
+AT_20_16_52_US = 1_795_897_012 * 1_000_000
+QUARTER_S = 15 * 60
+
+
+def _reset_of(headers: dict[str, str]) -> tuple[int, int]:
+    """``X-RateLimit-Reset`` and ``RateLimit``'s ``t``: the seconds to the window's end."""
+    t = int(headers["RateLimit"].rpartition(";t=")[2])
+    return int(headers["X-RateLimit-Reset"]), t
+
+
+def _store_policy(store: str, request: pytest.FixtureRequest) -> str:
+    if store != "redis":
+        return ""
+    server = request.getfixturevalue("redis_server")
+    return f"store:\n  url: {server.url}\n  key_prefix: 'quarter{time.time_ns()}:'\n"
+
+
+@pytest.mark.parametrize("store", ["memory", "shared", "redis"])
+async def test_a_fixed_window_resets_on_the_wall_clocks_quarter_hour(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    store: str,
+) -> None:
+    """The gateway's own clocks (no fake one): a 15-minute window ends at :00, :15, :30 or :45
+    of the wall clock in every store, as Redis ``TIME`` has it; not at multiples of 15 minutes
+    since the host booted."""
+    policy = limited_policy(
+        upstream.url, QUARTER_HOURLY, X_RATELIMIT + _store_policy(store, request)
+    )
+    shared = {"store": SharedStore(tmp_path / "shared")} if store == "shared" else {}
+    gw = await start_gateway(policy, **shared)
+    async with aiohttp.ClientSession() as session:
+        before = time.time()
+        status, headers, _ = await _get(session, gw.url + "/")
+        after = time.time()
+    assert status == 200
+    # The seconds to the next quarter hour, rounded up, as the request was decided.
+    earliest = math.ceil(QUARTER_S - after % QUARTER_S)
+    latest = math.ceil(QUARTER_S - before % QUARTER_S)
+    expected = {earliest, latest} if earliest <= latest else {earliest, latest, QUARTER_S}
+    reset, t = _reset_of(headers)
+    assert reset == t and reset in expected, (reset, before % QUARTER_S, after % QUARTER_S)
+
+
+@pytest.mark.parametrize("store", ["memory", "shared"])
+async def test_at_20_16_52_a_quarter_hourly_window_resets_at_20_30(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path, store: str
+) -> None:
+    clock = FakeClock(AT_20_16_52_US)
+    shared = {"store": SharedStore(tmp_path / "shared", clock)} if store == "shared" else {}
+    gw = await start_gateway(
+        limited_policy(upstream.url, QUARTER_HOURLY, X_RATELIMIT), clock=clock, **shared
+    )
+    async with aiohttp.ClientSession() as session:
+        assert _reset_of((await _get(session, gw.url + "/"))[1]) == (788, 788)
+        clock.advance(788 - 1e-6)
+        assert _reset_of((await _get(session, gw.url + "/"))[1]) == (1, 1)
+        clock.advance(1e-6)  # 20:30:00: a new window, to 20:45:00
+        _, headers, _ = await _get(session, gw.url + "/")
+    assert _reset_of(headers) == (QUARTER_S, QUARTER_S)
+    assert headers["X-RateLimit-Remaining"] == "99"
+
+
+async def test_at_20_16_52_a_quarter_hourly_window_resets_at_20_30_on_redis(
+    redis_server: RedisServer,
+) -> None:
+    """The script decides on the time it is given (Redis ``TIME`` unless a test passes one)."""
+    clock = FakeClock(AT_20_16_52_US)
+    policy = parse_and_build(limited_policy("http://127.0.0.1:1", QUARTER_HOURLY)).policy
+    store = RedisStore(redis_server.url, key_prefix=f"q2030-{time.time_ns()}:", time_source=clock)
+    engine = LimitEngine(policy, store, build_algorithm)
+    store.configure(engine.limits, ())
+    (limit,) = engine.limits
+    check = Check(limit, "client", 1)
+    try:
+        verdict = await store.decide([check])
+        assert verdict.allowed and verdict.decisions[0].reset_s == pytest.approx(788.0)
+        clock.advance(788.0)
+        verdict = await store.decide([check])
+        assert verdict.decisions[0].reset_s == pytest.approx(QUARTER_S)
+        assert verdict.decisions[0].remaining == 99  # a new window
+    finally:
+        await store.close()

@@ -98,7 +98,7 @@ EXPECTED_ERRORS = {
     "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
     "const:TEXT or plan:LIMIT",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
-    "unknown route 'nope'",
+    "unknown route 'nope' (routes: api)",
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "
     "limit has no default, add it",
     "store_bad_url.yaml": "store_bad_url.yaml:2: store.url: invalid store url 'mysql://db': "
@@ -231,6 +231,8 @@ EXPECTED_ERRORS = {
     "charged after the response never delays; use mode: reject",
     "count_bad_status.yaml": "count_bad_status.yaml:13: limits.failures.count.statuses[1]: "
     "invalid status '6xx': expected a status code from 100 to 599 (401) or a class ('5xx')",
+    "count_as_list.yaml": "count_as_list.yaml:12: limits.failures.count: expected a mapping, "
+    "got a list: write count: {statuses: [401]}",
     "count_leased.yaml": "count_leased.yaml:8: limits.failures: count charges after the "
     "response, which a leased limit cannot: a lease is a batch of admissions taken ahead; "
     "remove lease",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator
 from typing import cast
 
@@ -19,9 +20,11 @@ from hypothesis import strategies as st
 
 from gateway.edge.server import ChunkSizes
 from tests.support.gateways import GatewayFactory
+from tests.support.network import free_port
 from tests.support.policies import policy_for
 from tests.support.rawhttp import split_head, status_of
 from tests.support.upstreams import RecordingUpstream
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -94,12 +97,15 @@ def _names(response: bytes) -> list[bytes]:
 @pytest.mark.parametrize(
     "path", [b"/small", b"/large-length", b"/large-chunked", b"/close-delimited", b"/truncated"]
 )
+@pytest.mark.parametrize("passed", [False, True])
 async def test_no_content_type_or_server_the_upstream_never_sent(
-    path: bytes, version: bytes, raw_upstream: str, start_gateway: GatewayFactory
+    path: bytes, version: bytes, passed: bool, raw_upstream: str, start_gateway: GatewayFactory
 ) -> None:
     """aiohttp adds ``Content-Type: application/octet-stream`` and ``Server: Python/x
-    aiohttp/y`` to a response that has none; a proxy passing one on must not."""
-    gw = await start_gateway(policy_for(raw_upstream))
+    aiohttp/y`` to a response that has none; a proxy passing one on must not. ``Server`` is
+    the gateway's own, or with the upstream's passed, none."""
+    setting = "  pass_upstream_server_header: true\n" if passed else ""
+    gw = await start_gateway(policy_for(raw_upstream, server=setting))
     response, closed = await _read_all(
         gw.port, b"GET " + path + b" " + version + b"\r\nHost: h\r\nConnection: close\r\n\r\n"
     )
@@ -107,20 +113,25 @@ async def test_no_content_type_or_server_the_upstream_never_sent(
     assert status_of(response) == 200, response[:200]
     names = _names(response)
     assert b"content-type" not in names, response[:400]
-    assert b"server" not in names, response[:400]
+    headers, _ = split_head(response)
+    servers = [v for n, v in headers if n.lower() == b"server"]
+    assert servers == ([] if passed else [b"gateway"]), response[:400]
     assert b"aiohttp" not in response.partition(b"\r\n\r\n")[0].lower()
 
 
+@pytest.mark.parametrize("passed", [False, True])
 async def test_upstream_content_type_and_server_pass_unchanged(
-    raw_upstream: str, start_gateway: GatewayFactory
+    passed: bool, raw_upstream: str, start_gateway: GatewayFactory
 ) -> None:
-    gw = await start_gateway(policy_for(raw_upstream))
+    setting = "  pass_upstream_server_header: true\n" if passed else ""
+    gw = await start_gateway(policy_for(raw_upstream, server=setting))
     response, _ = await _read_all(
         gw.port, b"GET /typed HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
     )
     headers, _ = split_head(response)
     assert [v for n, v in headers if n.lower() == b"content-type"] == [b"text/html"]
-    assert [v for n, v in headers if n.lower() == b"server"] == [b"upstream/1"]
+    servers = [v for n, v in headers if n.lower() == b"server"]
+    assert servers == ([b"upstream/1"] if passed else [b"gateway"])
 
 
 @pytest.mark.parametrize(
@@ -328,3 +339,57 @@ def test_chunk_sizes_read_across_any_split(
         reader.feed(body[start:end])
     assert reader.done and reader.total == sum(sizes)
     assert reader.largest == max(sizes, default=0)
+
+
+_ANSWERS = [
+    # (request, status, detail): the gateway's own answers, each from a different place
+    (
+        b"GET /a HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        502,
+        "upstream 'backend': connection failed",
+    ),
+    (b"GET /a HTTP/2.0\r\nHost: h\r\n\r\n", 505, "only HTTP/1.0 and HTTP/1.1 are served"),
+    (b"CONNECT h:443 HTTP/1.1\r\nHost: h\r\n\r\n", 405, "CONNECT is not supported"),
+    (b"GET /a HTTP/3.0\r\nHost: h\r\n\r\n", 400, None),  # refused by the parser (aiohttp's)
+]
+
+
+@pytest.mark.parametrize(("data", "status", "detail"), _ANSWERS)
+@pytest.mark.parametrize("legacy", [False, True])
+async def test_every_answer_of_the_gateways_own_is_problem_json(
+    data: bytes, status: int, detail: str | None, legacy: bool, start_gateway: GatewayFactory
+) -> None:
+    setting = "  error_body: legacy\n" if legacy else ""
+    gw = await start_gateway(policy_for(f"http://127.0.0.1:{free_port()}", server=setting))
+    response, closed = await _read_all(gw.port, data)
+    assert closed  # each of these ends the connection (the parser's 400 as aiohttp's did)
+    assert status_of(response) == status, response[:300]
+    headers, body = split_head(response)
+    types = [v for n, v in headers if n.lower() == b"content-type"]
+    fields = json.loads(body)
+    if legacy:  # the body of old, for clients written against it
+        assert types == [b"application/json"]
+        assert set(fields) == {"status", "error", "message"} and fields["status"] == status
+        assert detail is None or fields["message"] == detail
+    else:
+        assert types == [b"application/problem+json"]
+        assert set(fields) == {"type", "title", "status", "detail"}
+        assert (fields["type"], fields["status"]) == ("about:blank", status)
+        assert detail is None or fields["detail"] == detail
+    assert b"aiohttp" not in response
+
+
+async def test_a_connection_over_the_cap_gets_problem_json(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await start_gateway(policy_for(upstream.url, server="  max_connections: 1\n"))
+    _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        await wait_until(lambda: gw.gateway.server.open_connections == 1)
+        response, _ = await _read_all(gw.port, b"")
+    finally:
+        writer.close()
+    assert status_of(response) == 503, response
+    headers, body = split_head(response)
+    assert (b"Content-Type", b"application/problem+json") in headers
+    assert json.loads(body)["detail"] == "too many connections"

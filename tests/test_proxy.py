@@ -148,7 +148,7 @@ async def test_xff_chain_through_two_trusted_proxies(
     assert _values(headers, b"x-forwarded-for") == [b"6.6.6.6, 9.9.9.9, 10.1.2.3, 127.0.0.1"]
 
 
-async def test_unmatched_request_gets_json_404(
+async def test_unmatched_request_gets_problem_json_404(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
     policy = (
@@ -161,7 +161,7 @@ async def test_unmatched_request_gets_json_404(
     async with aiohttp.ClientSession() as session:
         async with session.get(gw.url + "/other") as resp:
             assert resp.status == 404
-            assert resp.content_type == "application/json"
+            assert resp.content_type == "application/problem+json"
             assert (await resp.json())["status"] == 404
         async with session.post(gw.url + "/api/x") as resp:
             assert resp.status == 404
@@ -574,3 +574,26 @@ async def test_stalled_body_gets_408_and_the_upstream_is_cut(
         await asyncio.wait_for(upstream_closed.wait(), 2)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("passed", [False, True])
+async def test_clients_see_the_gateways_server_header_unless_the_upstreams_is_passed(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, passed: bool
+) -> None:
+    async def reply(request: web.BaseRequest, rec: RecordedRequest) -> web.StreamResponse:
+        return web.Response(text="x", headers={"Server": "Apache/2.4.1 (Unix) PHP/5.3"})
+
+    upstream.reply = reply
+    setting = "  pass_upstream_server_header: true\n" if passed else ""
+    gw = await start_gateway(policy_for(upstream.url, server=setting))
+    expected = [b"Apache/2.4.1 (Unix) PHP/5.3"] if passed else [b"gateway"]
+    # GET: the whole answer written in one go; HEAD and HTTP/1.0: relayed through aiohttp.
+    for request in (
+        b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        b"HEAD / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+        b"GET / HTTP/1.0\r\nHost: h\r\n\r\n",
+    ):
+        response = await exchange(gw.port, request)
+        assert status_of(response) == 200, response
+        headers, _ = split_head(response)
+        assert _values(headers, b"Server") == expected, request

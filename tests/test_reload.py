@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -202,6 +203,34 @@ async def test_a_request_in_flight_finishes_under_the_policy_it_started_with(
         text, policy_header = await asyncio.wait_for(in_flight, 5)
     assert text == "old upstream" and policy_header.startswith('"before"')
     assert [r.raw_path for r in new.requests] == ["/x"]
+
+
+async def test_a_reload_logs_the_warnings_check_prints(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for(upstream.url))
+    gw = await start_gateway(load_and_build(path), policy_path=str(path))
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    caplog.set_level(logging.WARNING, logger="gateway")
+    write_atomically(
+        path,
+        policy_for(upstream.url)
+        + "limits:\n  per_key:\n    algorithm: fixed_window\n    limit: 10\n    window: 1m\n"
+        "    key: ['header:X-Api-Key']\n    overrides: {key-1: {limit: 100}}\n"
+        "    unlisted: reject\n",
+    )
+    await wait_until(lambda: reloader.status.succeeded == 1)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        f"{path}:19: warning: limits.per_key.unlisted: reject, but a request without "
+        "header:X-Api-Key skips this limit (on_missing_key: skip, the default) rather than being "
+        "rejected: set on_missing_key: client_ip to reject it as unlisted too"
+    ]
 
 
 async def test_a_changed_rate_rescales_state_in_redis(

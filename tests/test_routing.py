@@ -50,11 +50,12 @@ async def where_routed(
     if not reached:
         assert status_of(response) == 404, response
         headers, payload = split_head(response)
-        assert (b"Content-Type", b"application/json") in headers
+        assert (b"Content-Type", b"application/problem+json") in headers
         assert json.loads(payload) == {
+            "type": "about:blank",
+            "title": "Not Found",
             "status": 404,
-            "error": "no_route",
-            "message": "no route matches this request",
+            "detail": "no route matches this request",
         }
         return NO_ROUTE
     assert status_of(response) == 200, response

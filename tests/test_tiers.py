@@ -667,7 +667,13 @@ async def test_keys_no_override_lists_are_refused_with_403(
         assert looks["candidate"]["next_request"]["status"] == 403  # what it would do
         async with session.get(gw.admin_url + "/dashboard/state") as resp:
             counted = (await resp.json())["state"]["limits"]
+        async with session.get(gw.admin_url + "/metrics") as resp:
+            metrics = await resp.text()
     assert (counted["per_key"]["rejected"], counted["per_key"]["allowed"]) == (3, 4)
+    # The 403s of unlisted keys apart from the 429 of a listed key over its limit.
+    assert 'gateway_limit_rejections_total{limit="per_key",status="403"} 2.0' in metrics
+    assert 'gateway_limit_rejections_total{limit="per_key",status="429"} 1.0' in metrics
+    assert 'gateway_limit_rejections_total{limit="candidate",status="429"} 0.0' in metrics
     # The made-up key (the request without one skips it: on_missing_key: skip), and silver's 5.
     assert (counted["candidate"]["dry_run_rejected"], counted["candidate"]["allowed"]) == (1, 5)
     assert [r.raw_path for r in upstream.requests] == ["/"] * 4

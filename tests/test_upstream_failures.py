@@ -41,7 +41,7 @@ async def _statuses(url: str, count: int) -> list[int]:
             async with session.get(url) as resp:
                 statuses.append(resp.status)
                 body = await resp.json()
-                assert "backend" in body["message"]  # the upstream is named, not its address
+                assert "backend" in body["detail"]  # the upstream is named, not its address
     return statuses
 
 

@@ -281,6 +281,7 @@ async def test_half_close_is_passed_on_both_ways(start_gateway: GatewayFactory) 
         assert head.startswith(b"HTTP/1.1 101 Switching Protocols\r\n")
         assert b"\r\nUpgrade: websocket\r\n" in head and b"\r\nConnection: Upgrade\r\n" in head
         assert b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in head
+        assert b"\r\nServer: gateway\r\n" in head  # the gateway's own, as on every answer
         writer.write(b"hello")
         writer.write_eof()
         async with asyncio.timeout(5):

@@ -1,5 +1,7 @@
 """Fixed window counter: at most ``limit`` units in each window of ``window_s``, windows aligned
-to multiples of the window length on the clock that supplies ``now_us``.
+to multiples of the window length on the clock that supplies ``now_us``: the gateway's clock
+reads the wall clock's epoch (``gateway/clock.py``), Redis ``TIME`` too, so a 15-minute window
+ends at :00, :15, :30 and :45 UTC.
 
 The three window algorithms trade accuracy against memory:
 

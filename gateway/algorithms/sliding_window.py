@@ -2,7 +2,8 @@
 inside the sliding window ending now (Cloudflare's and Envoy's approximation of a sliding log).
 
 How the three window algorithms trade accuracy, memory and edge bursts: the table in
-``gateway/algorithms/fixed_window.py``.
+``gateway/algorithms/fixed_window.py``. The two windows are aligned as fixed windows are (on the
+wall clock).
 
 A request of ``cost`` at ``elapsed`` microseconds into the current window is admitted when::
 

@@ -204,6 +204,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(exc, file=sys.stderr)
             failed = True
         else:
+            for line in loaded.warning_lines():
+                print(line, file=sys.stderr)
             print(f"{file}: ok (sha256 {loaded.sha256[:12]})")
     return 1 if failed else 0
 

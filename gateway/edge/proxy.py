@@ -35,9 +35,9 @@ from gateway.edge.forwarding import (
 )
 from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
 from gateway.edge.responses import (
+    SERVER,
     HttpDate,
     PreparedResponse,
-    error_response,
     rate_limited_response,
     version_not_supported,
 )
@@ -171,7 +171,7 @@ class ProxyHandler:
         except ShuttingDown:
             status = 503
             request[LOCAL_ANSWER] = True
-            return error_response(
+            return runtime.error_response(
                 503, "the gateway is shutting down", close=True, headers={"Retry-After": "1"}
             )
         except asyncio.CancelledError:
@@ -209,31 +209,31 @@ class ProxyHandler:
         version = request.version
         if version != HttpVersion11 and version != HttpVersion10:
             # llhttp also parses 0.9 and 2.0 request lines; aiohttp would answer in that version.
-            return _answer_raw_and_close(request, version_not_supported())
+            return _answer_raw_and_close(request, version_not_supported(runtime.legacy_error_body))
         try:
             framing = check_request(request.raw_headers, version)
         except BadFraming as bad_framing:
             # Where this body ends is unknown: reading on for aiohttp's lingering close would
             # hold the connection for up to 10 s to no purpose.
             return await _answer_and_close(
-                request, error_response(bad_framing.status, bad_framing.reason, close=True)
+                request, runtime.error_response(bad_framing.status, bad_framing.reason, close=True)
             )
         except BadRequest as bad_request:
-            return error_response(bad_request.status, bad_request.reason, close=True)
+            return runtime.error_response(bad_request.status, bad_request.reason, close=True)
         method = request.method
         if method == "CONNECT":
-            return error_response(405, "CONNECT is not supported", close=True)
+            return runtime.error_response(405, "CONNECT is not supported", close=True)
         host_header = request.headers.get("Host")
         try:
             target = origin_form(request.raw_path, method, host_header)
         except RefusedTarget as refused:
-            return error_response(400, str(refused), close=True)
+            return runtime.error_response(400, str(refused), close=True)
 
         host = normalise_host(host_header)
         path = routing_path(target)
         route = runtime.routes.match(host, path, method)
         if route is None:
-            return error_response(404, "no route matches this request")
+            return runtime.error_response(404, "no route matches this request")
         request[ROUTE_NAME] = route.name
         upstream = runtime.upstreams[route.upstream]
 
@@ -271,7 +271,7 @@ class ProxyHandler:
                 # lingering time (so the client sees this answer), then closes.
                 if outcome.rejected_by is None:  # denied by address, or the store is down
                     retry = outcome.retry_after_s
-                    refusal = error_response(
+                    refusal = runtime.error_response(
                         outcome.status,
                         outcome.reason,
                         close=framing.has_body,
@@ -319,7 +319,7 @@ class ProxyHandler:
             max_body = runtime.settings.max_body_size
         if max_body and framing.content_length is not None and framing.content_length > max_body:
             return await _refuse(
-                request, error_response(413, "request body too large", close=True), framing
+                request, runtime.error_response(413, "request body too large", close=True), framing
             )
 
         protocol = request.protocol
@@ -327,7 +327,9 @@ class ProxyHandler:
             # A chunk size already refused the body: answer before the upstream hears of it.
             status = protocol.body_refused
             message = "request body too large" if status == 413 else "malformed request body"
-            return await _answer_and_close(request, error_response(status, message, close=True))
+            return await _answer_and_close(
+                request, runtime.error_response(status, message, close=True)
+            )
 
         upstream = admitted.upstream
         # The upstream's adaptive limit (this worker's): a place before the request goes out,
@@ -337,7 +339,9 @@ class ProxyHandler:
         if gate is not None:
             if not gate.try_enter() and not await gate.enter():
                 request[LOCAL_ANSWER] = True
-                return await _refuse(request, _shed_response(gate, upstream.name, framing), framing)
+                return await _refuse(
+                    request, _shed_response(gate, upstream.name, framing, runtime), framing
+                )
             started_us = gate.now_us()
 
         if framing.expect_continue and request.transport is not None:
@@ -387,7 +391,7 @@ class ProxyHandler:
             )
             measured = True
         except BodyTooLarge:
-            refusal = error_response(413, "request body too large", close=True)
+            refusal = runtime.error_response(413, "request body too large", close=True)
             request[LOCAL_ANSWER] = True
             if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
                 # The rest of an oversized chunk is not worth a lingering read.
@@ -396,32 +400,32 @@ class ProxyHandler:
         except BodyTimeout:
             # The client stopped sending: nothing to linger for.
             return await _answer_and_close(
-                request, error_response(408, "request body timed out", close=True)
+                request, runtime.error_response(408, "request body timed out", close=True)
             )
         except BodyBroken:
             # The upstream connection was cut mid-body, so the upstream never sees it end;
             # the rest of what this client sends is not worth reading.
             return await _answer_and_close(
-                request, error_response(400, "malformed request body", close=True)
+                request, runtime.error_response(400, "malformed request body", close=True)
             )
         # One name per handler: compiled, a name bound by several ``except`` clauses takes the
         # first clause's type (tests/test_build.py checks every compiled module for it).
         except UpstreamConnectError as connect_error:  # the pool logged each server's failure
             request[UPSTREAM_ERROR] = upstream_error_reason(connect_error)
-            return error_response(502, f"upstream {upstream.name!r}: connection failed")
+            return runtime.error_response(502, f"upstream {upstream.name!r}: connection failed")
         except UpstreamTimeout as timeout:
             measured = True
             request[UPSTREAM_ERROR] = upstream_error_reason(timeout)
-            return error_response(504, f"upstream {upstream.name!r}: timed out")
+            return runtime.error_response(504, f"upstream {upstream.name!r}: timed out")
         except UpstreamError as upstream_error:
             request[UPSTREAM_ERROR] = upstream_error_reason(upstream_error)
-            return error_response(502, f"upstream {upstream.name!r}: error")
+            return runtime.error_response(502, f"upstream {upstream.name!r}: error")
         finally:
             if gate is not None:  # whatever ended it, the client gone too
                 gate.release(started_us, measured=measured)
 
         engine = runtime.engine
-        hidden = engine.hidden_headers
+        hidden = runtime.hidden_headers
         if engine.cost_headers and outcome is not None and outcome.charge_after:
             reported = admitted.reported = _reported_costs(response.headers, engine.cost_headers)
             if reported is not None:
@@ -446,7 +450,7 @@ class ProxyHandler:
                     response.reason,
                     response.headers,
                     via,
-                    limit_headers,
+                    runtime.server_line + limit_headers,
                     len(whole),
                     keep_alive,
                     _DATE.now(),
@@ -454,6 +458,8 @@ class ProxyHandler:
                 )
                 return cast(web.StreamResponse, PreparedResponse(status, head + whole, keep_alive))
             headers = CIMultiDict(response_headers(response.headers, via, hidden))
+            if runtime.server_line:  # the upstream's is hidden: the gateway's in its place
+                headers["Server"] = SERVER
             if limit_headers and outcome is not None:
                 headers.extend(runtime.engine.headers(outcome))
             reason = response.reason.decode("latin-1")  # "" stays "": aiohttp keeps it
@@ -491,10 +497,12 @@ class ProxyHandler:
             pool.finished(server)
 
 
-def _shed_response(gate: AdaptiveGate, name: str, framing: RequestFraming) -> web.Response:
+def _shed_response(
+    gate: AdaptiveGate, name: str, framing: RequestFraming, runtime: Runtime
+) -> web.Response:
     """A request the upstream's adaptive limit has no place for (at once, or within
     ``max_delay``)."""
-    return error_response(
+    return runtime.error_response(
         gate.status,
         f"upstream {name!r} is at its adaptive limit",
         close=framing.has_body,

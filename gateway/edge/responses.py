@@ -1,15 +1,20 @@
-"""The gateway's own short JSON answers (404, 413, 502, 504 ...): no stack traces, ever."""
+"""The gateway's own short answers (404, 413, 429, 502, 504 ...) as RFC 9457 problem details:
+no stack traces, ever."""
 
 from __future__ import annotations
 
 import json
 import time
 from email.utils import formatdate
+from http import HTTPStatus
+from typing import Final
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-SERVER = "gateway"
+SERVER: Final = "gateway"
+# The header line in answers relayed from an upstream, in place of the upstream's own.
+SERVER_LINE: Final = b"Server: " + SERVER.encode() + b"\r\n"
 
 _TITLES = {
     400: "bad_request",
@@ -25,18 +30,40 @@ _TITLES = {
     504: "gateway_timeout",
     505: "http_version_not_supported",
 }
+PROBLEM_JSON: Final = "application/problem+json"
+_LEGACY_JSON: Final = "application/json"
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def error_body(status: int, message: str, legacy: bool = False) -> tuple[bytes, str]:
+    """The body of one of the gateway's own answers and its content type: RFC 9457 problem
+    details, as its 429s; ``legacy`` (``server.error_body: legacy``) the JSON of old."""
+    if legacy:
+        fields = {"status": status, "error": _TITLES.get(status, "error"), "message": message}
+        return json.dumps(fields).encode(), _LEGACY_JSON
+    problem = {"type": "about:blank", "title": _phrase(status), "status": status, "detail": message}
+    return json.dumps(problem).encode(), PROBLEM_JSON
 
 
 def error_response(
-    status: int, message: str, *, close: bool = False, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    *,
+    close: bool = False,
+    headers: dict[str, str] | None = None,
+    legacy: bool = False,
 ) -> web.Response:
-    body = json.dumps(
-        {"status": status, "error": _TITLES.get(status, "error"), "message": message}
-    ).encode()
+    body, content_type = error_body(status, message, legacy)
     response = web.Response(
         status=status,
         body=body,
-        content_type="application/json",
+        content_type=content_type,
         headers={"Server": SERVER, **(headers or {})},
     )
     if close:
@@ -44,26 +71,28 @@ def error_response(
     return response
 
 
-def version_not_supported() -> bytes:
-    """A whole 505 in HTTP/1.1 (aiohttp would answer in the request's own 0.9 or 2.0)."""
-    body = json.dumps(
-        {
-            "status": 505,
-            "error": _TITLES[505],
-            "message": "only HTTP/1.0 and HTTP/1.1 are served",
-        }
-    ).encode()
+def error_bytes(status: int, message: str, legacy: bool = False) -> bytes:
+    """A whole HTTP/1.1 answer in bytes that closes the connection, for where no aiohttp
+    response can be (the request line's version refused, a connection over the cap)."""
+    body, content_type = error_body(status, message, legacy)
     return (
-        b"HTTP/1.1 505 HTTP Version Not Supported\r\nServer: %s\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\nDate: %s\r\n"
-        b"Connection: close\r\n\r\n%s"
+        b"HTTP/1.1 %d %s\r\nServer: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+        b"Date: %s\r\nConnection: close\r\n\r\n%s"
         % (
+            status,
+            _phrase(status).encode(),
             SERVER.encode(),
+            content_type.encode(),
             len(body),
             formatdate(time.time(), usegmt=True).encode("ascii"),
             body,
         )
     )
+
+
+def version_not_supported(legacy: bool = False) -> bytes:
+    """A whole 505 in HTTP/1.1 (aiohttp would answer in the request's own 0.9 or 2.0)."""
+    return error_bytes(505, "only HTTP/1.0 and HTTP/1.1 are served", legacy)
 
 
 _PROBLEM_TITLES = {403: "Forbidden", 429: "Too Many Requests", 503: "Service Unavailable"}
@@ -91,7 +120,7 @@ def rate_limited_response(
     ).encode()
     response = web.Response(status=status, body=body, headers=CIMultiDict(headers))
     response.headers["Server"] = SERVER
-    response.content_type = "application/problem+json"
+    response.content_type = PROBLEM_JSON
     if close:
         response.force_close()
     return response

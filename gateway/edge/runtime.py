@@ -12,6 +12,9 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
+
+from aiohttp import web
 
 from gateway import __version__
 from gateway.algorithms.registry import build_algorithm, gradient_params
@@ -19,6 +22,7 @@ from gateway.clock import MonotonicClock
 from gateway.edge.adaptive_gate import AdaptiveGate
 from gateway.edge.client_ip import ClientIPResolver
 from gateway.edge.pool.server_pool import ServerAddress, ServerPool, ServerStatsTable
+from gateway.edge.responses import SERVER_LINE, error_response
 from gateway.edge.upstream_client import UpstreamPool
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.routing import RouteTable
@@ -55,6 +59,9 @@ def make_gate(settings: AdaptiveSettings | None) -> AdaptiveGate | None:
     )
 
 
+_SERVER: Final = frozenset({b"server"})
+
+
 @dataclass(slots=True)
 class Runtime:
     loaded: LoadedPolicy
@@ -65,9 +72,27 @@ class Runtime:
     engine: LimitEngine
     server_stats: ServerStatsTable = field(default_factory=ServerStatsTable)
     via: bytes = b"1.1 gateway"
+    # Upstream response headers clients never see (cost headers, the upstream's Server unless
+    # passed), and the gateway's Server line in their place (empty when the upstream's passes).
+    hidden_headers: frozenset[bytes] = frozenset({b"server"})
+    server_line: bytes = SERVER_LINE
+    legacy_error_body: bool = False  # server.error_body: legacy
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0
     _idle_waiter: asyncio.Future[None] | None = None
+
+    def error_response(
+        self,
+        status: int,
+        message: str,
+        *,
+        close: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        """One of the gateway's own answers, in the body ``server.error_body`` asks for."""
+        return error_response(
+            status, message, close=close, headers=headers, legacy=self.legacy_error_body
+        )
 
     def request_done(self) -> None:
         self.inflight -= 1
@@ -170,6 +195,7 @@ def build_runtime(
             gate if gate is not None else make_gate(config.adaptive),
         )
     server_stats.keep_only({name: target.pool for name, target in upstreams.items()})
+    passes_server = policy.server.pass_upstream_server_header
     return Runtime(
         loaded=loaded,
         routes=RouteTable(policy.routes),
@@ -181,6 +207,9 @@ def build_runtime(
         engine=engine,
         server_stats=server_stats,
         via=f"1.1 gateway/{__version__}".encode(),
+        hidden_headers=engine.hidden_headers if passes_server else engine.hidden_headers | _SERVER,
+        server_line=b"" if passes_server else SERVER_LINE,
+        legacy_error_body=policy.server.error_body == "legacy",
     )
 
 

@@ -22,16 +22,9 @@ from aiohttp.web_request import BaseRequest
 from mypy_extensions import mypyc_attr
 
 from gateway.edge.aiohttp_private import ErrInfo, MessageQueue
-from gateway.edge.responses import SERVER
+from gateway.edge.responses import error_bytes, error_response
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.policy.models import ServerSettings
-
-_BUSY_BODY = b'{"status": 503, "error": "service_unavailable", "message": "too many connections"}'
-_TOO_MANY_CONNECTIONS = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
-)
-
 
 _HEX_RE = re.compile(rb"[0-9A-Fa-f]+")
 # No body is 2**60 bytes: a size this large is an attack on somebody's arithmetic, not a chunk.
@@ -134,7 +127,7 @@ class GatewayProtocol(RequestHandler):
         if server.open_connections > server.max_connections:
             server.refused_connections += 1
             assert isinstance(transport, asyncio.Transport)
-            transport.write(_TOO_MANY_CONNECTIONS)
+            transport.write(error_bytes(503, "too many connections", server.legacy_error_body))
             self.force_close()
             transport.close()
             return
@@ -238,10 +231,16 @@ class GatewayProtocol(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        """aiohttp's own answer to a request its parser refused, without its versions."""
-        response = super().handle_error(request, status, exc, message)
-        response.headers["Server"] = SERVER
-        return response
+        """The answer to a request aiohttp's parser refused (or a handler's failure): the
+        gateway's own body, not aiohttp's text (nor its version in ``Server``); aiohttp still
+        logs it, and the connection closes as aiohttp's would."""
+        super().handle_error(request, status, exc, message)
+        if status == 500:  # never a traceback
+            detail = "internal error"
+        else:  # aiohttp's message names what the parser refused
+            detail = (message or "").split("\n", 1)[0] or "the request could not be read"
+        legacy = self._gw_server.legacy_error_body
+        return error_response(status, detail, close=True, legacy=legacy)
 
     def _arm_header_deadline(self) -> None:
         self._header_deadline = self._loop.call_later(
@@ -271,6 +270,7 @@ class GatewayServer(web.Server):
         header_timeout: float,
         max_connections: int,
         max_body_size: int = 0,
+        legacy_error_body: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(handler, handler_cancellation=True, **kwargs)
@@ -283,6 +283,7 @@ class GatewayServer(web.Server):
         self.header_timeouts = 0
         self.upgrades = UpgradeStats()  # WebSocket connections (gateway/websocket.py)
         self.stopping = False  # set once shutdown begins: connections made later are closed
+        self.legacy_error_body = legacy_error_body  # server.error_body: legacy
 
     def pre_shutdown(self) -> None:
         self.stopping = True
@@ -294,6 +295,7 @@ class GatewayServer(web.Server):
         self.header_timeout = settings.header_timeout
         self.max_connections = settings.max_connections
         self.max_body_size = settings.max_body_size
+        self.legacy_error_body = settings.error_body == "legacy"
         self._protocol_kwargs.update(
             keepalive_timeout=settings.keepalive_timeout,
             max_line_size=settings.max_header_size,

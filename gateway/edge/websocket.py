@@ -32,7 +32,7 @@ from gateway.edge.forwarding import (
     response_headers,
 )
 from gateway.edge.next_upstream import hash_key
-from gateway.edge.responses import HttpDate, PreparedResponse, error_response
+from gateway.edge.responses import HttpDate, PreparedResponse
 from gateway.edge.server import GatewayProtocol
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.edge.upstream_client import (
@@ -117,7 +117,7 @@ async def forward_upgrade(
             up_transport, up_side = await connections.connect_unpooled(lambda: _UpstreamSide(loop))
         except UpstreamError as exc:
             failure = exc
-            return _upstream_failed(request, upstream, exc)
+            return _upstream_failed(request, runtime, upstream, exc)
         try:
             up_transport.write(head)
             async with asyncio.timeout(connections.read_timeout_s):
@@ -127,11 +127,11 @@ async def forward_upgrade(
         except TimeoutError:
             up_transport.abort()
             failure = UpstreamTimeout("the upstream sent nothing within the read timeout")
-            return _upstream_failed(request, upstream, failure)
+            return _upstream_failed(request, runtime, upstream, failure)
         except UpstreamError as exc:
             up_transport.abort()
             failure = exc
-            return _upstream_failed(request, upstream, exc)
+            return _upstream_failed(request, runtime, upstream, exc)
         except BaseException:
             up_transport.abort()
             raise
@@ -154,25 +154,26 @@ async def forward_upgrade(
             up_side.reason,
             up_side.headers,
             via,
-            limit_headers,
+            runtime.server_line + limit_headers,
             len(body),
             keep_alive,
             _DATE.now(),
-            runtime.engine.hidden_headers,
+            runtime.hidden_headers,
         )
         return cast(web.StreamResponse, PreparedResponse(up_side.status, data + body, keep_alive))
     if not _switches_to(token, up_side.headers):
         up_transport.abort()
         wrong = UpstreamProtocolError("101 to another protocol")
         pool.failures.record(server.config.url, server.label, wrong)
-        return _upstream_failed(request, upstream, wrong)
+        return _upstream_failed(request, runtime, upstream, wrong)
 
     protocol = request.protocol
     transport = request.transport
     assert isinstance(protocol, GatewayProtocol) and transport is not None
     lines = [b"HTTP/1.1 101 " + (up_side.reason or b"Switching Protocols") + b"\r\n"]
-    for name, value in response_headers(up_side.headers, via, runtime.engine.hidden_headers):
+    for name, value in response_headers(up_side.headers, via, runtime.hidden_headers):
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(runtime.server_line)
     lines.append(limit_headers)
     lines.append(upgrade_headers)
     transport.write(b"".join(lines))
@@ -204,16 +205,16 @@ async def forward_upgrade(
 
 
 def _upstream_failed(
-    request: BaseRequest, upstream: UpstreamTarget, exc: UpstreamError
+    request: BaseRequest, runtime: Runtime, upstream: UpstreamTarget, exc: UpstreamError
 ) -> web.StreamResponse:
     """The answer to a handshake no server took (the pool logged why)."""
     request[UPSTREAM_ERROR] = upstream_error_reason(exc)
     name = upstream.name
     if isinstance(exc, UpstreamTimeout):
-        return error_response(504, f"upstream {name!r}: timed out")
+        return runtime.error_response(504, f"upstream {name!r}: timed out")
     if isinstance(exc, UpstreamProtocolError | UpstreamClosed):
-        return error_response(502, f"upstream {name!r}: error")
-    return error_response(502, f"upstream {name!r}: connection failed")
+        return runtime.error_response(502, f"upstream {name!r}: error")
+    return runtime.error_response(502, f"upstream {name!r}: connection failed")
 
 
 def _switches_to(token: bytes, headers: list[tuple[bytes, bytes]]) -> bool:

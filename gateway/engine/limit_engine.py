@@ -127,6 +127,8 @@ _OUTCOME_FIELDS: Final = (
 
 
 ALLOW: Final = Outcome()
+# What a key ``unlisted: reject`` refuses is answered with (an unknown client, not a busy one).
+UNLISTED_STATUS: Final = 403
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,7 +516,8 @@ class LimitEngine:
             first = enforced[verdict.rejected_by[0]]
             if commit:
                 for index in verdict.rejected_by:
-                    enforced[index].limit.counters.rejected += 1
+                    rejecting = enforced[index].limit
+                    rejecting.counters.reject(rejecting.status)
             # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
             queued = verdict.decisions[verdict.rejected_by[0]].allowed
             kind = "concurrency limit" if first.limit.holds_slots else "rate limit"
@@ -990,7 +993,7 @@ def _slot_refused(
     """A request refused by a concurrency limit's line (full, or waited ``max_delay`` in
     vain): rejected by that limit, counted there, charged to nothing."""
     limit = check.limit
-    limit.counters.rejected += 1
+    limit.counters.reject(limit.status)
     algorithm = limit.algorithm
     assert isinstance(algorithm, Concurrency)
     return Outcome(
@@ -1057,9 +1060,9 @@ def _listed_in(other: CompiledLimit) -> Callable[[RequestFacts], bool]:
 def _refuse_unlisted(limit: CompiledLimit, commit: bool) -> Outcome:
     """A key ``unlisted: reject`` refuses: 403 naming the limit, counted as its rejection."""
     if commit:
-        limit.counters.rejected += 1
+        limit.counters.reject(UNLISTED_STATUS)
     return Outcome(
-        status=403,
+        status=UNLISTED_STATUS,
         rejected_by=limit.name,
         reason=f"the key is not listed by limit {limit.name!r} (unlisted: reject)",
     )

@@ -64,6 +64,14 @@ class LimitCounters:
     charged_responses: int = 0
     charged_units: int = 0
     charge_failures: int = 0
+    # ``rejected`` by the status answered: the limit's own (429), 403 for ``unlisted: reject``.
+    rejected_statuses: dict[int, int] = field(default_factory=dict)
+
+    def reject(self, status: int) -> None:
+        """Count one rejection, answered with ``status``."""
+        self.rejected += 1
+        statuses = self.rejected_statuses
+        statuses[status] = statuses.get(status, 0) + 1
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(

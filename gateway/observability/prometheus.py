@@ -369,7 +369,16 @@ class GatewayCollector(Collector):
             "Recent rejections (dry-run: would-be rejections) of a limit's most limited key.",
             labels=["limit"],
         )
+        rejections = CounterMetricFamily(
+            "gateway_limit_rejections",
+            "Enforced rejections by limit and the status answered: the limit's own (429) apart "
+            "from the 403 of unlisted: reject.",
+            labels=["limit", "status"],
+        )
         for name, limit in sorted(snap.limits.items()):
+            by_status = {limit.status: 0, **limit.rejected_statuses}
+            for status, count in sorted(by_status.items()):
+                rejections.add_metric([name, str(status)], count)
             top = snap.top_keys.get(name, ())
             limited_keys.add_metric([name], len(top))
             top_key_hits.add_metric([name], max((h.count for h in top), default=0))
@@ -385,7 +394,7 @@ class GatewayCollector(Collector):
             charged.add_metric([name], limit.charged_responses)
             charged_units.add_metric([name], limit.charged_units)
             charge_failures.add_metric([name], limit.charge_failures)
-        yield from (decisions, wait, depth, tracked, evictions, dry_run, slots)
+        yield from (decisions, rejections, wait, depth, tracked, evictions, dry_run, slots)
         yield from (limited_keys, top_key_hits, charged, charged_units, charge_failures)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 

@@ -88,6 +88,9 @@ class HistogramData(_Model):
 class LimitData(_Model):
     algorithm: str
     dry_run: bool
+    status: int = 429  # what the limit answers a rejection with (unlisted: reject: 403)
+    # ``rejected`` by the status answered (gateway_limit_rejections_total's status label).
+    rejected_statuses: dict[int, int] = {}
     allowed: int = 0
     delayed: int = 0
     rejected: int = 0
@@ -373,6 +376,10 @@ def _add_limit_counters(limit: LimitData, base: LimitData) -> LimitData:
     }
     for charged in CHARGE_COUNTS:
         update[charged] = getattr(limit, charged) + getattr(base, charged)
+    statuses = dict(base.rejected_statuses)
+    for status, count in limit.rejected_statuses.items():
+        statuses[status] = statuses.get(status, 0) + count
+    update["rejected_statuses"] = statuses
     update["evictions"] = limit.evictions + base.evictions
     update["wait"] = limit.wait.plus(base.wait)
     update["lease"] = plus(limit.lease, base.lease)

@@ -17,6 +17,8 @@ from gateway.observability.stats import QUEUE_WAIT_BUCKETS
 
 HISTORY_POINTS = 15 * 60
 WAIT_QUANTILE_WINDOW = 60  # points (seconds) the p50/p99 queue wait is taken over
+# The shortest interval a point's rates are taken over (ticks are a second apart).
+MIN_POINT_S = 0.5
 
 
 def rejection_ratio(limit_rates: dict[str, float], dry_run: bool) -> float | None:
@@ -43,14 +45,19 @@ class Timeline:
         self._waits: deque[dict[str, HistogramData]] = deque(maxlen=WAIT_QUANTILE_WINDOW + 1)
 
     def add(self, snapshot: GatewaySnapshot) -> dict[str, Any] | None:
-        """Add the point between the previous snapshot and this one; the first only primes."""
+        """Add the point between the previous snapshot and this one; the first only primes.
+
+        A point over less than ``MIN_POINT_S`` is not made: the first tick after start-up may
+        come a few milliseconds after the figures that primed the timeline, and rates over
+        those milliseconds read 0.0 whatever the traffic. The next tick's point covers them.
+        """
         previous = self._previous
+        elapsed = snapshot.at - previous.at if previous is not None else 0.0
+        if previous is not None and 0 < elapsed < MIN_POINT_S:
+            return None
         self._previous = snapshot
         self._waits.append({name: limit.wait for name, limit in snapshot.limits.items()})
-        if previous is None:
-            return None
-        elapsed = snapshot.at - previous.at
-        if elapsed <= 0:
+        if previous is None or elapsed <= 0:  # primed, or the wall clock stepped back
             return None
         oldest_waits = self._waits[0]
         limits: dict[str, Any] = {}

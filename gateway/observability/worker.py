@@ -110,6 +110,26 @@ class _RunningTotals(Generic[Counts]):
         return totals
 
 
+class _StatusTotals:
+    """``_RunningTotals`` of a limit's rejections by the status answered."""
+
+    __slots__ = ("_last", "_totals")
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[object, dict[int, int]]] = {}
+        self._totals: dict[str, dict[int, int]] = {}
+
+    def read(self, name: str, source: object, values: dict[int, int]) -> dict[int, int]:
+        last = self._last.get(name)
+        previous: dict[int, int] = last[1] if last is not None and last[0] is source else {}
+        totals = dict(self._totals.get(name, {}))
+        for status, value in values.items():
+            totals[status] = totals.get(status, 0) + max(0, value - previous.get(status, 0))
+        self._totals[name] = totals
+        self._last[name] = (source, dict(values))
+        return totals
+
+
 class CurrentRuntime(Protocol):
     """Holds the runtime in force (the proxy handler does; a reload swaps it)."""
 
@@ -189,6 +209,7 @@ class WorkerMetrics:
         self.queue_waits = QueueWaits()
         self.top_keys: dict[str, RecentTopKeys] = {}
         self._decisions = _RunningTotals(DecisionCounts())
+        self._rejected_statuses = _StatusTotals()
         self._charges = _RunningTotals(ChargeCounts())
 
     def note_limited(self, outcome: Outcome) -> None:
@@ -247,9 +268,12 @@ class WorkerMetrics:
             decided = self._decisions.read(name, counters, counters.decisions())
             charged = self._charges.read(name, counters, counters.charges())
             wait = self.queue_waits.by_limit.get(name)
+            statuses = self._rejected_statuses.read(name, counters, counters.rejected_statuses)
             limits[name] = LimitData(
                 algorithm=limit.spec.algorithm,
                 dry_run=limit.spec.dry_run,
+                status=limit.status,
+                rejected_statuses=statuses,
                 **decided._asdict(),
                 **charged._asdict(),
                 evictions=store.evictions(name),

@@ -54,12 +54,17 @@ class PolicyError(Exception):
         super().__init__(self.format())
 
     def format(self) -> str:
-        lines = []
-        for problem in self.problems:
-            where = f"{self.file}:{problem.line}" if problem.line is not None else self.file
-            what = f"{problem.path}: {problem.reason}" if problem.path else problem.reason
-            lines.append(f"{where}: {what}")
-        return "\n".join(lines)
+        return "\n".join(problem_lines(self.file, self.problems))
+
+
+def problem_lines(file: str, problems: Iterable[PolicyProblem], prefix: str = "") -> list[str]:
+    """One ``file:line: path: [prefix]reason`` line per problem."""
+    lines = []
+    for problem in problems:
+        where = f"{file}:{problem.line}" if problem.line is not None else file
+        what = f"{problem.path}: {problem.reason}" if problem.path else problem.reason
+        lines.append(f"{where}: {prefix}{what}")
+    return lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,13 @@ class LoadedPolicy:
     sha256: str
     # Files the policy names (overrides_file): a change to one reloads the policy too.
     files: tuple[str, ...] = ()
+    # What the policy accepts but most likely does not mean: `check` prints them, `run` and a
+    # reload log them, none refuses the policy.
+    warnings: tuple[PolicyProblem, ...] = ()
+
+    def warning_lines(self) -> list[str]:
+        """One ``file:line: warning: path: reason`` line per warning."""
+        return problem_lines(self.source, self.warnings, "warning: ")
 
 
 def format_loc(loc: Loc) -> str:
@@ -325,6 +337,10 @@ def _in_words(error: Any, loc: Loc) -> str:
             )
         return f"expected {what}, got {_given(given)}"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
+        wrapper = _LIST_UNDER.get(str(field))
+        if wrapper is not None and isinstance(given, list):
+            items = ", ".join(str(item) for item in given)
+            return f"expected a mapping, got a list: write {field}: {{{wrapper}: [{items}]}}"
         return f"expected a mapping (name: value lines), got {_given(given)}"
     if kind in ("tuple_type", "list_type"):
         return f"expected a list, got {_given(given)}"
@@ -343,6 +359,9 @@ def _in_words(error: Any, loc: Loc) -> str:
     reason: str = error["msg"]
     return reason.removeprefix("Value error, ")
 
+
+# Sections that are a mapping around one list, written as the bare list by mistake.
+_LIST_UNDER: Final = {"count": "statuses"}
 
 _BOUNDS: Final = {
     "greater_than_equal": ("ge", "at least"),
@@ -515,16 +534,19 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
                 (("routes", i, "upstream"), f"unknown upstream {route.upstream!r} (known: {known})")
             )
     route_names = {route.name for route in policy.routes}
+    known = ", ".join(sorted(route_names)) or "none defined"
     for name, limit in policy.limits.items():
         for route_name in limit.match.routes or ():
             if route_name not in route_names:
                 problems.append(
-                    (("limits", name, "match", "routes"), f"unknown route {route_name!r}")
+                    (
+                        ("limits", name, "match", "routes"),
+                        f"unknown route {route_name!r} (routes: {known})",
+                    )
                 )
         cost = limit.cost
         for route_name in () if isinstance(cost, int) else cost.routes:
             if route_name not in route_names:
-                known = ", ".join(sorted(route_names)) or "none defined"
                 problems.append(
                     (
                         ("limits", name, "cost", "routes", route_name),
@@ -569,6 +591,23 @@ def _raw_exempt_headers(policy: Policy) -> list[tuple[Loc, str]]:
         for name in settings.raw
         if name.lower() in exempt
     ]
+
+
+def _policy_warnings(policy: Policy) -> list[tuple[Loc, str]]:
+    """What the policy accepts but most likely does not mean, each at its place."""
+    warnings: list[tuple[Loc, str]] = []
+    for name, limit in policy.limits.items():
+        parts = [p for p in limit.key if p.startswith(("header:", "query:"))]
+        if limit.unlisted == "reject" and limit.on_missing_key == "skip" and parts:
+            warnings.append(
+                (
+                    ("limits", name, "unlisted"),
+                    f"reject, but a request without {' or '.join(parts)} skips this limit "
+                    "(on_missing_key: skip, the default) rather than being rejected: set "
+                    "on_missing_key: client_ip to reject it as unlisted too",
+                )
+            )
+    return warnings
 
 
 def _names_a_lister(policy: Policy, name: str, other_name: str) -> str | None:
@@ -637,7 +676,13 @@ def parse_policy(
     digest = hashlib.sha256(text.encode())
     for part in digest_parts:
         digest.update(b"\0" + part.encode())
-    return LoadedPolicy(policy=policy, source=file, sha256=digest.hexdigest(), files=files)
+    warnings = tuple(
+        PolicyProblem(_line_for(lines, loc), format_loc(loc), reason)
+        for loc, reason in _policy_warnings(policy)
+    )
+    return LoadedPolicy(
+        policy=policy, source=file, sha256=digest.hexdigest(), files=files, warnings=warnings
+    )
 
 
 def _with_overrides_files(

@@ -601,6 +601,17 @@ class ServerSettings(_Model):
         description="level of the one line (per cause, at most every 10s) logged for a "
         "client's malformed request on either listener; nginx logs these at info",
     )
+    pass_upstream_server_header: bool = Field(
+        False,
+        description="send clients the upstream's Server header; off, they see the gateway's "
+        "own (Server: gateway) as nginx does, which names no backend software",
+    )
+    error_body: Literal["problem", "legacy"] = Field(
+        "problem",
+        description="body of the gateway's own answers (404, 413, 502, 504, ...): problem "
+        "(RFC 9457 application/problem+json, as its 429s), or legacy (application/json "
+        "{status, error, message}, for clients written against it)",
+    )
     access_log: Annotated[
         Annotated[bool, Tag("bool")] | Annotated[AccessLogSettings, Tag("settings")],
         Discriminator(_access_log_kind),

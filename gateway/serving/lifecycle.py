@@ -231,6 +231,7 @@ class Gateway:
                 header_timeout=settings.header_timeout,
                 max_connections=settings.max_connections,
                 max_body_size=largest_body_size(loaded.policy),
+                legacy_error_body=settings.error_body == "legacy",
                 keepalive_timeout=settings.keepalive_timeout,
                 max_line_size=settings.max_header_size,
                 max_field_size=settings.max_header_size,
@@ -725,6 +726,9 @@ async def serve(
             ENV_LISTEN,
             os.environ[ENV_LISTEN],
         )
+    if worker_id == 0:  # one line per warning, not one per worker
+        for line in loaded.warning_lines():
+            log.warning("%s", line)
     if on_started is not None:
         on_started(gateway)
     try:

@@ -95,6 +95,8 @@ class PolicyReloader:
             self._update(succeeded=self.status.succeeded + 1)
             self._succeeded()
             log.info("policy reloaded from %s (sha256 %s)", self.path, loaded.sha256[:12])
+            for line in loaded.warning_lines():
+                log.warning("%s", line)
             return "ok"
 
     def _succeeded(self) -> None:

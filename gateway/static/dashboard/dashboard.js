@@ -29,6 +29,8 @@
         : fmtSeconds(p50) + " / " + fmtSeconds(p99);
   const fmtPercent = (r) => (r === null || r === undefined ? "—" : (r * 100).toFixed(1) + "%");
   const fmtRange = (s) => (s < 60 ? s + " s" : s / 60 + " min");
+  // Every time on the page in one format, 24-hour (the locale's could be 12-hour, beside
+  // the charts' axes).
   const clock = uPlot.fmtDate("{HH}:{mm}:{ss}");
   // Ticks on whole seconds (the labels have a resolution of one second), minutes past 2 min.
   const timeAxis = {
@@ -261,7 +263,7 @@
     const reload = $("reload");
     if (state.reload) {
       const r = state.reload;
-      const when = r.last_attempt_at ? new Date(r.last_attempt_at * 1000).toLocaleTimeString() : "";
+      const when = r.last_attempt_at ? clock(new Date(r.last_attempt_at * 1000)) : "";
       reload.textContent = r.last_result + (when ? " at " + when : "") + " (" + r.succeeded + " ok, " + r.failed + " failed)";
       reload.dataset.result = r.last_result;
       reload.title = r.last_error || "";
@@ -305,7 +307,7 @@
       const last = document.createElement("td");
       last.className = "detail";
       last.textContent = latest
-        ? new Date(latest.at * 1000).toLocaleTimeString() + " " + latest.address + " " +
+        ? clock(new Date(latest.at * 1000)) + " " + latest.address + " " +
           latest.cause + ": " + latest.detail
         : "none";
       row.append(nameCell, servers, status, count, last);
