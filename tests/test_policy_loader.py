@@ -239,6 +239,10 @@ EXPECTED_ERRORS = {
     "concurrency_leased.yaml": "concurrency_leased.yaml:8: limits.per_client: concurrency "
     "cannot be leased: a slot is given back when its request ends, and a batch of slots taken "
     "ahead would be held by nobody",
+    # A concurrency limit counts requests in flight, not over time: no window to convert to.
+    "concurrency_given_rate.yaml": "concurrency_given_rate.yaml:10: limits.per_client.rate: a "
+    "concurrency takes limit (requests in flight at once per key), not rate: for 10r/s use a "
+    "leaky_bucket or token_bucket (rate: 10r/s), or a fixed_window (limit: 10, window: 1s)",
     "concurrency_zero_limit.yaml": "concurrency_zero_limit.yaml:10: limits.per_client.limit: "
     "must be at least 1, got 0",
     "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "
