@@ -899,7 +899,14 @@ async def test_metrics_and_log_follow_the_store_from_fallback_to_open_and_back_t
         assert [await get() for _ in range(5)] == [down] * 5
         server.start(same_port=True)
         await until_ok()
-    store_lines = [r.getMessage() for r in caplog.records if r.name == "gateway.store"]
+    # The transitions only: on a busy machine the store's prepare step (its script loaded
+    # before the first request, within the 50 ms call timeout) may time out and say so in a
+    # line of its own, which changes nothing the store reports.
+    store_lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "gateway.store" and r.getMessage().startswith("store state ")
+    ]
     assert len(store_lines) == 3, store_lines
     assert store_lines[0].startswith("store state ok -> fallback: ")
     assert store_lines[0].endswith(f"(on_failure: {on_failure})")
