@@ -249,7 +249,9 @@ class PipelineClient:
                 target = client.get_node(node_name=node)
                 if target is None:
                     raise RedisConnectionError(f"{node} is not in the slot map")
-                await client.execute_command("PING", target_nodes=target)
+                # The node's own connections: not the cluster client's retry, which would
+                # read the slot map again and drop the connections other nodes' calls use.
+                await target.execute_command("PING")
             else:
                 await client.ping()
 
