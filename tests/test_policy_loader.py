@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -387,3 +388,24 @@ def test_a_bare_number_is_a_duration_in_seconds_as_in_nginx() -> None:
     )
     upstream = parse_and_build(text, "p.yaml").policy.upstreams["backend"]
     assert (upstream.connect_timeout, upstream.read_timeout) == (5.0, 0.5)
+
+
+@pytest.mark.reliability
+def test_the_advice_for_a_rate_on_a_concurrency_limit_is_accepted() -> None:
+    """What the line says to write instead of ``rate:`` on a concurrency limit, written as
+    it says, is a policy ``check`` accepts (the probe: it advised ``window:``, which a
+    concurrency limit refuses)."""
+    text = (FIXTURES / "invalid" / "concurrency_given_rate.yaml").read_text()
+    with pytest.raises(PolicyError) as info:
+        parse_and_build(text, "p.yaml")
+    message = str(info.value)
+    advice = re.findall(r"(\w+) \((\w+: [^)]*)\)", message)
+    assert advice, message
+    for algorithm, params in advice:
+        lines = "".join(f"    {param.strip()}\n" for param in params.split(","))
+        fixed = re.sub(
+            r"    algorithm: concurrency\n    rate: 10r/s\n",
+            f"    algorithm: {algorithm}\n{lines}",
+            text,
+        )
+        parse_and_build(fixed, "p.yaml")  # accepted
