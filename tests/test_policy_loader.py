@@ -248,6 +248,9 @@ EXPECTED_ERRORS = {
     "must be at least 1, got 0",
     "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "
     "min_limit (10) cannot exceed max_limit (5)",
+    "adaptive_initial_limit_below_min.yaml": "adaptive_initial_limit_below_min.yaml:4: "
+    "upstreams.backend.adaptive: initial_limit (2) must be between min_limit (5) and max_limit "
+    "(100)",
     "adaptive_zero_buffer.yaml": "adaptive_zero_buffer.yaml:5: upstreams.backend.adaptive.buffer: "
     "must be above 0, got 0",
     "adaptive_zero_sample_interval.yaml": "adaptive_zero_sample_interval.yaml:5: "

@@ -340,7 +340,7 @@ class ProxyHandler:
             if not gate.try_enter() and not await gate.enter():
                 request[LOCAL_ANSWER] = True
                 return await _refuse(request, _shed_response(gate, upstream.name, framing), framing)
-            started_us = gate.now_us()
+            started_us = gate.started()
 
         if framing.expect_continue and request.transport is not None:
             request.transport.write(_CONTINUE)
