@@ -8,9 +8,11 @@ capacity from one signal, its latency, and follows it:
    floor: a healthy upstream's first second is not shed while the gateway learns it. Its
    minimum latency is measured meanwhile from the requests that started while no more than
    ``min_limit`` were in flight (``started``), the latency a cold upstream shows before any
-   queue: ``probe_requests`` of them, or those of the first 2 s. With none of them in 2 s (the
-   traffic came all at once), the limit is pinned to ``min_limit`` for a probe as below. The
-   gradient then takes the limit down from there, a quarter a sample at most.
+   queue: ``probe_requests`` of them, or those back within the first ``sample_interval`` (a
+   cold upstream offered more than it serves queues the rest meanwhile). With none of them
+   back in 2 s (the traffic came all at once), the limit is pinned to ``min_limit`` for a
+   probe as below. The gradient then takes the limit down from there, a quarter a sample at
+   most; the next probe measures the minimum again at the floor.
 1. **Probe.** The limit is pinned to ``min_limit``; the latency of ``probe_requests`` requests
    started while no more than ``min_limit`` were in flight (their mean, ``trimmed_mean``) is the
    upstream's **minimum latency**: what a request costs it when nothing queues. A probe lasts
