@@ -130,7 +130,10 @@ def simulate(params: GradientParams | None, upstream: Upstream, observe_s: float
             push(now_us + max(int(rng.expovariate(1.0) / rate_per_us), 1), _ARRIVE)
             if controller is not None and not controller.try_acquire():
                 trace.shed_s.append(now_us / US)
-            elif queue.arrive(now_us):
+                continue
+            if controller is not None:
+                controller.started(now_us)
+            if queue.arrive(now_us):
                 start_service(now_us, now_us)
         elif kind == _FREE:
             jitter_us = int(rng.expovariate(1.0) * upstream.jitter_ms * 1000)

@@ -19,7 +19,9 @@ MS = 1000
 
 
 def gate(clock: FakeClock, max_delay_s: float = 0.0, max_queue: int = 10) -> AdaptiveGate:
-    params = replace(gradient_params(AdaptiveSettings()), probe_requests=3)
+    # Measuring at the floor from the start: three places (the line's mechanics, not the
+    # cold start's).
+    params = replace(gradient_params(AdaptiveSettings()), probe_requests=3, initial_limit=3)
     return AdaptiveGate(params, clock, lambda: 0.0, max_delay_s=max_delay_s, max_queue=max_queue)
 
 

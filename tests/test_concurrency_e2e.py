@@ -16,9 +16,10 @@ from collections import Counter
 import aiohttp
 import pytest
 
+from tests.support.gateways import GatewayFactory
 from tests.support.held_upstream import HeldUpstream
 from tests.support.metrics import scrape_until, value
-from tests.support.policies import policy_template
+from tests.support.policies import policy_for, policy_template
 from tests.support.processes import GatewayProcess, StartGateway
 from tests.support.waiting import wait_until
 
@@ -228,3 +229,42 @@ async def test_stacked_with_a_leaky_bucket_a_request_either_refuses_is_charged_t
     status, _, body = await _get("127.0.0.2", url + "/fast")
     assert status == 429 and '"limit": "per_ip"' in body
     await _slots_in_use(gateway, 0)
+
+
+@pytest.mark.reliability
+async def test_a_concurrency_limits_line_shows_in_the_queue_metrics(
+    held_upstream: HeldUpstream, start_gateway: GatewayFactory
+) -> None:
+    """Requests waiting in a concurrency limit's line for a slot are its queue: their number in
+    ``gateway_limit_queue_depth`` while they wait, and how long each waited in
+    ``gateway_limit_queue_wait_seconds`` once it is through (the probe found the wait in no
+    queue metric)."""
+    limits = (
+        "limits:\n  conc:\n    algorithm: concurrency\n    limit: 1\n    max_delay: 10s\n"
+        "    key: [global]\n"
+    )
+    gw = await start_gateway(policy_for(held_upstream.url, limits))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+
+        async def get() -> int:
+            async with session.get(gw.url + "/hold/a") as response:
+                await response.read()
+                return response.status
+
+        first = asyncio.create_task(get())
+        await wait_until(lambda: held_upstream.holding() == 1, "the first request upstream")
+        waiting = [asyncio.create_task(get()) for _ in range(3)]
+        await scrape_until(
+            session,
+            gw.admin_url,
+            lambda s: value(s, "gateway_limit_queue_depth", limit="conc") == 3,
+        )
+        held_upstream.release("a")
+        assert await asyncio.gather(first, *waiting) == [200] * 4
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda s: value(s, "gateway_limit_queue_wait_seconds_count", limit="conc") == 3,
+        )
+    assert value(samples, "gateway_limit_queue_depth", limit="conc") == 0
+    assert value(samples, "gateway_limit_queue_wait_seconds_sum", limit="conc") > 0

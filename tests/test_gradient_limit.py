@@ -33,6 +33,7 @@ def params(**changes: float) -> GradientParams:
     base = GradientParams(
         min_limit=3,
         max_limit=100,
+        initial_limit=3,  # measured at the floor from the start (the cold start: its tests)
         buffer=0.15,
         min_buffer_us=0,
         sample_interval_us=100 * MS,
@@ -203,6 +204,57 @@ def test_a_release_not_measured_is_no_latency() -> None:
     assert limit.probing and limit.in_flight == 0
 
 
+def test_a_cold_start_admits_up_to_initial_limit_and_measures_the_few_started_alone() -> None:
+    """Not pinned at the floor at the start: up to ``initial_limit`` in flight at once, and
+    the minimum from the requests started with at most ``min_limit`` in flight (the others
+    may have queued behind them at a cold upstream)."""
+    limit = GradientLimit(params(initial_limit=50, probe_requests=3), 0, lambda: 0.0)
+    assert limit.cold and limit.probing and limit.limit == 50
+    for at in range(5):  # five at once: the first three started with at most 3 in flight
+        assert limit.try_acquire()
+        limit.started(at)
+    for at in range(5):  # 10 ms each for the first three; the two that queued, 40 ms
+        limit.release(at, at + (10 if at < 3 else 40) * MS)
+    assert not limit.probing and not limit.cold
+    assert limit.min_latency_us == 10 * MS  # not the 40 ms of the two that queued
+    assert limit.limit == 50  # the gradient goes on from there
+
+
+def test_a_cold_start_with_nobody_started_alone_measures_at_the_floor_after_two_seconds() -> None:
+    limit = GradientLimit(params(initial_limit=50), 0, lambda: 0.0)
+    for _ in range(10):
+        assert limit.try_acquire()
+    for _ in range(10):  # none started alone: never ``started`` with few in flight
+        limit.started(0)  # ten in flight each time
+    now = 0
+    for _ in range(10):
+        now += 300 * MS
+        limit.release(0, now)
+    assert not limit.cold and limit.probing and limit.limit == 3  # pinned: a classic probe
+    now = probe(limit, now, 10 * MS)
+    assert limit.min_latency_us == 10 * MS and limit.limit == 3  # from the floor, slow start
+
+
+@pytest.mark.reliability
+def test_a_healthy_upstreams_first_second_is_not_shed() -> None:
+    """300 requests a second at 50 ms each (15 in flight, a capacity of 40): with the default
+    ``initial_limit`` (max_limit) nothing is shed, where measuring at ``min_limit`` first shed
+    a fifth of the first second."""
+    upstream = Upstream(capacity=40, service_ms=50.0, load=0.375, duration_s=3)
+    defaults = gradient_params(AdaptiveSettings())
+    cold = simulate(defaults, upstream)
+    floor = simulate(replace(defaults, initial_limit=defaults.min_limit), upstream)
+    first_second = [at for at in cold.shed_s if at < 1.0]
+    shed_at_floor = [at for at in floor.shed_s if at < 1.0]
+    print(
+        f"\ncold start, 300 req/s at 50 ms: shed in the first second {len(first_second)} "
+        f"(at min_limit first: {len(shed_at_floor)} of "
+        f"{len(floor.served_between(0, 1.05)) + len(shed_at_floor)})"
+    )
+    assert first_second == []
+    assert len(shed_at_floor) > 30  # what the probe of the issue saw
+
+
 def test_the_mean_drops_a_tenth_at_each_end() -> None:
     assert trimmed_mean([5, 1, 3, 2, 4]) == 3  # fewer than ten: nothing dropped
     assert trimmed_mean([7]) == 7
@@ -232,6 +284,7 @@ def test_the_policy_defaults_are_the_documented_ones() -> None:
     assert gradient_params(AdaptiveSettings()) == GradientParams(
         min_limit=3,
         max_limit=1000,
+        initial_limit=1000,
         buffer=0.15,
         min_buffer_us=1000,
         sample_interval_us=100 * MS,
@@ -256,15 +309,25 @@ events = st.lists(
     script=events,
     min_limit=st.integers(1, 10),
     spread=st.integers(0, 50),
+    initial=st.integers(0, 50),
     jitter=st.floats(0, 1),
     random=st.floats(0, 0.999),
 )
 def test_the_limit_stays_within_its_bounds_and_admits_only_below_it(
-    script: list[tuple[int, str]], min_limit: int, spread: int, jitter: float, random: float
+    script: list[tuple[int, str]],
+    min_limit: int,
+    spread: int,
+    initial: int,
+    jitter: float,
+    random: float,
 ) -> None:
     limit = GradientLimit(
         params(
-            min_limit=min_limit, max_limit=min_limit + spread, jitter=jitter, probe_interval_us=S
+            min_limit=min_limit,
+            max_limit=min_limit + spread,
+            initial_limit=min_limit + min(initial, spread),
+            jitter=jitter,
+            probe_interval_us=S,
         ),
         0,
         lambda: random,
@@ -278,11 +341,13 @@ def test_the_limit_stays_within_its_bounds_and_admits_only_below_it(
             admitted = limit.try_acquire()
             assert admitted == (before < limit.limit)
             if admitted:
+                limit.started(now)
                 in_flight.append(now)
         elif in_flight:
             limit.release(in_flight.pop(0), now, measured=what == "end")
         assert min_limit <= limit.limit <= min_limit + spread
-        assert not limit.probing or limit.limit == min_limit
+        # Probing pins the limit at the floor, but for the cold start's measurement.
+        assert not limit.probing or limit.limit == min_limit or limit.cold
         assert limit.in_flight == len(in_flight)
 
 

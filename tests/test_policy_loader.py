@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -258,10 +259,17 @@ EXPECTED_ERRORS = {
     "concurrency_leased.yaml": "concurrency_leased.yaml:8: limits.per_client: concurrency "
     "cannot be leased: a slot is given back when its request ends, and a batch of slots taken "
     "ahead would be held by nobody",
+    # A concurrency limit counts requests in flight, not over time: no window to convert to.
+    "concurrency_given_rate.yaml": "concurrency_given_rate.yaml:10: limits.per_client.rate: a "
+    "concurrency takes limit (requests in flight at once per key), not rate: for 10r/s use a "
+    "leaky_bucket or token_bucket (rate: 10r/s), or a fixed_window (limit: 10, window: 1s)",
     "concurrency_zero_limit.yaml": "concurrency_zero_limit.yaml:10: limits.per_client.limit: "
     "must be at least 1, got 0",
     "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "
     "min_limit (10) cannot exceed max_limit (5)",
+    "adaptive_initial_limit_below_min.yaml": "adaptive_initial_limit_below_min.yaml:4: "
+    "upstreams.backend.adaptive: initial_limit (2) must be between min_limit (5) and max_limit "
+    "(100)",
     "adaptive_zero_buffer.yaml": "adaptive_zero_buffer.yaml:5: upstreams.backend.adaptive.buffer: "
     "must be above 0, got 0",
     "adaptive_zero_sample_interval.yaml": "adaptive_zero_sample_interval.yaml:5: "
@@ -402,3 +410,24 @@ def test_a_bare_number_is_a_duration_in_seconds_as_in_nginx() -> None:
     )
     upstream = parse_and_build(text, "p.yaml").policy.upstreams["backend"]
     assert (upstream.connect_timeout, upstream.read_timeout) == (5.0, 0.5)
+
+
+@pytest.mark.reliability
+def test_the_advice_for_a_rate_on_a_concurrency_limit_is_accepted() -> None:
+    """What the line says to write instead of ``rate:`` on a concurrency limit, written as
+    it says, is a policy ``check`` accepts (the probe: it advised ``window:``, which a
+    concurrency limit refuses)."""
+    text = (FIXTURES / "invalid" / "concurrency_given_rate.yaml").read_text()
+    with pytest.raises(PolicyError) as info:
+        parse_and_build(text, "p.yaml")
+    message = str(info.value)
+    advice = re.findall(r"(\w+) \((\w+: [^)]*)\)", message)
+    assert advice, message
+    for algorithm, params in advice:
+        lines = "".join(f"    {param.strip()}\n" for param in params.split(","))
+        fixed = re.sub(
+            r"    algorithm: concurrency\n    rate: 10r/s\n",
+            f"    algorithm: {algorithm}\n{lines}",
+            text,
+        )
+        parse_and_build(fixed, "p.yaml")  # accepted

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import socket
 
 import aiohttp
@@ -597,3 +598,126 @@ async def test_clients_see_the_gateways_server_header_unless_the_upstreams_is_pa
         assert status_of(response) == 200, response
         headers, _ = split_head(response)
         assert _values(headers, b"Server") == expected, request
+
+
+_CUT_SHORT_HEADS = {
+    "length": b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n" + b"x" * 100,
+    "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n"
+    + b"x" * 100
+    + b"\r\n",
+}
+
+
+async def _cut_short_upstream(framing: str, stall: bool) -> asyncio.Server:
+    """An upstream that declares ``Content-Length: 10000`` (or chunks), sends 100 bytes, then
+    closes (or, with ``stall``, sends nothing more until the gateway gives up on it)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(_CUT_SHORT_HEADS[framing])
+            await writer.drain()
+            if stall:
+                await reader.read()  # until the gateway cuts this connection
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+def _aiohttp_errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """What reached aiohttp's own loggers (``Error handling request``, ``Unhandled
+    exception``), and any record with a traceback."""
+    return [r for r in caplog.records if r.name.startswith("aiohttp") or r.exc_info]
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("framing", "stall"),
+    [("length", False), ("length", True), ("chunked", False)],
+    ids=["closed", "stalled", "chunked-closed"],
+)
+async def test_an_upstream_body_cut_short_is_a_broken_framing_and_one_log_line(
+    start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture, framing: str, stall: bool
+) -> None:
+    """An upstream that declares 10,000 bytes and sends 100, then closes (or stalls past
+    ``read_timeout``): every client sees a body shorter than its ``Content-Length``, never one
+    that looks complete; the log holds one ``gateway.upstream`` line for the cause and nothing
+    from aiohttp (the probe: one ERROR traceback per request, 1,001 lines for 1,000)."""
+    caplog.set_level(logging.DEBUG)
+    server = await _cut_short_upstream(framing, stall)
+    port = server.sockets[0].getsockname()[1]
+    requests = 200
+    try:
+        policy = policy_for(f"http://127.0.0.1:{port}").replace(
+            "read_timeout: 5s", "read_timeout: 200ms"
+        )
+        gw = await start_gateway(policy)
+        request = b"GET / HTTP/1.1\r\nHost: h\r\n\r\n"
+        if stall:  # each waits out the read timeout: at once
+            responses = await asyncio.gather(
+                *(exchange(gw.port, request, read_for=5) for _ in range(requests))
+            )
+        else:
+            responses = [await exchange(gw.port, request, read_for=5) for _ in range(requests)]
+    finally:
+        server.close()
+    for response in responses:
+        assert status_of(response) == 200, response[:200]
+        headers, body = split_head(response)
+        if framing == "length":
+            assert _values(headers, b"content-length") == [b"10000"]
+            assert len(body) < 10000  # the connection closed short: the client can tell
+        else:
+            assert _values(headers, b"transfer-encoding") == [b"chunked"]
+            assert body.startswith(b"64\r\n") and not body.endswith(b"0\r\n\r\n")
+    cause = "timeout" if stall else "reset"
+    upstream_lines = [r.getMessage() for r in caplog.records if r.name == "gateway.upstream"]
+    print(
+        f"\nupstream body cut short ({cause}): {requests} requests, {len(caplog.records)} log "
+        f"records, {len(upstream_lines)} from gateway.upstream, "
+        f"{len(_aiohttp_errors(caplog))} from aiohttp or with a traceback"
+    )
+    assert _aiohttp_errors(caplog) == []
+    assert len(upstream_lines) == 1, upstream_lines
+    assert f"(cause {cause}," in upstream_lines[0]
+
+
+@pytest.mark.reliability
+async def test_a_client_leaving_mid_body_logs_nothing_and_frees_the_upstream(
+    start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that reads the head of a long streamed answer and closes: no traceback from
+    aiohttp (a write to a closed connection raised into its handler), the upstream
+    connection cut rather than drained."""
+    caplog.set_level(logging.DEBUG)
+    upstream_closed = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(2000):  # bounded: 2,000 chunks of 64 KiB, 10 ms apart
+                writer.write(b"10000\r\n" + b"x" * 65536 + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            upstream_closed.set()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_gateway(policy_for(f"http://127.0.0.1:{port}"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        await asyncio.wait_for(reader.readexactly(65536), 5)
+        writer.transport.abort()
+        await asyncio.wait_for(upstream_closed.wait(), 10)
+    finally:
+        server.close()
+    assert _aiohttp_errors(caplog) == []

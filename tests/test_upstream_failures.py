@@ -280,3 +280,46 @@ async def test_a_pool_logs_the_server_that_failed_while_another_answers(
     )
     recent = (await _status(gw.admin_url))["upstreams"]["pool"]["recent"]
     assert {failure["address"] for failure in recent} == {f"127.0.0.1:{dead_port}"}
+
+
+@pytest.mark.reliability
+async def test_a_get_lost_in_flight_on_a_kept_alive_connection_is_a_reset_not_a_connect_failure(
+    start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upstream that takes a GET on a kept-alive connection, works on it 200 ms and dies
+    (closes, and refuses new connections): the gateway sends it again on a new connection, as
+    it may, and is refused. The request went out, so the failure is a ``reset`` and the line
+    says how long it was in flight, not ``connect`` and "closed an idle keep-alive connection"
+    (a failure that sent nothing, which a retry rule would send on whatever the method)."""
+    caplog.set_level(logging.INFO)
+    served: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            served.append(1)
+            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.sleep(0.2)  # in flight at the upstream, then it dies
+            server.close()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    gw = await start_gateway(policy_for(f"http://127.0.0.1:{port}"))
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        async with session.get(gw.url + "/first") as resp:
+            assert resp.status == 200 and await resp.read() == b"ok"
+        async with session.get(gw.url + "/second") as resp:
+            assert resp.status == 502
+    server.close()
+    (line,) = _upstream_lines(caplog)
+    assert "(cause reset," in line, line
+    assert "idle" not in line and "ms after the request was sent" in line, line
+    backend = (await _status(gw.admin_url))["upstreams"]["backend"]
+    assert backend["failures"] == {"reset": 1}, backend["failures"]
+    pool = gw.gateway.handler.runtime.upstreams["backend"].pool
+    assert pool.members[0].stats.failures == {"reset": 1}

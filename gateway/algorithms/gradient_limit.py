@@ -4,6 +4,15 @@ After Envoy's ``adaptive_concurrency`` and Netflix's Gradient2. A fixed concurre
 upstream is too low on a good day and too high on a bad one; this one finds the upstream's
 capacity from one signal, its latency, and follows it:
 
+0. **Cold start.** The limit starts at ``initial_limit`` (``max_limit`` by default), not at the
+   floor: a healthy upstream's first second is not shed while the gateway learns it. Its
+   minimum latency is measured meanwhile from the requests that started while no more than
+   ``min_limit`` were in flight (``started``), the latency a cold upstream shows before any
+   queue: ``probe_requests`` of them, or those back within the first ``sample_interval`` (a
+   cold upstream offered more than it serves queues the rest meanwhile). With none of them
+   back in 2 s (the traffic came all at once), the limit is pinned to ``min_limit`` for a
+   probe as below. The gradient then takes the limit down from there, a quarter a sample at
+   most; the next probe measures the minimum again at the floor.
 1. **Probe.** The limit is pinned to ``min_limit``; the latency of ``probe_requests`` requests
    started while no more than ``min_limit`` were in flight (their mean, ``trimmed_mean``) is the
    upstream's **minimum latency**: what a request costs it when nothing queues. A probe lasts
@@ -71,6 +80,7 @@ class GradientParams:
 
     min_limit: int
     max_limit: int
+    initial_limit: int
     buffer: float
     min_buffer_us: int
     sample_interval_us: int
@@ -82,6 +92,10 @@ class GradientParams:
         if not 1 <= self.min_limit <= self.max_limit:
             raise ValueError(
                 f"need 1 <= min_limit <= max_limit, got {self.min_limit} and {self.max_limit}"
+            )
+        if not self.min_limit <= self.initial_limit <= self.max_limit:
+            raise ValueError(
+                f"need min_limit <= initial_limit <= max_limit, got {self.initial_limit}"
             )
         if not 0 < self.buffer <= 1:
             raise ValueError(f"buffer must be above 0 and at most 1, got {self.buffer}")
@@ -114,6 +128,7 @@ class GradientLimit:
 
     __slots__ = (
         "_at_floor",
+        "_cold_starts",
         "_next_probe_us",
         "_peak",
         "_probe_samples",
@@ -126,6 +141,7 @@ class GradientLimit:
         "_stride",
         "_window_start_us",
         "adjustments",
+        "cold",
         "estimate",
         "in_flight",
         "limit",
@@ -140,8 +156,12 @@ class GradientLimit:
         self.params = params
         self._random = random
         # The limit as a real number (it moves by factors); ``limit`` is its whole part.
-        self.estimate = float(params.min_limit)
+        self.estimate = float(params.initial_limit)
         self.limit = params.min_limit
+        # Measuring the minimum at the cold start, unpinned (above ``min_limit``): only the
+        # requests ``started`` while few were in flight count, by start time.
+        self.cold = params.initial_limit > params.min_limit
+        self._cold_starts: dict[int, int] = {}
         self.in_flight = 0
         # The upstream's latency at low concurrency, and the last interval's (0: none yet).
         self.min_latency_us = 0
@@ -161,6 +181,8 @@ class GradientLimit:
         self._slow_start = False
         self._next_probe_us = now_us
         self._start_probe(now_us)
+        if self.cold:
+            self.limit = params.initial_limit
 
     def try_acquire(self) -> bool:
         """Take a place for one request to the upstream; False when the limit is reached."""
@@ -173,11 +195,20 @@ class GradientLimit:
             self._peak = in_flight
         return True
 
+    def started(self, now_us: int) -> None:
+        """A request that holds a place goes out at ``now_us`` (its ``started_us``): at the
+        cold start, whether few were in flight then decides if its latency is a minimum's."""
+        if self.cold and self.in_flight <= self.params.min_limit:
+            self._cold_starts[now_us] = self._cold_starts.get(now_us, 0) + 1
+
     def release(self, started_us: int, now_us: int, *, measured: bool = True) -> None:
         """Give the place back. ``measured``: ``now_us - started_us`` is the upstream's latency
         for it (a response, or a timeout); False for a request that tells nothing of the
         upstream's load (it failed to connect, the client went away first)."""
         self.in_flight -= 1
+        if self.cold:
+            self._release_cold(started_us, now_us, measured)
+            return
         if not measured:
             return
         latency_us = now_us - started_us
@@ -198,6 +229,33 @@ class GradientLimit:
                 self._stride *= 2
         if now_us - self._window_start_us >= self.params.sample_interval_us:
             self._update(now_us)
+
+    def _release_cold(self, started_us: int, now_us: int, measured: bool) -> None:
+        """At the cold start: the latency of a request started while few were in flight is
+        one of the minimum's; none in 2 s, and the limit is pinned for a probe."""
+        starts = self._cold_starts
+        low = starts.pop(started_us, 0)
+        if low > 1:
+            starts[started_us] = low - 1
+        samples = self._probe_samples
+        if low and measured:
+            samples.append(max(now_us - started_us, 0))
+        elapsed_us = now_us - self._probe_started_us
+        if samples:
+            # Not the probe's 2 s: while it measures, a cold upstream taking more than it can
+            # serve queues them. One sample interval, then the gradient acts on what it has
+            # (the next probe measures the minimum again).
+            if len(samples) >= self.params.probe_requests or (
+                elapsed_us >= self.params.sample_interval_us
+            ):
+                self._end_probe(now_us)
+            return
+        if elapsed_us < MAX_PROBE_US:
+            return
+        self.cold = False  # all at once from the start: measure at the floor, go on from it
+        self._cold_starts = {}
+        self.estimate = float(self.params.min_limit)
+        self._start_probe(now_us)
 
     def _update(self, now_us: int) -> None:
         samples = self._samples
@@ -266,9 +324,16 @@ class GradientLimit:
             taken and now_us - self._probe_started_us >= MAX_PROBE_US
         ):
             return
+        self._end_probe(now_us)
+
+    def _end_probe(self, now_us: int) -> None:
+        params = self.params
         # At least 1 us: a zero minimum would read any latency as infinitely far above it.
         self.min_latency_us = max(trimmed_mean(self._probe_samples), 1)
         self.probing = False
+        if self.cold:
+            self.cold = False
+            self._cold_starts = {}
         self._probe_samples = []
         self._set_estimate(self._resume_estimate)
         # From the floor (the start, or a probe the floor called for), find the level fast.

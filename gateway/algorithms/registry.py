@@ -61,6 +61,9 @@ def gradient_params(settings: AdaptiveSettings) -> GradientParams:
     return GradientParams(
         min_limit=settings.min_limit,
         max_limit=settings.max_limit,
+        initial_limit=(
+            settings.initial_limit if settings.initial_limit is not None else settings.max_limit
+        ),
         buffer=settings.buffer,
         min_buffer_us=round(settings.min_buffer * 1_000_000),
         sample_interval_us=max(round(settings.sample_interval * 1_000_000), 1),

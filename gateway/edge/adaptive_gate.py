@@ -105,9 +105,11 @@ class AdaptiveGate:
                 self.release(0, measured=False)  # granted as it left: pass the place on
             raise
 
-    def now_us(self) -> int:
-        """The gate's clock: a request's start, for ``release``."""
-        return self._clock.now_us()
+    def started(self) -> int:
+        """A request that holds a place goes out now: its start, for ``release``."""
+        now_us = self._clock.now_us()
+        self.controller.started(now_us)
+        return now_us
 
     def release(self, started_us: int, *, measured: bool = True) -> None:
         """Give a place back; ``started_us`` is when its request went to the upstream (its

@@ -9,6 +9,7 @@ runs per request but ``MessageQueue``'s two list operations and ``request_messag
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Final
 
 from aiohttp import hdrs, web
@@ -22,7 +23,7 @@ ErrInfo: Final = _ErrInfo
 # ``RequestHandler`` slots ``GatewayProtocol`` reads or replaces.
 HANDLER_ATTRIBUTES: Final = ("_messages", "_keepalive_handle", "_loop")
 # ``StreamResponse`` internals the relayed responses wrap.
-RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers")
+RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers", "_eof_sent")
 # ``BaseRequest``'s parsed request line and headers (a C ``RawRequestMessage`` under aiohttp's
 # C parser, a NamedTuple under its Python one: read untyped, see ``request_message``).
 REQUEST_ATTRIBUTES: Final = ("_message",)
@@ -62,7 +63,15 @@ class _Relayed:
 
 
 class RelayedStream(_Relayed, web.StreamResponse):
-    pass
+    def cut(self, transport: asyncio.BaseTransport | None) -> None:
+        """End the response by closing its connection, short of its framing (no last chunk,
+        fewer bytes than its ``Content-Length``): how a client learns that a body whose headers
+        are sent is incomplete. aiohttp's ``write_eof`` after the handler is then a no-op, not
+        a write to a closed transport."""
+        self.force_close()
+        self._eof_sent = True
+        if transport is not None:
+            transport.close()
 
 
 class RelayedResponse(_Relayed, web.Response):

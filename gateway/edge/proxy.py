@@ -45,6 +45,7 @@ from gateway.edge.server import ChunkTooLarge, GatewayProtocol
 from gateway.edge.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
+    UpstreamResponse,
     UpstreamTimeout,
 )
 from gateway.edge.websocket import forward_upgrade, wants_upgrade
@@ -53,6 +54,7 @@ from gateway.limits.keys import RequestFacts
 from gateway.limits.routing import RefusedTarget, normalise_host, origin_form, routing_path
 
 if TYPE_CHECKING:
+    from gateway.edge.pool.server_pool import PoolMember, ServerPool
     from gateway.edge.runtime import Runtime, UpstreamTarget
     from gateway.engine.limit_engine import Outcome
     from gateway.policy.models import Route
@@ -342,7 +344,7 @@ class ProxyHandler:
                 return await _refuse(
                     request, _shed_response(gate, upstream.name, framing, runtime), framing
                 )
-            started_us = gate.now_us()
+            started_us = gate.started()
 
         if framing.expect_continue and request.transport is not None:
             request.transport.write(_CONTINUE)
@@ -476,25 +478,43 @@ class ProxyHandler:
             if is_head or status in _NO_BODY_STATUS:
                 response.release()
                 return stream
-            read_chunk = response.read_chunk
-            write = stream.write
-            try:
-                while chunk := await read_chunk():
-                    await write(chunk)
-            except UpstreamError as exc:
-                request[UPSTREAM_ERROR] = upstream_error_reason(exc)
-                pool.failures.record(server.config.url, server.label, exc)
-                # Headers are gone already: the only honest signal left is to cut the
-                # connection, so the client sees a truncated body rather than a short one.
-                if request.transport is not None:
-                    request.transport.close()
-                raise ConnectionResetError("upstream body truncated") from None
-            await stream.write_eof()
-            response.release()
+            if await _relay(request, response, stream, pool, server):
+                response.release()
             return stream
         finally:
             response.close()
             pool.finished(server)
+
+
+async def _relay(
+    request: BaseRequest,
+    response: UpstreamResponse,
+    stream: RelayedStream,
+    pool: ServerPool,
+    server: PoolMember,
+) -> bool:
+    """Stream the rest of the upstream's body to the client; whether it ended whole.
+
+    The headers are sent already, so a failure midway is answered by cutting the client's
+    connection short of the framing (fewer bytes than ``Content-Length``, no last chunk): never
+    a body that looks complete. Nothing is raised to aiohttp, which would log an ERROR with a
+    traceback per request: an upstream's failure (closed, stalled past ``read_timeout``) is
+    counted and logged once per cause by the pool's failures; a client that left is no fault.
+    """
+    read_chunk = response.read_chunk
+    write = stream.write
+    try:
+        while chunk := await read_chunk():
+            await write(chunk)
+        await stream.write_eof()
+        return True
+    except UpstreamError as exc:
+        request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+        pool.failures.record(server.config.url, server.label, exc)
+    except ConnectionError:
+        pass  # the client went away: nothing left to tell it
+    stream.cut(request.transport)
+    return False
 
 
 def _shed_response(

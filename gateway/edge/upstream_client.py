@@ -80,7 +80,9 @@ class UpstreamClosed(UpstreamError):
 
 
 class _StaleConnection(UpstreamClosed):
-    """A reused connection died before any response byte: the upstream had closed it while idle."""
+    """A reused connection died before any response byte: the upstream may have closed it while
+    idle (the request then never reached it), or after taking the request (a crash): nothing
+    here tells the two apart, so an idempotent request is sent once more on a new connection."""
 
 
 class UpstreamResponse:
@@ -314,7 +316,7 @@ class _Connection(asyncio.Protocol):
             ):
                 resp._complete = True  # a body delimited by the close, and it closed cleanly
             elif not self._received and self._served:
-                self._exc = _StaleConnection("the upstream closed an idle keep-alive connection")
+                self._exc = _StaleConnection(self._lost_before_answering())
             else:
                 # Before any byte of the answer on a fresh connection, over TLS, is how an
                 # upstream that wants a client certificate refuses (TLS 1.3 says so after the
@@ -323,6 +325,19 @@ class _Connection(asyncio.Protocol):
                 self._exc = UpstreamClosed(f"the upstream closed the connection {when}")
                 self._exc.__cause__ = exc  # why, when the transport knows
         self._wake()
+
+    def _lost_before_answering(self) -> str:
+        """What is known of a reused connection lost before any byte of the answer: how long
+        after the request went out (the read deadline was armed as it did). Not "idle": the
+        upstream may have been working on it."""
+        deadline = self._deadline
+        if deadline is None:
+            return "the upstream closed a kept-alive connection before answering"
+        sent_ms = max(0.0, self._loop.time() - (deadline - self._read_timeout_s)) * 1000.0
+        return (
+            f"the upstream closed a kept-alive connection before answering, {sent_ms:.0f} ms "
+            "after the request was sent"
+        )
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -700,12 +715,19 @@ class UpstreamPool:
         read_timeout_s = read_timeout_s or self._read_timeout_s
         try:
             return await conn.exchange(head, body, body_chunked, expect_no_body, read_timeout_s)
-        except _StaleConnection:
+        except _StaleConnection as stale:
             if not (body is None or isinstance(body, bytes)):
                 raise
             if not head.startswith(_IDEMPOTENT_PREFIXES):
                 raise
-        conn = await self._acquire(True, connect_timeout_s)
+            lost = str(stale)
+        try:
+            conn = await self._acquire(True, connect_timeout_s)
+        except (UpstreamConnectError, UpstreamConnectTimeout) as not_again:
+            # The request went out on the first connection: this attempt failed as that one
+            # did (a reset), not as one that sent nothing, which a retry rule would send on
+            # whatever its method.
+            raise UpstreamClosed(f"{lost}; sent again on a new connection: {not_again}") from None
         return await conn.exchange(head, body, body_chunked, expect_no_body, read_timeout_s)
 
     async def connect_unpooled(

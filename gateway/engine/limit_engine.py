@@ -59,6 +59,8 @@ class Outcome:
         "delay_s",
         "held",
         "holds_places",
+        "line_limit",
+        "line_wait_s",
         "reason",
         "rejected_by",
         "retry_after_s",
@@ -104,6 +106,10 @@ class Outcome:
         # Over this concurrency check's limit, the request may wait in its line for a slot
         # (``LimitEngine.wait_for_slot``): neither admitted nor rejected yet.
         self.waits_on = waits_on
+        # The concurrency limit whose line it waited in for a slot ("" if none), and how long:
+        # the queue-wait metrics count it as they count a delay.
+        self.line_limit = ""
+        self.line_wait_s = 0.0
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _OUTCOME_FIELDS)
@@ -123,6 +129,8 @@ _OUTCOME_FIELDS: Final = (
     "charge_after",
     "held",
     "waits_on",
+    "line_limit",
+    "line_wait_s",
 )
 
 
@@ -624,13 +632,15 @@ class LimitEngine:
         self.release(outcome)
         ticket = lines.join(check.limit.table, check.key)
         verdict = outcome.verdict
+        joined_at = loop.time()
         try:
             while True:
                 now = loop.time()
                 if deadline > lines.closing_at:
                     raise ShuttingDown
                 if now >= deadline:
-                    return self._waited_too_long(check, enforced, verdict)
+                    refused = self._waited_too_long(check, enforced, verdict)
+                    return _waited_in_line(refused, check, now - joined_at)
                 woken = ticket.armed()
                 if not woken.done():
                     timeout = deadline - now
@@ -645,10 +655,11 @@ class LimitEngine:
                     admitted = self._settle(enforced, verdict, True)
                     if self.counts_responses:
                         admitted.charge_after = _charged_after(admitted, enforced, (), ())
-                    return admitted
+                    return _waited_in_line(admitted, check, loop.time() - joined_at)
                 blocking = _slot_wait(enforced, verdict)
                 if blocking is None:  # another limit refuses it now: rejected, counted
-                    return self._settle(enforced, verdict, True, may_wait=False)
+                    refused = self._settle(enforced, verdict, True, may_wait=False)
+                    return _waited_in_line(refused, check, loop.time() - joined_at)
                 if blocking.limit.table != ticket.table or blocking.key != ticket.key:
                     # Another concurrency limit of the request is full now: its line.
                     ticket, check = self._move(ticket, check, blocking)
@@ -985,6 +996,13 @@ def _x_ratelimit_lines(limit: int, remaining: int, reset: int) -> bytes:
         remaining,
         reset,
     )
+
+
+def _waited_in_line(outcome: Outcome, check: Check, waited_s: float) -> Outcome:
+    """``outcome`` noted as having waited ``waited_s`` in ``check``'s line for a slot."""
+    outcome.line_limit = check.limit.name
+    outcome.line_wait_s = waited_s
+    return outcome
 
 
 def _slot_refused(

@@ -315,12 +315,14 @@ class GatewayCollector(Collector):
         )
         wait = HistogramMetricFamily(
             "gateway_limit_queue_wait_seconds",
-            "How long delayed requests waited in a limit's queue.",
+            "How long delayed requests waited in a limit's queue (a concurrency limit's: "
+            "in its line for a slot, admitted or not).",
             labels=["limit"],
         )
         depth = GaugeMetricFamily(
             "gateway_limit_queue_depth",
-            "Requests waiting in a limit's queue now.",
+            "Requests waiting in a limit's queue now (a concurrency limit's: in its line "
+            "for a slot).",
             labels=["limit"],
         )
         tracked = GaugeMetricFamily(

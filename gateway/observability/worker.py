@@ -462,6 +462,8 @@ class ObservedHandler:
                 metrics.requests.delayed += 1
                 metrics.note_waited(outcome, min(outcome.delay_s, duration_s))
                 limit_log.delayed(runtime, outcome, request, route)
+            if outcome.line_limit:  # in a concurrency limit's line for a slot
+                metrics.queue_waits.observe(outcome.line_limit, outcome.line_wait_s)
         upstream_error = request.get(UPSTREAM_ERROR) if status >= 500 else None
         if upstream_error is not None:
             metrics.requests.upstream_error(route, upstream_error)

@@ -286,6 +286,7 @@ _TYPE_NAMES: dict[type, str] = {
 # The parameters of each family of algorithms, and a rate's period as a window.
 _WINDOW_PARAMS = ("limit", "window")
 _BUCKET_PARAMS = ("rate", "burst")
+_CONCURRENCY_PARAMS = ("limit",)
 _PERIODS = {"s": "1s", "m": "1m", "h": "1h", "d": "24h"}
 
 
@@ -408,18 +409,42 @@ def _limit_shape_problems(data: Any) -> tuple[list[tuple[Loc, str]], set[Loc]]:
         takes, other = (
             (_BUCKET_PARAMS, _WINDOW_PARAMS)
             if algorithm in ("leaky_bucket", "token_bucket")
+            else (_CONCURRENCY_PARAMS, _BUCKET_PARAMS)
+            if algorithm == "concurrency"
             else (_WINDOW_PARAMS, _BUCKET_PARAMS)
         )
         wrong = [key for key in other if key in spec]
         if not wrong:
             continue
-        reason = (
-            f"a {algorithm} takes {' and '.join(takes)}, not {' and '.join(wrong)}"
-            + _converted(spec, takes)
-        )
+        if takes == _CONCURRENCY_PARAMS:
+            # Requests in flight, not over time: no window to convert a rate to.
+            reason = (
+                f"a concurrency takes limit (requests in flight at once per key), not "
+                f"{' and '.join(wrong)}" + _rate_elsewhere(spec, wrong)
+            )
+        else:
+            reason = (
+                f"a {algorithm} takes {' and '.join(takes)}, not {' and '.join(wrong)}"
+                + _converted(spec, takes)
+            )
         problems.append((("limits", name, wrong[0]), reason))
         covered.update(("limits", name, key) for key in (*takes, *wrong))
     return problems, covered
+
+
+def _rate_elsewhere(spec: dict[str, Any], wrong: list[str]) -> str:
+    """Where a bucket's parameters given to a concurrency limit belong: a bucket, or a
+    window."""
+    rate = spec.get("rate")
+    if isinstance(rate, str):
+        count, _, period = rate.strip().partition("r/")
+        if count.isdigit() and period in _PERIODS:
+            return (
+                f": for {rate} use a leaky_bucket or token_bucket (rate: {rate}), or a "
+                f"fixed_window (limit: {count}, window: {_PERIODS[period]})"
+            )
+    verb = "belongs" if len(wrong) == 1 else "belong"
+    return f": {' and '.join(wrong)} {verb} to a leaky_bucket or token_bucket"
 
 
 def _converted(spec: dict[str, Any], takes: tuple[str, ...]) -> str:

@@ -749,6 +749,14 @@ class AdaptiveSettings(_Model):
         "this many requests in flight",
     )
     max_limit: int = Field(1000, ge=1, description="the limit never goes above this")
+    initial_limit: int | None = Field(
+        None,
+        ge=1,
+        description="the limit at the start (default: max_limit), while the minimum latency is "
+        "measured from the requests that start with at most min_limit in flight; the gradient "
+        "takes it down from there. min_limit measures at the floor first, shedding what is "
+        "beyond it meanwhile",
+    )
     buffer: float = Field(
         0.15,
         gt=0,
@@ -798,6 +806,12 @@ class AdaptiveSettings(_Model):
         if self.min_limit > self.max_limit:
             raise ValueError(
                 f"min_limit ({self.min_limit}) cannot exceed max_limit ({self.max_limit})"
+            )
+        initial = self.initial_limit
+        if initial is not None and not self.min_limit <= initial <= self.max_limit:
+            raise ValueError(
+                f"initial_limit ({initial}) must be between min_limit ({self.min_limit}) and "
+                f"max_limit ({self.max_limit})"
             )
         return self
 

@@ -160,25 +160,38 @@ class NodeCircuits:
     """One circuit breaker per Redis node, by address (a cluster's masters; a single server is
     the one node ``""``, whose breaker is ``default``). Each is made on first use like
     ``default``, and logs its own transitions with the node's address. ``on_change`` is told
-    the circuits' worst state (open, then half_open, then closed) after any of them moves."""
+    the circuits' worst state (open, then half_open, then closed) after any of them moves;
+    ``on_open`` the node whose circuit opened (to probe it when its probe is due)."""
 
-    __slots__ = ("_breakers", "default", "name", "on_change")
+    __slots__ = ("_breakers", "default", "name", "on_change", "on_open")
 
     def __init__(
-        self, default: CircuitBreaker, on_change: Callable[[State], None] | None = None
+        self,
+        default: CircuitBreaker,
+        on_change: Callable[[State], None] | None = None,
+        on_open: Callable[[str, CircuitBreaker], None] | None = None,
     ) -> None:
         self.default = default
         self.name = default.name
         self.on_change = on_change
-        default.on_transition = self._moved
+        self.on_open = on_open
+        default.on_transition = self._mover("", default)
         self._breakers: dict[str, CircuitBreaker] = {"": default}
 
     def of(self, node: str) -> CircuitBreaker:
         breaker = self._breakers.get(node)
         if breaker is None:
             breaker = self._breakers[node] = self.default.like(f"{self.name} {node}")
-            breaker.on_transition = self._moved
+            breaker.on_transition = self._mover(node, breaker)
         return breaker
+
+    def _mover(self, node: str, breaker: CircuitBreaker) -> Callable[[State], None]:
+        def moved(state: State) -> None:
+            if state == OPEN and self.on_open is not None:
+                self.on_open(node, breaker)
+            self._moved(state)
+
+        return moved
 
     def breakers(self) -> dict[str, CircuitBreaker]:
         """Every node's breaker met so far, by address."""

@@ -54,6 +54,11 @@ class ScriptClient(Protocol):
         that no request's call has to (raises what fails)."""
         ...
 
+    async def ping(self, node: str) -> None:
+        """One ``PING`` to ``node`` (an address ``node_of`` gave; ``""`` the server or the seed)
+        within the call timeout: an open circuit's probe (raises what fails)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -236,6 +241,19 @@ class PipelineClient:
             self._in_flight[node] -= 1
             if node in self._filling:
                 self._flush(node)
+
+    async def ping(self, node: str) -> None:
+        client = self.client
+        async with asyncio.timeout(self.timeout_s):
+            if isinstance(client, RedisCluster) and node:
+                target = client.get_node(node_name=node)
+                if target is None:
+                    raise RedisConnectionError(f"{node} is not in the slot map")
+                # The node's own connections: not the cluster client's retry, which would
+                # read the slot map again and drop the connections other nodes' calls use.
+                await target.execute_command("PING")
+            else:
+                await client.ping()
 
     async def prepare(self) -> None:
         client = self.client
@@ -565,6 +583,13 @@ class ThinClient:
     async def refresh(self) -> None:
         """Read the slot map (a cluster): from the first node that answers."""
         await self._once("slots", self._refresh)
+
+    async def ping(self, node: str) -> None:
+        target = self._seed
+        if node:
+            host, _, port = node.rpartition(":")
+            target = self._node(host, int(port))
+        await target.execute(b"PING")
 
     async def prepare(self) -> None:
         if self.cluster:

@@ -156,7 +156,12 @@ class RedisStore:
         self._calendar_clock: Clock = clock or time_source or self.clock
         self.breaker = breaker or CircuitBreaker("redis store", clock=self.clock)
         # One breaker per node: a cluster's dead master opens the circuit of its own keys.
-        self.circuits = NodeCircuits(self.breaker, self._circuit_moved)
+        self.circuits = NodeCircuits(self.breaker, self._circuit_moved, self._probe_later)
+        # An open circuit's probe, on a loop timer when it is due (not when a request comes:
+        # an idle gateway would show Redis away long after it is back), by node.
+        self._probe_timers: dict[str, asyncio.TimerHandle] = {}
+        self._probes: set[asyncio.Task[None]] = set()
+        self._closing = False
         # For the metrics: calls, errors, call latency, and the circuit's state.
         self.stats = StoreStats()
         self.counters = RedisStoreCounters()
@@ -547,6 +552,12 @@ class RedisStore:
             )
 
     async def close(self) -> None:
+        self._closing = True
+        for timer in self._probe_timers.values():
+            timer.cancel()
+        self._probe_timers.clear()
+        for task in list(self._probes):
+            task.cancel()
         self.slots.close()  # the slots still held expire with the replica's renewals
         await self.leases.close()  # graceful shutdown: unused leases go back
         await self.leases.client.close()
@@ -650,6 +661,50 @@ class RedisStore:
             # Below the threshold: on_failure answers this one. (Another node's open circuit
             # is the worse state, and stays what the store reports.)
             self.stats.set_state("fallback", f"{reason} (on_failure: {self.on_failure})")
+
+    def _probe_later(self, node: str, breaker: CircuitBreaker) -> None:
+        """A node's circuit opened: probe it when its next probe is due, whether or not a
+        request comes then."""
+        if self._closing:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a tool, a test of the breaker alone): requests probe
+        timer = self._probe_timers.pop(node, None)
+        if timer is not None:
+            timer.cancel()
+        self._probe_timers[node] = loop.call_later(breaker.retry_in_s, self._probe_due, node)
+
+    def _probe_due(self, node: str) -> None:
+        self._probe_timers.pop(node, None)
+        breaker = self.circuits.of(node)
+        if self._closing or breaker.state != "open":
+            return  # a request probed first
+        if breaker.retry_in_s > 0.0:  # the breaker's clock is not the loop's
+            self._probe_later(node, breaker)
+            return
+        if not breaker.allow():
+            return
+        task = asyncio.get_running_loop().create_task(self._probe(node, breaker, breaker.probe_out))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, node: str, breaker: CircuitBreaker, probe: int) -> None:
+        """The probe a request would make, without one: what the fallback owes first (as a
+        request's call settles it), else a ``PING``."""
+        try:
+            if self.owed.due(node):
+                await self.owed.settle(node)
+            else:
+                await self.client.ping(node)
+        except asyncio.CancelledError:
+            breaker.cancelled(probe)
+            raise
+        except Exception as exc:
+            self._failed(exc, breaker)  # open again, for longer: the next timer is set
+        else:
+            self._answered(breaker)
 
     def _circuit_moved(self, worst: State) -> None:
         # The breaker has logged the transition: counted, not logged again here. The metrics'
