@@ -5,6 +5,7 @@ the Kubernetes manifests validated offline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -25,11 +26,12 @@ from gateway.admin.auth import AdminAuth
 from gateway.cli.supervisor import EXIT_STARTUP
 from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.policy.models import Policy, ServerSettings, split_host_port
+from tests.support import netns
 from tests.support.dockerfile import dockerfile_env, final_stage
 from tests.support.gateways import GatewayFactory
 from tests.support.network import free_port
 from tests.support.processes import LoggedProcess as Process
-from tests.support.waiting import wait_for_status
+from tests.support.waiting import wait_for_status, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = aiohttp.ClientTimeout(total=5)
@@ -121,15 +123,21 @@ def image_command(*cmd: str) -> list[str]:
     return [sys.executable, "-m", "gateway", *entrypoint[1:], *args]
 
 
-def image_env(port: int, admin_port: int) -> dict[str, str]:
-    """The image's ENV with its paths mapped to this checkout through its COPY lines and its
-    0.0.0.0 listeners moved to loopback ports (tests use loopback only)."""
+def image_env_as_is() -> dict[str, str]:
+    """The image's ENV with its paths mapped to this checkout through its COPY lines."""
     env = dockerfile_env()
     copies = [rest.split() for k, rest in final_stage() if k == "COPY" and "--from" not in rest]
     for name, value in env.items():
         for *sources, dst in copies:
             if len(sources) == 1 and value.startswith(dst.rstrip("/") + "/"):
                 env[name] = str(ROOT / sources[0]) + value[len(dst.rstrip("/")) :]
+    return env
+
+
+def image_env(port: int, admin_port: int) -> dict[str, str]:
+    """The image's ENV with its paths mapped to this checkout and its 0.0.0.0 listeners moved
+    to loopback ports (outside a network namespace of their own, tests use loopback only)."""
+    env = image_env_as_is()
     assert env["GATEWAY_LISTEN"].startswith("0.0.0.0:")
     assert env["GATEWAY_ADMIN_LISTEN"].startswith("0.0.0.0:")
     env["GATEWAY_LISTEN"] = f"127.0.0.1:{port}"
@@ -149,6 +157,68 @@ async def test_image_runs_its_default_policy_on_the_environment_listeners(spawn:
     ):
         assert resp.status == 200
         assert (await resp.json())["service"] == "gateway demo upstream"
+
+
+async def test_the_image_listeners_as_they_are_get_an_admin_token_made_for_them(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """`docker run IMAGE`: the admin listener on 0.0.0.0 with no token given would be refused,
+    so the image has ``gateway run`` make one where GATEWAY_ADMIN_TOKEN_AUTO_FILE says (and
+    keep it over a restart), as Kubernetes mounts a service account's token; run in a network
+    namespace of its own, where 0.0.0.0 is its loopback device only."""
+    netns.need_netns()
+    env = image_env_as_is()
+    assert env["GATEWAY_ADMIN_LISTEN"] == "0.0.0.0:9090"
+    image_token = PurePosixPath(env["GATEWAY_ADMIN_TOKEN_AUTO_FILE"])
+    made = re.search(r"install -d -o gateway -g gateway -m 0700 (\S+)", docker_text())
+    assert made is not None and made.group(1) == str(image_token.parent)  # the user writes it
+    (tmp_path / "run-gateway").mkdir()
+    token_file = tmp_path / "run-gateway" / image_token.name
+    env.update(
+        GATEWAY_ADMIN_TOKEN_AUTO_FILE=str(token_file),
+        GATEWAY_ADMIN_TOKEN="",
+        GATEWAY_ADMIN_TOKEN_FILE="",
+    )
+    admin = f"http://{netns.ADDRESS}:9090"
+    tokens = []
+    for _ in range(2):  # the container restarted: the same token
+        process = await spawn(*netns.in_new_netns(*image_command()), env=env)
+        await wait_until(functools.partial(_started, process), "the start line", within_s=30)
+        assert process.proc.returncode is None, process.log()
+        token = token_file.read_text().strip()
+        assert len(token) >= 32 and token_file.stat().st_mode & 0o777 == 0o600
+        assert token not in process.log()
+        assert f"read it there (docker exec CONTAINER cat {token_file})" in process.log()
+        pid, bearer = process.proc.pid, {"Authorization": f"Bearer {token}"}
+        assert await netns.request(pid, "POST", admin + "/reload") == 401
+        assert await netns.request(pid, "GET", admin + "/policy") == 401
+        assert await netns.request(pid, "GET", admin + "/policy", bearer) == 200
+        assert await netns.request(pid, "GET", admin + "/readyz") == 200  # the HEALTHCHECK's
+        tokens.append(token)
+        process.proc.terminate()
+        assert await asyncio.wait_for(process.proc.wait(), 20) == 0
+    assert tokens[0] == tokens[1]
+
+
+def _started(process: Process) -> bool:
+    return " serving on " in process.log() or process.proc.returncode is not None
+
+
+def test_check_in_the_image_accepts_what_run_starts_there() -> None:
+    """With the image's environment `gateway check` accepts its default policy (`run` makes
+    the token); without GATEWAY_ADMIN_TOKEN_AUTO_FILE it refuses the open admin listener."""
+    env = {**image_env_as_is(), "GATEWAY_ADMIN_TOKEN": "", "GATEWAY_ADMIN_TOKEN_FILE": ""}
+    check = _run_gateway("check", env["GATEWAY_CONFIG"], env=env)
+    assert check.returncode == 0, check.stderr
+    check = _run_gateway(
+        "check", env["GATEWAY_CONFIG"], env={**env, "GATEWAY_ADMIN_TOKEN_AUTO_FILE": ""}
+    )
+    assert check.returncode == 1
+    assert "0.0.0.0:9090 (GATEWAY_ADMIN_LISTEN) is off loopback" in check.stderr
+
+
+def docker_text() -> str:
+    return (ROOT / "Dockerfile").read_text()
 
 
 async def test_a_mounted_policy_copied_from_default_keeps_the_image_listeners(
@@ -509,13 +579,14 @@ def test_the_redis_overlay_is_the_same_policy_on_redis_and_safe_to_autoscale(
     assert names == {"gateway-policy"}
 
 
-def _run_gateway(*args: str) -> subprocess.CompletedProcess[str]:
+def _run_gateway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gateway", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
