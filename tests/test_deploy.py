@@ -196,10 +196,25 @@ async def test_the_image_listeners_as_they_are_get_an_admin_token_made_for_them(
         assert await netns.request(pid, "GET", admin + "/policy") == 401
         assert await netns.request(pid, "GET", admin + "/policy", bearer) == 200
         assert await netns.request(pid, "GET", admin + "/readyz") == 200  # the HEALTHCHECK's
+        # The HEALTHCHECK, another process, finds the token run made when a path needs it.
+        probe = await asyncio.create_subprocess_exec(
+            "nsenter", "-t", str(pid), "-n",
+            *image_command_of("gateway", "healthcheck", "--path", "/policy"),
+            cwd=ROOT, env={**os.environ, **env}, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        said = (await asyncio.wait_for(probe.communicate(), 30))[0].decode()
+        assert (probe.returncode, said) == (0, "http://127.0.0.1:9090/policy: 200 OK\n")
         tokens.append(token)
         process.proc.terminate()
         assert await asyncio.wait_for(process.proc.wait(), 20) == 0
     assert tokens[0] == tokens[1]
+
+
+def image_command_of(*argv: str) -> list[str]:
+    """A command of the image (``gateway ...``), as this interpreter runs it."""
+    assert argv[0] == "gateway"
+    return [sys.executable, "-m", "gateway", *argv[1:]]
 
 
 def _started(process: Process) -> bool:
