@@ -18,9 +18,12 @@ COPY gateway ./gateway
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM python:3.11-slim
-# A fixed numeric uid, so Kubernetes' runAsNonRoot can check it (deploy/kubernetes/).
+# A fixed numeric uid, so Kubernetes' runAsNonRoot can check it (deploy/kubernetes/). The
+# admin token's directory is the gateway user's, so the token can be written there (a volume
+# mounted on it starts with this owner).
 RUN groupadd --system --gid 10001 gateway && useradd --system --uid 10001 --gid gateway \
-        --home /nonexistent --shell /usr/sbin/nologin gateway
+        --home /nonexistent --shell /usr/sbin/nologin gateway \
+    && install -d -o gateway -g gateway -m 0700 /run/gateway
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --no-deps /wheels/*.whl && rm -rf /wheels \
     && gateway --version | grep -F "(compiled)"
@@ -33,10 +36,14 @@ COPY policies /usr/local/share/gateway/policies
 #   GATEWAY_LISTEN        proxy listener, over server.listen
 #   GATEWAY_ADMIN_LISTEN  admin listener, over server.admin_listen
 #   GATEWAY_IN_CONTAINER  a loopback listener is logged as unreachable
+#   GATEWAY_ADMIN_TOKEN_AUTO_FILE  with no admin token given (GATEWAY_ADMIN_TOKEN, _FILE or the
+#                         policy's), the admin listener off loopback gets a random one, written
+#                         here and kept: `docker exec CONTAINER cat /run/gateway/admin-token`
 # `gateway healthcheck` probes /readyz on GATEWAY_ADMIN_LISTEN (or the policy's admin_listen).
 ENV GATEWAY_CONFIG=/usr/local/share/gateway/policies/default.yaml \
     GATEWAY_LISTEN=0.0.0.0:8080 \
     GATEWAY_ADMIN_LISTEN=0.0.0.0:9090 \
+    GATEWAY_ADMIN_TOKEN_AUTO_FILE=/run/gateway/admin-token \
     GATEWAY_IN_CONTAINER=1 \
     PYTHONUNBUFFERED=1
 USER gateway

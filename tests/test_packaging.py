@@ -1,4 +1,4 @@
-"""Static checks of the Dockerfile, docker-compose.yml, README and CI script.
+"""Static checks of the Dockerfile, deploy/compose/docker-compose.yml, README and CI script.
 
 No Docker engine runs on our build machines, so these files are parsed rather than built.
 """
@@ -23,6 +23,7 @@ from gateway.policy.models import split_host_port
 from tests.support.dockerfile import dockerfile_env, dockerfile_instructions, final_stage
 
 ROOT = Path(__file__).parent.parent
+COMPOSE = ROOT / "deploy" / "compose"
 
 
 def test_dockerfile_uses_slim_python_base() -> None:
@@ -74,14 +75,14 @@ def test_dockerfile_sets_only_environment_variables_the_gateway_reads() -> None:
 
 
 def test_compose_services_match_the_policy() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
     services = compose["services"]
     assert {"gateway", "redis", "backend"} <= set(services)
     gateway = services["gateway"]
     config_path = gateway["environment"]["GATEWAY_CONFIG"]
     mount_src, mount_dst = gateway["volumes"][0].split(":")[:2]
     assert config_path.startswith(mount_dst)
-    policy_file = ROOT / mount_src / config_path[len(mount_dst) :].lstrip("/")
+    policy_file = COMPOSE / mount_src / config_path[len(mount_dst) :].lstrip("/")
     policy = load_and_build(policy_file).policy
 
     published = {int(p.split(":")[-1]) for p in gateway["ports"]}
@@ -100,7 +101,7 @@ def test_compose_services_match_the_policy() -> None:
 
 
 def test_compose_publishes_the_admin_port_on_the_host_loopback_only() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
     gateway = compose["services"]["gateway"]
     policy = load_and_build(ROOT / "policies" / "compose.yaml").policy
     admin_port = split_host_port(policy.server.admin_listen)[1]
@@ -117,7 +118,7 @@ def test_compose_publishes_nothing_but_the_proxy_beyond_the_host_loopback() -> N
     proxy_port = split_host_port(policy.server.listen)[1]
     published = []
     for name in ("docker-compose.yml", "docker-compose.observability.yml"):
-        for service, spec in yaml.safe_load((ROOT / name).read_text())["services"].items():
+        for service, spec in yaml.safe_load((COMPOSE / name).read_text())["services"].items():
             for mapping in spec.get("ports", []):
                 published.append((service, str(mapping)))
     assert {service for service, _ in published} == {"gateway", "prometheus", "grafana"}
@@ -128,7 +129,7 @@ def test_compose_publishes_nothing_but_the_proxy_beyond_the_host_loopback() -> N
 
 
 def test_compose_sets_an_admin_token_from_a_file_the_admin_token_service_writes() -> None:
-    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    services = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]
     gateway, maker = services["gateway"], services["admin-token"]
     token_file = PurePosixPath(gateway["environment"]["GATEWAY_ADMIN_TOKEN_FILE"])
     mounts = {m.split(":")[1]: m.split(":")[0] for m in gateway["volumes"]}
@@ -140,15 +141,31 @@ def test_compose_sets_an_admin_token_from_a_file_the_admin_token_service_writes(
     assert gateway["depends_on"]["admin-token"] == {"condition": "service_completed_successfully"}
 
 
+def test_compose_builds_the_image_once_at_the_root_and_every_service_runs_it() -> None:
+    """One service builds (the Dockerfile stays at the root, where `docker build .` expects
+    it); the others run that image by its name and never pull it."""
+    services = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]
+    builders = [name for name, spec in services.items() if "build" in spec]
+    assert builders == ["gateway"]
+    assert (COMPOSE / services["gateway"]["build"]).resolve() == ROOT.resolve()
+    assert (ROOT / "Dockerfile").is_file()
+    image = services["gateway"]["image"]
+    ours = [name for name, spec in services.items() if spec.get("image") == image]
+    assert set(ours) == {"gateway", "admin-token", "backend"}
+    for name in set(ours) - {"gateway"}:
+        assert services[name]["pull_policy"] == "never", name
+    assert all(not (ROOT / name).exists() for name in ("docker-compose.yml", "compose.yaml"))
+
+
 def test_compose_backend_is_the_demo_upstream_not_a_file_server() -> None:
-    backend = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["backend"]
+    backend = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]["backend"]
     command = [*backend["entrypoint"], *backend["command"]]
     assert command[:3] == ["python", "-m", "gateway.serving.demo_upstream"]
     assert "http.server" not in " ".join(command)
 
 
 def test_compose_sets_only_environment_variables_the_gateway_reads() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
     source = "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
     for name in compose["services"]["gateway"].get("environment", {}):
         assert f'"{name}"' in source, f"docker-compose.yml sets {name}, which nothing reads"

@@ -27,6 +27,7 @@ from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_for_status
 
 ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "deploy" / "compose"
 GRAFANA = ROOT / "contrib" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "gateway.json"
 ALERTS = ROOT / "contrib" / "prometheus" / "alerts.yml"
@@ -231,7 +232,7 @@ def test_shipped_prometheus_config_is_valid_and_scrapes_the_compose_gateway() ->
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     targets = yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"][0]
-    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    base = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]
     host, port = targets["targets"][0].split(":")
     assert host in base
     assert any(mapping.endswith(f":{port}") for mapping in base[host]["ports"])
@@ -255,14 +256,14 @@ def test_alert_rules_are_valid_and_fire_on_what_they_watch() -> None:
 
 
 def test_compose_profile_wires_prometheus_and_grafana_to_shipped_files() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.observability.yml").read_text())
+    compose = yaml.safe_load((COMPOSE / "docker-compose.observability.yml").read_text())
     services = compose["services"]
     assert set(services) == {"prometheus", "grafana"}
     for service in services.values():
         assert service["profiles"] == ["observability"]
         for volume in service["volumes"]:
             source = volume.split(":")[0]
-            assert (ROOT / source).exists(), source
+            assert (COMPOSE / source).exists(), source
     datasource = yaml.safe_load(
         (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
     )["datasources"][0]
@@ -272,7 +273,7 @@ def test_compose_profile_wires_prometheus_and_grafana_to_shipped_files() -> None
         (GRAFANA / "provisioning" / "dashboards" / "gateway.yml").read_text()
     )["providers"][0]
     grafana_mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"])
-    assert grafana_mounts["./contrib/grafana/dashboards"] == provider["options"]["path"]
+    assert grafana_mounts["../../contrib/grafana/dashboards"] == provider["options"]["path"]
 
 
 def test_dashboard_json_covers_what_operators_watch() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import html
+import ipaddress
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,10 @@ if TYPE_CHECKING:  # aiohttp is imported where it is used: `gateway healthcheck`
 
 ENV_TOKEN = "GATEWAY_ADMIN_TOKEN"
 ENV_TOKEN_FILE = "GATEWAY_ADMIN_TOKEN_FILE"
+# Where `gateway run` writes a random token (keeping the one the file holds) when its admin
+# listener is off loopback and none is given: the image's default, so `docker run IMAGE` has a
+# token as a Kubernetes pod has its service-account token.
+ENV_TOKEN_AUTO_FILE = "GATEWAY_ADMIN_TOKEN_AUTO_FILE"
 MIN_TOKEN_LENGTH = 16
 COOKIE = "gateway_admin"
 LOGIN_PATH = "/login"
@@ -64,6 +69,33 @@ def resolve_admin_token(
             f"{source}: the admin token is shorter than {MIN_TOKEN_LENGTH} characters"
         )
     return token
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost. A wildcard (0.0.0.0, ::) is every interface, not this."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def open_admin_refusal(
+    listen: tuple[str, int], source: str, token: str | None, settings: ServerSettings
+) -> str | None:
+    """Why an admin listener may not start: off loopback with no token, anyone who reaches it
+    could read the policy and reload it. ``server.admin_insecure`` accepts that, as Traefik's
+    ``api.insecure`` does for its dashboard. ``source`` says where ``listen`` was given."""
+    host, port = listen
+    if token is not None or settings.admin_insecure or is_loopback(host):
+        return None
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return (
+        f"the admin listener on {address} ({source}) is off loopback and has no admin token: "
+        "anyone who reaches it could read the policy and reload it; give it a token "
+        f"({ENV_TOKEN}, {ENV_TOKEN_FILE} or server.admin_token_file; `gateway admin-token FILE` "
+        "writes one), or listen on 127.0.0.1, or write server.admin_insecure: true to serve it "
+        "open"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 The address comes from where the gateway reads it (``GATEWAY_ADMIN_LISTEN``, else the policy's
 ``server.admin_listen``), so the image's ``HEALTHCHECK`` follows a changed port; a wildcard
-address is probed on loopback, and the admin token is sent when the probed path needs it.
+address is probed on loopback, and the admin token is sent when the probed path needs it (the
+one ``run`` made in ``GATEWAY_ADMIN_TOKEN_AUTO_FILE`` when none was given).
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import http.client
 import os
 from collections.abc import Mapping
 
-from gateway.admin.auth import AdminAuth, AdminTokenError
+from gateway.admin.auth import (
+    ENV_TOKEN_AUTO_FILE,
+    ENV_TOKEN_FILE,
+    AdminAuth,
+    AdminTokenError,
+    open_admin_refusal,
+)
 from gateway.policy.loader import PolicyError, load_policy
 from gateway.policy.models import ServerSettings, split_host_port
 
@@ -46,6 +53,11 @@ def probe_target(
         raise HealthcheckError(f"{ENV_ADMIN_LISTEN}: {exc}") from None
     try:
         auth = AdminAuth.of(settings, environ)
+        made = environ.get(ENV_TOKEN_AUTO_FILE) or None
+        refused = open_admin_refusal((host, port), "", auth.token, settings)
+        if made and refused is not None and os.path.isfile(made):
+            # `run` made its token there (this probe is another process: not told so).
+            auth = AdminAuth.of(settings, {**environ, ENV_TOKEN_FILE: made})
     except AdminTokenError as exc:
         raise HealthcheckError(str(exc)) from None
     return _WILDCARD.get(host, host), port, auth

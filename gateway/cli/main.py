@@ -27,6 +27,7 @@ from gateway.policy.loader import LoadedPolicy, Loc, PolicyError
 from gateway.policy.models import (
     Policy,
     Route,
+    ServerSettings,
     Upstream,
     listeners_collide,
     policy_json_schema,
@@ -101,6 +102,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         admin = listen_address(args.admin_listen, ENV_ADMIN_LISTEN, server.admin_listen)
     except StartupError as exc:
         return _startup_error(str(exc))
+    refused = _make_auto_token(server, admin) or _open_admin_refusal(loaded, args, admin)
+    if refused is not None:
+        return _startup_error(refused)
     admin_where = listen_addresses.display(*admin)
     for listen in listeners:
         where = listen_addresses.display(*listen)
@@ -123,6 +127,50 @@ def cmd_run(args: argparse.Namespace) -> int:
             worker_main(loaded, args.listen, args.admin_listen, 0, 1, policy_path)
             return 0
         return supervise(loaded, workers, args.listen, args.admin_listen, policy_path)
+
+
+def _make_auto_token(server: ServerSettings, admin: tuple[str, int]) -> str | None:
+    """``GATEWAY_ADMIN_TOKEN_AUTO_FILE``: the token an admin listener off loopback would lack,
+    written once, before the workers start, and read by them (and every reload) through
+    ``GATEWAY_ADMIN_TOKEN_FILE``. Returns what stops the start, if anything."""
+    from gateway.admin.auth import ENV_TOKEN_AUTO_FILE, ENV_TOKEN_FILE
+    from gateway.admin.token_file import TokenFileError, auto_token_file, write_token_file
+
+    path = auto_token_file(server, admin)
+    if path is None:
+        return None
+    try:
+        origin = write_token_file(path, keep=True)
+    except TokenFileError as exc:
+        return f"{ENV_TOKEN_AUTO_FILE}: {exc}"
+    os.environ[ENV_TOKEN_FILE] = path
+    log.info(
+        "admin listener on %s is off loopback and no admin token was given: %s in %s (%s); "
+        "read it there (docker exec CONTAINER cat %s)",
+        listen_addresses.display(*admin),
+        "using the token kept" if origin == "kept" else "made a random one",
+        path,
+        ENV_TOKEN_AUTO_FILE,
+        path,
+    )
+    return None
+
+
+def _open_admin_refusal(
+    loaded: LoadedPolicy, args: argparse.Namespace, admin: tuple[str, int]
+) -> str | None:
+    """An admin listener off loopback with no token, refused before any worker starts (each
+    would refuse it alike: ``Gateway`` checks it too)."""
+    from gateway.admin.auth import AdminTokenError, open_admin_refusal, resolve_admin_token
+    from gateway.serving.lifecycle import ENV_ADMIN_LISTEN, listen_source
+
+    try:
+        token = resolve_admin_token(loaded.policy.server)
+    except AdminTokenError:
+        return None  # the worker says why, as it does for every token it cannot use
+    source = listen_source(args.admin_listen, ENV_ADMIN_LISTEN, "admin_listen")
+    refusal = open_admin_refusal(admin, source, token, loaded.policy.server)
+    return None if refusal is None else f"{loaded.source}: {refusal}"
 
 
 def _startup_error(message: str) -> int:
@@ -190,9 +238,41 @@ def access_log_problems(policy: Policy) -> list[tuple[Loc, str]]:
     return []
 
 
+def open_admin_problems(policy: Policy) -> list[tuple[Loc, str]]:
+    """An admin listener ``run`` would refuse: off loopback (its address the environment's
+    first, as ``run`` reads it) with no token, unless ``server.admin_insecure`` or
+    ``GATEWAY_ADMIN_TOKEN_AUTO_FILE`` (``run`` makes the token there)."""
+    from gateway.admin.auth import (
+        ENV_TOKEN_AUTO_FILE,
+        AdminTokenError,
+        open_admin_refusal,
+        resolve_admin_token,
+    )
+    from gateway.serving.lifecycle import ENV_ADMIN_LISTEN, listen_source
+
+    if os.environ.get(ENV_TOKEN_AUTO_FILE):
+        return []
+    try:
+        admin = split_host_port(os.environ.get(ENV_ADMIN_LISTEN) or policy.server.admin_listen)
+        token = resolve_admin_token(policy.server)
+    except (ValueError, AdminTokenError):  # said by run, or by admin_token_problems
+        return []
+    source = listen_source(None, ENV_ADMIN_LISTEN, "admin_listen")
+    refusal = open_admin_refusal(admin, source, token, policy.server)
+    if refusal is None:
+        return []
+    return [(() if os.environ.get(ENV_ADMIN_LISTEN) else ("server", "admin_listen"), refusal)]
+
+
 def check_problems(policy: Policy) -> list[tuple[Loc, str]]:
-    """What ``run`` refuses beyond building the policy: listen addresses, the admin token."""
-    return listen_problems(policy) + admin_token_problems(policy) + access_log_problems(policy)
+    """What ``run`` refuses beyond building the policy: listen addresses, the admin token, an
+    admin listener open off loopback, an access log file it could not open."""
+    return (
+        listen_problems(policy)
+        + admin_token_problems(policy)
+        + open_admin_problems(policy)
+        + access_log_problems(policy)
+    )
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -288,6 +368,9 @@ environment:
   GATEWAY_IN_CONTAINER set by the image: a loopback listener is logged as unreachable
   GATEWAY_ADMIN_TOKEN  the admin listener's bearer token (over server.admin_token)
   GATEWAY_ADMIN_TOKEN_FILE a file holding it, read at start and on every reload
+  GATEWAY_ADMIN_TOKEN_AUTO_FILE where run writes a random token (kept there) when the
+                       admin listener is off loopback and none is given
+                       (the image: /run/gateway/admin-token)
 """
 
 

@@ -651,6 +651,12 @@ class ServerSettings(_Model):
         ("/healthz", "/readyz", "/metrics"),
         description="admin paths served without the token when one is set",
     )
+    admin_insecure: bool = Field(
+        False,
+        description="serve an admin listener off loopback (0.0.0.0, a LAN address) with no "
+        "admin token, open to anyone who reaches it (Traefik's api.insecure); off, such a "
+        "listener refuses to start; on, every start logs a WARNING",
+    )
 
     @field_validator("admin_listen")
     @classmethod

@@ -73,7 +73,7 @@ class DemoUpstream:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m gateway.serving.demo_upstream --listen 0.0.0.0:8000``: the demo backend alone,
-    for docker-compose.yml (it answers JSON about the request and serves no files)."""
+    for deploy/compose/docker-compose.yml (it answers JSON about the request, serves no files)."""
     import argparse
 
     from gateway.policy.models import split_host_port

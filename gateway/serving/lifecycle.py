@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import logging
 import os
 import signal
@@ -17,7 +16,14 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admin.app import AdminState, make_admin_app
-from gateway.admin.auth import AdminAuth, AdminTokenError
+from gateway.admin.auth import (
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    AdminAuth,
+    AdminTokenError,
+    is_loopback,
+    open_admin_refusal,
+)
 from gateway.clock import Clock
 from gateway.edge.client_errors import ClientErrorLog
 from gateway.edge.proxy import ProxyHandler
@@ -104,19 +110,19 @@ class ProxyListener:
         return _host_port(self.host, self.bound_port or self.port)
 
 
+def listen_source(flag: str | None, env_name: str, field: str) -> str:
+    """Where ``listen_address`` found the address, for a message about it."""
+    if flag:
+        return "the command line"
+    return env_name if os.environ.get(env_name) else f"server.{field}"
+
+
 def in_container() -> bool:
     """Our image says so (``GATEWAY_IN_CONTAINER``), and so does any Kubernetes pod. Not
     ``/.dockerenv``: development containers, where loopback is what you want, have it too."""
     if os.environ.get(ENV_IN_CONTAINER, "") not in ("", "0"):
         return True
     return "KUBERNETES_SERVICE_HOST" in os.environ
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host.lower() == "localhost"
 
 
 def check_aiohttp() -> None:
@@ -184,6 +190,12 @@ class Gateway:
             self.admin_auth = AdminAuth.of(settings)
         except AdminTokenError as exc:
             raise StartupError(str(exc)) from None
+        self._admin_source = listen_source(admin_listen, ENV_ADMIN_LISTEN, "admin_listen")
+        refusal = open_admin_refusal(
+            self.admin_listen, self._admin_source, self.admin_auth.token, settings
+        )
+        if refusal is not None:
+            raise StartupError(f"{loaded.source}: {refusal}")
         self.reuse_port = reuse_port
         self.worker_id = worker_id
         self.workers = workers
@@ -441,6 +453,11 @@ class Gateway:
                     renewed.append((listener.tls, after.tls))
         # The token file is read again, so a reload (SIGHUP) rotates the token.
         admin_auth = AdminAuth.of(loaded.policy.server)
+        refusal = open_admin_refusal(
+            self.admin_listen, self._admin_source, admin_auth.token, loaded.policy.server
+        )
+        if refusal is not None:
+            raise ValueError(f"{loaded.source}: {refusal}; the running policy stays")
         access_log = self.observability.access_log
         try:
             log_file = access_log.open_for(loaded.policy)
@@ -729,6 +746,8 @@ async def serve(
     if worker_id == 0:  # one line per warning, not one per worker
         for line in loaded.warning_lines():
             log.warning("%s", line)
+    if worker_id == 0:
+        warn_if_admin_open(gateway)
     if on_started is not None:
         on_started(gateway)
     try:
@@ -762,6 +781,21 @@ def warn_if_unreachable(gateway: Gateway) -> None:
                 env_name,
                 "listen" if what == "proxy" else "admin_listen",
             )
+
+
+def warn_if_admin_open(gateway: Gateway) -> None:
+    """``server.admin_insecure`` let an admin listener off loopback start with no token: said
+    at every start, so it is never forgotten."""
+    host, port = gateway.admin_listen
+    if gateway.admin_auth.token is None and not is_loopback(host):
+        log.warning(
+            "INSECURE: the admin listener on %s has no admin token and is off loopback "
+            "(server.admin_insecure: true): anyone who reaches it can read the policy and "
+            "reload it; give it a token (%s or %s) or listen on 127.0.0.1",
+            _host_port(host, port),
+            ENV_TOKEN,
+            ENV_TOKEN_FILE,
+        )
 
 
 async def drain(gateway: Gateway, stop: asyncio.Event) -> None:
