@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gateway import __version__
 from gateway.build import build_name
@@ -31,6 +31,9 @@ from gateway.policy.models import (
     policy_json_schema,
     split_host_port,
 )
+
+if TYPE_CHECKING:
+    from gateway.replay.gate import Condition
 
 log = logging.getLogger("gateway")
 
@@ -220,6 +223,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         top=args.top,
         window_s=window_s,
         progress=False if args.no_progress else None,
+        fail_if=args.fail_if,
     )
 
 
@@ -380,8 +384,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="how far out of order log lines may be (lines are written when requests end)",
     )
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument(
+        "--fail-if",
+        action="append",
+        type=_fail_condition,
+        metavar="CONDITION",
+        help="exit 1 when the policy's replay meets it, for CI: 'rejected > 1%%', "
+        "'delayed >= 500', 'per_ip.rejected > 0.5%%' (repeatable)",
+    )
     replay.set_defaults(func=cmd_replay)
     return parser
+
+
+def _fail_condition(text: str) -> Condition:
+    from gateway.replay.gate import GateError, parse_condition
+
+    try:
+        return parse_condition(text)
+    except GateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
