@@ -172,7 +172,26 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed = True
         else:
             print(f"{file}: ok (sha256 {loaded.sha256[:12]})")
+            failed = _run_sibling_cases(file, loaded) or failed
     return 1 if failed else 0
+
+
+def _run_sibling_cases(file: str, loaded: LoadedPolicy) -> bool:
+    """The policy's test cases, when they sit beside it (``policy.tests.yaml``): True when
+    one fails or the file is invalid."""
+    from gateway.policytest.case_command import run_and_report, sibling_cases
+
+    cases = sibling_cases(file)
+    if cases is None:
+        return False
+    print(f"{cases}: the policy's tests")
+    return run_and_report(loaded, str(cases)) != 0
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    from gateway.policytest.case_command import main as test_main
+
+    return test_main(args.policy, args.cases, args.junit)
 
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
@@ -236,7 +255,8 @@ examples:
   gateway run --config policies/default.yaml
   gateway run --config policy.yaml --listen 0.0.0.0:8080 --log-format json
   gateway run --upstream http://127.0.0.1:8000        (no limits, no policy file)
-  gateway check policy.yaml other.toml
+  gateway check policy.yaml other.toml                (and policy.tests.yaml beside it)
+  gateway test policy.yaml cases.yaml --junit results.xml
   gateway schema > policy.schema.json
   gateway healthcheck                                 (the image's HEALTHCHECK)
   gateway replay --config candidate.yaml --compare policy.yaml access.log.gz
@@ -305,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{run,check,schema,healthcheck,replay,admin-token}",
+        metavar="{run,check,test,schema,healthcheck,replay,admin-token}",
     )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -352,6 +372,16 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--from", metavar="SECRET", help="a mounted secret holding the token")
     token.add_argument("--keep", action="store_true", help="keep the token FILE already holds")
     token.set_defaults(func=cmd_admin_token)
+
+    test = command(
+        "test",
+        "run a policy's test cases (requests at virtual instants, and what must come of them) "
+        "on the real engine: exit 1 with a diff when one fails",
+    )
+    test.add_argument("policy", metavar="POLICY", help="the policy file")
+    test.add_argument("cases", metavar="CASES", help="the cases file (YAML)")
+    test.add_argument("--junit", metavar="FILE", help="write the results as JUnit XML, for CI")
+    test.set_defaults(func=cmd_test)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)
