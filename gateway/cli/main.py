@@ -33,6 +33,7 @@ from gateway.policy.models import (
 )
 
 if TYPE_CHECKING:
+    from gateway.policytest.arrivals import Pattern
     from gateway.replay.gate import Condition
 
 log = logging.getLogger("gateway")
@@ -246,6 +247,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from gateway.policytest.pattern_command import main as simulate_main
+
+    return simulate_main(
+        args.policy,
+        args.pattern,
+        headers=tuple(args.header or ()),
+        html_file=args.html,
+        png_file=args.png,
+        as_json=args.json,
+    )
+
+
 _DESCRIPTION = """\
 A rate-limiting reverse proxy: nginx limit_req semantics, layered limits, live reload.
 """
@@ -257,6 +271,7 @@ examples:
   gateway run --upstream http://127.0.0.1:8000        (no limits, no policy file)
   gateway check policy.yaml other.toml                (and policy.tests.yaml beside it)
   gateway test policy.yaml cases.yaml --junit results.xml
+  gateway simulate policy.yaml --pattern burst:size=20,every=10s,for=1m --html sim.html
   gateway schema > policy.schema.json
   gateway healthcheck                                 (the image's HEALTHCHECK)
   gateway replay --config candidate.yaml --compare policy.yaml access.log.gz
@@ -325,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{run,check,test,schema,healthcheck,replay,admin-token}",
+        metavar="{run,check,test,simulate,schema,healthcheck,replay,admin-token}",
     )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -383,6 +398,34 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--junit", metavar="FILE", help="write the results as JUnit XML, for CI")
     test.set_defaults(func=cmd_test)
 
+    sim = command(
+        "simulate",
+        "run arrival patterns (constant, burst, poisson, ramp, or a log) against a policy on a "
+        "virtual clock: admitted, delayed and rejected over time, each limit's level, drawn",
+    )
+    sim.add_argument("policy", metavar="POLICY", help="the policy file")
+    sim.add_argument(
+        "--pattern",
+        action="append",
+        required=True,
+        type=_arrival_pattern,
+        metavar="PATTERN",
+        help="constant:rate=10r/s,for=30s | burst:size=20,every=10s,for=1m | "
+        "poisson:rate=10r/s,for=1m,seed=1 | ramp:from=1r/s,to=50r/s,for=1m | log:FILE; "
+        "each takes start=, path=, client=, clients=N, method= (repeatable: superimposed)",
+    )
+    sim.add_argument(
+        "--header",
+        action="append",
+        type=_header,
+        metavar="'NAME: VALUE'",
+        help="a header every generated request carries (repeatable)",
+    )
+    sim.add_argument("--html", metavar="FILE", help="write a self-contained HTML page")
+    sim.add_argument("--png", metavar="FILE", help="write a PNG (needs matplotlib)")
+    sim.add_argument("--json", action="store_true", help="print one JSON document")
+    sim.set_defaults(func=cmd_simulate)
+
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)
 
@@ -424,6 +467,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.set_defaults(func=cmd_replay)
     return parser
+
+
+def _arrival_pattern(text: str) -> Pattern:
+    from gateway.policytest.arrivals import PatternError, parse_pattern
+
+    try:
+        return parse_pattern(text)
+    except PatternError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip() or " " in name.strip():
+        raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
+    return name.strip(), value.strip()
 
 
 def _fail_condition(text: str) -> Condition:
