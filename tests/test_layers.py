@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edge",),
     ("observability",),
     ("admin", "replay"),
-    ("policytest",),
+    ("policytest", "suggest"),
     ("serving",),
     ("cli",),
     ("__main__",),

@@ -10,9 +10,32 @@ import pytest
 
 from gateway.cli.main import main
 from gateway.replay.gate import GateError, parse_condition
-from tests.test_replay import NGINX_NODELAY, burst_log, write_policy
+from tests.support.policies import policy_for
+from tests.support.traffic_logs import combined_line
 
 ROOT = Path(__file__).resolve().parent.parent
+# rate 1r/s, burst 2: the fourth request of a second (spread to 0, 250, 500, 750 ms) passes
+# the burst (excess 2250 > 2000) and is rejected; the rest are admitted.
+NGINX_NODELAY = (
+    "  per_ip:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 2\n    nodelay: true\n"
+)
+
+
+def write_policy(tmp_path: Path, limits: str) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy_for("http://127.0.0.1:9") + "limits:\n" + limits)
+    return path
+
+
+def burst_log(tmp_path: Path) -> Path:
+    """Ten requests: four of 203.0.113.1 in second 0, one of 203.0.113.2 a second for four
+    seconds, two of 203.0.113.1 in second 5: one rejected under ``NGINX_NODELAY``."""
+    lines = [combined_line("203.0.113.1", 0) for _ in range(4)]
+    lines += [combined_line("203.0.113.2", s) for s in range(1, 5)]
+    lines += [combined_line("203.0.113.1", 5) for _ in range(2)]
+    log = tmp_path / "access.log"
+    log.write_text("".join(lines))
+    return log
 
 
 def gate(tmp_path: Path, capsys: pytest.CaptureFixture[str], *conditions: str) -> tuple[int, str]:

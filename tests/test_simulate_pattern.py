@@ -19,7 +19,7 @@ from gateway.cli.main import main
 from gateway.policytest.arrivals import arrivals, parse_pattern
 from gateway.replay.log_formats import ReadStats
 from tests.support.policies import policy_for
-from tests.test_replay import combined
+from tests.support.traffic_logs import combined_line
 
 ROOT = Path(__file__).resolve().parent.parent
 NODELAY = (
@@ -121,7 +121,7 @@ def test_patterns_are_exact_and_deterministic() -> None:
 
 def test_a_log_as_the_pattern(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "access.log"
-    log.write_text("".join(combined("203.0.113.1", 100) for _ in range(4)))
+    log.write_text("".join(combined_line("203.0.113.1", 100) for _ in range(4)))
     policy = write_policy(tmp_path, NODELAY)
     doc = simulate_json(capsys, str(policy), "--pattern", f"log:{log}")
     # Four requests in one second (spread 250 ms apart): the fourth passes the burst.

@@ -260,6 +260,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_suggest(args: argparse.Namespace) -> int:
+    from gateway.suggest.suggest_command import main as suggest_main
+
+    return suggest_main(
+        args.logs,
+        output=args.output,
+        share=args.reject_at_most,
+        fmt=args.format,
+        api_key_header=args.api_key_header,
+        protect_upstream=args.protect_upstream,
+        upstream=args.upstream,
+        html_file=args.html,
+    )
+
+
 _DESCRIPTION = """\
 A rate-limiting reverse proxy: nginx limit_req semantics, layered limits, live reload.
 """
@@ -272,6 +287,7 @@ examples:
   gateway check policy.yaml other.toml                (and policy.tests.yaml beside it)
   gateway test policy.yaml cases.yaml --junit results.xml
   gateway simulate policy.yaml --pattern burst:size=20,every=10s,for=1m --html sim.html
+  gateway suggest access.log --reject-at-most 1% -o suggested.yaml --html evidence.html
   gateway schema > policy.schema.json
   gateway healthcheck                                 (the image's HEALTHCHECK)
   gateway replay --config candidate.yaml --compare policy.yaml access.log.gz
@@ -340,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{run,check,test,simulate,schema,healthcheck,replay,admin-token}",
+        metavar="{run,check,test,simulate,suggest,schema,healthcheck,replay,admin-token}",
     )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -426,6 +442,46 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON document")
     sim.set_defaults(func=cmd_simulate)
 
+    suggest = command(
+        "suggest",
+        "propose limits from access logs (per client, per API key, per path prefix, overall), "
+        "each number with its evidence; write them as a policy and replay it as proof",
+    )
+    suggest.add_argument("logs", nargs="+", help="access logs, as replay reads them (gzip too)")
+    suggest.add_argument(
+        "--output", "-o", default="suggested.yaml", help="the policy to write (suggested.yaml)"
+    )
+    suggest.add_argument(
+        "--reject-at-most",
+        type=_share,
+        default=0.01,
+        metavar="SHARE",
+        help="the share of keys a per-key limit may refuse at their peaks (1%%)",
+    )
+    suggest.add_argument(
+        "--protect-upstream",
+        type=_per_second,
+        metavar="N",
+        help="the most requests a second the upstream takes (N or Nr/s): the global limit",
+    )
+    suggest.add_argument(
+        "--api-key-header",
+        default="X-Api-Key",
+        metavar="NAME",
+        help="the header carrying API keys, when the log has headers (X-Api-Key)",
+    )
+    suggest.add_argument(
+        "--upstream", default="http://127.0.0.1:8000", help="the upstream the policy names"
+    )
+    suggest.add_argument(
+        "--format",
+        choices=("auto", "combined", "gateway", "jsonl"),
+        default="auto",
+        help="log format (default: detected from the first line)",
+    )
+    suggest.add_argument("--html", metavar="FILE", help="write the evidence and proof as HTML")
+    suggest.set_defaults(func=cmd_suggest)
+
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)
 
@@ -483,6 +539,30 @@ def _header(text: str) -> tuple[str, str]:
     if not colon or not name.strip() or " " in name.strip():
         raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
     return name.strip(), value.strip()
+
+
+def _share(text: str) -> float:
+    number = text.strip().removesuffix("%")
+    try:
+        value = float(number) / (100.0 if text.strip().endswith("%") else 1.0)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share such as 1% or 0.01, got {text!r}")
+    return value
+
+
+def _per_second(text: str) -> float:
+    number = text.strip().removesuffix("r/s").strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = 0.0
+    if value <= 0.0:
+        raise argparse.ArgumentTypeError(
+            f"expected requests a second such as 200 or 200r/s, got {text!r}"
+        )
+    return value
 
 
 def _fail_condition(text: str) -> Condition:
