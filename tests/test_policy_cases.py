@@ -268,3 +268,12 @@ def test_an_invalid_policy_or_a_missing_file_is_one_line_and_no_traceback(tmp_pa
     )
     assert done.returncode == 1
     assert done.stderr == f"{tmp_path / 'none.yaml'}: cannot read: No such file or directory\n"
+
+
+def test_the_shipped_default_policy_passes_its_tests(capsys: pytest.CaptureFixture[str]) -> None:
+    policies = ROOT / "policies"
+    status, out, err = run(
+        capsys, "test", str(policies / "default.yaml"), str(policies / "default.tests.yaml")
+    )
+    assert (status, err) == (0, ""), out
+    assert out.endswith("3 passed, 0 failed\n")
