@@ -16,8 +16,14 @@ from gateway.cli.main import main
 from gateway.engine.preflight import load_and_build
 from gateway.suggest.proof import prove
 from gateway.suggest.proposal import choose
-from gateway.suggest.traffic import leaky_need, peak_in_window
-from tests.support.traffic_logs import Population, combined_log, gateway_log, json_lines_log
+from gateway.suggest.traffic import leaky_need, measure, peak_in_window
+from tests.support.traffic_logs import (
+    Population,
+    combined_line,
+    combined_log,
+    gateway_log,
+    json_lines_log,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,3 +145,17 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     done = run("x.log", "--reject-at-most", "lots")
     assert done.returncode == 2 and "expected a share such as 1% or 0.01" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_ipv6_clients_are_measured_by_the_prefix_a_limit_keys(tmp_path: Path) -> None:
+    log = tmp_path / "access.log"
+    log.write_text(
+        combined_line("2001:db8::1", 0) + combined_line("2001:db8::2", 1)
+        + combined_line("192.0.2.1", 2)
+    )  # fmt: skip
+    traffic = measure([str(log)], "auto", "X-Api-Key")
+    assert {k: len(v) for k, v in traffic.by_client.items()} == {
+        "2001:db8::/64": 2,
+        "192.0.2.1": 1,
+    }
+    assert {k: len(v) for k, v in traffic.by_prefix.items()} == {"/": 3}

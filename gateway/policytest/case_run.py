@@ -10,6 +10,7 @@ names), so a failure is a unified diff of expected against actual.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -87,7 +88,7 @@ def observe(simulation: Simulation, request: Request, client_ip: str) -> Observe
 def _denial_headers(outcome: Outcome) -> tuple[tuple[str, str], ...]:
     """An address denied or a store down: ``Retry-After`` when the refusal gives one."""
     if outcome.retry_after_s > 0.0:
-        seconds = max(1, -int(-outcome.retry_after_s // 1))
+        seconds = max(1, math.ceil(outcome.retry_after_s))
         return (("Retry-After", str(seconds)),)
     return ()
 

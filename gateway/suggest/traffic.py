@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from gateway.limits.addresses import client_key
 from gateway.replay.log_formats import (
     LogError,
     Opened,
@@ -80,7 +81,9 @@ class Traffic:
         return len(self.all_ms)
 
 
-def measure(paths: Sequence[str], fmt: str, api_key_header: str) -> Traffic:
+def measure(
+    paths: Sequence[str], fmt: str, api_key_header: str, ipv6_prefix: int = 64
+) -> Traffic:
     """Read the logs once, keeping each request's instant under each of its keys."""
     traffic = Traffic()
     wanted = api_key_header.lower()
@@ -88,12 +91,17 @@ def measure(paths: Sequence[str], fmt: str, api_key_header: str) -> Traffic:
     by_api_key = traffic.by_api_key
     by_prefix = traffic.by_prefix
     all_ms = traffic.all_ms
+    # Each address under the key a per-IP limit gives it (an IPv6 client by its /64).
+    keyed: dict[str, str] = {}
     for request in read_requests(paths, fmt, traffic.stats):
         t_ms = request.t_us // 1000
         all_ms.append(t_ms)
-        times = by_client.get(request.address)
+        client = keyed.get(request.address)
+        if client is None:
+            client = keyed[request.address] = client_key(request.address, ipv6_prefix)
+        times = by_client.get(client)
         if times is None:
-            times = by_client[request.address] = array("q")
+            times = by_client[client] = array("q")
         times.append(t_ms)
         prefix = path_prefix(request.target)
         times = by_prefix.get(prefix)
