@@ -5,6 +5,7 @@ policy passes ``gateway check``; the proof is the replay of it; the numbers are 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from array import array
@@ -54,8 +55,19 @@ def test_the_proposal_refuses_the_abusive_clients_and_few_others(
 ) -> None:
     log = tmp_path / "access.log"
     population = writer(log, span_s=900)  # type: ignore[operator]
-    policy, out = suggest(capsys, tmp_path, log, "--reject-at-most", "2%")
+    page = tmp_path / "evidence.html"
+    policy, out = suggest(capsys, tmp_path, log, "--reject-at-most", "2%", "--html", str(page))
     assert_refuses_the_abusive(refused_clients(policy, log), population, 0.02)
+    # The page draws the chosen burst as the line through every client's need, the clients
+    # above it refused.
+    burst = re.search(r"  per_ip:\n(?:    .*\n)*?    burst: (\d+)\n", policy.read_text())
+    assert burst is not None
+    drawn = re.search(
+        r'data-limit="per_ip" data-setting="burst" data-threshold="(\d+)" data-refused="(\d+)"',
+        page.read_text(),
+    )
+    assert drawn is not None and drawn.group(1) == burst.group(1)
+    assert int(drawn.group(2)) >= len(population.abusive)
     # The report's proof names them, with when.
     for ip in population.abusive:
         assert f"    {ip}: " in out and " UTC" in out

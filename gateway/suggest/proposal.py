@@ -75,6 +75,7 @@ class ProposedLimit:
     chart: Threshold | None = None
     chart_label: str = ""
     refused: list[tuple[str, int]] = field(default_factory=list)  # (key shown, value)
+    rate_chart: Threshold | None = None  # the keys' busiest minutes, and the rate's line
 
 
 @dataclass
@@ -185,6 +186,7 @@ def _per_key_bucket(
         burst_line,
         f"burst each {one} needs at {rate}",
         [(shown[k], needs[k]) for k in sorted(refused, key=lambda k: (-needs[k], k))],
+        rate_line,
     )
     return limit, refused
 

@@ -44,7 +44,7 @@ def _log_y(value: float, top: float) -> float:
     return math.log10(1 + value) / math.log10(1 + top) if top > 0 else 0.0
 
 
-def rank_svg(name: str, label: str, line: Threshold) -> str:
+def rank_svg(name: str, label: str, line: Threshold, setting: str) -> str:
     """Every key's value, ascending (at most ``_POINTS`` drawn; those above the line all),
     on a log scale, with the line drawn."""
     values = line.values
@@ -57,7 +57,8 @@ def rank_svg(name: str, label: str, line: Threshold) -> str:
     )
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-        f'data-chart="rank" data-limit="{html.escape(name)}" data-threshold="{line.value}" '
+        f'data-chart="rank" data-limit="{html.escape(name)}" data-setting="{setting}" '
+        f'data-threshold="{line.value}" '
         f'data-refused="{line.refused}">',
         f'<text x="{_LEFT}" y="16" font-size="13">{html.escape(name)}: {html.escape(label)}, '
         f"one point per key, ascending (log scale); the line: {line.value:,}</text>",
@@ -131,8 +132,11 @@ def html_page(proposal: Proposal, proof: Proof, policy_file: str, policy_text: s
         parts.append(f"<h3>{esc(proposed.name)}</h3><ul>")
         parts += [f"<li>{esc(sentence)}</li>" for sentence in proposed.evidence]
         parts.append("</ul>")
+        if proposed.rate_chart is not None:
+            label = "requests in the busiest minute of each key"
+            parts.append(rank_svg(proposed.name, label, proposed.rate_chart, "rate"))
         if proposed.chart is not None:
-            parts.append(rank_svg(proposed.name, proposed.chart_label, proposed.chart))
+            parts.append(rank_svg(proposed.name, proposed.chart_label, proposed.chart, "burst"))
     parts.append("<h2>Requests per key in any window</h2>")
     for kind, windows in proposal.distributions.items():
         parts.append(

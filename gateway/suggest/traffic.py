@@ -81,9 +81,7 @@ class Traffic:
         return len(self.all_ms)
 
 
-def measure(
-    paths: Sequence[str], fmt: str, api_key_header: str, ipv6_prefix: int = 64
-) -> Traffic:
+def measure(paths: Sequence[str], fmt: str, api_key_header: str, ipv6_prefix: int = 64) -> Traffic:
     """Read the logs once, keeping each request's instant under each of its keys."""
     traffic = Traffic()
     wanted = api_key_header.lower()
