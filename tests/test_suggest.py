@@ -171,3 +171,22 @@ def test_ipv6_clients_are_measured_by_the_prefix_a_limit_keys(tmp_path: Path) ->
         "192.0.2.1": 1,
     }
     assert {k: len(v) for k, v in traffic.by_prefix.items()} == {"/": 3}
+
+
+def test_a_share_of_the_requests_is_counted_as_the_engine_refuses_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "access.log"
+    combined_log(log, normal=100, abusive=1, span_s=600, flood_per_s=0.5)
+    policy, out = suggest(capsys, tmp_path, log, "--reject-at-most", "2%", "--of", "requests")
+    said = re.search(
+        r"the least at which at most 2% of the requests \(([\d,]+) of ([\d,]+)\) are refused: "
+        r"([\d,]+)\.",
+        " ".join(line.strip("# ") for line in policy.read_text().splitlines()),
+    )
+    assert said is not None
+    budget, total, refused = (int(g.replace(",", "")) for g in said.groups())
+    proof = prove(load_and_build(policy), [str(log)], "auto")
+    assert proof.requests == total and proof.rejected == refused <= budget
+    assert refused > 0  # the flood is refused, as far as the share allows
+    assert f"proof (the policy replayed on the same logs): {refused} of" in out.replace(",", "")

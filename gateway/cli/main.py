@@ -272,6 +272,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         protect_upstream=args.protect_upstream,
         upstream=args.upstream,
         html_file=args.html,
+        of_requests=args.of == "requests",
     )
 
 
@@ -456,7 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_share,
         default=0.01,
         metavar="SHARE",
-        help="the share of keys a per-key limit may refuse at their peaks (1%%)",
+        help="the share a per-key limit may refuse, of the keys (at their peaks) or of the "
+        "requests (--of) (1%%)",
+    )
+    suggest.add_argument(
+        "--of",
+        choices=("keys", "requests"),
+        default="keys",
+        help="what --reject-at-most is a share of (keys)",
     )
     suggest.add_argument(
         "--protect-upstream",

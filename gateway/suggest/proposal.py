@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from gateway.limits.keys import shown_key
-from gateway.suggest.traffic import WINDOWS, Traffic, leaky_need, peak_in_window
+from gateway.suggest.traffic import WINDOWS, Traffic, leaky_need, leaky_refused, peak_in_window
 
 # One key needing at least this many times the next is set apart from it.
 GAP_RATIO: Final = 2.0
@@ -145,6 +145,7 @@ def _per_key_bucket(
     key_setting: str,
     shown: dict[str, str],
     extra: list[tuple[str, str]],
+    of_requests: bool = False,
 ) -> tuple[ProposedLimit, set[str]]:
     """A leaky bucket per key, and the keys it refuses."""
     keys = sorted(by_key)  # sorted: the same input gives the same output, whatever the order
@@ -152,7 +153,11 @@ def _per_key_bucket(
     rate_line = choose(sorted(per_minute.values()), share)
     rate = Rate.at_least(rate_line.value)
     needs = {k: leaky_need(by_key[k], rate.milli) for k in keys}
-    burst_line = choose(sorted(needs.values()), share)
+    burst_why = ""
+    if of_requests:
+        burst_line, burst_why = _burst_for_requests(by_key, keys, needs, rate, share)
+    else:
+        burst_line = choose(sorted(needs.values()), share)
     refused = {k for k in keys if needs[k] > burst_line.value}
     heaviest = sorted(keys, key=lambda k: (-needs[k], k))[:HEAVIEST_SHOWN]
     one = subject.removesuffix("s")
@@ -171,6 +176,8 @@ def _per_key_bucket(
         + ", ".join(f"{shown[k]} (needs {needs[k]:,})" for k in heaviest)
         + ".",
     ]
+    if of_requests:
+        evidence[2] = f"burst {burst_line.value:,}: {burst_why}"
     limit = ProposedLimit(
         name,
         [
@@ -189,6 +196,40 @@ def _per_key_bucket(
         rate_line,
     )
     return limit, refused
+
+
+def _burst_for_requests(
+    by_key: dict[str, array[int]],
+    keys: list[str],
+    needs: dict[str, int],
+    rate: Rate,
+    share: float,
+) -> tuple[Threshold, str]:
+    """The least burst (at ``rate``) under which the refused requests, counted as the
+    engine would refuse them, are at most ``share`` of all: a binary search (a larger burst
+    never refuses more)."""
+    total = sum(len(by_key[k]) for k in keys)
+    budget = math.floor(share * total + 1e-9)
+
+    def refused_at(burst: int) -> int:
+        return sum(leaky_refused(by_key[k], rate.milli, burst) for k in keys if needs[k] > burst)
+
+    low, high = 0, max(needs.values(), default=0)  # refused_at(high) is 0
+    while low < high:
+        middle = (low + high) // 2
+        if refused_at(middle) <= budget:
+            high = middle
+        else:
+            low = middle + 1
+    burst = low
+    values = sorted(needs.values())
+    line = Threshold(values, burst, sum(1 for v in values if v > burst), False)
+    why = (
+        f"the least at which at most {share * 100:g}% of the requests ({budget:,} of "
+        f"{total:,}) are refused: {refused_at(burst):,}. What each needs at that rate to be "
+        f"refused nothing: {_spread(values)}."
+    )
+    return line, why
 
 
 def _window_ceiling(traffic: Traffic, admitted: list[str], span_ms: int) -> ProposedLimit | None:
@@ -261,6 +302,7 @@ def propose(
     *,
     api_key_header: str = "X-Api-Key",
     protect_upstream: float | None = None,
+    of_requests: bool = False,
 ) -> Proposal:
     all_ms = traffic.all_ms
     span_ms = (all_ms[-1] - all_ms[0]) if all_ms else 0
@@ -273,6 +315,7 @@ def propose(
         "[client_ip]",
         {k: k for k in traffic.by_client},
         [],
+        of_requests,
     )
     limits.append(per_ip)
     admitted = sorted(set(traffic.by_client) - refused)
@@ -290,6 +333,7 @@ def propose(
             f"[{part}]",
             shown,
             [("on_missing_key", "skip")],
+            of_requests,
         )
         per_key.evidence.append(f"API keys are shown by their hash ({part} values are secrets).")
         limits.append(per_key)

@@ -63,6 +63,7 @@ def main(
     protect_upstream: float | None = None,
     upstream: str = "http://127.0.0.1:8000",
     html_file: str | None = None,
+    of_requests: bool = False,
 ) -> int:
     started = time.perf_counter()
     if logs.count("-"):
@@ -78,7 +79,11 @@ def main(
         print("gateway suggest: the logs hold no request to measure", file=sys.stderr)
         return 1
     proposal = propose(
-        traffic, share, api_key_header=api_key_header, protect_upstream=protect_upstream
+        traffic,
+        share,
+        api_key_header=api_key_header,
+        protect_upstream=protect_upstream,
+        of_requests=of_requests,
     )
     offset_ms = (traffic.stats.unix_offset_us or 0) // 1000
     written = policy_text(proposal, logs, upstream, offset_ms)

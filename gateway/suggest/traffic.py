@@ -158,4 +158,38 @@ def leaky_need(times: array[int], rate_milli: int) -> int:
     return -(-peak // 1000)
 
 
-__all__ = ["WINDOWS", "LogError", "Traffic", "leaky_need", "measure", "peak_in_window"]
+def leaky_refused(times: array[int], rate_milli: int, burst: int) -> int:
+    """How many of these requests a leaky bucket with ``nodelay`` refuses, as the engine
+    would: a refused request leaves the state untouched."""
+    if len(times) <= 1:
+        return 0
+    limit = burst * 1000
+    refused = 0
+    excess = 0
+    last = times[0]
+    for index in range(1, len(times)):
+        t = times[index]
+        ms = t - last
+        if ms < 0:
+            ms = 0
+        after = excess - rate_milli * ms // 1000 + 1000
+        if after < 0:
+            after = 0
+        if after > limit:
+            refused += 1
+            continue
+        excess = after
+        if ms:
+            last = t
+    return refused
+
+
+__all__ = [
+    "WINDOWS",
+    "LogError",
+    "Traffic",
+    "leaky_need",
+    "leaky_refused",
+    "measure",
+    "peak_in_window",
+]
