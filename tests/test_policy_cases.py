@@ -228,6 +228,9 @@ def test_check_runs_the_tests_beside_the_policy(
     (tmp_path / "policy.tests.yaml").write_text(FAILING)
     status, out, _ = run(capsys, "check", str(policy))
     assert status == 1 and out.endswith(FAILING_REPORT)
+    # --no-tests: what run accepts, and nothing more.
+    status, out, _ = run(capsys, "check", "--no-tests", str(policy))
+    assert status == 0 and out.count("\n") == 1
 
 
 def test_a_client_behind_a_trusted_proxy_is_keyed_by_the_forwarded_address(
