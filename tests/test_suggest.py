@@ -80,6 +80,9 @@ def test_the_proposal_refuses_the_abusive_clients_and_few_others(
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+    # ... and its tests beside it, which check ran.
+    assert "per_ip admits a burst of" in (tmp_path / "suggested.tests.yaml").read_text()
+    assert done.stdout.endswith("1 passed, 0 failed\n")
     # Each number under its evidence.
     text = policy.read_text()
     assert "# 203 clients; requests in their busiest minute: p50" in text
@@ -110,8 +113,11 @@ def test_the_same_logs_give_the_same_policy(
     combined_log(log, normal=50, span_s=600)
     first, _ = suggest(capsys, tmp_path, log)
     text = first.read_text()
+    cases = (tmp_path / "suggested.tests.yaml").read_text()
+    (tmp_path / "suggested.tests.yaml").unlink()
     second, _ = suggest(capsys, tmp_path, log)
     assert second.read_text() == text
+    assert (tmp_path / "suggested.tests.yaml").read_text() == cases
 
 
 def test_protect_upstream_sets_the_global_rate_and_the_proof_counts_its_refusals(
@@ -190,3 +196,21 @@ def test_a_share_of_the_requests_is_counted_as_the_engine_refuses_them(
     assert proof.requests == total and proof.rejected == refused <= budget
     assert refused > 0  # the flood is refused, as far as the share allows
     assert f"proof (the policy replayed on the same logs): {refused} of" in out.replace(",", "")
+
+
+def test_cases_of_the_users_own_beside_the_policy_are_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "access.log"
+    combined_log(log, normal=20, abusive=1, span_s=300)
+    mine = tmp_path / "suggested.tests.yaml"
+    mine.write_text("cases:\n  - name: mine\n    steps:\n      - request: {path: /}\n")
+    policy = tmp_path / "suggested.yaml"
+    assert main(["suggest", str(log), "-o", str(policy), "--reject-at-most", "10%"]) == 0
+    captured = capsys.readouterr()
+    assert (
+        f"gateway suggest: {mine} exists: kept as it is (suggest writes it only when there "
+        "is none)\n"
+    ) in captured.err
+    assert mine.read_text().startswith("cases:\n  - name: mine")
+    assert "PASS mine (1 requests)" in captured.out

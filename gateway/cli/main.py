@@ -264,7 +264,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_suggest(args: argparse.Namespace) -> int:
     from gateway.suggest.suggest_command import main as suggest_main
 
-    return suggest_main(
+    status = suggest_main(
         args.logs,
         output=args.output,
         share=args.reject_at_most,
@@ -275,6 +275,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         html_file=args.html,
         of_requests=args.of == "requests",
     )
+    if status:
+        return status
+    # As gateway check would: the policy, then the cases written beside it.
+    return 1 if _run_sibling_cases(args.output, load_and_build(args.output)) else 0
 
 
 _DESCRIPTION = """\

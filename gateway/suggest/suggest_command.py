@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gateway.engine.preflight import load_and_build
 from gateway.policy.loader import PolicyError
-from gateway.suggest.policy_text import policy_text
+from gateway.suggest.policy_text import cases_text, policy_text
 from gateway.suggest.proof import Proof, prove
 from gateway.suggest.proposal import Proposal, propose
 from gateway.suggest.suggest_page import html_page
@@ -87,10 +87,22 @@ def main(
     )
     offset_ms = (traffic.stats.unix_offset_us or 0) // 1000
     written = policy_text(proposal, logs, upstream, offset_ms)
+    cases = cases_text(proposal)
+    # Beside the policy, under the name gateway check reads (``POLICY.tests.yaml``).
+    cases_file = Path(output).with_name(Path(output).stem + ".tests.yaml")
+    if cases is not None and cases_file.exists():
+        print(
+            f"gateway suggest: {cases_file} exists: kept as it is (suggest writes it only "
+            "when there is none)",
+            file=sys.stderr,
+        )
+        cases = None
     try:
         Path(output).write_text(written, encoding="utf-8")
+        if cases is not None:
+            cases_file.write_text(cases, encoding="utf-8")
     except OSError as exc:
-        print(f"gateway suggest: {output}: cannot write: {exc.strerror}", file=sys.stderr)
+        print(f"gateway suggest: {exc.filename}: cannot write: {exc.strerror}", file=sys.stderr)
         return 1
     try:
         loaded = load_and_build(output)
@@ -105,5 +117,6 @@ def main(
             print(f"gateway suggest: {html_file}: cannot write: {exc.strerror}", file=sys.stderr)
             return 1
         print(f"gateway suggest: wrote {Path(html_file).resolve()}", file=sys.stderr)
-    sys.stdout.write(text(proposal, proof, output, time.perf_counter() - started))
+    wrote = f"{output} and {cases_file}" if cases is not None else output
+    sys.stdout.write(text(proposal, proof, wrote, time.perf_counter() - started))
     return 0
