@@ -58,6 +58,7 @@ def test_constant_rate_against_nginx_arithmetic_by_hand(
     (limit,) = doc["limits"]
     assert limit["counters"]["allowed"] == 12 and limit["counters"]["rejected"] == 8
     assert limit["quota"] == 3
+    assert limit["queue"] is None and limit["peak_queue"] == 0  # nodelay: nothing waits
 
 
 def test_the_page_draws_what_the_engine_counted(
@@ -100,6 +101,11 @@ def test_the_page_draws_what_the_engine_counted(
     assert min(v for v in level if v is not None) == 0
     assert max(v for v in level if v is not None) >= 2
     assert 'data-chart="level" data-limit="per_ip"' in text and "<polyline" in text
+    # The queue drawn from each delayed request's wait peaks where the engine's own count of
+    # waiting requests did: a burst of 6 at 1r/s, burst 2, max_delay 3s leaves 2 waiting.
+    limit = doc["limits"][0]
+    assert max(limit["queue"]) == limit["peak_queue"] == 2
+    assert f'data-series="queue" data-peak="{limit["peak_queue"]}"' in text
     assert " src=" not in text and " href=" not in text  # self-contained: it opens offline
 
 

@@ -98,7 +98,13 @@ def level_svg(doc: dict[str, Any], limit: dict[str, Any]) -> str:
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" '
         f'data-chart="level" data-limit="{name}">',
         f'<text x="{_LEFT}" y="16" font-size="13">{name} ({html.escape(limit["algorithm"])}): '
-        f"quota left, of {limit['quota']:,}</text>",
+        f"quota left, of {limit['quota']:,}"
+        + (
+            f"; waiting in its queue (amber), at most {max(limit['queue']):,}"
+            if limit.get("queue")
+            else ""
+        )
+        + "</text>",
         f'<line x1="{_LEFT}" y1="{_TOP}" x2="{_WIDTH - _RIGHT}" y2="{_TOP}" stroke="#999" '
         'stroke-dasharray="4 3"/>',
         f'<line x1="{_LEFT}" y1="{_TOP + plot_h}" x2="{_WIDTH - _RIGHT}" '
@@ -114,7 +120,21 @@ def level_svg(doc: dict[str, Any], limit: dict[str, Any]) -> str:
     if points:
         parts.append(
             f'<polyline fill="none" stroke="{LEVEL_COLOUR}" stroke-width="1.5" '
-            f'points="{" ".join(points)}"/>'
+            f'points="{" ".join(points)}" data-series="level"/>'
+        )
+    queue = limit.get("queue")
+    if queue:
+        # The queue on the same scale, in the delayed requests' colour.
+        peak = max(queue)
+        top = max(quota, peak)
+        parts.append(
+            f'<polyline fill="none" stroke="{COLOURS["delayed"]}" stroke-width="1.5" '
+            f'data-series="queue" data-peak="{peak}" points="'
+            + " ".join(
+                f"{_LEFT + (i + 0.5) * step_w:.2f},{_TOP + plot_h - v * plot_h / top:.2f}"
+                for i, v in enumerate(queue)
+            )
+            + '"/>'
         )
     parts += [t.replace("{bottom}", str(height - 10)) for t in _ticks(doc, bins, plot_w)]
     parts.append("</svg>")
@@ -218,6 +238,8 @@ def write_png(doc: dict[str, Any], path: str) -> None:
         axis.step([p[0] for p in points], [p[1] for p in points], where="post",
                   color=LEVEL_COLOUR)  # fmt: skip
         axis.axhline(limit["quota"], color="#999", linestyle="--", linewidth=1)
+        if limit.get("queue"):
+            axis.step(xs, limit["queue"], where="post", color=COLOURS["delayed"])
         axis.set_ylabel(f"{limit['name']}\nquota left")
     axes[-1][0].set_xlabel("seconds from the first request")
     figure.tight_layout()
