@@ -67,8 +67,10 @@ def cases_text(proposal: Proposal) -> str | None:
     for name, other in settings.items():
         if name.startswith("prefix_") or name == "per_ip":
             continue  # the cases send to /, which no prefix limit matches
-        room = int(other.get("limit", other.get("burst", sent)))
-        if room < sent:
+        # The cases charge every limit on / with burst + 3 requests (the refused one with
+        # nothing): a window or bucket with less room would decide some of them first.
+        room = int(other.get("limit", other.get("burst", sent + 1)))
+        if room < sent + 1:
             return None
     drained_ms = -(-1_000_000 // rate_milli)  # one request's worth, nginx's arithmetic
     lines = [
