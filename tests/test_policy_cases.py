@@ -120,7 +120,7 @@ def test_cases_that_hold_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert out == (
         "PASS three at once pass, the fourth is refused (6 requests)\n"
         "PASS without nodelay the excess waits (5 requests)\n"
-        "PASS no route is the gateway's 404 (1 requests)\n"
+        "PASS no route is the gateway's 404 (1 request)\n"
         "3 passed, 0 failed\n"
     )
 
@@ -221,7 +221,7 @@ def test_check_runs_the_tests_beside_the_policy(
         f"{tmp_path / 'policy.tests.yaml'}: the policy's tests",
         "PASS three at once pass, the fourth is refused (6 requests)",
         "PASS without nodelay the excess waits (5 requests)",
-        "PASS no route is the gateway's 404 (1 requests)",
+        "PASS no route is the gateway's 404 (1 request)",
         "3 passed, 0 failed",
     ]
 

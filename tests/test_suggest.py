@@ -213,4 +213,4 @@ def test_cases_of_the_users_own_beside_the_policy_are_kept(
         "is none)\n"
     ) in captured.err
     assert mine.read_text().startswith("cases:\n  - name: mine")
-    assert "PASS mine (1 requests)" in captured.out
+    assert "PASS mine (1 request)" in captured.out

@@ -205,7 +205,8 @@ def report(results: list[CaseResult]) -> str:
     out: list[str] = []
     for result in results:
         mark = "PASS" if result.passed else "FAIL"
-        out.append(f"{mark} {result.name} ({result.requests} requests)")
+        noun = "request" if result.requests == 1 else "requests"
+        out.append(f"{mark} {result.name} ({result.requests} {noun})")
         if not result.passed:
             out.extend("    " + line for line in result.diff())
     failed = sum(1 for r in results if not r.passed)
