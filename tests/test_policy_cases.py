@@ -280,3 +280,23 @@ def test_the_shipped_default_policy_passes_its_tests(capsys: pytest.CaptureFixtu
     )
     assert (status, err) == (0, ""), out
     assert out.endswith("3 passed, 0 failed\n")
+
+
+def test_a_concurrency_limits_slots_are_held_for_the_requests_duration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        policy_for("http://127.0.0.1:9")
+        + "limits:\n  in_flight:\n    algorithm: concurrency\n    limit: 1\n"
+    )
+    cases = tmp_path / "cases.yaml"
+    cases.write_text(
+        "cases:\n  - name: one at a time\n    steps:\n"
+        "      - request: {path: /, duration: 1s}\n        expect: {status: 200}\n"
+        "      - at: 500ms\n        request: {path: /}\n"
+        "        expect: {status: 429, rejected_by: in_flight}\n"
+        "      - at: 1s\n        request: {path: /}\n        expect: {status: 200}\n"
+    )
+    status, out, _ = run(capsys, "test", str(policy), str(cases))
+    assert status == 0, out

@@ -129,6 +129,7 @@ def _request_of(step: Step, file: str, line: int) -> Request:
         spec.host,
         tuple(spec.headers.items()),
         None,
+        duration_us=-1 if spec.duration is None else round(spec.duration * US),
     )
 
 

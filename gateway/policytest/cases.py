@@ -55,6 +55,11 @@ class RequestSpec(_Model):
     client_ip: str = Field(DEFAULT_CLIENT, description="the peer address the gateway sees")
     host: str | None = None
     headers: dict[str, HeaderValue] = Field(default_factory=dict)
+    duration: Duration | None = Field(
+        None,
+        description="how long the upstream takes to answer: a concurrency limit's slots are "
+        "held that long (by default given back at once)",
+    )
 
 
 class Expectation(_Model):
