@@ -236,11 +236,12 @@ def write_png(doc: dict[str, Any], path: str) -> None:
     for axis, limit in zip((row[0] for row in axes[1:]), limits, strict=True):
         points = [(x, v) for x, v in zip(xs, limit["level"], strict=True) if v is not None]
         axis.step([p[0] for p in points], [p[1] for p in points], where="post",
-                  color=LEVEL_COLOUR)  # fmt: skip
+                  color=LEVEL_COLOUR, label="quota left")  # fmt: skip
         axis.axhline(limit["quota"], color="#999", linestyle="--", linewidth=1)
         if limit.get("queue"):
-            axis.step(xs, limit["queue"], where="post", color=COLOURS["delayed"])
-        axis.set_ylabel(f"{limit['name']}\nquota left")
+            axis.step(xs, limit["queue"], where="post", color=COLOURS["delayed"], label="queue")
+        axis.set_ylabel(limit["name"])
+        axis.legend(loc="upper right")
     axes[-1][0].set_xlabel("seconds from the first request")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
