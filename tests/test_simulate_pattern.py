@@ -181,3 +181,36 @@ def test_png_is_drawn_when_matplotlib_is_there(
     args = ["simulate", str(policy), "--pattern", "burst:size=6,every=5s,for=20s"]
     assert main([*args, "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_policies_compared_under_the_same_requests_on_one_scale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "nodelay").mkdir()
+    nodelay = write_policy(tmp_path / "nodelay", NODELAY)
+    shaped = write_policy(tmp_path, SHAPED)
+    page = tmp_path / "sim.html"
+    pattern = ["--pattern", "burst:size=6,every=5s,for=20s"]
+    args = ["simulate", str(shaped), "--compare", str(nodelay), *pattern, "--html", str(page)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    # A burst of 6 at 1r/s, burst 2, four times: nodelay admits 3 at once and rejects 3;
+    # shaping admits 1, delays 2 (max_delay 3s) and rejects 3.
+    assert "admitted at once 4, delayed 8, rejected 12, refused otherwise 0\n" in out
+    assert "compared with\n" in out
+    assert out.endswith(
+        "admitted at once 12, delayed 0, rejected 12, refused otherwise 0\n"
+        "  per_ip [leaky_bucket]: admitted 12, delayed 0, rejected 12\n"
+    )
+    text = page.read_text(encoding="utf-8")
+    charts = re.findall(r'data-chart="requests" data-step-ms="\d+" data-peak="(\d+)"', text)
+    assert charts == ["6", "6"]  # one scale for both
+    sections = text.split("<section>")[1:]
+    assert len(sections) == 2 and str(nodelay) in sections[1]
+    for section, admitted, delayed in ((sections[0], 4, 8), (sections[1], 12, 0)):
+        drawn: Counter[str] = Counter()
+        for group, count in re.findall(
+            r'data-group="(\w+)" data-bin="\d+" data-count="(\d+)"', section
+        ):
+            drawn[group] += int(count)
+        assert (drawn["admitted"], drawn["delayed"], drawn["rejected"]) == (admitted, delayed, 12)

@@ -258,6 +258,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         html_file=args.html,
         png_file=args.png,
         as_json=args.json,
+        compare=args.compare,
     )
 
 
@@ -447,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_header,
         metavar="'NAME: VALUE'",
         help="a header every generated request carries (repeatable)",
+    )
+    sim.add_argument(
+        "--compare", metavar="FILE", help="a second policy under the same requests, drawn beside"
     )
     sim.add_argument("--html", metavar="FILE", help="write a self-contained HTML page")
     sim.add_argument("--png", metavar="FILE", help="write a PNG (needs matplotlib)")

@@ -48,18 +48,24 @@ def _ticks(doc: dict[str, Any], bins: int, plot_w: float) -> list[str]:
     return parts
 
 
-def counts_svg(doc: dict[str, Any]) -> str:
-    """Stacked bars per step: admitted, delayed, rejected, other."""
+def peak_step(doc: dict[str, Any]) -> int:
+    """The most requests in one step: the top of the bars' scale."""
+    series = doc["series"]
+    return max([sum(values) for values in zip(*series.values(), strict=True)] or [0]) or 1
+
+
+def counts_svg(doc: dict[str, Any], peak: int) -> str:
+    """Stacked bars per step: admitted, delayed, rejected, other; ``peak`` at the top (one
+    scale for policies compared)."""
     series = doc["series"]
     bins = len(series["admitted"])
     height = 260
     plot_w = _WIDTH - _LEFT - _RIGHT
     plot_h = height - _TOP - _BOTTOM
-    peak = max([sum(values) for values in zip(*series.values(), strict=True)] or [0]) or 1
     bar_w = plot_w / max(bins, 1)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" '
-        f'data-chart="requests" data-step-ms="{doc["step_ms"]}">',
+        f'data-chart="requests" data-step-ms="{doc["step_ms"]}" data-peak="{peak}">',
         f'<text x="{_LEFT}" y="16" font-size="13">requests per {_seconds(doc["step_ms"])}: '
         "admitted, delayed, rejected, refused otherwise (peak "
         f"{peak:,})</text>",
@@ -160,13 +166,11 @@ def _table(headers: list[str], rows: list[list[object]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def html_page(doc: dict[str, Any]) -> str:
+def _section(doc: dict[str, Any], peak: int, title: str) -> list[str]:
     esc = html.escape
     totals = doc["totals"]
     parts = [
-        f"<h1>gateway simulate: <code>{esc(doc['policy'])}</code></h1>",
-        "<p>" + esc(", ".join(doc["patterns"])) + f": {doc['requests']:,} requests over "
-        f"{doc['span_ms'] / 1000:g} s.</p>",
+        f"<section><h2>{esc(title)}: <code>{esc(doc['policy'])}</code></h2>",
         _table(
             ["requests", *totals],
             [[f"{doc['requests']:,}", *(f"{totals[g]:,}" for g in totals)]],
@@ -184,12 +188,33 @@ def html_page(doc: dict[str, Any]) -> str:
                 for lim in doc["limits"]
             ],
         ),
+        counts_svg(doc, peak),
+    ]
+    parts += [level_svg(doc, lim) for lim in doc["limits"] if lim["level"] is not None]
+    parts.append("</section>")
+    return parts
+
+
+def html_page(doc: dict[str, Any]) -> str:
+    """The policy's section (and the one compared, its bars on the same scale), the data
+    embedded."""
+    esc = html.escape
+    compared = doc.get("compare")
+    docs = [doc, compared] if compared else [doc]
+    peak = max(peak_step(d) for d in docs)
+    parts = [
+        f"<h1>gateway simulate: <code>{esc(doc['policy'])}</code>"
+        + (f" and <code>{esc(compared['policy'])}</code>" if compared else "")
+        + "</h1>",
+        "<p>" + esc(", ".join(doc["patterns"])) + f": {doc['requests']:,} requests over "
+        f"{doc['span_ms'] / 1000:g} s.</p>",
         '<p class="key">'
         + "".join(f'<span style="background:{c}"></span>{g}' for g, c in COLOURS.items())
         + "</p>",
-        counts_svg(doc),
     ]
-    parts += [level_svg(doc, lim) for lim in doc["limits"] if lim["level"] is not None]
+    parts += _section(doc, peak, "policy")
+    if compared:
+        parts += _section(compared, peak, "compared with")
     data = json.dumps(doc, separators=(",", ":")).replace("</", "<\\/")
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -212,37 +237,53 @@ def write_png(doc: dict[str, Any], path: str) -> None:
             "--png needs matplotlib, which is not installed: pip install matplotlib "
             "(or 'rl-gateway[bench]'), or use --html"
         ) from None
-    limits = [lim for lim in doc["limits"] if lim["level"] is not None]
+    compared = doc.get("compare")
+    docs = [doc, compared] if compared else [doc]
+    rows: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for shown in docs:
+        rows.append((shown, None))
+        rows += [(shown, lim) for lim in shown["limits"] if lim["level"] is not None]
     figure, axes = plt.subplots(
-        1 + len(limits),
+        len(rows),
         1,
-        figsize=(10, 3 + 1.6 * len(limits)),
+        figsize=(10, 1.6 * len(rows) + 1.4 * len(docs)),
         sharex=True,
-        gridspec_kw={"height_ratios": [2] + [1] * len(limits)},
+        gridspec_kw={"height_ratios": [2 if lim is None else 1 for _, lim in rows]},
         squeeze=False,
     )
+    peak = max(peak_step(d) for d in docs)
     step_s = doc["step_ms"] / 1000
-    series = doc["series"]
-    xs = [i * step_s for i in range(len(series["admitted"]))]
-    bottom = [0] * len(xs)
-    top = axes[0][0]
-    for group, colour in COLOURS.items():
-        top.bar(xs, series[group], width=step_s, bottom=bottom, color=colour, label=group,
-                align="edge")  # fmt: skip
-        bottom = [b + v for b, v in zip(bottom, series[group], strict=True)]
-    top.set_ylabel(f"requests per {step_s:g} s")
-    top.set_title(f"gateway simulate: {doc['policy']}")
-    top.legend(loc="upper right")
-    for axis, limit in zip((row[0] for row in axes[1:]), limits, strict=True):
-        points = [(x, v) for x, v in zip(xs, limit["level"], strict=True) if v is not None]
-        axis.step([p[0] for p in points], [p[1] for p in points], where="post",
-                  color=LEVEL_COLOUR, label="quota left")  # fmt: skip
-        axis.axhline(limit["quota"], color="#999", linestyle="--", linewidth=1)
-        if limit.get("queue"):
-            axis.step(xs, limit["queue"], where="post", color=COLOURS["delayed"], label="queue")
-        axis.set_ylabel(limit["name"])
-        axis.legend(loc="upper right")
+    xs = [i * step_s for i in range(len(doc["series"]["admitted"]))]
+    for axis, (shown, limit) in zip((row[0] for row in axes), rows, strict=True):
+        if limit is None:
+            _png_counts(axis, shown, xs, step_s, peak)
+        else:
+            _png_level(axis, limit, xs)
     axes[-1][0].set_xlabel("seconds from the first request")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def _png_counts(axis: Any, doc: dict[str, Any], xs: list[float], step_s: float, peak: int) -> None:
+    series = doc["series"]
+    bottom = [0] * len(xs)
+    for group, colour in COLOURS.items():
+        axis.bar(xs, series[group], width=step_s, bottom=bottom, color=colour, label=group,
+                 align="edge")  # fmt: skip
+        bottom = [b + v for b, v in zip(bottom, series[group], strict=True)]
+    axis.set_ylim(0, peak * 1.05)
+    axis.set_ylabel(f"requests per {step_s:g} s")
+    axis.set_title(doc["policy"])
+    axis.legend(loc="upper right")
+
+
+def _png_level(axis: Any, limit: dict[str, Any], xs: list[float]) -> None:
+    points = [(x, v) for x, v in zip(xs, limit["level"], strict=True) if v is not None]
+    axis.step([p[0] for p in points], [p[1] for p in points], where="post",
+              color=LEVEL_COLOUR, label="quota left")  # fmt: skip
+    axis.axhline(limit["quota"], color="#999", linestyle="--", linewidth=1)
+    if limit.get("queue"):
+        axis.step(xs, limit["queue"], where="post", color=COLOURS["delayed"], label="queue")
+    axis.set_ylabel(limit["name"])
+    axis.legend(loc="upper right")

@@ -18,19 +18,34 @@ from gateway.replay.simulate import Simulation
 
 
 def simulate(
-    policy_file: str, patterns: list[Pattern], headers: tuple[tuple[str, str], ...] = ()
+    policy_file: str,
+    patterns: list[Pattern],
+    headers: tuple[tuple[str, str], ...] = (),
+    compare: str | None = None,
 ) -> dict[str, Any]:
-    """The patterns run against the policy: the document the text, HTML and PNG show.
-    Raises ``PolicyError``, ``PatternError`` or ``LogError``."""
-    loaded = load_and_build(policy_file)
-    simulation = Simulation(loaded)
-    run = run_pattern(simulation, arrivals(patterns, headers, ReadStats()))
-    doc = timeline(run)
-    doc["patterns"] = [p.text for p in patterns]
-    return doc
+    """The patterns run against the policy (and the same requests against ``compare``, under
+    ``doc["compare"]``): the document the text, HTML and PNG show. Raises ``PolicyError``,
+    ``PatternError`` or ``LogError``."""
+    docs = []
+    for file in (policy_file, compare):
+        if file is None:
+            continue
+        simulation = Simulation(load_and_build(file))
+        # The patterns are deterministic: generated again, the same requests.
+        doc = timeline(run_pattern(simulation, arrivals(patterns, headers, ReadStats())))
+        doc["patterns"] = [p.text for p in patterns]
+        docs.append(doc)
+    if len(docs) == 2:
+        docs[0]["compare"] = docs[1]
+    return docs[0]
 
 
 def text(doc: dict[str, Any]) -> str:
+    compared = doc.get("compare")
+    return _text(doc) + (f"compared with\n{_text(compared)}" if compared else "")
+
+
+def _text(doc: dict[str, Any]) -> str:
     totals = doc["totals"]
     out = [
         f"{doc['policy']}: {doc['requests']:,} requests over {doc['span_ms'] / 1000:g} s "
@@ -55,9 +70,10 @@ def main(
     html_file: str | None = None,
     png_file: str | None = None,
     as_json: bool = False,
+    compare: str | None = None,
 ) -> int:
     try:
-        doc = simulate(policy_file, patterns, headers)
+        doc = simulate(policy_file, patterns, headers, compare)
     except PolicyError as exc:
         print(exc, file=sys.stderr)
         return 1
