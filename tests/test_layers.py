@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edge",),
     ("observability",),
     ("admin", "replay"),
+    ("policytest", "suggest"),
     ("serving",),
     ("cli",),
     ("__main__",),

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from gateway import __version__
 from gateway.build import build_name
@@ -33,6 +33,10 @@ from gateway.policy.models import (
     policy_json_schema,
     split_host_port,
 )
+
+if TYPE_CHECKING:
+    from gateway.policytest.arrivals import Pattern
+    from gateway.replay.gate import Condition
 
 log = logging.getLogger("gateway")
 
@@ -287,7 +291,27 @@ def cmd_check(args: argparse.Namespace) -> int:
             for line in loaded.warning_lines():
                 print(line, file=sys.stderr)
             print(f"{file}: ok (sha256 {loaded.sha256[:12]})")
+            if not args.no_tests:
+                failed = _run_sibling_cases(file, loaded) or failed
     return 1 if failed else 0
+
+
+def _run_sibling_cases(file: str, loaded: LoadedPolicy) -> bool:
+    """The policy's test cases, when they sit beside it (``policy.tests.yaml``): True when
+    one fails or the file is invalid."""
+    from gateway.policytest.case_command import run_and_report, sibling_cases
+
+    cases = sibling_cases(file)
+    if cases is None:
+        return False
+    print(f"{cases}: the policy's tests")
+    return run_and_report(loaded, str(cases)) != 0
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    from gateway.policytest.case_command import main as test_main
+
+    return test_main(args.policy, args.cases, args.junit)
 
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
@@ -338,7 +362,42 @@ def cmd_replay(args: argparse.Namespace) -> int:
         top=args.top,
         window_s=window_s,
         progress=False if args.no_progress else None,
+        fail_if=args.fail_if,
     )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from gateway.policytest.pattern_command import main as simulate_main
+
+    return simulate_main(
+        args.policy,
+        args.pattern,
+        headers=tuple(args.header or ()),
+        html_file=args.html,
+        png_file=args.png,
+        as_json=args.json,
+        compare=args.compare,
+    )
+
+
+def cmd_suggest(args: argparse.Namespace) -> int:
+    from gateway.suggest.suggest_command import main as suggest_main
+
+    status = suggest_main(
+        args.logs,
+        output=args.output,
+        share=args.reject_at_most,
+        fmt=args.format,
+        api_key_header=args.api_key_header,
+        protect_upstream=args.protect_upstream,
+        upstream=args.upstream,
+        html_file=args.html,
+        of_requests=args.of == "requests",
+    )
+    if status:
+        return status
+    # As gateway check would: the policy, then the cases written beside it.
+    return 1 if _run_sibling_cases(args.output, load_and_build(args.output)) else 0
 
 
 _DESCRIPTION = """\
@@ -350,7 +409,10 @@ examples:
   gateway run --config policies/default.yaml
   gateway run --config policy.yaml --listen 0.0.0.0:8080 --log-format json
   gateway run --upstream http://127.0.0.1:8000        (no limits, no policy file)
-  gateway check policy.yaml other.toml
+  gateway check policy.yaml other.toml                (and policy.tests.yaml beside it)
+  gateway test policy.yaml cases.yaml --junit results.xml
+  gateway simulate policy.yaml --pattern burst:size=20,every=10s,for=1m --html sim.html
+  gateway suggest access.log --reject-at-most 1% -o suggested.yaml --html evidence.html
   gateway schema > policy.schema.json
   gateway healthcheck                                 (the image's HEALTHCHECK)
   gateway replay --config candidate.yaml --compare policy.yaml access.log.gz
@@ -422,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{run,check,schema,healthcheck,replay,admin-token}",
+        metavar="{run,check,test,simulate,suggest,schema,healthcheck,replay,admin-token}",
     )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -448,6 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = command("check", "validate policy files, like nginx -t")
     check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument(
+        "--no-tests",
+        action="store_true",
+        help="do not run the cases beside a policy (FILE.tests.yaml): accept what run accepts",
+    )
     check.set_defaults(func=cmd_check)
 
     health = command(
@@ -469,6 +536,94 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--from", metavar="SECRET", help="a mounted secret holding the token")
     token.add_argument("--keep", action="store_true", help="keep the token FILE already holds")
     token.set_defaults(func=cmd_admin_token)
+
+    test = command(
+        "test",
+        "run a policy's test cases (requests at virtual instants, and what must come of them) "
+        "on the real engine: exit 1 with a diff when one fails",
+    )
+    test.add_argument("policy", metavar="POLICY", help="the policy file")
+    test.add_argument("cases", metavar="CASES", help="the cases file (YAML)")
+    test.add_argument("--junit", metavar="FILE", help="write the results as JUnit XML, for CI")
+    test.set_defaults(func=cmd_test)
+
+    sim = command(
+        "simulate",
+        "run arrival patterns (constant, burst, poisson, ramp, or a log) against a policy on a "
+        "virtual clock: admitted, delayed and rejected over time, each limit's level, drawn",
+    )
+    sim.add_argument("policy", metavar="POLICY", help="the policy file")
+    sim.add_argument(
+        "--pattern",
+        action="append",
+        required=True,
+        type=_arrival_pattern,
+        metavar="PATTERN",
+        help="constant:rate=10r/s,for=30s | burst:size=20,every=10s,for=1m | "
+        "poisson:rate=10r/s,for=1m,seed=1 | ramp:from=1r/s,to=50r/s,for=1m | log:FILE; "
+        "each takes start=, path=, client=, clients=N, method= (repeatable: superimposed)",
+    )
+    sim.add_argument(
+        "--header",
+        action="append",
+        type=_header,
+        metavar="'NAME: VALUE'",
+        help="a header every generated request carries (repeatable)",
+    )
+    sim.add_argument(
+        "--compare", metavar="FILE", help="a second policy under the same requests, drawn beside"
+    )
+    sim.add_argument("--html", metavar="FILE", help="write a self-contained HTML page")
+    sim.add_argument("--png", metavar="FILE", help="write a PNG (needs matplotlib)")
+    sim.add_argument("--json", action="store_true", help="print one JSON document")
+    sim.set_defaults(func=cmd_simulate)
+
+    suggest = command(
+        "suggest",
+        "propose limits from access logs (per client, per API key, per path prefix, overall), "
+        "each number with its evidence; write them as a policy and replay it as proof",
+    )
+    suggest.add_argument("logs", nargs="+", help="access logs, as replay reads them (gzip too)")
+    suggest.add_argument(
+        "--output", "-o", default="suggested.yaml", help="the policy to write (suggested.yaml)"
+    )
+    suggest.add_argument(
+        "--reject-at-most",
+        type=_share,
+        default=0.01,
+        metavar="SHARE",
+        help="the share a per-key limit may refuse, of the keys (at their peaks) or of the "
+        "requests (--of) (1%%)",
+    )
+    suggest.add_argument(
+        "--of",
+        choices=("keys", "requests"),
+        default="keys",
+        help="what --reject-at-most is a share of (keys)",
+    )
+    suggest.add_argument(
+        "--protect-upstream",
+        type=_per_second,
+        metavar="N",
+        help="the most requests a second the upstream takes (N or Nr/s): the global limit",
+    )
+    suggest.add_argument(
+        "--api-key-header",
+        default="X-Api-Key",
+        metavar="NAME",
+        help="the header carrying API keys, when the log has headers (X-Api-Key)",
+    )
+    suggest.add_argument(
+        "--upstream", default="http://127.0.0.1:8000", help="the upstream the policy names"
+    )
+    suggest.add_argument(
+        "--format",
+        choices=("auto", "combined", "gateway", "jsonl"),
+        default="auto",
+        help="log format (default: detected from the first line)",
+    )
+    suggest.add_argument("--html", metavar="FILE", help="write the evidence and proof as HTML")
+    suggest.set_defaults(func=cmd_suggest)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)
@@ -501,8 +656,65 @@ def build_parser() -> argparse.ArgumentParser:
         help="how far out of order log lines may be (lines are written when requests end)",
     )
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument(
+        "--fail-if",
+        action="append",
+        type=_fail_condition,
+        metavar="CONDITION",
+        help="exit 1 when the policy's replay meets it, for CI: 'rejected > 1%%', "
+        "'delayed >= 500', 'per_ip.rejected > 0.5%%' (repeatable)",
+    )
     replay.set_defaults(func=cmd_replay)
     return parser
+
+
+def _arrival_pattern(text: str) -> Pattern:
+    from gateway.policytest.arrivals import PatternError, parse_pattern
+
+    try:
+        return parse_pattern(text)
+    except PatternError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip() or " " in name.strip():
+        raise argparse.ArgumentTypeError(f"expected 'Name: value', got {text!r}")
+    return name.strip(), value.strip()
+
+
+def _share(text: str) -> float:
+    number = text.strip().removesuffix("%")
+    try:
+        value = float(number) / (100.0 if text.strip().endswith("%") else 1.0)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share such as 1% or 0.01, got {text!r}")
+    return value
+
+
+def _per_second(text: str) -> float:
+    number = text.strip().removesuffix("r/s").strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = 0.0
+    if value <= 0.0:
+        raise argparse.ArgumentTypeError(
+            f"expected requests a second such as 200 or 200r/s, got {text!r}"
+        )
+    return value
+
+
+def _fail_condition(text: str) -> Condition:
+    from gateway.replay.gate import GateError, parse_condition
+
+    try:
+        return parse_condition(text)
+    except GateError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:

@@ -517,6 +517,26 @@ def _parse_toml(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
     return data, _toml_key_lines(text)
 
 
+def yaml_with_lines(text: str, file: str) -> tuple[Any, dict[Loc, int]]:
+    """YAML read as a policy is: plain data and the line of each path, or a ``PolicyError``
+    (for the other files operators write beside a policy: its test cases)."""
+    return _parse_yaml(text, file)
+
+
+def line_for(lines: dict[Loc, int], loc: Loc) -> int | None:
+    """The line of ``loc``, or of the deepest part of it the file has."""
+    return _line_for(lines, loc)
+
+
+def error_in_words(error: Any, data: Any) -> tuple[Loc, str]:
+    """One pydantic error of a model other than the policy's, placed in the file and put in
+    the policy's words (``expected a whole number, got ...``)."""
+    loc = _data_loc(data, tuple(error["loc"]))
+    if error["type"] == "extra_forbidden":
+        return loc, "unknown key"
+    return loc, _in_words(error, loc)
+
+
 def _toml_key_lines(text: str) -> dict[Loc, int]:
     """Best-effort lines for TOML: tables and their keys (tomllib keeps no positions)."""
     lines: dict[Loc, int] = {}

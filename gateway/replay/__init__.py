@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gateway.engine.preflight import load_and_build
 from gateway.policy.loader import PolicyError
+from gateway.replay.gate import Condition, failures
 from gateway.replay.log_formats import FORMATS, LogError
 from gateway.replay.report import document, html_page, text
 from gateway.replay.run import Run, replay
@@ -34,14 +35,25 @@ def main(
     top: int = 10,
     window_s: float = 30.0,
     progress: bool | None = None,
+    fail_if: list[Condition] | None = None,
 ) -> int:
-    """Run a replay for the command line: 0, or 1 with one line on stderr for a user's error."""
+    """Run a replay for the command line: 0, or 1 with one line on stderr for a user's error
+    or for each ``fail_if`` condition that holds for the candidate (a CI gate)."""
     try:
         candidate = load_and_build(config)
         current = load_and_build(compare) if compare else None
     except PolicyError as exc:
         print(f"gateway replay: invalid policy:\n{exc}", file=sys.stderr)
         return 1
+    for condition in fail_if or ():
+        if condition.limit is not None and condition.limit not in candidate.policy.limits:
+            names = ", ".join(candidate.policy.limits) or "none"
+            print(
+                f"gateway replay: --fail-if {condition.text!r}: {config} has no limit "
+                f"{condition.limit!r} (its limits: {names})",
+                file=sys.stderr,
+            )
+            return 1
     if logs.count("-") > 1:
         print("gateway replay: standard input ('-') can be read once", file=sys.stderr)
         return 1
@@ -75,4 +87,7 @@ def main(
         sys.stdout.write("\n")
     else:
         sys.stdout.write(text(doc))
-    return 0
+    failed = failures(list(fail_if or ()), doc["policies"][0])
+    for line in failed:
+        print(f"gateway replay: failed: --fail-if {line}", file=sys.stderr)
+    return 1 if failed else 0
