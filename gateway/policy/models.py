@@ -1472,6 +1472,26 @@ class Access(_Model):
 _STORE_URL_RE = re.compile(r"^(memory|shared|(redis|rediss)(\+cluster)?://\S+)$")
 
 
+class WorkerLeaseSettings(_Model):
+    """Worker leases on the shared store: a worker takes a batch of a hot key's quota in one
+    shared write and decides the key's next requests from it alone
+    (``gateway/stores/shared/worker_lease.py`` states each algorithm's bound)."""
+
+    units: int = Field(
+        64,
+        ge=2,
+        le=1_000_000,
+        description="the largest batch a worker takes of one key (also at most a quarter of "
+        "the quota over the workers)",
+    )
+    interval: Timeout = Field(
+        0.01,
+        description="how long a bucket's batch lasts (a window's ends with its window, sooner "
+        "if this is shorter): a token or leaky bucket admits at most rate x interval beyond "
+        "its exact decisions",
+    )
+
+
 class StoreSettings(_Model):
     """Where limit state lives: this process, or Redis shared by every replica."""
 
@@ -1506,6 +1526,12 @@ class StoreSettings(_Model):
         description="thin: the gateway's pipelined client on redis-py's hiredis parser (less "
         "CPU per call, see bench/README.md); redis-py: redis-py's asyncio pipelines",
     )
+    worker_lease: WorkerLeaseSettings | None = Field(
+        None,
+        description="the shared store (--workers N): each worker decides a hot key's requests "
+        "from batches of its quota, within the bound each algorithm states (docs/stores.md); "
+        "{} for the defaults; omitted: every request decided exactly in the shared state",
+    )
 
     @field_validator("url")
     @classmethod
@@ -1516,6 +1542,15 @@ class StoreSettings(_Model):
                 "rediss:// or redis+cluster://"
             )
         return value
+
+    @model_validator(mode="after")
+    def _worker_lease_on_the_shared_store(self) -> StoreSettings:
+        if self.worker_lease is not None and self.url not in ("memory", "shared"):
+            raise ValueError(
+                "worker_lease leases between the workers of the shared store (url: shared or "
+                "memory); on Redis, lease a limit's quota between replicas with its lease:"
+            )
+        return self
 
 
 class Policy(_Model):

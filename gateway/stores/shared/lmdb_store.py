@@ -94,6 +94,7 @@ from gateway.stores.shared.tables import (
     slot_keys,
     table_counts,
 )
+from gateway.stores.shared.worker_lease import WorkerLeases
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
@@ -146,6 +147,8 @@ class SharedStore:
         workers: int = 1,
         on_failure: str = "local",
         worker_id: int = 0,
+        lease_units: int = 0,
+        lease_interval_s: float = 0.0,
     ) -> None:
         # ``path`` None: build and validate only (``gateway check``), nothing opened.
         self.path = path
@@ -162,6 +165,14 @@ class SharedStore:
         self.reports_counts = reports_counts
         # Several processes write: decide outside the writers' lock (``_decide_optimistic``).
         self._optimistic = workers > 1
+        # Decisions made again under the writers' lock: another worker committed a state this
+        # one had read between its snapshot and its write (contention on hot keys).
+        self.redecided = 0
+        # ``store.worker_lease``: hot keys decided from batches of their quota (``worker_lease``).
+        self.workers = workers
+        self.leases: WorkerLeases | None = None
+        if lease_units > 1:
+            self.leases = WorkerLeases(lease_units, max(round(lease_interval_s * 1e6), 1), workers)
         # Other workers take and give back slots too: a request waiting for one looks again.
         self.slots_shared = workers > 1
         # This worker's number in the ``held`` records: the same in the worker started in
@@ -274,6 +285,8 @@ class SharedStore:
             if probe is not None and not isinstance(probe, int | bytes):
                 raise ValueError(f"the shared store cannot hold {limit.spec.algorithm} states")
         self._limits = tuple(limits)
+        if self.leases is not None:
+            self.leases.clear()
         if self.path is None:
             return
         self._map_bound = max(
@@ -380,11 +393,56 @@ class SharedStore:
         if env is None:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
         try:
-            if commit and self._optimistic:
-                return self._decide_optimistic(env, checks, now_us)
+            if commit:
+                if self.leases is not None:
+                    return self._decide_leased(env, self.leases, checks, now_us)
+                if self._optimistic:
+                    return self._decide_optimistic(env, checks, now_us)
             return self._decide_in_one(env, checks, commit, now_us)
         except (lmdb.MapFullError, _MapNearlyFull):
             return self._decide_after_growing(env, checks, commit, now_us)
+
+    def _decide_leased(
+        self, env: lmdb.Environment, leases: WorkerLeases, checks: Sequence[Check], now_us: int
+    ) -> CombinedDecision:
+        """``store.worker_lease``: a request whose every check has a unit in this worker's
+        batches is decided from them, without the shared state; else its checks are decided
+        there, a leased hot key charged a new batch (``worker_lease``). A batch the state
+        refuses is not asked again until the key's lease expires, and the request is decided
+        as without leases."""
+        taken = leases.take_all(checks, now_us)
+        if taken is not None:
+            return CombinedDecision(True, 0.0, 0.0, (), None, tuple(taken), (None,) * len(taken))
+        batches = [leases.batch_for(check, now_us) for check in checks]
+        asked = list(checks)
+        batched = False
+        for index, check in enumerate(checks):
+            if batches[index] != check.cost:
+                batched = True
+                asked[index] = Check(
+                    check.limit, check.key, check.max_delay_s, check.reserved, batches[index]
+                )
+        if not batched:
+            return self._decide_writing(env, checks, now_us)
+        verdict = self._decide_writing(env, asked, now_us)
+        if verdict.allowed:
+            for index, check in enumerate(checks):
+                if batches[index] != check.cost:
+                    leases.granted_batch(check, batches[index], verdict.decisions[index], now_us)
+            return verdict
+        refused = [i for i in verdict.rejected_by if batches[i] != checks[i].cost]
+        if not refused:
+            return verdict  # refused by limits charged their cost alone
+        for index in refused:
+            leases.refused_batch(checks[index], now_us)
+        return self._decide_writing(env, checks, now_us)
+
+    def _decide_writing(
+        self, env: lmdb.Environment, checks: Sequence[Check], now_us: int
+    ) -> CombinedDecision:
+        if self._optimistic:
+            return self._decide_optimistic(env, checks, now_us)
+        return self._decide_in_one(env, checks, True, now_us)
 
     def _decide_after_growing(
         self, env: lmdb.Environment, checks: Sequence[Check], commit: bool, now_us: int
@@ -462,6 +520,7 @@ class SharedStore:
         try:
             committed = txn.id()
             if committed != seen + 1 and self._changed_since(txn, found):
+                self.redecided += 1
                 verdict = self._read_and_decide(txn, checks, now_us, True)[0]
                 if not verdict.allowed:
                     txn.abort()
