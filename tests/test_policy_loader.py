@@ -239,6 +239,9 @@ EXPECTED_ERRORS = {
     "concurrency_leased.yaml": "concurrency_leased.yaml:8: limits.per_client: concurrency "
     "cannot be leased: a slot is given back when its request ends, and a batch of slots taken "
     "ahead would be held by nobody",
+    "worker_lease_on_redis.yaml": "worker_lease_on_redis.yaml:7: store: worker_lease leases "
+    "between the workers of the shared store (url: shared or memory); on Redis, lease a limit's "
+    "quota between replicas with its lease:",
     "concurrency_zero_limit.yaml": "concurrency_zero_limit.yaml:10: limits.per_client.limit: "
     "must be at least 1, got 0",
     "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "

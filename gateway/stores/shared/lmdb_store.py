@@ -94,7 +94,7 @@ from gateway.stores.shared.tables import (
     slot_keys,
     table_counts,
 )
-from gateway.stores.shared.worker_lease import WorkerLeases
+from gateway.stores.shared.worker_lease import Lease, WorkerLeases
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
@@ -123,6 +123,40 @@ _Found = tuple[bytes, bytes | None, bytes | None]
 _Moved = tuple[bytes, int | None, CompiledLimit, Any]
 # A concurrency check's slots an admission takes: its state key, and how many.
 _Taken = tuple[bytes, int]
+
+
+def _merged(
+    verdict: CombinedDecision,
+    sent: Sequence[int],
+    at_hand: Sequence[Lease | None],
+    leases: WorkerLeases,
+) -> CombinedDecision:
+    """The request's verdict from the shared state's on the checks ``sent`` there and the
+    units at hand in this worker's batches for the others (taken if it admits)."""
+    if len(sent) == len(at_hand):
+        return verdict
+    decisions: list[Decision] = []
+    states: list[Any] = []
+    position = 0
+    for lease in at_hand:
+        if lease is None:
+            decisions.append(verdict.decisions[position])
+            states.append(verdict.states[position])
+            position += 1
+        else:
+            decisions.append(leases.take(lease) if verdict.allowed else leases.peek(lease))
+            states.append(None)
+    delayed_by = verdict.delayed_by
+    return CombinedDecision(
+        verdict.allowed,
+        verdict.delay_s,
+        verdict.retry_after_s,
+        tuple(sent[j] for j in verdict.rejected_by),
+        None if delayed_by is None else sent[delayed_by],
+        tuple(decisions),
+        tuple(states),
+        verdict.now_us,
+    )
 
 
 class _MapNearlyFull(Exception):
@@ -406,36 +440,45 @@ class SharedStore:
         self, env: lmdb.Environment, leases: WorkerLeases, checks: Sequence[Check], now_us: int
     ) -> CombinedDecision:
         """``store.worker_lease``: a request whose every check has a unit in this worker's
-        batches is decided from them, without the shared state; else its checks are decided
-        there, a leased hot key charged a new batch (``worker_lease``). A batch the state
-        refuses is not asked again until the key's lease expires, and the request is decided
-        as without leases."""
+        batches is decided from them, without the shared state. Else the checks without one
+        are decided there in one transaction, a leased key met again lately charged a new
+        batch (``worker_lease``), and the others take their unit from their batch if the
+        request is admitted. A batch the state refuses is not asked again until the key's
+        lease expires: the request is decided again with each check charged its cost."""
         taken = leases.take_all(checks, now_us)
         if taken is not None:
             return CombinedDecision(True, 0.0, 0.0, (), None, tuple(taken), (None,) * len(taken))
-        batches = [leases.batch_for(check, now_us) for check in checks]
-        asked = list(checks)
-        batched = False
+        at_hand: list[Lease | None] = []
+        sent: list[int] = []
+        asked: list[Check] = []
+        batches: list[int] = []
         for index, check in enumerate(checks):
-            if batches[index] != check.cost:
-                batched = True
-                asked[index] = Check(
-                    check.limit, check.key, check.max_delay_s, check.reserved, batches[index]
+            lease = leases.at_hand(check, now_us)
+            at_hand.append(lease)
+            if lease is not None:
+                continue
+            batch = leases.batch_for(check, now_us)
+            sent.append(index)
+            batches.append(batch)
+            if batch == check.cost:
+                asked.append(check)
+            else:
+                asked.append(
+                    Check(check.limit, check.key, check.max_delay_s, check.reserved, batch)
                 )
-        if not batched:
-            return self._decide_writing(env, checks, now_us)
         verdict = self._decide_writing(env, asked, now_us)
+        refused = [j for j in verdict.rejected_by if asked[j] is not checks[sent[j]]]
+        if refused:
+            for j in refused:
+                leases.refused_batch(checks[sent[j]], now_us)
+            asked = [checks[index] for index in sent]
+            batches = [check.cost for check in asked]
+            verdict = self._decide_writing(env, asked, now_us)
         if verdict.allowed:
-            for index, check in enumerate(checks):
-                if batches[index] != check.cost:
-                    leases.granted_batch(check, batches[index], verdict.decisions[index], now_us)
-            return verdict
-        refused = [i for i in verdict.rejected_by if batches[i] != checks[i].cost]
-        if not refused:
-            return verdict  # refused by limits charged their cost alone
-        for index in refused:
-            leases.refused_batch(checks[index], now_us)
-        return self._decide_writing(env, checks, now_us)
+            for j, index in enumerate(sent):
+                if asked[j] is not checks[index]:
+                    leases.granted_batch(checks[index], batches[j], verdict.decisions[j], now_us)
+        return _merged(verdict, sent, at_hand, leases)
 
     def _decide_writing(
         self, env: lmdb.Environment, checks: Sequence[Check], now_us: int

@@ -13,15 +13,22 @@ workers took.
 
 Bounds, per algorithm (``bound_text`` says the same for ``/explain``):
 
-* ``fixed_window``, ``sliding_window``: a batch expires at the end of the window it was
-  charged in, so every unit is used in the window that counted it: never more than the
-  limit per window. Units a worker holds but does not use are lost to the others until the
+* ``fixed_window``, ``sliding_window``: a batch is used by the end of the window it was charged
+  in, so every unit is admitted in the window that counted it: never more than the limit per
+  window (a sliding window's weighted count, likewise). Units a worker holds and does not use
+  (no more of that key's requests reach it in the window) are lost to the others until the
   window ends: at most ``workers x size`` fewer than the limit in a window.
 * ``token_bucket`` (reject mode), ``leaky_bucket`` with ``nodelay``: a batch expires
   ``interval`` after it was charged, so an admission is charged at most ``interval`` before
   it happens. Over any span T the workers admit at most what the bucket admits over T +
   ``interval`` (``burst + rate x (T + interval)``): at most ``rate x interval`` (and at most
-  ``workers x units``) beyond the exact bucket. Unused units strand for ``interval`` at most.
+  ``workers x units``) beyond the exact bucket. Units a batch still holds when it expires are
+  lost (at most ``workers x size`` per ``interval``).
+
+A key is leased once a worker meets it again within ``interval``; a batch the shared state
+refuses (the key near its limit) is not asked again until ``interval`` passes: the key's
+requests are then decided exactly, one by one. With limits that do not refill, workers that
+keep receiving a key's requests admit exactly the limit (the units held are spent by them).
 
 Not leased (decided in the shared state on every request, exactly): other algorithms and
 modes, calendar windows, limits counted by their responses, concurrency, requests of a cost
@@ -46,6 +53,9 @@ SWEEP_US: Final = 1_000_000
 # The batch is at most the quota over this many times the workers: the units stranded in the
 # workers' batches stay a fraction of a binding limit.
 QUOTA_SHARE: Final = 4
+
+# Keys of one limit a worker keeps leases for at once: beyond, new keys are decided exactly.
+MAX_LEASES: Final = 65_536
 
 WINDOW: Final = 1  # the batch ends with the window it was charged in
 BUCKET: Final = 2  # the batch ends ``interval`` after it was charged
@@ -107,8 +117,9 @@ def bound_text(limit: CompiledLimit, units: int, interval_s: float, workers: int
     kind = lease_kind(limit, units, workers)
     if kind.kind == WINDOW:
         return (
-            f"worker lease of up to {kind.cap} units: never more than the limit per window; up "
-            f"to {workers} x {kind.cap} fewer when workers hold units they do not use"
+            f"worker lease: batches of up to {kind.cap} units, used by the end of their window: "
+            f"never more than the limit per window; up to {workers} x {kind.cap} fewer when "
+            "workers hold units no more requests of the key reach"
         )
     if kind.kind == BUCKET:
         return (
@@ -163,15 +174,32 @@ class WorkerLeases:
             if lease is None or lease.units < 1 or now_us >= lease.expires_us:
                 return None
             found.append(lease)
-        decisions: list[Decision] = []
-        for lease in found:
-            lease.units -= 1
-            decisions.append(
-                Decision(True, 0.0, 0.0, lease.limit_value, lease.remaining + lease.units,
-                         lease.reset_s)
-            )  # fmt: skip
         self.decided += 1
-        return decisions
+        return [self.take(lease) for lease in found]
+
+    def at_hand(self, check: Check, now_us: int) -> Lease | None:
+        """``check``'s batch when it has a unit for it now."""
+        if check.cost != 1:
+            return None
+        by_key = self._leases.get(check.limit.table)
+        if by_key is None:
+            return None
+        lease = by_key.get(check.key)
+        if lease is None or lease.units < 1 or now_us >= lease.expires_us:
+            return None
+        return lease
+
+    def take(self, lease: Lease) -> Decision:
+        """A unit of ``lease`` for a request: its decision."""
+        lease.units -= 1
+        return self.peek(lease)
+
+    def peek(self, lease: Lease) -> Decision:
+        """What ``lease`` says of a request, as the headers show it: the shared state's
+        remaining at the grant, plus the units left in the batch."""
+        return Decision(
+            True, 0.0, 0.0, lease.limit_value, lease.remaining + lease.units, lease.reset_s
+        )
 
     def batch_for(self, check: Check, now_us: int) -> int:
         """The units to charge ``check`` in the shared state: a batch (more than its cost)
@@ -187,6 +215,8 @@ class WorkerLeases:
         lease = by_key.get(check.key)
         if lease is None:
             self._sweep(now_us)
+            if len(by_key) >= MAX_LEASES:
+                return check.cost  # a limit met by that many keys at once: exact
             by_key[check.key] = lease = Lease(now_us)
             lease.expires_us = now_us + self.interval_us  # met again before this: leased
             return 1
@@ -216,13 +246,10 @@ class WorkerLeases:
         kind = self.kind_of(check.limit)
         lease.units = batch - 1
         lease.granted_us = now_us
-        expires_us = now_us + self.interval_us
-        if kind.kind == WINDOW:
-            window_us = kind.window_us
-            window_end_us = (now_us // window_us + 1) * window_us
-            if window_end_us < expires_us:
-                expires_us = window_end_us
-        lease.expires_us = expires_us
+        if kind.kind == WINDOW:  # used in the window that counted it, by the end of it
+            lease.expires_us = (now_us // kind.window_us + 1) * kind.window_us
+        else:
+            lease.expires_us = now_us + self.interval_us
         lease.limit_value = decision.limit
         lease.remaining = decision.remaining
         lease.reset_s = decision.reset_s
