@@ -94,7 +94,7 @@ from gateway.stores.shared.tables import (
     slot_keys,
     table_counts,
 )
-from gateway.stores.shared.worker_lease import Lease, WorkerLeases
+from gateway.stores.shared.worker_lease import Lease, WorkerLeases, bound_text
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
@@ -479,6 +479,14 @@ class SharedStore:
                 if asked[j] is not checks[index]:
                     leases.granted_batch(checks[index], batches[j], verdict.decisions[j], now_us)
         return _merged(verdict, sent, at_hand, leases)
+
+    def lease_bound(self, limit: CompiledLimit) -> str | None:
+        """What ``store.worker_lease`` allows ``limit`` beyond its exact decisions (for
+        ``/explain``); None when it is decided exactly."""
+        leases = self.leases
+        if leases is None:
+            return None
+        return bound_text(limit, leases.units, leases.interval_us / 1e6, leases.workers)
 
     def _decide_writing(
         self, env: lmdb.Environment, checks: Sequence[Check], now_us: int
