@@ -115,6 +115,7 @@ def _store_worker(
     ready: Any,
     go: Any,
     results: Any,
+    profile: str | None = None,
 ) -> None:
     """One process deciding the three hot keys until ``seconds`` pass."""
     if cpu is not None:
@@ -139,6 +140,12 @@ def _store_worker(
     ready.put(worker_id)
     go.wait()
     count = rejected = 0
+    profiler = None
+    if profile is not None and worker_id == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     cpu_started = time.thread_time()
     started = time.perf_counter()
     deadline = started + seconds
@@ -149,6 +156,9 @@ def _store_worker(
         count += 200
     elapsed = time.perf_counter() - started
     cpu_s = time.thread_time() - cpu_started
+    if profiler is not None and profile is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
     leases = store.leases
     results.put(
         {
@@ -163,7 +173,9 @@ def _store_worker(
     )
 
 
-def store_only(workers: int, lease: bool, seconds: float, layout: Layout) -> dict[str, Any]:
+def store_only(
+    workers: int, lease: bool, seconds: float, layout: Layout, profile: Path | None = None
+) -> dict[str, Any]:
     """N processes on one shared store, three hot keys each request."""
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
         ready, results, go = FORK.Queue(), FORK.Queue(), FORK.Event()
@@ -175,7 +187,18 @@ def store_only(workers: int, lease: bool, seconds: float, layout: Layout) -> dic
             procs.append(
                 FORK.Process(
                     target=_store_worker,
-                    args=(d + "/s", workers, worker_id, cpu, lease, seconds, ready, go, results),
+                    args=(
+                        d + "/s",
+                        workers,
+                        worker_id,
+                        cpu,
+                        lease,
+                        seconds,
+                        ready,
+                        go,
+                        results,
+                        None if profile is None else str(profile),
+                    ),
                 )
             )
         for proc in procs:
@@ -195,6 +218,8 @@ def store_only(workers: int, lease: bool, seconds: float, layout: Layout) -> dic
         "decisions_per_s": decisions / elapsed,
         "cpu_us_per_decision": cpu_s * 1e6 / decisions,
         "redecided_share": sum(run["redecided"] for run in runs) / decisions,
+        # The share of the processes' time on a core: the rest waited (for the writers' lock).
+        "busy_share": cpu_s / (elapsed * workers),
         "from_lease_share": sum(run["from_lease"] for run in runs) / decisions,
         "batches": sum(run["batches"] for run in runs),
         "rejected": sum(run["rejected"] for run in runs),
@@ -382,13 +407,14 @@ def table(summary: dict[tuple[str, int], dict[str, float]], workers: Sequence[in
 
 def store_table(results: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| processes | lease | decisions/s | CPU µs/decision | redecided | from lease |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| processes | lease | decisions/s | CPU µs/decision | on CPU | redecided | from lease |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in results:
         lines.append(
             f"| {row['workers']} | {'worker_lease' if row['lease'] else 'exact'} "
             f"| {row['decisions_per_s']:,.0f} | {row['cpu_us_per_decision']:.2f} "
+            f"| {row['busy_share']:.0%} "
             f"| {row['redecided_share']:.1%} | {row['from_lease_share']:.1%} |"
         )
     return "\n".join(lines)
@@ -409,6 +435,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--store-seconds", type=float, default=2.0, help="seconds per store-only run (0: skip them)"
     )
     parser.add_argument("--store-only", action="store_true", help="the store-only runs alone")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="a folder: the first process of each store-only run under cProfile, its stats "
+        "written there (store-{exact,lease}-{N}p.prof) and its top functions printed",
+    )
     parser.add_argument(
         "--budget",
         type=float,
@@ -457,7 +489,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.store_seconds > 0:
         for workers in args.workers:
             for lease in (False, True):
-                result = store_only(workers, lease, args.store_seconds, layout)
+                profile = None
+                if args.profile is not None:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    name = f"store-{'lease' if lease else 'exact'}-{workers}p.prof"
+                    profile = args.profile / name
+                result = store_only(workers, lease, args.store_seconds, layout, profile)
+                if profile is not None:
+                    import pstats
+
+                    pstats.Stats(str(profile)).sort_stats("tottime").print_stats(12)
                 log(
                     f"bench: store-only {workers} processes, {'lease' if lease else 'exact'}: "
                     f"{result['decisions_per_s']:,.0f}/s, {result['cpu_us_per_decision']:.2f} "
