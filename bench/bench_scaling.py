@@ -34,9 +34,11 @@ import datetime
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -206,7 +208,19 @@ def store_only(
         for _ in procs:
             ready.get(timeout=60)
         go.set()
-        runs = [results.get(timeout=seconds + 60) for _ in procs]
+        runs: list[dict[str, Any]] = []
+        deadline = time.monotonic() + seconds + 60
+        while len(runs) < workers:
+            try:
+                runs.append(results.get(timeout=1.0))
+            except queue.Empty:
+                failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    for proc in procs:
+                        proc.kill()
+                    raise RuntimeError(
+                        f"store-only processes failed (exit codes {failed})"
+                    ) from None
         for proc in procs:
             proc.join(30)
     decisions = sum(run["decisions"] for run in runs)
@@ -494,7 +508,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.profile.mkdir(parents=True, exist_ok=True)
                     name = f"store-{'lease' if lease else 'exact'}-{workers}p.prof"
                     profile = args.profile / name
-                result = store_only(workers, lease, args.store_seconds, layout, profile)
+                try:
+                    result = store_only(workers, lease, args.store_seconds, layout, profile)
+                except Exception as exc:  # the HTTP part still runs
+                    document["skipped"][f"store-{workers}p-{lease}"] = str(exc)
+                    log(f"bench: store-only {workers} processes FAILED: {exc}")
+                    continue
                 if profile is not None:
                     import pstats
 
@@ -544,17 +563,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"bench: SKIPPING {name}: {str(exc).splitlines()[0]}")
         if args.warmup > 0:
             for target in targets:
-                bp.run_wrk(
-                    target.running.url, args.connections, args.warmup, args.threads, layout.wrk
-                )
+                try:
+                    bp.run_wrk(
+                        target.running.url, args.connections, args.warmup, args.threads, layout.wrk
+                    )
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                    log(f"bench: warm-up of {target.name} failed: {str(exc).splitlines()[0]}")
         for round_no in range(1, args.rounds + 1):
             if round_no > 1 and time.monotonic() - started_at > args.budget:
                 log(f"bench: over the budget of {args.budget:g} s: no round {round_no}")
                 break
-            for target in targets:
-                if target.running.started.proc.poll() is not None:
-                    raise RuntimeError(f"{target.name} died:\n{target.running.started.log_tail()}")
-                run = measure(scaling, target, args.connections, args.duration, args.threads)
+            for target in list(targets):
+                try:
+                    if target.running.started.proc.poll() is not None:
+                        raise RuntimeError(f"died:\n{target.running.started.log_tail()}")
+                    run = measure(scaling, target, args.connections, args.duration, args.threads)
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                    # One target's failure leaves the others' figures: it is dropped.
+                    document["skipped"][target.name] = str(exc)
+                    log(f"bench: DROPPING {target.name}: {str(exc).splitlines()[0]}")
+                    targets.remove(target)
+                    continue
                 run["round"] = round_no
                 document["runs"].append(run)
                 log(
