@@ -55,6 +55,9 @@ import bench_proxy as bp  # noqa: E402
 from limit_policies import NO_LIMITS, THREE_LIMITS, policy_text  # noqa: E402
 
 MODES = ("none", "shared", "lease", "redis", "redis-lease")
+# The store alone: as a worker of N decides (a snapshot, then a short write), all under the
+# writers' lock, and with worker leases.
+STORE_VARIANTS = ("exact", "locked", "lease")
 NGINX_MODE = "nginx-limit"
 BIG_MACHINE_CORES = 16
 FORK = multiprocessing.get_context("fork")
@@ -112,7 +115,7 @@ def _store_worker(
     workers: int,
     worker_id: int,
     cpu: int | None,
-    lease: bool,
+    variant: str,
     seconds: float,
     ready: Any,
     go: Any,
@@ -131,10 +134,14 @@ def _store_worker(
         Path(path),
         workers=workers,
         worker_id=worker_id,
-        lease_units=64 if lease else 0,
+        lease_units=64 if variant == "lease" else 0,
         lease_interval_s=0.01,
         reports_counts=worker_id == 0,
     )
+    if variant == "locked":
+        # Read, decide and write in one write transaction, as a lone process does: no snapshot
+        # (what the exact store would do if deciding under the lock were cheaper).
+        store._optimistic = False
     stack = limits()
     store.configure(stack, ())
     checks = [Check(stack[0], "10.0.0.1"), Check(stack[1], "api"), Check(stack[2], "global")]
@@ -176,7 +183,7 @@ def _store_worker(
 
 
 def store_only(
-    workers: int, lease: bool, seconds: float, layout: Layout, profile: Path | None = None
+    workers: int, variant: str, seconds: float, layout: Layout, profile: Path | None = None
 ) -> dict[str, Any]:
     """N processes on one shared store, three hot keys each request."""
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
@@ -194,7 +201,7 @@ def store_only(
                         workers,
                         worker_id,
                         cpu,
-                        lease,
+                        variant,
                         seconds,
                         ready,
                         go,
@@ -228,7 +235,7 @@ def store_only(
     cpu_s = sum(run["cpu_s"] for run in runs)
     return {
         "workers": workers,
-        "lease": lease,
+        "variant": variant,
         "decisions_per_s": decisions / elapsed,
         "cpu_us_per_decision": cpu_s * 1e6 / decisions,
         "redecided_share": sum(run["redecided"] for run in runs) / decisions,
@@ -421,12 +428,12 @@ def table(summary: dict[tuple[str, int], dict[str, float]], workers: Sequence[in
 
 def store_table(results: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| processes | lease | decisions/s | CPU µs/decision | on CPU | redecided | from lease |",
+        "| processes | store | decisions/s | CPU µs/decision | on CPU | redecided | from lease |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in results:
         lines.append(
-            f"| {row['workers']} | {'worker_lease' if row['lease'] else 'exact'} "
+            f"| {row['workers']} | {row['variant']} "
             f"| {row['decisions_per_s']:,.0f} | {row['cpu_us_per_decision']:.2f} "
             f"| {row['busy_share']:.0%} "
             f"| {row['redecided_share']:.1%} | {row['from_lease_share']:.1%} |"
@@ -453,7 +460,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--profile",
         type=Path,
         help="a folder: the first process of each store-only run under cProfile, its stats "
-        "written there (store-{exact,lease}-{N}p.prof) and its top functions printed",
+        "written there (store-VARIANT-Np.prof) and its top functions printed",
     )
     parser.add_argument(
         "--budget",
@@ -502,16 +509,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.store_seconds > 0:
         for workers in args.workers:
-            for lease in (False, True):
+            for variant in STORE_VARIANTS:
                 profile = None
                 if args.profile is not None:
                     args.profile.mkdir(parents=True, exist_ok=True)
-                    name = f"store-{'lease' if lease else 'exact'}-{workers}p.prof"
+                    name = f"store-{variant}-{workers}p.prof"
                     profile = args.profile / name
                 try:
-                    result = store_only(workers, lease, args.store_seconds, layout, profile)
+                    result = store_only(workers, variant, args.store_seconds, layout, profile)
                 except Exception as exc:  # the HTTP part still runs
-                    document["skipped"][f"store-{workers}p-{lease}"] = str(exc)
+                    document["skipped"][f"store-{variant}-{workers}p"] = str(exc)
                     log(f"bench: store-only {workers} processes FAILED: {exc}")
                     continue
                 if profile is not None:
@@ -519,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                     pstats.Stats(str(profile)).sort_stats("tottime").print_stats(12)
                 log(
-                    f"bench: store-only {workers} processes, {'lease' if lease else 'exact'}: "
+                    f"bench: store-only {workers} processes, {variant}: "
                     f"{result['decisions_per_s']:,.0f}/s, {result['cpu_us_per_decision']:.2f} "
                     f"µs/decision, redecided {result['redecided_share']:.1%}"
                 )
