@@ -19,7 +19,8 @@ route, the global key) for ``--store-seconds``; decisions per second, CPU per de
 often a decision was made again under the writers' lock (``redecided``), exact and with
 ``store.worker_lease``.
 
-Modes: ``none`` (no limits), ``shared`` (the three limits in the shared store, exact),
+Modes: ``none`` (no limits), ``memory`` (the three limits in process, one worker only),
+``shared`` (the three limits in the shared store, exact),
 ``lease`` (the same with ``store.worker_lease: {}``), ``redis`` (in one Redis), ``redis-lease``
 (in Redis, the window and the token bucket with ``lease: {}``; the leaky bucket cannot be
 leased there), and nginx ``limit_req`` (one zone per client) at the smallest and largest worker
@@ -54,7 +55,9 @@ sys.path.insert(0, str(REPO_ROOT))
 import bench_proxy as bp  # noqa: E402
 from limit_policies import NO_LIMITS, THREE_LIMITS, policy_text  # noqa: E402
 
-MODES = ("none", "shared", "lease", "redis", "redis-lease")
+MODES = ("none", "memory", "shared", "lease", "redis", "redis-lease")
+# In process: one worker only (with several, ``memory`` is the shared store).
+ONE_WORKER_MODES = ("memory",)
 # The store alone: as a worker of N decides (a snapshot, then a short write), all under the
 # writers' lock, and with worker leases.
 STORE_VARIANTS = ("exact", "locked", "lease")
@@ -304,6 +307,8 @@ class Scaling:
         upstream = f"http://{bp.HOST}:{self.harness.upstream_port}"
         if mode == "none":
             return policy_text(NO_LIMITS, upstream)
+        if mode == "memory":
+            return policy_text(THREE_LIMITS, upstream)
         if mode in ("shared", "lease"):
             text = policy_text(THREE_LIMITS, upstream, "shared")
             if mode == "lease":
@@ -555,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         starters: list[tuple[str, Callable[[], Target]]] = []
         for workers in args.workers:
             for mode in args.modes:
+                if mode in ONE_WORKER_MODES and workers != 1:
+                    continue
                 starters.append(
                     (f"{mode}-{workers}w", lambda m=mode, w=workers: scaling.start_gateway(m, w))
                 )
