@@ -102,6 +102,14 @@ class Layout:
         return _cpus(cores[:workers] if workers <= len(cores) else cores)
 
 
+def pinned_by_python(cpus: str, argv: Sequence[str]) -> list[str]:
+    """``taskset -c cpus argv`` without taskset."""
+    if not cpus:
+        return list(argv)
+    shim = "import os, sys; os.sched_setaffinity(0, {%s}); os.execvp(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", shim % cpus, *argv]
+
+
 def _cpus(cores: Sequence[int]) -> str:
     return ",".join(str(core) for core in cores)
 
@@ -487,10 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started_at = time.monotonic()
     cores = sorted(os.sched_getaffinity(0))
     layout = Layout.of(cores)
-    pinning = shutil.which("taskset") is not None
-    if not pinning:
-        layout = dataclasses.replace(layout, upstream="", redis="", wrk="")
-        log("bench: taskset not found: nothing is pinned")
+    if shutil.which("taskset") is None:
+        # Every role is still pinned: by a Python shim (affinity survives exec and fork).
+        bp.pinned = pinned_by_python
+        log("bench: taskset not found: roles pinned with os.sched_setaffinity")
     if not layout.full:
         log(
             f"bench: WARNING: {len(cores)} cores (fewer than {BIG_MACHINE_CORES}): roles scaled "
