@@ -392,3 +392,14 @@ async def test_leased_workers_admit_within_the_window_and_explain_says_so(
         assert "never more than the limit per window" in explained["per_route"]["worker_lease"]
         assert "rate x 50 ms" in explained["global"]["worker_lease"]
         assert "worker_lease" not in explained["per_ip"]
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            # The workers' batches in the lease metrics, summed over the workers.
+            await scrape_until(
+                session,
+                admin,
+                lambda s: (
+                    value(s, "gateway_limit_lease_decisions_total", limit="per_route") > 0
+                    and value(s, "gateway_limit_leases_total", limit="per_route", event="granted")
+                    > 0
+                ),
+            )

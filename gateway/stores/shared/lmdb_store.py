@@ -94,7 +94,7 @@ from gateway.stores.shared.tables import (
     slot_keys,
     table_counts,
 )
-from gateway.stores.shared.worker_lease import Lease, WorkerLeases, bound_text
+from gateway.stores.shared.worker_lease import Lease, LeaseTally, WorkerLeases, bound_text
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
@@ -479,6 +479,12 @@ class SharedStore:
                 if asked[j] is not checks[index]:
                     leases.granted_batch(checks[index], batches[j], verdict.decisions[j], now_us)
         return _merged(verdict, sent, at_hand, leases)
+
+    def lease_counters(self, limit_name: str) -> LeaseTally | None:
+        """What ``store.worker_lease`` did for a limit in this worker (the metrics' lease
+        figures); None when it leases nothing of it."""
+        leases = self.leases
+        return None if leases is None else leases.tally(limit_name)
 
     def lease_bound(self, limit: CompiledLimit) -> str | None:
         """What ``store.worker_lease`` allows ``limit`` beyond its exact decisions (for

@@ -61,12 +61,50 @@ WINDOW: Final = 1  # the batch ends with the window it was charged in
 BUCKET: Final = 2  # the batch ends ``interval`` after it was charged
 
 
+class LeaseTally:
+    """What one limit's batches did in this worker, as the metrics read a lease's figures
+    (``gateway_limit_lease*``, summed over workers); outlives a reload while the name stays.
+    A batch rides on the request's own shared write: no call of its own (``calls`` stays 0),
+    and unused units are not given back (``returned`` stays 0): they expire."""
+
+    __slots__ = (
+        "calls",
+        "decided",
+        "expired",
+        "granted",
+        "last_size",
+        "returned",
+        "units_granted",
+        "units_returned",
+    )
+
+    def __init__(self) -> None:
+        self.granted = 0  # batches charged to the shared state
+        self.units_granted = 0
+        self.returned = 0
+        self.units_returned = 0
+        self.expired = 0  # batches whose time ran out with units unused
+        self.last_size = 0
+        self.calls = 0
+        self.decided = 0  # requests this limit decided from a batch
+
+
 class Lease:
     """A worker's batch of one key's quota."""
 
-    __slots__ = ("expires_us", "granted_us", "limit_value", "remaining", "reset_s", "size", "units")
+    __slots__ = (
+        "expires_us",
+        "granted_us",
+        "limit_value",
+        "remaining",
+        "reset_s",
+        "size",
+        "tally",
+        "units",
+    )
 
-    def __init__(self, now_us: int) -> None:
+    def __init__(self, now_us: int, tally: LeaseTally) -> None:
+        self.tally = tally
         self.units = 0  # left in the batch
         self.size = 1  # the next batch asked
         self.expires_us = 0
@@ -145,6 +183,11 @@ class WorkerLeases:
         self.decided = 0
         self.granted = 0
         self.refused = 0
+        self._tallies: dict[str, LeaseTally] = {}
+
+    def tally(self, limit_name: str) -> LeaseTally | None:
+        """A limit's figures, once one of its keys was met twice within ``interval``."""
+        return self._tallies.get(limit_name)
 
     def clear(self) -> None:
         """A reload: the batches held are dropped (under-admitted, never over)."""
@@ -192,6 +235,7 @@ class WorkerLeases:
     def take(self, lease: Lease) -> Decision:
         """A unit of ``lease`` for a request: its decision."""
         lease.units -= 1
+        lease.tally.decided += 1
         return self.peek(lease)
 
     def peek(self, lease: Lease) -> Decision:
@@ -217,7 +261,10 @@ class WorkerLeases:
             self._sweep(now_us)
             if len(by_key) >= MAX_LEASES:
                 return check.cost  # a limit met by that many keys at once: exact
-            by_key[check.key] = lease = Lease(now_us)
+            tally = self._tallies.get(check.limit.name)
+            if tally is None:
+                tally = self._tallies[check.limit.name] = LeaseTally()
+            by_key[check.key] = lease = Lease(now_us, tally)
             lease.expires_us = now_us + self.interval_us  # met again before this: leased
             return 1
         if now_us < lease.expires_us:
@@ -227,9 +274,13 @@ class WorkerLeases:
                 return 1
             lease.size = min(max(lease.size * 2, 2), kind.cap)  # spent before it expired
         elif now_us - lease.expires_us <= self.interval_us and lease.size > 0:
+            if lease.units > 0:
+                lease.tally.expired += 1
             lease.size = min(max(lease.size - lease.units, 2), kind.cap)  # what was spent
             lease.units = 0
         else:  # met again long after, or refused last: not hot (yet)
+            if lease.units > 0:
+                lease.tally.expired += 1
             lease.size = 1
             lease.units = 0
             lease.expires_us = now_us + self.interval_us
@@ -254,6 +305,10 @@ class WorkerLeases:
         lease.remaining = decision.remaining
         lease.reset_s = decision.reset_s
         self.granted += 1
+        tally = lease.tally
+        tally.granted += 1
+        tally.units_granted += batch
+        tally.last_size = batch
 
     def refused_batch(self, check: Check, now_us: int) -> None:
         """A batch was refused (the key near its limit): decide it exactly until ``interval``
