@@ -39,8 +39,8 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "state"
 
 
-# Nothing refills within a test (a request a minute, windows of an hour): the count admitted
-# is exact whatever the timing.
+# Nothing refills within a test (a request a minute, windows of an hour; and the processes'
+# clocks stand still): the count admitted is exact whatever the timing.
 NOT_REFILLING: dict[str, tuple[Algorithm[Any], int]] = {
     "leaky_bucket": (LeakyBucket(1, 60, 299, None), 300),
     "token_bucket": (TokenBucket(1, 3600, 300), 300),
@@ -55,6 +55,7 @@ def _hammer(path: str, kind: str, workers: int, lease: bool, attempts: int, resu
     async def run() -> tuple[int, int]:
         store = SharedStore(
             Path(path),
+            FakeClock(),  # every process at one instant
             workers=workers,
             lease_units=UNITS if lease else 0,
             lease_interval_s=INTERVAL_S,
@@ -79,8 +80,9 @@ def test_workers_on_one_key_admit_exactly_the_limit(
 ) -> None:
     """Exact: each admission is decided on the state it is written over, whichever worker
     decides it. Leased: each worker keeps asking after the key is spent, so it spends the
-    units it holds. Either way the workers admit exactly the limit (per window for the
-    windows), leased most of it from batches."""
+    units it holds (the clock stands still: no batch expires, no window ends, whatever the
+    scheduling). Either way the workers admit exactly the limit, leased most of it from
+    batches."""
     limit = NOT_REFILLING[kind][1]
     attempts = limit + UNITS  # each worker goes on past the end of the quota
     results = FORK.Queue()

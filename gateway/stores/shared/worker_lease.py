@@ -27,8 +27,9 @@ Bounds, per algorithm (``bound_text`` says the same for ``/explain``):
 
 A key is leased once a worker meets it again within ``interval``; a batch the shared state
 refuses (the key near its limit) is not asked again until ``interval`` passes: the key's
-requests are then decided exactly, one by one. With limits that do not refill, workers that
-keep receiving a key's requests admit exactly the limit (the units held are spent by them).
+requests are then decided exactly, one by one. A window that does not refill, whose workers
+keep receiving the key's requests, admits exactly its limit (the units held are spent by them
+before the window ends); a bucket's batch may expire first, lost.
 
 Not leased (decided in the shared state on every request, exactly): other algorithms and
 modes, calendar windows, limits counted by their responses, concurrency, requests of a cost
