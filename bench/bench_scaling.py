@@ -38,6 +38,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -374,13 +375,41 @@ class Scaling:
         )
 
 
+def script_calls(redis_url: str | None) -> int:
+    """Script calls Redis has run (``INFO commandstats``: EVALSHA, EVAL, FCALL); 0 when it
+    cannot say."""
+    if redis_url is None:
+        return 0
+    host, port = redis_url.split("//")[1].split("/")[0].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0) as sock:
+            sock.sendall(b"INFO commandstats\r\n")
+            data = b""
+            while not data.endswith(b"\r\n\r\n") and len(data) < 1 << 20:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return 0
+    calls = 0
+    for line in data.decode(errors="replace").splitlines():
+        name, _, fields = line.partition(":")
+        if name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"):
+            calls += int(fields.split(",")[0].removeprefix("calls="))
+    return calls
+
+
 def measure(
     scaling: Scaling, target: Target, connections: int, seconds: float, threads: int
 ) -> dict[str, Any]:
     redis_pgid = scaling.redis_group() if target.mode.startswith("redis") else None
+    redis_url = scaling.harness.redis_url if redis_pgid else None
     redis_before = bp.process_group_cpu(redis_pgid)[0] if redis_pgid else 0.0
+    calls_before = script_calls(redis_url)
     run = bp.measure(target.running, connections, seconds, threads, scaling.layout.wrk)
     redis_after = bp.process_group_cpu(redis_pgid)[0] if redis_pgid else 0.0
+    calls_after = script_calls(redis_url)
     requests = max(run.wrk.requests, 1)
     return {
         "target": target.name,
@@ -391,6 +420,8 @@ def measure(
         "redis_cpu_us_per_request": (redis_after - redis_before) * 1e6 / requests
         if redis_pgid
         else None,
+        # Script calls per request; Redis's CPU per call is its CPU over these.
+        "redis_calls_per_request": (calls_after - calls_before) / requests if redis_pgid else None,
     }
 
 
@@ -401,6 +432,7 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str,
     summary: dict[tuple[str, int], dict[str, float]] = {}
     for key, group in grouped.items():
         redis = [r["redis_cpu_us_per_request"] for r in group if r["redis_cpu_us_per_request"]]
+        calls = [r["redis_calls_per_request"] for r in group if r["redis_calls_per_request"]]
         summary[key] = {
             "rounds": len(group),
             "req_s": statistics.median(r["requests_per_s"] for r in group),
@@ -410,6 +442,7 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str,
             "p99_ms": statistics.median(r["p99_ms"] for r in group),
             "cpu_us": statistics.median(r["cpu_us_per_request"] for r in group),
             "redis_cpu_us": statistics.median(redis) if redis else 0.0,
+            "redis_calls": statistics.median(calls) if calls else 0.0,
             "failed": sum(r["non_2xx"] + r["timeouts"] + r["connect_errors"] for r in group),
         }
     return summary
@@ -417,8 +450,8 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str,
 
 def table(summary: dict[tuple[str, int], dict[str, float]], workers: Sequence[int]) -> str:
     lines = [
-        "| workers | mode | req/s (min-max) | p50 ms | p99 ms | CPU µs/req | Redis µs/req "
-        "| / none | / 1 worker | failed |",
+        "| workers | mode | req/s (min-max) | p50 ms | p99 ms | CPU µs/req "
+        "| Redis µs/req (script calls/req) | / none | / 1 worker | failed |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for count in workers:
@@ -430,7 +463,9 @@ def table(summary: dict[tuple[str, int], dict[str, float]], workers: Sequence[in
             one = summary.get((mode, min(w for m, w in summary if m == mode)))
             ratio = f"{row['req_s'] / none['req_s']:.2f}x" if none and mode != "none" else ""
             scale = f"{row['req_s'] / one['req_s']:.2f}x" if one else ""
-            redis = f"{row['redis_cpu_us']:.1f}" if row["redis_cpu_us"] else ""
+            redis = ""
+            if row["redis_cpu_us"]:
+                redis = f"{row['redis_cpu_us']:.1f} ({row['redis_calls']:.2f} calls)"
             lines.append(
                 f"| {count} | {mode} | {row['req_s']:,.0f} ({row['req_s_min']:,.0f}-"
                 f"{row['req_s_max']:,.0f}) | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} "
