@@ -504,6 +504,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--store-seconds", type=float, default=2.0, help="seconds per store-only run (0: skip them)"
     )
     parser.add_argument("--store-only", action="store_true", help="the store-only runs alone")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every process's log")
     parser.add_argument(
         "--profile",
         type=Path,
@@ -654,7 +655,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         procs.stop_all()
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if args.keep_logs:
+            log(f"bench: logs kept in {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
     meta["loadavg_after"] = os.getloadavg()
     meta["elapsed_s"] = time.monotonic() - started_at
     summary = summarise(document["runs"])
