@@ -20,11 +20,10 @@ often a decision was made again under the writers' lock (``redecided``), exact a
 ``store.worker_lease``.
 
 Modes: ``none`` (no limits), ``memory`` (the three limits in process, one worker only),
-``shared`` (the three limits in the shared store, exact),
-``lease`` (the same with ``store.worker_lease: {}``), ``redis`` (in one Redis), ``redis-lease``
-(in Redis, the window and the token bucket with ``lease: {}``; the leaky bucket cannot be
-leased there), and nginx ``limit_req`` (one zone per client) at the smallest and largest worker
-counts.
+``shared`` (the three limits in the shared store, exact), ``lease`` (the same with
+``store.worker_lease: {}``), ``redis`` (in one Redis), ``redis-lease`` (in Redis, all three
+with ``lease: {}``: the nodelay leaky bucket is leased as a token bucket), and nginx
+``limit_req`` (one zone per client) at the smallest and largest worker counts.
 """
 
 from __future__ import annotations
@@ -329,6 +328,7 @@ class Scaling:
         if mode == "redis-lease":
             text = text.replace("    window: 1s\n", "    window: 1s\n    lease: {}\n")
             text = text.replace("    burst: 1000000\n", "    burst: 1000000\n    lease: {}\n")
+            text = text.replace("    nodelay: true\n", "    nodelay: true\n    lease: {}\n")
         return text
 
     def start_gateway(self, mode: str, workers: int) -> Target:

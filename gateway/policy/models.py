@@ -854,8 +854,9 @@ class LeaseSettings(_Model):
 
 # Why an algorithm cannot be leased: a grant is a batch of whole admissions taken ahead.
 _NOT_LEASABLE = {
-    "leaky_bucket": "leaky_bucket cannot be leased: its delays are computed per request from "
-    "the shared state (nginx-exact), a batch taken ahead cannot shape them",
+    "leaky_bucket": "a leaky_bucket that delays cannot be leased: its delays are computed per "
+    "request from the shared state (nginx-exact), a batch taken ahead cannot shape them; lease "
+    "one with nodelay: true",
     "sliding_log": "sliding_log cannot be leased: it is exact per request timestamp, a batch "
     "taken ahead has none",
     "concurrency": "concurrency cannot be leased: a slot is given back when its request ends, "
@@ -962,7 +963,8 @@ class _LimitBase(_Model):
     lease: LeaseSettings | None = Field(
         None,
         description="take batches of this limit from the Redis store and decide locally "
-        "(fixed_window, sliding_window, token_bucket in reject mode); {} for the defaults",
+        "(fixed_window, sliding_window, token_bucket in reject mode, leaky_bucket with nodelay); "
+        "{} for the defaults",
     )
     key: tuple[str, ...] = Field(
         ("client_ip",),
@@ -1142,7 +1144,9 @@ class _LimitBase(_Model):
         if self.lease is None:
             return self
         algorithm = getattr(self, "algorithm", "")
-        if algorithm in _NOT_LEASABLE:
+        # A leaky bucket with nodelay never delays: it is leased as a token bucket of burst + 1.
+        nodelay = algorithm == "leaky_bucket" and getattr(self, "nodelay", False)
+        if algorithm in _NOT_LEASABLE and not nodelay:
             raise ValueError(_NOT_LEASABLE[algorithm])
         if getattr(self, "mode", "reject") != "reject" or getattr(self, "warmup", None):
             raise ValueError(
