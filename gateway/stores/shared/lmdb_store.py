@@ -8,6 +8,8 @@ in-process store decide at one instant, and every new state is written (allowed)
 worker killed mid-transaction leaves nothing behind: its uncommitted writes are never seen.
 A worker of several reads and decides on a snapshot first and takes that mutex only to write,
 deciding again under it if another process changed what it read (``_decide_optimistic``).
+With ``store.worker_lease`` a worker decides a hot key's requests from batches of its quota
+charged in that state (``worker_lease.py``, with each algorithm's bound; ``_decide_leased``).
 
 Three databases:
 
@@ -497,6 +499,7 @@ class SharedStore:
     def _decide_writing(
         self, env: lmdb.Environment, checks: Sequence[Check], now_us: int
     ) -> CombinedDecision:
+        """Decide and commit ``checks`` as without leases (a worker's, or a lone process's)."""
         if self._optimistic:
             return self._decide_optimistic(env, checks, now_us)
         return self._decide_in_one(env, checks, True, now_us)
