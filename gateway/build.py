@@ -46,6 +46,7 @@ COMPILED_MODULES: Final = (
     "gateway.stores.memory",
     "gateway.stores.shared.records",
     "gateway.stores.shared.tables",
+    "gateway.stores.shared.worker_lease",
     "gateway.stores.shared.lmdb_store",
     "gateway.stores.redis.codecs",
     "gateway.stores.redis.key_layout",

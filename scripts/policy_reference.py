@@ -41,6 +41,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("headers", "RateLimitHeaders"),
     ("access", "Access"),
     ("store", "StoreSettings"),
+    ("store.worker_lease", "WorkerLeaseSettings"),
 )
 LIMIT_MODELS: tuple[tuple[str, str], ...] = (
     ("leaky_bucket", "LeakyBucketLimit"),

@@ -242,8 +242,9 @@ limits:
     [
         (
             "    algorithm: leaky_bucket\n    rate: 10r/s",
-            "leaky_bucket cannot be leased: its delays are computed per request from the shared "
-            "state (nginx-exact), a batch taken ahead cannot shape them",
+            "a leaky_bucket that delays cannot be leased: its delays are computed per request "
+            "from the shared state (nginx-exact), a batch taken ahead cannot shape them; lease "
+            "one with nodelay: true",
         ),
         (
             "    algorithm: sliding_log\n    limit: 10\n    window: 1s",
@@ -274,8 +275,9 @@ def test_check_refuses_a_lease_the_algorithm_cannot_keep(
         "    algorithm: fixed_window\n    limit: 10\n    window: 1s",
         "    algorithm: sliding_window\n    limit: 10\n    window: 1s",
         "    algorithm: token_bucket\n    rate: 10r/s\n    burst: 5",
+        "    algorithm: leaky_bucket\n    rate: 10r/s\n    burst: 5\n    nodelay: true",
     ],
-    ids=["fixed_window", "sliding_window", "token_bucket"],
+    ids=["fixed_window", "sliding_window", "token_bucket", "leaky_bucket nodelay"],
 )
 def test_check_accepts_a_lease_on_windows_and_buckets(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str
@@ -441,13 +443,20 @@ async def test_a_replica_that_stops_gives_its_lease_back(redis_server: RedisServ
         await second.close()
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"algorithm": "token_bucket", "rate": "100r/s", "burst": 50},
+        # nodelay: leased as a token bucket of burst + 1.
+        {"algorithm": "leaky_bucket", "rate": "100r/s", "burst": 49, "nodelay": True},
+    ],
+    ids=["token_bucket", "leaky_bucket nodelay"],
+)
 async def test_a_leased_token_bucket_never_passes_capacity_plus_refill(
-    redis_server: RedisServer,
+    redis_server: RedisServer, spec: dict[str, Any]
 ) -> None:
     clock = FakeClock(T0_US)
-    limit = leased_limit(
-        {"algorithm": "token_bucket", "rate": "100r/s", "burst": 50, "key": ["global"], "lease": {}}
-    )
+    limit = leased_limit({**spec, "key": ["global"], "lease": {}})
     stores = replicas(redis_server, clock, limit, 2)
     check = Check(limit, "g")
     admitted = 0

@@ -263,6 +263,9 @@ EXPECTED_ERRORS = {
     "concurrency_given_rate.yaml": "concurrency_given_rate.yaml:10: limits.per_client.rate: a "
     "concurrency takes limit (requests in flight at once per key), not rate: for 10r/s use a "
     "leaky_bucket or token_bucket (rate: 10r/s), or a fixed_window (limit: 10, window: 1s)",
+    "worker_lease_on_redis.yaml": "worker_lease_on_redis.yaml:7: store: worker_lease leases "
+    "between the workers of the shared store (url: shared or memory); on Redis, lease a limit's "
+    "quota between replicas with its lease:",
     "concurrency_zero_limit.yaml": "concurrency_zero_limit.yaml:10: limits.per_client.limit: "
     "must be at least 1, got 0",
     "adaptive_min_over_max.yaml": "adaptive_min_over_max.yaml:4: upstreams.backend.adaptive: "

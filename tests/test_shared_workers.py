@@ -358,3 +358,48 @@ async def test_a_concurrency_limit_holds_across_workers_and_a_killed_workers_slo
         done = await asyncio.gather(*(task for task in held if task not in lost), *more)
         assert done == [200] * (survivors + len(lost))
         assert [await get(url + "/fast") for _ in range(4)] == [200] * 4
+
+
+# Leased on the shared store: the route's window (cap 100 // (4 x 2) = 12 units a batch) and
+# the global bucket; the per-client leaky bucket delays, so it is decided on every request.
+LEASED_STACK = (
+    """\
+store:
+  url: shared
+  worker_lease: {units: 16, interval: 50ms}
+"""
+    + STACK
+)
+
+
+async def test_leased_workers_admit_within_the_window_and_explain_says_so(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    """With ``store.worker_lease`` two workers never admit more than the window's 100, and no
+    fewer than 100 less the units both may hold (2 x 12); the upstream saw exactly those;
+    ``/explain`` states each leased limit's bound, and none for the leaky bucket that delays."""
+    async with run_workers(upstream.url, tmp_path, LEASED_STACK, 2) as (url, admin, _pids):
+        await wait_serving(tmp_path, 2)
+        one, many = await run_trace(url)
+        assert one == 10
+        assert 100 - 2 * 12 <= one + many <= 100
+        assert len(upstream.requests) == one + many
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT) as session,
+            session.get(admin + "/explain?path=/x&client_ip=127.0.0.9") as resp,
+        ):
+            explained = {entry["name"]: entry for entry in (await resp.json())["limits"]}
+        assert "never more than the limit per window" in explained["per_route"]["worker_lease"]
+        assert "rate x 50 ms" in explained["global"]["worker_lease"]
+        assert "worker_lease" not in explained["per_ip"]
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            # The workers' batches in the lease metrics, summed over the workers.
+            await scrape_until(
+                session,
+                admin,
+                lambda s: (
+                    value(s, "gateway_limit_lease_decisions_total", limit="per_route") > 0
+                    and value(s, "gateway_limit_leases_total", limit="per_route", event="granted")
+                    > 0
+                ),
+            )

@@ -21,7 +21,7 @@ from gateway.limits.routing import normalise_host
 from gateway.policy.models import OVERRIDE_PARAMS, Policy
 from gateway.policy.overrides import UNLISTED_KEY
 from gateway.redact import REDACTED, redact_url
-from gateway.stores import store_url
+from gateway.stores import SharedStore, store_url
 
 if TYPE_CHECKING:
     from gateway.edge.proxy import ProxyHandler
@@ -196,6 +196,11 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         }
     if not look.applies:
         return entry
+    store = engine.store
+    if isinstance(store, SharedStore):
+        bound = store.lease_bound(limit)
+        if bound is not None:  # decided from the workers' batches (store.worker_lease)
+            entry["worker_lease"] = bound
     entry["key"] = look.key
     if look.key is not None and limit.tiering is None and limit.table != limit.name:
         # An override's variant: its own parameters, not the limit's, and the plan that

@@ -1,5 +1,6 @@
-"""What a leased limit's leases did (``lease:`` on the Redis store), for the metrics and the
-dashboard: read from the store when it leases, summed over workers, exported per limit."""
+"""What a leased limit's leases did (``lease:`` on the Redis store, ``store.worker_lease`` on the
+shared store), for the metrics and the dashboard: read from the store when it leases, summed
+over workers, exported per limit."""
 
 from __future__ import annotations
 

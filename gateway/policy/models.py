@@ -1236,8 +1236,9 @@ class LeaseSettings(_Model):
 
 # Why an algorithm cannot be leased: a grant is a batch of whole admissions taken ahead.
 _NOT_LEASABLE = {
-    "leaky_bucket": "leaky_bucket cannot be leased: its delays are computed per request from "
-    "the shared state (nginx-exact), a batch taken ahead cannot shape them",
+    "leaky_bucket": "a leaky_bucket that delays cannot be leased: its delays are computed per "
+    "request from the shared state (nginx-exact), a batch taken ahead cannot shape them; lease "
+    "one with nodelay: true",
     "sliding_log": "sliding_log cannot be leased: it is exact per request timestamp, a batch "
     "taken ahead has none",
     "concurrency": "concurrency cannot be leased: a slot is given back when its request ends, "
@@ -1344,7 +1345,8 @@ class _LimitBase(_Model):
     lease: LeaseSettings | None = Field(
         None,
         description="take batches of this limit from the Redis store and decide locally "
-        "(fixed_window, sliding_window, token_bucket in reject mode); {} for the defaults",
+        "(fixed_window, sliding_window, token_bucket in reject mode, leaky_bucket with nodelay); "
+        "{} for the defaults",
     )
     key: tuple[str, ...] = Field(
         ("client_ip",),
@@ -1524,7 +1526,9 @@ class _LimitBase(_Model):
         if self.lease is None:
             return self
         algorithm = getattr(self, "algorithm", "")
-        if algorithm in _NOT_LEASABLE:
+        # A leaky bucket with nodelay never delays: it is leased as a token bucket of burst + 1.
+        nodelay = algorithm == "leaky_bucket" and getattr(self, "nodelay", False)
+        if algorithm in _NOT_LEASABLE and not nodelay:
             raise ValueError(_NOT_LEASABLE[algorithm])
         if getattr(self, "mode", "reject") != "reject" or getattr(self, "warmup", None):
             raise ValueError(
@@ -1854,6 +1858,26 @@ class Access(_Model):
 _STORE_URL_RE = re.compile(r"^(memory|shared|(redis|rediss)(\+cluster)?://\S+)$")
 
 
+class WorkerLeaseSettings(_Model):
+    """Worker leases on the shared store: a worker takes a batch of a hot key's quota in one
+    shared write and decides the key's next requests from it alone
+    (``gateway/stores/shared/worker_lease.py`` states each algorithm's bound)."""
+
+    units: int = Field(
+        64,
+        ge=2,
+        le=1_000_000,
+        description="the largest batch a worker takes of one key (also at most a quarter of "
+        "the quota over the workers)",
+    )
+    interval: Timeout = Field(
+        0.01,
+        description="how long a bucket's batch lasts (a window's ends with its window, sooner "
+        "if this is shorter): a token or leaky bucket admits at most rate x interval beyond "
+        "its exact decisions",
+    )
+
+
 class StoreSettings(_Model):
     """Where limit state lives: this process, or Redis shared by every replica."""
 
@@ -1888,6 +1912,12 @@ class StoreSettings(_Model):
         description="thin: the gateway's pipelined client on redis-py's hiredis parser (less "
         "CPU per call, see bench/README.md); redis-py: redis-py's asyncio pipelines",
     )
+    worker_lease: WorkerLeaseSettings | None = Field(
+        None,
+        description="the shared store (--workers N): each worker decides a hot key's requests "
+        "from batches of its quota, within the bound each algorithm states (docs/stores.md); "
+        "{} for the defaults; omitted: every request decided exactly in the shared state",
+    )
 
     @field_validator("url")
     @classmethod
@@ -1898,6 +1928,15 @@ class StoreSettings(_Model):
                 "rediss:// or redis+cluster://"
             )
         return value
+
+    @model_validator(mode="after")
+    def _worker_lease_on_the_shared_store(self) -> StoreSettings:
+        if self.worker_lease is not None and self.url not in ("memory", "shared"):
+            raise ValueError(
+                "worker_lease leases between the workers of the shared store (url: shared or "
+                "memory); on Redis, lease a limit's quota between replicas with its lease:"
+            )
+        return self
 
 
 class Policy(_Model):

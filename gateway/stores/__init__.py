@@ -58,6 +58,7 @@ def build_store(
     url = store_url(settings)
     if shared_store_selected(settings, workers):
         shared_dir = worker_runtime_dir(workers) if open_shared else None
+        lease = settings.worker_lease
         return SharedStore(
             shared_dir,
             clock,
@@ -65,6 +66,8 @@ def build_store(
             workers=workers,
             on_failure=settings.on_failure,
             worker_id=worker_id,
+            lease_units=lease.units if lease is not None else 0,
+            lease_interval_s=lease.interval if lease is not None else 0.0,
         )
     if url == "memory":
         return MemoryStore(clock)

@@ -47,6 +47,7 @@ from typing import Any, Final
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.fixed_window import FixedWindow
+from gateway.algorithms.leaky_bucket import LeakyBucket
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import Clock
@@ -159,6 +160,15 @@ def plan_for(limit: CompiledLimit, settings: LeaseSettings, key_prefix: str) -> 
         kind = b"T"
         quota = algorithm.capacity
         per_token_us = algorithm.interval_ticks / algorithm.ticks_per_us
+        span = repr(per_token_us).encode()
+        window_us = quota * per_token_us
+    elif isinstance(algorithm, LeakyBucket) and algorithm.delay is None:
+        # nodelay: it never delays, and admits burst + 1 at once then one per 1/rate, as a
+        # token bucket of burst + 1 does; leased as one (the bucket's bound, not nginx's
+        # millisecond arithmetic).
+        kind = b"T"
+        quota = algorithm.burst + 1
+        per_token_us = algorithm.period_s * 1e6 / algorithm.rate
         span = repr(per_token_us).encode()
         window_us = quota * per_token_us
     else:

@@ -8,6 +8,8 @@ in-process store decide at one instant, and every new state is written (allowed)
 worker killed mid-transaction leaves nothing behind: its uncommitted writes are never seen.
 A worker of several reads and decides on a snapshot first and takes that mutex only to write,
 deciding again under it if another process changed what it read (``_decide_optimistic``).
+With ``store.worker_lease`` a worker decides a hot key's requests from batches of its quota
+charged in that state (``worker_lease.py``, with each algorithm's bound; ``_decide_leased``).
 
 Three databases:
 
@@ -94,6 +96,7 @@ from gateway.stores.shared.tables import (
     slot_keys,
     table_counts,
 )
+from gateway.stores.shared.worker_lease import Lease, LeaseTally, WorkerLeases, bound_text
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
@@ -124,6 +127,40 @@ _Moved = tuple[bytes, int | None, CompiledLimit, Any]
 _Taken = tuple[bytes, int]
 
 
+def _merged(
+    verdict: CombinedDecision,
+    sent: Sequence[int],
+    at_hand: Sequence[Lease | None],
+    leases: WorkerLeases,
+) -> CombinedDecision:
+    """The request's verdict from the shared state's on the checks ``sent`` there and the
+    units at hand in this worker's batches for the others (taken if it admits)."""
+    if len(sent) == len(at_hand):
+        return verdict
+    decisions: list[Decision] = []
+    states: list[Any] = []
+    position = 0
+    for lease in at_hand:
+        if lease is None:
+            decisions.append(verdict.decisions[position])
+            states.append(verdict.states[position])
+            position += 1
+        else:
+            decisions.append(leases.take(lease) if verdict.allowed else leases.peek(lease))
+            states.append(None)
+    delayed_by = verdict.delayed_by
+    return CombinedDecision(
+        verdict.allowed,
+        verdict.delay_s,
+        verdict.retry_after_s,
+        tuple(sent[j] for j in verdict.rejected_by),
+        None if delayed_by is None else sent[delayed_by],
+        tuple(decisions),
+        tuple(states),
+        verdict.now_us,
+    )
+
+
 class _MapNearlyFull(Exception):
     """A new key would take the room kept for updates: the map must grow first."""
 
@@ -146,6 +183,8 @@ class SharedStore:
         workers: int = 1,
         on_failure: str = "local",
         worker_id: int = 0,
+        lease_units: int = 0,
+        lease_interval_s: float = 0.0,
     ) -> None:
         # ``path`` None: build and validate only (``gateway check``), nothing opened.
         self.path = path
@@ -162,6 +201,14 @@ class SharedStore:
         self.reports_counts = reports_counts
         # Several processes write: decide outside the writers' lock (``_decide_optimistic``).
         self._optimistic = workers > 1
+        # Decisions made again under the writers' lock: another worker committed a state this
+        # one had read between its snapshot and its write (contention on hot keys).
+        self.redecided = 0
+        # ``store.worker_lease``: hot keys decided from batches of their quota (``worker_lease``).
+        self.workers = workers
+        self.leases: WorkerLeases | None = None
+        if lease_units > 1:
+            self.leases = WorkerLeases(lease_units, max(round(lease_interval_s * 1e6), 1), workers)
         # Other workers take and give back slots too: a request waiting for one looks again.
         self.slots_shared = workers > 1
         # This worker's number in the ``held`` records: the same in the worker started in
@@ -274,6 +321,8 @@ class SharedStore:
             if probe is not None and not isinstance(probe, int | bytes):
                 raise ValueError(f"the shared store cannot hold {limit.spec.algorithm} states")
         self._limits = tuple(limits)
+        if self.leases is not None:
+            self.leases.clear()
         if self.path is None:
             return
         self._map_bound = max(
@@ -380,11 +429,80 @@ class SharedStore:
         if env is None:
             raise RuntimeError("the shared store has no runtime directory (configure first)")
         try:
-            if commit and self._optimistic:
-                return self._decide_optimistic(env, checks, now_us)
+            if commit:
+                if self.leases is not None:
+                    return self._decide_leased(env, self.leases, checks, now_us)
+                if self._optimistic:
+                    return self._decide_optimistic(env, checks, now_us)
             return self._decide_in_one(env, checks, commit, now_us)
         except (lmdb.MapFullError, _MapNearlyFull):
             return self._decide_after_growing(env, checks, commit, now_us)
+
+    def _decide_leased(
+        self, env: lmdb.Environment, leases: WorkerLeases, checks: Sequence[Check], now_us: int
+    ) -> CombinedDecision:
+        """``store.worker_lease``: a request whose every check has a unit in this worker's
+        batches is decided from them, without the shared state. Else the checks without one
+        are decided there in one transaction, a leased key met again lately charged a new
+        batch (``worker_lease``), and the others take their unit from their batch if the
+        request is admitted. A batch the state refuses is not asked again until the key's
+        lease expires: the request is decided again with each check charged its cost."""
+        taken = leases.take_all(checks, now_us)
+        if taken is not None:
+            return CombinedDecision(True, 0.0, 0.0, (), None, tuple(taken), (None,) * len(taken))
+        at_hand: list[Lease | None] = []
+        sent: list[int] = []
+        asked: list[Check] = []
+        batches: list[int] = []
+        for index, check in enumerate(checks):
+            lease = leases.at_hand(check, now_us)
+            at_hand.append(lease)
+            if lease is not None:
+                continue
+            batch = leases.batch_for(check, now_us)
+            sent.append(index)
+            batches.append(batch)
+            if batch == check.cost:
+                asked.append(check)
+            else:
+                asked.append(
+                    Check(check.limit, check.key, check.max_delay_s, check.reserved, batch)
+                )
+        verdict = self._decide_writing(env, asked, now_us)
+        refused = [j for j in verdict.rejected_by if asked[j] is not checks[sent[j]]]
+        if refused:
+            for j in refused:
+                leases.refused_batch(checks[sent[j]], now_us)
+            asked = [checks[index] for index in sent]
+            batches = [check.cost for check in asked]
+            verdict = self._decide_writing(env, asked, now_us)
+        if verdict.allowed:
+            for j, index in enumerate(sent):
+                if asked[j] is not checks[index]:
+                    leases.granted_batch(checks[index], batches[j], verdict.decisions[j], now_us)
+        return _merged(verdict, sent, at_hand, leases)
+
+    def lease_counters(self, limit_name: str) -> LeaseTally | None:
+        """What ``store.worker_lease`` did for a limit in this worker (the metrics' lease
+        figures); None when it leases nothing of it."""
+        leases = self.leases
+        return None if leases is None else leases.tally(limit_name)
+
+    def lease_bound(self, limit: CompiledLimit) -> str | None:
+        """What ``store.worker_lease`` allows ``limit`` beyond its exact decisions (for
+        ``/explain``); None when it is decided exactly."""
+        leases = self.leases
+        if leases is None:
+            return None
+        return bound_text(limit, leases.units, leases.interval_us / 1e6, leases.workers)
+
+    def _decide_writing(
+        self, env: lmdb.Environment, checks: Sequence[Check], now_us: int
+    ) -> CombinedDecision:
+        """Decide and commit ``checks`` as without leases (a worker's, or a lone process's)."""
+        if self._optimistic:
+            return self._decide_optimistic(env, checks, now_us)
+        return self._decide_in_one(env, checks, True, now_us)
 
     def _decide_after_growing(
         self, env: lmdb.Environment, checks: Sequence[Check], commit: bool, now_us: int
@@ -462,6 +580,7 @@ class SharedStore:
         try:
             committed = txn.id()
             if committed != seen + 1 and self._changed_since(txn, found):
+                self.redecided += 1
                 verdict = self._read_and_decide(txn, checks, now_us, True)[0]
                 if not verdict.allowed:
                     txn.abort()
