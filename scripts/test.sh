@@ -14,7 +14,6 @@ command -v jq >/dev/null 2>&1 || need+=(jq)                # JSON access log rea
 [ -x /usr/bin/chromium ] || need+=(chromium)            # dashboard tests (headless)
 [ -x /usr/bin/prometheus ] || need+=(prometheus)        # PromQL of the Grafana dashboard
 command -v gcc >/dev/null 2>&1 || need+=(gcc)              # the compiled build (mypyc)
-command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck) # workflows' run: scripts (actionlint)
 "$PY" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
     || need+=(python3-dev)                              # its C headers, for the same
 if [ ${#need[@]} -gt 0 ]; then
