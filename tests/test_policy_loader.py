@@ -217,6 +217,11 @@ EXPECTED_ERRORS = {
     "count_leased.yaml": "count_leased.yaml:8: limits.failures: count charges after the "
     "response, which a leased limit cannot: a lease is a batch of admissions taken ahead; "
     "remove lease",
+    "hold_without_count.yaml": "hold_without_count.yaml:8: limits.per_ip: hold applies to a "
+    "limit charged after the response (count or cost_header): a limit charged at admission "
+    "holds its cost already; remove hold",
+    "hold_unknown.yaml": "hold_unknown.yaml:13: limits.failed_logins.hold: expected "
+    "'in_flight' or 'none', got 'always'",
     "cost_header_framing.yaml": "cost_header_framing.yaml:12: limits.metered.cost_header: "
     "Content-Length frames the response, it cannot be a cost header (removing it would break "
     "the response)",

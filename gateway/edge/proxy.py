@@ -77,7 +77,16 @@ class BodyBroken(Exception):
 class _Admitted:
     """What forwarding an admitted request needs: all of ours a request keeps while queued."""
 
-    __slots__ = ("forwarded", "framing", "outcome", "reported", "route", "target", "upstream")
+    __slots__ = (
+        "forwarded",
+        "framing",
+        "outcome",
+        "reported",
+        "route",
+        "sent_status",
+        "target",
+        "upstream",
+    )
 
     def __init__(
         self,
@@ -96,6 +105,9 @@ class _Admitted:
         self.outcome = outcome  # of the limits, for the rate-limit headers and queueing
         # The cost headers the upstream's response held (limits charged after the response).
         self.reported: dict[bytes, bytes] | None = None
+        # The status of a streamed answer whose head the client has: what limits counted by
+        # their responses charge, even if the client leaves in the middle of the body.
+        self.sent_status = 0
 
 
 class _Refused:
@@ -188,9 +200,12 @@ class ProxyHandler:
                         # WebSocket closed.
                         runtime.engine.release(outcome)
                     if outcome.charge_after:
-                        # The status the client got (499 if it left), and what the upstream
-                        # said the request cost: never awaited by the response.
-                        runtime.engine.charge_after(outcome, status, admitted.reported)
+                        # The status the client got (499 if it left before the head), and
+                        # what the upstream said the request cost: never awaited by the
+                        # response.
+                        runtime.engine.charge_after(
+                            outcome, admitted.sent_status or status, admitted.reported
+                        )
             elif isinstance(admitted, _Refused):
                 outcome = admitted.outcome
             runtime.request_done()
@@ -467,6 +482,7 @@ class ProxyHandler:
             if response.content_length is not None and status not in _NO_BODY_STATUS:
                 stream.content_length = response.content_length
             await stream.prepare(request)
+            admitted.sent_status = status
             if is_head or status in _NO_BODY_STATUS:
                 response.release()
                 return stream

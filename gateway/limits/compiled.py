@@ -93,10 +93,17 @@ class CompiledLimit:
     # A concurrency limit: an admitted request holds ``cost`` slots until it gives them back.
     holds_slots: bool = False
     # What a response is charged (``count:``, ``cost_header:``); None for a limit charged when
-    # it admits. A store never writes such a limit's decisions: its ``charge`` does.
+    # it admits.
     response_charge: ResponseCharge | None = None
     # Decided on calendar time (``Clock.unix_us``): a calendar window.
     calendar: bool = False
+    # A limit charged after the response whose requests hold their cost of the key's budget
+    # while in flight (``hold: in_flight``): admission charges it as any limit's, and the
+    # response settles it (``LimitEngine.charge_after``: refund or top-up).
+    holds_budget: bool = field(init=False)
+    # A limit charged after the response that admits without charging (``hold: none``): a
+    # store never writes its decisions, its ``charge`` does.
+    admits_free: bool = field(init=False)
     # The spec's figures each request reads, copied from it: compiled, an attribute of the
     # pydantic model is a generic attribute lookup, one of these a field read.
     dry_run: bool = field(init=False)
@@ -120,6 +127,9 @@ class CompiledLimit:
                 spec.count, spec.cost_header, spec.keep_cost_header
             )
         self.calendar = isinstance(self.algorithm, CalendarWindow)
+        charged_after = self.response_charge is not None
+        self.holds_budget = charged_after and spec.hold == "in_flight"
+        self.admits_free = charged_after and spec.hold == "none"
 
     def applies(self, route: Route, host: str, path: str, method: str) -> bool:
         if self.routes is not None and route.name not in self.routes:

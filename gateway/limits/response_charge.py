@@ -51,3 +51,12 @@ class ResponseCharge:
             return cost
         reported = parse_cost(header_value)
         return cost if reported is None else reported
+
+
+def settle(held: int, charge: int) -> tuple[int, int]:
+    """``(top-up, refund)`` settling a hold of ``held`` units against the response's
+    ``charge``: the charge beyond the hold is taken, the hold beyond the charge given back
+    (never below zero: a charge of 0 gives the whole hold back)."""
+    if charge > held:
+        return charge - held, 0
+    return 0, held - charge

@@ -1002,7 +1002,7 @@ class _LimitBase(_Model):
     count: ResponseCount | None = Field(
         None,
         description="charge only responses with these statuses, after the response: a request "
-        "is admitted while the key has room (several in flight may all be, with one unit left)",
+        "is admitted while the key has room, and holds its cost while in flight (see hold)",
     )
     cost_header: str | None = Field(
         None,
@@ -1011,6 +1011,14 @@ class _LimitBase(_Model):
     )
     keep_cost_header: bool = Field(
         False, description="leave the cost header in the response the client gets"
+    )
+    hold: Literal["in_flight", "none"] = Field(
+        "in_flight",
+        description="a limit charged after the response (count, cost_header): in_flight "
+        "(each request in flight holds its cost of the key's budget from admission until "
+        "its response is settled, so at most the budget left can be in flight) or none "
+        "(admitted free while the key has room, charged after: a burst in flight may all "
+        "pass)",
     )
     exempt: tuple[str, ...] = Field(
         (), description="CIDRs of clients this limit does not apply to (other limits still do)"
@@ -1110,6 +1118,11 @@ class _LimitBase(_Model):
     def _chargeable_after(self) -> _LimitBase:
         if self.keep_cost_header and self.cost_header is None:
             raise ValueError("keep_cost_header applies to a cost_header: name one, or remove it")
+        if "hold" in self.model_fields_set and not self.charged_after:
+            raise ValueError(
+                "hold applies to a limit charged after the response (count or cost_header): "
+                "a limit charged at admission holds its cost already; remove hold"
+            )
         if not self.charged_after:
             return self
         given = [name for name in ("count", "cost_header") if getattr(self, name) is not None]
@@ -1352,6 +1365,8 @@ def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
         for name in OVERRIDE_PARAMS | _VARIANT_CONTEXT
         if name in model.model_fields
     }
+    if "hold" in spec.model_fields_set:  # checked with the limit's; the default otherwise
+        fields["hold"] = spec.hold
     # The cost too, so that a model checking its numbers against it checks the variant's.
     fields["cost"] = spec.cost
     try:
