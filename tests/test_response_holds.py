@@ -30,6 +30,7 @@ from tests.support.redis_harness import RedisServer
 from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
+redis_cluster = redis_harness.redis_cluster
 redis_factory = redis_harness.redis_factory
 _prefixes = itertools.count()
 
@@ -46,9 +47,13 @@ def _store(
         return {}
     if kind == "shared":
         return {"store": SharedStore(tmp_path / "shared", clock)}
-    server: RedisServer = request.getfixturevalue("redis_server")
+    if kind == "cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
     prefix = f"holds{next(_prefixes)}-{time.monotonic_ns()}:"
-    store = RedisStore(server.url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
+    store = RedisStore(url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
     return {"store": store}
 
 
@@ -103,7 +108,7 @@ async def _left(gw: RunningGateway) -> int:
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("kind", ["memory", "shared", "redis"])
+@pytest.mark.parametrize("kind", ["memory", "shared", "redis", "cluster"])
 async def test_a_burst_of_wrong_logins_reaches_the_upstream_at_most_the_limit_times(
     held_upstream: HeldUpstream,
     start_gateway: GatewayFactory,
@@ -196,7 +201,7 @@ ENDINGS = {
 
 @pytest.mark.reliability
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
-@pytest.mark.parametrize("kind", ["memory", "redis"])
+@pytest.mark.parametrize("kind", ["memory", "shared", "redis", "cluster"])
 async def test_a_hold_comes_back_when_the_response_does_not_match(
     held_upstream: HeldUpstream,
     start_gateway: GatewayFactory,
