@@ -34,6 +34,7 @@ from gateway.edge.forwarding import (
     response_headers,
 )
 from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
+from gateway.edge.response_usage import usage_meter, usage_reported
 from gateway.edge.responses import (
     HttpDate,
     PreparedResponse,
@@ -51,6 +52,7 @@ from gateway.edge.websocket import forward_upgrade, wants_upgrade
 from gateway.engine.delay_queue import ShuttingDown
 from gateway.limits.keys import RequestFacts
 from gateway.limits.routing import RefusedTarget, normalise_host, origin_form, routing_path
+from gateway.limits.usage import UsageMeter
 
 if TYPE_CHECKING:
     from gateway.edge.runtime import Runtime, UpstreamTarget
@@ -80,6 +82,7 @@ class _Admitted:
     __slots__ = (
         "forwarded",
         "framing",
+        "meter",
         "outcome",
         "reported",
         "route",
@@ -108,6 +111,8 @@ class _Admitted:
         # The status of a streamed answer whose head the client has: what limits counted by
         # their responses charge, even if the client leaves in the middle of the body.
         self.sent_status = 0
+        # What the body says the request cost (``cost_from``), read as it is relayed.
+        self.meter: UsageMeter | None = None
 
 
 class _Refused:
@@ -203,6 +208,10 @@ class ProxyHandler:
                         # The status the client got (499 if it left before the head), and
                         # what the upstream said the request cost: never awaited by the
                         # response.
+                        if admitted.meter is not None:
+                            admitted.reported = usage_reported(
+                                request, admitted.meter, admitted.reported, runtime.usage_log
+                            )
                         runtime.engine.charge_after(
                             outcome, admitted.sent_status or status, admitted.reported
                         )
@@ -444,6 +453,9 @@ class ProxyHandler:
                     name.decode("latin-1"): value.decode("latin-1")
                     for name, value in reported.items()
                 }
+        meter: UsageMeter | None = None
+        if engine.body_costs and outcome is not None and outcome.charge_after:
+            meter = admitted.meter = usage_meter(engine.body_costs, response.headers)
         try:
             status = response.status
             if (
@@ -455,6 +467,9 @@ class ProxyHandler:
                 # The common case, a small answer already received whole: one write.
                 whole = response.body_bytes()
                 response.release()
+                if meter is not None:
+                    meter.feed(whole)
+                    meter.finish()
                 keep_alive = request.keep_alive
                 head = response_head(
                     status,
@@ -475,6 +490,9 @@ class ProxyHandler:
             if response.body_complete and not is_head:
                 whole = response.body_bytes()
                 response.release()
+                if meter is not None:
+                    meter.feed(whole)
+                    meter.finish()
                 if status in _NO_BODY_STATUS:
                     return RelayedResponse(status=status, reason=reason, headers=headers)
                 return RelayedResponse(status=status, reason=reason, headers=headers, body=whole)
@@ -490,6 +508,8 @@ class ProxyHandler:
             write = stream.write
             try:
                 while chunk := await read_chunk():
+                    if meter is not None:  # the usage read as it passes (cost_from)
+                        meter.feed(chunk)
                     await write(chunk)
             except UpstreamError as exc:
                 request[UPSTREAM_ERROR] = upstream_error_reason(exc)
@@ -499,6 +519,8 @@ class ProxyHandler:
                 if request.transport is not None:
                     request.transport.close()
                 raise ConnectionResetError("upstream body truncated") from None
+            if meter is not None:
+                meter.finish()
             await stream.write_eof()
             response.release()
             return stream

@@ -30,6 +30,7 @@ from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.response_charge import settle
 from gateway.limits.routing import CompiledMatch, compile_match
+from gateway.limits.usage import UsageSource
 from gateway.policy.models import (
     CUSTOM_PLAN,
     UNLISTED_PLAN,
@@ -260,6 +261,13 @@ class LimitEngine:
         self.cost_headers: frozenset[bytes] = frozenset(
             rule.cost_header.encode() for rule in charged if rule.cost_header is not None
         )
+        # The ``cost_from`` sources their responses' bodies are read for (distinct), none
+        # when no limit has one: the proxy then reads no body.
+        sources: dict[str, UsageSource] = {}
+        for rule in charged:
+            if rule.cost_from is not None and rule.cost_from not in sources:
+                sources[rule.cost_from] = UsageSource(rule.cost_from)
+        self.body_costs: tuple[UsageSource, ...] = tuple(sources.values())
         self.hidden_headers: frozenset[bytes] = frozenset(
             rule.cost_header.encode()
             for rule in charged
@@ -792,8 +800,8 @@ class LimitEngine:
             if rule is None:
                 continue
             value = None
-            if rule.cost_header is not None and reported:
-                raw = reported.get(rule.cost_header.encode())
+            if rule.source is not None and reported:
+                raw = reported.get(rule.source)
                 value = raw.decode("latin-1") if raw is not None else None
             cost = rule.charge(status, value, check.cost)
             if not limit.holds_budget:

@@ -120,11 +120,9 @@ class CompiledLimit:
         self.max_delay = spec.max_delay
         self.max_queue = spec.max_queue
         self.status = spec.status
-        if self.response_charge is None and (
-            spec.count is not None or spec.cost_header is not None
-        ):
+        if self.response_charge is None and spec.charged_after:
             self.response_charge = ResponseCharge(
-                spec.count, spec.cost_header, spec.keep_cost_header
+                spec.count, spec.cost_header, spec.keep_cost_header, spec.cost_from
             )
         self.calendar = isinstance(self.algorithm, CalendarWindow)
         charged_after = self.response_charge is not None

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.policy.cost_from import parse_cost_from
 from gateway.policy.units import (
     CALENDAR_PERIODS,
     Rate,
@@ -1012,6 +1013,21 @@ class _LimitBase(_Model):
     keep_cost_header: bool = Field(
         False, description="leave the cost header in the response the client gets"
     )
+    cost_from: str | None = Field(
+        None,
+        description="where the response body says what the request cost (an LLM API's "
+        "usage), charged after the response: openai, anthropic, a dotted path "
+        "(usage.total_tokens) or a sum of paths (usage.prompt_tokens + "
+        "usage.completion_tokens); read from a JSON body or as a stream's events pass "
+        "(missing: reserve, or cost)",
+    )
+    reserve: int | None = Field(
+        None,
+        ge=1,
+        description="units a request of a limit charged after the response holds while in "
+        "flight (an estimate of its cost: a model call's most tokens), settled to what the "
+        "response says; default: cost",
+    )
     hold: Literal["in_flight", "none"] = Field(
         "in_flight",
         description="a limit charged after the response (count, cost_header): in_flight "
@@ -1111,8 +1127,17 @@ class _LimitBase(_Model):
 
     @property
     def charged_after(self) -> bool:
-        """Whether the limit charges after the response (``count``, ``cost_header``)."""
-        return self.count is not None or self.cost_header is not None
+        """Whether the limit charges after the response (``count``, ``cost_header``,
+        ``cost_from``)."""
+        return self.count is not None or self.cost_header is not None or self.cost_from is not None
+
+    @field_validator("cost_from")
+    @classmethod
+    def _check_cost_from(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cost_from(value)  # BadCostFrom, a ValueError, says what to write
+            return value.strip()
+        return value
 
     @model_validator(mode="after")
     def _chargeable_after(self) -> _LimitBase:
@@ -1120,12 +1145,37 @@ class _LimitBase(_Model):
             raise ValueError("keep_cost_header applies to a cost_header: name one, or remove it")
         if "hold" in self.model_fields_set and not self.charged_after:
             raise ValueError(
-                "hold applies to a limit charged after the response (count or cost_header): "
-                "a limit charged at admission holds its cost already; remove hold"
+                "hold applies to a limit charged after the response (count, cost_header or "
+                "cost_from): a limit charged at admission holds its cost already; remove hold"
+            )
+        if self.reserve is not None:
+            if not self.charged_after:
+                raise ValueError(
+                    "reserve applies to a limit charged after the response (cost_from, "
+                    "cost_header or count): a limit charged at admission takes its cost; "
+                    "remove reserve, or use cost"
+                )
+            if self.hold == "none":
+                raise ValueError(
+                    "reserve is what a request holds while in flight, and hold: none holds "
+                    "nothing; remove one of them"
+                )
+            if self.cost != 1:
+                raise ValueError(
+                    "reserve replaces cost at admission (and is what a missing usage is "
+                    "charged): remove cost"
+                )
+        if self.cost_from is not None and self.cost_header is not None:
+            raise ValueError(
+                "cost_from and cost_header both say what a response cost: keep one of them"
             )
         if not self.charged_after:
             return self
-        given = [name for name in ("count", "cost_header") if getattr(self, name) is not None]
+        given = [
+            name
+            for name in ("count", "cost_header", "cost_from")
+            if getattr(self, name) is not None
+        ]
         subject = f"{' and '.join(given)} charge{'' if len(given) > 1 else 's'} after the response"
         algorithm = getattr(self, "algorithm", "")
         if algorithm == "leaky_bucket":
@@ -1347,7 +1397,7 @@ OVERRIDE_PARAMS = frozenset(
 )
 # What a plan's parameters are checked with but cannot change (a plan's warmup cannot ramp a
 # limit charged after the response).
-_VARIANT_CONTEXT = frozenset({"calendar", "count", "cost_header"})
+_VARIANT_CONTEXT = frozenset({"calendar", "count", "cost_header", "cost_from", "reserve"})
 
 
 def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
@@ -1368,7 +1418,8 @@ def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
     if "hold" in spec.model_fields_set:  # checked with the limit's; the default otherwise
         fields["hold"] = spec.hold
     # The cost too, so that a model checking its numbers against it checks the variant's.
-    fields["cost"] = spec.cost
+    if spec.reserve is None:  # reserve refuses a cost: the limit's own is 1 then
+        fields["cost"] = spec.cost
     try:
         checked = model.model_validate({"algorithm": spec.algorithm, **fields, **params})
     except ValidationError as exc:

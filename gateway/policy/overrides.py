@@ -185,6 +185,7 @@ def compile_tiering(
         or spec.exempt_headers
         or entries
         or spec.cost != 1
+        or spec.reserve is not None
         or spec.unlisted != "own"
         or listed_elsewhere is not None
     ):
@@ -202,7 +203,9 @@ def compile_tiering(
         overrides = Overrides(limit, build_algorithm, {})
     return Tiering(
         exemptions,
-        spec.cost,
+        # What a request takes at admission: a limit charged after the response that reserves
+        # an estimate holds that (settled to the response's cost).
+        spec.reserve if spec.reserve is not None else spec.cost,
         overrides,
         share_unlisted=spec.unlisted == "shared",
         reject_unlisted=spec.unlisted == "reject",

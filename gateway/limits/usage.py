@@ -1,0 +1,250 @@
+"""What a response's body says a request cost (``cost_from:``): the units an LLM API reports
+as its usage, read from a JSON body or from the events of a Server-Sent Event stream as they
+pass.
+
+A ``UsageSource`` is compiled from the policy's ``cost_from`` (a preset, ``openai`` or
+``anthropic``, or a sum of dotted paths such as ``usage.prompt_tokens +
+usage.completion_tokens``). A ``UsageMeter`` is fed the body's chunks as the proxy relays them
+and keeps at most ``MAX_USAGE_BYTES`` of them: the whole body while it is that small (JSON), or
+the current event's bytes (a stream); the stream itself is never buffered. Its ``reading`` is
+the cost the body reported, or why there is none (``missing``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Final
+
+from gateway.policy.cost_from import ANTHROPIC, MAX_DIGITS, parse_cost_from
+
+# The most of a body (JSON) or of one event (a stream) kept to read the usage from: usage sits
+# in small objects, and a body or an event past this is not read (the fallback is charged).
+MAX_USAGE_BYTES: Final = 1 << 20
+
+
+def _at(document: object, path: Sequence[str]) -> object:
+    """The value at ``path`` in a parsed JSON document; None when absent."""
+    node = document
+    for step in path:
+        if isinstance(node, dict):
+            node = node.get(step)
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
+
+
+def _count(value: object) -> int | None:
+    """A reported count: a JSON integer, 0 or more (a bool is none)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if value < 0 or len(str(value)) > MAX_DIGITS:
+        return None
+    return value
+
+
+class UsageSource:
+    """One ``cost_from``: the key its reading is filed under (beside the cost headers', in
+    what a limit is charged from and in the access log's ``costs``) and how to read it."""
+
+    __slots__ = ("anthropic", "key", "paths", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text.strip()
+        self.paths = parse_cost_from(self.text)
+        self.key: bytes = b"body:" + self.text.encode()
+        self.anthropic = self.text == ANTHROPIC
+
+    def read(self, document: object) -> int | None:
+        """The sum the paths name in a parsed document; None when one is missing or not a
+        count."""
+        total = 0
+        for path in self.paths:
+            found = _count(_at(document, path))
+            if found is None:
+                return None
+            total += found
+        return total
+
+    def why_not(self, document: object) -> str:
+        """Why ``read`` found nothing in ``document``: the first path missing, or holding
+        something that is not a count."""
+        for path in self.paths:
+            value = _at(document, path)
+            if value is None:
+                return f"no {'.'.join(path)}"
+            if _count(value) is None:
+                return f"{'.'.join(path)} not a count"
+        return "no usage"
+
+
+class UsageMeter:
+    """The usage one response's body reports, read as the body passes.
+
+    JSON (any content type but an event stream): the body is kept while it is at most
+    ``MAX_USAGE_BYTES`` and parsed at its end. A Server-Sent Event stream: each event's
+    ``data`` lines are kept until the event ends (a blank line), parsed, and the newest
+    reading each source finds in an event is kept (Anthropic's preset adds the input its
+    ``message_start`` says to the output the newest ``message_delta`` says). So the reading is
+    the usage the stream reported so far, whenever it stops.
+    """
+
+    __slots__ = (
+        "_body",
+        "_event",
+        "_input",
+        "_kept",
+        "_output",
+        "_pending",
+        "_problem",
+        "_readings",
+        "_too_large",
+        "sources",
+        "stream",
+    )
+
+    def __init__(self, sources: Sequence[UsageSource], stream: bool) -> None:
+        self.sources = tuple(sources)
+        self.stream = stream
+        self._body: list[bytes] = []
+        self._kept = 0
+        self._too_large = False
+        # A stream: the bytes of the line being received, and the data of the current event.
+        self._pending = b""
+        self._event: list[bytes] = []
+        self._readings: list[int | None] = [None] * len(self.sources)
+        self._input: list[int | None] = [None] * len(self.sources)
+        self._output: list[int | None] = [None] * len(self.sources)
+        # Why the body gave a source nothing, when it did not (the log says it).
+        self._problem: list[str] = [
+            "a stream without usage" if stream else "no body" for _ in self.sources
+        ]
+
+    def feed(self, chunk: bytes) -> None:
+        """The next bytes of the body, as they are relayed."""
+        if not self.stream:
+            if self._too_large:
+                return
+            self._kept += len(chunk)
+            if self._kept > MAX_USAGE_BYTES:
+                self._too_large = True
+                self._body = []
+                return
+            self._body.append(chunk)
+            return
+        data = self._pending + chunk if self._pending else chunk
+        start = 0
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            self._line(data[start:end])
+            start = end + 1
+        rest = data[start:]
+        if len(rest) + self._kept > MAX_USAGE_BYTES:
+            self._too_large = True  # a line past the bound: the event is not read
+            rest = b""
+        self._pending = rest
+
+    def _line(self, line: bytes) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line:
+            self._dispatch()
+            return
+        if line.startswith(b"data:"):
+            value = line[5:]
+            if value.startswith(b" "):
+                value = value[1:]
+            self._kept += len(value)
+            if self._kept > MAX_USAGE_BYTES:
+                self._too_large = True
+                self._event = []
+                return
+            if not self._too_large:
+                self._event.append(value)
+
+    def _dispatch(self) -> None:
+        """The end of an event: read it."""
+        event, self._event = self._event, []
+        too_large, self._too_large = self._too_large, False
+        self._kept = 0
+        if not event or too_large:
+            return
+        data = b"\n".join(event)
+        if not data.startswith(b"{"):
+            return  # ``[DONE]`` and the like
+        try:
+            document = json.loads(data)
+        except ValueError:
+            return
+        for index, source in enumerate(self.sources):
+            if source.anthropic:
+                self._anthropic_event(index, document)
+                continue
+            found = source.read(document)
+            if found is not None:
+                self._readings[index] = found
+
+    def _anthropic_event(self, index: int, document: object) -> None:
+        if not isinstance(document, dict):
+            return
+        kind = document.get("type")
+        if kind == "message_start":
+            usage = _at(document, ("message", "usage"))
+            found = _count(_at(usage, ("input_tokens",)))
+            if found is not None:
+                self._input[index] = found
+            output = _count(_at(usage, ("output_tokens",)))
+            if output is not None and self._output[index] is None:
+                self._output[index] = output
+        elif kind == "message_delta":
+            found = _count(_at(document, ("usage", "output_tokens")))
+            if found is not None:
+                self._output[index] = found
+            # Newer streams repeat the input in each delta.
+            found = _count(_at(document, ("usage", "input_tokens")))
+            if found is not None:
+                self._input[index] = found
+        else:
+            return
+        tokens_in, tokens_out = self._input[index], self._output[index]
+        if tokens_in is not None and tokens_out is not None:
+            self._readings[index] = tokens_in + tokens_out
+
+    def finish(self) -> None:
+        """The body has ended (a stream's last event may lack its blank line)."""
+        if self.stream:
+            if self._pending:
+                self._line(self._pending)
+                self._pending = b""
+            self._dispatch()
+            return
+        if self._too_large or not self._body:
+            if self._too_large:
+                self._problem = ["a body over 1 MiB" for _ in self.sources]
+            return
+        body = b"".join(self._body)
+        self._body = []
+        try:
+            document = json.loads(body)
+        except ValueError:
+            self._problem = ["a body that is not JSON" for _ in self.sources]
+            return
+        for index, source in enumerate(self.sources):
+            found = self._readings[index] = source.read(document)
+            if found is None:
+                self._problem[index] = source.why_not(document)
+
+    def readings(self) -> list[tuple[UsageSource, int | None, str]]:
+        """Each source, what the body said (None: nothing usable) and, then, why."""
+        return list(zip(self.sources, self._readings, self._problem, strict=True))
+
+
+def is_event_stream(content_type: str | None) -> bool:
+    """Whether a response's ``Content-Type`` is a Server-Sent Event stream."""
+    if not content_type:
+        return False
+    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"

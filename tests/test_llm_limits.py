@@ -1,0 +1,224 @@
+"""Token budgets for LLM APIs (``cost_from:``, ``reserve:``): the official ``openai`` client
+through a real gateway to a test upstream speaking the OpenAI-compatible API, in process, in
+the workers' shared store and in real Redis. A call is charged the usage its answer reports;
+with ``reserve`` each call in flight holds that estimate, settled to the usage."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.clock import FakeClock
+from gateway.stores import RedisStore
+from gateway.stores.shared.lmdb_store import SharedStore
+from tests.support import redis_harness
+from tests.support.conformance import T0_US
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.llm_upstream import LlmUpstream
+from tests.support.redis_harness import RedisServer
+from tests.support.waiting import wait_until
+
+redis_server = redis_harness.redis_server
+_prefixes = itertools.count()
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+def _store(
+    kind: str, request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
+) -> dict[str, Any]:
+    if kind == "memory":
+        return {}
+    if kind == "shared":
+        return {"store": SharedStore(tmp_path / "shared", clock)}
+    server: RedisServer = request.getfixturevalue("redis_server")
+    prefix = f"llm{next(_prefixes)}-{time.monotonic_ns()}:"
+    store = RedisStore(server.url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
+    return {"store": store}
+
+
+def _policy(upstream: LlmUpstream, limit: str) -> str:
+    return (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        f"upstreams:\n  llm:\n    url: {upstream.url}\n    read_timeout: 30s\n"
+        "    max_connections: 512\n"
+        "routes:\n  - name: llm\n    match: {path_prefix: /v1/}\n    upstream: llm\n"
+        "limits:\n" + limit
+    )
+
+
+def _tokens(limit: int, extra: str = "") -> str:
+    return (
+        "  tokens:\n    algorithm: fixed_window\n"
+        f"    limit: {limit}\n    window: 1h\n    key: ['header:Authorization']\n"
+        "    cost_from: openai\n" + extra
+    )
+
+
+def _client(gw: RunningGateway) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+async def _call(client: openai.AsyncOpenAI, words: int, max_tokens: int, **extra: Any) -> Any:
+    return await client.chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": " ".join(["hello"] * words)}],
+        max_tokens=max_tokens,
+        **extra,
+    )
+
+
+async def _left(gw: RunningGateway) -> int:
+    """What the key has left (/explain: the next call's remaining plus its own hold)."""
+    params = {
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "header": "Authorization:Bearer sk-test",
+    }
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.get(gw.admin_url + "/explain", params=params) as resp,
+    ):
+        explained = await resp.json()
+    (entry,) = explained["limits"]
+    decision = entry["next_request"]
+    return int(decision["remaining"]) + (entry["cost"] if decision["allowed"] else 0)
+
+
+async def _settled(gw: RunningGateway) -> None:
+    await gw.gateway.handler.runtime.engine.charges_done()
+
+
+CALLS = 200
+BUDGET = 10_000_000
+
+
+@pytest.mark.parametrize("reserve", ["", "    reserve: 64\n"], ids=["no-reserve", "reserve"])
+@pytest.mark.parametrize("kind", ["memory", "shared", "redis"])
+async def test_each_call_is_charged_the_usage_its_answer_reports(
+    llm_upstream: LlmUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+    reserve: str,
+) -> None:
+    clock = FakeClock(T0_US)
+    gw = await start_gateway(
+        _policy(llm_upstream, _tokens(BUDGET, reserve)),
+        clock=clock,
+        **_store(kind, request, clock, tmp_path),
+    )
+    rng = random.Random(7)
+    client = _client(gw)
+    try:
+        for _ in range(CALLS // 10):
+            answers = await asyncio.gather(
+                *[_call(client, rng.randint(1, 40), rng.randint(1, 120)) for _ in range(10)]
+            )
+            for answer in answers:
+                assert answer.usage is not None
+    finally:
+        await client.close()
+    await _settled(gw)
+    used = sum(llm_upstream.reported)
+    assert len(llm_upstream.reported) == CALLS
+    (limit,) = gw.gateway.handler.runtime.engine.limits
+    assert limit.counters.charged_units == used
+    assert limit.counters.charged_responses == CALLS
+    assert await _left(gw) == BUDGET - used
+
+
+@pytest.mark.parametrize(
+    ("usage", "reserve", "charged"),
+    [("missing", 64, 64), ("malformed", 64, 64), ("missing", None, 1), ("malformed", None, 1)],
+)
+async def test_an_answer_without_a_usable_usage_is_charged_the_fallback_and_logged_once(
+    llm_upstream: LlmUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    usage: str,
+    reserve: int | None,
+    charged: int,
+) -> None:
+    extra = f"    reserve: {reserve}\n" if reserve is not None else ""
+    gw = await start_gateway(_policy(llm_upstream, _tokens(1000, extra)), clock=FakeClock(T0_US))
+    client = _client(gw)
+    caplog.set_level(logging.WARNING, "gateway.limits")
+    try:
+        for _ in range(3):
+            await _call(client, 5, 10, extra_body={"usage": usage})
+    finally:
+        await client.close()
+    await _settled(gw)
+    assert await _left(gw) == 1000 - 3 * charged
+    lines = [r.getMessage() for r in caplog.records if "no usable usage" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "cost_from 'openai'" in lines[0] and "route 'llm'" in lines[0]
+
+
+async def _concurrent_calls(gw: RunningGateway, upstream: LlmUpstream, n: int) -> list[int]:
+    """``n`` calls at once (10 prompt words, 200 completion tokens: 210 each), the upstream
+    holding its answers until every call has reached it or been refused: the statuses."""
+    upstream.hold = asyncio.Event()
+    client = _client(gw)
+
+    async def one() -> int:
+        try:
+            await _call(client, 10, 200)
+        except openai.RateLimitError:
+            return 429
+        return 200
+
+    try:
+        tasks = [asyncio.create_task(one()) for _ in range(n)]
+        await wait_until(
+            lambda: upstream.in_flight + sum(t.done() for t in tasks) == n, "calls in or refused"
+        )
+        upstream.hold.set()
+        statuses = await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    await _settled(gw)
+    return statuses
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
+    llm_upstream: LlmUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """1,000 tokens, 10 calls at once using 210 each. Reserving 300: 3 are in flight at
+    once (900 held), the rest refused; they spend 630, within the budget. Without a
+    reservation each holds 1 unit: all 10 go, spending 2,100, and the charges stop at the
+    budget (the overshoot the docs bound: calls in flight times their usage beyond the hold)."""
+    clock = FakeClock(T0_US)
+    store = _store(kind, request, clock, tmp_path)
+    gw = await start_gateway(
+        _policy(llm_upstream, _tokens(1000, "    reserve: 300\n")), clock=clock, **store
+    )
+    statuses = await _concurrent_calls(gw, llm_upstream, 10)
+    assert sorted(statuses) == [200] * 3 + [429] * 7
+    assert sum(llm_upstream.reported) == 630
+    assert await _left(gw) == 370
+    clock.advance(3600)
+
+    llm_upstream.reported.clear()
+    gw = await start_gateway(
+        _policy(llm_upstream, _tokens(1000)), clock=clock, **_store(kind, request, clock, tmp_path)
+    )
+    statuses = await _concurrent_calls(gw, llm_upstream, 10)
+    assert statuses == [200] * 10
+    assert sum(llm_upstream.reported) == 2100  # 1,100 over the budget
+    assert await _left(gw) == 0
