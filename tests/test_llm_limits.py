@@ -76,6 +76,28 @@ async def _call(client: openai.AsyncOpenAI, words: int, max_tokens: int, **extra
     )
 
 
+async def _stream(client: openai.AsyncOpenAI, words: int, max_tokens: int) -> Any:
+    """A streamed call, read to its end: the usage its last event reported."""
+    stream = await client.chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": " ".join(["hello"] * words)}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return usage
+
+
+async def _call_either(client: openai.AsyncOpenAI, words: int, max_tokens: int, draw: float) -> Any:
+    if draw < 0.5:
+        return await _stream(client, words, max_tokens)
+    return (await _call(client, words, max_tokens)).usage
+
+
 async def _left(gw: RunningGateway) -> int:
     """What the key has left (/explain: the next call's remaining plus its own hold)."""
     params = {
@@ -121,11 +143,14 @@ async def test_each_call_is_charged_the_usage_its_answer_reports(
     client = _client(gw)
     try:
         for _ in range(CALLS // 10):
-            answers = await asyncio.gather(
-                *[_call(client, rng.randint(1, 40), rng.randint(1, 120)) for _ in range(10)]
+            # Half streamed (the usage in the last event, as asked), half not.
+            usages = await asyncio.gather(
+                *[
+                    _call_either(client, rng.randint(1, 40), rng.randint(1, 120), rng.random())
+                    for _ in range(10)
+                ]
             )
-            for answer in answers:
-                assert answer.usage is not None
+            assert all(usage is not None for usage in usages)
     finally:
         await client.close()
     await _settled(gw)
@@ -222,3 +247,101 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     assert statuses == [200] * 10
     assert sum(llm_upstream.reported) == 2100  # 1,100 over the budget
     assert await _left(gw) == 0
+
+
+async def _gone_mid_stream(gw: RunningGateway, upstream: LlmUpstream, body: dict[str, Any]) -> None:
+    """A streamed call whose client reads its first events and leaves while the upstream
+    is in the middle of the answer."""
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        resp = await session.post(
+            gw.url + body.pop("path"), json=body, headers={"Authorization": "Bearer sk-test"}
+        )
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        await wait_until(lambda: upstream.stalled == 1, "the stream stalled upstream")
+        resp.close()
+    runtime = gw.gateway.handler.runtime
+    await wait_until(lambda: runtime.inflight == 0, "the gateway to see the client gone")
+    await _settled(gw)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_client_gone_mid_stream_is_charged_its_reservation_or_the_usage_so_far(
+    llm_upstream: LlmUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """A call cut short is charged at least its reservation, or the usage reported so far
+    if that is more. OpenAI's stream says its usage at its end only: a client gone before it
+    is charged the reservation (64). Anthropic's says the input first: 50 words in and 1 out
+    so far is less than its reservation (80), which is charged; 100 in and 1 out is more."""
+    clock = FakeClock(T0_US)
+    limits = _tokens(1000, "    reserve: 64\n") + (
+        "  anthropic_tokens:\n    algorithm: fixed_window\n    limit: 1000\n    window: 1h\n"
+        "    key: ['header:Authorization']\n    match: {path: /v1/messages}\n"
+        "    cost_from: anthropic\n    reserve: 80\n"
+    )
+    limits = limits.replace(
+        "    cost_from: openai\n",
+        "    cost_from: openai\n    match: {path: /v1/chat/completions}\n",
+        1,
+    )
+    gw = await start_gateway(
+        _policy(llm_upstream, limits), clock=clock, **_store(kind, request, clock, tmp_path)
+    )
+    engine = gw.gateway.handler.runtime.engine
+    tokens, anthropic_tokens = engine.limits
+    await _gone_mid_stream(
+        gw,
+        llm_upstream,
+        {
+            "path": "/v1/chat/completions",
+            "model": "m",
+            "messages": [{"role": "user", "content": "hello " * 50}],
+            "max_tokens": 100,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "stall": True,
+        },
+    )
+    assert tokens.counters.charged_units == 64
+    for words in (50, 100):
+        llm_upstream.stalled = 0
+        await _gone_mid_stream(
+            gw,
+            llm_upstream,
+            {
+                "path": "/v1/messages",
+                "model": "m",
+                "messages": [{"role": "user", "content": "hello " * words}],
+                "max_tokens": 100,
+                "stream": True,
+                "stall": True,
+            },
+        )
+    assert anthropic_tokens.counters.charged_units == 80 + 101
+    assert tokens.counters.charged_units == 64
+
+
+async def test_a_stream_that_ends_without_usage_is_charged_the_reservation_and_logged(
+    llm_upstream: LlmUpstream, start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An OpenAI stream not asked for its usage (no ``stream_options.include_usage``)."""
+    gw = await start_gateway(
+        _policy(llm_upstream, _tokens(1000, "    reserve: 64\n")), clock=FakeClock(T0_US)
+    )
+    caplog.set_level(logging.WARNING, "gateway.limits")
+    client = _client(gw)
+    try:
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+        )
+        assert len([chunk async for chunk in stream]) == 6
+    finally:
+        await client.close()
+    await _settled(gw)
+    assert await _left(gw) == 1000 - 64
+    (line,) = [r.getMessage() for r in caplog.records if "no usable usage" in r.getMessage()]
+    assert "stream_options.include_usage" in line

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from aiohttp.web_request import BaseRequest
 
 from gateway.edge.annotations import REPORTED_COSTS, ROUTE_NAME
-from gateway.limits.usage import UsageMeter, UsageSource, is_event_stream
+from gateway.limits.usage import CUT, UsageMeter, UsageSource, is_event_stream
 from gateway.log_throttle import LogThrottle
 
 log = logging.getLogger("gateway.limits")
@@ -38,9 +38,15 @@ def usage_reported(
     (recorded for the access log too); a body without a usable usage is logged, once per
     cause (``throttle``, the policy's)."""
     reported = dict(headers) if headers else {}
+    complete = meter.complete
+    if not complete:
+        # Cut short (the client left, the upstream failed): a limit charges at least what
+        # the request holds (``CUT``), or the usage reported so far if that is more.
+        reported[CUT] = b"1"
     for source, reading, problem in meter.readings():
         if reading is None:
-            _missing(request, source, problem, throttle)
+            if complete:
+                _missing(request, source, problem, throttle)
             continue
         reported[source.key] = b"%d" % reading
     if reported:

@@ -30,7 +30,7 @@ from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.response_charge import settle
 from gateway.limits.routing import CompiledMatch, compile_match
-from gateway.limits.usage import UsageSource
+from gateway.limits.usage import CUT, UsageSource
 from gateway.policy.models import (
     CUSTOM_PLAN,
     UNLISTED_PLAN,
@@ -804,6 +804,9 @@ class LimitEngine:
                 raw = reported.get(rule.source)
                 value = raw.decode("latin-1") if raw is not None else None
             cost = rule.charge(status, value, check.cost)
+            if rule.cost_from is not None and cost and reported and CUT in reported:
+                # The body was cut short: at least what the request holds (its reservation).
+                cost = max(cost, check.cost)
             if not limit.holds_budget:
                 if cost > 0:
                     checks.append(check)

@@ -18,6 +18,9 @@ from typing import Final
 
 from gateway.policy.cost_from import ANTHROPIC, MAX_DIGITS, parse_cost_from
 
+# Filed among what a response reported when its body was cut short: its cost is then at
+# least what the request holds (its reservation), or the usage reported so far if more.
+CUT: Final = b"body:cut"
 # The most of a body (JSON) or of one event (a stream) kept to read the usage from: usage sits
 # in small objects, and a body or an event past this is not read (the fallback is charged).
 MAX_USAGE_BYTES: Final = 1 << 20
@@ -49,13 +52,18 @@ class UsageSource:
     """One ``cost_from``: the key its reading is filed under (beside the cost headers', in
     what a limit is charged from and in the access log's ``costs``) and how to read it."""
 
-    __slots__ = ("anthropic", "key", "paths", "text")
+    __slots__ = ("anthropic", "key", "marker", "paths", "text")
 
     def __init__(self, text: str) -> None:
         self.text = text.strip()
         self.paths = parse_cost_from(self.text)
         self.key: bytes = b"body:" + self.text.encode()
         self.anthropic = self.text == ANTHROPIC
+        # Bytes an event must hold for this source to find anything in it: most events of a
+        # stream (its text) are then passed over without being parsed.
+        self.marker: bytes = (
+            b'"message_' if self.anthropic else b'"' + self.paths[0][0].encode() + b'"'
+        )
 
     def read(self, document: object) -> int | None:
         """The sum the paths name in a parsed document; None when one is missing or not a
@@ -93,6 +101,7 @@ class UsageMeter:
 
     __slots__ = (
         "_body",
+        "_complete",
         "_event",
         "_input",
         "_kept",
@@ -109,6 +118,7 @@ class UsageMeter:
         self.sources = tuple(sources)
         self.stream = stream
         self._body: list[bytes] = []
+        self._complete = False
         self._kept = 0
         self._too_large = False
         # A stream: the bytes of the line being received, and the data of the current event.
@@ -119,7 +129,10 @@ class UsageMeter:
         self._output: list[int | None] = [None] * len(self.sources)
         # Why the body gave a source nothing, when it did not (the log says it).
         self._problem: list[str] = [
-            "a stream without usage" if stream else "no body" for _ in self.sources
+            "a stream without usage (OpenAI's: ask for stream_options.include_usage)"
+            if stream
+            else "no body"
+            for _ in self.sources
         ]
 
     def feed(self, chunk: bytes) -> None:
@@ -176,6 +189,8 @@ class UsageMeter:
         data = b"\n".join(event)
         if not data.startswith(b"{"):
             return  # ``[DONE]`` and the like
+        if not any(source.marker in data for source in self.sources):
+            return  # an event of text: no usage in it
         try:
             document = json.loads(data)
         except ValueError:
@@ -216,6 +231,7 @@ class UsageMeter:
 
     def finish(self) -> None:
         """The body has ended (a stream's last event may lack its blank line)."""
+        self._complete = True
         if self.stream:
             if self._pending:
                 self._line(self._pending)
@@ -237,6 +253,12 @@ class UsageMeter:
             found = self._readings[index] = source.read(document)
             if found is None:
                 self._problem[index] = source.why_not(document)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the body was read to its end (not cut short: the client gone, the
+        upstream failed)."""
+        return self._complete
 
     def readings(self) -> list[tuple[UsageSource, int | None, str]]:
         """Each source, what the body said (None: nothing usable) and, then, why."""

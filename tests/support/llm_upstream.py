@@ -12,7 +12,8 @@ for the official clients, with usage the tests can predict:
   ``message_start`` and ``message_delta`` events).
 
 ``hold`` (an ``asyncio.Event``): when set to a new event, every answer waits for it (for
-counting calls in flight).
+counting calls in flight). ``stall: true`` in the request body: a stream stops after its
+first two events until ``stall`` (an event) is set, so a client can leave in the middle.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ class LlmUpstream:
     # The total tokens each answer reported (what the gateway should have charged).
     reported: list[int] = field(default_factory=list)
     hold: asyncio.Event | None = None
+    stall: asyncio.Event = field(default_factory=asyncio.Event)
+    # Streams stalled in the middle (``stall: true``), waiting for ``stall``.
+    stalled: int = 0
+
+    async def pause(self, body: dict[str, Any], sent: int) -> None:
+        if body.get("stall") and sent == 2:
+            self.stalled += 1
+            await self.stall.wait()
 
     @property
     def url(self) -> str:
@@ -105,6 +114,7 @@ async def _chat(upstream: LlmUpstream, request: web.BaseRequest) -> web.StreamRe
     base["model"] = model
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     for index in range(completion):
+        await upstream.pause(body, index)
         delta = {"content": "word "} if index else {"role": "assistant", "content": "word "}
         chunk: dict[str, Any] = {
             **base,
@@ -158,7 +168,8 @@ async def _messages(upstream: LlmUpstream, request: web.BaseRequest) -> web.Stre
     start_usage = {"input_tokens": prompt, "output_tokens": 1} if usage is not None else None
     await event("message_start", {"message": {**message, "content": [], "usage": start_usage}})
     await event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    for _ in range(completion):
+    for index in range(completion):
+        await upstream.pause(body, index)
         await event(
             "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "word "}}
         )
@@ -195,6 +206,7 @@ async def llm_upstream() -> AsyncIterator[LlmUpstream]:
     assert server.port is not None
     upstream.port = server.port
     yield upstream
+    upstream.stall.set()
     if upstream.hold is not None:
         upstream.hold.set()
     await server.close()
