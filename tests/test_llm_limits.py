@@ -24,6 +24,7 @@ from tests.support import redis_harness
 from tests.support.conformance import T0_US
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.llm_upstream import LlmUpstream
+from tests.support.metrics import scrape_until, value
 from tests.support.redis_harness import RedisServer
 from tests.support.waiting import wait_until
 
@@ -237,6 +238,16 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     assert sorted(statuses) == [200] * 3 + [429] * 7
     assert sum(llm_upstream.reported) == 630
     assert await _left(gw) == 370
+    (limit,) = gw.gateway.handler.runtime.engine.limits
+    counters = limit.counters
+    assert (counters.held_units, counters.returned_units, counters.charged_units) == (900, 270, 630)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda got: value(got, "gateway_limit_returned_units_total", limit="tokens") == 270,
+        )
+    assert value(samples, "gateway_limit_held_units_total", limit="tokens") == 900
     clock.advance(3600)
 
     llm_upstream.reported.clear()

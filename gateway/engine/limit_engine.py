@@ -817,14 +817,16 @@ class LimitEngine:
             # A hold decided without an instant took nothing (Redis away, ``on_failure:
             # allow``): nothing to give back.
             at_us = instants[index] if index < len(instants) else None
+            counters = limit.counters
+            counters.held_units += check.cost
             if give_back and at_us is not None:
                 refunds.append((Check(limit, check.key, cost=give_back), at_us))
+                counters.returned_units += give_back
             if top_up:
                 checks.append(check)
                 units.append(top_up)
                 kept.append(check.cost)
             elif cost > 0:  # what it held covers the charge
-                counters = limit.counters
                 counters.charged_responses += 1
                 counters.charged_units += cost
         if not checks and not refunds:

@@ -38,6 +38,10 @@ class ChargeCounts(NamedTuple):
     charged_responses: int = 0
     charged_units: int = 0
     charge_failures: int = 0
+    # Units requests held while in flight (``hold: in_flight``: their cost or reserve), and
+    # the part of them their responses gave back when settled.
+    held_units: int = 0
+    returned_units: int = 0
 
 
 @dataclass(slots=True)
@@ -64,6 +68,8 @@ class LimitCounters:
     charged_responses: int = 0
     charged_units: int = 0
     charge_failures: int = 0
+    held_units: int = 0
+    returned_units: int = 0
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(
@@ -71,7 +77,13 @@ class LimitCounters:
         )
 
     def charges(self) -> ChargeCounts:
-        return ChargeCounts(self.charged_responses, self.charged_units, self.charge_failures)
+        return ChargeCounts(
+            self.charged_responses,
+            self.charged_units,
+            self.charge_failures,
+            self.held_units,
+            self.returned_units,
+        )
 
 
 @dataclass(slots=True)
