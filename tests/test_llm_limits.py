@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import random
 import time
@@ -26,6 +27,7 @@ from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.llm_upstream import LlmUpstream
 from tests.support.metrics import scrape_until, value
 from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
@@ -356,3 +358,74 @@ async def test_a_stream_that_ends_without_usage_is_charged_the_reservation_and_l
     assert await _left(gw) == 1000 - 64
     (line,) = [r.getMessage() for r in caplog.records if "no usable usage" in r.getMessage()]
     assert "stream_options.include_usage" in line
+
+
+def _body_keyed(upstream_url: str, server: str = "") -> str:
+    """Two calls an hour per API key and model, the model read from the request body."""
+    return (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        + server
+        + f"upstreams:\n  llm:\n    url: {upstream_url}\n"
+        "routes:\n  - name: llm\n    upstream: llm\n"
+        "limits:\n  per_model:\n    algorithm: fixed_window\n    limit: 2\n    window: 1h\n"
+        "    key: ['header:Authorization', 'body:model']\n"
+    )
+
+
+async def test_a_key_part_from_the_request_body(
+    llm_upstream: LlmUpstream, start_gateway: GatewayFactory
+) -> None:
+    """Two calls per model: the third for one model is refused before the upstream, another
+    model still has its own two."""
+    gw = await start_gateway(_body_keyed(llm_upstream.url), clock=FakeClock(T0_US))
+    client = _client(gw)
+    try:
+        for _ in range(2):
+            await _call(client, 3, 4)
+        with pytest.raises(openai.RateLimitError):
+            await _call(client, 3, 4)
+        answer = await client.chat.completions.create(
+            model="other-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert answer.model == "other-model"
+    finally:
+        await client.close()
+    assert llm_upstream.calls == 3
+
+
+def _chunked(data: bytes) -> Any:
+    async def chunks() -> Any:
+        for start in range(0, len(data), 7):
+            yield data[start : start + 7]
+
+    return chunks()
+
+
+@pytest.mark.parametrize("too_large", ["reject", "absent"])
+async def test_a_body_read_for_keys_is_forwarded_unchanged_and_bounded(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, too_large: str
+) -> None:
+    """Bodies within ``body_key_max_size`` (256 bytes here), with a length or chunked, reach
+    the upstream byte for byte and are keyed by their model; a larger one is refused (413)
+    or forwarded whole with its body part absent (the limit skipped), as the policy says."""
+    server = f"  body_key_max_size: 256\n  body_key_too_large: {too_large}\n"
+    gw = await start_gateway(_body_keyed(upstream.url, server), clock=FakeClock(T0_US))
+    small = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x" * 50}]})
+    large = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "y" * 900}]})
+    headers = {"Authorization": "Bearer k", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        statuses = []
+        for body in (small.encode(), _chunked(small.encode()), small.encode()):
+            async with session.post(gw.url + "/v1/x", data=body, headers=headers) as resp:
+                statuses.append(resp.status)
+        assert statuses == [200, 200, 429]
+        assert [r.body for r in upstream.requests] == [small.encode()] * 2
+        for body in (large.encode(), _chunked(large.encode())):
+            async with session.post(gw.url + "/v1/x", data=body, headers=headers) as resp:
+                statuses.append(resp.status)
+    if too_large == "reject":
+        assert statuses[3:] == [413, 413]
+        assert len(upstream.requests) == 2
+    else:
+        assert statuses[3:] == [200, 200]  # no model: the limit does not apply
+        assert [r.body for r in upstream.requests[2:]] == [large.encode()] * 2

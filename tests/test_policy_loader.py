@@ -79,7 +79,8 @@ EXPECTED_ERRORS = {
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
     "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
-    "const:TEXT or plan:LIMIT",
+    "const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request body: model, "
+    "metadata.user)",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
     "unknown route 'nope'",
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "
@@ -231,6 +232,10 @@ EXPECTED_ERRORS = {
     "reserve_without_charge.yaml": "reserve_without_charge.yaml:8: limits.tokens: reserve "
     "applies to a limit charged after the response (cost_from, cost_header or count): a limit "
     "charged at admission takes its cost; remove reserve, or use cost",
+    "body_key_bad_path.yaml": "body_key_bad_path.yaml:12: limits.per_model.key: invalid key "
+    "part 'body:model..name': expected client_ip, header:NAME, query:NAME, route, method, "
+    "global, const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request body: model, "
+    "metadata.user)",
     "hold_unknown.yaml": "hold_unknown.yaml:13: limits.failed_logins.hold: expected "
     "'in_flight' or 'none', got 'always'",
     "cost_header_framing.yaml": "cost_header_framing.yaml:12: limits.metered.cost_header: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Callable, Iterable
 from time import perf_counter
@@ -80,6 +81,7 @@ class _Admitted:
     """What forwarding an admitted request needs: all of ours a request keeps while queued."""
 
     __slots__ = (
+        "body",
         "forwarded",
         "framing",
         "meter",
@@ -113,6 +115,9 @@ class _Admitted:
         self.sent_status = 0
         # What the body says the request cost (``cost_from``), read as it is relayed.
         self.meter: UsageMeter | None = None
+        # The request body, when part of it was read before the limits decided (a key part
+        # ``body:FIELD``): forwarded from there, unchanged.
+        self.body: RequestBody | None = None
 
 
 class _Refused:
@@ -275,6 +280,7 @@ class ProxyHandler:
 
         outcome: Outcome | None = None
         engine = runtime.engine
+        read_ahead: RequestBody | None = None
         if engine.active:
             facts = RequestFacts.of(
                 client_ip,
@@ -284,6 +290,18 @@ class ProxyHandler:
                 request.headers,
                 lambda: request.query,
             )
+            if engine.reads_body and framing.has_body:
+                read_ahead, facts.body, too_large = await _body_for_keys(
+                    request, runtime, route, framing
+                )
+                if too_large and engine.body_key_rejects:
+                    refusal = error_response(
+                        413,
+                        "request body larger than the limits read keys from "
+                        "(server.body_key_max_size)",
+                        close=True,
+                    )
+                    return await _answer_and_close(request, refusal)
             if engine.decides_now:
                 outcome = engine.evaluate_now(facts, route, host, path, client_ip)
             else:
@@ -312,7 +330,7 @@ class ProxyHandler:
                     )
                 return _Refused(refusal, outcome, framing)
 
-        return _Admitted(
+        admitted = _Admitted(
             route,
             upstream,
             target,
@@ -326,6 +344,8 @@ class ProxyHandler:
             ),
             outcome,
         )
+        admitted.body = read_ahead
+        return admitted
 
     async def _forward(
         self, request: BaseRequest, runtime: Runtime, admitted: _Admitted
@@ -364,7 +384,8 @@ class ProxyHandler:
                 return await _refuse(request, _shed_response(gate, upstream.name, framing), framing)
             started_us = gate.now_us()
 
-        if framing.expect_continue and request.transport is not None:
+        read_ahead = admitted.body
+        if framing.expect_continue and request.transport is not None and read_ahead is None:
             request.transport.write(_CONTINUE)
 
         pool = upstream.pool
@@ -392,7 +413,9 @@ class ProxyHandler:
         measured = False  # the response (or a timeout) tells the adaptive limit a latency
         try:
             body: RequestBody | bytes | None = None
-            if framing.has_body:
+            if read_ahead is not None:
+                body = read_ahead
+            elif framing.has_body:
                 body = RequestBody(request, max_body, body_timeout)
                 if should_buffer(pool, method, framing.content_length):
                     body = await read_whole(body)
@@ -529,6 +552,40 @@ class ProxyHandler:
             pool.finished(server)
 
 
+async def _body_for_keys(
+    request: BaseRequest, runtime: Runtime, route: Route, framing: RequestFraming
+) -> tuple[RequestBody | None, object, bool]:
+    """A JSON request body read before the limits decide, for their ``body:FIELD`` key parts:
+    (the body, to forward from; its document, or None; whether it is over
+    ``server.body_key_max_size``). A body that is not JSON, or is encoded, is not read."""
+    content_type = request.headers.get("Content-Type", "")
+    media = content_type.partition(";")[0].strip().lower()
+    if not (media == "application/json" or media.endswith("+json")):
+        return None, None, False
+    if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+        return None, None, False
+    most = runtime.engine.body_key_max_size
+    length = framing.content_length
+    if length is not None and length > most:
+        return None, None, True  # too large, known without reading it
+    max_body = route.max_body_size
+    if max_body is None:
+        max_body = runtime.settings.max_body_size
+    if max_body and length is not None and length > max_body:
+        return None, None, False  # 413 when it is forwarded
+    if framing.expect_continue and request.transport is not None:
+        request.transport.write(_CONTINUE)  # the client sends nothing before it
+    body = RequestBody(request, max_body, runtime.settings.body_timeout)
+    data = await body.read_ahead(most)
+    if data is None:
+        return body, None, not body.failed
+    try:
+        document: object = json.loads(data) if data else None
+    except ValueError:
+        document = None  # not JSON after all: its parts are absent
+    return body, document, False
+
+
 def _shed_response(gate: AdaptiveGate, name: str, framing: RequestFraming) -> web.Response:
     """A request the upstream's adaptive limit has no place for (at once, or within
     ``max_delay``)."""
@@ -589,20 +646,57 @@ def _answer_raw_and_close(request: BaseRequest, data: bytes) -> web.StreamRespon
 class RequestBody:
     """The client's request body as it arrives, for the upstream client to send on: each read
     under the body timeout, the total under ``max_body``. (An async iterator class: mypyc
-    compiles no async generator.)"""
+    compiles no async generator.) What ``read_ahead`` read for the limits' keys comes first,
+    then the rest, so the body goes on unchanged."""
 
-    __slots__ = ("_content", "_max_body", "_received", "_timeout")
+    __slots__ = ("_content", "_error", "_max_body", "_read", "_received", "_timeout")
 
     def __init__(self, request: BaseRequest, max_body: int, body_timeout: float) -> None:
         self._content = request.content
         self._max_body = max_body
         self._timeout = body_timeout or None
         self._received = 0
+        # Chunks read ahead (``read_ahead``), and the error that ended that reading, if one
+        # did: given to the upstream client in order, the error when it reaches it.
+        self._read: list[bytes] = []
+        self._error: Exception | None = None
 
     def __aiter__(self) -> RequestBody:
         return self
 
+    @property
+    def failed(self) -> bool:
+        """Whether reading ahead ended in an error (sent on when the body is)."""
+        return self._error is not None
+
+    async def read_ahead(self, most: int) -> bytes | None:
+        """The body, read ahead of forwarding, when it is at most ``most`` bytes; None when
+        it is longer (or fails: the error comes when the body is sent on)."""
+        read = self._read
+        size = 0
+        while size <= most:
+            try:
+                chunk = await self._next_chunk()
+            except StopAsyncIteration:
+                return b"".join(read)
+            except (BodyTooLarge, BodyTimeout, BodyBroken) as exc:
+                self._error = exc
+                return None
+            read.append(chunk)
+            size += len(chunk)
+        return None
+
     async def __anext__(self) -> bytes:
+        read = self._read
+        if read:
+            return read.pop(0)
+        error = self._error
+        if error is not None:
+            self._error = None
+            raise error
+        return await self._next_chunk()
+
+    async def _next_chunk(self) -> bytes:
         try:
             # The deadline is for each read: a slow but steady upload is fine.
             async with asyncio.timeout(self._timeout):

@@ -284,6 +284,14 @@ class LimitEngine:
         # waiting under the new one wants.
         self.slot_lines: SlotLines = previous.slot_lines if previous else SlotLines()
         self.ipv6_prefix = policy.ipv6_prefix
+        # Whether a limit's key reads the request body (``body:FIELD``): the proxy then reads
+        # a JSON body of at most ``body_key_max_size`` before the limits decide (larger:
+        # refused with 413, or its parts absent, as ``body_key_too_large`` says).
+        self.reads_body = any(
+            part.startswith("body:") for limit in self.limits for part in limit.spec.key
+        )
+        self.body_key_max_size = policy.server.body_key_max_size
+        self.body_key_rejects = policy.server.body_key_too_large == "reject"
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.
         self.active = bool(limits) or bool(self.allow) or bool(self.deny)
 

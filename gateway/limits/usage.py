@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from typing import Final
 
-from gateway.policy.cost_from import ANTHROPIC, MAX_DIGITS, parse_cost_from
+from gateway.policy.cost_from import ANTHROPIC, MAX_DIGITS, json_at, parse_cost_from
 
 # Filed among what a response reported when its body was cut short: its cost is then at
 # least what the request holds (its reservation), or the usage reported so far if more.
@@ -24,19 +24,6 @@ CUT: Final = b"body:cut"
 # The most of a body (JSON) or of one event (a stream) kept to read the usage from: usage sits
 # in small objects, and a body or an event past this is not read (the fallback is charged).
 MAX_USAGE_BYTES: Final = 1 << 20
-
-
-def _at(document: object, path: Sequence[str]) -> object:
-    """The value at ``path`` in a parsed JSON document; None when absent."""
-    node = document
-    for step in path:
-        if isinstance(node, dict):
-            node = node.get(step)
-        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
-            node = node[int(step)]
-        else:
-            return None
-    return node
 
 
 def _count(value: object) -> int | None:
@@ -70,7 +57,7 @@ class UsageSource:
         count."""
         total = 0
         for path in self.paths:
-            found = _count(_at(document, path))
+            found = _count(json_at(document, path))
             if found is None:
                 return None
             total += found
@@ -80,7 +67,7 @@ class UsageSource:
         """Why ``read`` found nothing in ``document``: the first path missing, or holding
         something that is not a count."""
         for path in self.paths:
-            value = _at(document, path)
+            value = json_at(document, path)
             if value is None:
                 return f"no {'.'.join(path)}"
             if _count(value) is None:
@@ -208,19 +195,19 @@ class UsageMeter:
             return
         kind = document.get("type")
         if kind == "message_start":
-            usage = _at(document, ("message", "usage"))
-            found = _count(_at(usage, ("input_tokens",)))
+            usage = json_at(document, ("message", "usage"))
+            found = _count(json_at(usage, ("input_tokens",)))
             if found is not None:
                 self._input[index] = found
-            output = _count(_at(usage, ("output_tokens",)))
+            output = _count(json_at(usage, ("output_tokens",)))
             if output is not None and self._output[index] is None:
                 self._output[index] = output
         elif kind == "message_delta":
-            found = _count(_at(document, ("usage", "output_tokens")))
+            found = _count(json_at(document, ("usage", "output_tokens")))
             if found is not None:
                 self._output[index] = found
             # Newer streams repeat the input in each delta.
-            found = _count(_at(document, ("usage", "input_tokens")))
+            found = _count(json_at(document, ("usage", "input_tokens")))
             if found is not None:
                 self._input[index] = found
         else:

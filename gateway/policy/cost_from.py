@@ -23,6 +23,20 @@ PRESETS: Final = {
 }
 
 
+def json_at(document: object, path: tuple[str, ...] | list[str]) -> object:
+    """The value at ``path`` (dotted, split) in a parsed JSON document; None when absent. A
+    number in the path indexes a list."""
+    node = document
+    for step in path:
+        if isinstance(node, dict):
+            node = node.get(step)
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
+
+
 class BadCostFrom(ValueError):
     """A ``cost_from`` the policy cannot use: the reason, in the policy's words."""
 

@@ -274,6 +274,17 @@ class ServerSettings(_Model):
         100 * 1024 * 1024, description="largest request body; 0 means unlimited"
     )
     max_header_size: Size = Field(8190, ge=256, description="longest request line or header")
+    body_key_max_size: Size = Field(
+        64 * 1024,
+        ge=1,
+        description="largest JSON request body a limit's body:FIELD key part is read from "
+        "(read before the limits decide, then forwarded unchanged)",
+    )
+    body_key_too_large: Literal["reject", "absent"] = Field(
+        "reject",
+        description="a body over body_key_max_size: reject (413) or absent (its body: parts "
+        "are missing: the limit's on_missing_key applies)",
+    )
     max_headers: int = Field(100, ge=1, description="request headers at most (400 or 431 beyond)")
     underscores_in_headers: bool = Field(
         False,
@@ -792,7 +803,8 @@ class Route(_Model):
 
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
+    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*"
+    r"|body:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*)$"
 )
 # The values a ``plan:LIMIT`` key part takes besides a plan's name: a key that limit does not
 # list (or a request without one), and a key listed with numbers of its own.
@@ -806,8 +818,13 @@ def check_key_parts(value: tuple[str, ...], *, plans: bool = False) -> tuple[str
     if not value:
         raise ValueError("key needs at least one part")
     for part in value:
-        if not _KEY_PART_RE.match(part) or (part.startswith("plan:") and not plans):
-            expected = "global, const:TEXT or plan:LIMIT" if plans else "global or const:TEXT"
+        if not _KEY_PART_RE.match(part) or (part.startswith(("plan:", "body:")) and not plans):
+            expected = (
+                "global, const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request "
+                "body: model, metadata.user)"
+                if plans
+                else "global or const:TEXT"
+            )
             raise ValueError(
                 f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
                 f"route, method, {expected}"
