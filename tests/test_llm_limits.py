@@ -228,7 +228,8 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     kind: str,
 ) -> None:
     """1,000 tokens, 10 calls at once using 210 each. Reserving 300: 3 are in flight at
-    once (900 held), the rest refused; they spend 630, within the budget. Without a
+    once (900 held), the rest refused; they spend 630, within the budget. Reserving each
+    call's max_tokens (200, read from its body) in 1,100: 5 go, spending 1,050. Without a
     reservation each holds 1 unit: all 10 go, spending 2,100, and the charges stop at the
     budget (the overshoot the docs bound: calls in flight times their usage beyond the hold)."""
     clock = FakeClock(T0_US)
@@ -250,6 +251,20 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
             lambda got: value(got, "gateway_limit_returned_units_total", limit="tokens") == 270,
         )
     assert value(samples, "gateway_limit_held_units_total", limit="tokens") == 900
+    clock.advance(3600)
+
+    # Reserving what each call asks for (its max_tokens, 200): 5 of the 10 fit in 1,100.
+    llm_upstream.reported.clear()
+    from_body = "    reserve: {body: [max_completion_tokens, max_tokens], default: 1000}\n"
+    gw = await start_gateway(
+        _policy(llm_upstream, _tokens(1100, from_body)),
+        clock=clock,
+        **_store(kind, request, clock, tmp_path),
+    )
+    statuses = await _concurrent_calls(gw, llm_upstream, 10)
+    assert sorted(statuses) == [200] * 5 + [429] * 5
+    assert sum(llm_upstream.reported) == 1050
+    assert await _left(gw) == 50
     clock.advance(3600)
 
     llm_upstream.reported.clear()

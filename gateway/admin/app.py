@@ -196,8 +196,9 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         }
         if counted.cost_from is not None:
             charged["cost_from"] = counted.cost_from
-        if counted.reserve is not None:
-            charged["reserve"] = counted.reserve  # held by each request in flight
+        reserve = counted.reserve
+        if reserve is not None:  # held by each request in flight
+            charged["reserve"] = reserve if isinstance(reserve, int) else reserve.model_dump()
         if counted.hold == "none":
             charged["hold"] = "none"  # admitted free: a burst in flight may all pass
         entry["charged_after_response"] = charged

@@ -38,6 +38,7 @@ from gateway.policy.models import (
     LimitMatch,
     Policy,
     RateLimitHeaders,
+    ReserveFrom,
     Route,
 )
 from gateway.policy.overrides import UnlistedKey, compile_tiering
@@ -289,7 +290,7 @@ class LimitEngine:
         # refused with 413, or its parts absent, as ``body_key_too_large`` says).
         self.reads_body = any(
             part.startswith("body:") for limit in self.limits for part in limit.spec.key
-        )
+        ) or any(isinstance(limit.spec.reserve, ReserveFrom) for limit in self.limits)
         self.body_key_max_size = policy.server.body_key_max_size
         self.body_key_rejects = policy.server.body_key_too_large == "reject"
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.policy.cost_from import parse_cost_from
+from gateway.policy.cost_from import json_at, parse_cost_from
 from gateway.policy.units import (
     CALENDAR_PERIODS,
     Rate,
@@ -907,6 +907,47 @@ class Cost(_Model):
         return cost
 
 
+class ReserveFrom(_Model):
+    """A reservation read from the request's JSON body (``reserve: {body: max_tokens, default:
+    4096}``): the first of the fields present that holds a whole number of 1 or more, else
+    ``default``."""
+
+    body: tuple[str, ...] = Field(
+        description="fields of the request body (dotted), the first present giving the "
+        "reservation: max_tokens, max_completion_tokens, max_output_tokens",
+    )
+    default: int = Field(ge=1, description="the reservation when none of the fields is there")
+
+    @field_validator("body", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("body")
+    @classmethod
+    def _check_fields(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("body is empty: name the request's field (max_tokens)")
+        for name in value:
+            if not _BODY_FIELD_RE.match(name):
+                raise ValueError(
+                    f"{name!r} is not a field of a JSON body: write a dotted name "
+                    "(max_tokens, generation.max_tokens)"
+                )
+        return value
+
+    def of_body(self, document: object) -> int:
+        """The reservation for a request whose body is ``document`` (None: not read)."""
+        for name in self.body:
+            value = json_at(document, name.split("."))
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 53:
+                return value
+        return self.default
+
+
+_BODY_FIELD_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
 # ``5xx``: every status of a class.
 _STATUS_CLASS_RE = re.compile(r"^[1-5]xx$")
 # Headers that frame the message or the connection: never a cost header, since removing one
@@ -1038,12 +1079,12 @@ class _LimitBase(_Model):
         "usage.completion_tokens); read from a JSON body or as a stream's events pass "
         "(missing: reserve, or cost)",
     )
-    reserve: int | None = Field(
+    reserve: Annotated[int, Field(ge=1)] | ReserveFrom | None = Field(
         None,
-        ge=1,
         description="units a request of a limit charged after the response holds while in "
         "flight (an estimate of its cost: a model call's most tokens), settled to what the "
-        "response says; default: cost",
+        "response says: a number, or {body: max_tokens, default: 4096} read from the "
+        "request's JSON body; default: cost",
     )
     hold: Literal["in_flight", "none"] = Field(
         "in_flight",

@@ -16,7 +16,7 @@ import ipaddress
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Generic, TypeVar
 
-from gateway.policy.models import Cost, tier_specs
+from gateway.policy.models import Cost, ReserveFrom, tier_specs
 
 # A compiled limit (``gateway.limits.compiled.CompiledLimit``, which holds a ``Tiering``:
 # generic here so that this module needs nothing from it).
@@ -142,7 +142,7 @@ class Tiering:
     ``None`` on a limit that uses none of them, so such limits pay one attribute test."""
 
     exemptions: Exemptions | None
-    cost: int | Cost
+    cost: int | Cost | ReserveFrom
     overrides: Overrides[Any] | None
     # ``unlisted:``: keys the overrides do not list share one bucket, or are refused.
     share_unlisted: bool = False
@@ -170,7 +170,11 @@ class Tiering:
             elif self.reject_unlisted:
                 raise UnlistedKey
         cost = self.cost
-        return limit, key, cost if isinstance(cost, int) else cost.of(facts.route, facts.method)
+        if isinstance(cost, int):
+            return limit, key, cost
+        if isinstance(cost, Cost):
+            return limit, key, cost.of(facts.route, facts.method)
+        return limit, key, cost.of_body(facts.body)  # a reservation read from the body
 
 
 def compile_tiering(
