@@ -19,6 +19,9 @@ import openai
 import pytest
 
 from gateway.clock import FakeClock
+from gateway.engine.preflight import parse_and_build
+from gateway.replay import replay
+from gateway.replay.simulate import Simulation
 from gateway.stores import RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
@@ -113,7 +116,7 @@ async def _left(gw: RunningGateway) -> int:
         session.get(gw.admin_url + "/explain", params=params) as resp,
     ):
         explained = await resp.json()
-    (entry,) = explained["limits"]
+    (entry,) = [limit for limit in explained["limits"] if limit["name"] == "tokens"]
     decision = entry["next_request"]
     return int(decision["remaining"]) + (entry["cost"] if decision["allowed"] else 0)
 
@@ -444,3 +447,78 @@ async def test_a_body_read_for_keys_is_forwarded_unchanged_and_bounded(
     else:
         assert statuses[3:] == [200, 200]  # no model: the limit does not apply
         assert [r.body for r in upstream.requests[2:]] == [large.encode()] * 2
+
+
+async def test_openai_style_headers_when_asked(
+    llm_upstream: LlmUpstream, start_gateway: GatewayFactory
+) -> None:
+    """``headers: {openai: true}``: the token limit's figures as -tokens, the request limit's
+    as -requests, as the official client reads them (``with_raw_response``)."""
+    limits = _tokens(1000, "    reserve: 100\n") + (
+        "  calls:\n    algorithm: fixed_window\n    limit: 3\n    window: 1m\n"
+        "    key: ['header:Authorization']\n"
+    )
+    policy = _policy(llm_upstream, limits) + "headers: {openai: true}\n"
+    gw = await start_gateway(policy, clock=FakeClock(T0_US))
+    client = _client(gw)
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "one two"}], max_tokens=8
+        )
+        headers = raw.headers
+        # Admitted holding its reservation (100 of 1,000); 1 of 3 calls this minute.
+        assert headers["x-ratelimit-limit-tokens"] == "1000"
+        assert headers["x-ratelimit-remaining-tokens"] == "900"
+        assert headers["x-ratelimit-reset-tokens"] == "46m40s"  # T0: 13m20s into the hour
+        assert headers["x-ratelimit-limit-requests"] == "3"
+        assert headers["x-ratelimit-remaining-requests"] == "2"
+        assert headers["x-ratelimit-reset-requests"] == "40s"
+        for _ in range(2):
+            await _call(client, 2, 8)
+        with pytest.raises(openai.RateLimitError) as refused:
+            await _call(client, 2, 8)
+        assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert refused.value.response.headers["x-ratelimit-reset-requests"] == "40s"
+    finally:
+        await client.close()
+    await _settled(gw)
+    assert await _left(gw) == 1000 - 3 * 10
+
+
+async def test_the_access_log_records_the_usage_and_a_replay_charges_it(
+    llm_upstream: LlmUpstream,
+    start_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    """100 tokens an hour, calls using 30 (5 words, 25 out): the fourth finds 10 left and is
+    admitted (it holds 1), the fifth finds none. The log's ``costs`` carry each usage, and
+    replaying the log decides the same."""
+    policy_text = _policy(
+        llm_upstream, _tokens(100).replace("['header:Authorization']", "[global]")
+    )
+    policy_text = policy_text.replace(
+        "  admin_listen: 127.0.0.1:0\n",
+        "  admin_listen: 127.0.0.1:0\n  access_log: true\n  access_log_format: json\n",
+    )
+    gw = await start_gateway(policy_text, clock=FakeClock(T0_US))
+    client = _client(gw)
+    statuses = []
+    with caplog.at_level(logging.INFO, logger="gateway.access"):
+        try:
+            for _ in range(5):
+                try:
+                    await _call(client, 5, 25)
+                    statuses.append(200)
+                except openai.RateLimitError:
+                    statuses.append(429)
+        finally:
+            await client.close()
+    assert statuses == [200, 200, 200, 200, 429]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert [json.loads(line).get("costs") for line in lines] == [{"body:openai": "30"}] * 4 + [None]
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join(lines) + "\n")
+    run = await replay([str(log)], [Simulation(parse_and_build(policy_text, "test.yaml"))])
+    counted = run.simulations[0].counters()["tokens"]
+    assert (counted["allowed"], counted["rejected"]) == (4, 1)

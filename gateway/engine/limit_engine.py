@@ -219,6 +219,7 @@ class LimitEngine:
         self._ietf_headers = policy.headers.ietf
         self._x_ratelimit_headers = policy.headers.x_ratelimit
         self._retry_after_header = policy.headers.retry_after
+        self._openai_headers = policy.headers.openai
         # Each limit's header parts (``_Advertised``), the same on every response: by limit
         # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
         self._advertised: dict[str, _Advertised] = {}
@@ -906,7 +907,15 @@ class LimitEngine:
 
     def header_block(self, outcome: Outcome) -> bytes:
         """The rate-limit response headers for an outcome, as whole header lines (CRLF each):
-        what a response copies into its head as it is.
+        what a response copies into its head as it is; with ``headers.openai``, OpenAI's
+        ``x-ratelimit-*-tokens`` and ``-requests`` after them."""
+        block = self._limit_lines(outcome)
+        if self._openai_headers and outcome.verdict is not None:
+            return block + _openai_lines(outcome)
+        return block
+
+    def _limit_lines(self, outcome: Outcome) -> bytes:
+        """The IETF, X-RateLimit and Retry-After lines of ``header_block``.
 
         Each limit's ``RateLimit-Policy`` item and the start of its ``RateLimit`` item are
         encoded once per limit and quota (``_Advertised``); a request formats only its own
@@ -1060,6 +1069,61 @@ def _ascii(number: int) -> bytes:
     if 0 <= number < 1024:
         return _SMALL_INTS[number]
     return b"%d" % number
+
+
+def _openai_lines(outcome: Outcome) -> bytes:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-tokens`` (the limits that read their
+    cost from the response body, ``cost_from``) and ``-requests`` (the other rate limits):
+    each the figures of the limit of its kind with the fewest left; the reset as OpenAI
+    writes it (``6m0s``, ``20ms``)."""
+    verdict = outcome.verdict
+    assert verdict is not None
+    decisions = verdict.decisions
+    rejecting = verdict.rejected_by if outcome.status else ()
+    tightest: dict[bytes, tuple[Decision, float]] = {}
+    for index, check in enumerate(outcome.checks):
+        limit = check.limit
+        if limit.holds_slots:
+            continue
+        rule = limit.response_charge
+        kind = b"tokens" if rule is not None and rule.cost_from is not None else b"requests"
+        decision = decisions[index]
+        reset_s = decision.reset_s
+        if index in rejecting:
+            retry_s = decision.delay_s if decision.allowed else decision.retry_after_s
+            reset_s = retry_s if math.isfinite(retry_s) else reset_s
+        known = tightest.get(kind)
+        if known is None or decision.remaining < known[0].remaining:
+            tightest[kind] = (decision, reset_s)
+    lines = []
+    for kind, (decision, reset_s) in sorted(tightest.items(), reverse=True):
+        lines.append(
+            b"x-ratelimit-limit-%s: %d\r\nx-ratelimit-remaining-%s: %d\r\n"
+            b"x-ratelimit-reset-%s: %s\r\n"
+            % (
+                kind,
+                decision.limit,
+                kind,
+                max(0, decision.remaining),
+                kind,
+                _openai_duration(reset_s),
+            )
+        )
+    return b"".join(lines)
+
+
+def _openai_duration(seconds: float) -> bytes:
+    """A duration as OpenAI's headers write it: ``20ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1.0:
+        return b"%dms" % max(0, math.ceil(seconds * 1000.0))
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return b"%dh%dm%ds" % (hours, minutes, secs)
+    if minutes:
+        return b"%dm%ds" % (minutes, secs)
+    return b"%ds" % secs
 
 
 def _x_ratelimit_lines(limit: int, remaining: int, reset: int) -> bytes:

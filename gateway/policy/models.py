@@ -1574,6 +1574,11 @@ class RateLimitHeaders(_Model):
     ietf: bool = Field(True, description="RateLimit-Policy and RateLimit (IETF httpapi draft)")
     x_ratelimit: bool = Field(False, description="X-RateLimit-Limit/-Remaining/-Reset")
     retry_after: bool = Field(True, description="Retry-After on rejections")
+    openai: bool = Field(
+        False,
+        description="OpenAI's x-ratelimit-{limit,remaining,reset}-tokens (limits with "
+        "cost_from) and -requests (the others)",
+    )
 
 
 class Access(_Model):
