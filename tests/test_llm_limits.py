@@ -34,6 +34,7 @@ from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
+redis_cluster = redis_harness.redis_cluster
 _prefixes = itertools.count()
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 
@@ -45,9 +46,13 @@ def _store(
         return {}
     if kind == "shared":
         return {"store": SharedStore(tmp_path / "shared", clock)}
-    server: RedisServer = request.getfixturevalue("redis_server")
+    if kind == "cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
     prefix = f"llm{next(_prefixes)}-{time.monotonic_ns()}:"
-    store = RedisStore(server.url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
+    store = RedisStore(url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
     return {"store": store}
 
 
@@ -125,12 +130,23 @@ async def _settled(gw: RunningGateway) -> None:
     await gw.gateway.handler.runtime.engine.charges_done()
 
 
-CALLS = 200
+CALLS = 1000
 BUDGET = 10_000_000
 
 
-@pytest.mark.parametrize("reserve", ["", "    reserve: 64\n"], ids=["no-reserve", "reserve"])
-@pytest.mark.parametrize("kind", ["memory", "shared", "redis"])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "reserve"),
+    [
+        ("memory", ""),
+        ("memory", "    reserve: 64\n"),
+        ("shared", "    reserve: 64\n"),
+        ("redis", ""),
+        ("redis", "    reserve: 64\n"),
+        ("cluster", "    reserve: 64\n"),
+    ],
+    ids=["memory", "memory-reserve", "shared-reserve", "redis", "redis-reserve", "cluster-reserve"],
+)
 async def test_each_call_is_charged_the_usage_its_answer_reports(
     llm_upstream: LlmUpstream,
     start_gateway: GatewayFactory,
@@ -148,12 +164,12 @@ async def test_each_call_is_charged_the_usage_its_answer_reports(
     rng = random.Random(7)
     client = _client(gw)
     try:
-        for _ in range(CALLS // 10):
+        for _ in range(CALLS // 20):
             # Half streamed (the usage in the last event, as asked), half not.
             usages = await asyncio.gather(
                 *[
                     _call_either(client, rng.randint(1, 40), rng.randint(1, 120), rng.random())
-                    for _ in range(10)
+                    for _ in range(20)
                 ]
             )
             assert all(usage is not None for usage in usages)
