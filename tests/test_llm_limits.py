@@ -538,3 +538,45 @@ async def test_the_access_log_records_the_usage_and_a_replay_charges_it(
     run = await replay([str(log)], [Simulation(parse_and_build(policy_text, "test.yaml"))])
     counted = run.simulations[0].counters()["tokens"]
     assert (counted["allowed"], counted["rejected"]) == (4, 1)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_anthropic_client_calls_are_charged_their_usage(
+    llm_upstream: LlmUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """The official ``anthropic`` client, streamed and not, against ``cost_from: anthropic``:
+    input plus output tokens, from the body or from ``message_start`` and ``message_delta``."""
+    anthropic = pytest.importorskip("anthropic")
+    clock = FakeClock(T0_US)
+    limit = _tokens(BUDGET, "    reserve: {body: max_tokens, default: 1000}\n").replace(
+        "cost_from: openai", "cost_from: anthropic"
+    )
+    gw = await start_gateway(
+        _policy(llm_upstream, limit), clock=clock, **_store(kind, request, clock, tmp_path)
+    )
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-test", max_retries=0)
+    rng = random.Random(3)
+    try:
+        for index in range(40):
+            words, most = rng.randint(1, 30), rng.randint(1, 60)
+            messages = [{"role": "user", "content": " ".join(["hello"] * words)}]
+            if index % 2:
+                message = await client.messages.create(
+                    model="m", max_tokens=most, messages=messages
+                )
+            else:
+                async with client.messages.stream(
+                    model="m", max_tokens=most, messages=messages
+                ) as stream:
+                    message = await stream.get_final_message()
+            assert message.usage.input_tokens + message.usage.output_tokens == words + most
+    finally:
+        await client.close()
+    await _settled(gw)
+    (tokens,) = gw.gateway.handler.runtime.engine.limits
+    assert tokens.counters.charged_units == sum(llm_upstream.reported)
+    assert await _left(gw) == BUDGET - sum(llm_upstream.reported)
