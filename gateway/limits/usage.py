@@ -13,6 +13,7 @@ the cost the body reported, or why there is none (``missing``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Final
 
@@ -48,9 +49,16 @@ class UsageSource:
         self.anthropic = self.text == ANTHROPIC
         # Bytes an event must hold for this source to find anything in it: most events of a
         # stream (its text) are then passed over without being parsed.
-        self.marker: bytes = (
-            b'"message_' if self.anthropic else b'"' + self.paths[0][0].encode() + b'"'
-        )
+        if self.anthropic:
+            marker = rb'"message_(start|delta)"'
+        else:
+            # The first field named, and for a nested path an object or a list after it (an
+            # OpenAI stream's chunks say ``"usage": null`` until the last).
+            first = self.paths[0]
+            marker = re.escape(b'"' + first[0].encode() + b'"')
+            if len(first) > 1:
+                marker += rb"\s*:\s*[\[{]"
+        self.marker: re.Pattern[bytes] = re.compile(marker)
 
     def read(self, document: object) -> int | None:
         """The sum the paths name in a parsed document; None when one is missing or not a
@@ -92,6 +100,7 @@ class UsageMeter:
         "_event",
         "_input",
         "_kept",
+        "_marker",
         "_output",
         "_pending",
         "_problem",
@@ -107,6 +116,8 @@ class UsageMeter:
         self._body: list[bytes] = []
         self._complete = False
         self._kept = 0
+        # What an event must hold for some source to find its usage in it: one search.
+        self._marker = re.compile(b"|".join(source.marker.pattern for source in self.sources))
         self._too_large = False
         # A stream: the bytes of the line being received, and the data of the current event.
         self._pending = b""
@@ -134,21 +145,50 @@ class UsageMeter:
                 return
             self._body.append(chunk)
             return
+        if not self._pending and chunk.endswith(b"\n\n") and not self._too_large:
+            # The common case: a chunk of whole events (an upstream writes one at a time).
+            if self._marker.search(chunk) is not None:
+                self._read_lines(chunk)
+            return
         data = self._pending + chunk if self._pending else chunk
+        # Only whole events are read: what follows the last blank line is kept, raw, for
+        # the next chunk (at most the bound: the rest of a larger event is passed over).
+        end = max(data.rfind(b"\n\n"), data.rfind(b"\n\r\n"))
+        if end < 0:
+            self._keep(data)
+            return
+        end = data.index(b"\n", end + 1) + 1
+        whole, rest = data[:end], data[end:]
+        if self._too_large:  # the end of an event past the bound: not read
+            self._too_large = False
+            first = min(i for i in (whole.find(b"\n\n"), whole.find(b"\n\r\n")) if i >= 0)
+            whole = whole[whole.index(b"\n", first + 1) + 1 :]
+        self._keep(rest)
+        if whole and self._marker.search(whole) is not None:
+            self._read_lines(whole)
+
+    def _read_lines(self, whole: bytes) -> None:
+        """Whole events that may hold the usage (rare: most are text, passed over unread)."""
         start = 0
         while True:
-            end = data.find(b"\n", start)
-            if end < 0:
+            line_end = whole.find(b"\n", start)
+            if line_end < 0:
                 break
-            self._line(data[start:end])
-            start = end + 1
-        rest = data[start:]
-        if len(rest) + self._kept > MAX_USAGE_BYTES:
-            self._too_large = True  # a line past the bound: the event is not read
+            self._line(whole[start:line_end])
+            start = line_end + 1
+
+    def _keep(self, rest: bytes) -> None:
+        """Keep the unfinished event's bytes for the next chunk, up to the bound."""
+        if len(rest) > MAX_USAGE_BYTES:
+            self._too_large = True
             rest = b""
         self._pending = rest
 
+    def _may_hold_usage(self, data: bytes) -> bool:
+        return self._marker.search(data) is not None
+
     def _line(self, line: bytes) -> None:
+        """One line of a whole event (within the bound: ``feed`` kept it so)."""
         if line.endswith(b"\r"):
             line = line[:-1]
         if not line:
@@ -158,25 +198,17 @@ class UsageMeter:
             value = line[5:]
             if value.startswith(b" "):
                 value = value[1:]
-            self._kept += len(value)
-            if self._kept > MAX_USAGE_BYTES:
-                self._too_large = True
-                self._event = []
-                return
-            if not self._too_large:
-                self._event.append(value)
+            self._event.append(value)
 
     def _dispatch(self) -> None:
         """The end of an event: read it."""
         event, self._event = self._event, []
-        too_large, self._too_large = self._too_large, False
-        self._kept = 0
-        if not event or too_large:
+        if not event:
             return
         data = b"\n".join(event)
         if not data.startswith(b"{"):
             return  # ``[DONE]`` and the like
-        if not any(source.marker in data for source in self.sources):
+        if not self._may_hold_usage(data):
             return  # an event of text: no usage in it
         try:
             document = json.loads(data)
@@ -220,10 +252,11 @@ class UsageMeter:
         """The body has ended (a stream's last event may lack its blank line)."""
         self._complete = True
         if self.stream:
-            if self._pending:
-                self._line(self._pending)
-                self._pending = b""
-            self._dispatch()
+            rest, self._pending = self._pending, b""
+            if rest and not self._too_large and self._may_hold_usage(rest):
+                for line in rest.split(b"\n"):
+                    self._line(line)
+                self._dispatch()
             return
         if self._too_large or not self._body:
             if self._too_large:
