@@ -53,7 +53,7 @@ from gateway.edge.websocket import forward_upgrade, wants_upgrade
 from gateway.engine.delay_queue import ShuttingDown
 from gateway.limits.keys import RequestFacts
 from gateway.limits.routing import RefusedTarget, normalise_host, origin_form, routing_path
-from gateway.limits.usage import UsageMeter
+from gateway.limits.usage import BATCH_BYTES, UsageMeter
 
 if TYPE_CHECKING:
     from gateway.edge.runtime import Runtime, UpstreamTarget
@@ -529,10 +529,17 @@ class ProxyHandler:
                 return stream
             read_chunk = response.read_chunk
             write = stream.write
+            # The usage read as it passes (cost_from): chunks batched for the meter.
+            batch = meter.batch if meter is not None else None
+            batched = 0
             try:
                 while chunk := await read_chunk():
-                    if meter is not None:  # the usage read as it passes (cost_from)
-                        meter.feed(chunk)
+                    if batch is not None:
+                        batch.append(chunk)
+                        batched += len(chunk)
+                        if batched >= BATCH_BYTES and meter is not None:
+                            meter.flush()
+                            batched = 0
                     await write(chunk)
             except UpstreamError as exc:
                 request[UPSTREAM_ERROR] = upstream_error_reason(exc)

@@ -5,20 +5,25 @@ pass.
 A ``UsageSource`` is compiled from the policy's ``cost_from`` (a preset, ``openai`` or
 ``anthropic``, or a sum of dotted paths such as ``usage.prompt_tokens +
 usage.completion_tokens``). A ``UsageMeter`` is fed the body's chunks as the proxy relays them
-and keeps at most ``MAX_USAGE_BYTES`` of them: the whole body while it is that small (JSON), or
-the current event's bytes (a stream); the stream itself is never buffered. Its ``reading`` is
-the cost the body reported, or why there is none (``missing``).
+(batched: the relay appends each to ``batch`` and flushes about every 16 KiB) and keeps at most
+``MAX_USAGE_BYTES`` of them: the whole body while it is that small (JSON), or the unfinished
+event's bytes (a stream); the stream itself is never buffered. Of a stream's whole events only
+those holding a source's marker (bytes only its usage has) are split into lines and parsed.
+``readings`` says the cost the body reported, or why there is none.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Final
 
 from gateway.policy.cost_from import ANTHROPIC, MAX_DIGITS, json_at, parse_cost_from
 
+# A stream's chunks are handed to the meter in batches of about this many bytes (the relay
+# appends each to ``UsageMeter.batch``, a list, and calls ``flush`` past it): one call per
+# batch, not per event.
+BATCH_BYTES: Final = 16384
 # Filed among what a response reported when its body was cut short: its cost is then at
 # least what the request holds (its reservation), or the usage reported so far if more.
 CUT: Final = b"body:cut"
@@ -47,18 +52,16 @@ class UsageSource:
         self.paths = parse_cost_from(self.text)
         self.key: bytes = b"body:" + self.text.encode()
         self.anthropic = self.text == ANTHROPIC
-        # Bytes an event must hold for this source to find anything in it: most events of a
-        # stream (its text) are then passed over without being parsed.
+        # Bytes an event holds when this source can find something in it, searched for as
+        # plain bytes over a whole chunk: the last field of the first path, which only the
+        # usage itself names (an OpenAI stream's chunks say "usage": null until the last,
+        # so "usage" would be in every one); Anthropic's message_start and message_delta
+        # events (and message_stop: one small event more to parse).
+        self.marker: bytes
         if self.anthropic:
-            marker = rb'"message_(start|delta)"'
+            self.marker = b'"message_'
         else:
-            # The first field named, and for a nested path an object or a list after it (an
-            # OpenAI stream's chunks say ``"usage": null`` until the last).
-            first = self.paths[0]
-            marker = re.escape(b'"' + first[0].encode() + b'"')
-            if len(first) > 1:
-                marker += rb"\s*:\s*[\[{]"
-        self.marker: re.Pattern[bytes] = re.compile(marker)
+            self.marker = b'"' + self.paths[0][-1].encode() + b'"'
 
     def read(self, document: object) -> int | None:
         """The sum the paths name in a parsed document; None when one is missing or not a
@@ -101,11 +104,13 @@ class UsageMeter:
         "_input",
         "_kept",
         "_marker",
+        "_markers",
         "_output",
         "_pending",
         "_problem",
         "_readings",
         "_too_large",
+        "batch",
         "sources",
         "stream",
     )
@@ -114,10 +119,14 @@ class UsageMeter:
         self.sources = tuple(sources)
         self.stream = stream
         self._body: list[bytes] = []
+        # Chunks the relay has appended and the meter has not read yet (``flush``).
+        self.batch: list[bytes] = []
         self._complete = False
         self._kept = 0
         # What an event must hold for some source to find its usage in it: one search.
-        self._marker = re.compile(b"|".join(source.marker.pattern for source in self.sources))
+        self._markers: tuple[bytes, ...] = tuple({source.marker: None for source in self.sources})
+        # The one marker of a meter with one source (the common case): one search.
+        self._marker: bytes | None = self._markers[0] if len(self._markers) == 1 else None
         self._too_large = False
         # A stream: the bytes of the line being received, and the data of the current event.
         self._pending = b""
@@ -133,6 +142,14 @@ class UsageMeter:
             for _ in self.sources
         ]
 
+    def flush(self) -> None:
+        """Read the chunks the relay batched."""
+        batch = self.batch
+        if batch:
+            data = batch[0] if len(batch) == 1 else b"".join(batch)
+            batch.clear()
+            self.feed(data)
+
     def feed(self, chunk: bytes) -> None:
         """The next bytes of the body, as they are relayed."""
         if not self.stream:
@@ -147,7 +164,7 @@ class UsageMeter:
             return
         if not self._pending and chunk.endswith(b"\n\n") and not self._too_large:
             # The common case: a chunk of whole events (an upstream writes one at a time).
-            if self._marker.search(chunk) is not None:
+            if self._may_hold_usage(chunk):
                 self._read_lines(chunk)
             return
         data = self._pending + chunk if self._pending else chunk
@@ -164,18 +181,32 @@ class UsageMeter:
             first = min(i for i in (whole.find(b"\n\n"), whole.find(b"\n\r\n")) if i >= 0)
             whole = whole[whole.index(b"\n", first + 1) + 1 :]
         self._keep(rest)
-        if whole and self._marker.search(whole) is not None:
+        if whole and self._may_hold_usage(whole):
             self._read_lines(whole)
 
     def _read_lines(self, whole: bytes) -> None:
-        """Whole events that may hold the usage (rare: most are text, passed over unread)."""
-        start = 0
+        """The events among ``whole`` (whole events) that may hold the usage, each read on
+        its own: the others (most: text) are passed over unread, however many."""
+        done = 0  # where the events read so far end
         while True:
-            line_end = whole.find(b"\n", start)
-            if line_end < 0:
-                break
-            self._line(whole[start:line_end])
-            start = line_end + 1
+            at, past = self._next_marker(whole, done)
+            if at < 0:
+                return
+            before = max(
+                whole.rfind(b"\n\n", done, at),
+                whole.rfind(b"\n\r\n", done, at),
+            )
+            start = done if before < 0 else whole.index(b"\n", before + 1) + 1
+            after = [i for i in (whole.find(b"\n\n", past), whole.find(b"\n\r\n", past)) if i >= 0]
+            end = len(whole) if not after else whole.index(b"\n", min(after) + 1) + 1
+            line_start = start
+            while line_start < end:
+                line_end = whole.find(b"\n", line_start, end)
+                if line_end < 0:
+                    break
+                self._line(whole[line_start:line_end])
+                line_start = line_end + 1
+            done = end
 
     def _keep(self, rest: bytes) -> None:
         """Keep the unfinished event's bytes for the next chunk, up to the bound."""
@@ -185,7 +216,19 @@ class UsageMeter:
         self._pending = rest
 
     def _may_hold_usage(self, data: bytes) -> bool:
-        return self._marker.search(data) is not None
+        marker = self._marker
+        if marker is not None:
+            return marker in data
+        return any(marker in data for marker in self._markers)
+
+    def _next_marker(self, data: bytes, start: int) -> tuple[int, int]:
+        """Where the first marker at or after ``start`` begins and ends; (-1, -1) if none."""
+        best, best_end = -1, -1
+        for marker in self._markers:
+            at = data.find(marker, start)
+            if at >= 0 and (best < 0 or at < best):
+                best, best_end = at, at + len(marker)
+        return best, best_end
 
     def _line(self, line: bytes) -> None:
         """One line of a whole event (within the bound: ``feed`` kept it so)."""
@@ -250,6 +293,7 @@ class UsageMeter:
 
     def finish(self) -> None:
         """The body has ended (a stream's last event may lack its blank line)."""
+        self.flush()
         self._complete = True
         if self.stream:
             rest, self._pending = self._pending, b""
@@ -282,6 +326,7 @@ class UsageMeter:
 
     def readings(self) -> list[tuple[UsageSource, int | None, str]]:
         """Each source, what the body said (None: nothing usable) and, then, why."""
+        self.flush()  # a body cut short: what was batched is part of the usage so far
         return list(zip(self.sources, self._readings, self._problem, strict=True))
 
 
