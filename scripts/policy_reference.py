@@ -37,6 +37,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("limits.NAME.match", "LimitMatch"),
     ("limits.NAME.cost", "Cost"),
     ("limits.NAME.count", "ResponseCount"),
+    ("limits.NAME.reserve", "ReserveFrom"),
     ("limits.NAME.lease", "LeaseSettings"),
     ("headers", "RateLimitHeaders"),
     ("access", "Access"),

@@ -7,6 +7,7 @@ pytest_plugins = (
     "tests.support.conformance",
     "tests.support.gateways",
     "tests.support.held_upstream",
+    "tests.support.llm_upstream",
     "tests.support.processes",
     "tests.support.upstreams",
 )

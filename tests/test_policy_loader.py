@@ -97,7 +97,8 @@ EXPECTED_ERRORS = {
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
     "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
-    "const:TEXT or plan:LIMIT",
+    "const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request body: model, "
+    "metadata.user)",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
     "unknown route 'nope' (routes: api)",
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "
@@ -237,6 +238,26 @@ EXPECTED_ERRORS = {
     "count_leased.yaml": "count_leased.yaml:8: limits.failures: count charges after the "
     "response, which a leased limit cannot: a lease is a batch of admissions taken ahead; "
     "remove lease",
+    "hold_without_count.yaml": "hold_without_count.yaml:8: limits.per_ip: hold applies to a "
+    "limit charged after the response (count, cost_header or cost_from): a limit charged at "
+    "admission holds its cost already; remove hold",
+    "cost_from_bad_path.yaml": "cost_from_bad_path.yaml:12: limits.tokens.cost_from: cost_from "
+    "'usage.total_tokens * 2': 'usage.total_tokens * 2' is not a path; write a preset (openai, "
+    "anthropic), a dotted path (usage.total_tokens) or a sum of them (usage.prompt_tokens + "
+    "usage.completion_tokens)",
+    "cost_from_and_cost_header.yaml": "cost_from_and_cost_header.yaml:8: limits.tokens: "
+    "cost_from and cost_header both say what a response cost: keep one of them",
+    "reserve_with_hold_none.yaml": "reserve_with_hold_none.yaml:8: limits.tokens: reserve is "
+    "what a request holds while in flight, and hold: none holds nothing; remove one of them",
+    "reserve_without_charge.yaml": "reserve_without_charge.yaml:8: limits.tokens: reserve "
+    "applies to a limit charged after the response (cost_from, cost_header or count): a limit "
+    "charged at admission takes its cost; remove reserve, or use cost",
+    "body_key_bad_path.yaml": "body_key_bad_path.yaml:12: limits.per_model.key: invalid key "
+    "part 'body:model..name': expected client_ip, header:NAME, query:NAME, route, method, "
+    "global, const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request body: model, "
+    "metadata.user)",
+    "hold_unknown.yaml": "hold_unknown.yaml:13: limits.failed_logins.hold: expected "
+    "'in_flight' or 'none', got 'always'",
     "cost_header_framing.yaml": "cost_header_framing.yaml:12: limits.metered.cost_header: "
     "Content-Length frames the response, it cannot be a cost header (removing it would break "
     "the response)",

@@ -469,6 +469,7 @@ PROPERTY_POLICY = (
     "limits:\n  failures:\n    algorithm: fixed_window\n"
     f"    limit: {PROPERTY_LIMIT}\n    window: {PROPERTY_WINDOW_S}s\n"
     "    count: {statuses: [401, 5xx]}\n    cost_header: X-Cost\n    cost: 2\n"
+    "    hold: %s\n"
 )
 request_steps = st.lists(
     st.tuples(
@@ -482,16 +483,25 @@ request_steps = st.lists(
 )
 
 
+@pytest.mark.parametrize("hold", ["none", "in_flight"])
 @settings(max_examples=150, deadline=None)
 @given(steps=request_steps)
 def test_the_engine_admits_and_charges_as_the_model_does(
-    steps: list[tuple[int, int, int, str | None]],
+    hold: str, steps: list[tuple[int, int, int, str | None]]
 ) -> None:
-    asyncio.run(_engine_against_the_model(steps))
+    """``hold: none``: admitted while the key has room, charged what fits after. ``hold:
+    in_flight``: the cost (2) is taken at admission, and the response settles it: the part
+    of the hold it does not need given back (in the window it was taken in), a charge beyond
+    it taken as far as there is room."""
+    asyncio.run(_engine_against_the_model(steps, hold == "in_flight"))
 
 
-async def _engine_against_the_model(steps: list[tuple[int, int, int, str | None]]) -> None:
-    policy = parse_and_build(PROPERTY_POLICY, "test.yaml").policy
+async def _engine_against_the_model(
+    steps: list[tuple[int, int, int, str | None]], holds: bool
+) -> None:
+    policy = parse_and_build(
+        PROPERTY_POLICY % ("in_flight" if holds else "none"), "test.yaml"
+    ).policy
     clock = FakeClock(T0_US)
     store = MemoryStore(clock)
     engine = LimitEngine(policy, store, build_algorithm)
@@ -499,10 +509,12 @@ async def _engine_against_the_model(steps: list[tuple[int, int, int, str | None]
     (route,) = policy.routes
     (limit,) = engine.limits
     used: dict[int, int] = {}  # the model: units charged per window
-    in_flight: list[tuple[Outcome, int, str | None]] = []
+    # Each request in flight: its outcome, status, reported cost, and the window it was
+    # admitted in (where its hold was taken).
+    in_flight: list[tuple[Outcome, int, str | None, int]] = []
     matching = 0
 
-    def complete(outcome: Outcome, status: int, reported: str | None) -> None:
+    def complete(outcome: Outcome, status: int, reported: str | None, held_in: int) -> None:
         nonlocal matching
         window = clock.now_us() // (PROPERTY_WINDOW_S * 1_000_000)
         units = 0
@@ -511,9 +523,16 @@ async def _engine_against_the_model(steps: list[tuple[int, int, int, str | None]
             matching += units > 0  # a response that costs nothing is not a charge
         before = limit.counters.charged_units
         engine.charge_after(outcome, status, {b"x-cost": reported.encode()} if reported else None)
-        taken = min(units, PROPERTY_LIMIT - used.get(window, 0))
-        assert limit.counters.charged_units - before == taken
-        used[window] = used.get(window, 0) + taken
+        if not holds:
+            taken = min(units, PROPERTY_LIMIT - used.get(window, 0))
+            assert limit.counters.charged_units - before == taken
+            used[window] = used.get(window, 0) + taken
+            return
+        if units < 2 and held_in == window:  # the rest of the hold back, in its window
+            used[window] = max(0, used[window] - (2 - units))
+        top_up = min(max(0, units - 2), PROPERTY_LIMIT - used.get(window, 0))
+        used[window] = used.get(window, 0) + top_up
+        assert limit.counters.charged_units - before == min(units, 2) + top_up
 
     for wait_s, completing, status, reported in steps:
         clock.advance(wait_s)
@@ -525,7 +544,9 @@ async def _engine_against_the_model(steps: list[tuple[int, int, int, str | None]
         # Admitted exactly while the key has room for the request's cost (2) at decision time.
         assert (not outcome.status) == (used.get(window, 0) + 2 <= PROPERTY_LIMIT)
         if not outcome.status:
-            in_flight.append((outcome, status, reported))
+            in_flight.append((outcome, status, reported, window))
+            if holds:
+                used[window] = used.get(window, 0) + 2
     while in_flight:
         complete(*in_flight.pop(0))
     assert limit.counters.charged_responses == matching

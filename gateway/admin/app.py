@@ -190,10 +190,18 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
     counted = limit.spec
     if counted.charged_after:
         # Admitted while the key has room; what the response says is charged after it.
-        entry["charged_after_response"] = {
+        charged: dict[str, Any] = {
             "statuses": list(counted.count.statuses) if counted.count is not None else "all",
             "cost_header": counted.cost_header,
         }
+        if counted.cost_from is not None:
+            charged["cost_from"] = counted.cost_from
+        reserve = counted.reserve
+        if reserve is not None:  # held by each request in flight
+            charged["reserve"] = reserve if isinstance(reserve, int) else reserve.model_dump()
+        if counted.hold == "none":
+            charged["hold"] = "none"  # admitted free: a burst in flight may all pass
+        entry["charged_after_response"] = charged
     if not look.applies:
         return entry
     store = engine.store

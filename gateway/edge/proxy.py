@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Callable, Iterable
 from time import perf_counter
@@ -34,6 +35,7 @@ from gateway.edge.forwarding import (
     response_headers,
 )
 from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
+from gateway.edge.response_usage import usage_meter, usage_reported
 from gateway.edge.responses import (
     SERVER,
     HttpDate,
@@ -52,6 +54,7 @@ from gateway.edge.websocket import forward_upgrade, wants_upgrade
 from gateway.engine.delay_queue import ShuttingDown
 from gateway.limits.keys import RequestFacts
 from gateway.limits.routing import RefusedTarget, normalise_host, origin_form, routing_path
+from gateway.limits.usage import BATCH_BYTES, UsageMeter
 
 if TYPE_CHECKING:
     from gateway.edge.pool.server_pool import PoolMember, ServerPool
@@ -79,7 +82,18 @@ class BodyBroken(Exception):
 class _Admitted:
     """What forwarding an admitted request needs: all of ours a request keeps while queued."""
 
-    __slots__ = ("forwarded", "framing", "outcome", "reported", "route", "target", "upstream")
+    __slots__ = (
+        "body",
+        "forwarded",
+        "framing",
+        "meter",
+        "outcome",
+        "reported",
+        "route",
+        "sent_status",
+        "target",
+        "upstream",
+    )
 
     def __init__(
         self,
@@ -98,6 +112,14 @@ class _Admitted:
         self.outcome = outcome  # of the limits, for the rate-limit headers and queueing
         # The cost headers the upstream's response held (limits charged after the response).
         self.reported: dict[bytes, bytes] | None = None
+        # The status of a streamed answer whose head the client has: what limits counted by
+        # their responses charge, even if the client leaves in the middle of the body.
+        self.sent_status = 0
+        # What the body says the request cost (``cost_from``), read as it is relayed.
+        self.meter: UsageMeter | None = None
+        # The request body, when part of it was read before the limits decided (a key part
+        # ``body:FIELD``): forwarded from there, unchanged.
+        self.body: RequestBody | None = None
 
 
 class _Refused:
@@ -190,9 +212,16 @@ class ProxyHandler:
                         # WebSocket closed.
                         runtime.engine.release(outcome)
                     if outcome.charge_after:
-                        # The status the client got (499 if it left), and what the upstream
-                        # said the request cost: never awaited by the response.
-                        runtime.engine.charge_after(outcome, status, admitted.reported)
+                        # The status the client got (499 if it left before the head), and
+                        # what the upstream said the request cost: never awaited by the
+                        # response.
+                        if admitted.meter is not None:
+                            admitted.reported = usage_reported(
+                                request, admitted.meter, admitted.reported, runtime.usage_log
+                            )
+                        runtime.engine.charge_after(
+                            outcome, admitted.sent_status or status, admitted.reported
+                        )
             elif isinstance(admitted, _Refused):
                 outcome = admitted.outcome
             runtime.request_done()
@@ -253,6 +282,7 @@ class ProxyHandler:
 
         outcome: Outcome | None = None
         engine = runtime.engine
+        read_ahead: RequestBody | None = None
         if engine.active:
             facts = RequestFacts.of(
                 client_ip,
@@ -262,6 +292,18 @@ class ProxyHandler:
                 request.headers,
                 lambda: request.query,
             )
+            if engine.reads_body and framing.has_body:
+                read_ahead, facts.body, too_large = await _body_for_keys(
+                    request, runtime, route, framing
+                )
+                if too_large and engine.body_key_rejects:
+                    refusal = runtime.error_response(
+                        413,
+                        "request body larger than the limits read keys from "
+                        "(server.body_key_max_size)",
+                        close=True,
+                    )
+                    return await _answer_and_close(request, refusal)
             if engine.decides_now:
                 outcome = engine.evaluate_now(facts, route, host, path, client_ip)
             else:
@@ -290,7 +332,7 @@ class ProxyHandler:
                     )
                 return _Refused(refusal, outcome, framing)
 
-        return _Admitted(
+        admitted = _Admitted(
             route,
             upstream,
             target,
@@ -304,6 +346,8 @@ class ProxyHandler:
             ),
             outcome,
         )
+        admitted.body = read_ahead
+        return admitted
 
     async def _forward(
         self, request: BaseRequest, runtime: Runtime, admitted: _Admitted
@@ -346,7 +390,8 @@ class ProxyHandler:
                 )
             started_us = gate.started()
 
-        if framing.expect_continue and request.transport is not None:
+        read_ahead = admitted.body
+        if framing.expect_continue and request.transport is not None and read_ahead is None:
             request.transport.write(_CONTINUE)
 
         pool = upstream.pool
@@ -374,7 +419,9 @@ class ProxyHandler:
         measured = False  # the response (or a timeout) tells the adaptive limit a latency
         try:
             body: RequestBody | bytes | None = None
-            if framing.has_body:
+            if read_ahead is not None:
+                body = read_ahead
+            elif framing.has_body:
                 body = RequestBody(request, max_body, body_timeout)
                 if should_buffer(pool, method, framing.content_length):
                     body = await read_whole(body)
@@ -435,6 +482,9 @@ class ProxyHandler:
                     name.decode("latin-1"): value.decode("latin-1")
                     for name, value in reported.items()
                 }
+        meter: UsageMeter | None = None
+        if engine.body_costs and outcome is not None and outcome.charge_after:
+            meter = admitted.meter = usage_meter(engine.body_costs, response.headers)
         try:
             status = response.status
             if (
@@ -446,6 +496,9 @@ class ProxyHandler:
                 # The common case, a small answer already received whole: one write.
                 whole = response.body_bytes()
                 response.release()
+                if meter is not None:
+                    meter.feed(whole)
+                    meter.finish()
                 keep_alive = request.keep_alive
                 head = response_head(
                     status,
@@ -468,6 +521,9 @@ class ProxyHandler:
             if response.body_complete and not is_head:
                 whole = response.body_bytes()
                 response.release()
+                if meter is not None:
+                    meter.feed(whole)
+                    meter.finish()
                 if status in _NO_BODY_STATUS:
                     return RelayedResponse(status=status, reason=reason, headers=headers)
                 return RelayedResponse(status=status, reason=reason, headers=headers, body=whole)
@@ -475,10 +531,11 @@ class ProxyHandler:
             if response.content_length is not None and status not in _NO_BODY_STATUS:
                 stream.content_length = response.content_length
             await stream.prepare(request)
+            admitted.sent_status = status
             if is_head or status in _NO_BODY_STATUS:
                 response.release()
                 return stream
-            if await _relay(request, response, stream, pool, server):
+            if await _relay(request, response, stream, pool, server, meter):
                 response.release()
             return stream
         finally:
@@ -492,6 +549,7 @@ async def _relay(
     stream: RelayedStream,
     pool: ServerPool,
     server: PoolMember,
+    meter: UsageMeter | None,
 ) -> bool:
     """Stream the rest of the upstream's body to the client; whether it ended whole.
 
@@ -500,12 +558,23 @@ async def _relay(
     a body that looks complete. Nothing is raised to aiohttp, which would log an ERROR with a
     traceback per request: an upstream's failure (closed, stalled past ``read_timeout``) is
     counted and logged once per cause by the pool's failures; a client that left is no fault.
+    With ``meter`` (``cost_from``) the usage is read as it passes, the chunks batched for it.
     """
     read_chunk = response.read_chunk
     write = stream.write
+    batch = meter.batch if meter is not None else None
+    batched = 0
     try:
         while chunk := await read_chunk():
+            if batch is not None and meter is not None:
+                batch.append(chunk)
+                batched += len(chunk)
+                if batched >= BATCH_BYTES:
+                    meter.flush()
+                    batched = 0
             await write(chunk)
+        if meter is not None:
+            meter.finish()
         await stream.write_eof()
         return True
     except UpstreamError as exc:
@@ -515,6 +584,40 @@ async def _relay(
         pass  # the client went away: nothing left to tell it
     stream.cut(request.transport)
     return False
+
+
+async def _body_for_keys(
+    request: BaseRequest, runtime: Runtime, route: Route, framing: RequestFraming
+) -> tuple[RequestBody | None, object, bool]:
+    """A JSON request body read before the limits decide, for their ``body:FIELD`` key parts:
+    (the body, to forward from; its document, or None; whether it is over
+    ``server.body_key_max_size``). A body that is not JSON, or is encoded, is not read."""
+    content_type = request.headers.get("Content-Type", "")
+    media = content_type.partition(";")[0].strip().lower()
+    if not (media == "application/json" or media.endswith("+json")):
+        return None, None, False
+    if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+        return None, None, False
+    most = runtime.engine.body_key_max_size
+    length = framing.content_length
+    if length is not None and length > most:
+        return None, None, True  # too large, known without reading it
+    max_body = route.max_body_size
+    if max_body is None:
+        max_body = runtime.settings.max_body_size
+    if max_body and length is not None and length > max_body:
+        return None, None, False  # 413 when it is forwarded
+    if framing.expect_continue and request.transport is not None:
+        request.transport.write(_CONTINUE)  # the client sends nothing before it
+    body = RequestBody(request, max_body, runtime.settings.body_timeout)
+    data = await body.read_ahead(most)
+    if data is None:
+        return body, None, not body.failed
+    try:
+        document: object = json.loads(data) if data else None
+    except ValueError:
+        document = None  # not JSON after all: its parts are absent
+    return body, document, False
 
 
 def _shed_response(
@@ -579,20 +682,57 @@ def _answer_raw_and_close(request: BaseRequest, data: bytes) -> web.StreamRespon
 class RequestBody:
     """The client's request body as it arrives, for the upstream client to send on: each read
     under the body timeout, the total under ``max_body``. (An async iterator class: mypyc
-    compiles no async generator.)"""
+    compiles no async generator.) What ``read_ahead`` read for the limits' keys comes first,
+    then the rest, so the body goes on unchanged."""
 
-    __slots__ = ("_content", "_max_body", "_received", "_timeout")
+    __slots__ = ("_content", "_error", "_max_body", "_read", "_received", "_timeout")
 
     def __init__(self, request: BaseRequest, max_body: int, body_timeout: float) -> None:
         self._content = request.content
         self._max_body = max_body
         self._timeout = body_timeout or None
         self._received = 0
+        # Chunks read ahead (``read_ahead``), and the error that ended that reading, if one
+        # did: given to the upstream client in order, the error when it reaches it.
+        self._read: list[bytes] = []
+        self._error: Exception | None = None
 
     def __aiter__(self) -> RequestBody:
         return self
 
+    @property
+    def failed(self) -> bool:
+        """Whether reading ahead ended in an error (sent on when the body is)."""
+        return self._error is not None
+
+    async def read_ahead(self, most: int) -> bytes | None:
+        """The body, read ahead of forwarding, when it is at most ``most`` bytes; None when
+        it is longer (or fails: the error comes when the body is sent on)."""
+        read = self._read
+        size = 0
+        while size <= most:
+            try:
+                chunk = await self._next_chunk()
+            except StopAsyncIteration:
+                return b"".join(read)
+            except (BodyTooLarge, BodyTimeout, BodyBroken) as exc:
+                self._error = exc
+                return None
+            read.append(chunk)
+            size += len(chunk)
+        return None
+
     async def __anext__(self) -> bytes:
+        read = self._read
+        if read:
+            return read.pop(0)
+        error = self._error
+        if error is not None:
+            self._error = None
+            raise error
+        return await self._next_chunk()
+
+    async def _next_chunk(self) -> bytes:
         try:
             # The deadline is for each read: a slow but steady upload is fine.
             async with asyncio.timeout(self._timeout):

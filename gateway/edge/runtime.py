@@ -22,10 +22,12 @@ from gateway.clock import MonotonicClock
 from gateway.edge.adaptive_gate import AdaptiveGate
 from gateway.edge.client_ip import ClientIPResolver
 from gateway.edge.pool.server_pool import ServerAddress, ServerPool, ServerStatsTable
+from gateway.edge.response_usage import usage_log
 from gateway.edge.responses import SERVER_LINE, error_response
 from gateway.edge.upstream_client import UpstreamPool
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.routing import RouteTable
+from gateway.log_throttle import LogThrottle
 from gateway.policy.loader import LoadedPolicy
 from gateway.policy.models import AdaptiveSettings, Policy, ServerSettings, Upstream
 from gateway.policy.upstream_tls import client_context
@@ -80,6 +82,8 @@ class Runtime:
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0
     _idle_waiter: asyncio.Future[None] | None = None
+    # Responses whose body reported no usable usage (``cost_from``): logged once per cause.
+    usage_log: LogThrottle = field(default_factory=usage_log)
 
     def error_response(
         self,

@@ -28,7 +28,9 @@ from gateway.engine.delay_queue import DelayQueue, ShuttingDown
 from gateway.engine.slot_lines import POLL_S, SlotLines, Ticket
 from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
+from gateway.limits.response_charge import settle
 from gateway.limits.routing import CompiledMatch, compile_match
+from gateway.limits.usage import CUT, UsageSource
 from gateway.policy.models import (
     CUSTOM_PLAN,
     UNLISTED_PLAN,
@@ -36,6 +38,7 @@ from gateway.policy.models import (
     LimitMatch,
     Policy,
     RateLimitHeaders,
+    ReserveFrom,
     Route,
 )
 from gateway.policy.overrides import UnlistedKey, compile_tiering
@@ -55,6 +58,7 @@ class Outcome:
 
     __slots__ = (
         "charge_after",
+        "charged_at",
         "checks",
         "delay_s",
         "held",
@@ -83,6 +87,7 @@ class Outcome:
         would_reject: Sequence[Check] = (),
         charge_after: Sequence[Check] = (),
         held: Sequence[Check] = (),
+        charged_at: Sequence[int | None] = (),
         waits_on: Check | None = None,
     ) -> None:
         self.status = status  # 0: go ahead (after ``delay_s``); otherwise reject with this
@@ -101,6 +106,9 @@ class Outcome:
         # Checks of limits charged after the response (``count:``, ``cost_header:``) that
         # admitted the request: ``charge_after`` charges them what the response says.
         self.charge_after = charge_after
+        # The instant each of them was decided at (its verdict's ``now_us``): where the budget
+        # a request in flight holds (``hold: in_flight``) is given back from.
+        self.charged_at = charged_at
         # Concurrency checks whose slots this request holds until ``LimitEngine.release``.
         self.held = held
         # Over this concurrency check's limit, the request may wait in its line for a slot
@@ -127,6 +135,7 @@ _OUTCOME_FIELDS: Final = (
     "holds_places",
     "would_reject",
     "charge_after",
+    "charged_at",
     "held",
     "waits_on",
     "line_limit",
@@ -220,6 +229,7 @@ class LimitEngine:
         self._ietf_headers = policy.headers.ietf
         self._x_ratelimit_headers = policy.headers.x_ratelimit
         self._retry_after_header = policy.headers.retry_after
+        self._openai_headers = policy.headers.openai
         # Each limit's header parts (``_Advertised``), the same on every response: by limit
         # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
         self._advertised: dict[str, _Advertised] = {}
@@ -263,6 +273,13 @@ class LimitEngine:
         self.cost_headers: frozenset[bytes] = frozenset(
             rule.cost_header.encode() for rule in charged if rule.cost_header is not None
         )
+        # The ``cost_from`` sources their responses' bodies are read for (distinct), none
+        # when no limit has one: the proxy then reads no body.
+        sources: dict[str, UsageSource] = {}
+        for rule in charged:
+            if rule.cost_from is not None and rule.cost_from not in sources:
+                sources[rule.cost_from] = UsageSource(rule.cost_from)
+        self.body_costs: tuple[UsageSource, ...] = tuple(sources.values())
         self.hidden_headers: frozenset[bytes] = frozenset(
             rule.cost_header.encode()
             for rule in charged
@@ -273,10 +290,20 @@ class LimitEngine:
         self.queue = DelayQueue()
         # Whether any limit holds slots: the request path skips everything about them if not.
         self.has_slots = any(limit.holds_slots for limit in self.limits)
+        # Whether any limit's requests hold budget while in flight (``hold: in_flight``).
+        self.holds_budget = any(limit.holds_budget for limit in self.limits)
         # Lines outlive a reload: a request of the old policy gives back a slot someone
         # waiting under the new one wants.
         self.slot_lines: SlotLines = previous.slot_lines if previous else SlotLines()
         self.ipv6_prefix = policy.ipv6_prefix
+        # Whether a limit's key reads the request body (``body:FIELD``): the proxy then reads
+        # a JSON body of at most ``body_key_max_size`` before the limits decide (larger:
+        # refused with 413, or its parts absent, as ``body_key_too_large`` says).
+        self.reads_body = any(
+            part.startswith("body:") for limit in self.limits for part in limit.spec.key
+        ) or any(isinstance(limit.spec.reserve, ReserveFrom) for limit in self.limits)
+        self.body_key_max_size = policy.server.body_key_max_size
+        self.body_key_rejects = policy.server.body_key_too_large == "reject"
         # False when there is nothing to evaluate, so the proxy skips the engine entirely.
         self.active = bool(limits) or bool(self.allow) or bool(self.deny)
 
@@ -349,11 +376,8 @@ class LimitEngine:
             if dry:
                 verdicts = await self.store.decide_each(dry)
                 outcome = self._with_dry_run(ALLOW, dry, verdicts)
-                after = _dry_charged_after(dry, verdicts) if self.counts_responses else ()
-                if after:
-                    if outcome is ALLOW:
-                        outcome = Outcome()
-                    outcome.charge_after = after
+                if self.counts_responses:
+                    outcome = _with_charge_after(outcome, (), dry, verdicts)
                 return outcome
             return ALLOW
         try:
@@ -370,7 +394,7 @@ class LimitEngine:
                 )
                 outcome = self._with_dry_run(outcome, dry, verdicts)
                 if self.counts_responses:
-                    outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts)
+                    outcome = _with_charge_after(outcome, enforced, dry, verdicts)
             else:
                 # Some requests are decided without a wait (a leased limit's unit at hand).
                 verdict = self.store.try_decide_now(enforced)
@@ -379,7 +403,7 @@ class LimitEngine:
                 else:
                     outcome = await self._enforce(enforced)
                 if self.counts_responses:
-                    outcome.charge_after = _charged_after(outcome, enforced, (), ())
+                    outcome = _with_charge_after(outcome, enforced, (), ())
         except BaseException:
             _release(enforced)
             raise
@@ -432,12 +456,8 @@ class LimitEngine:
             raise
         if verdicts is not None:
             outcome = self._with_dry_run(outcome, dry, verdicts)
-        if self.counts_responses and outcome is not ALLOW:
-            outcome.charge_after = _charged_after(outcome, enforced, dry, verdicts or ())
-        elif self.counts_responses and dry and verdicts is not None:
-            after = _dry_charged_after(dry, verdicts)
-            if after:
-                outcome = Outcome(charge_after=after)
+        if self.counts_responses:
+            outcome = _with_charge_after(outcome, enforced, dry, verdicts or ())
         return _hold_or_release(outcome, enforced)
 
     def _screen(self, client_ip: str) -> Outcome | None:
@@ -491,7 +511,10 @@ class LimitEngine:
     async def _enforce(self, enforced: list[Check], *, commit: bool = True) -> Outcome:
         """Decide the enforced limits in one atomic store call (nginx's multi-zone rule)."""
         try:
-            verdict = await self.store.decide(enforced, commit=commit)
+            if commit and self.holds_budget:
+                verdict = await self._decide_holding(enforced)
+            else:
+                verdict = await self.store.decide(enforced, commit=commit)
         except StoreUnavailableError as exc:
             # The operator chose to fail closed (on_failure: deny) and the store is down.
             return Outcome(
@@ -500,6 +523,32 @@ class LimitEngine:
                 reason="rate-limit store unavailable",
             )
         return self._settle(enforced, verdict, commit)
+
+    async def _decide_holding(self, enforced: list[Check]) -> CombinedDecision:
+        """The store's verdict on a request whose limits hold budget while in flight. A
+        client that leaves while the store decides (a Redis call in flight) leaves no hold
+        behind: once the store answers, the holds it took are given back, and the slots."""
+        deciding = asyncio.ensure_future(self.store.decide(enforced))
+        try:
+            return await asyncio.shield(deciding)
+        except asyncio.CancelledError:
+            deciding.add_done_callback(lambda done: self._abandoned(enforced, done))
+            raise
+
+    def _abandoned(self, enforced: list[Check], done: asyncio.Future[CombinedDecision]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        verdict = done.result()
+        if not verdict.allowed:
+            return
+        slots = [check for check in enforced if check.limit.holds_slots]
+        if slots:
+            self.store.release(slots)
+        holds = [check for check in enforced if check.limit.holds_budget]
+        if holds and verdict.now_us is not None:
+            task = asyncio.ensure_future(self.store.refund(holds, verdict.now_us))
+            self._charging.add(task)
+            task.add_done_callback(self._charging.discard)
 
     def _settle(
         self,
@@ -654,7 +703,7 @@ class LimitEngine:
                 if verdict.allowed:
                     admitted = self._settle(enforced, verdict, True)
                     if self.counts_responses:
-                        admitted.charge_after = _charged_after(admitted, enforced, (), ())
+                        admitted = _with_charge_after(admitted, enforced, (), ())
                     return _waited_in_line(admitted, check, loop.time() - joined_at)
                 blocking = _slot_wait(enforced, verdict)
                 if blocking is None:  # another limit refuses it now: rejected, counted
@@ -759,35 +808,75 @@ class LimitEngine:
     ) -> None:
         """Charge the limits counted by their responses what the response with ``status``
         (and the upstream's cost headers, ``reported``, by lower-case name) says, as much as
-        each key has room for. In process at once; otherwise one store call in the background:
-        the response never waits for it, and a charge the store cannot make follows
-        ``on_failure`` there."""
+        each key has room for. A limit whose requests hold their cost while in flight
+        (``hold: in_flight``) is settled instead: what it held beyond the charge is given
+        back, what the charge is beyond the hold is taken (as much as there is room for).
+        In process at once; otherwise in the background: the response never waits for it,
+        and a charge the store cannot make follows ``on_failure`` there."""
         checks: list[Check] = []
         units: list[int] = []
-        for check in outcome.charge_after:
-            rule = check.limit.response_charge
+        kept: list[int] = []  # per charged check, the units its hold already took
+        refunds: list[tuple[Check, int]] = []
+        instants = outcome.charged_at
+        for index, check in enumerate(outcome.charge_after):
+            limit = check.limit
+            rule = limit.response_charge
             if rule is None:
                 continue
             value = None
-            if rule.cost_header is not None and reported:
-                raw = reported.get(rule.cost_header.encode())
+            if rule.source is not None and reported:
+                raw = reported.get(rule.source)
                 value = raw.decode("latin-1") if raw is not None else None
             cost = rule.charge(status, value, check.cost)
-            if cost > 0:
+            if rule.cost_from is not None and cost and reported and CUT in reported:
+                # The body was cut short: at least what the request holds (its reservation).
+                cost = max(cost, check.cost)
+            if not limit.holds_budget:
+                if cost > 0:
+                    checks.append(check)
+                    units.append(cost)
+                    kept.append(0)
+                continue
+            top_up, give_back = settle(check.cost, cost)
+            # A hold decided without an instant took nothing (Redis away, ``on_failure:
+            # allow``): nothing to give back.
+            at_us = instants[index] if index < len(instants) else None
+            counters = limit.counters
+            counters.held_units += check.cost
+            if give_back and at_us is not None:
+                refunds.append((Check(limit, check.key, cost=give_back), at_us))
+                counters.returned_units += give_back
+            if top_up:
                 checks.append(check)
-                units.append(cost)
-        if not checks:
+                units.append(top_up)
+                kept.append(check.cost)
+            elif cost > 0:  # what it held covers the charge
+                counters.charged_responses += 1
+                counters.charged_units += cost
+        if not checks and not refunds:
             return
         store = self._immediate
         if store is not None:
-            _count_charges(checks, store.charge_now(checks, units))
+            for group, at_us in _by_instant(refunds):
+                store.refund_now(group, at_us)
+            if checks:
+                _count_charges(checks, store.charge_now(checks, units), kept)
             return
-        task = asyncio.ensure_future(self._charge(checks, units))
+        task = asyncio.ensure_future(self._charge(checks, units, kept, refunds))
         self._charging.add(task)
         task.add_done_callback(self._charging.discard)
 
-    async def _charge(self, checks: list[Check], units: list[int]) -> None:
-        _count_charges(checks, await self.store.charge(checks, units))
+    async def _charge(
+        self,
+        checks: list[Check],
+        units: list[int],
+        kept: list[int],
+        refunds: list[tuple[Check, int]],
+    ) -> None:
+        for group, at_us in _by_instant(refunds):
+            await self.store.refund(group, at_us)
+        if checks:
+            _count_charges(checks, await self.store.charge(checks, units), kept)
 
     async def charges_done(self) -> None:
         """Wait for the charges in flight (shutdown: before the store closes)."""
@@ -799,10 +888,8 @@ class LimitEngine:
         give back the slots it holds."""
         self.release(outcome)
         charged_us = outcome.verdict.now_us if outcome.verdict is not None else None
-        checks = [c for c in outcome.checks if not c.limit.holds_slots]
-        if outcome.charge_after:
-            # A limit charged after the response took nothing at admission: nothing to give.
-            checks = [check for check in checks if check.limit.response_charge is None]
+        # A limit charged after the response that admits free took nothing: nothing to give.
+        checks = [c for c in outcome.checks if not c.limit.holds_slots and not c.limit.admits_free]
         if checks:
             await asyncio.shield(self.store.refund(checks, charged_us))
 
@@ -834,7 +921,15 @@ class LimitEngine:
 
     def header_block(self, outcome: Outcome) -> bytes:
         """The rate-limit response headers for an outcome, as whole header lines (CRLF each):
-        what a response copies into its head as it is.
+        what a response copies into its head as it is; with ``headers.openai``, OpenAI's
+        ``x-ratelimit-*-tokens`` and ``-requests`` after them."""
+        block = self._limit_lines(outcome)
+        if self._openai_headers and outcome.verdict is not None:
+            return block + _openai_lines(outcome)
+        return block
+
+    def _limit_lines(self, outcome: Outcome) -> bytes:
+        """The IETF, X-RateLimit and Retry-After lines of ``header_block``.
 
         Each limit's ``RateLimit-Policy`` item and the start of its ``RateLimit`` item are
         encoded once per limit and quota (``_Advertised``); a request formats only its own
@@ -990,6 +1085,61 @@ def _ascii(number: int) -> bytes:
     return b"%d" % number
 
 
+def _openai_lines(outcome: Outcome) -> bytes:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-tokens`` (the limits that read their
+    cost from the response body, ``cost_from``) and ``-requests`` (the other rate limits):
+    each the figures of the limit of its kind with the fewest left; the reset as OpenAI
+    writes it (``6m0s``, ``20ms``)."""
+    verdict = outcome.verdict
+    assert verdict is not None
+    decisions = verdict.decisions
+    rejecting = verdict.rejected_by if outcome.status else ()
+    tightest: dict[bytes, tuple[Decision, float]] = {}
+    for index, check in enumerate(outcome.checks):
+        limit = check.limit
+        if limit.holds_slots:
+            continue
+        rule = limit.response_charge
+        kind = b"tokens" if rule is not None and rule.cost_from is not None else b"requests"
+        decision = decisions[index]
+        reset_s = decision.reset_s
+        if index in rejecting:
+            retry_s = decision.delay_s if decision.allowed else decision.retry_after_s
+            reset_s = retry_s if math.isfinite(retry_s) else reset_s
+        known = tightest.get(kind)
+        if known is None or decision.remaining < known[0].remaining:
+            tightest[kind] = (decision, reset_s)
+    lines = []
+    for kind, (decision, reset_s) in sorted(tightest.items(), reverse=True):
+        lines.append(
+            b"x-ratelimit-limit-%s: %d\r\nx-ratelimit-remaining-%s: %d\r\n"
+            b"x-ratelimit-reset-%s: %s\r\n"
+            % (
+                kind,
+                decision.limit,
+                kind,
+                max(0, decision.remaining),
+                kind,
+                _openai_duration(reset_s),
+            )
+        )
+    return b"".join(lines)
+
+
+def _openai_duration(seconds: float) -> bytes:
+    """A duration as OpenAI's headers write it: ``20ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1.0:
+        return b"%dms" % max(0, math.ceil(seconds * 1000.0))
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return b"%dh%dm%ds" % (hours, minutes, secs)
+    if minutes:
+        return b"%dm%ds" % (minutes, secs)
+    return b"%ds" % secs
+
+
 def _x_ratelimit_lines(limit: int, remaining: int, reset: int) -> bytes:
     return b"X-RateLimit-Limit: %d\r\nX-RateLimit-Remaining: %d\r\nX-RateLimit-Reset: %d\r\n" % (
         limit,
@@ -1024,36 +1174,60 @@ def _slot_refused(
     )
 
 
-def _charged_after(
+def _with_charge_after(
     outcome: Outcome,
     enforced: Sequence[Check],
     dry: Sequence[Check],
     dry_verdicts: Sequence[CombinedDecision],
-) -> list[Check]:
-    """The checks of limits charged after the response: an admitted request's enforced ones,
-    and the dry-run ones that would have admitted it (as an enforced limit would be charged)."""
+) -> Outcome:
+    """``outcome`` with the checks of limits charged after the response (``charge_after``,
+    and the instant each was decided at): an admitted request's enforced ones, and the
+    dry-run ones that would have admitted it (as an enforced limit would be charged)."""
     after: list[Check] = []
+    instants: list[int | None] = []
     if not outcome.status:
-        after = [check for check in enforced if check.limit.response_charge is not None]
-    if dry:
-        after += _dry_charged_after(dry, dry_verdicts)
-    return after
+        verdict = outcome.verdict
+        at_us = verdict.now_us if verdict is not None else None
+        for check in enforced:
+            if check.limit.response_charge is not None:
+                after.append(check)
+                instants.append(at_us)
+    for index, check in enumerate(dry):
+        dry_verdict = dry_verdicts[index]
+        if check.limit.response_charge is not None and dry_verdict.allowed:
+            after.append(check)
+            instants.append(dry_verdict.now_us)
+    if not after:
+        return outcome
+    if outcome is ALLOW:
+        outcome = Outcome()
+    outcome.charge_after = after
+    outcome.charged_at = instants
+    return outcome
 
 
-def _dry_charged_after(dry: Sequence[Check], verdicts: Sequence[CombinedDecision]) -> list[Check]:
-    return [
-        check
-        for check, verdict in zip(dry, verdicts, strict=True)
-        if check.limit.response_charge is not None and verdict.allowed
-    ]
-
-
-def _count_charges(checks: Sequence[Check], taken: Sequence[int]) -> None:
-    """Count each limit's charged responses and the units they took."""
-    for check, units in zip(checks, taken, strict=True):
+def _count_charges(checks: Sequence[Check], taken: Sequence[int], kept: Sequence[int]) -> None:
+    """Count each limit's charged responses and the units they took (``kept``: what a hold
+    had taken already)."""
+    for index, check in enumerate(checks):
         counters = check.limit.counters
         counters.charged_responses += 1
-        counters.charged_units += units
+        counters.charged_units += taken[index] + kept[index]
+
+
+def _by_instant(
+    refunds: Sequence[tuple[Check, int]],
+) -> list[tuple[list[Check], int]]:
+    """Refunds grouped by the instant their holds were charged at (one store call each: a
+    request's enforced limits share one, a dry-run limit has its own)."""
+    groups: dict[int, list[Check]] = {}
+    for check, at_us in refunds:
+        group = groups.get(at_us)
+        if group is None:
+            groups[at_us] = [check]
+        else:
+            group.append(check)
+    return [(group, at_us) for at_us, group in groups.items()]
 
 
 def _plan_of(limit: CompiledLimit, facts: RequestFacts) -> str:

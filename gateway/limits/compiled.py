@@ -38,6 +38,10 @@ class ChargeCounts(NamedTuple):
     charged_responses: int = 0
     charged_units: int = 0
     charge_failures: int = 0
+    # Units requests held while in flight (``hold: in_flight``: their cost or reserve), and
+    # the part of them their responses gave back when settled.
+    held_units: int = 0
+    returned_units: int = 0
 
 
 @dataclass(slots=True)
@@ -64,6 +68,8 @@ class LimitCounters:
     charged_responses: int = 0
     charged_units: int = 0
     charge_failures: int = 0
+    held_units: int = 0
+    returned_units: int = 0
     # ``rejected`` by the status answered: the limit's own (429), 403 for ``unlisted: reject``.
     rejected_statuses: dict[int, int] = field(default_factory=dict)
 
@@ -79,7 +85,13 @@ class LimitCounters:
         )
 
     def charges(self) -> ChargeCounts:
-        return ChargeCounts(self.charged_responses, self.charged_units, self.charge_failures)
+        return ChargeCounts(
+            self.charged_responses,
+            self.charged_units,
+            self.charge_failures,
+            self.held_units,
+            self.returned_units,
+        )
 
 
 @dataclass(slots=True)
@@ -101,10 +113,17 @@ class CompiledLimit:
     # A concurrency limit: an admitted request holds ``cost`` slots until it gives them back.
     holds_slots: bool = False
     # What a response is charged (``count:``, ``cost_header:``); None for a limit charged when
-    # it admits. A store never writes such a limit's decisions: its ``charge`` does.
+    # it admits.
     response_charge: ResponseCharge | None = None
     # Decided on calendar time (``Clock.unix_us``): a calendar window.
     calendar: bool = False
+    # A limit charged after the response whose requests hold their cost of the key's budget
+    # while in flight (``hold: in_flight``): admission charges it as any limit's, and the
+    # response settles it (``LimitEngine.charge_after``: refund or top-up).
+    holds_budget: bool = field(init=False)
+    # A limit charged after the response that admits without charging (``hold: none``): a
+    # store never writes its decisions, its ``charge`` does.
+    admits_free: bool = field(init=False)
     # The spec's figures each request reads, copied from it: compiled, an attribute of the
     # pydantic model is a generic attribute lookup, one of these a field read.
     dry_run: bool = field(init=False)
@@ -121,13 +140,14 @@ class CompiledLimit:
         self.max_delay = spec.max_delay
         self.max_queue = spec.max_queue
         self.status = spec.status
-        if self.response_charge is None and (
-            spec.count is not None or spec.cost_header is not None
-        ):
+        if self.response_charge is None and spec.charged_after:
             self.response_charge = ResponseCharge(
-                spec.count, spec.cost_header, spec.keep_cost_header
+                spec.count, spec.cost_header, spec.keep_cost_header, spec.cost_from
             )
         self.calendar = isinstance(self.algorithm, CalendarWindow)
+        charged_after = self.response_charge is not None
+        self.holds_budget = charged_after and spec.hold == "in_flight"
+        self.admits_free = charged_after and spec.hold == "none"
 
     def applies(self, route: Route, host: str, path: str, method: str) -> bool:
         if self.routes is not None and route.name not in self.routes:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Final
 
 from multidict import CIMultiDictProxy, MultiMapping
 
 from gateway.limits.addresses import client_key
+from gateway.policy.cost_from import json_at
 from gateway.policy.overrides import UNLISTED_KEY
 from gateway.redact import hashed
 
@@ -17,7 +19,7 @@ class RequestFacts:
     A plain class, not a dataclass: compiled, a dataclass's ``__init__`` is the one the
     ``dataclasses`` module writes at run time, interpreted (bench/README.md)."""
 
-    __slots__ = ("client_key", "headers", "method", "query", "route")
+    __slots__ = ("body", "client_key", "headers", "method", "query", "route")
 
     def __init__(
         self,
@@ -32,6 +34,9 @@ class RequestFacts:
         self.method = method
         self.headers = headers
         self.query = query
+        # The request body's JSON document, for ``body:FIELD`` parts: read only when a limit
+        # has one (None: no body, not JSON, or larger than the policy reads).
+        self.body: object = None
 
     @classmethod
     def of(
@@ -81,6 +86,18 @@ def _query(name: str) -> Part:
     return read
 
 
+def _body(path: list[str]) -> Part:
+    def read(facts: RequestFacts) -> str | None:
+        value = json_at(facts.body, path)
+        if isinstance(value, str):
+            return _client_value(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        return None  # absent, or not a text or a whole number
+
+    return read
+
+
 def _const(text: str) -> Part:
     def read(facts: RequestFacts) -> str | None:
         return text
@@ -106,6 +123,8 @@ def _part(spec: str, plan_of: Callable[[str], Part] | None) -> Part:
         return _query(arg)
     if kind == "const":
         return _const(arg)
+    if kind == "body":
+        return _body(arg.split("."))
     if kind == "plan" and plan_of is not None:
         return plan_of(arg)
     raise ValueError(f"unknown key part {spec!r}")
@@ -159,16 +178,20 @@ def _part_in_words(part: str) -> str:
     return part
 
 
+# Parts whose values a client sends (API keys, tokens, user ids): shown hashed.
+_CLIENT_PARTS: Final = ("header:", "query:", "body:")
+
+
 def shown_key(spec: tuple[str, ...], key: str, plain: bool = False) -> str:
     """A key as the dashboard shows it: ``header:`` and ``query:`` parts (API keys, tokens)
     as ``sha256:`` and 12 hex digits of their hash, unless the limit opts in to plain values.
     The hash of a known value can be computed to find it; a client-IP stand-in stays as is."""
-    if plain or key == UNLISTED_KEY or not any(p.startswith(("header:", "query:")) for p in spec):
+    if plain or key == UNLISTED_KEY or not any(p.startswith(_CLIENT_PARTS) for p in spec):
         return key
     values = key.split(SEP) if len(spec) > 1 else [key]
     shown = []
     for part, value in zip(spec, values, strict=False):
-        if part.startswith(("header:", "query:")) and not value.startswith(TAG + "ip"):
+        if part.startswith(_CLIENT_PARTS) and not value.startswith(TAG + "ip"):
             value = hashed(value)
         shown.append(value)
     return SEP.join(shown)

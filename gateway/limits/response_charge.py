@@ -30,16 +30,29 @@ def parse_cost(value: str | None) -> int | None:
 class ResponseCharge:
     """One limit's rule for charging responses, compiled from its policy."""
 
-    __slots__ = ("cost_header", "keep_cost_header", "statuses")
+    __slots__ = ("cost_from", "cost_header", "keep_cost_header", "source", "statuses")
 
     def __init__(
-        self, count: ResponseCount | None, cost_header: str | None, keep_cost_header: bool
+        self,
+        count: ResponseCount | None,
+        cost_header: str | None,
+        keep_cost_header: bool,
+        cost_from: str | None = None,
     ) -> None:
         # None: every status is charged.
         self.statuses: frozenset[int] | None = count.codes() if count is not None else None
         # Lower case, as aiohttp's and the access log's header lookups take it.
         self.cost_header: str | None = cost_header.lower() if cost_header is not None else None
         self.keep_cost_header = keep_cost_header
+        self.cost_from = cost_from
+        # Where the reported cost is found among what the response reported (by the proxy,
+        # or the access log's ``costs``): the cost header's name, or ``body:`` and the
+        # ``cost_from``; None when the limit charges its cost.
+        self.source: bytes | None = None
+        if self.cost_header is not None:
+            self.source = self.cost_header.encode()
+        elif cost_from is not None:
+            self.source = b"body:" + cost_from.encode()
 
     def charge(self, status: int, header_value: str | None, cost: int) -> int:
         """Units to charge for a response with ``status`` and the cost header's value
@@ -47,7 +60,16 @@ class ResponseCharge:
         statuses = self.statuses
         if statuses is not None and status not in statuses:
             return 0
-        if self.cost_header is None:
+        if self.source is None:
             return cost
         reported = parse_cost(header_value)
         return cost if reported is None else reported
+
+
+def settle(held: int, charge: int) -> tuple[int, int]:
+    """``(top-up, refund)`` settling a hold of ``held`` units against the response's
+    ``charge``: the charge beyond the hold is taken, the hold beyond the charge given back
+    (never below zero: a charge of 0 gives the whole hold back)."""
+    if charge > held:
+        return charge - held, 0
+    return 0, held - charge

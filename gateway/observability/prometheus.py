@@ -359,6 +359,18 @@ class GatewayCollector(Collector):
             "Charges after the response the store could not make (they followed on_failure).",
             labels=["limit"],
         )
+        held_units = CounterMetricFamily(
+            "gateway_limit_held_units",
+            "Units requests held while in flight (hold: in_flight: their reserve or cost), "
+            "counted when their response settled them.",
+            labels=["limit"],
+        )
+        returned_units = CounterMetricFamily(
+            "gateway_limit_returned_units",
+            "Held units given back when the response settled them (a response that did not "
+            "match, or cost less than the hold).",
+            labels=["limit"],
+        )
         # Aggregates of the top-keys view (never the keys: labels are config names only), for
         # enforced limits and for dry-run ones, whose view holds the keys they would limit.
         limited_keys = GaugeMetricFamily(
@@ -396,8 +408,11 @@ class GatewayCollector(Collector):
             charged.add_metric([name], limit.charged_responses)
             charged_units.add_metric([name], limit.charged_units)
             charge_failures.add_metric([name], limit.charge_failures)
+            held_units.add_metric([name], limit.held_units)
+            returned_units.add_metric([name], limit.returned_units)
         yield from (decisions, rejections, wait, depth, tracked, evictions, dry_run, slots)
         yield from (limited_keys, top_key_hits, charged, charged_units, charge_failures)
+        yield from (held_units, returned_units)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:

@@ -100,6 +100,9 @@ class LimitData(_Model):
     charged_responses: int = 0
     charged_units: int = 0
     charge_failures: int = 0
+    # hold: in_flight: units held by requests in flight, and those given back at settling.
+    held_units: int = 0
+    returned_units: int = 0
     evictions: int = 0
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge

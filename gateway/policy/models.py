@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.policy.cost_from import json_at, parse_cost_from
 from gateway.policy.log_template import is_template, parse_template
 from gateway.policy.units import (
     CALENDAR_PERIODS,
@@ -576,6 +577,17 @@ class ServerSettings(_Model):
         100 * 1024 * 1024, description="largest request body; 0 means unlimited"
     )
     max_header_size: Size = Field(8190, ge=256, description="longest request line or header")
+    body_key_max_size: Size = Field(
+        64 * 1024,
+        ge=1,
+        description="largest JSON request body a limit's body:FIELD key part is read from "
+        "(read before the limits decide, then forwarded unchanged)",
+    )
+    body_key_too_large: Literal["reject", "absent"] = Field(
+        "reject",
+        description="a body over body_key_max_size: reject (413) or absent (its body: parts "
+        "are missing: the limit's on_missing_key applies)",
+    )
     max_headers: int = Field(100, ge=1, description="request headers at most (400 or 431 beyond)")
     underscores_in_headers: bool = Field(
         False,
@@ -1173,7 +1185,8 @@ class Route(_Model):
 
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
+    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*"
+    r"|body:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*)$"
 )
 # The values a ``plan:LIMIT`` key part takes besides a plan's name: a key that limit does not
 # list (or a request without one), and a key listed with numbers of its own.
@@ -1187,8 +1200,13 @@ def check_key_parts(value: tuple[str, ...], *, plans: bool = False) -> tuple[str
     if not value:
         raise ValueError("key needs at least one part")
     for part in value:
-        if not _KEY_PART_RE.match(part) or (part.startswith("plan:") and not plans):
-            expected = "global, const:TEXT or plan:LIMIT" if plans else "global or const:TEXT"
+        if not _KEY_PART_RE.match(part) or (part.startswith(("plan:", "body:")) and not plans):
+            expected = (
+                "global, const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request "
+                "body: model, metadata.user)"
+                if plans
+                else "global or const:TEXT"
+            )
             raise ValueError(
                 f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
                 f"route, method, {expected}"
@@ -1270,6 +1288,47 @@ class Cost(_Model):
         if cost is None:
             cost = self.methods.get(method, self.default)
         return cost
+
+
+class ReserveFrom(_Model):
+    """A reservation read from the request's JSON body (``reserve: {body: max_tokens, default:
+    4096}``): the first of the fields present that holds a whole number of 1 or more, else
+    ``default``."""
+
+    body: tuple[str, ...] = Field(
+        description="fields of the request body (dotted), the first present giving the "
+        "reservation: max_tokens, max_completion_tokens, max_output_tokens",
+    )
+    default: int = Field(ge=1, description="the reservation when none of the fields is there")
+
+    @field_validator("body", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("body")
+    @classmethod
+    def _check_fields(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("body is empty: name the request's field (max_tokens)")
+        for name in value:
+            if not _BODY_FIELD_RE.match(name):
+                raise ValueError(
+                    f"{name!r} is not a field of a JSON body: write a dotted name "
+                    "(max_tokens, generation.max_tokens)"
+                )
+        return value
+
+    def of_body(self, document: object) -> int:
+        """The reservation for a request whose body is ``document`` (None: not read)."""
+        for name in self.body:
+            value = json_at(document, name.split("."))
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 53:
+                return value
+        return self.default
+
+
+_BODY_FIELD_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
 
 # ``5xx``: every status of a class.
@@ -1386,7 +1445,7 @@ class _LimitBase(_Model):
     count: ResponseCount | None = Field(
         None,
         description="charge only responses with these statuses, after the response: a request "
-        "is admitted while the key has room (several in flight may all be, with one unit left)",
+        "is admitted while the key has room, and holds its cost while in flight (see hold)",
     )
     cost_header: str | None = Field(
         None,
@@ -1395,6 +1454,29 @@ class _LimitBase(_Model):
     )
     keep_cost_header: bool = Field(
         False, description="leave the cost header in the response the client gets"
+    )
+    cost_from: str | None = Field(
+        None,
+        description="where the response body says what the request cost (an LLM API's "
+        "usage), charged after the response: openai, anthropic, a dotted path "
+        "(usage.total_tokens) or a sum of paths (usage.prompt_tokens + "
+        "usage.completion_tokens); read from a JSON body or as a stream's events pass "
+        "(missing: reserve, or cost)",
+    )
+    reserve: Annotated[int, Field(ge=1)] | ReserveFrom | None = Field(
+        None,
+        description="units a request of a limit charged after the response holds while in "
+        "flight (an estimate of its cost: a model call's most tokens), settled to what the "
+        "response says: a number, or {body: max_tokens, default: 4096} read from the "
+        "request's JSON body; default: cost",
+    )
+    hold: Literal["in_flight", "none"] = Field(
+        "in_flight",
+        description="a limit charged after the response (count, cost_header): in_flight "
+        "(each request in flight holds its cost of the key's budget from admission until "
+        "its response is settled, so at most the budget left can be in flight) or none "
+        "(admitted free while the key has room, charged after: a burst in flight may all "
+        "pass)",
     )
     exempt: tuple[str, ...] = Field(
         (), description="CIDRs of clients this limit does not apply to (other limits still do)"
@@ -1487,16 +1569,55 @@ class _LimitBase(_Model):
 
     @property
     def charged_after(self) -> bool:
-        """Whether the limit charges after the response (``count``, ``cost_header``)."""
-        return self.count is not None or self.cost_header is not None
+        """Whether the limit charges after the response (``count``, ``cost_header``,
+        ``cost_from``)."""
+        return self.count is not None or self.cost_header is not None or self.cost_from is not None
+
+    @field_validator("cost_from")
+    @classmethod
+    def _check_cost_from(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cost_from(value)  # BadCostFrom, a ValueError, says what to write
+            return value.strip()
+        return value
 
     @model_validator(mode="after")
     def _chargeable_after(self) -> _LimitBase:
         if self.keep_cost_header and self.cost_header is None:
             raise ValueError("keep_cost_header applies to a cost_header: name one, or remove it")
+        if "hold" in self.model_fields_set and not self.charged_after:
+            raise ValueError(
+                "hold applies to a limit charged after the response (count, cost_header or "
+                "cost_from): a limit charged at admission holds its cost already; remove hold"
+            )
+        if self.reserve is not None:
+            if not self.charged_after:
+                raise ValueError(
+                    "reserve applies to a limit charged after the response (cost_from, "
+                    "cost_header or count): a limit charged at admission takes its cost; "
+                    "remove reserve, or use cost"
+                )
+            if self.hold == "none":
+                raise ValueError(
+                    "reserve is what a request holds while in flight, and hold: none holds "
+                    "nothing; remove one of them"
+                )
+            if self.cost != 1:
+                raise ValueError(
+                    "reserve replaces cost at admission (and is what a missing usage is "
+                    "charged): remove cost"
+                )
+        if self.cost_from is not None and self.cost_header is not None:
+            raise ValueError(
+                "cost_from and cost_header both say what a response cost: keep one of them"
+            )
         if not self.charged_after:
             return self
-        given = [name for name in ("count", "cost_header") if getattr(self, name) is not None]
+        given = [
+            name
+            for name in ("count", "cost_header", "cost_from")
+            if getattr(self, name) is not None
+        ]
         subject = f"{' and '.join(given)} charge{'' if len(given) > 1 else 's'} after the response"
         algorithm = getattr(self, "algorithm", "")
         if algorithm == "leaky_bucket":
@@ -1720,7 +1841,7 @@ OVERRIDE_PARAMS = frozenset(
 )
 # What a plan's parameters are checked with but cannot change (a plan's warmup cannot ramp a
 # limit charged after the response).
-_VARIANT_CONTEXT = frozenset({"calendar", "count", "cost_header"})
+_VARIANT_CONTEXT = frozenset({"calendar", "count", "cost_header", "cost_from", "reserve"})
 
 
 def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
@@ -1738,8 +1859,11 @@ def variant_spec(spec: Any, params: dict[str, Any]) -> Any:
         for name in OVERRIDE_PARAMS | _VARIANT_CONTEXT
         if name in model.model_fields
     }
+    if "hold" in spec.model_fields_set:  # checked with the limit's; the default otherwise
+        fields["hold"] = spec.hold
     # The cost too, so that a model checking its numbers against it checks the variant's.
-    fields["cost"] = spec.cost
+    if spec.reserve is None:  # reserve refuses a cost: the limit's own is 1 then
+        fields["cost"] = spec.cost
     try:
         checked = model.model_validate({"algorithm": spec.algorithm, **fields, **params})
     except ValidationError as exc:
@@ -1836,6 +1960,11 @@ class RateLimitHeaders(_Model):
     ietf: bool = Field(True, description="RateLimit-Policy and RateLimit (IETF httpapi draft)")
     x_ratelimit: bool = Field(False, description="X-RateLimit-Limit/-Remaining/-Reset")
     retry_after: bool = Field(True, description="Retry-After on rejections")
+    openai: bool = Field(
+        False,
+        description="OpenAI's x-ratelimit-{limit,remaining,reset}-tokens (limits with "
+        "cost_from) and -requests (the others)",
+    )
 
 
 class Access(_Model):

@@ -16,7 +16,7 @@ import ipaddress
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Generic, TypeVar
 
-from gateway.policy.models import Cost, tier_specs
+from gateway.policy.models import Cost, ReserveFrom, tier_specs
 
 # A compiled limit (``gateway.limits.compiled.CompiledLimit``, which holds a ``Tiering``:
 # generic here so that this module needs nothing from it).
@@ -142,7 +142,7 @@ class Tiering:
     ``None`` on a limit that uses none of them, so such limits pay one attribute test."""
 
     exemptions: Exemptions | None
-    cost: int | Cost
+    cost: int | Cost | ReserveFrom
     overrides: Overrides[Any] | None
     # ``unlisted:``: keys the overrides do not list share one bucket, or are refused.
     share_unlisted: bool = False
@@ -170,7 +170,11 @@ class Tiering:
             elif self.reject_unlisted:
                 raise UnlistedKey
         cost = self.cost
-        return limit, key, cost if isinstance(cost, int) else cost.of(facts.route, facts.method)
+        if isinstance(cost, int):
+            return limit, key, cost
+        if isinstance(cost, Cost):
+            return limit, key, cost.of(facts.route, facts.method)
+        return limit, key, cost.of_body(facts.body)  # a reservation read from the body
 
 
 def compile_tiering(
@@ -185,6 +189,7 @@ def compile_tiering(
         or spec.exempt_headers
         or entries
         or spec.cost != 1
+        or spec.reserve is not None
         or spec.unlisted != "own"
         or listed_elsewhere is not None
     ):
@@ -202,7 +207,9 @@ def compile_tiering(
         overrides = Overrides(limit, build_algorithm, {})
     return Tiering(
         exemptions,
-        spec.cost,
+        # What a request takes at admission: a limit charged after the response that reserves
+        # an estimate holds that (settled to the response's cost).
+        spec.reserve if spec.reserve is not None else spec.cost,
         overrides,
         share_unlisted=spec.unlisted == "shared",
         reject_unlisted=spec.unlisted == "reject",

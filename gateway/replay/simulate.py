@@ -119,8 +119,11 @@ class Simulation:
         self.counted_by_response = sorted(
             name for name, spec in policy.limits.items() if spec.charged_after
         )
+        # (and cost_from: the usage a body reported, which the gateway's log records too)
         self.cost_header_limits = sorted(
-            name for name, spec in policy.limits.items() if spec.cost_header is not None
+            name
+            for name, spec in policy.limits.items()
+            if spec.cost_header is not None or spec.cost_from is not None
         )
         self.header_parts = sorted(
             {

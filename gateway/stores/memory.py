@@ -110,8 +110,8 @@ class MemoryStore:
                 table = tables[index]
                 if table is None:
                     self.slot_tables[check.limit.table].put(check.key, new_states[index])
-                # A limit charged after the response admits without taking anything now.
-                elif check.limit.response_charge is None:
+                # A limit charged after the response with ``hold: none`` takes nothing now.
+                elif not check.limit.admits_free:
                     table.put(check.key, new_states[index], instants[index])
         return verdict
 
@@ -143,8 +143,8 @@ class MemoryStore:
         if commit and verdict.allowed:
             if table is None:
                 self.slot_tables[limit.table].put(check.key, new_state)
-            # A limit charged after the response admits without taking anything now.
-            elif limit.response_charge is None:
+            # A limit charged after the response with ``hold: none`` takes nothing now.
+            elif not limit.admits_free:
                 table.put(check.key, new_state, at_us)
         return verdict
 
@@ -187,6 +187,10 @@ class MemoryStore:
                 table.release(check.key, check.cost)
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        self.refund_now(checks, charged_us)
+
+    def refund_now(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        """``refund``, done rather than awaited."""
         clock = self.clock
         now_us = clock.now_us()
         unix_us = clock.unix_us()

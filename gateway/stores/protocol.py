@@ -39,7 +39,8 @@ class LimitStore(Protocol):
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """Decide all checks at one instant; with ``commit``, store the new states if allowed
-        (but for a limit charged after the response: ``charge`` charges it). A calendar window
+        (but for a limit charged after the response that admits free, ``admits_free``:
+        ``charge`` charges it). A calendar window
         decides at calendar time (``Clock.unix_us``, or Redis ``TIME``).
 
         A check whose delay would exceed its ``max_delay_s`` turns the verdict into a rejection
@@ -104,6 +105,10 @@ class DecidesNow(LimitStore, Protocol):
 
     def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
         """``charge``, returned rather than awaited."""
+        ...
+
+    def refund_now(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        """``refund``, done rather than awaited."""
         ...
 
 

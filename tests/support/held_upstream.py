@@ -5,6 +5,7 @@ Paths (``NAME`` any word the test picks):
 
 - ``/hold/NAME``: answers 200 once ``release(NAME)`` is called;
 - ``/stream/NAME``: sends its head and a first chunk at once, the rest once released;
+  (either with ``?status=CODE``: answers with that status instead of 200)
 - ``/fail``: closes the connection without an answer (the gateway answers 502);
 - ``/sleep``: answers after 30 s (past the gateway's read timeout: 504);
 - ``/ws``: a WebSocket that echoes until the client closes it;
@@ -73,11 +74,12 @@ async def held_upstream() -> AsyncIterator[HeldUpstream]:
         if kind not in ("hold", "stream"):
             return web.Response(text="fast")
         upstream.in_flight[name] = upstream.in_flight.get(name, 0) + 1
+        status = int(request.query.get("status", "200"))
         try:
             if kind == "hold":
                 await upstream.gate(name).wait()
-                return web.Response(text=f"done {name}")
-            response = web.StreamResponse()
+                return web.Response(status=status, text=f"done {name}")
+            response = web.StreamResponse(status=status)
             response.content_length = 2 * 65536
             await response.prepare(request)
             await response.write(b"a" * 65536)

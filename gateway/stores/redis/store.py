@@ -601,8 +601,9 @@ class RedisStore:
         calendar = False
         for check in checks:
             limit = check.limit
-            # Charged after the response: 'd' decides it and writes nothing (it never delays).
-            argv.append(b"a" if limit.response_charge is not None else _bound(check.max_delay_s))
+            # Charged after the response and admitted free (``hold: none``): 'd' decides it
+            # and writes nothing (it never delays).
+            argv.append(b"a" if limit.admits_free else _bound(check.max_delay_s))
             calendar = calendar or limit.calendar
         if mode == b"r" or calendar:
             argv.append(charged_us)
@@ -799,15 +800,13 @@ def _redis_py(
 
 
 def _charged_now(checks: Sequence[Check]) -> Sequence[Check]:
-    """The checks an admission charges: not those of limits charged after the response, nor
-    concurrency limits (a slot is not a charge: the fallback holds its own, released in
-    process, and none is owed to Redis)."""
+    """The checks an admission charges: not those of limits charged after the response that
+    admit free (``hold: none``), nor concurrency limits (a slot is not a charge: the fallback
+    holds its own, released in process, and none is owed to Redis)."""
     for check in checks:
         limit = check.limit
-        if limit.response_charge is not None or limit.holds_slots:
-            return [
-                c for c in checks if c.limit.response_charge is None and not c.limit.holds_slots
-            ]
+        if limit.admits_free or limit.holds_slots:
+            return [c for c in checks if not c.limit.admits_free and not c.limit.holds_slots]
     return checks
 
 
@@ -852,14 +851,12 @@ def _verdict(
     checks: Sequence[Check], plans: Sequence[LimitPlan], reply: Sequence[int]
 ) -> CombinedDecision:
     """The verdict the script reached, by the rule every store's verdict follows (``combine``):
-    a delay over its check's bound refused (the script did not commit it either). A delayed
-    admission keeps the script's instant: a refund gives windows back exactly that charge."""
+    a delay over its check's bound refused (the script did not commit it either). It keeps
+    the script's instant: a refund (a queued client left, a hold settled after the response)
+    gives windows back exactly that charge."""
     decisions = [
         plan.codec.decision(*reply[base : base + 5])
         for plan, base in zip(plans, range(1, 5 * len(plans), 5), strict=True)
     ]
     states = (None,) * len(decisions)  # the script committed them: nothing to store here
-    verdict = combine(decisions, states, states, None, [check.max_delay_s for check in checks])
-    if verdict.allowed and verdict.delay_s > 0.0:
-        verdict = verdict._replace(now_us=reply[0])
-    return verdict
+    return combine(decisions, states, states, reply[0], [check.max_delay_s for check in checks])

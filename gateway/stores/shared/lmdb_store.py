@@ -655,7 +655,7 @@ class SharedStore:
             if prefix is None:
                 state = None
                 decision, new_state = limit.algorithm.decide(None, at_us, check.cost)
-            elif limit.response_charge is not None:
+            elif limit.admits_free:
                 # Charged after the response (``charge``): decided, nothing written now.
                 key = prefix + key_bytes(check.key)
                 raw = get(key)
@@ -918,6 +918,10 @@ class SharedStore:
             self._current_at = -1  # this commit: read the generation again next time
 
     async def refund(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        self.refund_now(checks, charged_us)
+
+    def refund_now(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
+        """``refund``, done rather than awaited (one write transaction)."""
         env = self._env_for_requests()
         try:
             self._refund(env, checks, charged_us)
