@@ -5,6 +5,9 @@ loop the gateway runs on (uvloop's own server takes one per loop turn: bench/REA
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import resource
 import socket
 import struct
 import time
@@ -93,3 +96,47 @@ async def test_a_closed_site_accepts_nothing_more() -> None:
     await runner.cleanup()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+async def test_out_of_file_descriptors_pauses_accepting_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """EMFILE: the listener stays readable, so accepting again at once would spin; it pauses
+    (the loop retries after ``ACCEPT_RETRY_DELAY_S``) with one line, and the waiting connections
+    are accepted once descriptors are free again."""
+
+    async def hello(request: web.BaseRequest) -> web.Response:
+        return web.Response(text="ok")
+
+    runner = web.ServerRunner(web.Server(hello))
+    await runner.setup()
+    site = AcceptSite(runner, "127.0.0.1", 0, backlog=16, reuse_port=None)
+    await site.start()
+    clients: list[socket.socket] = []
+    try:
+        acceptor = site._server
+        assert isinstance(acceptor, BatchAcceptor)
+        (listener,) = acceptor.sockets
+        for _ in range(4):
+            clients.append(socket.create_connection(("127.0.0.1", site.port)))
+        wait_for_accept_queue(listener, 4)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest_free = os.dup(0)
+        os.close(lowest_free)
+        # Every descriptor below the limit is taken: the next accept fails with EMFILE.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            with caplog.at_level(logging.ERROR, logger="gateway.listener"):
+                assert acceptor.accept_pending(listener) == 0
+                assert acceptor.accept_pending(listener) == 0
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert not acceptor.is_serving()
+        lines = [r.getMessage() for r in caplog.records if r.name == "gateway.listener"]
+        assert len(lines) == 1 and "cannot accept connections" in lines[0], lines
+        acceptor.start()  # what the retry timer does
+        assert acceptor.accept_pending(listener) == 4
+    finally:
+        for client in clients:
+            client.close()
+        await runner.cleanup()

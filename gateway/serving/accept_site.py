@@ -146,7 +146,10 @@ class BatchAcceptor(asyncio.AbstractServer):
                     break
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
                     continue  # that client gave up before we took it: the next one
-                raise
+                cause = ("accept", exc.errno)
+                if _throttle.due(cause):
+                    _throttle.log(logging.ERROR, cause, f"cannot accept a connection: {exc}")
+                break  # the socket stays readable: tried again next turn
             accepted += 1
             self._open(conn)
         self.accepted += accepted
