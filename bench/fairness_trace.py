@@ -1,7 +1,7 @@
 """Where a request waits inside one gateway worker: the timings behind bench/README.md's
 "Fairness at 256 connections".
 
-``run`` starts ``python -m gateway run ARGS`` (one worker, in this process) with timers added
+``run`` starts ``gateway run --workers 1`` (in this process) with timers added
 to the listener's protocol and the proxy handler, and writes their histograms to ``--out``
 once a second; ``show`` prints them. Pure build only (it wraps the handler's methods, which
 the compiled build cannot). Measured, in milliseconds:
@@ -14,8 +14,8 @@ the compiled build cannot). Measured, in milliseconds:
 - ``gc``: each collection; ``loop_gap``: a 1 ms sleep's actual length;
 - ``accepts``: when each connection was accepted (``show`` prints each burst's spread).
 
-    python bench/fairness_trace.py run --out trace.json -- --config P --listen 127.0.0.1:8080
-    (``--root DIR`` before ``--``: the gateway of another checkout)
+    python bench/fairness_trace.py run --out trace.json --config P --listen 127.0.0.1:8080
+    (``--root DIR``: the gateway of another checkout)
     wrk -t2 -c256 -d5s --latency http://127.0.0.1:8080/
     python bench/fairness_trace.py show trace.json
 """
@@ -161,16 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--root", type=Path, default=REPO_ROOT, help="the checkout whose gateway to run"
     )
-    run.add_argument("gateway_args", nargs=argparse.REMAINDER, help="-- then gateway run's")
+    run.add_argument("--config", required=True, help="the policy file")
+    run.add_argument("--listen", required=True, help="HOST:PORT of the proxy listener")
+    run.add_argument("--admin-listen", default="127.0.0.1:0", help="HOST:PORT of the admin side")
     shown = commands.add_parser("show", help="print a trace")
     shown.add_argument("trace", type=Path)
     args = parser.parse_args(argv)
     if args.command == "show":
         show(args.trace)
         return 0
-    gateway_args = [a for a in args.gateway_args if a != "--"]
-    if "--workers" not in gateway_args:
-        gateway_args += ["--workers", "1"]
+    gateway_args = ["--config", args.config, "--listen", args.listen, "--workers", "1"]
+    gateway_args += ["--admin-listen", args.admin_listen]
     sys.path.insert(0, str(args.root.resolve()))
     instrument(Trace(args.out))
     from gateway.cli.main import main as gateway_main
