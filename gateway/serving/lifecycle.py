@@ -46,10 +46,10 @@ from gateway.policy.models import (
 )
 from gateway.policy.tls_files import TlsFilesError, listener_tls_loc, load_tls
 from gateway.redact import redact_text, redact_url
+from gateway.serving.accept_site import AcceptSite
 from gateway.serving.demo_upstream import DemoUpstream
 from gateway.serving.heap import freeze_startup_heap, refreeze_heap
 from gateway.serving.reload import PolicyReloader
-from gateway.serving.tls_site import TlsSite
 from gateway.stores import LimitStore, build_store, store_url
 from gateway.stores.shared.runtime_dir import SharedDirError
 
@@ -336,26 +336,19 @@ class Gateway:
 
     async def _bind(self, runner: web.BaseRunner, listener: ProxyListener) -> int:
         """Open one listener's site on ``runner`` (each worker its own socket, SO_REUSEPORT
-        with --workers N); the port it got."""
-        site: web.TCPSite
-        if listener.tls is not None:
-            site = TlsSite(
-                runner,
-                listener.host,
-                listener.port,
-                ssl_context=listener.tls.context,
-                handshake_timeout=self.loaded.policy.server.header_timeout,
-                backlog=1024,
-                reuse_port=self.reuse_port or None,
-            )
-        else:
-            site = web.TCPSite(
-                runner,
-                listener.host,
-                listener.port,
-                backlog=1024,
-                reuse_port=self.reuse_port or None,
-            )
+        with --workers N), accepting every waiting connection at once (``accept_site``); the
+        port it got."""
+        tls = listener.tls
+        timeout = self.loaded.policy.server.header_timeout if tls is not None else None
+        site = AcceptSite(
+            runner,
+            listener.host,
+            listener.port,
+            backlog=1024,
+            reuse_port=self.reuse_port or None,
+            ssl_context=tls.context if tls is not None else None,
+            handshake_timeout=timeout,
+        )
         what = "redirect to https" if listener.redirect is not None else "proxy"
         await _start_site(site, what, listener.host, listener.port)
         return site.port
