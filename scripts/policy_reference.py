@@ -38,9 +38,11 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("limits.NAME.cost", "Cost"),
     ("limits.NAME.count", "ResponseCount"),
     ("limits.NAME.lease", "LeaseSettings"),
+    ("limits.NAME.plan_from", "PlanFrom"),
     ("headers", "RateLimitHeaders"),
     ("access", "Access"),
     ("store", "StoreSettings"),
+    ("jwt", "JwtSettings"),
 )
 LIMIT_MODELS: tuple[tuple[str, str], ...] = (
     ("leaky_bucket", "LeakyBucketLimit"),

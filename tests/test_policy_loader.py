@@ -96,7 +96,7 @@ EXPECTED_ERRORS = {
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
     "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
-    "const:TEXT or plan:LIMIT",
+    "const:TEXT, plan:LIMIT or jwt:CLAIM",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
     "unknown route 'nope'",
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -24,11 +25,13 @@ from typing import Any, Final
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
 from gateway.algorithms.concurrency import Concurrency
+from gateway.clock import MonotonicClock
 from gateway.engine.delay_queue import DelayQueue, ShuttingDown
 from gateway.engine.slot_lines import POLL_S, SlotLines, Ticket
 from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.routing import CompiledMatch, compile_match
+from gateway.limits.token_verifier import TokenRefused, TokenVerifier
 from gateway.policy.models import (
     CUSTOM_PLAN,
     UNLISTED_PLAN,
@@ -221,6 +224,22 @@ class LimitEngine:
         self._screens = bool(self.allow) or bool(self.deny)
         old = {limit.name: limit for limit in previous.limits} if previous else {}
         limits: dict[str, CompiledLimit] = {}
+        # The request's token, verified once per token (``jwt:CLAIM`` parts, ``plan_from``).
+        self.identity: TokenVerifier | None = None
+        jwt_of: Callable[[str], Callable[[RequestFacts], str | None]] | None = None
+        if policy.jwt is not None:
+            clock = store.clock
+            verifier = self.identity = TokenVerifier(
+                policy.jwt,
+                wall_clock=(
+                    time.time
+                    if isinstance(clock, MonotonicClock)
+                    else lambda: clock.unix_us() / 1e6
+                ),
+                previous=previous.identity if previous is not None else None,
+            )
+
+            jwt_of = verifier.part
 
         def plan_part(name: str) -> Callable[[RequestFacts], str | None]:
             # Looked up per request: the limit named may come later in the file.
@@ -232,7 +251,7 @@ class LimitEngine:
                 name=name,
                 spec=spec,
                 algorithm=build_algorithm(spec),
-                keys=KeyBuilder(spec.key, spec.on_missing_key, plan_part),
+                keys=KeyBuilder(spec.key, spec.on_missing_key, plan_part, jwt_of),
                 match=_compile_limit_match(spec.match),
                 routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
                 window_s=spec.window_s,
@@ -240,8 +259,12 @@ class LimitEngine:
             )
         for limit in limits.values():
             listed_in = limit.spec.exempt_listed
+            plan_from = limit.spec.plan_from
             limit.tiering = compile_tiering(
-                limit, build_algorithm, _listed_in(limits[listed_in]) if listed_in else None
+                limit,
+                build_algorithm,
+                _listed_in(limits[listed_in]) if listed_in else None,
+                jwt_of(plan_from.jwt) if plan_from is not None and jwt_of is not None else None,
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
         # Limits charged after the response: whether any (the request path asks once), the
@@ -281,7 +304,13 @@ class LimitEngine:
         for limit in self.limits:
             if not limit.applies(route, host, path, method):
                 continue
-            key = limit.keys.build(facts)
+            try:
+                key = limit.keys.build(facts)
+            except TokenRefused:
+                if limit.dry_run:
+                    continue  # a dry-run limit counts what it can, refuses nothing
+                _release(enforced)
+                raise
             if key is None:
                 continue
             cost = 1
@@ -289,6 +318,11 @@ class LimitEngine:
             if tiering is not None:
                 try:
                     resolved = tiering.resolve(limit, key, facts)
+                except TokenRefused:
+                    if limit.dry_run:
+                        continue
+                    _release(enforced)
+                    raise
                 except UnlistedKey:
                     if limit.dry_run:
                         if reserve:  # counted only when the request is decided for real
@@ -333,6 +367,8 @@ class LimitEngine:
             enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
         except UnlistedKey as refused:
             return _refuse_unlisted(refused.limit, commit)
+        except TokenRefused as refused:
+            return _refuse_token(refused)
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
@@ -391,6 +427,8 @@ class LimitEngine:
             enforced, dry = self.checks_for(facts, route, host, path)
         except UnlistedKey as refused:
             return _refuse_unlisted(refused.limit, True)
+        except TokenRefused as refused:
+            return _refuse_token(refused)
         verdicts: list[CombinedDecision] | None = None
         try:
             # The dry-run limits first: a store error there comes before anything enforced
@@ -430,6 +468,20 @@ class LimitEngine:
                 outcome = Outcome(charge_after=after)
         return _hold_or_release(outcome, enforced)
 
+    def keys_pending(self, facts: RequestFacts) -> bool:
+        """Whether the request's token names a key the JWKS lacks and a fetch may bring it:
+        the proxy then awaits ``await_keys`` (bounded by ``jwt.jwks_timeout``) first."""
+        identity = self.identity
+        return identity is not None and identity.pending(facts) is not None
+
+    async def await_keys(self, facts: RequestFacts) -> None:
+        identity = self.identity
+        if identity is None:
+            return
+        fetch = identity.pending(facts)
+        if fetch is not None:
+            await identity.wait_for_keys(facts, fetch)
+
     def _screen(self, client_ip: str) -> Outcome | None:
         """The access lists' word on a client, if they have one."""
         if self.deny and self.deny.contains(client_ip):
@@ -443,6 +495,7 @@ class LimitEngine:
     ) -> Explanation:
         """What ``evaluate`` would answer now, and what each limit alone would say; commits
         nothing."""
+        await self.await_keys(facts)
         outcome = await self.evaluate(facts, route, host, path, client_ip, commit=False)
         access = None
         if self.deny and self.deny.contains(client_ip):
@@ -454,7 +507,11 @@ class LimitEngine:
             if not limit.applies(route, host, path, facts.method):
                 looks.append(LimitLook(limit, applies=False))
                 continue
-            key = limit.keys.build(facts)
+            try:
+                key = limit.keys.build(facts)
+            except TokenRefused as refusal:
+                looks.append(LimitLook(limit, applies=True, refused=refusal.reason))
+                continue
             if key is None:
                 looks.append(LimitLook(limit, applies=True))
                 continue
@@ -462,6 +519,9 @@ class LimitEngine:
             if limit.tiering is not None:
                 try:
                     resolved = limit.tiering.resolve(limit, key, facts)
+                except TokenRefused as refusal:
+                    looks.append(LimitLook(limit, applies=True, key=key, refused=refusal.reason))
+                    continue
                 except UnlistedKey:
                     refused = _refuse_unlisted(limit, False).reason
                     looks.append(LimitLook(limit, applies=True, key=key, refused=refused))
@@ -1038,8 +1098,16 @@ def _count_charges(checks: Sequence[Check], taken: Sequence[int]) -> None:
 def _plan_of(limit: CompiledLimit, facts: RequestFacts) -> str:
     """The plan ``limit``'s overrides give a request's key (``plan:LIMIT``): the plan's name,
     ``custom`` for a key with numbers of its own, ``unlisted`` for any other key or none."""
-    key = limit.keys.build(facts)
     tiering = limit.tiering
+    if tiering is not None and tiering.plan_from is not None:
+        plan = tiering.plan_from(facts)
+        listed = (
+            plan is not None
+            and tiering.overrides is not None
+            and (tiering.overrides.resolve(plan) is not None)
+        )
+        return plan if listed and plan is not None else UNLISTED_PLAN
+    key = limit.keys.build(facts)
     if key is None or tiering is None or tiering.overrides is None:
         return UNLISTED_PLAN
     variant = tiering.overrides.resolve(key)
@@ -1063,6 +1131,12 @@ def _refuse_unlisted(limit: CompiledLimit, commit: bool) -> Outcome:
         rejected_by=limit.name,
         reason=f"the key is not listed by limit {limit.name!r} (unlisted: reject)",
     )
+
+
+def _refuse_token(refused: TokenRefused) -> Outcome:
+    """A request whose token the policy refuses (``jwt.on_missing``/``on_invalid``: 401 or
+    reject), before any limit is charged; ``reason`` names the cause, never the token."""
+    return Outcome(status=refused.status, reason=refused.reason)
 
 
 def _reset_header(decision: Decision, window_s: int, rejecting: bool) -> int:

@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.policy.identity import JwtSettings, PlanFrom
 from gateway.policy.log_template import is_template, parse_template
 from gateway.policy.units import (
     CALENDAR_PERIODS,
@@ -1142,7 +1143,7 @@ class Route(_Model):
 
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*)$"
+    r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*|jwt:[A-Za-z0-9_.:\-/]+)$"
 )
 # The values a ``plan:LIMIT`` key part takes besides a plan's name: a key that limit does not
 # list (or a request without one), and a key listed with numbers of its own.
@@ -1156,8 +1157,10 @@ def check_key_parts(value: tuple[str, ...], *, plans: bool = False) -> tuple[str
     if not value:
         raise ValueError("key needs at least one part")
     for part in value:
-        if not _KEY_PART_RE.match(part) or (part.startswith("plan:") and not plans):
-            expected = "global, const:TEXT or plan:LIMIT" if plans else "global or const:TEXT"
+        if not _KEY_PART_RE.match(part) or (part.startswith(("plan:", "jwt:")) and not plans):
+            expected = (
+                "global, const:TEXT, plan:LIMIT or jwt:CLAIM" if plans else "global or const:TEXT"
+            )
             raise ValueError(
                 f"invalid key part {part!r}: expected client_ip, header:NAME, query:NAME, "
                 f"route, method, {expected}"
@@ -1319,7 +1322,8 @@ class _LimitBase(_Model):
         ("client_ip",),
         description="parts joined into the key: client_ip, header:NAME, query:NAME, route, "
         "method, global, const:TEXT, plan:LIMIT (the plan another limit's overrides give the "
-        "request's key: a plan's name, custom, or unlisted)",
+        "request's key: a plan's name, custom, or unlisted), jwt:CLAIM (a claim of the "
+        "request's verified token, see jwt)",
     )
     on_missing_key: Literal["skip", "client_ip"] = Field(
         "skip",
@@ -1384,6 +1388,11 @@ class _LimitBase(_Model):
         None,
         description="YAML or JSON file of more overrides (relative to the policy file), "
         "reloaded with the policy",
+    )
+    plan_from: PlanFrom | None = Field(
+        None,
+        description="the plan named by the request: {jwt: CLAIM}, a claim of its verified "
+        "token whose value is one of plans (another value, or none: the limit's own numbers)",
     )
     unlisted: Literal["own", "shared", "reject"] = Field(
         "own",
@@ -1451,6 +1460,19 @@ class _LimitBase(_Model):
     @classmethod
     def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return check_key_parts(value, plans=True)
+
+    @model_validator(mode="after")
+    def _check_plan_from(self) -> _LimitBase:
+        if self.plan_from is None:
+            return self
+        if not self.plans:
+            raise ValueError("plan_from names a plan of plans: define plans")
+        if self.overrides or self.overrides_file or self.unlisted != "own":
+            raise ValueError(
+                "plan_from and overrides (overrides_file, unlisted) both choose a key's plan: "
+                "use one of them"
+            )
+        return self
 
     @property
     def charged_after(self) -> bool:
@@ -1887,6 +1909,11 @@ class Policy(_Model):
     access: Access = Field(Access(), description="clients allowed past every limit, or denied")
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
     store: StoreSettings = Field(StoreSettings(), description="where the limits' state lives")
+    jwt: JwtSettings | None = Field(
+        None,
+        description="the request's JSON Web Token, verified: what jwt:CLAIM key parts and "
+        "plan_from read",
+    )
 
 
 def headers_limits_read(policy: Policy) -> tuple[frozenset[str], frozenset[str]]:
