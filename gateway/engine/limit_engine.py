@@ -213,6 +213,11 @@ class LimitEngine:
         self._ietf_headers = policy.headers.ietf
         self._x_ratelimit_headers = policy.headers.x_ratelimit
         self._retry_after_header = policy.headers.retry_after
+        # ``headers.rejected_by``: the header naming the rejecting limit, encoded to its colon.
+        named = policy.headers.rejected_by
+        self._rejected_by_start: bytes | None = (
+            named.encode("latin-1") + b": " if named is not None else None
+        )
         # Each limit's header parts (``_Advertised``), the same on every response: by limit
         # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
         self._advertised: dict[str, _Advertised] = {}
@@ -894,6 +899,10 @@ class LimitEngine:
             retry_after_s = outcome.retry_after_s
             if retry_after_s > 0.0:
                 retry_after = b"Retry-After: %s\r\n" % _ascii(max(1, math.ceil(retry_after_s)))
+        if outcome.status and self._rejected_by_start is not None:
+            rejected_by = outcome.rejected_by
+            if rejected_by is not None:  # a limit's name: ASCII, as the policy checked
+                retry_after += b"%s%s\r\n" % (self._rejected_by_start, rejected_by.encode())
         ietf = self._ietf_headers
         x_ratelimit = self._x_ratelimit_headers
         if verdict is None or not (ietf or x_ratelimit):

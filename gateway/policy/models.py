@@ -1823,6 +1823,21 @@ class RateLimitHeaders(_Model):
     ietf: bool = Field(True, description="RateLimit-Policy and RateLimit (IETF httpapi draft)")
     x_ratelimit: bool = Field(False, description="X-RateLimit-Limit/-Remaining/-Reset")
     retry_after: bool = Field(True, description="Retry-After on rejections")
+    rejected_by: str | None = Field(
+        None,
+        description="a header naming the limit that rejected a request (e.g. "
+        "X-RateLimit-Rejected-By), on its rejections only; none by default (the problem "
+        "body's limit names it always)",
+    )
+
+    @field_validator("rejected_by")
+    @classmethod
+    def _check_rejected_by(cls, value: str | None) -> str | None:
+        if value is not None and not _HEADER_NAME_RE.match(value):
+            raise ValueError(f"invalid header name {value!r}")
+        if value is not None and value.lower() in _FRAMING_HEADERS | {"retry-after"}:
+            raise ValueError(f"{value} is a header the gateway writes itself: choose another name")
+        return value
 
 
 class Access(_Model):
