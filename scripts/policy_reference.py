@@ -43,6 +43,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("access", "Access"),
     ("store", "StoreSettings"),
     ("jwt", "JwtSettings"),
+    ("rejection, limits.NAME.rejection", "RejectionResponse"),
 )
 LIMIT_MODELS: tuple[tuple[str, str], ...] = (
     ("leaky_bucket", "LeakyBucketLimit"),

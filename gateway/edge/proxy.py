@@ -34,6 +34,7 @@ from gateway.edge.forwarding import (
     response_headers,
 )
 from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
+from gateway.edge.rejection_response import custom_rejection_response
 from gateway.edge.responses import (
     HttpDate,
     PreparedResponse,
@@ -284,6 +285,11 @@ class ProxyHandler:
                         else _BEARER_CHALLENGE
                         if outcome.status == 401
                         else None,
+                    )
+                elif (custom := engine.custom_rejection(outcome)) is not None:
+                    status, content_type, body = custom  # the policy's rejection:
+                    refusal = custom_rejection_response(
+                        status, content_type, body, engine.headers(outcome), close=framing.has_body
                     )
                 else:
                     refusal = rate_limited_response(

@@ -42,6 +42,8 @@ from gateway.policy.models import (
     Route,
 )
 from gateway.policy.overrides import UnlistedKey, compile_tiering
+from gateway.policy.rejections import RejectionTemplate
+from gateway.redact import hashed
 from gateway.stores import LimitStore, StoreUnavailableError
 from gateway.stores.protocol import DecidesNow
 
@@ -272,6 +274,13 @@ class LimitEngine:
                 jwt_of(plan_from.jwt) if plan_from is not None and jwt_of is not None else None,
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
+        # ``rejection:``: the limits whose rejections are answered the operator's way.
+        default = RejectionTemplate(policy.rejection) if policy.rejection is not None else None
+        self._rejections: dict[str, RejectionTemplate] = {}
+        for name, spec in policy.limits.items():
+            own = RejectionTemplate(spec.rejection) if spec.rejection is not None else default
+            if own is not None:
+                self._rejections[name] = own
         # Limits charged after the response: whether any (the request path asks once), the
         # response headers their upstreams report costs in, and those removed before the
         # client sees them (unless ``keep_cost_header``).
@@ -873,6 +882,28 @@ class LimitEngine:
                 counters.allowed += 1
         return would_reject
 
+    def custom_rejection(self, outcome: Outcome) -> tuple[int, str, bytes] | None:
+        """A rejection answered as its limit's (or the policy's) ``rejection:`` says: status,
+        content type and body; ``None`` for the default problem+json."""
+        rejections = self._rejections
+        name = outcome.rejected_by
+        if not rejections or name is None:
+            return None
+        template = rejections.get(name)
+        if template is None:
+            return None
+        status = template.status or outcome.status
+        retry_s = outcome.retry_after_s if math.isfinite(outcome.retry_after_s) else 0.0
+        key = _rejecting_key(outcome)
+        values = {
+            "limit": name,
+            "status": str(status),
+            "retry_after": str(max(1, math.ceil(retry_s)) if retry_s > 0.0 else 0),
+            "retry_after_ms": str(math.ceil(retry_s * 1000)),
+            "key_hash": hashed(key) if key is not None else "-",
+        }
+        return status, template.content_type, template.render(values)
+
     def headers(self, outcome: Outcome) -> list[tuple[str, str]]:
         """``header_block`` as (name, value) pairs, for aiohttp's response objects (refusals,
         streamed answers)."""
@@ -1140,6 +1171,18 @@ def _refuse_unlisted(limit: CompiledLimit, commit: bool) -> Outcome:
         rejected_by=limit.name,
         reason=f"the key is not listed by limit {limit.name!r} (unlisted: reject)",
     )
+
+
+def _rejecting_key(outcome: Outcome) -> str | None:
+    """The key of the check that rejected ``outcome`` (its limit's first)."""
+    verdict = outcome.verdict
+    checks = outcome.checks
+    if verdict is not None and verdict.rejected_by:
+        return checks[verdict.rejected_by[0]].key
+    for check in checks:
+        if check.limit.name == outcome.rejected_by:
+            return check.key
+    return None
 
 
 def _refuse_token(refused: TokenRefused) -> Outcome:

@@ -29,6 +29,7 @@ from pydantic import (
 
 from gateway.policy.identity import JwtSettings, PlanFrom
 from gateway.policy.log_template import is_template, parse_template
+from gateway.policy.rejections import RejectionResponse
 from gateway.policy.units import (
     CALENDAR_PERIODS,
     Rate,
@@ -1333,6 +1334,11 @@ class _LimitBase(_Model):
     match: LimitMatch = Field(LimitMatch(), description="omitted: every request")
     dry_run: bool = Field(False, description="count would-delay/would-reject, never enforce")
     status: int = Field(429, ge=400, le=599, description="status for rejected requests")
+    rejection: RejectionResponse | None = Field(
+        None,
+        description="how this limit's rejections are answered (status, content type, body "
+        "template); default: the policy's rejection, else problem+json",
+    )
     max_delay: Duration = Field(
         30.0, description="a request that would wait longer is rejected at once"
     )
@@ -1924,6 +1930,11 @@ class Policy(_Model):
     access: Access = Field(Access(), description="clients allowed past every limit, or denied")
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
     store: StoreSettings = Field(StoreSettings(), description="where the limits' state lives")
+    rejection: RejectionResponse | None = Field(
+        None,
+        description="how rejections are answered unless their limit says otherwise (status, "
+        "content type, body template); default: RFC 9457 problem+json naming the limit",
+    )
     jwt: JwtSettings | None = Field(
         None,
         description="the request's JSON Web Token, verified: what jwt:CLAIM key parts and "
