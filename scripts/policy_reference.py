@@ -39,6 +39,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("limits.NAME.count", "ResponseCount"),
     ("limits.NAME.lease", "LeaseSettings"),
     ("limits.NAME.plan_from", "PlanFrom"),
+    ("limits.NAME.penalty", "Penalty"),
     ("headers", "RateLimitHeaders"),
     ("access", "Access"),
     ("store", "StoreSettings"),

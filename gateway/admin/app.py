@@ -212,6 +212,11 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         entry["unlisted"] = "shared: every key the overrides do not list shares this bucket"
     if look.key is not None and not look.exempt:
         entry["cost"] = look.cost
+    if look.blocked_s is not None:
+        entry["penalty"] = {
+            "blocked_for_s": round(look.blocked_s, 3),
+            "reason": "rejected too often: refused at once until the block ends",
+        }
     if look.key is None:
         entry["skipped"] = "a key part is missing (on_missing_key: skip)"
     elif look.exempt:

@@ -25,6 +25,7 @@ from typing import Any, Final
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
 from gateway.algorithms.concurrency import Concurrency
+from gateway.algorithms.penalty_box import PenaltyBox
 from gateway.clock import MonotonicClock
 from gateway.engine.delay_queue import DelayQueue, ShuttingDown
 from gateway.engine.slot_lines import POLL_S, SlotLines, Ticket
@@ -44,7 +45,8 @@ from gateway.policy.models import (
 from gateway.policy.overrides import UnlistedKey, compile_tiering
 from gateway.policy.rejections import RejectionTemplate
 from gateway.redact import hashed
-from gateway.stores import LimitStore, StoreUnavailableError
+from gateway.stores import LimitStore, MemoryStore, StoreUnavailableError
+from gateway.stores.penalty_table import PenaltyTable
 from gateway.stores.protocol import DecidesNow
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
@@ -151,6 +153,8 @@ class LimitLook:
     refused: str | None = None
     # What this request would take from the quota (``cost``).
     cost: int = 1
+    # Seconds until this key's block by the limit's ``penalty`` ends (``None``: not blocked).
+    blocked_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +278,33 @@ class LimitEngine:
                 jwt_of(plan_from.jwt) if plan_from is not None and jwt_of is not None else None,
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
+        # ``penalty:``: each limit's penalty boxes by key, kept over a reload while the
+        # limit keeps its name and penalty. In process only (the in-process store): the
+        # shared and Redis stores do not keep penalties yet (``penalty_problems``).
+        self.penalties_supported = isinstance(store, MemoryStore)
+        old_penalties = previous.penalties if previous is not None else {}
+        self.penalties: dict[str, PenaltyTable] = {}
+        for name, spec in policy.limits.items():
+            penalty = spec.penalty
+            if penalty is None or spec.dry_run:
+                continue
+            box = PenaltyBox(penalty.after, penalty.within, penalty.block)
+            kept_table = old_penalties.get(name)
+            if kept_table is not None and (
+                kept_table.box.after,
+                kept_table.box.within_us,
+                kept_table.box.block_us,
+            ) == (box.after, box.within_us, box.block_us):
+                kept_table.max_keys = spec.max_keys
+                self.penalties[name] = kept_table
+            else:
+                self.penalties[name] = PenaltyTable(box, spec.max_keys)
+        self._penalty_status = {
+            name: spec.penalty.status
+            for name, spec in policy.limits.items()
+            if spec.penalty is not None
+        }
+        self._has_penalties = bool(self.penalties)
         # ``rejection:``: the limits whose rejections are answered the operator's way.
         default = RejectionTemplate(policy.rejection) if policy.rejection is not None else None
         self._rejections: dict[str, RejectionTemplate] = {}
@@ -383,6 +414,11 @@ class LimitEngine:
             return _refuse_unlisted(refused.limit, commit)
         except TokenRefused as refused:
             return _refuse_token(refused)
+        if self._has_penalties and enforced:
+            blocked = self._penalized(enforced, commit)
+            if blocked is not None:
+                _release(enforced)
+                return blocked
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
@@ -443,6 +479,11 @@ class LimitEngine:
             return _refuse_unlisted(refused.limit, True)
         except TokenRefused as refused:
             return _refuse_token(refused)
+        if self._has_penalties and enforced:
+            blocked = self._penalized(enforced, True)
+            if blocked is not None:
+                _release(enforced)
+                return blocked
         verdicts: list[CombinedDecision] | None = None
         try:
             # The dry-run limits first: a store error there comes before anything enforced
@@ -495,6 +536,51 @@ class LimitEngine:
         fetch = identity.pending(facts)
         if fetch is not None:
             await identity.wait_for_keys(facts, fetch)
+
+    # -- penalties: keys a limit rejected too often, refused outright for a while --
+
+    def _penalized(self, enforced: list[Check], commit: bool) -> Outcome | None:
+        """A request one of whose keys is in its limit's penalty box: refused at once, the
+        limits not asked (counted as the limit's ``penalized`` when ``commit``)."""
+        penalties = self.penalties
+        now_us = self.store.clock.now_us()
+        for check in enforced:
+            table = penalties.get(check.limit.name)
+            if table is None:
+                continue
+            until_us = table.blocked_until(check.key, now_us)
+            if until_us:
+                name = check.limit.name
+                if commit:
+                    check.limit.counters.penalized += 1
+                return Outcome(
+                    status=self._penalty_status[name],
+                    retry_after_s=(until_us - now_us) / 1_000_000,
+                    rejected_by=name,
+                    reason=f"the key is blocked by limit {name!r}'s penalty",
+                    checks=[check],
+                )
+        return None
+
+    def _strike(self, enforced: list[Check], rejected_by: Sequence[int]) -> None:
+        """Count a rejection against each rejecting limit's penalty box."""
+        penalties = self.penalties
+        now_us = 0
+        for index in rejected_by:
+            check = enforced[index]
+            table = penalties.get(check.limit.name)
+            if table is not None:
+                now_us = now_us or self.store.clock.now_us()
+                table.strike(check.key, now_us)
+
+    def penalty_until(self, limit: CompiledLimit, key: str) -> float | None:
+        """Seconds until ``key``'s block by ``limit``'s penalty ends; ``None`` if not blocked."""
+        table = self.penalties.get(limit.name)
+        if table is None:
+            return None
+        now_us = self.store.clock.now_us()
+        until_us = table.blocked_until(key, now_us)
+        return (until_us - now_us) / 1_000_000 if until_us else None
 
     def _screen(self, client_ip: str) -> Outcome | None:
         """The access lists' word on a client, if they have one."""
@@ -549,7 +635,10 @@ class LimitEngine:
             except StoreUnavailableError as exc:  # on_failure: deny, and the store is down
                 looks.append(LimitLook(limit, True, key, unavailable=str(exc), cost=cost))
                 continue
-            looks.append(LimitLook(limit, True, key, verdict.decisions[0], cost=cost))
+            blocked_s = self.penalty_until(limit, key) if self._has_penalties else None
+            looks.append(
+                LimitLook(limit, True, key, verdict.decisions[0], cost=cost, blocked_s=blocked_s)
+            )
         return Explanation(outcome, access, tuple(looks))
 
     async def _enforce(self, enforced: list[Check], *, commit: bool = True) -> Outcome:
@@ -589,6 +678,8 @@ class LimitEngine:
             if commit:
                 for index in verdict.rejected_by:
                     enforced[index].limit.counters.rejected += 1
+                if self._has_penalties:
+                    self._strike(enforced, verdict.rejected_by)
             # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
             queued = verdict.decisions[verdict.rejected_by[0]].allowed
             kind = "concurrency limit" if first.limit.holds_slots else "rate limit"

@@ -29,6 +29,7 @@ from pydantic import (
 
 from gateway.policy.identity import JwtSettings, PlanFrom
 from gateway.policy.log_template import is_template, parse_template
+from gateway.policy.penalty import Penalty
 from gateway.policy.rejections import RejectionResponse
 from gateway.policy.units import (
     CALENDAR_PERIODS,
@@ -1338,6 +1339,11 @@ class _LimitBase(_Model):
         None,
         description="how this limit's rejections are answered (status, content type, body "
         "template); default: the policy's rejection, else problem+json",
+    )
+    penalty: Penalty | None = Field(
+        None,
+        description="a key rejected that often is refused at once for a while: {after: 10, "
+        "within: 1m, block: 15m, status: 429 or 403}",
     )
     max_delay: Duration = Field(
         30.0, description="a request that would wait longer is rejected at once"
