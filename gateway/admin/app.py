@@ -13,6 +13,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.admin.auth import AdminAuth, auth_middleware, login_routes
+from gateway.admin.keys_api import keys_routes
 from gateway.clock import rfc3339
 from gateway.edge.responses import SERVER
 from gateway.engine.limit_engine import Explanation, LimitEngine, LimitLook
@@ -308,4 +309,5 @@ def make_admin_app(state: AdminState) -> web.Application:
     app.router.add_get("/policy", _policy)
     app.router.add_post("/reload", _reload)
     app.router.add_get("/explain", _explain)
+    app.router.add_routes(keys_routes(lambda: state.handler.runtime.engine, current))
     return app

@@ -299,11 +299,19 @@ class LimitEngine:
                 self.penalties[name] = kept_table
             else:
                 self.penalties[name] = PenaltyTable(box, spec.max_keys)
-        self._penalty_status = {
+        self._penalty_status: dict[str, int] = {
             name: spec.penalty.status
             for name, spec in policy.limits.items()
             if spec.penalty is not None
         }
+        # Keys an operator blocked (the keys' API) stay blocked while their limit exists.
+        for name, table in old_penalties.items():
+            still = policy.limits.get(name)
+            if name in self.penalties or still is None or still.dry_run:
+                continue
+            if any(True for _ in table.blocked(store.clock.now_us())):
+                self.penalties[name] = table
+                self._penalty_status.setdefault(name, still.status)
         self._has_penalties = bool(self.penalties)
         # ``rejection:``: the limits whose rejections are answered the operator's way.
         default = RejectionTemplate(policy.rejection) if policy.rejection is not None else None
@@ -572,6 +580,12 @@ class LimitEngine:
             if table is not None:
                 now_us = now_us or self.store.clock.now_us()
                 table.strike(check.key, now_us)
+
+    def enable_penalties(self, name: str, status: int) -> None:
+        """Look ``name``'s penalty table up on each request from now on (a block an operator
+        put on a limit without ``penalty``), refusing with ``status``."""
+        self._penalty_status.setdefault(name, status)
+        self._has_penalties = True
 
     def penalty_until(self, limit: CompiledLimit, key: str) -> float | None:
         """Seconds until ``key``'s block by ``limit``'s penalty ends; ``None`` if not blocked."""

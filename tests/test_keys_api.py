@@ -1,0 +1,178 @@
+"""The keys' API on the admin listener: a limit's keys listed (the most used first), one key's
+state, reset, block and unblock, each change logged with who and why; with and without the
+admin token. The real gateway, a real upstream, real clients over loopback, a fake clock."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.cli.main import main
+from gateway.clock import FakeClock
+from gateway.redact import hashed
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.policies import policy_for
+from tests.support.upstreams import RecordingUpstream
+
+TOKEN = "a-test-admin-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LIMITS = """limits:
+  per_key:
+    algorithm: fixed_window
+    limit: 5
+    window: 1h
+    key: ['header:X-Api-Key']
+"""
+S = 1_000_000
+
+
+async def _start(start_gateway: GatewayFactory, upstream: RecordingUpstream) -> RunningGateway:
+    policy = policy_for(upstream.url, LIMITS, server=f"  admin_token: {TOKEN}\n")
+    return await start_gateway(policy, clock=FakeClock(start_us=3600 * S))
+
+
+async def _admin(
+    session: aiohttp.ClientSession,
+    gw: RunningGateway,
+    path: str,
+    body: dict[str, Any] | None = None,
+    headers: dict[str, str] = AUTH,
+    **params: str,
+) -> tuple[int, Any]:
+    method = "POST" if body is not None else "GET"
+    async with session.request(
+        method, gw.admin_url + path, json=body, params=params, headers=headers
+    ) as response:
+        return response.status, await response.json()
+
+
+async def _use(
+    session: aiohttp.ClientSession, gw: RunningGateway, key: str, times: int
+) -> list[int]:
+    statuses = []
+    for _ in range(times):
+        async with session.get(gw.url + "/", headers={"X-Api-Key": key}) as response:
+            statuses.append(response.status)
+    return statuses
+
+
+async def test_list_read_reset_block_and_unblock(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-heavy", 4)
+        await _use(session, gw, "key-light", 1)
+        status, listing = await _admin(session, gw, "/keys/per_key", top="10")
+        assert status == 200
+        # The most used first; header parts (API keys) shown by their hash, never whole.
+        assert [(k["id"], k["key"], k["remaining"]) for k in listing["keys"]] == [
+            (hashed("key-heavy"), hashed("key-heavy"), 1),
+            (hashed("key-light"), hashed("key-light"), 4),
+        ]
+        status, state = await _admin(session, gw, "/keys/per_key/key", key="key-heavy")
+        assert (status, state["remaining"], state["quota"]) == (200, 1, 5)
+        assert state["reset_s"] == 3600 and state["blocked_for_s"] is None
+        # A change needs a reason.
+        status, refused = await _admin(session, gw, "/keys/per_key/reset", {"key": "key-heavy"})
+        assert status == 400 and "reason" in refused["error"]
+        with caplog.at_level(logging.INFO, logger="gateway.admin"):
+            status, reset = await _admin(
+                session,
+                gw,
+                "/keys/per_key/reset",
+                {"id": hashed("key-heavy"), "reason": "ticket 42: customer upgraded"},
+            )
+        assert status == 200 and reset["reset"] is True
+        assert reset["state"]["remaining"] == 5
+        assert await _use(session, gw, "key-heavy", 1) == [200]
+        logged = [r.getMessage() for r in caplog.records if r.name == "gateway.admin"]
+        assert logged == [
+            f"keys: reset of limit per_key key {hashed('key-heavy')} by token {hashed(TOKEN)}, "
+            "reason: 'ticket 42: customer upgraded'"
+        ]
+        assert TOKEN not in caplog.text
+        status, blocked = await _admin(
+            session,
+            gw,
+            "/keys/per_key/block",
+            {"key": "key-light", "for": "10m", "reason": "abuse report"},
+        )
+        assert status == 200 and blocked["state"]["blocked_for_s"] == 600
+        async with session.get(gw.url + "/", headers={"X-Api-Key": "key-light"}) as response:
+            assert response.status == 429
+            assert response.headers["Retry-After"] == "600"
+        assert await _use(session, gw, "key-other", 1) == [200]
+        status, unblocked = await _admin(
+            session, gw, "/keys/per_key/unblock", {"key": "key-light", "reason": "resolved"}
+        )
+        assert status == 200 and unblocked["unblocked"] is True
+        assert await _use(session, gw, "key-light", 1) == [200]
+
+
+async def test_without_the_token_nothing_is_read_or_changed(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-a", 2)
+        for path, body in (
+            ("/keys/per_key", None),
+            ("/keys/per_key/key", None),
+            ("/keys/per_key/reset", {"key": "key-a", "reason": "x"}),
+            ("/keys/per_key/block", {"key": "key-a", "for": "1h", "reason": "x"}),
+        ):
+            status, _ = await _admin(session, gw, path, body, headers={}, key="key-a")
+            assert status == 401, path
+        status, state = await _admin(session, gw, "/keys/per_key/key", key="key-a")
+        assert state["remaining"] == 3  # nothing was reset
+        assert await _use(session, gw, "key-a", 1) == [200]  # nothing was blocked
+
+
+async def test_unknown_limits_and_keys_and_a_store_that_cannot(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    redis_policy = policy_for(
+        upstream.url,
+        LIMITS + "store: {url: 'redis://127.0.0.1:1', on_failure: allow}\n",
+        server=f"  admin_token: {TOKEN}\n",
+    )
+    on_redis = await start_gateway(redis_policy, clock=FakeClock())
+    async with aiohttp.ClientSession() as session:
+        status, body = await _admin(session, gw, "/keys/nope")
+        assert status == 404 and "per_key" in body["error"]
+        status, body = await _admin(session, gw, "/keys/per_key/key", id="sha256:000000000000")
+        assert status == 404
+        status, body = await _admin(session, on_redis, "/keys/per_key")
+        assert status == 501 and "redis" in body["error"]
+
+
+async def test_the_cli_speaks_to_the_admin_listener(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-cli", 2)
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", TOKEN)
+    admin = gw.admin_url
+    # The CLI blocks on its HTTP call: run it off the loop that serves the gateway.
+    import asyncio
+
+    async def cli(*args: str) -> int:
+        return await asyncio.to_thread(main, ["keys", "--admin", admin, *args])
+
+    assert await cli("list", "per_key") == 0
+    assert hashed("key-cli") in capsys.readouterr().out
+    assert await cli("reset", "per_key", "--key", "key-cli", "--reason", "cli test") == 0
+    assert '"reset": true' in capsys.readouterr().out
+    assert await cli("reset", "per_key", "--key", "key-cli") == 2  # no reason: argparse says
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "a-wrong-token-0123456789")
+    assert await cli("list", "per_key") == 1
+    assert "401" in capsys.readouterr().err
