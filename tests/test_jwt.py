@@ -388,3 +388,53 @@ def test_plan_from_with_overrides_is_refused(secret_file: Path) -> None:
     with pytest.raises(PolicyError) as raised:
         parse_and_build(text, "test.yaml")
     assert "plan_from and overrides" in raised.value.format()
+
+
+async def test_a_cookie_or_another_header_and_invalid_tokens_taken_as_anonymous(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, secret_file: Path
+) -> None:
+    extra = "  header: X-Token\n  cookie: session\n  on_invalid: anonymous\n"
+    policy = policy_for(
+        upstream.url,
+        _limits(extra="    on_missing_key: client_ip\n")
+        + _jwt_section(f"secret_file: {secret_file}", extra),
+    )
+    gw = await start_gateway(policy, clock=_clock())
+    token = _hs(_claims("alice"))
+    async with aiohttp.ClientSession() as session:
+
+        async def status(headers: dict[str, str]) -> int:
+            async with session.get(gw.url + "/", headers=headers) as response:
+                return response.status
+
+        # The header (its whole value), then the cookie: one key, alice's.
+        assert await status({"X-Token": token}) == 200
+        assert await status({"Cookie": f"other=1; session={token}"}) == 200
+        assert await status({"X-Token": token}) == 429
+        # A forged token is anonymous here: keyed by the client's address instead.
+        forged = _unsigned(_claims("alice"))
+        assert [await status({"X-Token": forged}) for _ in range(3)] == [200, 200, 429]
+        async with session.get(
+            gw.admin_url + "/explain", params={"path": "/", "header": f"X-Token: {token}"}
+        ) as response:
+            explained = await response.json()
+        assert explained["limits"][0]["key"] == "alice"
+        assert explained["verdict"]["status"] == 429
+
+
+async def test_explain_names_a_refused_token(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, secret_file: Path
+) -> None:
+    policy = policy_for(upstream.url, _limits() + _jwt_section(f"secret_file: {secret_file}"))
+    gw = await start_gateway(policy, clock=_clock())
+    expired = _hs(_claims("alice", exp=NOW_S - 3600))
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            gw.admin_url + "/explain",
+            params={"path": "/", "header": f"Authorization: Bearer {expired}"},
+        ) as response,
+    ):
+        explained = await response.json()
+    assert explained["verdict"]["status"] == 401
+    assert "expired" in explained["limits"][0]["next_request"]["reason"]

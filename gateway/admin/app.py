@@ -218,12 +218,13 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
             "blocked_for_s": round(look.blocked_s, 3),
             "reason": "rejected too often: refused at once until the block ends",
         }
-    if look.key is None:
+    if look.refused is not None:
+        refusal = {"allowed": False, "status": look.refused_status, "reason": look.refused}
+        entry["next_request"] = refusal
+    elif look.key is None:
         entry["skipped"] = "a key part is missing (on_missing_key: skip)"
     elif look.exempt:
         entry["exempt"] = "exempt from this limit (exempt / exempt_headers / exempt_listed)"
-    elif look.refused is not None:
-        entry["next_request"] = {"allowed": False, "status": 403, "reason": look.refused}
     elif look.unavailable is not None:
         entry["next_request"] = {"allowed": False, "status": 503, "reason": look.unavailable}
     elif look.decision is not None:

@@ -149,8 +149,9 @@ class LimitLook:
     unavailable: str | None = None
     # The limit's ``exempt`` / ``exempt_headers`` / ``exempt_listed`` let this request through.
     exempt: bool = False
-    # ``unlisted: reject`` refuses this request's key.
+    # ``unlisted: reject`` refuses this request's key, or ``jwt`` its token.
     refused: str | None = None
+    refused_status: int = 403
     # What this request would take from the quota (``cost``).
     cost: int = 1
     # Seconds until this key's block by the limit's ``penalty`` ends (``None``: not blocked).
@@ -624,7 +625,14 @@ class LimitEngine:
             try:
                 key = limit.keys.build(facts)
             except TokenRefused as refusal:
-                looks.append(LimitLook(limit, applies=True, refused=refusal.reason))
+                looks.append(
+                    LimitLook(
+                        limit,
+                        applies=True,
+                        refused=refusal.reason,
+                        refused_status=refusal.status,
+                    )
+                )
                 continue
             if key is None:
                 looks.append(LimitLook(limit, applies=True))
@@ -634,7 +642,15 @@ class LimitEngine:
                 try:
                     resolved = limit.tiering.resolve(limit, key, facts)
                 except TokenRefused as refusal:
-                    looks.append(LimitLook(limit, applies=True, key=key, refused=refusal.reason))
+                    looks.append(
+                        LimitLook(
+                            limit,
+                            applies=True,
+                            key=key,
+                            refused=refusal.reason,
+                            refused_status=refusal.status,
+                        )
+                    )
                     continue
                 except UnlistedKey:
                     refused = _refuse_unlisted(limit, False).reason

@@ -2,11 +2,11 @@
 limit's ``plan_from`` read.
 
 Verification (signature, algorithm, ``exp``/``nbf`` with leeway, ``iss``, ``aud``) runs the first
-time a token is seen; a token seen before costs a dict hit (a bounded table keyed by the token
-itself, the oldest entry out first) until its ``exp``, and one refused before is refused from
-the same table for ten seconds. Each key source accepts its own algorithm family only, pinned
-before the signature is checked: ``alg: none`` and a public key used as an HMAC secret are
-refused by name.
+time a token is seen; a token seen before costs a dict hit until its ``exp`` (a bounded table
+keyed by the header value that carried it, the oldest entry out first), and one refused before
+is refused from the same table for ten seconds. Each key source accepts its own algorithm
+family only, pinned before the signature is checked: ``alg: none`` and a public key used as an
+HMAC secret are refused by name.
 
 Interpreted, not compiled: it calls joserfc, and its hot path (the caches) is a dict probe.
 """
@@ -146,7 +146,7 @@ class TokenVerifier:
             if verdict is None:
                 value = facts.headers.get(bearer_header) if bearer_header else None
                 if value is not None and value.startswith("Bearer "):
-                    verdict = verdicts.get(value[7:])
+                    verdict = verdicts.get(value)
                     if verdict is not None and clock() < verdict.until:
                         facts.identity = verdict
                     else:
@@ -172,16 +172,20 @@ class TokenVerifier:
             return verdict  # type: ignore[no-any-return]
         headers = facts.headers
         value = headers.get(self._header)
+        # Remembered by the header's value as sent (no slice to hash on the request path),
+        # or by the token another way gave it.
         if value is not None and self._bearer and value.startswith("Bearer "):
             token: str | None = value[7:]
+            remembered_as = value
         else:
             token = self.token_of(headers)
+            remembered_as = "\0" + token if token is not None else ""
         if token is None:
             verdict = self._without_token()
         else:
-            verdict = self._verdicts.get(token)
+            verdict = self._verdicts.get(remembered_as)
             if verdict is None or self._clock() >= verdict.until:
-                verdict = self._verdict_of(token)
+                verdict = self._verdict_of(token, remembered_as)
         facts.identity = verdict
         return verdict
 
@@ -218,8 +222,9 @@ class TokenVerifier:
             return ANONYMOUS
         return self._refuse("missing", "the request carries no token", choice)
 
-    def _verdict_of(self, token: str) -> TokenVerdict:
-        """Verify ``token`` and remember the verdict (not one waiting for an unknown kid)."""
+    def _verdict_of(self, token: str, remembered_as: str) -> TokenVerdict:
+        """Verify ``token`` and remember the verdict as ``remembered_as`` (not one waiting for
+        an unknown kid)."""
         now = self._clock()
         settings = self.settings
         try:
@@ -238,10 +243,10 @@ class TokenVerifier:
                 return verdict
             verdict.until = now + REFUSED_TTL_S
         verdicts = self._verdicts
-        verdicts.pop(token, None)
+        verdicts.pop(remembered_as, None)
         if len(verdicts) >= self._cache_size:
             del verdicts[next(iter(verdicts))]  # the oldest out
-        verdicts[token] = verdict
+        verdicts[remembered_as] = verdict
         return verdict
 
     @staticmethod
