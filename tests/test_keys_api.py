@@ -13,9 +13,13 @@ import pytest
 from gateway.cli.main import main
 from gateway.clock import FakeClock
 from gateway.redact import hashed
+from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.policies import policy_for
+from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordingUpstream
+
+redis_server = redis_harness.redis_server
 
 TOKEN = "a-test-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -176,3 +180,25 @@ async def test_the_cli_speaks_to_the_admin_listener(
     monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "a-wrong-token-0123456789")
     assert await cli("list", "per_key") == 1
     assert "401" in capsys.readouterr().err
+
+
+async def test_a_keys_state_is_read_in_redis_too(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, redis_server: RedisServer
+) -> None:
+    """Reading one key's state is the store's look, as /explain's: every store answers it."""
+    policy = policy_for(
+        upstream.url,
+        # sliding_log: exact over any span, so Redis's own clock (TIME) changes no count.
+        LIMITS.replace("fixed_window", "sliding_log")
+        + f"store: {{url: '{redis_server.url}', key_prefix: 'keysapi:', timeout: 2s}}\n",
+        server=f"  admin_token: {TOKEN}\n",
+    )
+    gw = await start_gateway(policy)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-r", 2)
+        status, state = await _admin(session, gw, "/keys/per_key/key", key="key-r")
+        assert (status, state["remaining"], state["quota"]) == (200, 3, 5)
+        status, _ = await _admin(
+            session, gw, "/keys/per_key/reset", {"key": "key-r", "reason": "not in redis yet"}
+        )
+        assert status == 501

@@ -144,3 +144,29 @@ def test_replay_plays_penalties_as_the_live_gateway_does(
     assert doc["policies"][0]["rejected_by"] == {"per_key": 5}
     limit = next(lim for lim in doc["policies"][0]["limits"] if lim["name"] == "per_key")
     assert (limit["allowed"], limit["rejected"]) == (1, 2)
+
+
+def test_blocks_outlive_a_reload_while_the_limit_keeps_its_penalty() -> None:
+    from gateway.algorithms.registry import build_algorithm
+    from gateway.engine.key_admin import block_key, limit_named
+    from gateway.engine.limit_engine import LimitEngine
+    from gateway.stores import MemoryStore
+
+    other = "  other:\n    algorithm: fixed_window\n    limit: 5\n    window: 1m\n"
+    clock = FakeClock()
+    store = MemoryStore(clock)
+
+    def engine(limits: str, previous: LimitEngine | None = None) -> LimitEngine:
+        policy = parse_and_build(policy_for("http://127.0.0.1:9", limits), "test.yaml").policy
+        return LimitEngine(policy, store, build_algorithm, previous=previous)
+
+    first = engine(PENALIZED + other)
+    first.penalties["per_key"].strike("k", clock.now_us())
+    first.penalties["per_key"].strike("k", clock.now_us())
+    block_key(first, limit_named(first, "other"), "10.0.0.1", 60)  # a limit without penalty
+    kept = engine(PENALIZED + other, first)
+    assert kept.penalty_until(limit_named(kept, "per_key"), "k") == 900
+    assert kept.penalty_until(limit_named(kept, "other"), "10.0.0.1") == 60
+    changed = engine(PENALIZED.replace("block: 15m", "block: 1m") + other, kept)
+    assert changed.penalty_until(limit_named(changed, "per_key"), "k") is None
+    assert changed.penalty_until(limit_named(changed, "other"), "10.0.0.1") == 60
