@@ -5,6 +5,8 @@ admin token. The real gateway, a real upstream, real clients over loopback, a fa
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -13,6 +15,7 @@ import pytest
 from gateway.cli.main import main
 from gateway.clock import FakeClock
 from gateway.redact import hashed
+from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.policies import policy_for
@@ -136,23 +139,32 @@ async def test_without_the_token_nothing_is_read_or_changed(
         assert await _use(session, gw, "key-a", 1) == [200]  # nothing was blocked
 
 
-async def test_unknown_limits_and_keys_and_a_store_that_cannot(
-    upstream: RecordingUpstream, start_gateway: GatewayFactory
+async def test_unknown_limits_and_keys_and_stores_that_cannot(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
 ) -> None:
     gw = await _start(start_gateway, upstream)
-    redis_policy = policy_for(
+    server = f"  admin_token: {TOKEN}\n"
+    dead_redis = policy_for(
         upstream.url,
-        LIMITS + "store: {url: 'redis://127.0.0.1:1', on_failure: allow}\n",
-        server=f"  admin_token: {TOKEN}\n",
+        LIMITS + "store: {url: 'redis://127.0.0.1:1', on_failure: allow, timeout: 1s}\n",
+        server=server,
     )
-    on_redis = await start_gateway(redis_policy, clock=FakeClock())
+    on_dead_redis = await start_gateway(dead_redis, clock=FakeClock())
+    clock = FakeClock()
+    on_shared = await start_gateway(
+        policy_for(upstream.url, LIMITS, server=server),
+        clock=clock,
+        store=SharedStore(tmp_path / "shared", clock),
+    )
     async with aiohttp.ClientSession() as session:
         status, body = await _admin(session, gw, "/keys/nope")
         assert status == 404 and "per_key" in body["error"]
         status, body = await _admin(session, gw, "/keys/per_key/key", id="sha256:000000000000")
         assert status == 404
-        status, body = await _admin(session, on_redis, "/keys/per_key")
-        assert status == 501 and "redis" in body["error"]
+        status, body = await _admin(session, on_dead_redis, "/keys/per_key")
+        assert status == 503 and "could not answer" in body["error"]
+        status, body = await _admin(session, on_shared, "/keys/per_key")
+        assert status == 501 and "shared" in body["error"]
 
 
 async def test_the_cli_speaks_to_the_admin_listener(
@@ -182,23 +194,35 @@ async def test_the_cli_speaks_to_the_admin_listener(
     assert "401" in capsys.readouterr().err
 
 
-async def test_a_keys_state_is_read_in_redis_too(
+async def test_list_read_and_reset_in_redis(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, redis_server: RedisServer
 ) -> None:
-    """Reading one key's state is the store's look, as /explain's: every store answers it."""
+    """In Redis: the keys found with SCAN, one read as /explain reads it, reset with DEL."""
     policy = policy_for(
         upstream.url,
         # sliding_log: exact over any span, so Redis's own clock (TIME) changes no count.
         LIMITS.replace("fixed_window", "sliding_log")
-        + f"store: {{url: '{redis_server.url}', key_prefix: 'keysapi:', timeout: 2s}}\n",
+        # A prefix of its own (glob characters in it: SCAN's pattern escapes them).
+        + f"store: {{url: '{redis_server.url}', key_prefix: 'keys[{time.monotonic_ns()}]*:', "
+        "timeout: 2s}\n",
         server=f"  admin_token: {TOKEN}\n",
     )
     gw = await start_gateway(policy)
     async with aiohttp.ClientSession() as session:
-        await _use(session, gw, "key-r", 2)
-        status, state = await _admin(session, gw, "/keys/per_key/key", key="key-r")
-        assert (status, state["remaining"], state["quota"]) == (200, 3, 5)
-        status, _ = await _admin(
-            session, gw, "/keys/per_key/reset", {"key": "key-r", "reason": "not in redis yet"}
+        await _use(session, gw, "key-r", 3)
+        await _use(session, gw, "key-s", 1)
+        status, listing = await _admin(session, gw, "/keys/per_key", top="10")
+        assert status == 200
+        assert [(k["id"], k["remaining"]) for k in listing["keys"]] == [
+            (hashed("key-r"), 2),
+            (hashed("key-s"), 4),
+        ]
+        status, reset = await _admin(
+            session, gw, "/keys/per_key/reset", {"id": hashed("key-r"), "reason": "redis test"}
         )
-        assert status == 501
+        assert status == 200 and reset["reset"] is True and reset["state"]["remaining"] == 5
+        assert await _use(session, gw, "key-r", 1) == [200]
+        status, _ = await _admin(
+            session, gw, "/keys/per_key/block", {"key": "key-s", "for": "1m", "reason": "x"}
+        )
+        assert status == 501  # blocks are kept in process: not with Redis yet

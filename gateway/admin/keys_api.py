@@ -72,7 +72,7 @@ def keys_routes(
     async def one(request: web.Request, engine: LimitEngine) -> Any:
         limit = limit_named(engine, request.match_info["limit"])
         parts = request.query.getall("key", [])
-        key = resolve_key(
+        key = await resolve_key(
             engine, limit, key_from(parts) if parts else None, request.query.get("id")
         )
         return await key_state(engine, limit, key)
@@ -84,10 +84,10 @@ def keys_routes(
         reason = body.get("reason")
         if not isinstance(reason, str) or not reason.strip() or len(reason) > MAX_REASON:
             raise KeyAdminError(400, f"reason: say why, in at most {MAX_REASON} characters")
-        key = resolve_key(engine, limit, _key_of(body), _text(body, "id"))
+        key = await resolve_key(engine, limit, _key_of(body), _text(body, "id"))
         result: dict[str, Any] = {"limit": limit.name, "id": hashed(key), "action": action}
         if action == "reset":
-            result["reset"] = reset_key(engine, limit, key)
+            result["reset"] = await reset_key(engine, limit, key)
         elif action == "block":
             given = body.get("for")
             try:

@@ -9,15 +9,19 @@ the list shows it): a key whose parts are API keys is never shown whole.
 from __future__ import annotations
 
 import math
-from typing import Any, Final
+from collections.abc import Awaitable
+from typing import Any, Final, TypeVar
 
 from gateway.algorithms.penalty_box import PenaltyBox
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.limits.keys import SEP, shown_key
 from gateway.redact import hashed
-from gateway.stores.key_listing import KeyAdmin
+from gateway.stores.key_listing import KeyAdmin, key_admin_of
 from gateway.stores.penalty_table import PenaltyTable
+from gateway.stores.redis.key_scan import RedisKeyError
+
+T = TypeVar("T")
 
 # The most keys one listing reads the state of (an admin call, bounded whatever the table).
 SCAN_MAX: Final = 10_000
@@ -41,12 +45,14 @@ def limit_named(engine: LimitEngine, name: str) -> CompiledLimit:
 
 
 def _store(engine: LimitEngine) -> KeyAdmin:
-    store = engine.store
-    if not isinstance(store, KeyAdmin):
+    admin = key_admin_of(engine.store)
+    if admin is None:
         raise KeyAdminError(
-            501, f"the {store.name} store does not list or reset keys yet (the in-process does)"
+            501,
+            f"the {engine.store.name} store does not list or reset keys yet (the in-process "
+            "and Redis stores do)",
         )
-    return store
+    return admin
 
 
 def key_from(parts: list[str]) -> str:
@@ -54,12 +60,12 @@ def key_from(parts: list[str]) -> str:
     return SEP.join(parts)
 
 
-def _variant_of(engine: LimitEngine, limit: CompiledLimit, key: str) -> CompiledLimit:
+async def _variant_of(engine: LimitEngine, limit: CompiledLimit, key: str) -> CompiledLimit:
     """The variant (tier) whose table holds ``key``, or the one its overrides give it."""
-    store = engine.store
-    if isinstance(store, KeyAdmin):
+    store = key_admin_of(engine.store)
+    if store is not None:
         for variant in with_variants([limit]):
-            if store.holds(variant.table, key):
+            if await _asked(store.holds(variant, key)):
                 return variant
     tiering = limit.tiering
     if tiering is not None and tiering.overrides is not None and tiering.plan_from is None:
@@ -69,7 +75,7 @@ def _variant_of(engine: LimitEngine, limit: CompiledLimit, key: str) -> Compiled
     return limit
 
 
-def resolve_key(
+async def resolve_key(
     engine: LimitEngine, limit: CompiledLimit, key: str | None, key_id: str | None
 ) -> str:
     """The key named by its value or by its id (found among the keys the store holds)."""
@@ -79,7 +85,7 @@ def resolve_key(
         raise KeyAdminError(400, "name the key: key (its value) or id (sha256:...)")
     store = _store(engine)
     for variant in with_variants([limit]):
-        for held in store.keys_held(variant.table, SCAN_MAX):
+        for held in await _asked(store.keys_held(variant, SCAN_MAX)):
             if hashed(held) == key_id:
                 return held
     penalties = engine.penalties.get(limit.name)
@@ -92,7 +98,7 @@ def resolve_key(
 
 async def key_state(engine: LimitEngine, limit: CompiledLimit, key: str) -> dict[str, Any]:
     """``key``'s state under ``limit`` as the policy says it, looked at (nothing charged)."""
-    variant = _variant_of(engine, limit, key)
+    variant = await _variant_of(engine, limit, key)
     verdict = await engine.store.decide((Check(variant, key),), commit=False)
     decision = verdict.decisions[0]
     plain = limit.spec.top_keys == "plain"
@@ -121,7 +127,7 @@ async def top_keys(engine: LimitEngine, limit: CompiledLimit, most: int) -> list
     store = _store(engine)
     keys: list[str] = []
     for variant in with_variants([limit]):
-        keys += store.keys_held(variant.table, SCAN_MAX - len(keys))
+        keys += await _asked(store.keys_held(variant, SCAN_MAX - len(keys)))
     penalties = engine.penalties.get(limit.name)
     if penalties is not None:
         held = set(keys)
@@ -131,13 +137,21 @@ async def top_keys(engine: LimitEngine, limit: CompiledLimit, most: int) -> list
     return states[:most]
 
 
-def reset_key(engine: LimitEngine, limit: CompiledLimit, key: str) -> bool:
+async def reset_key(engine: LimitEngine, limit: CompiledLimit, key: str) -> bool:
     """Forget ``key``'s state in every table of ``limit`` (its penalty stays: ``unblock``)."""
     store = _store(engine)
     forgot = False
     for variant in with_variants([limit]):
-        forgot |= store.forget(variant.table, key)
+        forgot |= await _asked(store.forget(variant, key))
     return forgot
+
+
+async def _asked(call: Awaitable[T]) -> T:
+    """A store's answer, or the API's 503 naming why it could not give one."""
+    try:
+        return await call
+    except RedisKeyError as exc:
+        raise KeyAdminError(503, f"the store could not answer: {exc}") from None
 
 
 def _penalties(engine: LimitEngine, limit: CompiledLimit) -> PenaltyTable:

@@ -282,7 +282,7 @@ class MemoryStore:
             n for name, n in dropped.items() if name == limit_name or name.startswith(prefix)
         )
 
-    # -- the keys' API (``stores.key_listing.KeyAdmin``) --
+    # -- the keys' API (``stores.key_listing.MemoryKeys``) --
 
     def keys_held(self, table: str, most: int) -> list[str]:
         states = self.tables.get(table)
