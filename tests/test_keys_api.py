@@ -165,6 +165,16 @@ async def test_unknown_limits_and_keys_and_stores_that_cannot(
         assert status == 503 and "could not answer" in body["error"]
         status, body = await _admin(session, on_shared, "/keys/per_key")
         assert status == 501 and "shared" in body["error"]
+        # The shared store blocks keys (for every worker), though it lists none yet.
+        status, body = await _admin(
+            session,
+            on_shared,
+            "/keys/per_key/block",
+            {"key": "key-s", "for": "1m", "reason": "shared block"},
+        )
+        assert status == 200 and body["state"]["blocked_for_s"] == 60
+        async with session.get(on_shared.url + "/", headers={"X-Api-Key": "key-s"}) as response:
+            assert response.status == 429 and response.headers["Retry-After"] == "60"
 
 
 async def test_the_cli_speaks_to_the_admin_listener(

@@ -20,6 +20,7 @@ from gateway.stores.penalty_table import PenaltyTable
 from tests.support.gateways import GatewayFactory
 from tests.support.metrics import scrape_until, value
 from tests.support.policies import policy_for
+from tests.support.processes import run_workers, wait_serving
 from tests.support.upstreams import RecordingUpstream
 
 S = 1_000_000  # microseconds
@@ -55,9 +56,10 @@ def test_a_full_table_drops_what_says_nothing_first() -> None:
     assert table.clear("newer") and not table.clear("newer")
 
 
+# sliding_log: exact over any span, so no window edge falls between a test's requests.
 PENALIZED = """limits:
   per_key:
-    algorithm: fixed_window
+    algorithm: sliding_log
     limit: 1
     window: 1h
     key: ['header:X-Api-Key']
@@ -112,16 +114,34 @@ async def test_a_key_rejected_too_often_is_refused_at_once_for_the_block(
         assert (await get())[0] == 200
 
 
-@pytest.mark.parametrize(
-    ("store", "workers"), [("store: {url: 'redis://127.0.0.1:1'}\n", 1), ("", 2)]
-)
-def test_a_store_that_keeps_no_penalties_refuses_them_by_name(store: str, workers: int) -> None:
-    server = f"  workers: {workers}\n" if workers > 1 else ""
-    text = policy_for("http://127.0.0.1:9", PENALIZED + store, server=server)
+def test_a_store_that_keeps_no_penalties_refuses_them_by_name() -> None:
+    text = policy_for("http://127.0.0.1:9", PENALIZED + "store: {url: 'redis://127.0.0.1:1'}\n")
     with pytest.raises(PolicyError) as raised:
         parse_and_build(text, "test.yaml")
     message = raised.value.format()
-    assert "limits.per_key.penalty: penalties are kept in process" in message, message
+    assert (
+        "limits.per_key.penalty: penalties are kept by the gateway's own workers: the redis "
+        "store does not keep them yet"
+    ) in message, message
+
+
+async def test_a_key_blocked_by_one_worker_is_refused_by_all(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    """``--workers 2``: each request on a new connection (SO_REUSEPORT spreads them over the
+    workers); the strikes add up and the block holds whichever worker answers."""
+    async with run_workers(upstream.url, tmp_path, PENALIZED, 2) as (url, _, pids):
+        await wait_serving(tmp_path, 2)
+        statuses = []
+        for _ in range(8):
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session,
+                session.get(url + "/", headers={"X-Api-Key": "abuser"}) as response,
+            ):
+                statuses.append(response.status)
+        assert statuses == [200, 429, 429] + [403] * 5
+        assert len(upstream.requests) == 1
+        assert len(pids()) == 2
 
 
 def test_replay_plays_penalties_as_the_live_gateway_does(

@@ -18,8 +18,10 @@ from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.limits.keys import SEP, shown_key
 from gateway.redact import hashed
 from gateway.stores.key_listing import KeyAdmin, key_admin_of
-from gateway.stores.penalty_table import PenaltyTable
+from gateway.stores.penalty_table import PenaltyBoxes, PenaltyTable
 from gateway.stores.redis.key_scan import RedisKeyError
+from gateway.stores.shared.lmdb_store import SharedStore
+from gateway.stores.shared.penalties import SharedPenaltyTable
 
 T = TypeVar("T")
 
@@ -154,18 +156,25 @@ async def _asked(call: Awaitable[T]) -> T:
         raise KeyAdminError(503, f"the store could not answer: {exc}") from None
 
 
-def _penalties(engine: LimitEngine, limit: CompiledLimit) -> PenaltyTable:
-    table = engine.penalties.get(limit.name)
-    if table is not None:
-        return table
+def _penalties(engine: LimitEngine, limit: CompiledLimit) -> PenaltyBoxes:
+    kept = engine.penalties.get(limit.name)
+    if kept is not None:
+        return kept
     if not engine.penalties_supported:
         raise KeyAdminError(
-            501, f"the {engine.store.name} store does not keep blocks yet (the in-process does)"
+            501,
+            f"the {engine.store.name} store does not keep blocks yet (the in-process and "
+            "shared stores do)",
         )
     # A block without a penalty on the limit: a box that only operators fill.
-    table = engine.penalties[limit.name] = PenaltyTable(
-        PenaltyBox(1, 1.0, 1.0), limit.spec.max_keys
-    )
+    box = PenaltyBox(1, 1.0, 1.0)
+    store = engine.store
+    table: PenaltyBoxes
+    if isinstance(store, SharedStore) and store.path is not None:
+        table = SharedPenaltyTable(box, limit.spec.max_keys, store.path, limit.name)
+    else:
+        table = PenaltyTable(box, limit.spec.max_keys)
+    engine.penalties[limit.name] = table
     engine.enable_penalties(limit.name, limit.status)
     return table
 

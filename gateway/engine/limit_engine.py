@@ -46,8 +46,10 @@ from gateway.policy.overrides import UnlistedKey, compile_tiering
 from gateway.policy.rejections import RejectionTemplate
 from gateway.redact import hashed
 from gateway.stores import LimitStore, MemoryStore, StoreUnavailableError
-from gateway.stores.penalty_table import PenaltyTable
+from gateway.stores.penalty_table import PenaltyBoxes, PenaltyTable
 from gateway.stores.protocol import DecidesNow
+from gateway.stores.shared.lmdb_store import SharedStore
+from gateway.stores.shared.penalties import SharedPenaltyTable
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 _ADVERTISED_MAX = 1024
@@ -280,11 +282,12 @@ class LimitEngine:
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
         # ``penalty:``: each limit's penalty boxes by key, kept over a reload while the
-        # limit keeps its name and penalty. In process only (the in-process store): the
-        # shared and Redis stores do not keep penalties yet (``penalty_problems``).
-        self.penalties_supported = isinstance(store, MemoryStore)
+        # limit keeps its name and penalty: in process, or shared by the workers beside the
+        # shared store's state. Redis does not keep penalties yet (``gateway check`` says so).
+        self.penalties_supported = isinstance(store, MemoryStore | SharedStore)
+        shared_dir = store.path if isinstance(store, SharedStore) else None
         old_penalties = previous.penalties if previous is not None else {}
-        self.penalties: dict[str, PenaltyTable] = {}
+        self.penalties: dict[str, PenaltyBoxes] = {}
         for name, spec in policy.limits.items():
             penalty = spec.penalty
             if penalty is None or spec.dry_run:
@@ -298,6 +301,8 @@ class LimitEngine:
             ) == (box.after, box.within_us, box.block_us):
                 kept_table.max_keys = spec.max_keys
                 self.penalties[name] = kept_table
+            elif shared_dir is not None:
+                self.penalties[name] = SharedPenaltyTable(box, spec.max_keys, shared_dir, name)
             else:
                 self.penalties[name] = PenaltyTable(box, spec.max_keys)
         self._penalty_status: dict[str, int] = {

@@ -48,8 +48,8 @@ def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc
             problems.append(
                 (
                     ("limits", name, "penalty"),
-                    f"penalties are kept in process: the {store.name} store does not keep them "
-                    "yet; use store: memory with one worker, or remove penalty",
+                    f"penalties are kept by the gateway's own workers: the {store.name} store "
+                    "does not keep them yet; use store: memory (or shared), or remove penalty",
                 )
             )
         return problems

@@ -4,8 +4,29 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from gateway.algorithms.penalty_box import CLEAR, PenaltyBox, PenaltyState
+
+
+class PenaltyBoxes(Protocol):
+    """One limit's penalty boxes by key: in process (``PenaltyTable``), or shared by the
+    workers (``stores.shared.penalties.SharedPenaltyTable``)."""
+
+    box: PenaltyBox
+    max_keys: int
+
+    def __len__(self) -> int: ...
+
+    def blocked_until(self, key: str, now_us: int) -> int: ...
+
+    def strike(self, key: str, now_us: int) -> int: ...
+
+    def block(self, key: str, until_us: int) -> None: ...
+
+    def clear(self, key: str) -> bool: ...
+
+    def blocked(self, now_us: int) -> Iterator[tuple[str, int]]: ...
 
 
 class PenaltyTable:
