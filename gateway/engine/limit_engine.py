@@ -284,7 +284,7 @@ class LimitEngine:
         # ``penalty:``: each limit's penalty boxes by key, kept over a reload while the
         # limit keeps its name and penalty: in process, or shared by the workers beside the
         # shared store's state. Redis does not keep penalties yet (``gateway check`` says so).
-        self.penalties_supported = isinstance(store, MemoryStore | SharedStore)
+        self.penalties_supported = isinstance(store, (MemoryStore, SharedStore))
         shared_dir = store.path if isinstance(store, SharedStore) else None
         old_penalties = previous.penalties if previous is not None else {}
         self.penalties: dict[str, PenaltyBoxes] = {}

@@ -167,7 +167,9 @@ class Tiering:
         plan_from = self.plan_from
         if plan_from is not None:
             plan = plan_from(facts)
-            variant = overrides.resolve(plan) if plan is not None and overrides else None
+            variant = (
+                overrides.resolve(plan) if plan is not None and overrides is not None else None
+            )
             if variant is not None:
                 limit = variant
         elif overrides is not None:
