@@ -62,6 +62,14 @@ def _hmac_signed(claims: dict[str, Any], secret: bytes) -> str:
     return f"{signing}.{_b64(signature)}"
 
 
+def _hmac_signed_with_header(header: bytes, claims: dict[str, Any] | None) -> str:
+    """Signed with the right secret, but its header or claims are not what they should be."""
+    payload = json.dumps(claims).encode() if claims is not None else b"not json"
+    signing = f"{_b64(header)}.{_b64(payload)}"
+    signature = hmac.new(SECRET, signing.encode(), hashlib.sha256).digest()
+    return f"{signing}.{_b64(signature)}"
+
+
 def _limits(key: str = "[jwt:sub]", extra: str = "") -> str:
     return (
         "limits:\n  per_user:\n    algorithm: fixed_window\n    limit: 2\n    window: 1h\n"
@@ -116,6 +124,8 @@ async def test_a_claim_keys_the_limit_and_bad_tokens_get_401(
             "alg none": _unsigned(_claims("carol")),
             "another secret": _hs(_claims("carol"), b"x" * 40),
             "garbage": "not.a.token",
+            "alg as a list": _hmac_signed_with_header(b'{"alg":["HS256"]}', _claims("c")),
+            "claims not json": _hmac_signed_with_header(b'{"alg":"HS256"}', None),
         }
         for what, token in refused.items():
             status, headers, body = await _status(session, gw.url, token)

@@ -262,7 +262,7 @@ class TokenVerifier:
         self.verifications += 1
         header = _header_of(token)
         algorithm = header.get("alg")
-        if algorithm not in self._accepted:
+        if not isinstance(algorithm, str) or algorithm not in self._accepted:
             raise _Invalid("algorithm", f"algorithm {str(algorithm)[:20]!r} is not accepted")
         key = self._static
         if key is None:
@@ -278,7 +278,8 @@ class TokenVerifier:
                     claims = jwt.decode(token, key, algorithms=[algorithm]).claims
             else:
                 claims = jwt.decode(token, key, algorithms=[algorithm]).claims
-        except (JoseError, ValueError, TypeError) as exc:
+        except (JoseError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            # Whatever a crafted token makes the library raise: a refusal, never a traceback.
             raise _Invalid("signature", f"not verified ({type(exc).__name__})") from None
         until = self._check_claims(claims, now)
         return {name: part for name, value in claims.items() if (part := _as_part(value))}, until
