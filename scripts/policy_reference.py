@@ -39,10 +39,14 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("limits.NAME.count", "ResponseCount"),
     ("limits.NAME.reserve", "ReserveFrom"),
     ("limits.NAME.lease", "LeaseSettings"),
+    ("limits.NAME.plan_from", "PlanFrom"),
+    ("limits.NAME.penalty", "Penalty"),
     ("headers", "RateLimitHeaders"),
     ("access", "Access"),
     ("store", "StoreSettings"),
     ("store.worker_lease", "WorkerLeaseSettings"),
+    ("jwt", "JwtSettings"),
+    ("rejection, limits.NAME.rejection", "RejectionResponse"),
 )
 LIMIT_MODELS: tuple[tuple[str, str], ...] = (
     ("leaky_bucket", "LeakyBucketLimit"),

@@ -176,7 +176,7 @@ def test_help_is_plain_text_with_examples_and_the_environment(command: tuple[str
         assert name in result.stdout
     if not command:
         assert (
-            "{run,check,test,simulate,suggest,schema,healthcheck,replay,admin-token}"
+            "{run,check,test,simulate,suggest,schema,healthcheck,replay,admin-token,keys}"
             in result.stdout
         )
         assert "    healthcheck " in result.stdout  # listed with what it does

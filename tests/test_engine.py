@@ -59,7 +59,8 @@ class Bench:
 
     def counts(self) -> dict[str, tuple[int, ...]]:
         return {
-            limit.name: (*limit.counters.decisions(), limit.counters.waiting)
+            # allowed, delayed, rejected, dry-run delayed and rejected, then waiting.
+            limit.name: (*limit.counters.decisions()[:5], limit.counters.waiting)
             for limit in self.engine.limits
         }
 

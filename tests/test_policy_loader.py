@@ -97,8 +97,8 @@ EXPECTED_ERRORS = {
     "longer than 0",
     "limit_bad_key.yaml": "limit_bad_key.yaml:12: limits.per_ip.key: invalid key part "
     "'cookie:session': expected client_ip, header:NAME, query:NAME, route, method, global, "
-    "const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request body: model, "
-    "metadata.user)",
+    "const:TEXT, plan:LIMIT, jwt:CLAIM or body:FIELD (a JSON field of the request body: "
+    "model, metadata.user)",
     "limit_unknown_route.yaml": "limit_unknown_route.yaml:13: limits.per_ip.match.routes: "
     "unknown route 'nope' (routes: api)",
     "limit_missing_limit.yaml": "limit_missing_limit.yaml:8: limits.per_ip.limit: missing: "

@@ -13,6 +13,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.admin.auth import AdminAuth, auth_middleware, login_routes
+from gateway.admin.keys_api import keys_routes
 from gateway.clock import rfc3339
 from gateway.edge.responses import SERVER
 from gateway.engine.limit_engine import Explanation, LimitEngine, LimitLook
@@ -225,12 +226,18 @@ def _limit_entry(look: LimitLook, engine: LimitEngine) -> dict[str, Any]:
         entry["unlisted"] = "shared: every key the overrides do not list shares this bucket"
     if look.key is not None and not look.exempt:
         entry["cost"] = look.cost
-    if look.key is None:
+    if look.blocked_s is not None:
+        entry["penalty"] = {
+            "blocked_for_s": round(look.blocked_s, 3),
+            "reason": "rejected too often: refused at once until the block ends",
+        }
+    if look.refused is not None:
+        refusal = {"allowed": False, "status": look.refused_status, "reason": look.refused}
+        entry["next_request"] = refusal
+    elif look.key is None:
         entry["skipped"] = "a key part is missing (on_missing_key: skip)"
     elif look.exempt:
         entry["exempt"] = "exempt from this limit (exempt / exempt_headers / exempt_listed)"
-    elif look.refused is not None:
-        entry["next_request"] = {"allowed": False, "status": 403, "reason": look.refused}
     elif look.unavailable is not None:
         entry["next_request"] = {"allowed": False, "status": 503, "reason": look.unavailable}
     elif look.decision is not None:
@@ -316,4 +323,5 @@ def make_admin_app(state: AdminState) -> web.Application:
     app.router.add_get("/policy", _policy)
     app.router.add_post("/reload", _reload)
     app.router.add_get("/explain", _explain)
+    app.router.add_routes(keys_routes(lambda: state.handler.runtime.engine, current))
     return app

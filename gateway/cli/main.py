@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from gateway import __version__
+from gateway.admin.keys_cli import add_keys_arguments, run_keys
 from gateway.build import build_name
 from gateway.cli import listen_addresses
 from gateway.cli.supervisor import EXIT_STARTUP, supervise, worker_main
@@ -325,6 +326,10 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    return run_keys(args)
+
+
 def cmd_admin_token(args: argparse.Namespace) -> int:
     from gateway.admin.token_file import TokenFileError, write_token_file
 
@@ -416,6 +421,8 @@ examples:
   gateway schema > policy.schema.json
   gateway healthcheck                                 (the image's HEALTHCHECK)
   gateway replay --config candidate.yaml --compare policy.yaml access.log.gz
+  gateway keys list per_key --top 10                  (the most used keys of a limit)
+  gateway keys block per_key --key K --for 15m --reason "abuse report"
 
 environment:
   GATEWAY_CONFIG      policy file when --config is not given
@@ -484,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{run,check,test,simulate,suggest,schema,healthcheck,replay,admin-token}",
+        metavar="{run,check,test,simulate,suggest,schema,healthcheck,replay,admin-token,keys}",
     )
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
@@ -624,6 +631,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     suggest.add_argument("--html", metavar="FILE", help="write the evidence and proof as HTML")
     suggest.set_defaults(func=cmd_suggest)
+
+    keys = command(
+        "keys",
+        "a limit's keys over the admin listener: list (the most used first), show one, "
+        "reset, block or unblock one (each change logged with its --reason)",
+    )
+    add_keys_arguments(keys)
+    keys.set_defaults(func=cmd_keys)
 
     schema = command("schema", "print the policy file JSON Schema")
     schema.set_defaults(func=cmd_schema)

@@ -35,6 +35,7 @@ from gateway.edge.forwarding import (
     response_headers,
 )
 from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
+from gateway.edge.rejection_response import custom_rejection_response
 from gateway.edge.response_usage import usage_meter, usage_reported
 from gateway.edge.responses import (
     SERVER,
@@ -65,6 +66,8 @@ if TYPE_CHECKING:
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _DATE = HttpDate()
 _NO_BODY_STATUS = frozenset({204, 304})
+# A request refused for its token (``jwt.on_missing``/``on_invalid: 401``), RFC 6750.
+_BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
 
 class BodyTooLarge(Exception):
@@ -304,6 +307,8 @@ class ProxyHandler:
                         close=True,
                     )
                     return await _answer_and_close(request, refusal)
+            if engine.identity is not None and engine.keys_pending(facts):
+                await engine.await_keys(facts)  # a new kid: the key set fetched, bounded
             if engine.decides_now:
                 outcome = engine.evaluate_now(facts, route, host, path, client_ip)
             else:
@@ -313,13 +318,22 @@ class ProxyHandler:
             if outcome.status:
                 # Marked to close: aiohttp still reads an unread body for up to its
                 # lingering time (so the client sees this answer), then closes.
-                if outcome.rejected_by is None:  # denied by address, or the store is down
+                if outcome.rejected_by is None:  # denied by address or token, store down
                     retry = outcome.retry_after_s
                     refusal = runtime.error_response(
                         outcome.status,
                         outcome.reason,
                         close=framing.has_body,
-                        headers={"Retry-After": str(max(1, math.ceil(retry)))} if retry else None,
+                        headers={"Retry-After": str(max(1, math.ceil(retry)))}
+                        if retry
+                        else _BEARER_CHALLENGE
+                        if outcome.status == 401
+                        else None,
+                    )
+                elif (custom := engine.custom_rejection(outcome)) is not None:
+                    status, content_type, body = custom  # the policy's rejection:
+                    refusal = custom_rejection_response(
+                        status, content_type, body, engine.headers(outcome), close=framing.has_body
                     )
                 else:
                     refusal = rate_limited_response(

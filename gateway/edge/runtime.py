@@ -183,6 +183,8 @@ def build_runtime(
         policy, store, build_algorithm, previous=previous.engine if previous else None
     )
     store.configure(engine.limits, previous.engine.limits if previous else ())
+    if engine.identity is not None:
+        engine.identity.start()  # the JWKS fetched before the first token needs it
     server_stats = previous.server_stats if previous else ServerStatsTable()
     upstreams = {}
     for name, config in policy.upstreams.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -24,12 +25,15 @@ from typing import Any, Final
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
 from gateway.algorithms.concurrency import Concurrency
+from gateway.algorithms.penalty_box import PenaltyBox
+from gateway.clock import MonotonicClock
 from gateway.engine.delay_queue import DelayQueue, ShuttingDown
 from gateway.engine.slot_lines import POLL_S, SlotLines, Ticket
 from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.response_charge import settle
 from gateway.limits.routing import CompiledMatch, compile_match
+from gateway.limits.token_verifier import TokenRefused, TokenVerifier
 from gateway.limits.usage import CUT, UsageSource
 from gateway.policy.models import (
     CUSTOM_PLAN,
@@ -42,8 +46,13 @@ from gateway.policy.models import (
     Route,
 )
 from gateway.policy.overrides import UnlistedKey, compile_tiering
-from gateway.stores import LimitStore, StoreUnavailableError
+from gateway.policy.rejections import RejectionTemplate
+from gateway.redact import hashed
+from gateway.stores import LimitStore, MemoryStore, StoreUnavailableError
+from gateway.stores.penalty_table import PenaltyBoxes, PenaltyTable
 from gateway.stores.protocol import DecidesNow
+from gateway.stores.shared.lmdb_store import SharedStore
+from gateway.stores.shared.penalties import SharedPenaltyTable
 
 AlgorithmFactory = Callable[[Any], Algorithm[Any]]
 _ADVERTISED_MAX = 1024
@@ -161,10 +170,13 @@ class LimitLook:
     unavailable: str | None = None
     # The limit's ``exempt`` / ``exempt_headers`` / ``exempt_listed`` let this request through.
     exempt: bool = False
-    # ``unlisted: reject`` refuses this request's key.
+    # ``unlisted: reject`` refuses this request's key, or ``jwt`` its token.
     refused: str | None = None
+    refused_status: int = 403
     # What this request would take from the quota (``cost``).
     cost: int = 1
+    # Seconds until this key's block by the limit's ``penalty`` ends (``None``: not blocked).
+    blocked_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +242,11 @@ class LimitEngine:
         self._x_ratelimit_headers = policy.headers.x_ratelimit
         self._retry_after_header = policy.headers.retry_after
         self._openai_headers = policy.headers.openai
+        # ``headers.rejected_by``: the header naming the rejecting limit, encoded to its colon.
+        named = policy.headers.rejected_by
+        self._rejected_by_start: bytes | None = (
+            named.encode("latin-1") + b": " if named is not None else None
+        )
         # Each limit's header parts (``_Advertised``), the same on every response: by limit
         # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
         self._advertised: dict[str, _Advertised] = {}
@@ -241,6 +258,22 @@ class LimitEngine:
         self._screens = bool(self.allow) or bool(self.deny)
         old = {limit.name: limit for limit in previous.limits} if previous else {}
         limits: dict[str, CompiledLimit] = {}
+        # The request's token, verified once per token (``jwt:CLAIM`` parts, ``plan_from``).
+        self.identity: TokenVerifier | None = None
+        jwt_of: Callable[[str], Callable[[RequestFacts], str | None]] | None = None
+        if policy.jwt is not None:
+            clock = store.clock
+            verifier = self.identity = TokenVerifier(
+                policy.jwt,
+                wall_clock=(
+                    time.time
+                    if isinstance(clock, MonotonicClock)
+                    else lambda: clock.unix_us() / 1e6
+                ),
+                previous=previous.identity if previous is not None else None,
+            )
+
+            jwt_of = verifier.part
 
         def plan_part(name: str) -> Callable[[RequestFacts], str | None]:
             # Looked up per request: the limit named may come later in the file.
@@ -252,7 +285,7 @@ class LimitEngine:
                 name=name,
                 spec=spec,
                 algorithm=build_algorithm(spec),
-                keys=KeyBuilder(spec.key, spec.on_missing_key, plan_part),
+                keys=KeyBuilder(spec.key, spec.on_missing_key, plan_part, jwt_of),
                 match=_compile_limit_match(spec.match),
                 routes=frozenset(spec.match.routes) if spec.match.routes is not None else None,
                 window_s=spec.window_s,
@@ -260,10 +293,59 @@ class LimitEngine:
             )
         for limit in limits.values():
             listed_in = limit.spec.exempt_listed
+            plan_from = limit.spec.plan_from
             limit.tiering = compile_tiering(
-                limit, build_algorithm, _listed_in(limits[listed_in]) if listed_in else None
+                limit,
+                build_algorithm,
+                _listed_in(limits[listed_in]) if listed_in else None,
+                jwt_of(plan_from.jwt) if plan_from is not None and jwt_of is not None else None,
             )
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
+        # ``penalty:``: each limit's penalty boxes by key, kept over a reload while the
+        # limit keeps its name and penalty: in process, or shared by the workers beside the
+        # shared store's state. Redis does not keep penalties yet (``gateway check`` says so).
+        self.penalties_supported = isinstance(store, (MemoryStore, SharedStore))
+        shared_dir = store.path if isinstance(store, SharedStore) else None
+        old_penalties = previous.penalties if previous is not None else {}
+        self.penalties: dict[str, PenaltyBoxes] = {}
+        for name, spec in policy.limits.items():
+            penalty = spec.penalty
+            if penalty is None or spec.dry_run:
+                continue
+            box = PenaltyBox(penalty.after, penalty.within, penalty.block)
+            kept_table = old_penalties.get(name)
+            if kept_table is not None and (
+                kept_table.box.after,
+                kept_table.box.within_us,
+                kept_table.box.block_us,
+            ) == (box.after, box.within_us, box.block_us):
+                kept_table.max_keys = spec.max_keys
+                self.penalties[name] = kept_table
+            elif shared_dir is not None:
+                self.penalties[name] = SharedPenaltyTable(box, spec.max_keys, shared_dir, name)
+            else:
+                self.penalties[name] = PenaltyTable(box, spec.max_keys)
+        self._penalty_status: dict[str, int] = {
+            name: spec.penalty.status
+            for name, spec in policy.limits.items()
+            if spec.penalty is not None
+        }
+        # Keys an operator blocked (the keys' API) stay blocked while their limit exists.
+        for name, table in old_penalties.items():
+            still = policy.limits.get(name)
+            if name in self.penalties or still is None or still.dry_run:
+                continue
+            if any(True for _ in table.blocked(store.clock.now_us())):
+                self.penalties[name] = table
+                self._penalty_status.setdefault(name, still.status)
+        self._has_penalties = bool(self.penalties)
+        # ``rejection:``: the limits whose rejections are answered the operator's way.
+        default = RejectionTemplate(policy.rejection) if policy.rejection is not None else None
+        self._rejections: dict[str, RejectionTemplate] = {}
+        for name, spec in policy.limits.items():
+            own = RejectionTemplate(spec.rejection) if spec.rejection is not None else default
+            if own is not None:
+                self._rejections[name] = own
         # Limits charged after the response: whether any (the request path asks once), the
         # response headers their upstreams report costs in, and those removed before the
         # client sees them (unless ``keep_cost_header``).
@@ -318,7 +400,13 @@ class LimitEngine:
         for limit in self.limits:
             if not limit.applies(route, host, path, method):
                 continue
-            key = limit.keys.build(facts)
+            try:
+                key = limit.keys.build(facts)
+            except TokenRefused:
+                if limit.dry_run:
+                    continue  # a dry-run limit counts what it can, refuses nothing
+                _release(enforced)
+                raise
             if key is None:
                 continue
             cost = 1
@@ -326,6 +414,11 @@ class LimitEngine:
             if tiering is not None:
                 try:
                     resolved = tiering.resolve(limit, key, facts)
+                except TokenRefused:
+                    if limit.dry_run:
+                        continue
+                    _release(enforced)
+                    raise
                 except UnlistedKey:
                     if limit.dry_run:
                         if reserve:  # counted only when the request is decided for real
@@ -370,6 +463,13 @@ class LimitEngine:
             enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
         except UnlistedKey as refused:
             return _refuse_unlisted(refused.limit, commit)
+        except TokenRefused as refused:
+            return _refuse_token(refused)
+        if self._has_penalties and enforced:
+            blocked = self._penalized(enforced, commit)
+            if blocked is not None:
+                _release(enforced)
+                return blocked
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
@@ -425,6 +525,13 @@ class LimitEngine:
             enforced, dry = self.checks_for(facts, route, host, path)
         except UnlistedKey as refused:
             return _refuse_unlisted(refused.limit, True)
+        except TokenRefused as refused:
+            return _refuse_token(refused)
+        if self._has_penalties and enforced:
+            blocked = self._penalized(enforced, True)
+            if blocked is not None:
+                _release(enforced)
+                return blocked
         verdicts: list[CombinedDecision] | None = None
         try:
             # The dry-run limits first: a store error there comes before anything enforced
@@ -460,6 +567,71 @@ class LimitEngine:
             outcome = _with_charge_after(outcome, enforced, dry, verdicts or ())
         return _hold_or_release(outcome, enforced)
 
+    def keys_pending(self, facts: RequestFacts) -> bool:
+        """Whether the request's token names a key the JWKS lacks and a fetch may bring it:
+        the proxy then awaits ``await_keys`` (bounded by ``jwt.jwks_timeout``) first."""
+        identity = self.identity
+        return identity is not None and identity.pending(facts) is not None
+
+    async def await_keys(self, facts: RequestFacts) -> None:
+        identity = self.identity
+        if identity is None:
+            return
+        fetch = identity.pending(facts)
+        if fetch is not None:
+            await identity.wait_for_keys(facts, fetch)
+
+    # -- penalties: keys a limit rejected too often, refused outright for a while --
+
+    def _penalized(self, enforced: list[Check], commit: bool) -> Outcome | None:
+        """A request one of whose keys is in its limit's penalty box: refused at once, the
+        limits not asked (counted as the limit's ``penalized`` when ``commit``)."""
+        penalties = self.penalties
+        now_us = self.store.clock.now_us()
+        for check in enforced:
+            table = penalties.get(check.limit.name)
+            if table is None:
+                continue
+            until_us = table.blocked_until(check.key, now_us)
+            if until_us:
+                name = check.limit.name
+                if commit:
+                    check.limit.counters.penalized += 1
+                return Outcome(
+                    status=self._penalty_status[name],
+                    retry_after_s=(until_us - now_us) / 1_000_000,
+                    rejected_by=name,
+                    reason=f"the key is blocked by limit {name!r}'s penalty",
+                    checks=[check],
+                )
+        return None
+
+    def _strike(self, enforced: list[Check], rejected_by: Sequence[int]) -> None:
+        """Count a rejection against each rejecting limit's penalty box."""
+        penalties = self.penalties
+        now_us = 0
+        for index in rejected_by:
+            check = enforced[index]
+            table = penalties.get(check.limit.name)
+            if table is not None:
+                now_us = now_us or self.store.clock.now_us()
+                table.strike(check.key, now_us)
+
+    def enable_penalties(self, name: str, status: int) -> None:
+        """Look ``name``'s penalty table up on each request from now on (a block an operator
+        put on a limit without ``penalty``), refusing with ``status``."""
+        self._penalty_status.setdefault(name, status)
+        self._has_penalties = True
+
+    def penalty_until(self, limit: CompiledLimit, key: str) -> float | None:
+        """Seconds until ``key``'s block by ``limit``'s penalty ends; ``None`` if not blocked."""
+        table = self.penalties.get(limit.name)
+        if table is None:
+            return None
+        now_us = self.store.clock.now_us()
+        until_us = table.blocked_until(key, now_us)
+        return (until_us - now_us) / 1_000_000 if until_us else None
+
     def _screen(self, client_ip: str) -> Outcome | None:
         """The access lists' word on a client, if they have one."""
         if self.deny and self.deny.contains(client_ip):
@@ -473,6 +645,7 @@ class LimitEngine:
     ) -> Explanation:
         """What ``evaluate`` would answer now, and what each limit alone would say; commits
         nothing."""
+        await self.await_keys(facts)
         outcome = await self.evaluate(facts, route, host, path, client_ip, commit=False)
         access = None
         if self.deny and self.deny.contains(client_ip):
@@ -484,7 +657,18 @@ class LimitEngine:
             if not limit.applies(route, host, path, facts.method):
                 looks.append(LimitLook(limit, applies=False))
                 continue
-            key = limit.keys.build(facts)
+            try:
+                key = limit.keys.build(facts)
+            except TokenRefused as refusal:
+                looks.append(
+                    LimitLook(
+                        limit,
+                        applies=True,
+                        refused=refusal.reason,
+                        refused_status=refusal.status,
+                    )
+                )
+                continue
             if key is None:
                 looks.append(LimitLook(limit, applies=True))
                 continue
@@ -492,6 +676,17 @@ class LimitEngine:
             if limit.tiering is not None:
                 try:
                     resolved = limit.tiering.resolve(limit, key, facts)
+                except TokenRefused as refusal:
+                    looks.append(
+                        LimitLook(
+                            limit,
+                            applies=True,
+                            key=key,
+                            refused=refusal.reason,
+                            refused_status=refusal.status,
+                        )
+                    )
+                    continue
                 except UnlistedKey:
                     refused = _refuse_unlisted(limit, False).reason
                     looks.append(LimitLook(limit, applies=True, key=key, refused=refused))
@@ -505,7 +700,10 @@ class LimitEngine:
             except StoreUnavailableError as exc:  # on_failure: deny, and the store is down
                 looks.append(LimitLook(limit, True, key, unavailable=str(exc), cost=cost))
                 continue
-            looks.append(LimitLook(limit, True, key, verdict.decisions[0], cost=cost))
+            blocked_s = self.penalty_until(limit, key) if self._has_penalties else None
+            looks.append(
+                LimitLook(limit, True, key, verdict.decisions[0], cost=cost, blocked_s=blocked_s)
+            )
         return Explanation(outcome, access, tuple(looks))
 
     async def _enforce(self, enforced: list[Check], *, commit: bool = True) -> Outcome:
@@ -575,6 +773,8 @@ class LimitEngine:
                 for index in verdict.rejected_by:
                     rejecting = enforced[index].limit
                     rejecting.counters.reject(rejecting.status)
+                if self._has_penalties:
+                    self._strike(enforced, verdict.rejected_by)
             # Admitted by the algorithm but refused by its queue's bounds, or over the limit.
             queued = verdict.decisions[verdict.rejected_by[0]].allowed
             kind = "concurrency limit" if first.limit.holds_slots else "rate limit"
@@ -909,6 +1109,28 @@ class LimitEngine:
                 counters.allowed += 1
         return would_reject
 
+    def custom_rejection(self, outcome: Outcome) -> tuple[int, str, bytes] | None:
+        """A rejection answered as its limit's (or the policy's) ``rejection:`` says: status,
+        content type and body; ``None`` for the default problem+json."""
+        rejections = self._rejections
+        name = outcome.rejected_by
+        if not rejections or name is None:
+            return None
+        template = rejections.get(name)
+        if template is None:
+            return None
+        status = template.status or outcome.status
+        retry_s = outcome.retry_after_s if math.isfinite(outcome.retry_after_s) else 0.0
+        key = _rejecting_key(outcome)
+        values = {
+            "limit": name,
+            "status": str(status),
+            "retry_after": str(max(1, math.ceil(retry_s)) if retry_s > 0.0 else 0),
+            "retry_after_ms": str(math.ceil(retry_s * 1000)),
+            "key_hash": hashed(key) if key is not None else "-",
+        }
+        return status, template.content_type, template.render(values)
+
     def headers(self, outcome: Outcome) -> list[tuple[str, str]]:
         """``header_block`` as (name, value) pairs, for aiohttp's response objects (refusals,
         streamed answers)."""
@@ -943,6 +1165,10 @@ class LimitEngine:
             retry_after_s = outcome.retry_after_s
             if retry_after_s > 0.0:
                 retry_after = b"Retry-After: %s\r\n" % _ascii(max(1, math.ceil(retry_after_s)))
+        if outcome.status and self._rejected_by_start is not None:
+            rejected_by = outcome.rejected_by
+            if rejected_by is not None:  # a limit's name: ASCII, as the policy checked
+                retry_after += b"%s%s\r\n" % (self._rejected_by_start, rejected_by.encode())
         ietf = self._ietf_headers
         x_ratelimit = self._x_ratelimit_headers
         if verdict is None or not (ietf or x_ratelimit):
@@ -1233,8 +1459,16 @@ def _by_instant(
 def _plan_of(limit: CompiledLimit, facts: RequestFacts) -> str:
     """The plan ``limit``'s overrides give a request's key (``plan:LIMIT``): the plan's name,
     ``custom`` for a key with numbers of its own, ``unlisted`` for any other key or none."""
-    key = limit.keys.build(facts)
     tiering = limit.tiering
+    if tiering is not None and tiering.plan_from is not None:
+        plan = tiering.plan_from(facts)
+        listed = (
+            plan is not None
+            and tiering.overrides is not None
+            and (tiering.overrides.resolve(plan) is not None)
+        )
+        return plan if listed and plan is not None else UNLISTED_PLAN
+    key = limit.keys.build(facts)
     if key is None or tiering is None or tiering.overrides is None:
         return UNLISTED_PLAN
     variant = tiering.overrides.resolve(key)
@@ -1258,6 +1492,24 @@ def _refuse_unlisted(limit: CompiledLimit, commit: bool) -> Outcome:
         rejected_by=limit.name,
         reason=f"the key is not listed by limit {limit.name!r} (unlisted: reject)",
     )
+
+
+def _rejecting_key(outcome: Outcome) -> str | None:
+    """The key of the check that rejected ``outcome`` (its limit's first)."""
+    verdict = outcome.verdict
+    checks = outcome.checks
+    if verdict is not None and verdict.rejected_by:
+        return checks[verdict.rejected_by[0]].key
+    for check in checks:
+        if check.limit.name == outcome.rejected_by:
+            return check.key
+    return None
+
+
+def _refuse_token(refused: TokenRefused) -> Outcome:
+    """A request whose token the policy refuses (``jwt.on_missing``/``on_invalid``: 401 or
+    reject), before any limit is charged; ``reason`` names the cause, never the token."""
+    return Outcome(status=refused.status, reason=refused.reason)
 
 
 def _reset_header(decision: Decision, window_s: int, rejecting: bool) -> int:

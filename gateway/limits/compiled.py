@@ -29,6 +29,8 @@ class DecisionCounts(NamedTuple):
     rejected: int = 0
     dry_run_delayed: int = 0
     dry_run_rejected: int = 0
+    # Refused by the limit's penalty (a blocked key), the limit itself not asked.
+    penalized: int = 0
 
 
 class ChargeCounts(NamedTuple):
@@ -56,6 +58,7 @@ class LimitCounters:
     rejected: int = 0
     dry_run_delayed: int = 0
     dry_run_rejected: int = 0
+    penalized: int = 0
     waiting: int = 0
     # Requests between the queue-bound check and their decision (or their place in the queue):
     # counted against max_queue too, so requests decided together cannot overfill the queue.
@@ -81,7 +84,12 @@ class LimitCounters:
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(
-            self.allowed, self.delayed, self.rejected, self.dry_run_delayed, self.dry_run_rejected
+            self.allowed,
+            self.delayed,
+            self.rejected,
+            self.dry_run_delayed,
+            self.dry_run_rejected,
+            self.penalized,
         )
 
     def charges(self) -> ChargeCounts:

@@ -19,7 +19,7 @@ class RequestFacts:
     A plain class, not a dataclass: compiled, a dataclass's ``__init__`` is the one the
     ``dataclasses`` module writes at run time, interpreted (bench/README.md)."""
 
-    __slots__ = ("body", "client_key", "headers", "method", "query", "route")
+    __slots__ = ("body", "client_key", "headers", "identity", "method", "query", "route")
 
     def __init__(
         self,
@@ -37,6 +37,8 @@ class RequestFacts:
         # The request body's JSON document, for ``body:FIELD`` parts: read only when a limit
         # has one (None: no body, not JSON, or larger than the policy reads).
         self.body: object = None
+        # The request's token verdict (``limits.token_verifier``), worked out on first use.
+        self.identity: object = None
 
     @classmethod
     def of(
@@ -66,7 +68,8 @@ TAG = "\x1e"
 assert UNLISTED_KEY.startswith(TAG)  # unlisted: shared's one key is a stand-in too
 
 
-def _client_value(value: str | None) -> str | None:
+def client_value(value: str | None) -> str | None:
+    """A value a client sent, tagged if it holds the key's separators (a JWT's claims too)."""
     if value is not None and (SEP in value or TAG in value):
         return TAG + "x" + value.encode("utf-8", "surrogateescape").hex()
     return value
@@ -74,14 +77,14 @@ def _client_value(value: str | None) -> str | None:
 
 def _header(name: str) -> Part:
     def read(facts: RequestFacts) -> str | None:
-        return _client_value(facts.headers.get(name))
+        return client_value(facts.headers.get(name))
 
     return read
 
 
 def _query(name: str) -> Part:
     def read(facts: RequestFacts) -> str | None:
-        return _client_value(facts.query().get(name))
+        return client_value(facts.query().get(name))
 
     return read
 
@@ -90,7 +93,7 @@ def _body(path: list[str]) -> Part:
     def read(facts: RequestFacts) -> str | None:
         value = json_at(facts.body, path)
         if isinstance(value, str):
-            return _client_value(value)
+            return client_value(value)
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)
         return None  # absent, or not a text or a whole number
@@ -113,7 +116,9 @@ _FIXED: Mapping[str, Part] = {
 }
 
 
-def _part(spec: str, plan_of: Callable[[str], Part] | None) -> Part:
+def _part(
+    spec: str, plan_of: Callable[[str], Part] | None, jwt_of: Callable[[str], Part] | None
+) -> Part:
     if spec in _FIXED:
         return _FIXED[spec]
     kind, _, arg = spec.partition(":")
@@ -127,13 +132,16 @@ def _part(spec: str, plan_of: Callable[[str], Part] | None) -> Part:
         return _body(arg.split("."))
     if kind == "plan" and plan_of is not None:
         return plan_of(arg)
+    if kind == "jwt" and jwt_of is not None:
+        return jwt_of(arg)
     raise ValueError(f"unknown key part {spec!r}")
 
 
 class KeyBuilder:
     """Joins a limit's key parts; ``None`` means the limit does not apply (missing part, skip).
 
-    ``plan_of``: the part ``plan:LIMIT`` reads, given LIMIT (the engine knows the limits)."""
+    ``plan_of``: the part ``plan:LIMIT`` reads, given LIMIT (the engine knows the limits);
+    ``jwt_of``: the part ``jwt:CLAIM`` reads, given CLAIM (the engine holds the verifier)."""
 
     __slots__ = ("_fallback_to_ip", "_parts", "_single_client_ip", "spec")
 
@@ -142,9 +150,10 @@ class KeyBuilder:
         spec: tuple[str, ...],
         on_missing_key: str = "skip",
         plan_of: Callable[[str], Part] | None = None,
+        jwt_of: Callable[[str], Part] | None = None,
     ) -> None:
         self.spec = spec
-        self._parts = tuple(_part(p, plan_of) for p in spec)
+        self._parts = tuple(_part(p, plan_of, jwt_of) for p in spec)
         self._fallback_to_ip = on_missing_key == "client_ip"
         self._single_client_ip = spec == ("client_ip",)
 

@@ -96,6 +96,7 @@ class LimitData(_Model):
     rejected: int = 0
     dry_run_delayed: int = 0
     dry_run_rejected: int = 0
+    penalized: int = 0  # refused by the limit's penalty (a blocked key)
     # A limit charged after the response (count:, cost_header:).
     charged_responses: int = 0
     charged_units: int = 0

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Final, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, Tag, ValidationError
 
+from gateway.policy.jwt_keys import KeyFileError, load_static_key
 from gateway.policy.models import (
     ACCESS_LOG_TAGS,
     ALGORITHM_MODELS,
@@ -602,6 +603,18 @@ def _check_references(policy: Policy) -> list[tuple[Loc, str]]:
             reason = _names_a_lister(policy, name, limit.exempt_listed)
             if reason is not None:
                 problems.append((("limits", name, "exempt_listed"), reason))
+        if policy.jwt is None:
+            reads = "plan_from" if limit.plan_from is not None else None
+            reads = next((p for p in limit.key if p.startswith("jwt:")), reads)
+            if reads is not None:
+                loc = ("limits", name, "plan_from" if reads == "plan_from" else "key")
+                problems.append(
+                    (
+                        loc,
+                        f"{reads} reads the request's token: configure jwt (secret_file, "
+                        "public_key_file or jwks_url)",
+                    )
+                )
         for part in limit.key:
             if part.startswith("plan:"):
                 reason = _names_a_lister(policy, name, part[len("plan:") :])
@@ -709,6 +722,8 @@ def parse_policy(
     policy, tls_problems = _with_tls_files(policy, file)
     policy = _with_admin_token_file(policy, file)
     policy = _with_access_log_path(policy, file)
+    policy, jwt_problems = _with_jwt_files(policy, file)
+    tls_problems += jwt_problems
     ref_problems = _check_references(policy) or tls_problems or (checks(policy) if checks else [])
     if ref_problems:
         raise PolicyError(
@@ -796,6 +811,25 @@ def _with_admin_token_file(policy: Policy, file: str) -> Policy:
         return policy
     server = policy.server.model_copy(update={"admin_token_file": resolved})
     return policy.model_copy(update={"server": server})
+
+
+def _with_jwt_files(policy: Policy, file: str) -> tuple[Policy, list[tuple[Loc, str]]]:
+    """The policy with ``jwt``'s key files relative to the policy file's directory, and the
+    one that cannot be used (read and parsed as ``run`` reads it)."""
+    settings = policy.jwt
+    if settings is None or settings.jwks_url is not None:
+        return policy, []
+    update = {
+        name: str(resolve_path(file, given))
+        for name in ("secret_file", "public_key_file")
+        if (given := getattr(settings, name)) is not None
+    }
+    settings = settings.model_copy(update=update)
+    try:
+        load_static_key(settings)
+    except KeyFileError as exc:
+        return policy, [(("jwt", exc.setting), exc.reason)]
+    return policy.model_copy(update={"jwt": settings}), []
 
 
 def _with_access_log_path(policy: Policy, file: str) -> Policy:

@@ -28,7 +28,10 @@ from pydantic import (
 )
 
 from gateway.policy.cost_from import json_at, parse_cost_from
+from gateway.policy.identity import JwtSettings, PlanFrom
 from gateway.policy.log_template import is_template, parse_template
+from gateway.policy.penalty import Penalty
+from gateway.policy.rejections import RejectionResponse
 from gateway.policy.units import (
     CALENDAR_PERIODS,
     Rate,
@@ -1186,7 +1189,7 @@ class Route(_Model):
 _KEY_PART_RE = re.compile(
     r"^(client_ip|route|method|global|header:[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
     r"|query:[^\s&=]+|const:\S+|plan:[A-Za-z0-9][A-Za-z0-9_.\-]*"
-    r"|body:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*)$"
+    r"|body:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*|jwt:[A-Za-z0-9_.:\-/]+)$"
 )
 # The values a ``plan:LIMIT`` key part takes besides a plan's name: a key that limit does not
 # list (or a request without one), and a key listed with numbers of its own.
@@ -1200,10 +1203,11 @@ def check_key_parts(value: tuple[str, ...], *, plans: bool = False) -> tuple[str
     if not value:
         raise ValueError("key needs at least one part")
     for part in value:
-        if not _KEY_PART_RE.match(part) or (part.startswith(("plan:", "body:")) and not plans):
+        limit_only = part.startswith(("plan:", "body:", "jwt:"))
+        if not _KEY_PART_RE.match(part) or (limit_only and not plans):
             expected = (
-                "global, const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request "
-                "body: model, metadata.user)"
+                "global, const:TEXT, plan:LIMIT, jwt:CLAIM or body:FIELD (a JSON field of the "
+                "request body: model, metadata.user)"
                 if plans
                 else "global or const:TEXT"
             )
@@ -1411,7 +1415,8 @@ class _LimitBase(_Model):
         ("client_ip",),
         description="parts joined into the key: client_ip, header:NAME, query:NAME, route, "
         "method, global, const:TEXT, plan:LIMIT (the plan another limit's overrides give the "
-        "request's key: a plan's name, custom, or unlisted)",
+        "request's key: a plan's name, custom, or unlisted), jwt:CLAIM (a claim of the "
+        "request's verified token, see jwt)",
     )
     on_missing_key: Literal["skip", "client_ip"] = Field(
         "skip",
@@ -1421,6 +1426,16 @@ class _LimitBase(_Model):
     match: LimitMatch = Field(LimitMatch(), description="omitted: every request")
     dry_run: bool = Field(False, description="count would-delay/would-reject, never enforce")
     status: int = Field(429, ge=400, le=599, description="status for rejected requests")
+    rejection: RejectionResponse | None = Field(
+        None,
+        description="how this limit's rejections are answered (status, content type, body "
+        "template); default: the policy's rejection, else problem+json",
+    )
+    penalty: Penalty | None = Field(
+        None,
+        description="a key rejected that often is refused at once for a while: {after: 10, "
+        "within: 1m, block: 15m, status: 429 or 403}",
+    )
     max_delay: Duration = Field(
         30.0, description="a request that would wait longer is rejected at once"
     )
@@ -1500,6 +1515,11 @@ class _LimitBase(_Model):
         description="YAML or JSON file of more overrides (relative to the policy file), "
         "reloaded with the policy",
     )
+    plan_from: PlanFrom | None = Field(
+        None,
+        description="the plan named by the request: {jwt: CLAIM}, a claim of its verified "
+        "token whose value is one of plans (another value, or none: the limit's own numbers)",
+    )
     unlisted: Literal["own", "shared", "reject"] = Field(
         "own",
         description="keys the overrides do not list (a key a client invents): own (each its "
@@ -1566,6 +1586,19 @@ class _LimitBase(_Model):
     @classmethod
     def _check_key(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return check_key_parts(value, plans=True)
+
+    @model_validator(mode="after")
+    def _check_plan_from(self) -> _LimitBase:
+        if self.plan_from is None:
+            return self
+        if not self.plans:
+            raise ValueError("plan_from names a plan of plans: define plans")
+        if self.overrides or self.overrides_file or self.unlisted != "own":
+            raise ValueError(
+                "plan_from and overrides (overrides_file, unlisted) both choose a key's plan: "
+                "use one of them"
+            )
+        return self
 
     @property
     def charged_after(self) -> bool:
@@ -1966,6 +1999,22 @@ class RateLimitHeaders(_Model):
         "cost_from) and -requests (the others)",
     )
 
+    rejected_by: str | None = Field(
+        None,
+        description="a header naming the limit that rejected a request (e.g. "
+        "X-RateLimit-Rejected-By), on its rejections only; none by default (the problem "
+        "body's limit names it always)",
+    )
+
+    @field_validator("rejected_by")
+    @classmethod
+    def _check_rejected_by(cls, value: str | None) -> str | None:
+        if value is not None and not _HEADER_NAME_RE.match(value):
+            raise ValueError(f"invalid header name {value!r}")
+        if value is not None and value.lower() in _FRAMING_HEADERS | {"retry-after"}:
+            raise ValueError(f"{value} is a header the gateway writes itself: choose another name")
+        return value
+
 
 class Access(_Model):
     """Allowed clients bypass every limit; denied clients get 403."""
@@ -2086,6 +2135,16 @@ class Policy(_Model):
     access: Access = Field(Access(), description="clients allowed past every limit, or denied")
     ipv6_prefix: int = Field(64, ge=1, le=128, description="IPv6 clients grouped by this prefix")
     store: StoreSettings = Field(StoreSettings(), description="where the limits' state lives")
+    rejection: RejectionResponse | None = Field(
+        None,
+        description="how rejections are answered unless their limit says otherwise (status, "
+        "content type, body template); default: RFC 9457 problem+json naming the limit",
+    )
+    jwt: JwtSettings | None = Field(
+        None,
+        description="the request's JSON Web Token, verified: what jwt:CLAIM key parts and "
+        "plan_from read",
+    )
 
 
 def headers_limits_read(policy: Policy) -> tuple[frozenset[str], frozenset[str]]:

@@ -149,6 +149,9 @@ class Tiering:
     reject_unlisted: bool = False
     # ``exempt_listed:``: whether another limit's overrides list this request's key.
     listed_elsewhere: Callable[[Any], bool] | None = None
+    # ``plan_from:``: the plan the request names (a claim of its token); ``overrides`` then
+    # maps each plan's name to its variant.
+    plan_from: Callable[[Any], str | None] | None = None
 
     def resolve(self, limit: L, key: str, facts: Any) -> tuple[L, str, int] | None:
         """The variant of ``limit`` that decides this request, the key it decides it under and
@@ -161,7 +164,15 @@ class Tiering:
         if listed_elsewhere is not None and listed_elsewhere(facts):
             return None
         overrides = self.overrides
-        if overrides is not None:
+        plan_from = self.plan_from
+        if plan_from is not None:
+            plan = plan_from(facts)
+            variant = (
+                overrides.resolve(plan) if plan is not None and overrides is not None else None
+            )
+            if variant is not None:
+                limit = variant
+        elif overrides is not None:
             variant = overrides.resolve(key)
             if variant is not None:
                 limit = variant
@@ -181,9 +192,13 @@ def compile_tiering(
     limit: Any,
     build_algorithm: Callable[[Any], Any],
     listed_elsewhere: Callable[[Any], bool] | None = None,
+    plan_from: Callable[[Any], str | None] | None = None,
 ) -> Tiering | None:
     spec = limit.spec
     entries: dict[str, Any] = dict(spec.overrides)
+    if plan_from is not None:
+        # Each plan is a variant, found by its own name (the validation keeps overrides out).
+        entries = {plan: plan for plan in spec.plans}
     if not (
         spec.exempt
         or spec.exempt_headers
@@ -192,6 +207,7 @@ def compile_tiering(
         or spec.reserve is not None
         or spec.unlisted != "own"
         or listed_elsewhere is not None
+        or plan_from is not None
     ):
         return None
     exemptions = (
@@ -214,4 +230,5 @@ def compile_tiering(
         share_unlisted=spec.unlisted == "shared",
         reject_unlisted=spec.unlisted == "reject",
         listed_elsewhere=listed_elsewhere,
+        plan_from=plan_from,
     )

@@ -4,6 +4,7 @@ for a concurrency limit, whose keys are never evicted)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 from typing import Any
 
 from gateway.algorithms.base import Decision
@@ -284,6 +285,25 @@ class MemoryStore:
         return current + sum(
             n for name, n in dropped.items() if name == limit_name or name.startswith(prefix)
         )
+
+    # -- the keys' API (``stores.key_listing.MemoryKeys``) --
+
+    def keys_held(self, table: str, most: int) -> list[str]:
+        states = self.tables.get(table)
+        if states is None:
+            return []
+        return list(islice(iter(states), most))
+
+    def holds(self, table: str, key: str) -> bool:
+        states = self.tables.get(table)
+        return states is not None and key in states
+
+    def forget(self, table: str, key: str) -> bool:
+        states = self.tables.get(table)
+        if states is None or key not in states:
+            return False
+        states.discard(key)
+        return True
 
     async def prepare(self) -> None:
         """Nothing to get ready in process."""

@@ -1,0 +1,78 @@
+"""The keys' API in Redis: a limit's keys found with SCAN (every master of a cluster), one
+key's state dropped with DEL in its own hash slot. On a connection of its own, opened for the
+call: an operator's call never queues behind the request path's scripts."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import RedisError
+
+from gateway.limits.compiled import CompiledLimit
+from gateway.redact import redact_text
+from gateway.stores.redis.store import RedisStore, parse_store_url
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+class RedisKeyError(Exception):
+    """Redis could not answer the keys' API (its reason, the URL's password left out)."""
+
+
+class RedisKeys:
+    """``stores.key_listing.KeyAdmin`` over a Redis store's key layout."""
+
+    def __init__(self, store: RedisStore, timeout_s: float = 5.0) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+
+    def _client(self) -> Redis | RedisCluster:
+        url, cluster = parse_store_url(self.store.url)
+        options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+        }
+        if cluster:
+            return RedisCluster.from_url(url, **options)
+        return Redis.from_url(url, **options)
+
+    async def keys_held(self, limit: CompiledLimit, most: int) -> list[str]:
+        plan = self.store.plan(limit)
+        head, tail = plan.key_head, plan.key_tail
+        pattern = _glob(head) + "*" + _glob(tail) + "*"
+        found: list[str] = []
+        client = self._client()
+        try:
+            async for raw in client.scan_iter(match=pattern, count=1000):
+                name = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+                at = name.find(tail, len(head))
+                if at >= 0:
+                    found.append(name[at + len(tail) :])
+                if len(found) >= most:
+                    break
+        except RedisError as exc:
+            raise RedisKeyError(redact_text(str(exc))) from None
+        finally:
+            await client.aclose()
+        return found
+
+    async def holds(self, limit: CompiledLimit, key: str) -> bool:
+        return bool(await self._call("exists", self.store.plan(limit).redis_key(key)))
+
+    async def forget(self, limit: CompiledLimit, key: str) -> bool:
+        return bool(await self._call("delete", self.store.plan(limit).redis_key(key)))
+
+    async def _call(self, command: str, name: str) -> Any:
+        client = self._client()
+        try:
+            return await getattr(client, command)(name)
+        except RedisError as exc:
+            raise RedisKeyError(redact_text(str(exc))) from None
+        finally:
+            await client.aclose()
+
+
+def _glob(text: str) -> str:
+    return _GLOB_SPECIAL.sub(r"\\\1", text)

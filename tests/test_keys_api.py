@@ -1,0 +1,238 @@
+"""The keys' API on the admin listener: a limit's keys listed (the most used first), one key's
+state, reset, block and unblock, each change logged with who and why; with and without the
+admin token. The real gateway, a real upstream, real clients over loopback, a fake clock."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.cli.main import main
+from gateway.clock import FakeClock
+from gateway.redact import hashed
+from gateway.stores.shared.lmdb_store import SharedStore
+from tests.support import redis_harness
+from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.policies import policy_for
+from tests.support.redis_harness import RedisServer
+from tests.support.upstreams import RecordingUpstream
+
+redis_server = redis_harness.redis_server
+
+TOKEN = "a-test-admin-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LIMITS = """limits:
+  per_key:
+    algorithm: fixed_window
+    limit: 5
+    window: 1h
+    key: ['header:X-Api-Key']
+"""
+S = 1_000_000
+
+
+async def _start(start_gateway: GatewayFactory, upstream: RecordingUpstream) -> RunningGateway:
+    policy = policy_for(upstream.url, LIMITS, server=f"  admin_token: {TOKEN}\n")
+    return await start_gateway(policy, clock=FakeClock(start_us=3600 * S))
+
+
+async def _admin(
+    session: aiohttp.ClientSession,
+    gw: RunningGateway,
+    path: str,
+    body: dict[str, Any] | None = None,
+    headers: dict[str, str] = AUTH,
+    **params: str,
+) -> tuple[int, Any]:
+    method = "POST" if body is not None else "GET"
+    async with session.request(
+        method, gw.admin_url + path, json=body, params=params, headers=headers
+    ) as response:
+        return response.status, await response.json()
+
+
+async def _use(
+    session: aiohttp.ClientSession, gw: RunningGateway, key: str, times: int
+) -> list[int]:
+    statuses = []
+    for _ in range(times):
+        async with session.get(gw.url + "/", headers={"X-Api-Key": key}) as response:
+            statuses.append(response.status)
+    return statuses
+
+
+async def test_list_read_reset_block_and_unblock(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-heavy", 4)
+        await _use(session, gw, "key-light", 1)
+        status, listing = await _admin(session, gw, "/keys/per_key", top="10")
+        assert status == 200
+        # The most used first; header parts (API keys) shown by their hash, never whole.
+        assert [(k["id"], k["key"], k["remaining"]) for k in listing["keys"]] == [
+            (hashed("key-heavy"), hashed("key-heavy"), 1),
+            (hashed("key-light"), hashed("key-light"), 4),
+        ]
+        status, state = await _admin(session, gw, "/keys/per_key/key", key="key-heavy")
+        assert (status, state["remaining"], state["quota"]) == (200, 1, 5)
+        assert state["reset_s"] == 3600 and state["blocked_for_s"] is None
+        # A change needs a reason.
+        status, refused = await _admin(session, gw, "/keys/per_key/reset", {"key": "key-heavy"})
+        assert status == 400 and "reason" in refused["error"]
+        with caplog.at_level(logging.INFO, logger="gateway.admin"):
+            status, reset = await _admin(
+                session,
+                gw,
+                "/keys/per_key/reset",
+                {"id": hashed("key-heavy"), "reason": "ticket 42: customer upgraded"},
+            )
+        assert status == 200 and reset["reset"] is True
+        assert reset["state"]["remaining"] == 5
+        assert await _use(session, gw, "key-heavy", 1) == [200]
+        logged = [r.getMessage() for r in caplog.records if r.name == "gateway.admin"]
+        assert logged == [
+            f"keys: reset of limit per_key key {hashed('key-heavy')} by token {hashed(TOKEN)}, "
+            "reason: 'ticket 42: customer upgraded'"
+        ]
+        assert TOKEN not in caplog.text
+        status, blocked = await _admin(
+            session,
+            gw,
+            "/keys/per_key/block",
+            {"key": "key-light", "for": "10m", "reason": "abuse report"},
+        )
+        assert status == 200 and blocked["state"]["blocked_for_s"] == 600
+        async with session.get(gw.url + "/", headers={"X-Api-Key": "key-light"}) as response:
+            assert response.status == 429
+            assert response.headers["Retry-After"] == "600"
+        assert await _use(session, gw, "key-other", 1) == [200]
+        status, unblocked = await _admin(
+            session, gw, "/keys/per_key/unblock", {"key": "key-light", "reason": "resolved"}
+        )
+        assert status == 200 and unblocked["unblocked"] is True
+        assert await _use(session, gw, "key-light", 1) == [200]
+
+
+async def test_without_the_token_nothing_is_read_or_changed(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-a", 2)
+        for path, body in (
+            ("/keys/per_key", None),
+            ("/keys/per_key/key", None),
+            ("/keys/per_key/reset", {"key": "key-a", "reason": "x"}),
+            ("/keys/per_key/block", {"key": "key-a", "for": "1h", "reason": "x"}),
+        ):
+            status, _ = await _admin(session, gw, path, body, headers={}, key="key-a")
+            assert status == 401, path
+        status, state = await _admin(session, gw, "/keys/per_key/key", key="key-a")
+        assert state["remaining"] == 3  # nothing was reset
+        assert await _use(session, gw, "key-a", 1) == [200]  # nothing was blocked
+
+
+async def test_unknown_limits_and_keys_and_stores_that_cannot(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    server = f"  admin_token: {TOKEN}\n"
+    dead_redis = policy_for(
+        upstream.url,
+        LIMITS + "store: {url: 'redis://127.0.0.1:1', on_failure: allow, timeout: 1s}\n",
+        server=server,
+    )
+    on_dead_redis = await start_gateway(dead_redis, clock=FakeClock())
+    clock = FakeClock()
+    on_shared = await start_gateway(
+        policy_for(upstream.url, LIMITS, server=server),
+        clock=clock,
+        store=SharedStore(tmp_path / "shared", clock),
+    )
+    async with aiohttp.ClientSession() as session:
+        status, body = await _admin(session, gw, "/keys/nope")
+        assert status == 404 and "per_key" in body["error"]
+        status, body = await _admin(session, gw, "/keys/per_key/key", id="sha256:000000000000")
+        assert status == 404
+        status, body = await _admin(session, on_dead_redis, "/keys/per_key")
+        assert status == 503 and "could not answer" in body["error"]
+        status, body = await _admin(session, on_shared, "/keys/per_key")
+        assert status == 501 and "shared" in body["error"]
+        # The shared store blocks keys (for every worker), though it lists none yet.
+        status, body = await _admin(
+            session,
+            on_shared,
+            "/keys/per_key/block",
+            {"key": "key-s", "for": "1m", "reason": "shared block"},
+        )
+        assert status == 200 and body["state"]["blocked_for_s"] == 60
+        async with session.get(on_shared.url + "/", headers={"X-Api-Key": "key-s"}) as response:
+            assert response.status == 429 and response.headers["Retry-After"] == "60"
+
+
+async def test_the_cli_speaks_to_the_admin_listener(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gw = await _start(start_gateway, upstream)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-cli", 2)
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", TOKEN)
+    admin = gw.admin_url
+    # The CLI blocks on its HTTP call: run it off the loop that serves the gateway.
+    import asyncio
+
+    async def cli(*args: str) -> int:
+        return await asyncio.to_thread(main, ["keys", "--admin", admin, *args])
+
+    assert await cli("list", "per_key") == 0
+    assert hashed("key-cli") in capsys.readouterr().out
+    assert await cli("reset", "per_key", "--key", "key-cli", "--reason", "cli test") == 0
+    assert '"reset": true' in capsys.readouterr().out
+    assert await cli("reset", "per_key", "--key", "key-cli") == 2  # no reason: argparse says
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "a-wrong-token-0123456789")
+    assert await cli("list", "per_key") == 1
+    assert "401" in capsys.readouterr().err
+
+
+async def test_list_read_and_reset_in_redis(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, redis_server: RedisServer
+) -> None:
+    """In Redis: the keys found with SCAN, one read as /explain reads it, reset with DEL."""
+    policy = policy_for(
+        upstream.url,
+        # sliding_log: exact over any span, so Redis's own clock (TIME) changes no count.
+        LIMITS.replace("fixed_window", "sliding_log")
+        # A prefix of its own (glob characters in it: SCAN's pattern escapes them).
+        + f"store: {{url: '{redis_server.url}', key_prefix: 'keys[{time.monotonic_ns()}]*:', "
+        "timeout: 2s}\n",
+        server=f"  admin_token: {TOKEN}\n",
+    )
+    gw = await start_gateway(policy)
+    async with aiohttp.ClientSession() as session:
+        await _use(session, gw, "key-r", 3)
+        await _use(session, gw, "key-s", 1)
+        status, listing = await _admin(session, gw, "/keys/per_key", top="10")
+        assert status == 200
+        assert [(k["id"], k["remaining"]) for k in listing["keys"]] == [
+            (hashed("key-r"), 2),
+            (hashed("key-s"), 4),
+        ]
+        status, reset = await _admin(
+            session, gw, "/keys/per_key/reset", {"id": hashed("key-r"), "reason": "redis test"}
+        )
+        assert status == 200 and reset["reset"] is True and reset["state"]["remaining"] == 5
+        assert await _use(session, gw, "key-r", 1) == [200]
+        status, _ = await _admin(
+            session, gw, "/keys/per_key/block", {"key": "key-s", "for": "1m", "reason": "x"}
+        )
+        assert status == 501  # blocks are kept in process: not with Redis yet

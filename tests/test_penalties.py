@@ -1,0 +1,192 @@
+"""Penalties: a key a limit rejects too often is refused outright for a while, before the
+upstream and without touching the limit. The pure box on given times, then the real gateway
+(a real upstream, real clients over loopback) on a fake clock."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.algorithms.penalty_box import CLEAR, PenaltyBox
+from gateway.cli.main import main
+from gateway.clock import FakeClock
+from gateway.engine.preflight import parse_and_build
+from gateway.policy.loader import PolicyError
+from gateway.stores.penalty_table import PenaltyTable
+from tests.support.gateways import GatewayFactory
+from tests.support.metrics import scrape_until, value
+from tests.support.policies import policy_for
+from tests.support.processes import run_workers, wait_serving
+from tests.support.upstreams import RecordingUpstream
+
+S = 1_000_000  # microseconds
+
+
+def test_strikes_within_the_span_block_and_start_afresh() -> None:
+    box = PenaltyBox(after=3, within_s=60, block_s=900)
+    state = CLEAR
+    for at in (0, 10, 20):
+        assert box.blocked_until(state, at * S) == 0
+        state = box.strike(state, at * S)
+    assert box.blocked_until(state, 20 * S) == 920 * S
+    assert box.blocked_until(state, 919 * S) == 920 * S
+    assert box.blocked_until(state, 920 * S) == 0
+    # Strikes further apart than the span never add up to a block.
+    state = CLEAR
+    for at in (0, 50, 110, 170, 230):
+        state = box.strike(state, at * S)
+        assert box.blocked_until(state, at * S) == 0
+
+
+def test_a_full_table_drops_what_says_nothing_first() -> None:
+    table = PenaltyTable(PenaltyBox(after=1, within_s=1, block_s=100), max_keys=2)
+    table.strike("blocked", 0)
+    table.strike("old", 0)
+    assert table.blocked_until("old", 50 * S) and table.blocked_until("blocked", 50 * S)
+    table.strike("new", 200 * S)  # both blocks are over by now: they go, not "new"
+    assert len(table) == 1
+    table.strike("newer", 250 * S)
+    table.strike("newest", 260 * S)  # full of live entries: the oldest goes
+    assert len(table) == 2 and not table.blocked_until("new", 260 * S)
+    assert table.blocked_until("newest", 260 * S) == 360 * S
+    assert table.clear("newer") and not table.clear("newer")
+
+
+# sliding_log: exact over any span, so no window edge falls between a test's requests.
+PENALIZED = """limits:
+  per_key:
+    algorithm: sliding_log
+    limit: 1
+    window: 1h
+    key: ['header:X-Api-Key']
+    penalty: {after: 2, within: 1m, block: 15m, status: 403}
+"""
+
+
+async def test_a_key_rejected_too_often_is_refused_at_once_for_the_block(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    clock = FakeClock(start_us=3600 * S)  # a window's start: its end an hour away
+    gw = await start_gateway(policy_for(upstream.url, PENALIZED), clock=clock)
+    key = {"X-Api-Key": "abuser"}
+    async with aiohttp.ClientSession() as session:
+
+        async def get(headers: dict[str, str] = key) -> tuple[int, dict[str, str], bytes]:
+            async with session.get(gw.url + "/", headers=headers) as response:
+                return response.status, dict(response.headers), await response.read()
+
+        assert [(await get())[0] for _ in range(3)] == [200, 429, 429]  # the 2nd 429 blocks
+        status, headers, body = await get()
+        assert status == 403
+        assert headers["Retry-After"] == "900"  # to the block's end, not the window's
+        assert json.loads(body)["limit"] == "per_key"
+        assert len(upstream.requests) == 1
+        assert (await get({"X-Api-Key": "someone-else"}))[0] == 200  # only that key
+        async with session.get(
+            gw.admin_url + "/explain", params={"path": "/", "header": "X-Api-Key: abuser"}
+        ) as response:
+            explained = await response.json()
+        assert explained["limits"][0]["penalty"]["blocked_for_s"] == 900
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda s: (
+                s.get(
+                    (
+                        "gateway_limit_decisions_total",
+                        frozenset({("limit", "per_key"), ("result", "penalized")}),
+                    )
+                )
+                == 1
+            ),
+        )
+        # The blocked request did not touch the limit: two rejections, one allowed each key.
+        assert (
+            value(samples, "gateway_limit_decisions_total", limit="per_key", result="rejected") == 2
+        )
+        clock.advance(900)
+        assert (await get())[0] == 429  # the block is over; the limit's window is not
+        clock.advance(3600)
+        assert (await get())[0] == 200
+
+
+def test_a_store_that_keeps_no_penalties_refuses_them_by_name() -> None:
+    text = policy_for("http://127.0.0.1:9", PENALIZED + "store: {url: 'redis://127.0.0.1:1'}\n")
+    with pytest.raises(PolicyError) as raised:
+        parse_and_build(text, "test.yaml")
+    message = raised.value.format()
+    assert (
+        "limits.per_key.penalty: penalties are kept by the gateway's own workers: the redis "
+        "store does not keep them yet"
+    ) in message, message
+
+
+async def test_a_key_blocked_by_one_worker_is_refused_by_all(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    """``--workers 2``: each request on a new connection (SO_REUSEPORT spreads them over the
+    workers); the strikes add up and the block holds whichever worker answers."""
+    async with run_workers(upstream.url, tmp_path, PENALIZED, 2) as (url, _, pids):
+        await wait_serving(tmp_path, 2)
+        statuses = []
+        for _ in range(8):
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as session,
+                session.get(url + "/", headers={"X-Api-Key": "abuser"}) as response,
+            ):
+                statuses.append(response.status)
+        assert statuses == [200, 429, 429] + [403] * 5
+        assert len(upstream.requests) == 1
+        assert len(pids()) == 2
+
+
+def test_replay_plays_penalties_as_the_live_gateway_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One client, a request a second: 1 admitted, 2 rejected (the second blocks the key),
+    then 3 refused by the penalty without the limit being asked."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        policy_for("http://127.0.0.1:9", PENALIZED.replace("['header:X-Api-Key']", "[client_ip]"))
+    )
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    log = tmp_path / "access.log"
+    stamps = [(start + timedelta(seconds=s)).strftime("%d/%b/%Y:%H:%M:%S +0000") for s in range(6)]
+    log.write_text(
+        "".join(f'203.0.113.1 - - [{at}] "GET / HTTP/1.1" 200 12 "-" "curl/8.5"\n' for at in stamps)
+    )
+    assert main(["replay", "--json", "--config", str(policy), str(log)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["policies"][0]["rejected_by"] == {"per_key": 5}
+    limit = next(lim for lim in doc["policies"][0]["limits"] if lim["name"] == "per_key")
+    assert (limit["allowed"], limit["rejected"]) == (1, 2)
+
+
+def test_blocks_outlive_a_reload_while_the_limit_keeps_its_penalty() -> None:
+    from gateway.algorithms.registry import build_algorithm
+    from gateway.engine.key_admin import block_key, limit_named
+    from gateway.engine.limit_engine import LimitEngine
+    from gateway.stores import MemoryStore
+
+    other = "  other:\n    algorithm: fixed_window\n    limit: 5\n    window: 1m\n"
+    clock = FakeClock()
+    store = MemoryStore(clock)
+
+    def engine(limits: str, previous: LimitEngine | None = None) -> LimitEngine:
+        policy = parse_and_build(policy_for("http://127.0.0.1:9", limits), "test.yaml").policy
+        return LimitEngine(policy, store, build_algorithm, previous=previous)
+
+    first = engine(PENALIZED + other)
+    first.penalties["per_key"].strike("k", clock.now_us())
+    first.penalties["per_key"].strike("k", clock.now_us())
+    block_key(first, limit_named(first, "other"), "10.0.0.1", 60)  # a limit without penalty
+    kept = engine(PENALIZED + other, first)
+    assert kept.penalty_until(limit_named(kept, "per_key"), "k") == 900
+    assert kept.penalty_until(limit_named(kept, "other"), "10.0.0.1") == 60
+    changed = engine(PENALIZED.replace("block: 15m", "block: 1m") + other, kept)
+    assert changed.penalty_until(limit_named(changed, "per_key"), "k") is None
+    assert changed.penalty_until(limit_named(changed, "other"), "10.0.0.1") == 60
