@@ -42,7 +42,6 @@ import math
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, Final
 
 from gateway.algorithms.base import Algorithm, Decision
@@ -59,6 +58,7 @@ from gateway.stores.redis.circuit import NodeCircuits
 from gateway.stores.redis.clients import ScriptClient, submit_recovering
 from gateway.stores.redis.fallback import OwedToNodes
 from gateway.stores.redis.lease_grant import permille
+from gateway.stores.redis.library import LuaProgram, lua_program
 from gateway.stores.store_stats import StoreStats
 
 log = logging.getLogger("gateway.store")
@@ -68,13 +68,15 @@ _INF: Final = float("inf")
 _MIN_RETRY_US: Final = 1000
 
 
+def lease_lua_program() -> LuaProgram:
+    """The lease program: the shared prelude (helpers, once per library load), then
+    ``lease.lua`` (per call)."""
+    return lua_program("lease", ("prelude.lua",), ("lease.lua",))
+
+
 def load_lease_script() -> str:
-    """The lease script Redis runs: the shared prelude (helpers, the call header), then
-    ``lease.lua``."""
-    folder = resources.files("gateway.stores.redis") / "lua"
-    return "\n".join(
-        (folder / name).read_text(encoding="utf-8") for name in ("prelude.lua", "lease.lua")
-    )
+    """The lease script, as ``EVALSHA`` runs it."""
+    return lease_lua_program().script
 
 
 @dataclass(slots=True)
@@ -749,6 +751,7 @@ __all__ = [
     "LeaseCounters",
     "LeasePlan",
     "LeaseUnavailableError",
+    "lease_lua_program",
     "load_lease_script",
     "plan_for",
 ]
