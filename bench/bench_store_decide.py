@@ -41,11 +41,12 @@ from gateway.stores.redis.clients import ThinClient
 CALLERS = 64
 # redis-evalsha: the same decisions as redis, sent as EVALSHA of the whole script (a Redis
 # before 7, or one that refuses functions) instead of FCALL of the loaded library.
-KINDS = ("memory", "redis", "redis-evalsha", "redis-leased")
+# redis-leased leases the global bucket; redis-leased-all all three limits.
+KINDS = ("memory", "redis", "redis-evalsha", "redis-leased", "redis-leased-all")
 _prefixes = itertools.count()
 
 
-def example_limits(leased: bool) -> list[CompiledLimit]:
+def example_limits(leased: bool, all_leased: bool = False) -> list[CompiledLimit]:
     specs = {
         "per_ip": {
             "algorithm": "leaky_bucket",
@@ -53,19 +54,21 @@ def example_limits(leased: bool) -> list[CompiledLimit]:
             "burst": 1000000,
             "nodelay": True,
             "key": ["client_ip"],
+            **({"lease": {}} if all_leased else {}),
         },
         "api": {
             "algorithm": "sliding_window",
             "limit": 1000000,
             "window": "1s",
             "key": ["client_ip"],
+            **({"lease": {}} if all_leased else {}),
         },
         "global": {
             "algorithm": "token_bucket",
             "rate": "1000000r/s",
             "burst": 1000000,
             "key": ["global"],
-            **({"lease": {}} if leased else {}),
+            **({"lease": {}} if leased or all_leased else {}),
         },
     }
     policy = Policy.model_validate({"limits": specs})
@@ -114,7 +117,7 @@ REDIS_FIGURES: dict[str, list[tuple[float, float]]] = {}
 
 
 async def cpu_per_decide(kind: str, url: str, decides: int) -> float:
-    limits = example_limits(kind == "redis-leased")
+    limits = example_limits(kind == "redis-leased", kind == "redis-leased-all")
     store: LimitStore
     if kind == "memory":
         store = MemoryStore()
