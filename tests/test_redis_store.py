@@ -483,6 +483,32 @@ async def test_cluster_keys_of_a_request_share_a_slot_and_clients_spread(
         await store.close()
 
 
+async def test_cluster_a_leased_global_limit_leaves_the_clients_spread(
+    redis_cluster: RedisClusterHarness,
+) -> None:
+    """The global limit leased: it is not in the request's call, so the per-client keys keep the
+    client as their tag and spread over the masters again (exact, the global limit put every
+    key of every client on one node: the test above)."""
+    per_ip = compiled("per_ip", LeakyBucket(1, 60, 10, None))
+    api = compiled("api", SlidingWindow(100, 60.0), key=("client_ip", "route"))
+    site = leased_compiled("site", {"algorithm": "fixed_window", "limit": 100_000, "window": "60s"})
+    prefix = f"spreadlease{next(_prefixes)}:"
+    store = RedisStore(redis_cluster.url, key_prefix=prefix)
+    try:
+        store.configure([per_ip, api, site], ())
+        calls_before = store.counters.calls
+        for n in range(60):
+            ip = f"10.3.{n // 250}.{n % 250}"
+            checks = [Check(per_ip, ip), Check(api, f"{ip}\x1fapi"), Check(site, "g")]
+            assert (await store.decide(checks)).allowed
+        added = redis_cluster.keys_per_node(prefix + "{10.3.*")
+        assert sum(added) == 120 and all(n > 0 for n in added), added
+        assert store.counters.calls - calls_before == 60  # one call per request, per client
+        assert store.counters.failed_calls == 0
+    finally:
+        await store.close()
+
+
 # --- when Redis fails -----------------------------------------------------------------------------
 
 
