@@ -271,7 +271,7 @@ def start_cluster(procs: bp.Processes, work_dir: Path, cpus: str) -> list[int]:
 
 
 def script_calls(port: int) -> int:
-    """EVALSHA and EVAL calls a Redis server has answered."""
+    """Script calls (FCALL, EVALSHA, EVAL) a Redis server has answered."""
     import subprocess
 
     out = subprocess.run(
@@ -281,7 +281,7 @@ def script_calls(port: int) -> int:
         timeout=10,
         check=False,
     ).stdout
-    found = re.findall(r"^cmdstat_(?:evalsha|eval):calls=(\d+)", out, re.MULTILINE)
+    found = re.findall(r"^cmdstat_(?:fcall|evalsha|eval):calls=(\d+)", out, re.MULTILINE)
     return sum(int(n) for n in found)
 
 

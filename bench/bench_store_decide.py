@@ -6,7 +6,9 @@ leased.
 
 64 callers await ``store.decide`` together on one uvloop (so the Redis client pipelines as it
 does under load), each for its share of ``--decides``; the figure is this thread's CPU time over
-the decisions made, in µs per decision, the median over rounds run in turn. A ``redis-server``
+the decisions made, in µs per decision, the median over rounds run in turn; then Redis's own
+side (``INFO commandstats``): script calls per decision and Redis's µs per script call and per
+decision, which depend little on the gateway's machine. A ``redis-server``
 of its own on a free port (``--redis URL`` for another). The in-process store's figure is the
 floor: the difference is what a Redis call, or a lease, costs the gateway per request.
 """
@@ -34,13 +36,17 @@ from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder
 from gateway.policy.models import Policy
 from gateway.stores import LimitStore, MemoryStore, RedisStore
+from gateway.stores.redis.clients import ThinClient
 
 CALLERS = 64
-KINDS = ("memory", "redis", "redis-leased")
+# redis-evalsha: the same decisions as redis, sent as EVALSHA of the whole script (a Redis
+# before 7, or one that refuses functions) instead of FCALL of the loaded library.
+# redis-leased leases the global bucket; redis-leased-all all three limits.
+KINDS = ("memory", "redis", "redis-evalsha", "redis-leased", "redis-leased-all")
 _prefixes = itertools.count()
 
 
-def example_limits(leased: bool) -> list[CompiledLimit]:
+def example_limits(leased: bool, all_leased: bool = False) -> list[CompiledLimit]:
     specs = {
         "per_ip": {
             "algorithm": "leaky_bucket",
@@ -48,19 +54,21 @@ def example_limits(leased: bool) -> list[CompiledLimit]:
             "burst": 1000000,
             "nodelay": True,
             "key": ["client_ip"],
+            **({"lease": {}} if all_leased else {}),
         },
         "api": {
             "algorithm": "sliding_window",
             "limit": 1000000,
             "window": "1s",
             "key": ["client_ip"],
+            **({"lease": {}} if all_leased else {}),
         },
         "global": {
             "algorithm": "token_bucket",
             "rate": "1000000r/s",
             "burst": 1000000,
             "key": ["global"],
-            **({"lease": {}} if leased else {}),
+            **({"lease": {}} if leased or all_leased else {}),
         },
     }
     policy = Policy.model_validate({"limits": specs})
@@ -79,13 +87,46 @@ def example_limits(leased: bool) -> list[CompiledLimit]:
     ]
 
 
+SCRIPT_COMMANDS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall")
+
+
+def script_stats(url: str) -> tuple[int, float]:
+    """Script calls Redis has run and the microseconds it spent in them (``INFO
+    commandstats``: EVALSHA, EVAL, FCALL): Redis's own CPU, apart from the gateway's."""
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=2.0) as sock:
+        sock.sendall(b"INFO commandstats\r\n")
+        data = b""
+        while not data.endswith(b"\r\n\r\n") and len(data) < 1 << 20:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    calls, usec = 0, 0.0
+    for line in data.decode(errors="replace").splitlines():
+        name, _, fields = line.partition(":")
+        if name in SCRIPT_COMMANDS:
+            values = dict(field.split("=", 1) for field in fields.split(","))
+            calls += int(values["calls"])
+            usec += float(values["usec"])
+    return calls, usec
+
+
+# Per kind and round: Redis's script calls per decision and its µs per script call.
+REDIS_FIGURES: dict[str, list[tuple[float, float]]] = {}
+
+
 async def cpu_per_decide(kind: str, url: str, decides: int) -> float:
-    limits = example_limits(kind == "redis-leased")
+    limits = example_limits(kind == "redis-leased", kind == "redis-leased-all")
     store: LimitStore
     if kind == "memory":
         store = MemoryStore()
     else:
         store = RedisStore(url, key_prefix=f"decide{next(_prefixes)}:{time.time()}:", timeout_s=0.5)
+        if kind == "redis-evalsha":
+            client = store.client
+            assert isinstance(client, ThinClient)
+            client.use_script("compared in bench_store_decide.py")
     store.configure(limits, ())
     checks = [
         Check(limits[0], "203.0.113.7"),
@@ -101,9 +142,17 @@ async def cpu_per_decide(kind: str, url: str, decides: int) -> float:
     try:
         await asyncio.gather(*(caller(200) for _ in range(CALLERS)))  # connect, first leases
         each = decides // CALLERS
+        calls_before, usec_before = script_stats(url) if kind != "memory" else (0, 0.0)
         started = time.thread_time()
         await asyncio.gather(*(caller(each) for _ in range(CALLERS)))
-        return (time.thread_time() - started) / (each * CALLERS) * 1e6
+        cpu_us = (time.thread_time() - started) / (each * CALLERS) * 1e6
+        if kind != "memory":
+            calls_after, usec_after = script_stats(url)
+            calls = calls_after - calls_before
+            REDIS_FIGURES.setdefault(kind, []).append(
+                (calls / (each * CALLERS), (usec_after - usec_before) / max(calls, 1))
+            )
+        return cpu_us
     finally:
         await store.close()
 
@@ -166,6 +215,14 @@ def main() -> int:
         median = statistics.median(values)
         rounded = ", ".join(f"{value:.1f}" for value in values)
         print(f"| {kind} | {median:.2f} | {rounded} | {median - floor:+.2f} |")
+    print()
+    print("| store | script calls / decide | Redis µs / script call | Redis µs / decide |")
+    print("|---|---:|---:|---:|")
+    for kind, rounds in REDIS_FIGURES.items():
+        per_decide = statistics.median(calls for calls, _ in rounds)
+        per_call = statistics.median(usec for _, usec in rounds)
+        redis_us = statistics.median(calls * usec for calls, usec in rounds)
+        print(f"| {kind} | {per_decide:.3f} | {per_call:.2f} | {redis_us:.2f} |")
     return 0
 
 

@@ -624,6 +624,60 @@ async def test_a_bucket_lease_that_arrives_late_is_still_spent(
         await store.close()
 
 
+class _LaggingRedisClock:
+    """Redis's clock for the lease calls (``time_source``): it stays a few microseconds before
+    a window's end, while each call it stamps moves the replica's clock on by the call's
+    latency (Redis's clock behind the replica's, as two machines' clocks are)."""
+
+    def __init__(self, replica: FakeClock, now_us: int, latency_us: int) -> None:
+        self.replica = replica
+        self.now = now_us
+        self.latency_us = latency_us
+
+    def now_us(self) -> int:
+        self.replica.advance(us=self.latency_us)
+        return self.now
+
+    def unix_us(self) -> int:
+        return self.now
+
+
+@pytest.mark.parametrize("algorithm", ["sliding_window", "fixed_window"])
+async def test_a_window_lease_that_arrives_past_its_window_still_admits_its_request(
+    redis_server: RedisServer, algorithm: str
+) -> None:
+    """A lease granted in a window's last microseconds may arrive after its window ended on
+    the replica's clock, and the next ask too. The request that asked is still admitted: Redis
+    counted its unit in that window, as an exact decision would have (it was rejected with
+    'retry after 0.001s' at a window boundary, far from the limit)."""
+    window_end_us = T0_US - T0_US % 1_000_000 + 1_000_000
+    replica_clock = FakeClock(window_end_us - 10)
+    redis_clock = _LaggingRedisClock(replica_clock, window_end_us - 10, latency_us=50)
+    limit = leased_limit(
+        {"algorithm": algorithm, "limit": 1000, "window": "1s", "key": ["global"], "lease": {}}
+    )
+    prefix = f"lease{next(_prefixes)}:"
+    store = RedisStore(
+        redis_server.url,
+        key_prefix=prefix,
+        timeout_s=2.0,
+        clock=replica_clock,
+        time_source=redis_clock,
+    )
+    store.configure([limit], ())
+    check = Check(limit, "g")
+    try:
+        verdict = await store.decide([check])
+        assert verdict.allowed, verdict
+        # The grant arrived after its window's end on the replica's clock.
+        assert replica_clock.now_us() > window_end_us
+        redis_clock.now = window_end_us + 100  # Redis's next window: a live lease
+        for _ in range(5):
+            assert (await store.decide([check])).allowed
+    finally:
+        await store.close()
+
+
 async def test_a_request_rejected_by_a_stacked_limit_is_charged_to_no_lease(
     redis_server: RedisServer,
 ) -> None:

@@ -132,7 +132,7 @@ async def press(
         assert server is not None
         while loop.time() < end:
             await asyncio.sleep(1.0 - time.time() % 1.0)
-            calls_at[int(time.time())] = evalsha_calls(server)
+            calls_at[int(time.time())] = script_calls(server)
 
     async def watch() -> None:
         nonlocal end
@@ -203,7 +203,7 @@ def per_window(arrivals: list[float], first: float, last: float) -> list[int]:
     return [counts[index] for index in range(int(first) + 1, int(last))]
 
 
-def evalsha_calls(server: RedisServer) -> int:
+def script_calls(server: RedisServer) -> int:
     client = redis.Redis.from_url(server.url)
     try:
         stats = client.info("commandstats")
@@ -212,7 +212,7 @@ def evalsha_calls(server: RedisServer) -> int:
     return sum(
         int(entry["calls"])
         for name, entry in stats.items()
-        if name in ("cmdstat_evalsha", "cmdstat_eval")
+        if name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall")
     )
 
 

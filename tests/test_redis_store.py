@@ -30,11 +30,14 @@ from hypothesis import strategies as st
 
 from gateway.algorithms.fixed_window import FixedWindow
 from gateway.algorithms.leaky_bucket import LeakyBucket
+from gateway.algorithms.registry import build_algorithm
 from gateway.algorithms.sliding_log import SlidingLog
 from gateway.algorithms.sliding_window import SlidingWindow
 from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import FakeClock
-from gateway.limits.compiled import Check, CompiledLimit
+from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
+from gateway.limits.keys import KeyBuilder
+from gateway.policy.models import Policy
 from gateway.stores import RedisStore, StoreUnavailableError
 from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.store import load_script, parse_store_url
@@ -365,6 +368,8 @@ def test_states_written_under_other_parameters_are_rescaled_as_in_python(
 
 
 async def test_script_flushed_from_redis_is_loaded_again(redis_backend: Backend) -> None:
+    """Scripts and function libraries flushed (a new master, a restart without persistence):
+    NOSCRIPT or 'Function not found', the program loaded again, the call sent again."""
     limit = compiled("ns", FixedWindow(5, 60.0))
     store = redis_backend.make(FakeClock(T0_US))
     assert isinstance(store, RedisStore) and redis_backend.inspect is not None
@@ -373,8 +378,71 @@ async def test_script_flushed_from_redis_is_loaded_again(redis_backend: Backend)
         assert (await store.decide([Check(limit, "k")])).allowed
         recoveries = store.counters.recoveries
         redis_backend.inspect.script_flush()  # on every master of a cluster
+        redis_backend.inspect.function_flush()
         assert (await store.decide([Check(limit, "k")])).decisions[0].remaining == 3
         assert store.counters.recoveries == recoveries + 1
+    finally:
+        await store.close()
+
+
+def leased_compiled(name: str, spec_yaml: dict[str, Any]) -> CompiledLimit:
+    spec = Policy.model_validate(
+        {"limits": {name: {**spec_yaml, "key": ["global"], "lease": {}}}}
+    ).limits[name]
+    return CompiledLimit(
+        name, spec, build_algorithm(spec), KeyBuilder(spec.key), None, None, 1.0, LimitCounters()
+    )
+
+
+def _script_calls(server: RedisServer) -> dict[str, int]:
+    client = redis.Redis.from_url(server.url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return {
+        name.removeprefix("cmdstat_"): int(entry["calls"])
+        for name, entry in stats.items()
+        if name in ("cmdstat_fcall", "cmdstat_evalsha", "cmdstat_eval")
+    }
+
+
+async def test_decisions_are_function_calls_on_redis_7(redis_factory: RedisFactory) -> None:
+    """On Redis 7 the thin client loads the algorithms once, as a function library, and each
+    decision (and lease ask) is an FCALL: no EVALSHA re-running the whole script."""
+    server = redis_factory.start()
+    window = compiled("w", FixedWindow(5, 60.0))
+    leased = leased_compiled("g", {"algorithm": "fixed_window", "limit": 1000, "window": "1s"})
+    store = RedisStore(server.url, key_prefix="fn:", clock=FakeClock(T0_US))
+    store.configure([window, leased], ())
+    try:
+        for remaining in (4, 3):
+            verdict = await store.decide([Check(window, "k"), Check(leased, "g")])
+            assert verdict.decisions[0].remaining == remaining
+        assert set(_script_calls(server)) == {"fcall"}  # decisions and lease asks
+    finally:
+        await store.close()
+
+
+async def test_a_redis_that_refuses_functions_gets_the_script(
+    redis_factory: RedisFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FUNCTION and FCALL renamed away (as a managed service may, or Redis 6 has neither):
+    the same decisions by EVALSHA, said once in the log."""
+    server = redis_factory.start(
+        "--rename-command", "FUNCTION", "", "--rename-command", "FCALL", ""
+    )
+    limit = compiled("ns", FixedWindow(5, 60.0))
+    store = RedisStore(server.url, key_prefix="nofn:", clock=FakeClock(T0_US))
+    store.configure([limit], ())
+    caplog.set_level(logging.WARNING, "gateway.store")
+    try:
+        for remaining in (4, 3, 2):
+            verdict = await store.decide([Check(limit, "k")])
+            assert verdict.decisions[0].remaining == remaining
+        refused = [r for r in caplog.records if "refused functions" in r.getMessage()]
+        assert len(refused) == 1, caplog.text
+        assert set(_script_calls(server)) == {"evalsha"}
     finally:
         await store.close()
 
@@ -412,6 +480,32 @@ async def test_cluster_keys_of_a_request_share_a_slot_and_clients_spread(
         assert store.counters.failed_calls == 0
     finally:
         close_client(plain)
+        await store.close()
+
+
+async def test_cluster_a_leased_global_limit_leaves_the_clients_spread(
+    redis_cluster: RedisClusterHarness,
+) -> None:
+    """The global limit leased: it is not in the request's call, so the per-client keys keep the
+    client as their tag and spread over the masters again (exact, the global limit put every
+    key of every client on one node: the test above)."""
+    per_ip = compiled("per_ip", LeakyBucket(1, 60, 10, None))
+    api = compiled("api", SlidingWindow(100, 60.0), key=("client_ip", "route"))
+    site = leased_compiled("site", {"algorithm": "fixed_window", "limit": 100_000, "window": "60s"})
+    prefix = f"spreadlease{next(_prefixes)}:"
+    store = RedisStore(redis_cluster.url, key_prefix=prefix)
+    try:
+        store.configure([per_ip, api, site], ())
+        calls_before = store.counters.calls
+        for n in range(60):
+            ip = f"10.3.{n // 250}.{n % 250}"
+            checks = [Check(per_ip, ip), Check(api, f"{ip}\x1fapi"), Check(site, "g")]
+            assert (await store.decide(checks)).allowed
+        added = redis_cluster.keys_per_node(prefix + "{10.3.*")
+        assert sum(added) == 120 and all(n > 0 for n in added), added
+        assert store.counters.calls - calls_before == 60  # one call per request, per client
+        assert store.counters.failed_calls == 0
+    finally:
         await store.close()
 
 

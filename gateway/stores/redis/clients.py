@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -14,6 +15,8 @@ from redis.asyncio import Redis, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+log = logging.getLogger("gateway.store")
 
 # Arguments this long are a limit's parameters (a letter and two or more doubles), never a
 # time (16 digits): their RESP encoding is kept.
@@ -116,7 +119,27 @@ class Batch:
 
 
 def is_noscript(error: Exception) -> bool:
-    return isinstance(error, NoScriptError) or str(error).startswith("NOSCRIPT")
+    """The program is not loaded where the call went: a script (NOSCRIPT), a function
+    library (``Function not found``), or functions refused there (then the script is)."""
+    if isinstance(error, NoScriptError):
+        return True
+    message = str(error)
+    return (
+        message.startswith("NOSCRIPT") or _function_missing(message) or _functions_refused(message)
+    )
+
+
+def _function_missing(message: str) -> bool:
+    return "Function not found" in message
+
+
+def _functions_refused(message: str) -> bool:
+    """Redis before 7 (no FUNCTION, no FCALL), or a server or user that may not run them
+    (a managed service's renamed commands, an ACL): the script is sent by EVALSHA instead."""
+    lower = message.lower()
+    if "fcall" not in lower and "function" not in lower:
+        return False
+    return "unknown command" in lower or "unknown subcommand" in lower or lower.startswith("noperm")
 
 
 MAX_RECOVERIES: Final = 3
@@ -465,9 +488,15 @@ class _Node:
 
 
 class ThinClient:
-    """A pipelined client on hiredis for exactly what the store sends: ``EVALSHA`` in batches,
-    ``SCRIPT LOAD``, and for a cluster ``CLUSTER SLOTS`` and ``MOVED``. Per call it spends a
-    fraction of redis-py's pipeline CPU (measured in bench/bench_store.py)."""
+    """A pipelined client on hiredis for exactly what the store sends: ``FCALL`` (or
+    ``EVALSHA``) in batches, ``FUNCTION LOAD`` (or ``SCRIPT LOAD``), and for a cluster
+    ``CLUSTER SLOTS`` and ``MOVED``. Per call it spends a fraction of redis-py's pipeline CPU
+    (measured in bench/bench_store.py).
+
+    Given a ``library`` (library.py), the program is a Redis function: loaded once per
+    server, its algorithms defined once, where ``EVALSHA`` runs the whole script every call.
+    A server that refuses functions (before Redis 7, a managed service, an ACL) gets the
+    script by ``EVALSHA``, said once in the log."""
 
     def __init__(
         self,
@@ -478,10 +507,14 @@ class ThinClient:
         timeout_s: float,
         *,
         cluster: bool,
+        library: str = "",
+        function: str = "",
     ) -> None:
         parts = urlsplit(url)
         self.cluster = cluster
         self.script = script.encode()
+        self.library = library.encode()
+        self.functions = bool(library and function)
         self.max_in_flight = max_in_flight
         self.timeout_s = timeout_s
         self.round_trips = 0
@@ -501,7 +534,11 @@ class ThinClient:
             if cluster:
                 raise ValueError(f"a Redis Cluster has only database 0, got {url!r}")
             self.handshake.append(_command(b"SELECT", db.encode()))
-        self._head = b"*%%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode()
+        self._script_head = b"*%%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n" % sha.encode()
+        self._head = self._script_head
+        if self.functions:
+            name = function.encode()
+            self._head = b"*%%d\r\n$5\r\nFCALL\r\n$%d\r\n%s\r\n" % (len(name), name)
         self._encoded: dict[bytes, bytes] = {}
         self._nodes: dict[str, _Node] = {}
         self._seed = self._node(parts.hostname or "127.0.0.1", parts.port or 6379)
@@ -552,12 +589,17 @@ class ThinClient:
         return (node or self._seed).submit(payload)
 
     async def recover(self, error: Exception) -> str | None:
-        """NOSCRIPT loads the script; MOVED (a slot has a new owner: resharding, failover)
-        reads the slot map again; ASK (a slot being migrated, this key already moved) sends
-        the call once to the node it names. Anything else (CLUSTERDOWN, TRYAGAIN, LOADING,
-        READONLY...) is a failure of this call."""
+        """NOSCRIPT or ``Function not found`` (a new server, a new master, a flush) loads the
+        program; functions refused switches to the script; MOVED (a slot has a new owner:
+        resharding, failover) reads the slot map again; ASK (a slot being migrated, this key
+        already moved) sends the call once to the node it names. Anything else (CLUSTERDOWN,
+        TRYAGAIN, LOADING, READONLY...) is a failure of this call."""
         message = str(error)
-        if message.startswith("NOSCRIPT"):
+        if message.startswith("NOSCRIPT") or _function_missing(message):
+            await self._once("script", self._load_script)
+            return ""
+        if _functions_refused(message):
+            self.use_script(message)
             await self._once("script", self._load_script)
             return ""
         if not self.cluster:
@@ -616,10 +658,36 @@ class ThinClient:
             task.exception()  # retrieved here; every caller that waits gets it raised
 
     async def _load_script(self) -> None:
+        """The program on every master: the library (replacing one of the same name, which is
+        the same code), or the script where functions are refused."""
         if self.cluster and self._slots is None:
             await self._refresh()
         nodes = self._masters() if self.cluster else [self._seed]
+        if self.functions:
+            library = self.library
+            try:
+                await asyncio.gather(
+                    *[node.execute(b"FUNCTION", b"LOAD", b"REPLACE", library) for node in nodes]
+                )
+                return
+            except ResponseError as exc:
+                if not _functions_refused(str(exc)):
+                    raise
+                self.use_script(str(exc))
         await asyncio.gather(*[node.execute(b"SCRIPT", b"LOAD", self.script) for node in nodes])
+
+    def use_script(self, reason: str) -> None:
+        """Functions refused: every call from now on is an ``EVALSHA`` (said once)."""
+        if not self.functions:
+            return
+        self.functions = False
+        self._head = self._script_head
+        log.warning(
+            "Redis at %s refused functions (%s): the limits' script is sent by EVALSHA, "
+            "which runs all of it on every call (Redis 7 functions run only the decision)",
+            self._seed.address,
+            reason.splitlines()[0][:200],
+        )
 
     async def _refresh(self) -> None:
         errors = []

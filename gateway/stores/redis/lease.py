@@ -13,7 +13,8 @@ Bounds:
 * Never more than the limit: the script hands out at most what remains of the quota, so the
   leases of all replicas together never exceed it. A lease is used only before it expires on
   this replica's clock, counted from when the ask was sent (so before the window ends in
-  Redis, whatever the call's latency).
+  Redis, whatever the call's latency), but for the unit of the request that asked: Redis
+  counted it in its window, as it counts an exact decision's, however late the reply.
 * A replica that dies strands its current lease: those units are neither admitted nor given
   back, so the others admit less, never more. One grant is at most ``share`` of what remained
   when it was made (half, by default), so a dead replica strands at most ``share`` of the
@@ -41,7 +42,6 @@ import math
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, Final
 
 from gateway.algorithms.base import Algorithm, Decision
@@ -58,6 +58,7 @@ from gateway.stores.redis.circuit import NodeCircuits
 from gateway.stores.redis.clients import ScriptClient, submit_recovering
 from gateway.stores.redis.fallback import OwedToNodes
 from gateway.stores.redis.lease_grant import permille
+from gateway.stores.redis.library import LuaProgram, lua_program
 from gateway.stores.store_stats import StoreStats
 
 log = logging.getLogger("gateway.store")
@@ -67,13 +68,15 @@ _INF: Final = float("inf")
 _MIN_RETRY_US: Final = 1000
 
 
+def lease_lua_program() -> LuaProgram:
+    """The lease program: the shared prelude (helpers, once per library load), then
+    ``lease.lua`` (per call)."""
+    return lua_program("lease", ("prelude.lua",), ("lease.lua",))
+
+
 def load_lease_script() -> str:
-    """The lease script Redis runs: the shared prelude (helpers, the call header), then
-    ``lease.lua``."""
-    folder = resources.files("gateway.stores.redis") / "lua"
-    return "\n".join(
-        (folder / name).read_text(encoding="utf-8") for name in ("prelude.lua", "lease.lua")
-    )
+    """The lease script, as ``EVALSHA`` runs it."""
+    return lease_lua_program().script
 
 
 @dataclass(slots=True)
@@ -405,21 +408,24 @@ class LeaseBook:
         plan = self.plans[check.limit.name]
         lease = self._lease(plan, check.key)
         counters = self.counters[plan.name]
-        # Asks this request made: one, or two when the first lease came back already over
-        # (its window ended while the call was on its way).
+        # Asks this request made: one, or two when a lease it waited for came back already
+        # over (its window ended while the call was on its way).
         fetches = 0
+        # A grant this request asked for is spent on it even when it arrives after its window
+        # ended on this clock: Redis counted the unit in that window, as an exact decision's.
+        own_grant = False
         if commit:
             _demand(lease, plan.interval_us, self.clock.now_us())
         while True:
             now_us = self.clock.now_us()
-            if lease.units > 0 and now_us < lease.expires_us:
+            if lease.units > 0 and (now_us < lease.expires_us or own_grant):
                 lease.units -= 1
                 lease.unseeded += 1
                 lease.taken += 1
                 lease.last_take_us = now_us
                 counters.decided += commit
                 remaining = lease.units
-                reset_s = (lease.expires_us - now_us) / 1e6
+                reset_s = max(lease.expires_us - now_us, 0) / 1e6
                 decision = Decision(True, 0.0, 0.0, plan.quota, remaining, reset_s)
                 return decision, (lease, lease.generation)
             spent = fetches >= 2 or (fetches == 1 and lease.units == 0)
@@ -448,6 +454,7 @@ class LeaseBook:
             finally:
                 lease.fetching = None
             fetches += 1
+            own_grant = True
 
     def _lease(self, plan: LeasePlan, key: str) -> Lease:
         table = self.leases.get(plan.name)
@@ -744,6 +751,7 @@ __all__ = [
     "LeaseCounters",
     "LeasePlan",
     "LeaseUnavailableError",
+    "lease_lua_program",
     "load_lease_script",
     "plan_for",
 ]

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, Final, Literal
 
 from redis.asyncio import Redis, RedisCluster
@@ -33,7 +31,8 @@ from gateway.stores.redis.clients import (
 from gateway.stores.redis.codecs import CalendarCodec, codec_for
 from gateway.stores.redis.fallback import OwedToNodes
 from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
-from gateway.stores.redis.lease import LeaseBook, LeaseCounters, load_lease_script
+from gateway.stores.redis.lease import LeaseBook, LeaseCounters, lease_lua_program
+from gateway.stores.redis.library import LuaProgram, lua_program
 from gateway.stores.redis.shadow import FOLD_INTERVAL_S, PendingCharges
 from gateway.stores.redis.slot_keeper import SlotKeeper
 from gateway.stores.store_stats import StoreStats
@@ -49,7 +48,7 @@ _OVERRIDE_MIN_TTL_MS: Final = 600_000
 SLOT_TTL_S: Final = 10.0
 # Getting ready at start (several round trips, every master) may take longer than one call.
 _PREPARE_TIMEOUT_S: Final = 2.0
-_LUA_FILES: Final = (
+_ALGORITHM_FILES: Final = (
     "prelude.lua",
     "leaky_bucket.lua",
     "fixed_window.lua",
@@ -58,14 +57,18 @@ _LUA_FILES: Final = (
     "token_bucket.lua",
     "calendar_window.lua",
     "concurrency.lua",
-    "decide.lua",
 )
 
 
+def decision_program() -> LuaProgram:
+    """The decision program: the prelude and every algorithm's mirror (once per library load),
+    then ``decide.lua`` (per call)."""
+    return lua_program("decide", _ALGORITHM_FILES, ("decide.lua",))
+
+
 def load_script() -> str:
-    """The one script Redis runs: the prelude, every algorithm's mirror, then ``decide.lua``."""
-    folder = resources.files("gateway.stores.redis") / "lua"
-    return "\n".join((folder / name).read_text(encoding="utf-8") for name in _LUA_FILES)
+    """The decision script, as ``EVALSHA`` runs it: every file on every call."""
+    return decision_program().script
 
 
 @dataclass(slots=True)
@@ -173,12 +176,20 @@ class RedisStore:
         self.fold_interval_s = FOLD_INTERVAL_S
         self._fold_timer: asyncio.TimerHandle | None = None
         self._min_ttl = b"%d" % _OVERRIDE_MIN_TTL_MS if time_source is not None else b"0"
-        self.script = load_script()
-        self.sha = hashlib.sha1(self.script.encode()).hexdigest()
+        program = decision_program()
+        self.script = program.script
+        self.sha = program.sha
         self.client: ScriptClient
         if client == "thin":
             self.client = ThinClient(
-                redis_url, self.script, self.sha, max_in_flight, timeout_s, cluster=cluster
+                redis_url,
+                self.script,
+                self.sha,
+                max_in_flight,
+                timeout_s,
+                cluster=cluster,
+                library=program.library,
+                function=program.function,
             )
         elif client == "redis-py":
             self.client = PipelineClient(
@@ -193,12 +204,19 @@ class RedisStore:
         self.owed = OwedToNodes(self._charge_owed, self._node_of_check, self._topology)
         # Leased limits (``lease:``): their own script, on a client of their own (one call in
         # flight: asks are rare), of the kind configured.
-        lease_script = load_lease_script()
-        lease_sha = hashlib.sha1(lease_script.encode()).hexdigest()
+        lease_program = lease_lua_program()
+        lease_script, lease_sha = lease_program.script, lease_program.sha
         lease_client: ScriptClient
         if client == "thin":
             lease_client = ThinClient(
-                redis_url, lease_script, lease_sha, 1, timeout_s, cluster=cluster
+                redis_url,
+                lease_script,
+                lease_sha,
+                1,
+                timeout_s,
+                cluster=cluster,
+                library=lease_program.library,
+                function=lease_program.function,
             )
         else:
             lease_client = PipelineClient(

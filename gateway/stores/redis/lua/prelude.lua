@@ -1,6 +1,8 @@
 -- Shared by both scripts: the decision script (gateway/stores/redis/store.py joins prelude, the
--- algorithms and decide.lua, in that order, into ONE script) and the lease script (prelude,
--- then lease.lua: gateway/stores/redis/lease.py).
+-- algorithms, call_header.lua and decide.lua, in that order, into ONE script) and the lease
+-- script (prelude, call_header.lua, then lease.lua: gateway/stores/redis/lease.py). Loaded as
+-- a Redis function library (gateway/stores/redis/library.py), everything before
+-- call_header.lua runs once per loaded library (at its first call), each call the rest.
 --
 -- Lua numbers are IEEE doubles: every integer here stays below 2^53 (the Python side refuses
 -- parameters that could leave that range), so the arithmetic is the Python algorithms'
@@ -15,24 +17,15 @@ local function ceil_div(a, b)
   return -floor(-a / b)
 end
 
--- Every call's header. ARGV[1]: the mode, one letter, then the call's number, which the reply
--- echoes last (the client checks each reply is its own call's, so no reply can ever be taken
--- for another call's). ARGV[2]: now in microseconds; '' reads Redis TIME, the one clock all
--- replicas share.
-local mode = string.sub(ARGV[1], 1, 1)
-local call_id = tonumber(string.sub(ARGV[1], 2)) or 0
-local now_us = tonumber(ARGV[2])
-if not now_us then
-  local t = redis.call('TIME')
-  now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+-- Every call's header, set by call_header.lua at the start of each call (the algorithms'
+-- helpers read now_us): the mode, the call's number, now in microseconds.
+local mode, call_id, now_us
 
 -- Some products pass 2^53 where the results do not: a rescale (a reload changed a limit's
 -- parameters) multiplies a count by a ratio of two parameters, a sliding window weighs a count
 -- of up to 2^53 by a span of microseconds. Then exact integers in base 2^24 limbs (least
 -- significant first) check the quotient the doubles estimate. The limb functions are made
--- only on that path, once per call: Redis runs this whole file, making every function in it,
--- on every call.
+-- only on that path (a script run by EVALSHA makes every function in it on every call).
 local WIDE
 local function wide()
   if WIDE then return WIDE end
