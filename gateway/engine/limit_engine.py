@@ -463,8 +463,8 @@ class LimitEngine:
             enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
         except UnlistedKey as refused:
             return _refuse_unlisted(refused.limit, commit)
-        except TokenRefused as refused:
-            return _refuse_token(refused)
+        except TokenRefused as token_refused:  # a name of its own: compiled, see test_build
+            return _refuse_token(token_refused)
         if self._has_penalties and enforced:
             blocked = self._penalized(enforced, commit)
             if blocked is not None:
@@ -525,8 +525,8 @@ class LimitEngine:
             enforced, dry = self.checks_for(facts, route, host, path)
         except UnlistedKey as refused:
             return _refuse_unlisted(refused.limit, True)
-        except TokenRefused as refused:
-            return _refuse_token(refused)
+        except TokenRefused as token_refused:  # a name of its own: compiled, see test_build
+            return _refuse_token(token_refused)
         if self._has_penalties and enforced:
             blocked = self._penalized(enforced, True)
             if blocked is not None:
