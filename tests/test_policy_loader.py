@@ -254,8 +254,8 @@ EXPECTED_ERRORS = {
     "charged at admission takes its cost; remove reserve, or use cost",
     "body_key_bad_path.yaml": "body_key_bad_path.yaml:12: limits.per_model.key: invalid key "
     "part 'body:model..name': expected client_ip, header:NAME, query:NAME, route, method, "
-    "global, const:TEXT, plan:LIMIT or body:FIELD (a JSON field of the request body: model, "
-    "metadata.user)",
+    "global, const:TEXT, plan:LIMIT, jwt:CLAIM or body:FIELD (a JSON field of the request "
+    "body: model, metadata.user)",
     "hold_unknown.yaml": "hold_unknown.yaml:13: limits.failed_logins.hold: expected "
     "'in_flight' or 'none', got 'always'",
     "cost_header_framing.yaml": "cost_header_framing.yaml:12: limits.metered.cost_header: "
