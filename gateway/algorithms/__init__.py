@@ -7,7 +7,7 @@ Adding an algorithm touches these places, in this order:
    Redis store's per-replica fallback) with frozen parameters, ``__eq__``/``__hash__`` by
    parameters (a reload keeps a limit's state while its algorithm is equal), and as public
    properties whatever the Lua mirror needs; mypy checks the protocol where it is built.
-2. ``gateway/policy/models.py``: its limit model (an ``algorithm`` literal,
+2. ``gateway/policy/limit_models.py``: its limit model (an ``algorithm`` literal,
    ``extra="forbid"``) in the ``Limit`` union, with a ``window_s`` property: its advertised
    window (``w`` of the ``RateLimit-Policy`` header).
 3. ``gateway/algorithms/registry.py``: ``build_algorithm`` maps the model to the class.
