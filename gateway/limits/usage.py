@@ -48,6 +48,13 @@ def _count(value: object) -> int | None:
     return value
 
 
+def _last_blank_line(data: bytes) -> int:
+    """Where the last ``\\n\\n`` or ``\\n\\r\\n`` begins (-1: none): the second searched only
+    past the first (a stream's lines end alike: one pass over a chunk, not two)."""
+    lf = data.rfind(b"\n\n")
+    return max(lf, data.rfind(b"\n\r\n", max(lf, 0)))
+
+
 def parse_json(data: bytes) -> object:
     """A JSON document in UTF-8 (what LLM APIs send; a byte order mark passed over), as
     ``json.loads`` reads it, without its detection of UTF-16 and 32 and its wrappers (a few
@@ -187,7 +194,7 @@ class UsageMeter:
         data = self._pending + chunk if self._pending else chunk
         # Only whole events are read: what follows the last blank line is kept, raw, for
         # the next chunk (at most the bound: the rest of a larger event is passed over).
-        end = max(data.rfind(b"\n\n"), data.rfind(b"\n\r\n"))
+        end = _last_blank_line(data)
         if end < 0:
             self._keep(data)
             return
