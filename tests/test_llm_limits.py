@@ -29,6 +29,7 @@ from tests.support.conformance import T0_US
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.llm_upstream import LlmUpstream
 from tests.support.metrics import scrape_until, value
+from tests.support.processes import GatewayProcess, StartGateway
 from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
@@ -109,7 +110,7 @@ async def _call_either(client: openai.AsyncOpenAI, words: int, max_tokens: int, 
     return (await _call(client, words, max_tokens)).usage
 
 
-async def _left(gw: RunningGateway) -> int:
+async def _left(gw: RunningGateway | GatewayProcess) -> int:
     """What the key has left (/explain: the next call's remaining plus its own hold)."""
     params = {
         "method": "POST",
@@ -580,3 +581,68 @@ async def test_anthropic_client_calls_are_charged_their_usage(
     (tokens,) = gw.gateway.handler.runtime.engine.limits
     assert tokens.counters.charged_units == sum(llm_upstream.reported)
     assert await _left(gw) == BUDGET - sum(llm_upstream.reported)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+STREAM_MB = 300
+RSS_GROWTH_MIB = 50
+
+
+@pytest.mark.slow
+@pytest.mark.reliability
+async def test_a_stream_of_hundreds_of_megabytes_is_relayed_in_bounded_memory_and_charged(
+    llm_upstream: LlmUpstream, gateway_process: StartGateway
+) -> None:
+    """A 300 MB event stream through a gateway process metering it (``cost_from``) reaches
+    the client whole, its usage (in the last event) is charged, and the gateway's memory
+    stays bounded: the meter keeps the unfinished event, never the stream."""
+    template = _policy(llm_upstream, _tokens(BUDGET)).replace("{", "{{").replace("}", "}}")
+    policy = template.replace(
+        "listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0",
+        "listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}",
+    )
+    gw = await gateway_process(policy=policy)
+    body: dict[str, Any] = {
+        "model": "test-model",
+        "messages": [{"role": "user", "content": "hello " * 5}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": "Bearer sk-test"}
+    pid = gw.proc.pid
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def stream(pad: int) -> tuple[int, bytes, int]:
+            """Bytes read, the stream's last bytes, the gateway's highest RSS meanwhile."""
+            read, tail, peak = 0, b"", _rss_kib(pid)
+            async with session.post(
+                gw.url + "/v1/chat/completions", json={**body, "pad_bytes": pad}, headers=headers
+            ) as resp:
+                assert resp.status == 200
+                async for chunk in resp.content.iter_chunked(1 << 20):
+                    read += len(chunk)
+                    tail = (tail + chunk)[-4096:]
+                    peak = max(peak, _rss_kib(pid))
+            return read, tail, peak
+
+        await stream(1 << 20)  # warm up: buffers and pools at their working size
+        await wait_until(lambda: llm_upstream.calls == 1, "the warm-up answered")
+        before = _rss_kib(pid)
+        read, tail, peak = await stream(STREAM_MB * 1_000_000)
+    print(f"{read / 1e6:.0f} MB relayed, gateway RSS {before} KiB before, {peak} KiB at most")
+    assert read > STREAM_MB * 1_000_000
+    assert tail.endswith(b"data: [DONE]\n\n") and b'"total_tokens": 13' in tail
+    assert (peak - before) / 1024 < RSS_GROWTH_MIB, (before, peak)
+
+    async def charged() -> bool:
+        return await _left(gw) == BUDGET - 2 * 13
+
+    await wait_until(charged, "both streams charged their usage (5 + 8 tokens each)")

@@ -288,6 +288,9 @@ def test_dashboard_json_covers_what_operators_watch() -> None:
         "gateway_limit_slots_in_use",
         "gateway_adaptive_limit",
         "gateway_adaptive_latency_seconds",
+        "gateway_limit_charged_units_total",
+        "gateway_limit_held_units_total",
+        "gateway_limit_returned_units_total",
     ):
         assert metric in exprs, metric
     ids = [panel["id"] for panel in data["panels"]]

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.limits.usage import MAX_USAGE_BYTES, UsageMeter, UsageSource, is_event_stream
+from gateway.limits.usage import (
+    MAX_USAGE_BYTES,
+    UsageMeter,
+    UsageSource,
+    is_event_stream,
+    parse_json,
+)
 from gateway.policy.cost_from import BadCostFrom, parse_cost_from
 
 
@@ -42,11 +48,36 @@ OPENAI_BODY = json.dumps(
         ("openai", b'{"usage": {"total_tokens": -1}}', None),
         ("openai", b'{"usage": {"total_tokens": true}}', None),
         ("openai", b"not json", None),
+        ("openai", b'{"usage": {"total_tokens": 999999999999999999}}', 999999999999999999),
+        ("openai", b'{"usage": {"total_tokens": 1000000000000000000}}', None),
+        ("openai", b"\xef\xbb\xbf \r\n" + OPENAI_BODY + b"\n\t", 12),
+        ("openai", OPENAI_BODY + b" {}", None),
+        ("openai", b"\x0b" + OPENAI_BODY, None),
+        ("openai", b'{"x": "\xff", "usage": {"total_tokens": 1}}', None),
         ("data.0.n", b'{"data": [{"n": 9}]}', 9),
     ],
 )
 def test_a_json_body(text: str, body: bytes, want: int | None) -> None:
     assert _read(text, body, stream=False) == want
+
+
+@given(
+    st.binary(max_size=40)
+    | st.text(alphabet='{}[]":,.-+eE0123456789 \t\n\x0b\ufeffa').map(str.encode)
+)
+@settings(max_examples=500, deadline=None)
+def test_a_body_is_json_exactly_when_json_loads_reads_it(data: bytes) -> None:
+    """The meter's own decoding (for speed) agrees with ``json.loads`` on UTF-8 bodies."""
+    try:
+        want: object = ("ok", json.loads(data))
+    except ValueError:
+        want = ("error",)
+    if want == ("error",) or (data[:2] not in (b"\xff\xfe", b"\xfe\xff") and b"\x00" not in data):
+        try:
+            got: object = ("ok", parse_json(data))
+        except ValueError:
+            got = ("error",)
+        assert repr(got) == repr(want)
 
 
 def test_a_json_body_over_the_bound_is_not_read() -> None:

@@ -32,13 +32,38 @@ CUT: Final = b"body:cut"
 MAX_USAGE_BYTES: Final = 1 << 20
 
 
+# A count of more than ``MAX_DIGITS`` digits is none (compared, not printed: per response).
+_COUNT_BOUND: Final = 10**MAX_DIGITS
+# JSON whitespace, the only bytes allowed around a document.
+_JSON_SPACE: Final = " \t\n\r"
+_DECODER: Final = json.JSONDecoder()
+
+
 def _count(value: object) -> int | None:
     """A reported count: a JSON integer, 0 or more (a bool is none)."""
     if isinstance(value, bool) or not isinstance(value, int):
         return None
-    if value < 0 or len(str(value)) > MAX_DIGITS:
+    if value < 0 or value >= _COUNT_BOUND:
         return None
     return value
+
+
+def _last_blank_line(data: bytes) -> int:
+    """Where the last ``\\n\\n`` or ``\\n\\r\\n`` begins (-1: none): the second searched only
+    past the first (a stream's lines end alike: one pass over a chunk, not two)."""
+    lf = data.rfind(b"\n\n")
+    return max(lf, data.rfind(b"\n\r\n", max(lf, 0)))
+
+
+def parse_json(data: bytes) -> object:
+    """A JSON document in UTF-8 (what LLM APIs send; a byte order mark passed over), as
+    ``json.loads`` reads it, without its detection of UTF-16 and 32 and its wrappers (a few
+    microseconds a response): a ``ValueError`` when it is not one."""
+    text = data.decode("utf-8-sig").strip(_JSON_SPACE)  # UnicodeDecodeError: a ValueError
+    document, end = _DECODER.raw_decode(text)
+    if end != len(text):
+        raise ValueError("extra data after the JSON document")
+    return document
 
 
 class UsageSource:
@@ -139,8 +164,7 @@ class UsageMeter:
             "a stream without usage (OpenAI's: ask for stream_options.include_usage)"
             if stream
             else "no body"
-            for _ in self.sources
-        ]
+        ] * len(self.sources)
 
     def flush(self) -> None:
         """Read the chunks the relay batched."""
@@ -170,7 +194,7 @@ class UsageMeter:
         data = self._pending + chunk if self._pending else chunk
         # Only whole events are read: what follows the last blank line is kept, raw, for
         # the next chunk (at most the bound: the rest of a larger event is passed over).
-        end = max(data.rfind(b"\n\n"), data.rfind(b"\n\r\n"))
+        end = _last_blank_line(data)
         if end < 0:
             self._keep(data)
             return
@@ -254,7 +278,7 @@ class UsageMeter:
         if not self._may_hold_usage(data):
             return  # an event of text: no usage in it
         try:
-            document = json.loads(data)
+            document = parse_json(data)
         except ValueError:
             return
         for index, source in enumerate(self.sources):
@@ -309,7 +333,7 @@ class UsageMeter:
         body = b"".join(self._body)
         self._body = []
         try:
-            document = json.loads(body)
+            document = parse_json(body)
         except ValueError:
             self._problem = ["a body that is not JSON" for _ in self.sources]
             return

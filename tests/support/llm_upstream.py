@@ -14,6 +14,8 @@ for the official clients, with usage the tests can predict:
 ``hold`` (an ``asyncio.Event``): when set to a new event, every answer waits for it (for
 counting calls in flight). ``stall: true`` in the request body: a stream stops after its
 first two events until ``stall`` (an event) is set, so a client can leave in the middle.
+``pad_bytes: N`` in a streamed chat request's body: at least N bytes more of text events (not
+counted in the usage) before the last, written 64 KiB at a time (a long stream, quickly).
 """
 
 from __future__ import annotations
@@ -79,6 +81,18 @@ def _usage(body: dict[str, Any], prompt: int, completion: int, anthropic: bool) 
     }
 
 
+def _text_events(base: dict[str, Any], include_usage: bool) -> bytes:
+    """About 64 KiB of whole text events, written as one block."""
+    chunk: dict[str, Any] = {
+        **base,
+        "choices": [{"index": 0, "delta": {"content": "pad "}, "finish_reason": None}],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    return event * (65536 // len(event))
+
+
 async def _chat(upstream: LlmUpstream, request: web.BaseRequest) -> web.StreamResponse:
     body = json.loads(await request.read())
     prompt = _words(body.get("messages"))
@@ -123,6 +137,11 @@ async def _chat(upstream: LlmUpstream, request: web.BaseRequest) -> web.StreamRe
         if include_usage:
             chunk["usage"] = None
         await event(chunk)
+    pad = int(body.get("pad_bytes") or 0)
+    if pad:
+        block = _text_events(base, include_usage)
+        for _ in range(-(-pad // len(block))):
+            await response.write(block)
     last: dict[str, Any] = {
         **base,
         "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
