@@ -10,20 +10,27 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 
 from gateway.algorithms.penalty_box import CLEAR, PenaltyBox
 from gateway.cli.main import main
 from gateway.clock import FakeClock
 from gateway.engine.preflight import parse_and_build
 from gateway.policy.loader import PolicyError
+from gateway.stores import RedisStore
 from gateway.stores.penalty_table import PenaltyTable
+from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory
 from tests.support.metrics import scrape_until, value
 from tests.support.policies import policy_for
 from tests.support.processes import run_workers, wait_serving
+from tests.support.redis_harness import RedisFactory, RedisServer
 from tests.support.upstreams import RecordingUpstream
 
 S = 1_000_000  # microseconds
+redis_server = redis_harness.redis_server
+redis_factory = redis_harness.redis_factory
+_prefixes = redis_harness.key_prefixes()
 
 
 def test_strikes_within_the_span_block_and_start_afresh() -> None:
@@ -114,15 +121,91 @@ async def test_a_key_rejected_too_often_is_refused_at_once_for_the_block(
         assert (await get())[0] == 200
 
 
-def test_a_store_that_keeps_no_penalties_refuses_them_by_name() -> None:
-    text = policy_for("http://127.0.0.1:9", PENALIZED + "store: {url: 'redis://127.0.0.1:1'}\n")
+def test_redis_keeps_penalties_but_not_on_a_leased_limit() -> None:
+    """A leased limit decides most requests in the replica, where no strike reaches Redis."""
+    redis_store = "store: {url: 'redis://127.0.0.1:1'}\n"
+    parse_and_build(policy_for("http://127.0.0.1:9", PENALIZED + redis_store), "test.yaml")
+    leased = PENALIZED.replace("sliding_log", "fixed_window").replace(
+        "    window: 1h\n", "    window: 1h\n    lease: {}\n"
+    )
     with pytest.raises(PolicyError) as raised:
-        parse_and_build(text, "test.yaml")
+        parse_and_build(policy_for("http://127.0.0.1:9", leased + redis_store), "test.yaml")
     message = raised.value.format()
-    assert (
-        "limits.per_key.penalty: penalties are kept by the gateway's own workers: the redis "
-        "store does not keep them yet"
-    ) in message, message
+    assert "limits.per_key: a leased limit decides most requests in this replica" in message
+
+
+@pytest.mark.parametrize("calls", ["functions", "script"])
+async def test_replicas_on_one_redis_share_the_penalty_box(
+    redis_server: RedisServer,
+    redis_factory: RedisFactory,
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    calls: str,
+) -> None:
+    """Two gateways on one Redis (a fake clock for both, as Redis's): the strikes add up
+    across them, the block holds on both, and ends on both; by FCALL, and by EVALSHA where
+    Redis refuses functions."""
+    url = redis_server.url
+    if calls == "script":
+        url = redis_factory.start(
+            "--rename-command", "FUNCTION", "", "--rename-command", "FCALL", ""
+        ).url
+    clock = FakeClock(start_us=3600 * S)
+    prefix = f"penalty{next(_prefixes)}:"
+    gateways = [
+        await start_gateway(
+            policy_for(upstream.url, PENALIZED),
+            store=RedisStore(url, key_prefix=prefix, clock=clock, time_source=clock),
+        )
+        for _ in range(2)
+    ]
+    async with aiohttp.ClientSession() as session:
+
+        async def get(index: int, key: str = "abuser") -> int:
+            async with session.get(
+                gateways[index].url + "/", headers={"X-Api-Key": key}
+            ) as response:
+                await response.read()
+                return response.status
+
+        # Admitted by one, rejected by the other, rejected by the first: the 2nd strike.
+        assert [await get(0), await get(1)] == [200, 429]
+        assert await get(0) == 429
+        assert [await get(1), await get(0)] == [403, 403]
+        assert len(upstream.requests) == 1
+        assert await get(1, "someone-else") == 200
+        clock.advance(899)
+        assert [await get(0), await get(1)] == [403, 403]
+        clock.advance(1)
+        assert [await get(0), await get(1)] == [429, 429]  # the block is over, the window not
+        assert await get(0) == 403  # two more strikes within a minute: blocked again
+        # An explain on a blocked key says so, and changes nothing.
+        async with session.get(
+            gateways[1].admin_url + "/explain",
+            params={"path": "/", "header": "X-Api-Key: abuser"},
+        ) as response:
+            explained = await response.json()
+        assert explained["limits"][0]["penalty"]["blocked_for_s"] == 900
+        assert await get(0) == 403  # the look changed nothing
+        clock.advance(900 + 3600)
+        assert [await get(1), await get(0)] == [200, 429]
+
+
+async def test_limits_without_penalty_make_the_same_calls_on_redis(
+    redis_server: RedisServer, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """A policy with no penalty sends the script no box: no key beside the limit's."""
+    prefix = f"plain{next(_prefixes)}:"
+    plain = PENALIZED.replace("    penalty: {after: 2, within: 1m, block: 15m, status: 403}\n", "")
+    gw = await start_gateway(
+        policy_for(upstream.url, plain), store=RedisStore(redis_server.url, key_prefix=prefix)
+    )
+    async with aiohttp.ClientSession() as session:
+        for _ in range(4):
+            async with session.get(gw.url + "/", headers={"X-Api-Key": "k"}) as response:
+                await response.read()
+    found = redis.Redis.from_url(redis_server.url).keys(prefix + "*")
+    assert len(found) == 1 and b":penalty:" not in found[0]
 
 
 async def test_a_key_blocked_by_one_worker_is_refused_by_all(

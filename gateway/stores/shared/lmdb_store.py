@@ -173,6 +173,7 @@ class SharedStore:
 
     name = "shared"
     verdicts_on_clock = True
+    decides_penalties = False  # the workers' boxes: stores.shared.penalties
 
     def __init__(
         self,
