@@ -19,6 +19,7 @@ from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.policies import policy_for
+from tests.support.processes import run_workers, wait_serving
 from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordingUpstream
 
@@ -164,8 +165,8 @@ async def test_unknown_limits_and_keys_and_stores_that_cannot(
         status, body = await _admin(session, on_dead_redis, "/keys/per_key")
         assert status == 503 and "could not answer" in body["error"]
         status, body = await _admin(session, on_shared, "/keys/per_key")
-        assert status == 501 and "shared" in body["error"]
-        # The shared store blocks keys (for every worker), though it lists none yet.
+        assert status == 200 and body["keys"] == []
+        # The shared store blocks keys (for every worker).
         status, body = await _admin(
             session,
             on_shared,
@@ -175,6 +176,48 @@ async def test_unknown_limits_and_keys_and_stores_that_cannot(
         assert status == 200 and body["state"]["blocked_for_s"] == 60
         async with session.get(on_shared.url + "/", headers={"X-Api-Key": "key-s"}) as response:
             assert response.status == 429 and response.headers["Retry-After"] == "60"
+
+
+async def test_list_and_reset_every_workers_keys_on_the_shared_store(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    """``--workers 2``: each request on a new connection (SO_REUSEPORT spreads them over the
+    workers); the list shows what all of them counted, and a reset holds for all of them."""
+    server = f"  admin_token: {TOKEN}\n"
+    # sliding_log: exact over any span, so no window edge falls between the requests.
+    limits = LIMITS.replace("fixed_window", "sliding_log")
+    async with run_workers(upstream.url, tmp_path, limits, 2, server=server) as (url, admin, _):
+        await wait_serving(tmp_path, 2)
+        timeout = aiohttp.ClientTimeout(total=15)
+
+        async def use(key: str) -> int:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.get(url + "/", headers={"X-Api-Key": key}) as response,
+            ):
+                return response.status
+
+        assert [await use("key-w") for _ in range(6)] == [200] * 5 + [429]
+        assert await use("key-v") == 200
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(
+                admin + "/keys/per_key", params={"top": "10"}, headers=AUTH
+            ) as response:
+                assert response.status == 200
+                listing = await response.json()
+            assert [(k["id"], k["remaining"]) for k in listing["keys"]] == [
+                (hashed("key-w"), 0),
+                (hashed("key-v"), 4),
+            ]
+            async with session.post(
+                admin + "/keys/per_key/reset",
+                json={"id": hashed("key-w"), "reason": "workers test"},
+                headers=AUTH,
+            ) as response:
+                assert response.status == 200
+                reset = await response.json()
+        assert reset["reset"] is True and reset["state"]["remaining"] == 5
+        assert [await use("key-w") for _ in range(6)] == [200] * 5 + [429]
 
 
 async def test_the_cli_speaks_to_the_admin_listener(

@@ -51,8 +51,8 @@ def _store(engine: LimitEngine) -> KeyAdmin:
     if admin is None:
         raise KeyAdminError(
             501,
-            f"the {engine.store.name} store does not list or reset keys yet (the in-process "
-            "and Redis stores do)",
+            f"the {engine.store.name} store does not list or reset keys (the in-process, "
+            "shared and Redis stores do)",
         )
     return admin
 
