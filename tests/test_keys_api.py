@@ -15,6 +15,7 @@ import pytest
 from gateway.cli.main import main
 from gateway.clock import FakeClock
 from gateway.redact import hashed
+from gateway.stores import RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory, RunningGateway
@@ -278,4 +279,51 @@ async def test_list_read_and_reset_in_redis(
         status, _ = await _admin(
             session, gw, "/keys/per_key/block", {"key": "key-s", "for": "1m", "reason": "x"}
         )
-        assert status == 501  # blocks are kept in process: not with Redis yet
+        # With Redis a block lives in the limit's penalty box: this limit has no penalty.
+        assert status == 501
+
+
+async def test_a_block_in_redis_holds_on_every_replica(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, redis_server: RedisServer
+) -> None:
+    """Two gateways on one Redis (a fake clock for both, as Redis's): a key blocked through
+    one's admin listener is refused by the other, read as blocked there, and unblocked by it."""
+    clock = FakeClock(start_us=3600 * S)
+    prefix = f"block{time.monotonic_ns()}:"
+    penalized = LIMITS.replace("fixed_window", "sliding_log") + (
+        "    penalty: {after: 3, within: 1m, block: 15m, status: 403}\n"
+    )
+    policy = policy_for(upstream.url, penalized, server=f"  admin_token: {TOKEN}\n")
+    first, second = [
+        await start_gateway(
+            policy,
+            clock=clock,
+            store=RedisStore(redis_server.url, key_prefix=prefix, clock=clock, time_source=clock),
+        )
+        for _ in range(2)
+    ]
+    async with aiohttp.ClientSession() as session:
+        assert await _use(session, second, "key-b", 1) == [200]
+        status, blocked = await _admin(
+            session, first, "/keys/per_key/block", {"key": "key-b", "for": "10m", "reason": "x"}
+        )
+        assert status == 200 and blocked["state"]["blocked_for_s"] == 600
+        async with session.get(second.url + "/", headers={"X-Api-Key": "key-b"}) as response:
+            assert response.status == 403 and response.headers["Retry-After"] == "600"
+        clock.advance(60)
+        status, state = await _admin(session, second, "/keys/per_key/key", key="key-b")
+        assert state["blocked_for_s"] == 540 and state["remaining"] == 4  # the limit untouched
+        assert await _use(session, first, "key-other", 1) == [200]
+        status, unblocked = await _admin(
+            session, second, "/keys/per_key/unblock", {"key": "key-b", "reason": "resolved"}
+        )
+        assert status == 200 and unblocked["unblocked"] is True
+        assert unblocked["state"]["blocked_for_s"] is None
+        assert await _use(session, first, "key-b", 1) == [200]
+        # A block that is not lifted ends on Redis's clock.
+        await _admin(
+            session, second, "/keys/per_key/block", {"key": "key-b", "for": "1m", "reason": "x"}
+        )
+        assert await _use(session, first, "key-b", 1) == [403]
+        clock.advance(60)
+        assert await _use(session, first, "key-b", 1) == [200]

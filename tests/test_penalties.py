@@ -4,6 +4,7 @@ upstream and without touching the limit. The pure box on given times, then the r
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -266,7 +267,9 @@ def test_blocks_outlive_a_reload_while_the_limit_keeps_its_penalty() -> None:
     first = engine(PENALIZED + other)
     first.penalties["per_key"].strike("k", clock.now_us())
     first.penalties["per_key"].strike("k", clock.now_us())
-    block_key(first, limit_named(first, "other"), "10.0.0.1", 60)  # a limit without penalty
+    asyncio.run(
+        block_key(first, limit_named(first, "other"), "10.0.0.1", 60)
+    )  # a limit without penalty
     kept = engine(PENALIZED + other, first)
     assert kept.penalty_until(limit_named(kept, "per_key"), "k") == 900
     assert kept.penalty_until(limit_named(kept, "other"), "10.0.0.1") == 60

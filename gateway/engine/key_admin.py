@@ -12,14 +12,15 @@ import math
 from collections.abc import Awaitable
 from typing import Any, Final, TypeVar
 
-from gateway.algorithms.penalty_box import PenaltyBox
+from gateway.algorithms.penalty_box import PenaltyBox, PenaltyRefusal
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.limits.keys import SEP, shown_key
 from gateway.redact import hashed
 from gateway.stores.key_listing import KeyAdmin, key_admin_of
 from gateway.stores.penalty_table import PenaltyBoxes, PenaltyTable
-from gateway.stores.redis.key_scan import RedisKeyError
+from gateway.stores.redis.key_scan import RedisKeyError, RedisKeys
+from gateway.stores.redis.store import RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
 from gateway.stores.shared.penalties import SharedPenaltyTable
 
@@ -120,6 +121,9 @@ async def key_state(engine: LimitEngine, limit: CompiledLimit, key: str) -> dict
     if tier:
         state["plan"] = None if tier.startswith("=") else tier
     blocked_s = engine.penalty_until(limit, key)
+    refusal = verdict.states[0] if verdict.states else None
+    if isinstance(refusal, PenaltyRefusal):  # the store's box (Redis), looked at in the call
+        blocked_s = (refusal.until_us - (verdict.now_us or 0)) / 1_000_000
     state["blocked_for_s"] = round(blocked_s, 3) if blocked_s is not None else None
     return state
 
@@ -179,15 +183,37 @@ def _penalties(engine: LimitEngine, limit: CompiledLimit) -> PenaltyBoxes:
     return table
 
 
-def block_key(engine: LimitEngine, limit: CompiledLimit, key: str, seconds: float) -> float:
+def _redis_boxes(engine: LimitEngine, limit: CompiledLimit) -> RedisKeys | None:
+    """The Redis store's penalty boxes of ``limit`` (None: the engine keeps them). Only a
+    limit with a penalty has boxes there: its requests' calls look them up."""
+    store = engine.store
+    if not isinstance(store, RedisStore):
+        return None
+    if not store.plan(limit).penalty:
+        raise KeyAdminError(
+            501,
+            f"with Redis a key is blocked through its limit's penalty box, and limit "
+            f"{limit.name!r} has no penalty: give it one (penalty: {{after, within, block}})",
+        )
+    return RedisKeys(store)
+
+
+async def block_key(engine: LimitEngine, limit: CompiledLimit, key: str, seconds: float) -> float:
     """Refuse ``key``'s requests under ``limit`` for ``seconds``; the seconds it is blocked."""
     if not (0 < seconds <= 366 * 86_400):
         raise KeyAdminError(400, "for: a duration above 0 and at most a year")
+    boxes = _redis_boxes(engine, limit)
+    if boxes is not None:
+        await _asked(boxes.block(limit, key, seconds))
+        return seconds
     now_us = engine.store.clock.now_us()
     _penalties(engine, limit).block(key, now_us + round(seconds * 1_000_000))
     return seconds
 
 
-def unblock_key(engine: LimitEngine, limit: CompiledLimit, key: str) -> bool:
+async def unblock_key(engine: LimitEngine, limit: CompiledLimit, key: str) -> bool:
+    boxes = _redis_boxes(engine, limit)
+    if boxes is not None:
+        return await _asked(boxes.unblock(limit, key))
     table = engine.penalties.get(limit.name)
     return table is not None and table.clear(key)

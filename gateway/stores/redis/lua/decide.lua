@@ -38,9 +38,10 @@
 -- KEYS[n+i] is then limit i's penalty box for the key (same hash tag), ARGV[5+2n] and the
 -- ARGV[5+2n+i] are all present ('' where unused), and ARGV[5+3n+i] is limit i's penalty,
 -- 'after within_us block_us' ('': none). A key in a box is refused before any limit decides,
--- nothing written; a rejection in 'D' strikes the rejecting limits' boxes. The reply has two
--- more integers before the call's number: the limit (1-based) whose box refused the request
--- (0: none), and until when.
+-- nothing written ('P', a look, decides all the same: what the key would meet once its block
+-- ends); a rejection in 'D' strikes the rejecting limits' boxes. The reply has two more
+-- integers before the call's number: the limit (1-based) whose box refuses the request (0:
+-- none), and until when.
 -- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
 local costs = {}
 for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
@@ -198,17 +199,22 @@ local function strike(i)
     'PX', ttl_ms)
 end
 
+local blocked_by, blocked_until = 0, 0
 if boxes then
   for i = 1, n do
     if penalty_of(i) then
       local until_us = select(3, box_state(i))
       if until_us > now_us then
-        local reply = {now_us}
-        for j = 2, 5 * n + 1 do reply[j] = 0 end
-        reply[5 * n + 2] = i
-        reply[5 * n + 3] = until_us
-        reply[5 * n + 4] = call_id
-        return reply
+        if mode == 'd' then
+          local reply = {now_us}
+          for j = 2, 5 * n + 1 do reply[j] = 0 end
+          reply[5 * n + 2] = i
+          reply[5 * n + 3] = until_us
+          reply[5 * n + 4] = call_id
+          return reply
+        end
+        blocked_by, blocked_until = i, until_us
+        break
       end
     end
   end
@@ -274,8 +280,8 @@ if mode == 'd' then
   end
 end
 if boxes then
-  reply[5 * n + 2] = 0
-  reply[5 * n + 3] = 0
+  reply[5 * n + 2] = blocked_by
+  reply[5 * n + 3] = blocked_until
   reply[5 * n + 4] = call_id
   return reply
 end
