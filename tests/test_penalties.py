@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis
+import redis.cluster
 
 from gateway.algorithms.penalty_box import CLEAR, PenaltyBox
 from gateway.cli.main import main
@@ -25,12 +26,13 @@ from tests.support.gateways import GatewayFactory
 from tests.support.metrics import scrape_until, value
 from tests.support.policies import policy_for
 from tests.support.processes import run_workers, wait_serving
-from tests.support.redis_harness import RedisFactory, RedisServer
+from tests.support.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
 from tests.support.upstreams import RecordingUpstream
 
 S = 1_000_000  # microseconds
 redis_server = redis_harness.redis_server
 redis_factory = redis_harness.redis_factory
+redis_cluster = redis_harness.redis_cluster
 _prefixes = redis_harness.key_prefixes()
 
 
@@ -192,6 +194,29 @@ async def test_replicas_on_one_redis_share_the_penalty_box(
         assert [await get(1), await get(0)] == [200, 429]
 
 
+async def test_the_penalty_box_shares_the_limits_slot_on_a_cluster(
+    redis_cluster: RedisClusterHarness, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """On a Redis Cluster a box is declared to the call and lives in its limit's slot."""
+    clock = FakeClock(start_us=3600 * S)
+    prefix = f"penalty{next(_prefixes)}:"
+    store = RedisStore(redis_cluster.url, key_prefix=prefix, clock=clock, time_source=clock)
+    gw = await start_gateway(policy_for(upstream.url, PENALIZED), store=store)
+    async with aiohttp.ClientSession() as session:
+        statuses = []
+        for _ in range(4):
+            async with session.get(gw.url + "/", headers={"X-Api-Key": "abuser"}) as response:
+                statuses.append(response.status)
+    assert statuses == [200, 429, 429, 403]
+    plan = store.plan(gw.gateway.handler.runtime.engine.limits[0])
+    plain = redis.cluster.RedisCluster.from_url(f"redis://127.0.0.1:{redis_cluster.nodes[0].port}")
+    try:
+        box, state = plan.penalty_key("abuser"), plan.redis_key("abuser")
+        assert plain.keyslot(box) == plain.keyslot(state) and plain.exists(box)
+    finally:
+        plain.close()
+
+
 async def test_limits_without_penalty_make_the_same_calls_on_redis(
     redis_server: RedisServer, upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:
@@ -205,7 +230,8 @@ async def test_limits_without_penalty_make_the_same_calls_on_redis(
         for _ in range(4):
             async with session.get(gw.url + "/", headers={"X-Api-Key": "k"}) as response:
                 await response.read()
-    found = redis.Redis.from_url(redis_server.url).keys(prefix + "*")
+    with redis.Redis.from_url(redis_server.url) as plain:
+        found = plain.keys(prefix + "*")
     assert len(found) == 1 and b":penalty:" not in found[0]
 
 

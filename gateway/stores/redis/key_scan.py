@@ -1,5 +1,6 @@
 """The keys' API in Redis: a limit's keys found with SCAN (every master of a cluster), one
-key's state dropped with DEL in its own hash slot. On a connection of its own, opened for the
+key's state dropped with DEL in its own hash slot, a key blocked or unblocked in the limit's
+penalty box. On a connection of its own, opened for the
 call: an operator's call never queues behind the request path's scripts."""
 
 from __future__ import annotations
