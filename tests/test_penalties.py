@@ -24,8 +24,8 @@ from gateway.stores.penalty_table import PenaltyTable
 from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory
 from tests.support.metrics import scrape_until, value
-from tests.support.policies import policy_for
-from tests.support.processes import run_workers, wait_serving
+from tests.support.policies import policy_for, policy_template
+from tests.support.processes import StartGateway, run_workers, wait_serving
 from tests.support.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
 from tests.support.upstreams import RecordingUpstream
 
@@ -192,6 +192,31 @@ async def test_replicas_on_one_redis_share_the_penalty_box(
         assert await get(0) == 403  # the look changed nothing
         clock.advance(900 + 3600)
         assert [await get(1), await get(0)] == [200, 429]
+
+
+async def test_two_gateway_processes_on_one_redis_share_the_box(
+    redis_server: RedisServer, upstream: RecordingUpstream, gateway_process: StartGateway
+) -> None:
+    """Two ``gateway run`` processes, one Redis (its own clock): the key's strikes add up
+    across them and both refuse it (the block, an hour, outlasts the test)."""
+    store = f"store: {{url: '{redis_server.url}', key_prefix: 'procs{next(_prefixes)}:'}}\n"
+    limits = PENALIZED.replace("block: 15m", "block: 1h") + store
+    policy = policy_template(upstream.url).replace("{", "{{").replace("}", "}}")
+    policy = policy.replace("{{port}}", "{port}").replace("{{admin_port}}", "{admin_port}")
+    policy += limits.replace("{", "{{").replace("}", "}}")
+    first, second = [(await gateway_process(policy=policy)).url for _ in range(2)]
+    timeout = aiohttp.ClientTimeout(total=15)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def get(url: str, key: str = "abuser") -> int:
+            async with session.get(url + "/", headers={"X-Api-Key": key}) as response:
+                await response.read()
+                return response.status
+
+        assert [await get(first), await get(second), await get(first)] == [200, 429, 429]
+        assert [await get(second), await get(first)] == [403, 403]
+        assert await get(second, "someone-else") == 200
+    assert len(upstream.requests) == 2
 
 
 async def test_the_penalty_box_shares_the_limits_slot_on_a_cluster(
