@@ -320,6 +320,17 @@ async def test_a_block_in_redis_holds_on_every_replica(
         assert status == 200 and unblocked["unblocked"] is True
         assert unblocked["state"]["blocked_for_s"] is None
         assert await _use(session, first, "key-b", 1) == [200]
+        # A key blocked before it was ever seen: listed (first), and found by its id.
+        await _admin(
+            session, first, "/keys/per_key/block", {"key": "key-new", "for": "1m", "reason": "x"}
+        )
+        status, listing = await _admin(session, second, "/keys/per_key", top="10")
+        top = listing["keys"][0]
+        assert (top["id"], top["blocked_for_s"]) == (hashed("key-new"), 60)
+        status, unblocked = await _admin(
+            session, second, "/keys/per_key/unblock", {"id": hashed("key-new"), "reason": "x"}
+        )
+        assert status == 200 and unblocked["unblocked"] is True
         # A block that is not lifted ends on Redis's clock.
         await _admin(
             session, second, "/keys/per_key/block", {"key": "key-b", "for": "1m", "reason": "x"}

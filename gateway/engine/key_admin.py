@@ -91,12 +91,22 @@ async def resolve_key(
         for held in await _asked(store.keys_held(variant, SCAN_MAX)):
             if hashed(held) == key_id:
                 return held
+    for held in await _blocked_keys(engine, limit):
+        if hashed(held) == key_id:
+            return held
+    raise KeyAdminError(404, f"no key with id {key_id} in limit {limit.name!r}")
+
+
+async def _blocked_keys(engine: LimitEngine, limit: CompiledLimit) -> list[str]:
+    """The keys in ``limit``'s penalty boxes: blocked ones (in process, shared), or every
+    box in Redis (strikes too: a listing reads each key's state, blocked or not)."""
     penalties = engine.penalties.get(limit.name)
     if penalties is not None:
-        for held, _ in penalties.blocked(engine.store.clock.now_us()):
-            if hashed(held) == key_id:
-                return held
-    raise KeyAdminError(404, f"no key with id {key_id} in limit {limit.name!r}")
+        return [key for key, _ in penalties.blocked(engine.store.clock.now_us())]
+    store = engine.store
+    if isinstance(store, RedisStore) and store.plan(limit).penalty:
+        return await _asked(RedisKeys(store).boxed(limit, SCAN_MAX))
+    return []
 
 
 async def key_state(engine: LimitEngine, limit: CompiledLimit, key: str) -> dict[str, Any]:
@@ -134,10 +144,8 @@ async def top_keys(engine: LimitEngine, limit: CompiledLimit, most: int) -> list
     keys: list[str] = []
     for variant in with_variants([limit]):
         keys += await _asked(store.keys_held(variant, SCAN_MAX - len(keys)))
-    penalties = engine.penalties.get(limit.name)
-    if penalties is not None:
-        held = set(keys)
-        keys += [k for k, _ in penalties.blocked(engine.store.clock.now_us()) if k not in held]
+    held = set(keys)
+    keys += [key for key in await _blocked_keys(engine, limit) if key not in held]
     states = [await key_state(engine, limit, key) for key in keys[:SCAN_MAX]]
     states.sort(key=lambda s: (s["blocked_for_s"] is None, s["remaining"] / max(1, s["quota"])))
     return states[:most]

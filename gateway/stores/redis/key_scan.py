@@ -53,7 +53,14 @@ class RedisKeys:
 
     async def keys_held(self, limit: CompiledLimit, most: int) -> list[str]:
         plan = self.store.plan(limit)
-        head, tail = plan.key_head, plan.key_tail
+        return await self._scan(plan.key_head, plan.key_tail, most)
+
+    async def boxed(self, limit: CompiledLimit, most: int) -> list[str]:
+        """Up to ``most`` keys with a penalty box of ``limit`` (strikes, or a block)."""
+        plan = self.store.plan(limit)
+        return await self._scan(plan.key_head, plan.penalty_tail, most)
+
+    async def _scan(self, head: str, tail: str, most: int) -> list[str]:
         pattern = _glob(head) + "*" + _glob(tail) + "*"
         found: list[str] = []
         client = self._client()
