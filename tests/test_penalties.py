@@ -124,7 +124,7 @@ async def test_a_key_rejected_too_often_is_refused_at_once_for_the_block(
         assert (await get())[0] == 200
 
 
-def test_redis_keeps_penalties_but_not_on_a_leased_limit() -> None:
+def test_redis_keeps_penalties_but_not_on_leased_or_waiting_limits() -> None:
     """A leased limit decides most requests in the replica, where no strike reaches Redis."""
     redis_store = "store: {url: 'redis://127.0.0.1:1'}\n"
     parse_and_build(policy_for("http://127.0.0.1:9", PENALIZED + redis_store), "test.yaml")
@@ -135,6 +135,15 @@ def test_redis_keeps_penalties_but_not_on_a_leased_limit() -> None:
         parse_and_build(policy_for("http://127.0.0.1:9", leased + redis_store), "test.yaml")
     message = raised.value.format()
     assert "limits.per_key: a leased limit decides most requests in this replica" in message
+    slots = (
+        "limits:\n  per_key:\n    algorithm: concurrency\n    limit: 1\n    max_delay: 5s\n"
+        "    key: ['header:X-Api-Key']\n    penalty: {after: 2, within: 1m, block: 15m}\n"
+    )
+    with pytest.raises(PolicyError) as raised:
+        parse_and_build(policy_for("http://127.0.0.1:9", slots + redis_store), "test.yaml")
+    assert "give it max_delay: 0, or remove penalty" in raised.value.format()
+    no_wait = slots.replace("    max_delay: 5s\n", "")  # rejected at once, as nginx does
+    parse_and_build(policy_for("http://127.0.0.1:9", no_wait + redis_store), "test.yaml")
 
 
 @pytest.mark.parametrize("calls", ["functions", "script"])

@@ -268,6 +268,12 @@ class RedisStore:
                 "a leased limit decides most requests in this replica, where Redis cannot "
                 "count them against a penalty: remove lease or penalty"
             )
+        if limit.holds_slots and limit.max_delay > 0 and _penalty_argument(limit):
+            raise ValueError(
+                "a concurrency limit's refused requests wait for a slot and ask Redis again, "
+                "and each ask would count against the penalty: give it max_delay: 0, or "
+                "remove penalty"
+            )
         parts = limit.spec.key
         if tag_part is None or tag_part not in parts:
             tag_index = FIXED_TAG
