@@ -22,7 +22,7 @@ from joserfc.errors import SecurityWarning
 from joserfc.jwk import ECKey, OctKey, OKPKey, RSAKey
 
 from gateway.clock import FakeClock
-from gateway.engine.preflight import parse_and_build
+from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.limits.keys import RequestFacts
 from gateway.limits.token_verifier import TokenVerifier
 from gateway.policy.identity import JwtSettings
@@ -448,3 +448,41 @@ async def test_explain_names_a_refused_token(
         explained = await response.json()
     assert explained["verdict"]["status"] == 401
     assert "expired" in explained["limits"][0]["next_request"]["reason"]
+
+
+async def test_a_reload_rotates_the_key_and_forgets_what_the_old_one_verified(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    """A changed ``jwt:`` section (another key file), then the key file rewritten in place
+    (the policy unchanged): each reload puts the new key in force at once, and a token the
+    old key verified (remembered) is refused from then on."""
+    first, second, third = (SECRET, b"s" * 40, b"t" * 40)
+    (tmp_path / "first.secret").write_bytes(first)
+    (tmp_path / "second.secret").write_bytes(second)
+    path = tmp_path / "policy.yaml"
+
+    def write(secret_file: str) -> None:
+        path.write_text(
+            policy_for(upstream.url, _limits() + _jwt_section(f"secret_file: {secret_file}"))
+        )
+
+    write("first.secret")
+    gw = await start_gateway(load_and_build(path), policy_path=str(path), clock=_clock())
+    reloader = gw.gateway.reloader
+    assert reloader is not None
+    by = {name: _hs(_claims(name), secret) for name, secret in
+          (("first", first), ("second", second), ("third", third))}  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+
+        async def status(name: str) -> int:
+            return (await _status(session, gw.url, by[name]))[0]
+
+        assert [await status("first"), await status("second")] == [200, 401]
+        write("second.secret")
+        assert await reloader.reload() == "ok"
+        assert [await status("first"), await status("second")] == [401, 200]
+        # Rotated in place: the policy's text is the same, the reload reads the file again.
+        (tmp_path / "second.secret").write_bytes(third)
+        assert await reloader.reload() == "ok"
+        assert [await status("second"), await status("third")] == [401, 200]
+        assert await reloader.reload() == "unchanged"

@@ -15,10 +15,12 @@ import pytest
 from gateway.cli.main import main
 from gateway.clock import FakeClock
 from gateway.redact import hashed
+from gateway.stores import RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.policies import policy_for
+from tests.support.processes import run_workers, wait_serving
 from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordingUpstream
 
@@ -164,8 +166,8 @@ async def test_unknown_limits_and_keys_and_stores_that_cannot(
         status, body = await _admin(session, on_dead_redis, "/keys/per_key")
         assert status == 503 and "could not answer" in body["error"]
         status, body = await _admin(session, on_shared, "/keys/per_key")
-        assert status == 501 and "shared" in body["error"]
-        # The shared store blocks keys (for every worker), though it lists none yet.
+        assert status == 200 and body["keys"] == []
+        # The shared store blocks keys (for every worker).
         status, body = await _admin(
             session,
             on_shared,
@@ -175,6 +177,48 @@ async def test_unknown_limits_and_keys_and_stores_that_cannot(
         assert status == 200 and body["state"]["blocked_for_s"] == 60
         async with session.get(on_shared.url + "/", headers={"X-Api-Key": "key-s"}) as response:
             assert response.status == 429 and response.headers["Retry-After"] == "60"
+
+
+async def test_list_and_reset_every_workers_keys_on_the_shared_store(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    """``--workers 2``: each request on a new connection (SO_REUSEPORT spreads them over the
+    workers); the list shows what all of them counted, and a reset holds for all of them."""
+    server = f"  admin_token: {TOKEN}\n"
+    # sliding_log: exact over any span, so no window edge falls between the requests.
+    limits = LIMITS.replace("fixed_window", "sliding_log")
+    async with run_workers(upstream.url, tmp_path, limits, 2, server=server) as (url, admin, _):
+        await wait_serving(tmp_path, 2)
+        timeout = aiohttp.ClientTimeout(total=15)
+
+        async def use(key: str) -> int:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.get(url + "/", headers={"X-Api-Key": key}) as response,
+            ):
+                return response.status
+
+        assert [await use("key-w") for _ in range(6)] == [200] * 5 + [429]
+        assert await use("key-v") == 200
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(
+                admin + "/keys/per_key", params={"top": "10"}, headers=AUTH
+            ) as response:
+                assert response.status == 200
+                listing = await response.json()
+            assert [(k["id"], k["remaining"]) for k in listing["keys"]] == [
+                (hashed("key-w"), 0),
+                (hashed("key-v"), 4),
+            ]
+            async with session.post(
+                admin + "/keys/per_key/reset",
+                json={"id": hashed("key-w"), "reason": "workers test"},
+                headers=AUTH,
+            ) as response:
+                assert response.status == 200
+                reset = await response.json()
+        assert reset["reset"] is True and reset["state"]["remaining"] == 5
+        assert [await use("key-w") for _ in range(6)] == [200] * 5 + [429]
 
 
 async def test_the_cli_speaks_to_the_admin_listener(
@@ -235,4 +279,62 @@ async def test_list_read_and_reset_in_redis(
         status, _ = await _admin(
             session, gw, "/keys/per_key/block", {"key": "key-s", "for": "1m", "reason": "x"}
         )
-        assert status == 501  # blocks are kept in process: not with Redis yet
+        # With Redis a block lives in the limit's penalty box: this limit has no penalty.
+        assert status == 501
+
+
+async def test_a_block_in_redis_holds_on_every_replica(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, redis_server: RedisServer
+) -> None:
+    """Two gateways on one Redis (a fake clock for both, as Redis's): a key blocked through
+    one's admin listener is refused by the other, read as blocked there, and unblocked by it."""
+    clock = FakeClock(start_us=3600 * S)
+    prefix = f"block{time.monotonic_ns()}:"
+    penalized = LIMITS.replace("fixed_window", "sliding_log") + (
+        "    penalty: {after: 3, within: 1m, block: 15m, status: 403}\n"
+    )
+    policy = policy_for(upstream.url, penalized, server=f"  admin_token: {TOKEN}\n")
+    first, second = [
+        await start_gateway(
+            policy,
+            clock=clock,
+            store=RedisStore(redis_server.url, key_prefix=prefix, clock=clock, time_source=clock),
+        )
+        for _ in range(2)
+    ]
+    async with aiohttp.ClientSession() as session:
+        assert await _use(session, second, "key-b", 1) == [200]
+        status, blocked = await _admin(
+            session, first, "/keys/per_key/block", {"key": "key-b", "for": "10m", "reason": "x"}
+        )
+        assert status == 200 and blocked["state"]["blocked_for_s"] == 600
+        async with session.get(second.url + "/", headers={"X-Api-Key": "key-b"}) as response:
+            assert response.status == 403 and response.headers["Retry-After"] == "600"
+        clock.advance(60)
+        status, state = await _admin(session, second, "/keys/per_key/key", key="key-b")
+        assert state["blocked_for_s"] == 540 and state["remaining"] == 4  # the limit untouched
+        assert await _use(session, first, "key-other", 1) == [200]
+        status, unblocked = await _admin(
+            session, second, "/keys/per_key/unblock", {"key": "key-b", "reason": "resolved"}
+        )
+        assert status == 200 and unblocked["unblocked"] is True
+        assert unblocked["state"]["blocked_for_s"] is None
+        assert await _use(session, first, "key-b", 1) == [200]
+        # A key blocked before it was ever seen: listed (first), and found by its id.
+        await _admin(
+            session, first, "/keys/per_key/block", {"key": "key-new", "for": "1m", "reason": "x"}
+        )
+        status, listing = await _admin(session, second, "/keys/per_key", top="10")
+        top = listing["keys"][0]
+        assert (top["id"], top["blocked_for_s"]) == (hashed("key-new"), 60)
+        status, unblocked = await _admin(
+            session, second, "/keys/per_key/unblock", {"id": hashed("key-new"), "reason": "x"}
+        )
+        assert status == 200 and unblocked["unblocked"] is True
+        # A block that is not lifted ends on Redis's clock.
+        await _admin(
+            session, second, "/keys/per_key/block", {"key": "key-b", "for": "1m", "reason": "x"}
+        )
+        assert await _use(session, first, "key-b", 1) == [403]
+        clock.advance(60)
+        assert await _use(session, first, "key-b", 1) == [200]

@@ -4,26 +4,36 @@ upstream and without touching the limit. The pure box on given times, then the r
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
+import redis.cluster
 
 from gateway.algorithms.penalty_box import CLEAR, PenaltyBox
 from gateway.cli.main import main
 from gateway.clock import FakeClock
 from gateway.engine.preflight import parse_and_build
 from gateway.policy.loader import PolicyError
+from gateway.stores import RedisStore
 from gateway.stores.penalty_table import PenaltyTable
+from tests.support import redis_harness
 from tests.support.gateways import GatewayFactory
 from tests.support.metrics import scrape_until, value
-from tests.support.policies import policy_for
-from tests.support.processes import run_workers, wait_serving
+from tests.support.policies import policy_for, policy_template
+from tests.support.processes import StartGateway, run_workers, wait_serving
+from tests.support.redis_harness import RedisClusterHarness, RedisFactory, RedisServer
 from tests.support.upstreams import RecordingUpstream
 
 S = 1_000_000  # microseconds
+redis_server = redis_harness.redis_server
+redis_factory = redis_harness.redis_factory
+redis_cluster = redis_harness.redis_cluster
+_prefixes = redis_harness.key_prefixes()
 
 
 def test_strikes_within_the_span_block_and_start_afresh() -> None:
@@ -114,15 +124,149 @@ async def test_a_key_rejected_too_often_is_refused_at_once_for_the_block(
         assert (await get())[0] == 200
 
 
-def test_a_store_that_keeps_no_penalties_refuses_them_by_name() -> None:
-    text = policy_for("http://127.0.0.1:9", PENALIZED + "store: {url: 'redis://127.0.0.1:1'}\n")
+def test_redis_keeps_penalties_but_not_on_leased_or_waiting_limits() -> None:
+    """A leased limit decides most requests in the replica, where no strike reaches Redis."""
+    redis_store = "store: {url: 'redis://127.0.0.1:1'}\n"
+    parse_and_build(policy_for("http://127.0.0.1:9", PENALIZED + redis_store), "test.yaml")
+    leased = PENALIZED.replace("sliding_log", "fixed_window").replace(
+        "    window: 1h\n", "    window: 1h\n    lease: {}\n"
+    )
     with pytest.raises(PolicyError) as raised:
-        parse_and_build(text, "test.yaml")
+        parse_and_build(policy_for("http://127.0.0.1:9", leased + redis_store), "test.yaml")
     message = raised.value.format()
-    assert (
-        "limits.per_key.penalty: penalties are kept by the gateway's own workers: the redis "
-        "store does not keep them yet"
-    ) in message, message
+    assert "limits.per_key: a leased limit decides most requests in this replica" in message
+    slots = (
+        "limits:\n  per_key:\n    algorithm: concurrency\n    limit: 1\n    max_delay: 5s\n"
+        "    key: ['header:X-Api-Key']\n    penalty: {after: 2, within: 1m, block: 15m}\n"
+    )
+    with pytest.raises(PolicyError) as raised:
+        parse_and_build(policy_for("http://127.0.0.1:9", slots + redis_store), "test.yaml")
+    assert "give it max_delay: 0, or remove penalty" in raised.value.format()
+    no_wait = slots.replace("    max_delay: 5s\n", "")  # rejected at once, as nginx does
+    parse_and_build(policy_for("http://127.0.0.1:9", no_wait + redis_store), "test.yaml")
+
+
+@pytest.mark.parametrize("calls", ["functions", "script"])
+async def test_replicas_on_one_redis_share_the_penalty_box(
+    redis_server: RedisServer,
+    redis_factory: RedisFactory,
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    calls: str,
+) -> None:
+    """Two gateways on one Redis (a fake clock for both, as Redis's): the strikes add up
+    across them, the block holds on both, and ends on both; by FCALL, and by EVALSHA where
+    Redis refuses functions."""
+    url = redis_server.url
+    if calls == "script":
+        url = redis_factory.start(
+            "--rename-command", "FUNCTION", "", "--rename-command", "FCALL", ""
+        ).url
+    clock = FakeClock(start_us=3600 * S)
+    prefix = f"penalty{next(_prefixes)}:"
+    gateways = [
+        await start_gateway(
+            policy_for(upstream.url, PENALIZED),
+            store=RedisStore(url, key_prefix=prefix, clock=clock, time_source=clock),
+        )
+        for _ in range(2)
+    ]
+    async with aiohttp.ClientSession() as session:
+
+        async def get(index: int, key: str = "abuser") -> int:
+            async with session.get(
+                gateways[index].url + "/", headers={"X-Api-Key": key}
+            ) as response:
+                await response.read()
+                return response.status
+
+        # Admitted by one, rejected by the other, rejected by the first: the 2nd strike.
+        assert [await get(0), await get(1)] == [200, 429]
+        assert await get(0) == 429
+        assert [await get(1), await get(0)] == [403, 403]
+        assert len(upstream.requests) == 1
+        assert await get(1, "someone-else") == 200
+        clock.advance(899)
+        assert [await get(0), await get(1)] == [403, 403]
+        clock.advance(1)
+        assert [await get(0), await get(1)] == [429, 429]  # the block is over, the window not
+        assert await get(0) == 403  # two more strikes within a minute: blocked again
+        # An explain on a blocked key says so, and changes nothing.
+        async with session.get(
+            gateways[1].admin_url + "/explain",
+            params={"path": "/", "header": "X-Api-Key: abuser"},
+        ) as response:
+            explained = await response.json()
+        assert explained["limits"][0]["penalty"]["blocked_for_s"] == 900
+        assert await get(0) == 403  # the look changed nothing
+        clock.advance(900 + 3600)
+        assert [await get(1), await get(0)] == [200, 429]
+
+
+async def test_two_gateway_processes_on_one_redis_share_the_box(
+    redis_server: RedisServer, upstream: RecordingUpstream, gateway_process: StartGateway
+) -> None:
+    """Two ``gateway run`` processes, one Redis (its own clock): the key's strikes add up
+    across them and both refuse it (the block, an hour, outlasts the test)."""
+    store = f"store: {{url: '{redis_server.url}', key_prefix: 'procs{next(_prefixes)}:'}}\n"
+    limits = PENALIZED.replace("block: 15m", "block: 1h") + store
+    policy = policy_template(upstream.url).replace("{", "{{").replace("}", "}}")
+    policy = policy.replace("{{port}}", "{port}").replace("{{admin_port}}", "{admin_port}")
+    policy += limits.replace("{", "{{").replace("}", "}}")
+    first, second = [(await gateway_process(policy=policy)).url for _ in range(2)]
+    timeout = aiohttp.ClientTimeout(total=15)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def get(url: str, key: str = "abuser") -> int:
+            async with session.get(url + "/", headers={"X-Api-Key": key}) as response:
+                await response.read()
+                return response.status
+
+        assert [await get(first), await get(second), await get(first)] == [200, 429, 429]
+        assert [await get(second), await get(first)] == [403, 403]
+        assert await get(second, "someone-else") == 200
+    assert len(upstream.requests) == 2
+
+
+async def test_the_penalty_box_shares_the_limits_slot_on_a_cluster(
+    redis_cluster: RedisClusterHarness, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """On a Redis Cluster a box is declared to the call and lives in its limit's slot."""
+    clock = FakeClock(start_us=3600 * S)
+    prefix = f"penalty{next(_prefixes)}:"
+    store = RedisStore(redis_cluster.url, key_prefix=prefix, clock=clock, time_source=clock)
+    gw = await start_gateway(policy_for(upstream.url, PENALIZED), store=store)
+    async with aiohttp.ClientSession() as session:
+        statuses = []
+        for _ in range(4):
+            async with session.get(gw.url + "/", headers={"X-Api-Key": "abuser"}) as response:
+                statuses.append(response.status)
+    assert statuses == [200, 429, 429, 403]
+    plan = store.plan(gw.gateway.handler.runtime.engine.limits[0])
+    plain = redis.cluster.RedisCluster.from_url(f"redis://127.0.0.1:{redis_cluster.nodes[0].port}")
+    try:
+        box, state = plan.penalty_key("abuser"), plan.redis_key("abuser")
+        assert plain.keyslot(box) == plain.keyslot(state) and plain.exists(box)
+    finally:
+        plain.close()
+
+
+async def test_limits_without_penalty_make_the_same_calls_on_redis(
+    redis_server: RedisServer, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """A policy with no penalty sends the script no box: no key beside the limit's."""
+    prefix = f"plain{next(_prefixes)}:"
+    plain = PENALIZED.replace("    penalty: {after: 2, within: 1m, block: 15m, status: 403}\n", "")
+    gw = await start_gateway(
+        policy_for(upstream.url, plain), store=RedisStore(redis_server.url, key_prefix=prefix)
+    )
+    async with aiohttp.ClientSession() as session:
+        for _ in range(4):
+            async with session.get(gw.url + "/", headers={"X-Api-Key": "k"}) as response:
+                await response.read()
+    with redis.Redis.from_url(redis_server.url) as plain:
+        found = plain.keys(prefix + "*")
+    assert len(found) == 1 and b":penalty:" not in found[0]
 
 
 async def test_a_key_blocked_by_one_worker_is_refused_by_all(
@@ -183,7 +327,9 @@ def test_blocks_outlive_a_reload_while_the_limit_keeps_its_penalty() -> None:
     first = engine(PENALIZED + other)
     first.penalties["per_key"].strike("k", clock.now_us())
     first.penalties["per_key"].strike("k", clock.now_us())
-    block_key(first, limit_named(first, "other"), "10.0.0.1", 60)  # a limit without penalty
+    asyncio.run(
+        block_key(first, limit_named(first, "other"), "10.0.0.1", 60)
+    )  # a limit without penalty
     kept = engine(PENALIZED + other, first)
     assert kept.penalty_until(limit_named(kept, "per_key"), "k") == 900
     assert kept.penalty_until(limit_named(kept, "other"), "10.0.0.1") == 60

@@ -94,9 +94,9 @@ def keys_routes(
                 seconds = parse_duration(given) if isinstance(given, str | int | float) else -1.0
             except ValueError:
                 seconds = -1.0
-            result["blocked_for_s"] = block_key(engine, limit, key, seconds)
+            result["blocked_for_s"] = await block_key(engine, limit, key, seconds)
         else:
-            result["unblocked"] = unblock_key(engine, limit, key)
+            result["unblocked"] = await unblock_key(engine, limit, key)
         log.info(
             "keys: %s of limit %s key %s by token %s, reason: %r",
             action,

@@ -45,3 +45,14 @@ class PenaltyBox:
     def idle(self, state: PenaltyState, now_us: int) -> bool:
         """Whether the state says nothing any more (no block, its strikes' window over)."""
         return state[2] <= now_us and (state[1] == 0 or now_us - state[0] >= self.within_us)
+
+
+class PenaltyRefusal:
+    """A store's word, in a refused verdict's ``states`` at the refusing limit's index, that
+    the key was in that limit's penalty box until ``until_us`` (the Redis store looks the box
+    up in the call that decides): the limits were not asked."""
+
+    __slots__ = ("until_us",)
+
+    def __init__(self, until_us: int) -> None:
+        self.until_us = until_us

@@ -12,14 +12,15 @@ import math
 from collections.abc import Awaitable
 from typing import Any, Final, TypeVar
 
-from gateway.algorithms.penalty_box import PenaltyBox
+from gateway.algorithms.penalty_box import PenaltyBox, PenaltyRefusal
 from gateway.engine.limit_engine import LimitEngine
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.limits.keys import SEP, shown_key
 from gateway.redact import hashed
 from gateway.stores.key_listing import KeyAdmin, key_admin_of
 from gateway.stores.penalty_table import PenaltyBoxes, PenaltyTable
-from gateway.stores.redis.key_scan import RedisKeyError
+from gateway.stores.redis.key_scan import RedisKeyError, RedisKeys
+from gateway.stores.redis.store import RedisStore
 from gateway.stores.shared.lmdb_store import SharedStore
 from gateway.stores.shared.penalties import SharedPenaltyTable
 
@@ -51,8 +52,8 @@ def _store(engine: LimitEngine) -> KeyAdmin:
     if admin is None:
         raise KeyAdminError(
             501,
-            f"the {engine.store.name} store does not list or reset keys yet (the in-process "
-            "and Redis stores do)",
+            f"the {engine.store.name} store does not list or reset keys (the in-process, "
+            "shared and Redis stores do)",
         )
     return admin
 
@@ -90,12 +91,22 @@ async def resolve_key(
         for held in await _asked(store.keys_held(variant, SCAN_MAX)):
             if hashed(held) == key_id:
                 return held
+    for held in await _blocked_keys(engine, limit):
+        if hashed(held) == key_id:
+            return held
+    raise KeyAdminError(404, f"no key with id {key_id} in limit {limit.name!r}")
+
+
+async def _blocked_keys(engine: LimitEngine, limit: CompiledLimit) -> list[str]:
+    """The keys in ``limit``'s penalty boxes: blocked ones (in process, shared), or every
+    box in Redis (strikes too: a listing reads each key's state, blocked or not)."""
     penalties = engine.penalties.get(limit.name)
     if penalties is not None:
-        for held, _ in penalties.blocked(engine.store.clock.now_us()):
-            if hashed(held) == key_id:
-                return held
-    raise KeyAdminError(404, f"no key with id {key_id} in limit {limit.name!r}")
+        return [key for key, _ in penalties.blocked(engine.store.clock.now_us())]
+    store = engine.store
+    if isinstance(store, RedisStore) and store.plan(limit).penalty:
+        return await _asked(RedisKeys(store).boxed(limit, SCAN_MAX))
+    return []
 
 
 async def key_state(engine: LimitEngine, limit: CompiledLimit, key: str) -> dict[str, Any]:
@@ -120,6 +131,9 @@ async def key_state(engine: LimitEngine, limit: CompiledLimit, key: str) -> dict
     if tier:
         state["plan"] = None if tier.startswith("=") else tier
     blocked_s = engine.penalty_until(limit, key)
+    refusal = verdict.states[0] if verdict.states else None
+    if isinstance(refusal, PenaltyRefusal):  # the store's box (Redis), looked at in the call
+        blocked_s = (refusal.until_us - (verdict.now_us or 0)) / 1_000_000
     state["blocked_for_s"] = round(blocked_s, 3) if blocked_s is not None else None
     return state
 
@@ -130,10 +144,8 @@ async def top_keys(engine: LimitEngine, limit: CompiledLimit, most: int) -> list
     keys: list[str] = []
     for variant in with_variants([limit]):
         keys += await _asked(store.keys_held(variant, SCAN_MAX - len(keys)))
-    penalties = engine.penalties.get(limit.name)
-    if penalties is not None:
-        held = set(keys)
-        keys += [k for k, _ in penalties.blocked(engine.store.clock.now_us()) if k not in held]
+    held = set(keys)
+    keys += [key for key in await _blocked_keys(engine, limit) if key not in held]
     states = [await key_state(engine, limit, key) for key in keys[:SCAN_MAX]]
     states.sort(key=lambda s: (s["blocked_for_s"] is None, s["remaining"] / max(1, s["quota"])))
     return states[:most]
@@ -179,15 +191,37 @@ def _penalties(engine: LimitEngine, limit: CompiledLimit) -> PenaltyBoxes:
     return table
 
 
-def block_key(engine: LimitEngine, limit: CompiledLimit, key: str, seconds: float) -> float:
+def _redis_boxes(engine: LimitEngine, limit: CompiledLimit) -> RedisKeys | None:
+    """The Redis store's penalty boxes of ``limit`` (None: the engine keeps them). Only a
+    limit with a penalty has boxes there: its requests' calls look them up."""
+    store = engine.store
+    if not isinstance(store, RedisStore):
+        return None
+    if not store.plan(limit).penalty:
+        raise KeyAdminError(
+            501,
+            f"with Redis a key is blocked through its limit's penalty box, and limit "
+            f"{limit.name!r} has no penalty: give it one (penalty: {{after, within, block}})",
+        )
+    return RedisKeys(store)
+
+
+async def block_key(engine: LimitEngine, limit: CompiledLimit, key: str, seconds: float) -> float:
     """Refuse ``key``'s requests under ``limit`` for ``seconds``; the seconds it is blocked."""
     if not (0 < seconds <= 366 * 86_400):
         raise KeyAdminError(400, "for: a duration above 0 and at most a year")
+    boxes = _redis_boxes(engine, limit)
+    if boxes is not None:
+        await _asked(boxes.block(limit, key, seconds))
+        return seconds
     now_us = engine.store.clock.now_us()
     _penalties(engine, limit).block(key, now_us + round(seconds * 1_000_000))
     return seconds
 
 
-def unblock_key(engine: LimitEngine, limit: CompiledLimit, key: str) -> bool:
+async def unblock_key(engine: LimitEngine, limit: CompiledLimit, key: str) -> bool:
+    boxes = _redis_boxes(engine, limit)
+    if boxes is not None:
+        return await _asked(boxes.unblock(limit, key))
     table = engine.penalties.get(limit.name)
     return table is not None and table.clear(key)

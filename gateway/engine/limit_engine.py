@@ -25,7 +25,7 @@ from typing import Any, Final
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
 from gateway.algorithms.concurrency import Concurrency
-from gateway.algorithms.penalty_box import PenaltyBox
+from gateway.algorithms.penalty_box import PenaltyBox, PenaltyRefusal
 from gateway.clock import MonotonicClock
 from gateway.engine.delay_queue import DelayQueue, ShuttingDown
 from gateway.engine.slot_lines import POLL_S, SlotLines, Ticket
@@ -48,7 +48,7 @@ from gateway.policy.models import (
 from gateway.policy.overrides import UnlistedKey, compile_tiering
 from gateway.policy.rejections import RejectionTemplate
 from gateway.redact import hashed
-from gateway.stores import LimitStore, MemoryStore, StoreUnavailableError
+from gateway.stores import LimitStore, StoreUnavailableError
 from gateway.stores.penalty_table import PenaltyBoxes, PenaltyTable
 from gateway.stores.protocol import DecidesNow
 from gateway.stores.shared.lmdb_store import SharedStore
@@ -303,14 +303,15 @@ class LimitEngine:
         self.limits: tuple[CompiledLimit, ...] = tuple(limits.values())
         # ``penalty:``: each limit's penalty boxes by key, kept over a reload while the
         # limit keeps its name and penalty: in process, or shared by the workers beside the
-        # shared store's state. Redis does not keep penalties yet (``gateway check`` says so).
-        self.penalties_supported = isinstance(store, (MemoryStore, SharedStore))
+        # shared store's state. The Redis store keeps them itself, beside the limits' states,
+        # looked up and struck in the script call that decides (``decides_penalties``).
+        self.penalties_supported = not store.decides_penalties
         shared_dir = store.path if isinstance(store, SharedStore) else None
         old_penalties = previous.penalties if previous is not None else {}
         self.penalties: dict[str, PenaltyBoxes] = {}
         for name, spec in policy.limits.items():
             penalty = spec.penalty
-            if penalty is None or spec.dry_run:
+            if penalty is None or spec.dry_run or store.decides_penalties:
                 continue
             box = PenaltyBox(penalty.after, penalty.within, penalty.block)
             kept_table = old_penalties.get(name)
@@ -594,17 +595,21 @@ class LimitEngine:
                 continue
             until_us = table.blocked_until(check.key, now_us)
             if until_us:
-                name = check.limit.name
-                if commit:
-                    check.limit.counters.penalized += 1
-                return Outcome(
-                    status=self._penalty_status[name],
-                    retry_after_s=(until_us - now_us) / 1_000_000,
-                    rejected_by=name,
-                    reason=f"the key is blocked by limit {name!r}'s penalty",
-                    checks=[check],
-                )
+                return self._penalty_outcome(check, until_us, now_us, commit)
         return None
+
+    def _penalty_outcome(self, check: Check, until_us: int, now_us: int, commit: bool) -> Outcome:
+        """The refusal of a request whose key is in ``check``'s limit's penalty box."""
+        name = check.limit.name
+        if commit:
+            check.limit.counters.penalized += 1
+        return Outcome(
+            status=self._penalty_status.get(name, check.limit.status),
+            retry_after_s=max(0.0, (until_us - now_us) / 1_000_000),
+            rejected_by=name,
+            reason=f"the key is blocked by limit {name!r}'s penalty",
+            checks=[check],
+        )
 
     def _strike(self, enforced: list[Check], rejected_by: Sequence[int]) -> None:
         """Count a rejection against each rejecting limit's penalty box."""
@@ -701,6 +706,9 @@ class LimitEngine:
                 looks.append(LimitLook(limit, True, key, unavailable=str(exc), cost=cost))
                 continue
             blocked_s = self.penalty_until(limit, key) if self._has_penalties else None
+            blocked_by = verdict.states[0] if verdict.states else None
+            if isinstance(blocked_by, PenaltyRefusal):  # the store's box (Redis)
+                blocked_s = (blocked_by.until_us - (verdict.now_us or 0)) / 1_000_000
             looks.append(
                 LimitLook(limit, True, key, verdict.decisions[0], cost=cost, blocked_s=blocked_s)
             )
@@ -759,6 +767,12 @@ class LimitEngine:
         """The outcome of the store's verdict, counted per limit when ``commit``; with
         ``may_wait``, a request only concurrency limits refuse may wait for a slot."""
         if not verdict.allowed:
+            refusal = verdict.states[verdict.rejected_by[0]] if verdict.states else None
+            if isinstance(refusal, PenaltyRefusal):  # the store looked the box up (Redis)
+                now_us = verdict.now_us if verdict.now_us is not None else 0
+                return self._penalty_outcome(
+                    enforced[verdict.rejected_by[0]], refusal.until_us, now_us, commit
+                )
             if may_wait and self.has_slots:
                 waits_on = _slot_wait(enforced, verdict)
                 if waits_on is not None:

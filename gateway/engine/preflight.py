@@ -43,16 +43,6 @@ def build_problems(policy: Policy, workers: int | None = None) -> list[tuple[Loc
     except ValueError as exc:  # it may quote the store URL, password and all
         return [(("store",), redact_text(str(exc)))]
     engine = LimitEngine(policy, store, build_algorithm)
-    if engine.penalties and not engine.penalties_supported:
-        for name in engine.penalties:
-            problems.append(
-                (
-                    ("limits", name, "penalty"),
-                    f"penalties are kept by the gateway's own workers: the {store.name} store "
-                    "does not keep them yet; use store: memory (or shared), or remove penalty",
-                )
-            )
-        return problems
     for limit in engine.limits:
         try:
             store.configure([limit], ())

@@ -119,6 +119,20 @@ class TokenVerifier:
             )
         self.verifications = 0
 
+    def reread_key(self) -> bool:
+        """Read ``secret_file`` or ``public_key_file`` again (a reload whose policy is
+        unchanged: the key rotated in place). True if the key changed: the tokens verified
+        with the old one are then verified again, with the new one. ``KeyFileError`` (a
+        ``ValueError``: the file gone, too short, a private key) changes nothing."""
+        if self._static is None:
+            return False
+        key = load_static_key(self.settings)
+        if key is None or key.as_dict(private=True) == self._static.as_dict(private=True):
+            return False
+        self._static = key
+        self._verdicts.clear()
+        return True
+
     def start(self) -> None:
         """Fetch the key set now if there is none yet (a runtime about to serve calls it;
         ``check`` builds an engine without fetching)."""

@@ -723,6 +723,12 @@ def parse_policy(
     policy = _with_admin_token_file(policy, file)
     policy = _with_access_log_path(policy, file)
     policy, jwt_problems = _with_jwt_files(policy, file)
+    # The JWT key file is watched (a key rotated in place is read again by a reload), not
+    # digested: a secret's content has no place in a digest the gateway shows.
+    jwt = policy.jwt
+    key_file = (jwt.secret_file or jwt.public_key_file) if jwt is not None else None
+    if key_file is not None and not jwt_problems:
+        files = (*files, key_file)
     tls_problems += jwt_problems
     ref_problems = _check_references(policy) or tls_problems or (checks(policy) if checks else [])
     if ref_problems:

@@ -257,7 +257,7 @@ class Gateway:
                     policy_path,
                     running=lambda: self.loaded,
                     apply=self.apply,
-                    refresh=self.refresh_admin_token,
+                    refresh=self.refresh_files,
                 )
                 if policy_path
                 else None
@@ -481,6 +481,14 @@ class Gateway:
         self.loaded = loaded
         self._swap_admin_auth(admin_auth)
         asyncio.get_running_loop().create_task(self._retire(previous))
+
+    def refresh_files(self) -> bool:
+        """Read again the files the running policy names but whose content is not in its
+        digest: the admin token's and the JWT key's. True if either changed what is in force."""
+        token = self.refresh_admin_token()
+        identity = self.handler.runtime.engine.identity
+        key = identity is not None and identity.reread_key()
+        return token or key
 
     def refresh_admin_token(self) -> bool:
         """Read the admin token (its file) again under the running policy: a reload whose

@@ -62,8 +62,8 @@ class PolicyReloader:
                         self._update(succeeded=self.status.succeeded + 1)
                         self._succeeded()
                         log.info(
-                            "policy %s unchanged (sha256 %s); the admin token file changed: "
-                            "the token is rotated",
+                            "policy %s unchanged (sha256 %s); the admin token file or the JWT "
+                            "key file changed: the token is rotated",
                             self.path,
                             loaded.sha256[:12],
                         )

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from gateway.limits.compiled import CompiledLimit
 from gateway.stores.memory import MemoryStore
+from gateway.stores.shared.lmdb_store import SharedStore
 
 
 class KeyAdmin(Protocol):
@@ -41,10 +42,28 @@ class MemoryKeys:
         return self.store.forget(limit.table, key)
 
 
+class SharedKeys:
+    """``KeyAdmin`` over the workers' shared store: every worker's keys."""
+
+    def __init__(self, store: SharedStore) -> None:
+        self.store = store
+
+    async def keys_held(self, limit: CompiledLimit, most: int) -> list[str]:
+        return self.store.keys_held(limit, most)
+
+    async def holds(self, limit: CompiledLimit, key: str) -> bool:
+        return self.store.holds(limit, key)
+
+    async def forget(self, limit: CompiledLimit, key: str) -> bool:
+        return self.store.forget(limit, key)
+
+
 def key_admin_of(store: object) -> KeyAdmin | None:
-    """The keys' API over ``store``, if it has one (in process, Redis)."""
+    """The keys' API over ``store``, if it has one (in process, shared, Redis)."""
     if isinstance(store, MemoryStore):
         return MemoryKeys(store)
+    if isinstance(store, SharedStore):
+        return SharedKeys(store)
     from gateway.stores.redis.key_scan import RedisKeys
     from gateway.stores.redis.store import RedisStore
 

@@ -23,6 +23,7 @@ class MemoryStore:
 
     name = "memory"
     verdicts_on_clock = True
+    decides_penalties = False
     # Every slot is taken and given back in this process: a release wakes who waits for it.
     slots_shared = False
 

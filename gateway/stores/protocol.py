@@ -36,6 +36,9 @@ class LimitStore(Protocol):
     # shared and Redis stores): a request waiting for a slot then looks again now and then,
     # as their releases send no word to this process.
     slots_shared: bool
+    # Whether the store keeps limits' penalty boxes itself, looked up and struck in the call
+    # that decides (Redis); else the engine keeps them (``stores.penalty_table``).
+    decides_penalties: bool
 
     async def decide(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """Decide all checks at one instant; with ``commit``, store the new states if allowed

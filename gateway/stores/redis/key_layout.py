@@ -41,8 +41,20 @@ class LimitPlan:
     key_tail: str  # "}{limit}:{fingerprint}:"
     tag_index: int  # index of the tag part in the key, WHOLE_KEY or FIXED_TAG
     local: CompiledLimit
+    # The limit's ``penalty:`` for the script, b"after within_us block_us" (b"": none), and
+    # where its penalty boxes live: beside the states, same tag (one slot), another name.
+    penalty: bytes = b""
+    penalty_tail: str = ""
 
     def redis_key(self, key: str) -> str:
+        return f"{self.key_head}{self._tag(key)}{self.key_tail}{key}"
+
+    def penalty_key(self, key: str) -> str:
+        """Where ``key``'s penalty box lives (not under ``key_tail``: a SCAN of the limit's
+        states, the keys' API, does not meet it)."""
+        return f"{self.key_head}{self._tag(key)}{self.penalty_tail}{key}"
+
+    def _tag(self, key: str) -> str:
         index = self.tag_index
         if index == WHOLE_KEY:
             tag = key
@@ -53,7 +65,7 @@ class LimitPlan:
             tag = parts[index] if index < len(parts) else key
         if not tag or "}" in tag:
             tag = tag.replace("}", "%7D") or "~"  # an empty tag would hash the whole key
-        return f"{self.key_head}{tag}{self.key_tail}{key}"
+        return tag
 
 
 def fingerprint(limit: CompiledLimit, codec: Codec) -> str:

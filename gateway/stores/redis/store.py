@@ -17,6 +17,7 @@ from redis.retry import Retry
 
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision, combine
+from gateway.algorithms.penalty_box import PenaltyBox, PenaltyRefusal
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.memory import MemoryStore
@@ -109,6 +110,7 @@ class RedisStore:
     name = "redis"
     verdicts_on_clock = False  # decided on Redis TIME
     slots_shared = True  # other replicas hold slots of the same keys
+    decides_penalties = True  # in the decision script, beside the limits' states
 
     def __init__(
         self,
@@ -261,6 +263,17 @@ class RedisStore:
 
     def _build_plan(self, limit: CompiledLimit, tag_part: str | None) -> LimitPlan:
         codec = codec_for(limit.algorithm, self.owner, self.slot_ttl_s)
+        if limit.spec.lease is not None and _penalty_argument(limit):
+            raise ValueError(
+                "a leased limit decides most requests in this replica, where Redis cannot "
+                "count them against a penalty: remove lease or penalty"
+            )
+        if limit.holds_slots and limit.max_delay > 0 and _penalty_argument(limit):
+            raise ValueError(
+                "a concurrency limit's refused requests wait for a slot and ask Redis again, "
+                "and each ask would count against the penalty: give it max_delay: 0, or "
+                "remove penalty"
+            )
         parts = limit.spec.key
         if tag_part is None or tag_part not in parts:
             tag_index = FIXED_TAG
@@ -274,6 +287,8 @@ class RedisStore:
             key_head=self.key_prefix + "{",
             key_tail=f"}}{limit.name}:{fingerprint(limit, codec)}:",
             tag_index=tag_index,
+            penalty=_penalty_argument(limit),
+            penalty_tail=f"}}{limit.name}:penalty:",
             # Without the tiering: the variants have plans (and local tables) of their own.
             local=dataclasses.replace(
                 limit, algorithm=limit.algorithm.share(self.replicas), tiering=None
@@ -600,6 +615,14 @@ class RedisStore:
         keys = [
             plan.redis_key(check.key).encode() for check, plan in zip(checks, plans, strict=True)
         ]
+        # A decision or a look at limits with a penalty: their boxes in the same call.
+        boxes = mode in (b"d", b"p") and any([plan.penalty for plan in plans])
+        if boxes:
+            mode = mode.upper()
+            keys += [
+                plan.penalty_key(check.key).encode()
+                for check, plan in zip(checks, plans, strict=True)
+            ]
         time_source = self.time_source
         now_us = time_source.now_us() if time_source is not None else None
         now = b"" if now_us is None else b"%d" % now_us
@@ -623,7 +646,7 @@ class RedisStore:
             # and writes nothing (it never delays).
             argv.append(b"a" if limit.admits_free else _bound(check.max_delay_s))
             calendar = calendar or limit.calendar
-        if mode == b"r" or calendar:
+        if mode == b"r" or calendar or boxes:
             argv.append(charged_us)
         if calendar:
             # The gateway reads the calendar at its own time (Redis TIME picks the period).
@@ -631,6 +654,10 @@ class RedisStore:
             for plan in plans:
                 codec = plan.codec
                 argv.append(codec.periods(unix_us) if isinstance(codec, CalendarCodec) else b"")
+        elif boxes:
+            argv += [b""] * len(plans)
+        if boxes:
+            argv += [plan.penalty for plan in plans]
         loop = asyncio.get_running_loop()
         started = loop.time()
         reply = await self.client.submit(keys, argv)
@@ -644,7 +671,7 @@ class RedisStore:
         elif mode == b"c":
             length = 1 + len(checks)
         else:
-            length = 1 + 5 * len(checks)
+            length = 1 + 5 * len(checks) + (2 if boxes else 0)
         result = _checked(reply, call_id, length)
         self.stats.observe(loop.time() - started)
         return result
@@ -828,6 +855,15 @@ def _charged_now(checks: Sequence[Check]) -> Sequence[Check]:
     return checks
 
 
+def _penalty_argument(limit: CompiledLimit) -> bytes:
+    """The limit's ``penalty:`` as the script reads it (b"": none, or a dry run's)."""
+    penalty = limit.spec.penalty
+    if penalty is None or limit.spec.dry_run:
+        return b""
+    box = PenaltyBox(penalty.after, penalty.within, penalty.block)
+    return b"%d %d %d" % (box.after, box.within_us, box.block_us)
+
+
 def _bound(max_delay_s: float) -> bytes:
     """A delay bound for the script: shortest exact decimal, or '' for none."""
     return b"" if max_delay_s == _INF else repr(float(max_delay_s)).encode()
@@ -876,5 +912,19 @@ def _verdict(
         plan.codec.decision(*reply[base : base + 5])
         for plan, base in zip(plans, range(1, 5 * len(plans), 5), strict=True)
     ]
+    if len(reply) > 1 + 5 * len(plans) and reply[1 + 5 * len(plans)]:
+        return _penalized(decisions, reply[0], reply[1 + 5 * len(plans)] - 1, reply[-1])
     states = (None,) * len(decisions)  # the script committed them: nothing to store here
     return combine(decisions, states, states, reply[0], [check.max_delay_s for check in checks])
+
+
+def _penalized(
+    decisions: Sequence[Decision], now_us: int, index: int, until_us: int
+) -> CombinedDecision:
+    """The script refused the request: the key is in limit ``index``'s penalty box."""
+    states: list[Any] = [None] * len(decisions)
+    states[index] = PenaltyRefusal(until_us)
+    retry_after_s = max(0.0, (until_us - now_us) / 1_000_000)
+    return CombinedDecision(
+        False, 0.0, retry_after_s, (index,), None, tuple(decisions), tuple(states), now_us
+    )

@@ -173,6 +173,7 @@ class SharedStore:
 
     name = "shared"
     verdicts_on_clock = True
+    decides_penalties = False  # the workers' boxes: stores.shared.penalties
 
     def __init__(
         self,
@@ -1009,6 +1010,50 @@ class SharedStore:
 
     def evictions(self, limit_name: str) -> int:
         return self._limit_counts(limit_name)[1]
+
+    # -- the keys' API (``stores.key_listing.SharedKeys``): every worker's keys --
+
+    def keys_held(self, limit: CompiledLimit, most: int) -> list[str]:
+        """Up to ``most`` keys ``limit``'s table holds (not those stored by a digest: a key
+        longer than ``MAX_KEY_BYTES``)."""
+        env = self._env
+        table = self._table_of(limit) if env is not None else None
+        if env is None or table is None:
+            return []
+        prefix = table.prefix
+        keys: list[str] = []
+        with self._begin(env, False) as txn, txn.cursor(self._state) as cursor:
+            found = cursor.set_range(prefix)
+            while found and len(keys) < most:
+                key = bytes(cursor.key())
+                if not key.startswith(prefix):
+                    break
+                if key[4:5] != b"#":
+                    keys.append(key[4:].decode("utf-8", "surrogatepass"))
+                found = cursor.next()
+        return keys
+
+    def holds(self, limit: CompiledLimit, key: str) -> bool:
+        env = self._env
+        table = self._table_of(limit) if env is not None else None
+        if env is None or table is None:
+            return False
+        with self._begin(env, False) as txn:
+            return txn.get(table.prefix + key_bytes(key), None, self._state) is not None
+
+    def forget(self, limit: CompiledLimit, key: str) -> bool:
+        """Drop ``key``'s state for every worker (a worker's lease of it runs out on its own)."""
+        env = self._env
+        table = self._table_of(limit) if env is not None else None
+        if env is None or table is None:
+            return False
+        state_key = table.prefix + key_bytes(key)
+        with self._begin(env, True) as txn:
+            raw = txn.get(state_key, None, self._state)
+            if raw is None:
+                return False
+            forget_key(txn, self._dbs, table.slot, state_key, decode_state(raw)[0])
+        return True
 
     async def prepare(self) -> None:
         """Opened by ``configure``: nothing more to get ready."""

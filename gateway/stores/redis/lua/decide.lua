@@ -34,12 +34,25 @@
 -- A concurrency limit ('N', in flight) keeps its key's slots in a hash, one field per replica
 -- (concurrency.lua): a decision counts every replica's live slots, a commit or a refund
 -- changes this replica's only; nothing of it is rescaled or charged after the response.
+-- Modes 'D' and 'P' are 'd' and 'p' for a call with penalty boxes (a limit's ``penalty:``):
+-- KEYS[n+i] is then limit i's penalty box for the key (same hash tag), ARGV[5+2n] and the
+-- ARGV[5+2n+i] are all present ('' where unused), and ARGV[5+3n+i] is limit i's penalty,
+-- 'after within_us block_us' ('': none). A key in a box is refused before any limit decides,
+-- nothing written ('P', a look, decides all the same: what the key would meet once its block
+-- ends); a rejection in 'D' strikes the rejecting limits' boxes. The reply has two more
+-- integers before the call's number: the limit (1-based) whose box refuses the request (0:
+-- none), and until when.
 -- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
 local costs = {}
 for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
 local function cost_of(i) return costs[i] or costs[1] end
 local min_ttl_ms = tonumber(ARGV[4])
 local n = #KEYS
+local boxes = mode == 'D' or mode == 'P'
+if boxes then
+  n = n / 2
+  mode = string.lower(mode)
+end
 local function extra(i) return ARGV[5 + 2 * n + i] end
 local function after(i) return ARGV[4 + n + i] == 'a' end
 local function holds_slots(p) return string.byte(p, 1) == 78 end -- 'N'
@@ -154,8 +167,62 @@ if mode == 'c' then
   return reply
 end
 
+-- Limit i's penalty (after, within_us, block_us), or nil.
+local function penalty_of(i)
+  if not boxes then return nil end
+  local spec = ARGV[5 + 3 * n + i]
+  if not spec or spec == '' then return nil end
+  local after, within_us, block_us = string.match(spec, '^(%d+) (%d+) (%d+)$')
+  return tonumber(after), tonumber(within_us), tonumber(block_us)
+end
+
+-- A box's state: first strike, strikes, blocked until (penalty_box.py's PenaltyState).
+local function box_state(i)
+  local raw = redis.call('GET', KEYS[n + i])
+  if not raw then return 0, 0, 0 end
+  local first, strikes, until_us = string.match(raw, '^(%d+) (%d+) (%d+)$')
+  return tonumber(first) or 0, tonumber(strikes) or 0, tonumber(until_us) or 0
+end
+
+-- One more rejection of the key by limit i, as PenaltyBox.strike counts it.
+local function strike(i)
+  local after, within_us, block_us = penalty_of(i)
+  if not after then return end
+  local first, strikes, until_us = box_state(i)
+  if strikes == 0 or now_us - first >= within_us then first, strikes = now_us, 0 end
+  strikes = strikes + 1
+  if strikes >= after then first, strikes, until_us = now_us, 0, now_us + block_us end
+  local live_until = until_us
+  if strikes > 0 and first + within_us > live_until then live_until = first + within_us end
+  local ttl_ms = ceil_div(live_until - now_us, 1000) + 1
+  redis.call('SET', KEYS[n + i], string.format('%d %d %d', first, strikes, until_us),
+    'PX', ttl_ms)
+end
+
+local blocked_by, blocked_until = 0, 0
+if boxes then
+  for i = 1, n do
+    if penalty_of(i) then
+      local until_us = select(3, box_state(i))
+      if until_us > now_us then
+        if mode == 'd' then
+          local reply = {now_us}
+          for j = 2, 5 * n + 1 do reply[j] = 0 end
+          reply[5 * n + 2] = i
+          reply[5 * n + 3] = until_us
+          reply[5 * n + 4] = call_id
+          return reply
+        end
+        blocked_by, blocked_until = i, until_us
+        break
+      end
+    end
+  end
+end
+
 local reply = {now_us}
 local states = {}
+local over = {}
 local idle = {}
 local rescaled = {}
 local own_slots = {}
@@ -174,7 +241,10 @@ for i = 1, n do
     ALG[string.sub(p, 1, 1)].decide(p, raw, now_us, cost_of(i), extra(i))
   if ok == 0 then allowed = false end
   local bound = tonumber(ARGV[4 + n + i])
-  if delay_s and bound and delay_s > bound then too_long = true end
+  if delay_s and bound and delay_s > bound then
+    too_long = true
+    over[i] = true
+  end
   states[i] = state
   idle[i] = idle_in_us
   local base = 5 * i - 3
@@ -200,7 +270,20 @@ if mode == 'd' then
     for i = 1, n do
       if rescaled[i] then store(KEYS[i], ARGV[4 + i], rescaled[i][1], rescaled[i][2]) end
     end
+    -- The limits that refused (combine's rejected_by): those over their limit, else those
+    -- whose delay is over its bound.
+    if boxes then
+      for i = 1, n do
+        if (not allowed and reply[5 * i - 3] == 0) or (allowed and over[i]) then strike(i) end
+      end
+    end
   end
+end
+if boxes then
+  reply[5 * n + 2] = blocked_by
+  reply[5 * n + 3] = blocked_until
+  reply[5 * n + 4] = call_id
+  return reply
 end
 reply[5 * n + 2] = call_id
 return reply
