@@ -441,6 +441,37 @@ class LimitEngine:
                     enforced.append(Check(limit, key, limit.max_delay, True, cost))
         return enforced, dry
 
+    def _checks_or_answer(
+        self,
+        facts: RequestFacts,
+        route: Route,
+        host: str,
+        path: str,
+        client_ip: str,
+        commit: bool,
+    ) -> Outcome | tuple[list[Check], list[Check]]:
+        """The first half of ``evaluate`` and ``evaluate_now``, alike for both and never
+        waiting: the request's checks (enforced, dry run), or the answer found before any limit
+        is asked (an address screen, a key not listed, a refused token, a penalty)."""
+        if self._screens:
+            screened = self._screen(client_ip)
+            if screened is not None:
+                return screened
+        try:
+            checks = self.checks_for(facts, route, host, path, reserve=commit)
+        # One name per type: compiled, a name several clauses bind takes the first's type.
+        except UnlistedKey as unlisted:
+            return _refuse_unlisted(unlisted.limit, commit)
+        except TokenRefused as token_refused:
+            return _refuse_token(token_refused)
+        enforced = checks[0]
+        if self._has_penalties and enforced:
+            blocked = self._penalized(enforced, commit)
+            if blocked is not None:
+                _release(enforced)
+                return blocked
+        return checks
+
     async def evaluate(
         self,
         facts: RequestFacts,
@@ -455,21 +486,10 @@ class LimitEngine:
         with nothing charged, counted or held, and no key moved in the store's LRU order."""
         if commit and self.decides_now:
             return self.evaluate_now(facts, route, host, path, client_ip)
-        if self._screens:
-            screened = self._screen(client_ip)
-            if screened is not None:
-                return screened
-        try:
-            enforced, dry = self.checks_for(facts, route, host, path, reserve=commit)
-        except UnlistedKey as refused:
-            return _refuse_unlisted(refused.limit, commit)
-        except TokenRefused as refused:
-            return _refuse_token(refused)
-        if self._has_penalties and enforced:
-            blocked = self._penalized(enforced, commit)
-            if blocked is not None:
-                _release(enforced)
-                return blocked
+        checks = self._checks_or_answer(facts, route, host, path, client_ip, commit)
+        if isinstance(checks, Outcome):
+            return checks
+        enforced, dry = checks
         if not commit:
             return await self._enforce(enforced, commit=False) if enforced else ALLOW
         if not enforced:
@@ -517,21 +537,10 @@ class LimitEngine:
         and the verdict."""
         store = self._immediate
         assert store is not None
-        if self._screens:
-            screened = self._screen(client_ip)
-            if screened is not None:
-                return screened
-        try:
-            enforced, dry = self.checks_for(facts, route, host, path)
-        except UnlistedKey as refused:
-            return _refuse_unlisted(refused.limit, True)
-        except TokenRefused as refused:
-            return _refuse_token(refused)
-        if self._has_penalties and enforced:
-            blocked = self._penalized(enforced, True)
-            if blocked is not None:
-                _release(enforced)
-                return blocked
+        checks = self._checks_or_answer(facts, route, host, path, client_ip, True)
+        if isinstance(checks, Outcome):
+            return checks
+        enforced, dry = checks
         verdicts: list[CombinedDecision] | None = None
         try:
             # The dry-run limits first: a store error there comes before anything enforced
@@ -1155,9 +1164,8 @@ class LimitEngine:
 
         Each limit's ``RateLimit-Policy`` item and the start of its ``RateLimit`` item are
         encoded once per limit and quota (``_Advertised``); a request formats only its own
-        numbers, and a request under one limit joins its header lines in one step. Built on
-        demand, not with the outcome: a request waiting in the queue should not hold its
-        header bytes while it waits.
+        numbers, one limit or several by the same steps. Built on demand, not with the outcome:
+        a request waiting in the queue should not hold its header bytes while it waits.
         """
         verdict = outcome.verdict
         retry_after = b""
@@ -1176,41 +1184,9 @@ class LimitEngine:
         checks = outcome.checks
         decisions = verdict.decisions
         rejecting = verdict.rejected_by if outcome.status else ()
-        if len(checks) == 1:
-            # The common case, one limit: no lists, one join.
-            limit = checks[0].limit
-            if limit.holds_slots:  # a concurrency limit advertises no quota
-                return retry_after
-            decision = decisions[0]
-            parts = self._advertised_parts(limit, decision.limit)
-            if rejecting and 0 in rejecting:
-                reset = _reset_header(decision, parts.window, True)
-            else:
-                reset = min(math.ceil(decision.reset_s), parts.window)
-            remaining = decision.remaining
-            if remaining < 0:
-                remaining = 0
-            if not x_ratelimit:
-                return b"%s%s%s%s;t=%s\r\n" % (
-                    retry_after,
-                    parts.policy_line,
-                    parts.state_line_start,
-                    _ascii(remaining),
-                    _ascii(reset),
-                )
-            x_lines = _x_ratelimit_lines(decision.limit, remaining, reset)
-            if not ietf:
-                return retry_after + x_lines
-            return b"%s%s%s%s;t=%s\r\n%s" % (
-                retry_after,
-                parts.policy_line,
-                parts.state_line_start,
-                _ascii(remaining),
-                _ascii(reset),
-                x_lines,
-            )
-        # Several limits: each item joined on as it comes, and the X-RateLimit trio's limit
-        # (the tightest: the first with the fewest remaining) found on the way.
+        # Each limit's items joined on as they come (one limit's are the lines as they are),
+        # and the X-RateLimit trio's limit (the tightest: the first with the fewest remaining)
+        # found on the way.
         policy_line = state_line = b""
         tightest: Decision | None = None
         tightest_reset = 0
@@ -1274,27 +1250,17 @@ class LimitEngine:
 
 class _Advertised:
     """What one limit's rate-limit headers say at one quota on every response, encoded once:
-    its ``RateLimit-Policy`` item (and the whole line, for a request under this limit alone),
-    the start of its ``RateLimit`` item (and of the whole line), and its window in whole
+    its ``RateLimit-Policy`` item, the start of its ``RateLimit`` item, and its window in whole
     seconds."""
 
-    __slots__ = (
-        "policy_item",
-        "policy_line",
-        "quota",
-        "state_line_start",
-        "state_start",
-        "window",
-    )
+    __slots__ = ("policy_item", "quota", "state_start", "window")
 
     def __init__(self, limit: CompiledLimit, quota: int) -> None:
         window = max(1, math.ceil(limit.window_s))
         name = limit.name.encode("latin-1")
         self.quota = quota
         self.policy_item = b'"%s";q=%d;w=%d' % (name, quota, window)
-        self.policy_line = b"RateLimit-Policy: " + self.policy_item + b"\r\n"
         self.state_start = b'"%s";r=' % name
-        self.state_line_start = b"RateLimit: " + self.state_start
         # ``t`` counts to a calendar period's real end (a 31-day month, a 25-hour day), past
         # the nominal window it advertises.
         self.window = _UNCAPPED if limit.calendar else window
