@@ -12,17 +12,16 @@ from gateway.build import COMPILED_MODULES
 MAX_LINES = 80
 ROOT = Path(__file__).resolve().parent.parent
 
-# Functions still over the limit, each with its length when listed: none is on the per-request
-# path of the proxy (start-up, a snapshot per scrape, ``gateway replay``'s parsers). Split them
-# and remove them from here; the test fails when one listed is under the limit again.
+# Functions still over the limit, each with its length when listed: hand-shaped hot loops not
+# on the proxy's own request path and not measured yet, so not split blind (the shared store's
+# read-and-decide loop; ``gateway replay``'s parsers, a million lines a run, generators whose
+# state a split would have to carry). Split one only with a measurement of the compiled build
+# (bench/bench_instructions.py, bench/bench_replay.py), then remove it from here: the second test
+# fails when one listed is under the limit again.
 ALLOWED: dict[str, int] = {
-    "gateway/engine/limit_engine.py:LimitEngine.__init__": 165,
-    "gateway/stores/redis/store.py:RedisStore.__init__": 127,
-    "gateway/observability/worker.py:WorkerMetrics.snapshot": 123,
     "gateway/stores/shared/lmdb_store.py:SharedStore._read_and_decide": 108,
     "gateway/replay/log_formats.py:read_combined": 144,
     "gateway/replay/log_formats.py:read_json": 92,
-    "gateway/replay/simulate.py:Simulation.decide": 96,
 }
 
 
