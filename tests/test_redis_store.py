@@ -1051,16 +1051,21 @@ async def test_an_idle_gateway_closes_the_circuit_once_redis_is_back(
         for _ in range(2):  # the threshold: the circuit opens
             async with session.get(gw.url + "/") as response:
                 assert response.status == 200  # on_failure: local
-        assert await store_state(session, gw.admin_url) == "open"
+        # Open, or half open while a timer's probe is in flight (a scrape can land between the
+        # probe's start and its refused connect, more often on a busy machine): not ok.
+        down = ("open", "half_open")
+        assert await store_state(session, gw.admin_url) in down
         requests = len(upstream.requests)
         # Idle while down: the timer's probes fail and keep it open (the admin listener's
         # scrapes are no requests to the store).
         await wait_until(lambda: breaker.probes >= 2, "two probes on the timer")
-        assert await store_state(session, gw.admin_url) == "open"
+        assert await store_state(session, gw.admin_url) in down
         server.start(same_port=True)
         started = loop.time()
         state = "open"
-        while loop.time() - started < 5.0:  # bounded: probes every 0.4 s at most
+        # Bounded: probes every 0.4 s at most, each within the 50 ms call timeout, which a busy
+        # machine can miss a few times in a row (without probes on the timer: never ok).
+        while loop.time() - started < 15.0:
             state = await store_state(session, gw.admin_url)
             if state == "ok":
                 break
