@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
 
+from gateway.policy.model_base import _Model
 from gateway.policy.units import parse_duration
 
 # Each key source verifies the algorithms of its own family only: a secret never checks an
@@ -71,10 +72,6 @@ Seconds = Annotated[
     ),
 ]
 TokenProblem = Literal["401", "anonymous", "reject"]
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _problem(value: Any) -> Any:
