@@ -6,11 +6,9 @@ with ``reserve`` each call in flight holds that estimate, settled to the usage."
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,39 +20,18 @@ from gateway.clock import FakeClock
 from gateway.engine.preflight import parse_and_build
 from gateway.replay import replay
 from gateway.replay.simulate import Simulation
-from gateway.stores import RedisStore
-from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
-from tests.support.conformance import T0_US
+from tests.support.conformance import T0_US, gateway_store_of
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.llm_upstream import LlmUpstream
 from tests.support.metrics import scrape_until, value
 from tests.support.processes import GatewayProcess, StartGateway
-from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 redis_cluster = redis_harness.redis_cluster
-_prefixes = itertools.count()
 TIMEOUT = aiohttp.ClientTimeout(total=30)
-
-
-def _store(
-    kind: str, request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
-) -> dict[str, Any]:
-    if kind == "memory":
-        return {}
-    if kind == "shared":
-        return {"store": SharedStore(tmp_path / "shared", clock)}
-    if kind == "cluster":
-        url = request.getfixturevalue("redis_cluster").url
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        url = server.url
-    prefix = f"llm{next(_prefixes)}-{time.monotonic_ns()}:"
-    store = RedisStore(url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
-    return {"store": store}
 
 
 def _policy(upstream: LlmUpstream, limit: str) -> str:
@@ -160,7 +137,7 @@ async def test_each_call_is_charged_the_usage_its_answer_reports(
     gw = await start_gateway(
         _policy(llm_upstream, _tokens(BUDGET, reserve)),
         clock=clock,
-        **_store(kind, request, clock, tmp_path),
+        **gateway_store_of(kind, request, clock, tmp_path, "llm"),
     )
     rng = random.Random(7)
     client = _client(gw)
@@ -253,7 +230,7 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     reservation each holds 1 unit: all 10 go, spending 2,100, and the charges stop at the
     budget (the overshoot the docs bound: calls in flight times their usage beyond the hold)."""
     clock = FakeClock(T0_US)
-    store = _store(kind, request, clock, tmp_path)
+    store = gateway_store_of(kind, request, clock, tmp_path, "llm")
     gw = await start_gateway(
         _policy(llm_upstream, _tokens(1000, "    reserve: 300\n")), clock=clock, **store
     )
@@ -279,7 +256,7 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     gw = await start_gateway(
         _policy(llm_upstream, _tokens(1100, from_body)),
         clock=clock,
-        **_store(kind, request, clock, tmp_path),
+        **gateway_store_of(kind, request, clock, tmp_path, "llm"),
     )
     statuses = await _concurrent_calls(gw, llm_upstream, 10)
     assert sorted(statuses) == [200] * 5 + [429] * 5
@@ -289,7 +266,9 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
 
     llm_upstream.reported.clear()
     gw = await start_gateway(
-        _policy(llm_upstream, _tokens(1000)), clock=clock, **_store(kind, request, clock, tmp_path)
+        _policy(llm_upstream, _tokens(1000)),
+        clock=clock,
+        **gateway_store_of(kind, request, clock, tmp_path, "llm"),
     )
     statuses = await _concurrent_calls(gw, llm_upstream, 10)
     assert statuses == [200] * 10
@@ -337,7 +316,9 @@ async def test_a_client_gone_mid_stream_is_charged_its_reservation_or_the_usage_
         1,
     )
     gw = await start_gateway(
-        _policy(llm_upstream, limits), clock=clock, **_store(kind, request, clock, tmp_path)
+        _policy(llm_upstream, limits),
+        clock=clock,
+        **gateway_store_of(kind, request, clock, tmp_path, "llm"),
     )
     engine = gw.gateway.handler.runtime.engine
     tokens, anthropic_tokens = engine.limits
@@ -557,7 +538,9 @@ async def test_anthropic_client_calls_are_charged_their_usage(
         "cost_from: openai", "cost_from: anthropic"
     )
     gw = await start_gateway(
-        _policy(llm_upstream, limit), clock=clock, **_store(kind, request, clock, tmp_path)
+        _policy(llm_upstream, limit),
+        clock=clock,
+        **gateway_store_of(kind, request, clock, tmp_path, "llm"),
     )
     client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-test", max_retries=0)
     rng = random.Random(3)

@@ -10,51 +10,27 @@ With ``hold: none`` (the old behaviour) all 200 reached the upstream."""
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
 from gateway.clock import FakeClock
 from gateway.stores import RedisStore
-from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
-from tests.support.conformance import T0_US
+from tests.support.conformance import T0_US, gateway_store_of
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.held_upstream import HeldUpstream
-from tests.support.redis_harness import RedisServer
 from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 redis_cluster = redis_harness.redis_cluster
 redis_factory = redis_harness.redis_factory
-_prefixes = itertools.count()
 
 BURST = 200
 LIMIT = 5
 TIMEOUT = aiohttp.ClientTimeout(total=30)
-
-
-def _store(
-    kind: str, request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
-) -> dict[str, Any]:
-    """A gateway's store of ``kind`` on ``clock`` (Redis: the clock stands in for TIME)."""
-    if kind == "memory":
-        return {}
-    if kind == "shared":
-        return {"store": SharedStore(tmp_path / "shared", clock)}
-    if kind == "cluster":
-        url = request.getfixturevalue("redis_cluster").url
-    else:
-        server: RedisServer = request.getfixturevalue("redis_server")
-        url = server.url
-    prefix = f"holds{next(_prefixes)}-{time.monotonic_ns()}:"
-    store = RedisStore(url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
-    return {"store": store}
 
 
 def _policy(upstream: HeldUpstream, hold: str | None = None, read_timeout: str = "1s") -> str:
@@ -120,7 +96,7 @@ async def test_a_burst_of_wrong_logins_reaches_the_upstream_at_most_the_limit_ti
     gw = await start_gateway(
         _policy(held_upstream, read_timeout="30s"),
         clock=clock,
-        **_store(kind, request, clock, tmp_path),
+        **gateway_store_of(kind, request, clock, tmp_path, "holds"),
     )
     statuses = await _burst(gw, held_upstream, "burst")
     print(
@@ -148,7 +124,7 @@ async def test_hold_none_admits_the_whole_burst_as_before(
     gw = await start_gateway(
         _policy(held_upstream, "none", "30s"),
         clock=clock,
-        **_store(kind, request, clock, tmp_path),
+        **gateway_store_of(kind, request, clock, tmp_path, "holds"),
     )
     statuses = await _burst(gw, held_upstream, "burst")
     print(
@@ -216,7 +192,9 @@ async def test_a_hold_comes_back_when_the_response_does_not_match(
     _UPSTREAM[:] = [held_upstream]
     clock = FakeClock(T0_US)
     gw = await start_gateway(
-        _policy(held_upstream), clock=clock, **_store(kind, request, clock, tmp_path)
+        _policy(held_upstream),
+        clock=clock,
+        **gateway_store_of(kind, request, clock, tmp_path, "holds"),
     )
     engine = gw.gateway.handler.runtime.engine
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
@@ -244,7 +222,9 @@ async def test_a_client_gone_in_the_middle_of_a_counted_answer_is_charged(
     kept as the charge."""
     clock = FakeClock(T0_US)
     gw = await start_gateway(
-        _policy(held_upstream), clock=clock, **_store(kind, request, clock, tmp_path)
+        _policy(held_upstream),
+        clock=clock,
+        **gateway_store_of(kind, request, clock, tmp_path, "holds"),
     )
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         await _gone_mid_answer(gw.url, session)

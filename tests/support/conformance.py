@@ -10,9 +10,12 @@ The fixtures ``backend`` and ``redis_backend`` need ``redis_server`` and ``redis
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +37,7 @@ from gateway.limits.keys import KeyBuilder
 from gateway.policy.models import LeakyBucketLimit
 from gateway.stores import LimitStore, MemoryStore, RedisStore
 from gateway.stores.redis.codecs import codec_for
+from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
 from tests.support.redis_harness import RedisClusterHarness, RedisServer
 
@@ -406,3 +410,26 @@ async def burst(store: RedisStore, check: Check, requests: int, clients: int = 8
     async with asyncio.timeout(20):
         await asyncio.gather(*(client(share) for share in shares))
     return admitted
+
+
+_gateway_prefixes = itertools.count()
+
+
+def gateway_store_of(
+    kind: str, request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path, name: str
+) -> dict[str, Any]:
+    """A gateway's store of ``kind`` (memory, shared, redis, cluster) on ``clock``, as keyword
+    arguments for ``start_gateway`` (Redis: the clock stands in for TIME; keys under a prefix of
+    their own, ``name`` first)."""
+    if kind == "memory":
+        return {}
+    if kind == "shared":
+        return {"store": SharedStore(tmp_path / "shared", clock)}
+    if kind == "cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        url = server.url
+    prefix = f"{name}{next(_gateway_prefixes)}-{time.monotonic_ns()}:"
+    store = RedisStore(url, clock=clock, time_source=clock, key_prefix=prefix, timeout_s=2.0)
+    return {"store": store}
