@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from gateway.clock import FakeClock
 from tests.support import redis_harness
+from tests.support.conformance import T0_US, gateway_store_of
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for
-from tests.support.redis_harness import RedisServer
 from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
 
@@ -67,24 +68,26 @@ async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
     upstream: RecordingUpstream,
     start_gateway: GatewayFactory,
     request: pytest.FixtureRequest,
+    tmp_path: Path,
     window: str,
     store: str,
 ) -> None:
     """A bucket delays the request and a window stacked on it counted it; the client hangs up
     while queued, and the window forgets it as exactly as the bucket does (in Redis too: the
-    script's instant comes back with the verdict and goes out with the refund)."""
-    clock = FakeClock()
+    script's instant comes back with the verdict and goes out with the refund).
+
+    Redis decides on the fake clock too: on its own ``TIME`` the one-minute window could end
+    between the requests and ``/explain`` (once in some 60 s / a run's length)."""
+    clock = FakeClock(T0_US)
     policy = policy_for(upstream.url) + (
         "limits:\n"
         "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/s\n    burst: 5\n"
         "    max_delay: 30s\n"
         f"  window:\n    algorithm: {window}\n    limit: 3\n    window: 1m\n"
     )
-    if store == "redis":
-        server: RedisServer = request.getfixturevalue("redis_server")
-        prefix = f"queue-{window}:"
-        policy += f"store:\n  url: {server.url}\n  key_prefix: '{prefix}'\n  timeout: 2s\n"
-    gw = await start_gateway(policy, clock=clock)
+    gw = await start_gateway(
+        policy, clock=clock, **gateway_store_of(store, request, clock, tmp_path, "queue")
+    )
     engine = gw.gateway.handler.runtime.engine
     shaped = next(limit for limit in engine.limits if limit.name == "shaped")
     async with aiohttp.ClientSession() as session:
