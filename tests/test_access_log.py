@@ -83,6 +83,66 @@ async def test_json_lines_go_to_the_file_with_the_chosen_headers_secrets_hashed(
     assert os.stat(log).st_mode & 0o777 == 0o640
 
 
+async def test_credentials_in_the_query_are_logged_hashed_and_replay_keys_on_the_hash(
+    upstream: RecordingUpstream,
+    start_gateway: GatewayFactory,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``?api_key=`` and ``?access_token=`` are credentials by their names, ``?tenant=`` one
+    because a limit keys on it: their values are written hashed in the JSON ``path`` and in a
+    template's ``$request``, ``$request_uri`` and ``$args``; other parameters as sent; a
+    replay of the JSON log keys the ``query:`` limit on the hash as the gateway keyed on the
+    value, and finds the tenant's override (2, not the default 1) by the hash."""
+    log = tmp_path / "access.log"
+    lines_of_template = tmp_path / "template.log"
+    limits = (
+        "limits:\n  per_tenant:\n    algorithm: fixed_window\n    limit: 1\n"
+        "    window: 1h\n    key: ['query:tenant']\n    overrides: {acme: {limit: 2}}\n"
+    )
+    policy = policy_for(upstream.url, server=f"  access_log:\n    path: {log}\n", extra=limits)
+    gw = await start_gateway(policy)
+    template = "$request|$request_uri|$args|$uri"
+    templated = policy_for(
+        upstream.url,
+        server=f"  access_log:\n    path: {lines_of_template}\n    format: '{template}'\n",
+        extra=limits,
+    )
+    gw_template = await start_gateway(templated)
+    targets = [
+        "/v1/a?api_key=k-secret-1&page=2",
+        "/v1/b?page=3&Access_Token=tok%2Fsecret&tenant=acme",
+        "/v1/c?tenant=acme&q=x",
+        "/v1/d?tenant=acme",  # the third of tenant acme: 429
+    ]
+    async with aiohttp.ClientSession() as session:
+        statuses = [await _get(session, gw.url + target, {}) for target in targets]
+        await _get(session, gw_template.url + targets[1], {})
+    assert statuses == [200, 200, 200, 429]
+    await wait_until(lambda: len(_lines(log)) == 4, "four lines in the file")
+    await wait_until(lambda: len(_lines(lines_of_template)) == 1, "one templated line")
+    paths = [json.loads(line)["path"] for line in _lines(log)]
+    assert paths == [
+        f"/v1/a?api_key={hashed('k-secret-1')}&page=2",
+        f"/v1/b?page=3&Access_Token={hashed('tok/secret')}&tenant={hashed('acme')}",
+        f"/v1/c?tenant={hashed('acme')}&q=x",
+        f"/v1/d?tenant={hashed('acme')}",
+    ]
+    query = f"page=3&Access_Token={hashed('tok/secret')}&tenant={hashed('acme')}"
+    assert _lines(lines_of_template) == [f"GET /v1/b?{query} HTTP/1.1|/v1/b?{query}|{query}|/v1/b"]
+    for secret in ("k-secret-1", "tok%2Fsecret", "acme"):
+        assert secret not in log.read_text() + lines_of_template.read_text()
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(policy)
+    capsys.readouterr()
+    replayed = ["replay", "--json", "--config", str(policy_file), str(log)]
+    assert await asyncio.to_thread(main, replayed) == 0
+    doc = json.loads(capsys.readouterr().out)
+    limit = next(lim for lim in doc["policies"][0]["limits"] if lim["name"] == "per_tenant")
+    # The first request has no tenant (no key: not counted); acme's three: two, then a 429.
+    assert (limit["allowed"], limit["rejected"]) == (2, 1)
+
+
 async def test_a_template_writes_nginx_style_lines_escaping_what_the_client_sent(
     upstream: RecordingUpstream, start_gateway: GatewayFactory, tmp_path: Path
 ) -> None:

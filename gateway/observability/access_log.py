@@ -6,7 +6,9 @@ settings: ``path`` (a file every worker appends to, reopened on SIGUSR1: ``log_f
 headers the JSON lines carry, so ``gateway replay`` can key on them) and ``raw``. Header values
 that are credentials or that a limit reads are written as ``sha256:`` and 12 hex digits of
 their hash (``redact.hashed``): equal values hash equal in every worker and every log, so a
-replay keys on them as the gateway did, and no API key is written.
+replay keys on them as the gateway did, and no API key is written. Query parameters follow the
+same rule by their names (``?api_key=`` and ``?token=`` are written hashed, as is a parameter a
+``query:NAME`` key part reads).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import unquote_plus
 
 from aiohttp.web_request import BaseRequest
 
@@ -23,7 +26,13 @@ from gateway.edge.annotations import CLIENT_IP, REPORTED_COSTS
 from gateway.log_setup import JSON_LINE, json_line
 from gateway.observability.log_file import LogFile
 from gateway.policy.log_template import HEADER_PREFIX, header_of, parse_template
-from gateway.policy.models import AccessLogSettings, Policy, credential_header, headers_limits_read
+from gateway.policy.models import (
+    AccessLogSettings,
+    Policy,
+    credential_header,
+    headers_limits_read,
+    query_limits_read,
+)
 from gateway.redact import hashed
 
 if TYPE_CHECKING:
@@ -31,6 +40,8 @@ if TYPE_CHECKING:
 
 access_logger = logging.getLogger("gateway.access")
 JSON_EXTRA: Final = {JSON_LINE: True}
+# Query parameter names that carry a credential although the header rule's words miss them.
+_CREDENTIAL_PARAMS: Final = frozenset({"sig", "code", "pwd", "pass", "jwt"})
 # Hashed header values kept before the table starts afresh (an API key recurs on many lines).
 _HASHES_KEPT: Final = 4096
 _MONTHS: Final[tuple[str, ...]] = (
@@ -124,7 +135,17 @@ class LineFormat:
     """A policy's access log format, ready to write lines: which headers are carried, which
     of them hashed, and a template's pieces."""
 
-    __slots__ = ("_hashed", "_hashes", "_second", "_times", "fields", "kind", "pieces")
+    __slots__ = (
+        "_hashed",
+        "_hashed_params",
+        "_hashes",
+        "_raw",
+        "_second",
+        "_times",
+        "fields",
+        "kind",
+        "pieces",
+    )
 
     def __init__(self, settings: AccessLogSettings, policy: Policy) -> None:
         self.kind = settings.format if settings.format in ("json", "text") else "template"
@@ -148,6 +169,8 @@ class LineFormat:
         self.fields: tuple[tuple[str, str], ...] = tuple(
             (name, name.lower()) for name in settings.fields
         )
+        self._raw = frozenset(raw)
+        self._hashed_params = query_limits_read(policy) - self._raw
         self._hashes: dict[str, str] = {}
         self._second = -1
         self._times = ("", "")
@@ -157,6 +180,9 @@ class LineFormat:
         value = request.headers.get(name)
         if value is None or name not in self._hashed:
             return value
+        return self._hash(value)
+
+    def _hash(self, value: str) -> str:
         hashes = self._hashes
         shown = hashes.get(value)
         if shown is None:
@@ -165,11 +191,33 @@ class LineFormat:
             shown = hashes[value] = hashed(value)
         return shown
 
+    def target(self, raw_path: str) -> str:
+        """The request target as the log writes it: each query parameter whose name says it is
+        a credential (``api_key``, ``access_token``, ``sig``...), or that a limit reads, with
+        its value hashed (the decoded value, as the limit keys on it), unless ``raw`` names it.
+        """
+        path, mark, query = raw_path.partition("?")
+        if not mark or not query:
+            return raw_path
+        pieces = query.split("&")
+        changed = False
+        for index, piece in enumerate(pieces):
+            name, equals, value = piece.partition("=")
+            if not equals or not value or value.startswith("sha256:"):
+                continue
+            lower = unquote_plus(name).lower()
+            if lower in self._raw:
+                continue
+            if lower in self._hashed_params or credential_param(lower):
+                pieces[index] = f"{name}={self._hash(unquote_plus(value))}"
+                changed = True
+        return f"{path}?{'&'.join(pieces)}" if changed else raw_path
+
     def line(self, entry: Entry) -> str:
         """The line for one request, without its line break."""
         if self.kind == "template":
             return self._template_line(entry)
-        fields = _json_fields(entry)
+        fields = _json_fields(entry, self.target(entry.request.raw_path))
         if self.fields:
             carried: dict[str, str] = {}
             for name, lower in self.fields:
@@ -212,7 +260,8 @@ class LineFormat:
         if variable == "remote_addr":
             return escaped(request.get(CLIENT_IP, request.remote or "-"))
         if variable == "request":
-            return escaped(f"{request.method} {request.raw_path} {_protocol(request)}")
+            target = self.target(request.raw_path)
+            return escaped(f"{request.method} {target} {_protocol(request)}")
         if variable == "time_local":
             return self._times_of(entry.ended)[0]
         if variable == "request_time":
@@ -224,11 +273,11 @@ class LineFormat:
         if variable == "request_method":
             return escaped(request.method)
         if variable == "request_uri":
-            return escaped(request.raw_path)
+            return escaped(self.target(request.raw_path))
         if variable == "uri":
             return escaped(request.raw_path.partition("?")[0])
         if variable == "args":
-            return escaped(request.raw_path.partition("?")[2]) or "-"
+            return escaped(self.target(request.raw_path).partition("?")[2]) or "-"
         if variable == "server_protocol":
             return _protocol(request)
         if variable == "host":
@@ -256,6 +305,13 @@ class LineFormat:
         return "-"  # the policy refuses any other name
 
 
+def credential_param(lower: str) -> bool:
+    """Whether a query parameter's (lower-case) name says it holds a credential: the header
+    rule's words (key, token, secret, auth, session, password...), and the short names that
+    sign URLs (``sig``, ``signature``, ``code``)."""
+    return credential_header(lower) or lower in _CREDENTIAL_PARAMS
+
+
 def _is_header(variable: str) -> bool:
     return variable.startswith(HEADER_PREFIX)
 
@@ -265,7 +321,7 @@ def _protocol(request: BaseRequest) -> str:
     return f"HTTP/{version[0]}.{version[1]}"
 
 
-def _json_fields(entry: Entry) -> dict[str, Any]:
+def _json_fields(entry: Entry, target: str) -> dict[str, Any]:
     """The fields of a JSON (or text) line. ``ts`` is the wall-clock arrival (epoch seconds,
     microseconds); ``t_us`` the limiter's clock (monotonic, integer microseconds) at the
     instant the limits decided the request, or at its arrival when no limit did: what
@@ -280,7 +336,7 @@ def _json_fields(entry: Entry) -> dict[str, Any]:
         "client": request.get(CLIENT_IP, request.remote or "-"),
         "method": request.method,
         "host": request.headers.get("Host"),
-        "path": request.raw_path,
+        "path": target,
         "status": entry.status,
         "duration_ms": round(duration_s * 1000, 3),
         "route": entry.route,

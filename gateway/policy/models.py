@@ -140,6 +140,7 @@ __all__ = [
     "headers_limits_read",
     "listeners_collide",
     "policy_json_schema",
+    "query_limits_read",
     "split_host_port",
     "tier_specs",
     "variant_spec",
@@ -187,6 +188,16 @@ def headers_limits_read(policy: Policy) -> tuple[frozenset[str], frozenset[str]]
     }
     exempt = {name.lower() for spec in policy.limits.values() for name in spec.exempt_headers}
     return frozenset(keyed), frozenset(exempt)
+
+
+def query_limits_read(policy: Policy) -> frozenset[str]:
+    """The query parameters the policy's limits key on (``query:NAME``), lower-case."""
+    return frozenset(
+        part.partition(":")[2].lower()
+        for spec in policy.limits.values()
+        for part in spec.key
+        if part.startswith("query:")
+    )
 
 
 def policy_json_schema() -> dict[str, Any]:

@@ -292,7 +292,9 @@ class AccessLogSettings(_Model):
     value is written as `sha256:` and 12 hex digits of its hash when its name says it is a
     credential (Authorization, Proxy-Authorization, Cookie, or a name with key, token,
     secret, auth, session, password, passwd, signature or credential in it) or when a limit
-    reads it (a `header:NAME` key part, `exempt_headers`), unless `raw` names it."""
+    reads it (a `header:NAME` key part, `exempt_headers`), unless `raw` names it. Query
+    parameters likewise, by the same words (and `sig`, `code`, `pwd`, `pass`, `jwt`) or a
+    `query:NAME` key part: `?api_key=` is logged as `?api_key=sha256:...`."""
 
     path: str | None = Field(
         None,
@@ -312,7 +314,8 @@ class AccessLogSettings(_Model):
     )
     raw: tuple[str, ...] = Field(
         (),
-        description="headers written as sent rather than hashed (never an exempt_headers one)",
+        description="headers and query parameters written as sent rather than hashed (never "
+        "an exempt_headers one)",
     )
 
     @field_validator("path")

@@ -370,15 +370,20 @@ class Simulation:
         }
 
 
+# Key parts whose values the access log writes hashed (unless its ``raw`` names them).
+_HASHED_PARTS: Final = ("header:", "query:")
+
+
 def with_hashed_aliases(policy: Policy) -> Policy:
-    """The policy with each value a limit looks a request header up by (the overrides of a
-    limit keyed on a header, its ``exempt_headers``) listed by its hash too, as the gateway's
-    access log writes such headers (``sha256:`` and 12 hex digits): a replay of that log finds
-    a key's plan, and an exempt client, by the hash, as the gateway did by the value."""
+    """The policy with each value a limit looks a request header or query parameter up by
+    (the overrides of a limit keyed on one, its ``exempt_headers``) listed by its hash too, as
+    the gateway's access log writes such values (``sha256:`` and 12 hex digits): a replay of
+    that log finds a key's plan, and an exempt client, by the hash, as the gateway did by the
+    value."""
     limits: dict[str, Any] = {}
     for name, spec in policy.limits.items():
         update: dict[str, Any] = {}
-        if spec.overrides and any(part.startswith("header:") for part in spec.key):
+        if spec.overrides and any(part.startswith(_HASHED_PARTS) for part in spec.key):
             overrides = dict(spec.overrides)
             for value, target in spec.overrides.items():
                 overrides.setdefault(_hashed_key(spec.key, value), target)
@@ -401,7 +406,7 @@ def _hashed_key(parts: tuple[str, ...], value: str) -> str:
     if len(values) != len(parts):
         return value
     return SEP.join(
-        hashed(v) if part.startswith("header:") else v
+        hashed(v) if part.startswith(_HASHED_PARTS) else v
         for part, v in zip(parts, values, strict=True)
     )
 
