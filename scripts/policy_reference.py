@@ -108,7 +108,9 @@ def type_of(schema: dict[str, Any], links: dict[str, str]) -> str:
     if "oneOf" in schema and all("$ref" in option for option in schema["oneOf"]):
         # the limits, told apart by their algorithm
         return "a limit, by `algorithm`: " + _link(links, schema["oneOf"][0]["$ref"])
-    if "oneOf" in schema:  # one of several shapes (listen: an address or a list; access_log: true or its settings)
+    if (
+        "oneOf" in schema
+    ):  # one of several shapes (listen: an address or a list; access_log: true or its settings)
         return " or ".join(type_of(option, links) for option in schema["oneOf"])
     if _is_duration(schema):
         strict = any("exclusiveMinimum" in option for option in schema["anyOf"])

@@ -15,13 +15,9 @@ if [ -z "${GATEWAY:-}" ]; then
     # `-P`: the installed package, not ./gateway (this source tree).
     GATEWAY="$PY -P -m gateway"
 fi
-# The example policies (a policy's test cases, FILE.tests.yaml, are run by check beside it).
-examples=()
-for file in policies/*.yaml; do
-    [[ $file == *.tests.yaml ]] || examples+=("$file")
-done
-echo "smoke: $GATEWAY check ${examples[*]}"
-$GATEWAY check "${examples[@]}"
+# The example policies (check runs a policy's test cases, FILE.tests.yaml, with it).
+echo "smoke: $GATEWAY check policies/*.yaml"
+$GATEWAY check policies/*.yaml
 exec "$PY" - "$GATEWAY" <<'SMOKE'
 import re
 import shlex

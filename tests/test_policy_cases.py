@@ -233,6 +233,31 @@ def test_check_runs_the_tests_beside_the_policy(
     assert status == 0 and out.count("\n") == 1
 
 
+def test_check_of_a_glob_takes_a_cases_file_for_its_policys_cases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gateway check policies/*.yaml`` names the cases beside a policy too: they are that
+    policy's cases (run once, with it), not a policy with an unknown key ``cases``."""
+    policy = write_policy(tmp_path)
+    cases = tmp_path / "policy.tests.yaml"
+    cases.write_text(PASSING)
+    status, out, err = run(capsys, "check", str(policy), str(cases))
+    assert (status, err) == (0, "")
+    assert out.count("PASS") == 3 and f"{cases}: the test cases of {policy}, run with it" in out
+    status, out, err = run(capsys, "check", str(cases))  # alone: run with its policy
+    assert (status, err, out.count("PASS")) == (0, "", 3)
+    cases.write_text(FAILING)
+    assert run(capsys, "check", str(cases))[0] == 1
+    orphan = tmp_path / "other.tests.yaml"
+    orphan.write_text(PASSING)
+    status, out, err = run(capsys, "check", str(orphan))
+    assert status == 1 and out == ""
+    assert err == (
+        f"{orphan}: test cases (the name ends in .tests.yaml), not a policy, and no other.yaml "
+        f"beside them: run them with `gateway test POLICY {orphan}`\n"
+    )
+
+
 def test_a_client_behind_a_trusted_proxy_is_keyed_by_the_forwarded_address(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,8 +33,11 @@ def test_the_operators_short_check_checks_every_example_and_runs_one() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for policy in sorted((ROOT / "policies").glob("*.yaml")):
-        if policy.name.endswith(".tests.yaml"):  # a policy's test cases, run beside it
+        if policy.name.endswith(".tests.yaml"):  # a policy's test cases, run with it
             assert f"policies/{policy.name}: the policy's tests" in done.stdout
+            policy_file = policy.name.removesuffix(".tests.yaml") + ".yaml"
+            said = f"policies/{policy.name}: the test cases of policies/{policy_file}, run with it"
+            assert said in done.stdout
         else:
             assert f"policies/{policy.name}: ok (sha256 " in done.stdout
     assert "6 logins in a minute (limit login: 5): [200, 200, 200, 200, 200, 429]" in done.stdout

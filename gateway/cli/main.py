@@ -283,6 +283,9 @@ def check_problems(policy: Policy) -> list[tuple[Loc, str]]:
 def cmd_check(args: argparse.Namespace) -> int:
     failed = False
     for file in args.files:
+        if _cases_file(file):
+            failed = _check_cases_file(file, args) or failed
+            continue
         try:
             loaded = load_and_build(file, also=check_problems)
         except PolicyError as exc:
@@ -295,6 +298,41 @@ def cmd_check(args: argparse.Namespace) -> int:
             if not args.no_tests:
                 failed = _run_sibling_cases(file, loaded) or failed
     return 1 if failed else 0
+
+
+def _cases_file(file: str) -> bool:
+    from gateway.policytest.case_command import SIBLING_SUFFIX
+
+    return file.endswith(SIBLING_SUFFIX)
+
+
+def _check_cases_file(file: str, args: argparse.Namespace) -> bool:
+    """A policy's test cases named to check (``policies/*.yaml`` names them beside their
+    policy): run with their policy, once; True when that fails. Without a policy beside it, a
+    clear line saying how to run it."""
+    from gateway.policytest.case_command import SIBLING_SUFFIX, run_and_report
+
+    policy = file[: -len(SIBLING_SUFFIX)] + ".yaml"
+    if not Path(policy).is_file():
+        print(
+            f"{file}: test cases (the name ends in {SIBLING_SUFFIX}), not a policy, and no "
+            f"{Path(policy).name} beside them: run them with `gateway test POLICY {file}`",
+            file=sys.stderr,
+        )
+        return True
+    if args.no_tests:
+        print(f"{file}: the test cases of {policy}, not run (--no-tests)")
+        return False
+    if any(Path(named) == Path(policy) for named in args.files):
+        print(f"{file}: the test cases of {policy}, run with it")
+        return False
+    try:
+        loaded = load_and_build(policy, also=check_problems)
+    except PolicyError as exc:
+        print(exc, file=sys.stderr)
+        return True
+    print(f"{file}: the test cases of {policy}")
+    return run_and_report(loaded, file) != 0
 
 
 def _run_sibling_cases(file: str, loaded: LoadedPolicy) -> bool:
