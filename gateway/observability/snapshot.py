@@ -25,6 +25,12 @@ from gateway.stores.store_stats import STORE_LATENCY_BUCKETS
 DECISION_RESULTS: tuple[str, ...] = DecisionCounts._fields
 # What a limit charged after the response counts: ``LimitData`` has a field of each name.
 CHARGE_COUNTS: tuple[str, ...] = ChargeCounts._fields
+# ``LimitData``'s unit counts by model (gateway_limit_{charged,held,returned}_units_total).
+UNITS_BY_MODEL: tuple[str, ...] = (
+    "charged_units_by_model",
+    "held_units_by_model",
+    "returned_units_by_model",
+)
 
 
 class _Model(BaseModel):
@@ -104,6 +110,11 @@ class LimitData(_Model):
     # hold: in_flight: units held by requests in flight, and those given back at settling.
     held_units: int = 0
     returned_units: int = 0
+    # A limit with cost_from: the three unit counts by the model label (summing to them).
+    cost_from: bool = False
+    charged_units_by_model: dict[str, int] = {}
+    held_units_by_model: dict[str, int] = {}
+    returned_units_by_model: dict[str, int] = {}
     evictions: int = 0
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
@@ -113,6 +124,10 @@ class LimitData(_Model):
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(**{result: getattr(self, result) for result in DECISION_RESULTS})
+
+    def by_model(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Units charged, held and returned, by model (a limit with cost_from)."""
+        return (self.charged_units_by_model, self.held_units_by_model, self.returned_units_by_model)
 
 
 class StoreData(_Model):
@@ -384,6 +399,10 @@ def _add_limit_counters(limit: LimitData, base: LimitData) -> LimitData:
     for status, count in limit.rejected_statuses.items():
         statuses[status] = statuses.get(status, 0) + count
     update["rejected_statuses"] = statuses
+    for by_model in UNITS_BY_MODEL:
+        units = Counter(getattr(base, by_model))
+        units.update(getattr(limit, by_model))
+        update[by_model] = dict(units)
     update["evictions"] = limit.evictions + base.evictions
     update["wait"] = limit.wait.plus(base.wait)
     update["lease"] = plus(limit.lease, base.lease)
