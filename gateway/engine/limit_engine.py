@@ -1028,7 +1028,8 @@ class LimitEngine:
         (``hold: in_flight``) is settled instead: what it held beyond the charge is given
         back, what the charge is beyond the hold is taken (as much as there is room for).
         In process at once; otherwise in the background: the response never waits for it,
-        and a charge the store cannot make follows ``on_failure`` there."""
+        and a charge the store cannot make follows ``on_failure`` there. A limit with
+        ``cost_from`` counts its units by the model the answer named too (the metrics)."""
         checks: list[Check] = []
         units: list[int] = []
         kept: list[int] = []  # per charged check, the units its hold already took

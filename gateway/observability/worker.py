@@ -216,7 +216,7 @@ class WorkerMetrics:
         self._rejected_statuses: _KeyedTotals[int] = _KeyedTotals()
         self._charges = _RunningTotals(ChargeCounts())
         # Per limit with cost_from, its units by model: charged, held, returned.
-        self._by_model: tuple[_KeyedTotals[str], ...] = (
+        self._by_model: tuple[_KeyedTotals[str], _KeyedTotals[str], _KeyedTotals[str]] = (
             _KeyedTotals(),
             _KeyedTotals(),
             _KeyedTotals(),
@@ -280,14 +280,14 @@ class WorkerMetrics:
             wait = self.queue_waits.by_limit.get(name)
             statuses = self._rejected_statuses.read(name, counters, counters.rejected_statuses)
             cost_from = limit.spec.cost_from is not None
-            charged_by, held_by, returned_by = (
-                totals.read(name, counters, by_model) if cost_from else {}
-                for totals, by_model in zip(
-                    self._by_model,
-                    (counters.charged_by_model, counters.held_by_model, counters.returned_by_model),
-                    strict=True,
-                )
-            )
+            charged_by: dict[str, int] = {}
+            held_by: dict[str, int] = {}
+            returned_by: dict[str, int] = {}
+            if cost_from:
+                charged_totals, held_totals, returned_totals = self._by_model
+                charged_by = charged_totals.read(name, counters, counters.charged_by_model)
+                held_by = held_totals.read(name, counters, counters.held_by_model)
+                returned_by = returned_totals.read(name, counters, counters.returned_by_model)
             limits[name] = LimitData(
                 algorithm=limit.spec.algorithm,
                 dry_run=limit.spec.dry_run,
