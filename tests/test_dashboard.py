@@ -562,7 +562,7 @@ async def test_dashboard_shows_the_tokens_a_limit_with_cost_from_charged_by_mode
     tokens and using 30, naming models a, a, b, c and none, with ``metrics_max_models: 2``:
     the token limit's card shows 150 charged, 500 held, 350 returned, as ``/metrics`` has
     them, and its models (c past the bound, under "other"); a limit without ``cost_from``
-    shows no tokens."""
+    shows no tokens. A call in flight shows its 100 tokens held now, until it settles."""
     policy = (
         "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
         "  metrics_max_models: 2\n"
@@ -604,6 +604,7 @@ async def test_dashboard_shows_the_tokens_a_limit_with_cost_from_charged_by_mode
     await until_shown(charged_shown, "the tokens charged to reach 150")
     assert await dashboard_field(page, "tokens", "units-held") == "500"
     assert await dashboard_field(page, "tokens", "units-returned") == "350"
+    assert await dashboard_field(page, "tokens", "units-in-flight") == "0"
     # Most charged first; "" (none named) and "other" (past the bound) as the page names them.
     assert await page.inner_text("#limit-tokens .units .models tbody") == (
         "model-a\t60\t200\t140\n(none named)\t30\t100\t70\nmodel-b\t30\t100\t70\nother\t30\t100\t70"
@@ -631,6 +632,29 @@ async def test_dashboard_shows_the_tokens_a_limit_with_cost_from_charged_by_mode
             (sum, point) => sum + ((point.limits.tokens || {}).charged_units || 0) * point.dt, 0)"""
     )
     assert integral == pytest.approx(150, abs=0.2)
+
+    # A call the upstream holds: its 100 tokens are held now, until its answer settles them.
+    llm_upstream.hold = asyncio.Event()
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+    try:
+        call = asyncio.create_task(
+            client.chat.completions.create(model="model-a", messages=messages, max_tokens=20)
+        )
+
+        async def held_shown() -> bool:
+            return await dashboard_field(page, "tokens", "units-in-flight") == "100"
+
+        await until_shown(held_shown, "the tokens held by the call in flight")
+        llm_upstream.hold.set()
+        await call
+    finally:
+        await client.close()
+
+    async def settled_shown() -> bool:
+        return await dashboard_field(page, "tokens", "units-in-flight") == "0"
+
+    await until_shown(settled_shown, "the call settled")
+    assert await dashboard_field(page, "tokens", "units-charged") == "180"
     await page.locator("#limit-tokens").screenshot(
         path=artifacts_dir(tmp_path) / "dashboard-tokens.png"
     )

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,9 +195,15 @@ async def test_an_answer_without_a_usable_usage_is_charged_the_fallback_and_logg
     assert "cost_from 'openai'" in lines[0] and "route 'llm'" in lines[0]
 
 
-async def _concurrent_calls(gw: RunningGateway, upstream: LlmUpstream, n: int) -> list[int]:
+async def _concurrent_calls(
+    gw: RunningGateway,
+    upstream: LlmUpstream,
+    n: int,
+    while_held: Callable[[], Awaitable[None]] | None = None,
+) -> list[int]:
     """``n`` calls at once (10 prompt words, 200 completion tokens: 210 each), the upstream
-    holding its answers until every call has reached it or been refused: the statuses."""
+    holding its answers until every call has reached it or been refused (and ``while_held``
+    has looked): the statuses."""
     upstream.hold = asyncio.Event()
     client = _client(gw)
 
@@ -212,6 +219,8 @@ async def _concurrent_calls(gw: RunningGateway, upstream: LlmUpstream, n: int) -
         await wait_until(
             lambda: upstream.in_flight + sum(t.done() for t in tasks) == n, "calls in or refused"
         )
+        if while_held is not None:
+            await while_held()
         upstream.hold.set()
         statuses = await asyncio.gather(*tasks)
     finally:
@@ -238,11 +247,23 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     gw = await start_gateway(
         _policy(llm_upstream, _tokens(1000, "    reserve: 300\n")), clock=clock, **store
     )
-    statuses = await _concurrent_calls(gw, llm_upstream, 10)
+    (limit,) = gw.gateway.handler.runtime.engine.limits
+
+    async def held_now() -> None:
+        """The 3 calls in flight hold 900 tokens: so says the gauge, until they settle."""
+        assert limit.counters.units_in_flight == 900
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            await scrape_until(
+                session,
+                gw.admin_url,
+                lambda got: value(got, "gateway_limit_units_in_flight", limit="tokens") == 900,
+            )
+
+    statuses = await _concurrent_calls(gw, llm_upstream, 10, held_now)
+    assert limit.counters.units_in_flight == 0
     assert sorted(statuses) == [200] * 3 + [429] * 7
     assert sum(llm_upstream.reported) == 630
     assert await _left(gw) == 370
-    (limit,) = gw.gateway.handler.runtime.engine.limits
     counters = limit.counters
     assert (counters.held_units, counters.returned_units, counters.charged_units) == (900, 270, 630)
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
@@ -257,6 +278,7 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     assert (
         value(samples, "gateway_limit_held_units_total", limit="tokens", model="test-model") == 900
     )
+    assert value(samples, "gateway_limit_units_in_flight", limit="tokens") == 0
     clock.advance(3600)
 
     # Reserving what each call asks for (its max_tokens, 200): 5 of the 10 fit in 1,100.

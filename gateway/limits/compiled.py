@@ -80,6 +80,9 @@ class LimitCounters:
     returned_units: int = 0
     # A limit with ``cost_from``: the three unit counts above by the model its responses named
     # (``model_label``), summing to them; the models given a label of their own so far.
+    # ``hold: in_flight``: the units this process's requests hold now, from their admission
+    # until their response is settled (``hold_in_flight``).
+    units_in_flight: int = 0
     charged_by_model: dict[str, int] = field(default_factory=dict)
     held_by_model: dict[str, int] = field(default_factory=dict)
     returned_by_model: dict[str, int] = field(default_factory=dict)
@@ -246,3 +249,12 @@ def with_variants(limits: Sequence[CompiledLimit]) -> Iterator[CompiledLimit]:
         tiering = limit.tiering
         if tiering is not None and tiering.overrides is not None:
             yield from tiering.overrides.variants
+
+
+def hold_in_flight(checks: Sequence[Check], sign: int) -> None:
+    """Count (``sign`` 1) or uncount (-1) the units an admitted request's checks hold while
+    it is in flight, in each limit whose requests hold their cost (``hold: in_flight``)."""
+    for check in checks:
+        limit = check.limit
+        if limit.holds_budget:
+            limit.counters.units_in_flight += sign * check.cost

@@ -298,13 +298,15 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
 
 def units_state(limit: LimitData) -> dict[str, Any]:
     """A limit with cost_from: the units (tokens) charged, held while in flight and given
-    back, and the models that took the most (``TOP_MODELS_SHOWN``)."""
+    back, those held by the calls in flight now, and the models that took the most
+    (``TOP_MODELS_SHOWN``)."""
     charged, held, returned = limit.by_model()
     models = sorted({*charged, *held, *returned}, key=lambda m: (-charged.get(m, 0), m))
     return {
         "charged": limit.charged_units,
         "held": limit.held_units,
         "returned": limit.returned_units,
+        "in_flight": limit.units_in_flight,
         "models": [
             {
                 "model": model,

@@ -373,6 +373,12 @@ class GatewayCollector(Collector):
             "match, or cost less than the hold), by model as charged units are.",
             labels=["limit", "model"],
         )
+        in_flight_units = GaugeMetricFamily(
+            "gateway_limit_units_in_flight",
+            "Units requests in flight hold now (hold: in_flight: their reserve or cost, from "
+            "admission until their response is settled).",
+            labels=["limit"],
+        )
         # Aggregates of the top-keys view (never the keys: labels are config names only), for
         # enforced limits and for dry-run ones, whose view holds the keys they would limit.
         limited_keys = GaugeMetricFamily(
@@ -409,6 +415,8 @@ class GatewayCollector(Collector):
                 slots.add_metric([name], limit.slots_in_use)
             charged.add_metric([name], limit.charged_responses)
             charge_failures.add_metric([name], limit.charge_failures)
+            if limit.holds_budget:
+                in_flight_units.add_metric([name], limit.units_in_flight)
             by_model = limit.by_model() if limit.cost_from else None
             for family, total, units in zip(
                 (charged_units, held_units, returned_units),
@@ -419,7 +427,7 @@ class GatewayCollector(Collector):
                 _add_by_model(family, name, units, total)
         yield from (decisions, rejections, wait, depth, tracked, evictions, dry_run, slots)
         yield from (limited_keys, top_key_hits, charged, charged_units, charge_failures)
-        yield from (held_units, returned_units)
+        yield from (held_units, returned_units, in_flight_units)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:

@@ -119,6 +119,10 @@ class LimitData(_Model):
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
     slots_in_use: int = 0  # gauge: a concurrency limit's slots held by this process's requests
+    # hold: in_flight (a limit charged after the response): the units its requests in flight
+    # hold now (gauge)
+    holds_budget: bool = False
+    units_in_flight: int = 0
     wait: HistogramData = HistogramData.empty(QUEUE_WAIT_BUCKETS)
     lease: LeaseData | None = None  # a leased limit's leases (lease: on the Redis store)
 
@@ -496,9 +500,10 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                     "waiting": limit.waiting,
                     "tracked_keys": limit.tracked_keys,
                     "slots_in_use": limit.slots_in_use,
+                    "units_in_flight": limit.units_in_flight,
                 }
             else:
-                gauges = {"waiting": 0, "tracked_keys": 0, "slots_in_use": 0}
+                gauges = {"waiting": 0, "tracked_keys": 0, "slots_in_use": 0, "units_in_flight": 0}
             counted = limit.model_copy(update=gauges)
             old_limit = limits.get(name)
             if old_limit is None:
@@ -510,6 +515,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                         "waiting": old_limit.waiting + counted.waiting,
                         "tracked_keys": old_limit.tracked_keys + counted.tracked_keys,
                         "slots_in_use": old_limit.slots_in_use + counted.slots_in_use,
+                        "units_in_flight": old_limit.units_in_flight + counted.units_in_flight,
                     }
                 )
         for name, top in snap.top_keys.items():

@@ -303,6 +303,8 @@ class WorkerMetrics:
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
                 slots_in_use=counters.slots_held,
+                holds_budget=limit.holds_budget,
+                units_in_flight=counters.units_in_flight,
                 lease=lease_data(store, name),
                 wait=HistogramData.of(wait)
                 if wait is not None

@@ -405,7 +405,8 @@
   }
 
   // A limit with cost_from: the tokens its calls were charged, held while in flight and
-  // given back when settled, since start, and the models charged the most ("" is a response
+  // given back when settled, since start, those the calls in flight hold now, and the models
+  // charged the most ("" is a response
   // that named none, "other" the models past server.metrics_max_models).
   function renderUnits(node, units, last) {
     const box = node.querySelector(".units");
@@ -414,6 +415,7 @@
     setField(box, "units-charged", fmtInt(units.charged));
     setField(box, "units-held", fmtInt(units.held));
     setField(box, "units-returned", fmtInt(units.returned));
+    setField(box, "units-in-flight", fmtInt(units.in_flight));
     setField(box, "units-rate", last && last.charged_units != null ? fmt(last.charged_units, 1) : "—");
     box.querySelector(".models tbody").replaceChildren(
       ...units.models.map((row) => {
