@@ -13,9 +13,11 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import openai
 import pytest
 from playwright.async_api import Browser
 
@@ -24,6 +26,7 @@ from gateway.engine.preflight import load_and_build, parse_and_build
 from tests.support import redis_harness
 from tests.support.browser import artifacts_dir, dashboard_field, until_shown
 from tests.support.gateways import GatewayFactory
+from tests.support.llm_upstream import LlmUpstream
 from tests.support.metrics import Samples, scrape, scrape_until, value
 from tests.support.network import TIMEOUT, get_status
 from tests.support.policies import PER_IP_BURST_4, limited_policy, replace_file
@@ -545,5 +548,115 @@ async def test_dashboard_shows_an_upstreams_adaptive_limit_beside_its_latency(
         return bool(series[0] >= 2 and series[1] >= 1)
 
     await until_shown(drawn, "the limit and the minimum latency over time")
+    assert not errors
+    await page.close()
+
+
+async def test_dashboard_shows_the_tokens_a_limit_with_cost_from_charged_by_model(
+    llm_upstream: LlmUpstream,
+    start_gateway: GatewayFactory,
+    browser: Browser,
+    tmp_path: Path,
+) -> None:
+    """Five calls through the official ``openai`` client (one streamed), each holding 100
+    tokens and using 30, naming models a, a, b, c and none, with ``metrics_max_models: 2``:
+    the token limit's card shows 150 charged, 500 held, 350 returned, as ``/metrics`` has
+    them, and its models (c past the bound, under "other"); a limit without ``cost_from``
+    shows no tokens. A call in flight shows its 100 tokens held now, until it settles."""
+    policy = (
+        "server:\n  listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0\n"
+        "  metrics_max_models: 2\n"
+        f"upstreams:\n  llm:\n    url: {llm_upstream.url}\n"
+        "routes:\n  - name: llm\n    match: {path_prefix: /v1/}\n    upstream: llm\n"
+        "limits:\n"
+        "  tokens:\n    algorithm: fixed_window\n    limit: 100000\n    window: 1h\n"
+        "    key: ['header:Authorization']\n    cost_from: openai\n    reserve: 100\n"
+        "  calls:\n    algorithm: fixed_window\n    limit: 1000\n    window: 1h\n"
+    )
+    gw = await start_gateway(parse_and_build(policy))
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+    messages: Any = [{"role": "user", "content": " ".join(["hello"] * 10)}]
+    try:
+        for model in ("model-a", "model-a", "model-b", "model-c", ""):
+            if model != "model-b":
+                await client.chat.completions.create(model=model, messages=messages, max_tokens=20)
+                continue
+            stream = await client.chat.completions.create(
+                model=model,
+                messages=messages,
+                max_tokens=20,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async for _ in stream:
+                pass
+    finally:
+        await client.close()
+
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gw.admin_url + "/dashboard/")
+
+    async def charged_shown() -> bool:
+        return await dashboard_field(page, "tokens", "units-charged") == "150"
+
+    await until_shown(charged_shown, "the tokens charged to reach 150")
+    assert await dashboard_field(page, "tokens", "units-held") == "500"
+    assert await dashboard_field(page, "tokens", "units-returned") == "350"
+    assert await dashboard_field(page, "tokens", "units-in-flight") == "0"
+    # Most charged first; "" (none named) and "other" (past the bound) as the page names them.
+    assert await page.inner_text("#limit-tokens .units .models tbody") == (
+        "model-a\t60\t200\t140\n(none named)\t30\t100\t70\nmodel-b\t30\t100\t70\nother\t30\t100\t70"
+    )
+    assert not await page.is_visible("#limit-calls .units")
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        samples, _ = await scrape(session, gw.admin_url)
+    for kind, shown in (("charged", 150), ("held", 500), ("returned", 350)):
+        series = {
+            dict(labels)["model"]: count
+            for (name, labels), count in samples.items()
+            if name == f"gateway_limit_{kind}_units_total" and ("limit", "tokens") in labels
+        }
+        assert set(series) == {"", "model-a", "model-b", "other"}
+        assert sum(series.values()) == shown
+
+    # The charged rate, each point's over its interval, adds up to the 150 tokens (each point's
+    # rate and interval rounded to 3 decimals: 150/s off by 0.0005 s is 0.075 tokens).
+    async def rate_shown() -> bool:
+        return await dashboard_field(page, "tokens", "units-rate") != "—"
+
+    await until_shown(rate_shown, "the tokens charged per second")
+    integral = await page.evaluate(
+        """() => window.gatewayDashboard.history.reduce(
+            (sum, point) => sum + ((point.limits.tokens || {}).charged_units || 0) * point.dt, 0)"""
+    )
+    assert integral == pytest.approx(150, abs=0.2)
+
+    # A call the upstream holds: its 100 tokens are held now, until its answer settles them.
+    llm_upstream.hold = asyncio.Event()
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
+    try:
+        call = asyncio.create_task(
+            client.chat.completions.create(model="model-a", messages=messages, max_tokens=20)
+        )
+
+        async def held_shown() -> bool:
+            return await dashboard_field(page, "tokens", "units-in-flight") == "100"
+
+        await until_shown(held_shown, "the tokens held by the call in flight")
+        llm_upstream.hold.set()
+        await call
+    finally:
+        await client.close()
+
+    async def settled_shown() -> bool:
+        return await dashboard_field(page, "tokens", "units-in-flight") == "0"
+
+    await until_shown(settled_shown, "the call settled")
+    assert await dashboard_field(page, "tokens", "units-charged") == "180"
+    await page.locator("#limit-tokens").screenshot(
+        path=artifacts_dir(tmp_path) / "dashboard-tokens.png"
+    )
     assert not errors
     await page.close()

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +57,23 @@ def _client(gw: RunningGateway) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-test", max_retries=0)
 
 
-async def _call(client: openai.AsyncOpenAI, words: int, max_tokens: int, **extra: Any) -> Any:
+async def _call(
+    client: openai.AsyncOpenAI, words: int, max_tokens: int, model: str = "test-model", **extra: Any
+) -> Any:
     return await client.chat.completions.create(
-        model="test-model",
+        model=model,
         messages=[{"role": "user", "content": " ".join(["hello"] * words)}],
         max_tokens=max_tokens,
         **extra,
     )
 
 
-async def _stream(client: openai.AsyncOpenAI, words: int, max_tokens: int) -> Any:
+async def _stream(
+    client: openai.AsyncOpenAI, words: int, max_tokens: int, model: str = "test-model"
+) -> Any:
     """A streamed call, read to its end: the usage its last event reported."""
     stream = await client.chat.completions.create(
-        model="test-model",
+        model=model,
         messages=[{"role": "user", "content": " ".join(["hello"] * words)}],
         max_tokens=max_tokens,
         stream=True,
@@ -190,9 +195,15 @@ async def test_an_answer_without_a_usable_usage_is_charged_the_fallback_and_logg
     assert "cost_from 'openai'" in lines[0] and "route 'llm'" in lines[0]
 
 
-async def _concurrent_calls(gw: RunningGateway, upstream: LlmUpstream, n: int) -> list[int]:
+async def _concurrent_calls(
+    gw: RunningGateway,
+    upstream: LlmUpstream,
+    n: int,
+    while_held: Callable[[], Awaitable[None]] | None = None,
+) -> list[int]:
     """``n`` calls at once (10 prompt words, 200 completion tokens: 210 each), the upstream
-    holding its answers until every call has reached it or been refused: the statuses."""
+    holding its answers until every call has reached it or been refused (and ``while_held``
+    has looked): the statuses."""
     upstream.hold = asyncio.Event()
     client = _client(gw)
 
@@ -208,6 +219,8 @@ async def _concurrent_calls(gw: RunningGateway, upstream: LlmUpstream, n: int) -
         await wait_until(
             lambda: upstream.in_flight + sum(t.done() for t in tasks) == n, "calls in or refused"
         )
+        if while_held is not None:
+            await while_held()
         upstream.hold.set()
         statuses = await asyncio.gather(*tasks)
     finally:
@@ -234,20 +247,38 @@ async def test_a_reservation_bounds_what_calls_in_flight_can_spend(
     gw = await start_gateway(
         _policy(llm_upstream, _tokens(1000, "    reserve: 300\n")), clock=clock, **store
     )
-    statuses = await _concurrent_calls(gw, llm_upstream, 10)
+    (limit,) = gw.gateway.handler.runtime.engine.limits
+
+    async def held_now() -> None:
+        """The 3 calls in flight hold 900 tokens: so says the gauge, until they settle."""
+        assert limit.counters.units_in_flight == 900
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            await scrape_until(
+                session,
+                gw.admin_url,
+                lambda got: value(got, "gateway_limit_units_in_flight", limit="tokens") == 900,
+            )
+
+    statuses = await _concurrent_calls(gw, llm_upstream, 10, held_now)
+    assert limit.counters.units_in_flight == 0
     assert sorted(statuses) == [200] * 3 + [429] * 7
     assert sum(llm_upstream.reported) == 630
     assert await _left(gw) == 370
-    (limit,) = gw.gateway.handler.runtime.engine.limits
     counters = limit.counters
     assert (counters.held_units, counters.returned_units, counters.charged_units) == (900, 270, 630)
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         samples = await scrape_until(
             session,
             gw.admin_url,
-            lambda got: value(got, "gateway_limit_returned_units_total", limit="tokens") == 270,
+            lambda got: (
+                value(got, "gateway_limit_returned_units_total", limit="tokens", model="test-model")
+                == 270
+            ),
         )
-    assert value(samples, "gateway_limit_held_units_total", limit="tokens") == 900
+    assert (
+        value(samples, "gateway_limit_held_units_total", limit="tokens", model="test-model") == 900
+    )
+    assert value(samples, "gateway_limit_units_in_flight", limit="tokens") == 0
     clock.advance(3600)
 
     # Reserving what each call asks for (its max_tokens, 200): 5 of the 10 fit in 1,100.
@@ -514,12 +545,64 @@ async def test_the_access_log_records_the_usage_and_a_replay_charges_it(
             await client.close()
     assert statuses == [200, 200, 200, 200, 429]
     lines = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
-    assert [json.loads(line).get("costs") for line in lines] == [{"body:openai": "30"}] * 4 + [None]
+    costs = {"body:openai": "30", "response:model": "test-model"}
+    assert [json.loads(line).get("costs") for line in lines] == [costs] * 4 + [None]
     log = tmp_path / "gateway.log"
     log.write_text("\n".join(lines) + "\n")
     run = await replay([str(log)], [Simulation(parse_and_build(policy_text, "test.yaml"))])
     counted = run.simulations[0].counters()["tokens"]
     assert (counted["allowed"], counted["rejected"]) == (4, 1)
+    # The replay counts the tokens by the model the log names, as the gateway did.
+    (replayed,) = run.simulations[0].engine.limits
+    (live,) = gw.gateway.handler.runtime.engine.limits
+    assert replayed.counters.charged_by_model == live.counters.charged_by_model
+    assert live.counters.charged_by_model == {"test-model": 100}
+
+
+async def test_tokens_are_counted_by_model_in_series_bounded_whatever_clients_send(
+    llm_upstream: LlmUpstream, start_gateway: GatewayFactory
+) -> None:
+    """``server.metrics_max_models: 3`` and calls naming 8 models (streamed and not), then
+    one naming none: the first 3 have series of their own, the other 5 count as ``other``,
+    the last as ``""``: 5 series per unit metric of the limit, summing to its totals. Each
+    call holds 100 and uses 30 (10 words in, 20 out): 70 returned."""
+    policy_text = _policy(llm_upstream, _tokens(BUDGET, "    reserve: 100\n")).replace(
+        "  admin_listen: 127.0.0.1:0\n", "  admin_listen: 127.0.0.1:0\n  metrics_max_models: 3\n"
+    )
+    gw = await start_gateway(policy_text, clock=FakeClock(T0_US))
+    client = _client(gw)
+    try:
+        for index in range(8):
+            if index % 2:
+                await _stream(client, 10, 20, model=f"model-{index}")
+            else:
+                await _call(client, 10, 20, model=f"model-{index}")
+        await _call(client, 10, 20, model="")
+    finally:
+        await client.close()
+    await _settled(gw)
+    one = {"charged": 30, "held": 100, "returned": 70}
+    expected = {f"model-{index}": one for index in range(3)}
+    expected["other"] = {kind: units * 5 for kind, units in one.items()}
+    expected[""] = one
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        samples = await scrape_until(
+            session,
+            gw.admin_url,
+            lambda got: (
+                value(got, "gateway_limit_charged_units_total", limit="tokens", model="") == 30
+            ),
+        )
+    (limit,) = gw.gateway.handler.runtime.engine.limits
+    totals = limit.counters.charges()
+    for kind in ("charged", "held", "returned"):
+        series = {
+            dict(labels)["model"]: count
+            for (name, labels), count in samples.items()
+            if name == f"gateway_limit_{kind}_units_total" and ("limit", "tokens") in labels
+        }
+        assert series == {model: units[kind] for model, units in expected.items()}, kind
+        assert sum(series.values()) == getattr(totals, f"{kind}_units") == 9 * one[kind]
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])

@@ -231,6 +231,51 @@ def test_adaptive_limits_add_up_over_live_workers_and_sheds_over_all() -> None:
     assert 'gateway_adaptive_shed_total{upstream="api"} 19.0' in text
 
 
+def test_tokens_by_model_add_up_over_workers_and_restarts() -> None:
+    """A limit with cost_from: each worker's units by model are summed (a dead worker's and a
+    restarted worker's predecessor's too) into one series per model, the label of no model
+    always there; a limit without cost_from has its units under no model. The units held in
+    flight are a gauge of the live workers."""
+
+    def snap(worker: int, at: float, charged: dict[str, int], in_flight: int) -> WorkerSnapshot:
+        tokens = LimitData(
+            algorithm="fixed_window",
+            dry_run=False,
+            cost_from=True,
+            charged_units=sum(charged.values()),
+            charged_units_by_model=charged,
+            holds_budget=True,
+            units_in_flight=in_flight,
+        )
+        plain = LimitData(algorithm="fixed_window", dry_run=False, charged_units=4)
+        return _worker(worker, at, 1, 0, 1).model_copy(
+            update={"limits": {"tokens": tokens, "logins": plain}}
+        )
+
+    now = 10_000.0
+    one = snap(0, now, {"gpt-4o": 100, "other": 5}, 300)
+    dead = snap(1, now - 60, {"gpt-4o": 30, "o3": 7}, 500)
+    restarted = snap(2, now, {"o3": 1}, 100).with_base(snap(2, now - 30, {"o3": 2, "": 9}, 700))
+    total = merge([one, dead, restarted], now).limits["tokens"]
+    assert total.charged_units_by_model == {"gpt-4o": 130, "other": 5, "o3": 10, "": 9}
+    assert total.charged_units == 154
+    # The units held now: the live workers' (a dead worker's calls are gone, and a restarted
+    # worker's predecessor's with it).
+    assert total.units_in_flight == 400
+    text = generate_latest(make_registry(lambda: merge([one, dead, restarted], now))).decode()
+    series = [line for line in text.splitlines() if line.startswith("gateway_limit_charged_units")]
+    assert series == [
+        'gateway_limit_charged_units_total{limit="logins",model=""} 16.0',
+        'gateway_limit_charged_units_total{limit="tokens",model=""} 9.0',
+        'gateway_limit_charged_units_total{limit="tokens",model="gpt-4o"} 130.0',
+        'gateway_limit_charged_units_total{limit="tokens",model="o3"} 10.0',
+        'gateway_limit_charged_units_total{limit="tokens",model="other"} 5.0',
+    ]
+    assert 'gateway_limit_held_units_total{limit="tokens",model=""} 0.0' in text
+    gauges = [line for line in text.splitlines() if line.startswith("gateway_limit_units_in")]
+    assert gauges == ['gateway_limit_units_in_flight{limit="tokens"} 400.0']
+
+
 def test_store_state_changes_are_counted_across_workers_and_restarts() -> None:
     """Each worker's StoreStats counts its changes of state; /metrics adds them all up, so a
     circuit that opened and closed between two scrapes still shows."""

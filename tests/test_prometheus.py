@@ -163,6 +163,9 @@ async def test_dashboard_rejection_ratio_query_returns_what_the_traffic_implies(
         # never binding: here so that the panels' and alerts' metrics of concurrency limits
         # and adaptive upstreams exist (a request another limit refuses is charged nothing)
         "  in_flight:\n    algorithm: concurrency\n    limit: 1000\n"
+        # and of limits counted by their responses (units held by requests in flight)
+        "  metered:\n    algorithm: fixed_window\n    limit: 1000000\n    window: 1h\n"
+        "    count: {statuses: [5xx]}\n"
     )
     policy = limited_policy(upstream.url, limits).replace(
         "    read_timeout: 5s\n", "    read_timeout: 5s\n    adaptive: {}\n"
@@ -191,6 +194,7 @@ async def test_dashboard_rejection_ratio_query_returns_what_the_traffic_implies(
             "per_ip": pytest.approx(0.75),
             "shadow": pytest.approx(0.5),
             "in_flight": 0.0,
+            "metered": 0.0,
         }
 
         # Every query of the dashboard parses and names only metrics the gateway exports.
@@ -291,6 +295,7 @@ def test_dashboard_json_covers_what_operators_watch() -> None:
         "gateway_limit_charged_units_total",
         "gateway_limit_held_units_total",
         "gateway_limit_returned_units_total",
+        "gateway_limit_units_in_flight",
     ):
         assert metric in exprs, metric
     ids = [panel["id"] for panel in data["panels"]]

@@ -208,6 +208,9 @@ async def test_a_hold_comes_back_when_the_response_does_not_match(
     await wait_until(settled, f"the holds back after {ending}")
     (limit,) = engine.limits
     assert limit.counters.charged_responses == 0
+    # However it ended, no request counts as holding units in flight any more.
+    await wait_until(lambda: gw.gateway.handler.runtime.inflight == 0, "the requests to end")
+    assert limit.counters.units_in_flight == 0
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
@@ -239,6 +242,7 @@ async def test_a_client_gone_in_the_middle_of_a_counted_answer_is_charged(
 
     await wait_until(charged, "the charge")
     assert await _left(gw) == LIMIT - 1
+    assert limit.counters.units_in_flight == 0
 
 
 async def test_a_client_gone_while_redis_decides_leaves_no_hold_behind(

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.limits.usage import (
+    MAX_MODEL_CHARS,
     MAX_USAGE_BYTES,
     UsageMeter,
     UsageSource,
@@ -144,6 +145,42 @@ def test_a_long_stream_keeps_at_most_one_event() -> None:
     meter.feed(b"\n\n" + _events({"choices": [], "usage": {"total_tokens": 5}}))
     meter.finish()
     assert meter.readings()[0][1] == 5
+
+
+def _model(text: str, body: bytes, stream: bool) -> str | None:
+    meter = UsageMeter([UsageSource(text)], stream)
+    meter.feed(body)
+    meter.finish()
+    return meter.model
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [
+        ("gpt-4o-2024-08-06", "gpt-4o-2024-08-06"),
+        ("m" * MAX_MODEL_CHARS, "m" * MAX_MODEL_CHARS),
+        ("m" * (MAX_MODEL_CHARS + 1), None),
+        ("", None),
+        ("gpt\n4o", None),
+        ("modèle", None),
+        (42, None),
+        (None, None),
+    ],
+)
+def test_the_model_a_body_names(model: object, named: str | None) -> None:
+    """The model the metrics are labelled with: a JSON body's ``model``, an OpenAI stream's
+    usage chunk's, an Anthropic stream's ``message_start``'s ``message.model``; a name of
+    printable ASCII up to the bound, or none."""
+    body = json.dumps({"model": model, "usage": {"total_tokens": 3}}).encode()
+    assert _model("openai", body, stream=False) == named
+    stream = _events(
+        {"model": model, "choices": [{"delta": {"content": "a"}}], "usage": None},
+        {"model": model, "choices": [], "usage": {"total_tokens": 3}},
+        b"[DONE]",
+    )
+    assert _model("openai", stream, stream=True) == named
+    start = {"type": "message_start", "message": {"model": model, "usage": {"input_tokens": 1}}}
+    assert _model("anthropic", _events(start), stream=True) == named
 
 
 def test_bad_cost_from_and_content_types() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
@@ -53,6 +53,7 @@ from gateway.edge.upstream_client import (
 )
 from gateway.edge.websocket import forward_upgrade, wants_upgrade
 from gateway.engine.delay_queue import ShuttingDown
+from gateway.limits.compiled import Check, hold_in_flight
 from gateway.limits.keys import RequestFacts
 from gateway.limits.routing import RefusedTarget, normalise_host, origin_form, routing_path
 from gateway.limits.usage import BATCH_BYTES, UsageMeter
@@ -158,6 +159,8 @@ class ProxyHandler:
         status = 500
         admitted: web.StreamResponse | _Admitted | _Refused | None = None
         response: web.StreamResponse
+        # The checks whose holds this request counts in flight (``hold_in_flight``).
+        holding: Sequence[Check] = ()
         try:
             # Admit, wait, forward: a request in the shaping queue holds this one coroutine of
             # ours and what ``_admit`` kept for forwarding, not the frames that decided it
@@ -169,6 +172,9 @@ class ProxyHandler:
                 response = admitted
             else:
                 outcome = admitted.outcome
+                if outcome is not None and outcome.charge_after:
+                    holding = outcome.charge_after
+                    hold_in_flight(holding, 1)
                 if outcome is not None and outcome.delay_s > 0.0:
                     engine = runtime.engine
                     try:
@@ -205,6 +211,8 @@ class ProxyHandler:
             status = 499  # the client went away (nginx's code for it)
             raise
         finally:
+            if holding:
+                hold_in_flight(holding, -1)
             outcome = None
             if isinstance(admitted, _Admitted):
                 outcome = admitted.outcome

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from aiohttp.web_request import BaseRequest
 
 from gateway.edge.annotations import REPORTED_COSTS, ROUTE_NAME
-from gateway.limits.usage import CUT, UsageMeter, UsageSource, is_event_stream
+from gateway.limits.usage import CUT, MODEL, UsageMeter, UsageSource, is_event_stream
 from gateway.log_throttle import LogThrottle
 
 log = logging.getLogger("gateway.limits")
@@ -34,9 +34,9 @@ def usage_reported(
     headers: dict[bytes, bytes] | None,
     throttle: LogThrottle,
 ) -> dict[bytes, bytes]:
-    """What the response reported its cost to be: the cost ``headers`` and the body's usage
-    (recorded for the access log too); a body without a usable usage is logged, once per
-    cause (``throttle``, the policy's)."""
+    """What the response reported its cost to be: the cost ``headers``, the body's usage and
+    the model it named (``MODEL``; recorded for the access log too); a body without a usable
+    usage is logged, once per cause (``throttle``, the policy's)."""
     reported = dict(headers) if headers else {}
     complete = meter.complete
     if not complete:
@@ -49,6 +49,8 @@ def usage_reported(
                 _missing(request, source, problem, throttle)
             continue
         reported[source.key] = b"%d" % reading
+    if meter.model is not None:
+        reported[MODEL] = meter.model.encode("ascii")
     if reported:
         logged = dict(request.get(REPORTED_COSTS) or {})
         for name, value in reported.items():

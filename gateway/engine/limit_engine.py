@@ -29,12 +29,12 @@ from gateway.algorithms.penalty_box import PenaltyBox, PenaltyRefusal
 from gateway.clock import MonotonicClock
 from gateway.engine.delay_queue import DelayQueue, ShuttingDown
 from gateway.engine.slot_lines import POLL_S, SlotLines, Ticket
-from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
+from gateway.limits.compiled import NO_MODEL, Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder, RequestFacts
 from gateway.limits.response_charge import settle
 from gateway.limits.routing import CompiledMatch, compile_match
 from gateway.limits.token_verifier import TokenRefused, TokenVerifier
-from gateway.limits.usage import CUT, UsageSource
+from gateway.limits.usage import CUT, MAX_MODEL_CHARS, MODEL, UsageSource
 from gateway.policy.models import (
     CUSTOM_PLAN,
     UNLISTED_PLAN,
@@ -242,6 +242,8 @@ class LimitEngine:
         self._x_ratelimit_headers = policy.headers.x_ratelimit
         self._retry_after_header = policy.headers.retry_after
         self._openai_headers = policy.headers.openai
+        # The models a limit with ``cost_from`` labels its unit metrics with, at most.
+        self._max_models = policy.server.metrics_max_models
         # ``headers.rejected_by``: the header naming the rejecting limit, encoded to its colon.
         named = policy.headers.rejected_by
         self._rejected_by_start: bytes | None = (
@@ -1026,12 +1028,16 @@ class LimitEngine:
         (``hold: in_flight``) is settled instead: what it held beyond the charge is given
         back, what the charge is beyond the hold is taken (as much as there is room for).
         In process at once; otherwise in the background: the response never waits for it,
-        and a charge the store cannot make follows ``on_failure`` there."""
+        and a charge the store cannot make follows ``on_failure`` there. A limit with
+        ``cost_from`` counts its units by the model the answer named too (the metrics)."""
         checks: list[Check] = []
         units: list[int] = []
         kept: list[int] = []  # per charged check, the units its hold already took
+        # per charged check, the model label its units count under (None: no cost_from)
+        labels: list[str | None] = []
         refunds: list[tuple[Check, int]] = []
         instants = outcome.charged_at
+        model = _model_named(reported)
         for index, check in enumerate(outcome.charge_after):
             limit = check.limit
             rule = limit.response_charge
@@ -1042,31 +1048,42 @@ class LimitEngine:
                 raw = reported.get(rule.source)
                 value = raw.decode("latin-1") if raw is not None else None
             cost = rule.charge(status, value, check.cost)
-            if rule.cost_from is not None and cost and reported and CUT in reported:
-                # The body was cut short: at least what the request holds (its reservation).
-                cost = max(cost, check.cost)
+            counters = limit.counters
+            label: str | None = None
+            if rule.cost_from is not None:
+                label = counters.model_label(model, self._max_models)
+                if cost and reported and CUT in reported:
+                    # The body was cut short: at least what the request holds (its reservation).
+                    cost = max(cost, check.cost)
             if not limit.holds_budget:
                 if cost > 0:
                     checks.append(check)
                     units.append(cost)
                     kept.append(0)
+                    labels.append(label)
                 continue
             top_up, give_back = settle(check.cost, cost)
             # A hold decided without an instant took nothing (Redis away, ``on_failure:
             # allow``): nothing to give back.
             at_us = instants[index] if index < len(instants) else None
-            counters = limit.counters
             counters.held_units += check.cost
+            if label is not None:
+                _add(counters.held_by_model, label, check.cost)
             if give_back and at_us is not None:
                 refunds.append((Check(limit, check.key, cost=give_back), at_us))
                 counters.returned_units += give_back
+                if label is not None:
+                    _add(counters.returned_by_model, label, give_back)
             if top_up:
                 checks.append(check)
                 units.append(top_up)
                 kept.append(check.cost)
+                labels.append(label)
             elif cost > 0:  # what it held covers the charge
                 counters.charged_responses += 1
                 counters.charged_units += cost
+                if label is not None:
+                    _add(counters.charged_by_model, label, cost)
         if not checks and not refunds:
             return
         store = self._immediate
@@ -1074,9 +1091,9 @@ class LimitEngine:
             for group, at_us in _by_instant(refunds):
                 store.refund_now(group, at_us)
             if checks:
-                _count_charges(checks, store.charge_now(checks, units), kept)
+                _count_charges(checks, store.charge_now(checks, units), kept, labels)
             return
-        task = asyncio.ensure_future(self._charge(checks, units, kept, refunds))
+        task = asyncio.ensure_future(self._charge(checks, units, kept, labels, refunds))
         self._charging.add(task)
         task.add_done_callback(self._charging.discard)
 
@@ -1085,12 +1102,13 @@ class LimitEngine:
         checks: list[Check],
         units: list[int],
         kept: list[int],
+        labels: list[str | None],
         refunds: list[tuple[Check, int]],
     ) -> None:
         for group, at_us in _by_instant(refunds):
             await self.store.refund(group, at_us)
         if checks:
-            _count_charges(checks, await self.store.charge(checks, units), kept)
+            _count_charges(checks, await self.store.charge(checks, units), kept, labels)
 
     async def charges_done(self) -> None:
         """Wait for the charges in flight (shutdown: before the store closes)."""
@@ -1446,13 +1464,41 @@ def _with_charge_after(
     return outcome
 
 
-def _count_charges(checks: Sequence[Check], taken: Sequence[int], kept: Sequence[int]) -> None:
+def _count_charges(
+    checks: Sequence[Check],
+    taken: Sequence[int],
+    kept: Sequence[int],
+    labels: Sequence[str | None],
+) -> None:
     """Count each limit's charged responses and the units they took (``kept``: what a hold
-    had taken already)."""
+    had taken already), by model for a limit with ``cost_from`` (``labels``)."""
     for index, check in enumerate(checks):
         counters = check.limit.counters
         counters.charged_responses += 1
-        counters.charged_units += taken[index] + kept[index]
+        units = taken[index] + kept[index]
+        counters.charged_units += units
+        label = labels[index]
+        if label is not None:
+            _add(counters.charged_by_model, label, units)
+
+
+def _add(counts: dict[str, int], label: str, units: int) -> None:
+    counts[label] = counts.get(label, 0) + units
+
+
+def _model_named(reported: dict[bytes, bytes] | None) -> str:
+    """The model the response's body named (``MODEL``, filed by the relay or read from the
+    access log's ``costs`` by a replay), or ``NO_MODEL``."""
+    raw = reported.get(MODEL) if reported else None
+    if raw is None:
+        return NO_MODEL
+    try:
+        model = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return NO_MODEL
+    if len(model) > MAX_MODEL_CHARS or not model.isprintable():
+        return NO_MODEL
+    return model
 
 
 def _by_instant(

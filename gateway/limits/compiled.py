@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from gateway.algorithms.base import Algorithm
 from gateway.algorithms.calendar_window import CalendarWindow
@@ -19,6 +19,11 @@ from gateway.limits.response_charge import ResponseCharge
 from gateway.limits.routing import CompiledMatch
 from gateway.policy.models import Limit, Route
 from gateway.policy.overrides import Tiering
+
+# The ``model`` label of the units of a response that named no model (and of every unit of a
+# limit without ``cost_from``), and of the models past a limit's ``server.metrics_max_models``.
+NO_MODEL: Final = ""
+OTHER_MODELS: Final = "other"
 
 
 class DecisionCounts(NamedTuple):
@@ -73,6 +78,15 @@ class LimitCounters:
     charge_failures: int = 0
     held_units: int = 0
     returned_units: int = 0
+    # A limit with ``cost_from``: the three unit counts above by the model its responses named
+    # (``model_label``), summing to them; the models given a label of their own so far.
+    # ``hold: in_flight``: the units this process's requests hold now, from their admission
+    # until their response is settled (``hold_in_flight``).
+    units_in_flight: int = 0
+    charged_by_model: dict[str, int] = field(default_factory=dict)
+    held_by_model: dict[str, int] = field(default_factory=dict)
+    returned_by_model: dict[str, int] = field(default_factory=dict)
+    models: set[str] = field(default_factory=set)
     # ``rejected`` by the status answered: the limit's own (429), 403 for ``unlisted: reject``.
     rejected_statuses: dict[int, int] = field(default_factory=dict)
 
@@ -81,6 +95,17 @@ class LimitCounters:
         self.rejected += 1
         statuses = self.rejected_statuses
         statuses[status] = statuses.get(status, 0) + 1
+
+    def model_label(self, model: str, max_models: int) -> str:
+        """The ``model`` label units of ``model`` are counted under: the model, while fewer
+        than ``max_models`` have a label of their own (the metrics' series stay bounded
+        whatever the responses name), else ``OTHER_MODELS``; ``NO_MODEL`` for none."""
+        if not model or model in self.models:
+            return model
+        if len(self.models) >= max_models:
+            return OTHER_MODELS
+        self.models.add(model)
+        return model
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(
@@ -224,3 +249,12 @@ def with_variants(limits: Sequence[CompiledLimit]) -> Iterator[CompiledLimit]:
         tiering = limit.tiering
         if tiering is not None and tiering.overrides is not None:
             yield from tiering.overrides.variants
+
+
+def hold_in_flight(checks: Sequence[Check], sign: int) -> None:
+    """Count (``sign`` 1) or uncount (-1) the units an admitted request's checks hold while
+    it is in flight, in each limit whose requests hold their cost (``hold: in_flight``)."""
+    for check in checks:
+        limit = check.limit
+        if limit.holds_budget:
+            limit.counters.units_in_flight += sign * check.cost

@@ -9,7 +9,8 @@ usage.completion_tokens``). A ``UsageMeter`` is fed the body's chunks as the pro
 ``MAX_USAGE_BYTES`` of them: the whole body while it is that small (JSON), or the unfinished
 event's bytes (a stream); the stream itself is never buffered. Of a stream's whole events only
 those holding a source's marker (bytes only its usage has) are split into lines and parsed.
-``readings`` says the cost the body reported, or why there is none.
+``readings`` says the cost the body reported, or why there is none; ``model`` the model the
+body named (in the documents read for the usage), which the unit metrics are labelled with.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ CUT: Final = b"body:cut"
 # The most of a body (JSON) or of one event (a stream) kept to read the usage from: usage sits
 # in small objects, and a body or an event past this is not read (the fallback is charged).
 MAX_USAGE_BYTES: Final = 1 << 20
+# Filed among what a response reported: the model its body named (``UsageMeter.model``), for
+# the unit metrics' ``model`` label and the access log (a header name has no colon, and a
+# ``cost_from`` source's key starts with ``body:``: no reading is filed under it).
+MODEL: Final = b"response:model"
+# The longest model name kept: a longer one (or one that is not printable ASCII) is none.
+MAX_MODEL_CHARS: Final = 128
 
 
 # A count of more than ``MAX_DIGITS`` digits is none (compared, not printed: per response).
@@ -46,6 +53,24 @@ def _count(value: object) -> int | None:
     if value < 0 or value >= _COUNT_BOUND:
         return None
     return value
+
+
+def _model_of(document: object) -> str | None:
+    """The model a parsed body or event names: ``model`` (OpenAI's bodies and chunks,
+    Anthropic's Messages body), or ``message.model`` (Anthropic's ``message_start``); a
+    string of 1 to ``MAX_MODEL_CHARS`` printable ASCII characters, else None."""
+    if not isinstance(document, dict):
+        return None
+    model = document.get("model")
+    if model is None:
+        message = document.get("message")
+        if isinstance(message, dict):
+            model = message.get("model")
+    if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS:
+        return None
+    if not model.isascii() or not model.isprintable():
+        return None
+    return model
 
 
 def _last_blank_line(data: bytes) -> int:
@@ -136,6 +161,7 @@ class UsageMeter:
         "_readings",
         "_too_large",
         "batch",
+        "model",
         "sources",
         "stream",
     )
@@ -153,6 +179,8 @@ class UsageMeter:
         # The one marker of a meter with one source (the common case): one search.
         self._marker: bytes | None = self._markers[0] if len(self._markers) == 1 else None
         self._too_large = False
+        # The model the body named, as far as it was read (None: none yet).
+        self.model: str | None = None
         # A stream: the bytes of the line being received, and the data of the current event.
         self._pending = b""
         self._event: list[bytes] = []
@@ -281,6 +309,9 @@ class UsageMeter:
             document = parse_json(data)
         except ValueError:
             return
+        model = _model_of(document)
+        if model is not None:
+            self.model = model
         for index, source in enumerate(self.sources):
             if source.anthropic:
                 self._anthropic_event(index, document)
@@ -337,6 +368,7 @@ class UsageMeter:
         except ValueError:
             self._problem = ["a body that is not JSON" for _ in self.sources]
             return
+        self.model = _model_of(document)
         for index, source in enumerate(self.sources):
             found = self._readings[index] = source.read(document)
             if found is None:

@@ -30,7 +30,7 @@ from gateway.clock import rfc3339
 from gateway.observability.access_log import AccessLog
 from gateway.observability.loop_lag import LoopLagProbe, probe_from_environment
 from gateway.observability.prometheus import make_registry
-from gateway.observability.snapshot import GatewaySnapshot, WorkerSnapshot, merge
+from gateway.observability.snapshot import GatewaySnapshot, LimitData, WorkerSnapshot, merge
 from gateway.observability.snapshot_files import SnapshotDirectory
 from gateway.observability.timeline import Timeline
 from gateway.observability.worker import ObservedHandler, ObservedProxy, WorkerMetrics, WorkerState
@@ -39,6 +39,8 @@ log = logging.getLogger("gateway.observability")
 
 TICK_S = 1.0
 GATHER_DELAY_S = 0.25  # after the second boundary: every worker has published by then
+# The models a limit with cost_from lists on the dashboard, those charged the most first.
+TOP_MODELS_SHOWN = 10
 SUBSCRIBER_BACKLOG = 30  # messages kept for a dashboard that reads slowly; older ones dropped
 
 
@@ -286,10 +288,34 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
                 "evictions": limit.evictions,
                 "lease": limit.lease.model_dump() if limit.lease is not None else None,
                 "top_keys": [h.model_dump() for h in snapshot.top_keys.get(name, ())],
+                "units": units_state(limit) if limit.cost_from else None,
             }
             for name, limit in snapshot.limits.items()
         },
         "adaptive": {name: gate.model_dump() for name, gate in snapshot.adaptive.items()},
+    }
+
+
+def units_state(limit: LimitData) -> dict[str, Any]:
+    """A limit with cost_from: the units (tokens) charged, held while in flight and given
+    back, those held by the calls in flight now, and the models that took the most
+    (``TOP_MODELS_SHOWN``)."""
+    charged, held, returned = limit.by_model()
+    models = sorted({*charged, *held, *returned}, key=lambda m: (-charged.get(m, 0), m))
+    return {
+        "charged": limit.charged_units,
+        "held": limit.held_units,
+        "returned": limit.returned_units,
+        "in_flight": limit.units_in_flight,
+        "models": [
+            {
+                "model": model,
+                "charged": charged.get(model, 0),
+                "held": held.get(model, 0),
+                "returned": returned.get(model, 0),
+            }
+            for model in models[:TOP_MODELS_SHOWN]
+        ],
     }
 
 

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gateway import __version__
 from gateway.edge.annotations import UPSTREAM_ERROR_REASONS
 from gateway.edge.pool.server_pool import SERVER_LATENCY_BUCKETS, SERVER_STATES
+from gateway.limits.compiled import NO_MODEL
 from gateway.observability.leases import lease_metrics
 from gateway.observability.snapshot import DECISION_RESULTS, GatewaySnapshot, HistogramData
 from gateway.observability.stats import QUEUE_WAIT_BUCKETS, REQUEST_DURATION_BUCKETS
@@ -351,8 +352,9 @@ class GatewayCollector(Collector):
         charged_units = CounterMetricFamily(
             "gateway_limit_charged_units",
             "Units responses took from a limit's quota (each what its key had left, up to "
-            "its cost: the limit's cost, or the upstream's cost header).",
-            labels=["limit"],
+            "its cost: the limit's cost, or the upstream's cost header), by the model the "
+            'responses named (cost_from; bounded, further models "other"; none: "").',
+            labels=["limit", "model"],
         )
         charge_failures = CounterMetricFamily(
             "gateway_limit_charge_failures",
@@ -362,13 +364,19 @@ class GatewayCollector(Collector):
         held_units = CounterMetricFamily(
             "gateway_limit_held_units",
             "Units requests held while in flight (hold: in_flight: their reserve or cost), "
-            "counted when their response settled them.",
-            labels=["limit"],
+            "counted when their response settled them, by model as charged units are.",
+            labels=["limit", "model"],
         )
         returned_units = CounterMetricFamily(
             "gateway_limit_returned_units",
             "Held units given back when the response settled them (a response that did not "
-            "match, or cost less than the hold).",
+            "match, or cost less than the hold), by model as charged units are.",
+            labels=["limit", "model"],
+        )
+        in_flight_units = GaugeMetricFamily(
+            "gateway_limit_units_in_flight",
+            "Units requests in flight hold now (hold: in_flight: their reserve or cost, from "
+            "admission until their response is settled).",
             labels=["limit"],
         )
         # Aggregates of the top-keys view (never the keys: labels are config names only), for
@@ -406,13 +414,20 @@ class GatewayCollector(Collector):
             if limit.algorithm == "concurrency":
                 slots.add_metric([name], limit.slots_in_use)
             charged.add_metric([name], limit.charged_responses)
-            charged_units.add_metric([name], limit.charged_units)
             charge_failures.add_metric([name], limit.charge_failures)
-            held_units.add_metric([name], limit.held_units)
-            returned_units.add_metric([name], limit.returned_units)
+            if limit.holds_budget:
+                in_flight_units.add_metric([name], limit.units_in_flight)
+            by_model = limit.by_model() if limit.cost_from else None
+            for family, total, units in zip(
+                (charged_units, held_units, returned_units),
+                (limit.charged_units, limit.held_units, limit.returned_units),
+                by_model or (None, None, None),
+                strict=True,
+            ):
+                _add_by_model(family, name, units, total)
         yield from (decisions, rejections, wait, depth, tracked, evictions, dry_run, slots)
         yield from (limited_keys, top_key_hits, charged, charged_units, charge_failures)
-        yield from (held_units, returned_units)
+        yield from (held_units, returned_units, in_flight_units)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))
 
     def _store(self, snap: GatewaySnapshot) -> Iterator[Metric]:
@@ -488,3 +503,17 @@ def make_registry(snapshot: Callable[[], GatewaySnapshot]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GatewayCollector(snapshot))
     return registry
+
+
+def _add_by_model(
+    family: CounterMetricFamily, limit: str, by_model: dict[str, int] | None, total: int
+) -> None:
+    """A limit's units: a limit with cost_from by model (``by_model``; the label of no model
+    always there, so a query finds the series from the start), any other under no model."""
+    if by_model is None:
+        family.add_metric([limit, NO_MODEL], total)
+        return
+    family.add_metric([limit, NO_MODEL], by_model.get(NO_MODEL, 0))
+    for model, units in sorted(by_model.items()):
+        if model != NO_MODEL:
+            family.add_metric([limit, model], units)

@@ -25,6 +25,12 @@ from gateway.stores.store_stats import STORE_LATENCY_BUCKETS
 DECISION_RESULTS: tuple[str, ...] = DecisionCounts._fields
 # What a limit charged after the response counts: ``LimitData`` has a field of each name.
 CHARGE_COUNTS: tuple[str, ...] = ChargeCounts._fields
+# ``LimitData``'s unit counts by model (gateway_limit_{charged,held,returned}_units_total).
+UNITS_BY_MODEL: tuple[str, ...] = (
+    "charged_units_by_model",
+    "held_units_by_model",
+    "returned_units_by_model",
+)
 
 
 class _Model(BaseModel):
@@ -104,15 +110,28 @@ class LimitData(_Model):
     # hold: in_flight: units held by requests in flight, and those given back at settling.
     held_units: int = 0
     returned_units: int = 0
+    # A limit with cost_from: the three unit counts by the model label (summing to them).
+    cost_from: bool = False
+    charged_units_by_model: dict[str, int] = {}
+    held_units_by_model: dict[str, int] = {}
+    returned_units_by_model: dict[str, int] = {}
     evictions: int = 0
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
     slots_in_use: int = 0  # gauge: a concurrency limit's slots held by this process's requests
+    # hold: in_flight (a limit charged after the response): the units its requests in flight
+    # hold now (gauge)
+    holds_budget: bool = False
+    units_in_flight: int = 0
     wait: HistogramData = HistogramData.empty(QUEUE_WAIT_BUCKETS)
     lease: LeaseData | None = None  # a leased limit's leases (lease: on the Redis store)
 
     def decisions(self) -> DecisionCounts:
         return DecisionCounts(**{result: getattr(self, result) for result in DECISION_RESULTS})
+
+    def by_model(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Units charged, held and returned, by model (a limit with cost_from)."""
+        return (self.charged_units_by_model, self.held_units_by_model, self.returned_units_by_model)
 
 
 class StoreData(_Model):
@@ -384,6 +403,10 @@ def _add_limit_counters(limit: LimitData, base: LimitData) -> LimitData:
     for status, count in limit.rejected_statuses.items():
         statuses[status] = statuses.get(status, 0) + count
     update["rejected_statuses"] = statuses
+    for by_model in UNITS_BY_MODEL:
+        units = Counter(getattr(base, by_model))
+        units.update(getattr(limit, by_model))
+        update[by_model] = dict(units)
     update["evictions"] = limit.evictions + base.evictions
     update["wait"] = limit.wait.plus(base.wait)
     update["lease"] = plus(limit.lease, base.lease)
@@ -477,9 +500,10 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                     "waiting": limit.waiting,
                     "tracked_keys": limit.tracked_keys,
                     "slots_in_use": limit.slots_in_use,
+                    "units_in_flight": limit.units_in_flight,
                 }
             else:
-                gauges = {"waiting": 0, "tracked_keys": 0, "slots_in_use": 0}
+                gauges = {"waiting": 0, "tracked_keys": 0, "slots_in_use": 0, "units_in_flight": 0}
             counted = limit.model_copy(update=gauges)
             old_limit = limits.get(name)
             if old_limit is None:
@@ -491,6 +515,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                         "waiting": old_limit.waiting + counted.waiting,
                         "tracked_keys": old_limit.tracked_keys + counted.tracked_keys,
                         "slots_in_use": old_limit.slots_in_use + counted.slots_in_use,
+                        "units_in_flight": old_limit.units_in_flight + counted.units_in_flight,
                     }
                 )
         for name, top in snap.top_keys.items():

@@ -79,6 +79,9 @@ class Timeline:
                 "wait_p50": recent.quantile(0.5, QUEUE_WAIT_BUCKETS),
                 "wait_p99": recent.quantile(0.99, QUEUE_WAIT_BUCKETS),
             }
+            if limit.cost_from:  # the units (tokens) its responses were charged, per second
+                charged = limit.charged_units - (before.charged_units if before else 0)
+                limits[name]["charged_units"] = round(max(0, charged) / elapsed, 3)
         # Each adaptive upstream's limit beside its latency (the workers' sum, the slowest's).
         adaptive: dict[str, Any] = {}
         for name, gate in snapshot.adaptive.items():

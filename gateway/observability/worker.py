@@ -110,21 +110,25 @@ class _RunningTotals(Generic[Counts]):
         return totals
 
 
-class _StatusTotals:
-    """``_RunningTotals`` of a limit's rejections by the status answered."""
+Label = TypeVar("Label", int, str)
+
+
+class _KeyedTotals(Generic[Label]):
+    """``_RunningTotals`` of a limit's counts by a label: its rejections by the status
+    answered, its units by model."""
 
     __slots__ = ("_last", "_totals")
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[object, dict[int, int]]] = {}
-        self._totals: dict[str, dict[int, int]] = {}
+        self._last: dict[str, tuple[object, dict[Label, int]]] = {}
+        self._totals: dict[str, dict[Label, int]] = {}
 
-    def read(self, name: str, source: object, values: dict[int, int]) -> dict[int, int]:
+    def read(self, name: str, source: object, values: dict[Label, int]) -> dict[Label, int]:
         last = self._last.get(name)
-        previous: dict[int, int] = last[1] if last is not None and last[0] is source else {}
+        previous: dict[Label, int] = last[1] if last is not None and last[0] is source else {}
         totals = dict(self._totals.get(name, {}))
-        for status, value in values.items():
-            totals[status] = totals.get(status, 0) + max(0, value - previous.get(status, 0))
+        for label, value in values.items():
+            totals[label] = totals.get(label, 0) + max(0, value - previous.get(label, 0))
         self._totals[name] = totals
         self._last[name] = (source, dict(values))
         return totals
@@ -209,8 +213,14 @@ class WorkerMetrics:
         self.queue_waits = QueueWaits()
         self.top_keys: dict[str, RecentTopKeys] = {}
         self._decisions = _RunningTotals(DecisionCounts())
-        self._rejected_statuses = _StatusTotals()
+        self._rejected_statuses: _KeyedTotals[int] = _KeyedTotals()
         self._charges = _RunningTotals(ChargeCounts())
+        # Per limit with cost_from, its units by model: charged, held, returned.
+        self._by_model: tuple[_KeyedTotals[str], _KeyedTotals[str], _KeyedTotals[str]] = (
+            _KeyedTotals(),
+            _KeyedTotals(),
+            _KeyedTotals(),
+        )
 
     def note_limited(self, outcome: Outcome) -> None:
         """Count the keys a rejected request was refused under, for the top-keys view."""
@@ -269,6 +279,15 @@ class WorkerMetrics:
             charged = self._charges.read(name, counters, counters.charges())
             wait = self.queue_waits.by_limit.get(name)
             statuses = self._rejected_statuses.read(name, counters, counters.rejected_statuses)
+            cost_from = limit.spec.cost_from is not None
+            charged_by: dict[str, int] = {}
+            held_by: dict[str, int] = {}
+            returned_by: dict[str, int] = {}
+            if cost_from:
+                charged_totals, held_totals, returned_totals = self._by_model
+                charged_by = charged_totals.read(name, counters, counters.charged_by_model)
+                held_by = held_totals.read(name, counters, counters.held_by_model)
+                returned_by = returned_totals.read(name, counters, counters.returned_by_model)
             limits[name] = LimitData(
                 algorithm=limit.spec.algorithm,
                 dry_run=limit.spec.dry_run,
@@ -276,10 +295,16 @@ class WorkerMetrics:
                 rejected_statuses=statuses,
                 **decided._asdict(),
                 **charged._asdict(),
+                cost_from=cost_from,
+                charged_units_by_model=charged_by,
+                held_units_by_model=held_by,
+                returned_units_by_model=returned_by,
                 evictions=store.evictions(name),
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
                 slots_in_use=counters.slots_held,
+                holds_budget=limit.holds_budget,
+                units_in_flight=counters.units_in_flight,
                 lease=lease_data(store, name),
                 wait=HistogramData.of(wait)
                 if wait is not None

@@ -415,6 +415,14 @@ class ServerSettings(_Model):
         description="a body over body_key_max_size: reject (413) or absent (its body: parts "
         "are missing: the limit's on_missing_key applies)",
     )
+    metrics_max_models: int = Field(
+        20,
+        ge=0,
+        le=1000,
+        description="models (as the responses name them) a limit with cost_from counts its "
+        "units under in the metrics' model label, per worker process: the first seen keep "
+        'their own series, the others count as model="other" (a response naming none: "")',
+    )
     max_headers: int = Field(100, ge=1, description="request headers at most (400 or 431 beyond)")
     underscores_in_headers: bool = Field(
         False,

@@ -361,6 +361,8 @@
       setField(node, "lease-calls", decided ? fmt(lease.calls / decided, 4) : "—");
     }
 
+    renderUnits(node, info.units, last);
+
     const tbody = node.querySelector(".top tbody");
     tbody.replaceChildren(
       ...info.top_keys.map((hitter) => {
@@ -400,6 +402,35 @@
     // The key, its plan (unless the key says it), and its rejections in the last minute or two.
     const plan = worst && worst.tier && worst.key !== "\u001eunlisted" ? " (" + worst.tier + ")" : "";
     row.querySelector(".worst").textContent = worst ? keyText(worst) + plan + ": " + fmtInt(worst.count) : "—";
+  }
+
+  // A limit with cost_from: the tokens its calls were charged, held while in flight and
+  // given back when settled, since start, those the calls in flight hold now, and the models
+  // charged the most ("" is a response
+  // that named none, "other" the models past server.metrics_max_models).
+  function renderUnits(node, units, last) {
+    const box = node.querySelector(".units");
+    box.hidden = !units;
+    if (!units) return;
+    setField(box, "units-charged", fmtInt(units.charged));
+    setField(box, "units-held", fmtInt(units.held));
+    setField(box, "units-returned", fmtInt(units.returned));
+    setField(box, "units-in-flight", fmtInt(units.in_flight));
+    setField(box, "units-rate", last && last.charged_units != null ? fmt(last.charged_units, 1) : "—");
+    box.querySelector(".models tbody").replaceChildren(
+      ...units.models.map((row) => {
+        const tr = document.createElement("tr");
+        tr.dataset.model = row.model;
+        const name = row.model === "" ? "(none named)" : row.model;
+        for (const text of [name, fmtInt(row.charged), fmtInt(row.held), fmtInt(row.returned)]) {
+          const cell = document.createElement("td");
+          cell.textContent = text;
+          tr.appendChild(cell);
+        }
+        return tr;
+      })
+    );
+    box.querySelector(".models").hidden = units.models.length === 0;
   }
 
   // An upstream's adaptive limit over time beside its latency: the limit moves with it.
