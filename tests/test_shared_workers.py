@@ -174,7 +174,9 @@ async def test_a_reload_under_load_rescales_once_across_workers(
     """Every worker adopts the new policy; the state is rescaled once: a client that used 6
     of 10 has used 12 of 20 after the reload, so 8 more (rescaled by each of 2 workers, it
     would have none)."""
-    window = "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: {}\n    window: 24h\n"
+    # 30 days: on the workers' real clock a day window ends at midnight UTC, which could fall
+    # between the requests before the reload and those after.
+    window = "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: {}\n    window: 720h\n"
     async with run_workers(upstream.url, tmp_path, window.format(10), 2) as (url, _, _pids):
         await wait_serving(tmp_path, 2)
         assert (await load(url, "127.0.0.2", connections=2, each=3))[200] == 6
