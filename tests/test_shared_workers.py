@@ -3,7 +3,7 @@
 Real gateway processes (the CLI's supervisor and its forked workers) in front of a real
 upstream, real HTTP clients over loopback, each client its own loopback address; every
 connection is new (SO_REUSEPORT spreads them over the workers). The limits do not refill
-within a test (rates per minute, windows of a day), so the number admitted on a trace is the
+within a test (rates per minute, windows of 30 days), so the number admitted on a trace is the
 same whatever the timing: the single-process gateway's, exactly.
 """
 
@@ -36,7 +36,9 @@ TIMEOUT = aiohttp.ClientTimeout(total=15)
 
 # Stacked on every request: a leaky bucket with burst and delay (the 11th request of a client
 # would wait a minute, longer than max_delay: refused, charged nothing), a sliding window per
-# route, a global token bucket that never binds.
+# route (30 days: a day's ends at midnight UTC, and the count carried into the next day,
+# weighted a little under whole, rounds down to admit one more), a global token bucket that
+# never binds.
 STACK = """\
 limits:
   per_ip:
@@ -48,7 +50,7 @@ limits:
   per_route:
     algorithm: sliding_window
     limit: 100
-    window: 24h
+    window: 720h
     key: [route]
   global:
     algorithm: token_bucket
