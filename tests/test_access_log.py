@@ -16,10 +16,12 @@ import aiohttp
 import pytest
 
 from gateway.cli.main import main
+from gateway.clock import FakeClock
 from gateway.engine.preflight import load_and_build, parse_and_build
 from gateway.policy.loader import PolicyError
 from gateway.redact import hashed
 from gateway.replay.log_formats import detect
+from tests.support.conformance import T0_US
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for, policy_template
 from tests.support.processes import StartGateway
@@ -101,14 +103,17 @@ async def test_credentials_in_the_query_are_logged_hashed_and_replay_keys_on_the
         "    window: 1h\n    key: ['query:tenant']\n    overrides: {acme: {limit: 2}}\n"
     )
     policy = policy_for(upstream.url, server=f"  access_log:\n    path: {log}\n", extra=limits)
-    gw = await start_gateway(policy)
+    # A fake clock, logged as the requests' instants (t_us) and replayed on them: on the real
+    # one the hour could end between tenant acme's requests.
+    clock = FakeClock(T0_US)
+    gw = await start_gateway(policy, clock=clock)
     template = "$request|$request_uri|$args|$uri"
     templated = policy_for(
         upstream.url,
         server=f"  access_log:\n    path: {lines_of_template}\n    format: '{template}'\n",
         extra=limits,
     )
-    gw_template = await start_gateway(templated)
+    gw_template = await start_gateway(templated, clock=clock)
     targets = [
         "/v1/a?api_key=k-secret-1&page=2",
         "/v1/b?page=3&Access_Token=tok%2Fsecret&tenant=acme",
@@ -297,7 +302,9 @@ async def test_replay_of_the_gateways_own_log_decides_header_keyed_and_plan_limi
         + "limits:\n"
         + KEYED_LIMITS
     )
-    gw = await start_gateway(load_and_build(policy_file))
+    # A fake clock, logged as the requests' instants (t_us) and replayed on them: on the real
+    # one the hour could end between the requests.
+    gw = await start_gateway(load_and_build(policy_file), clock=FakeClock(T0_US))
     keys = ["gold-key-0001"] * 7 + ["k-one"] * 3 + ["k-two"] * 4 + [""] * 2
     statuses = []
     async with aiohttp.ClientSession() as session:

@@ -9,7 +9,6 @@ import itertools
 import math
 import random
 import struct
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -521,23 +520,26 @@ async def test_lease_metrics_and_dashboard(
     """A gateway leasing its global limit: 50 requests take one lease (a first ask) and
     make one Redis call; /metrics, the dashboard's state and the page (in Chromium) show it
     beside the limit."""
-    limits = f"""\
+    limits = """\
   global:
     algorithm: fixed_window
     limit: 1000
     window: 10s
     key: [global]
-    lease: {{}}
-store:
-  url: {redis_server.url}
-  key_prefix: "metrics{next(_prefixes)}:"
-  timeout: 2s
+    lease: {}
 """
-    gateway = await start_gateway(limited_policy(upstream.url, limits))
-    # The first ask is sized by the time left in the window (at most an interval, 2 s): not
-    # in the last 3 s of one (Redis TIME, the wall clock here).
-    if time.time() % 10 > 7:
-        await asyncio.sleep(10.05 - time.time() % 10)
+    # The first ask is sized by the time left in the window (at most an interval, 2 s), and
+    # the lease ends with the window: on a fake clock, at a window's start, for Redis too (on
+    # its TIME the window could end before the 50 requests were decided).
+    clock = FakeClock(T0_US - T0_US % 10_000_000)
+    store = RedisStore(
+        redis_server.url,
+        key_prefix=f"metrics{next(_prefixes)}:",
+        timeout_s=2.0,
+        clock=clock,
+        time_source=clock,
+    )
+    gateway = await start_gateway(limited_policy(upstream.url, limits), clock=clock, store=store)
     async with aiohttp.ClientSession() as session:
         for _ in range(50):
             assert await get_status(session, gateway.url + "/") == 200

@@ -668,7 +668,11 @@ async def test_a_stream_of_hundreds_of_megabytes_is_relayed_in_bounded_memory_an
     """A 300 MB event stream through a gateway process metering it (``cost_from``) reaches
     the client whole, its usage (in the last event) is charged, and the gateway's memory
     stays bounded: the meter keeps the unfinished event, never the stream."""
-    template = _policy(llm_upstream, _tokens(BUDGET)).replace("{", "{{").replace("}", "}}")
+    # A process on the real clock, whose hour windows end on the wall clock's hour: one could
+    # end between the two streams' charges (tens of seconds apart on a slow machine) and the
+    # key's count start again. A window of 30 days leaves no boundary within the test.
+    tokens = _tokens(BUDGET).replace("    window: 1h\n", "    window: 720h\n")
+    template = _policy(llm_upstream, tokens).replace("{", "{{").replace("}", "}}")
     policy = template.replace(
         "listen: 127.0.0.1:0\n  admin_listen: 127.0.0.1:0",
         "listen: 127.0.0.1:{port}\n  admin_listen: 127.0.0.1:{admin_port}",

@@ -202,7 +202,10 @@ async def test_replicas_hammering_one_key_never_over_admit(redis_backend: Backen
     which shows this test would see a race."""
     limit = compiled("hot", FixedWindow(50, 3600.0), key=("global",))
     prefix = f"hot{next(_prefixes)}:"
-    stores = [redis_backend.make(key_prefix=prefix, max_in_flight=4) for _ in range(4)]
+    # One fake clock for the scripts: on Redis TIME an hour could end during the burst and
+    # admit up to 50 more in the next window.
+    clock = FakeClock(T0_US)
+    stores = [redis_backend.make(clock, key_prefix=prefix, max_in_flight=4) for _ in range(4)]
     try:
         for store in stores:
             store.configure([limit], ())
@@ -413,7 +416,8 @@ async def test_decisions_are_function_calls_on_redis_7(redis_factory: RedisFacto
     server = redis_factory.start()
     window = compiled("w", FixedWindow(5, 60.0))
     leased = leased_compiled("g", {"algorithm": "fixed_window", "limit": 1000, "window": "1s"})
-    store = RedisStore(server.url, key_prefix="fn:", clock=FakeClock(T0_US))
+    clock = FakeClock(T0_US)  # Redis TIME's minute could end between the two decisions
+    store = RedisStore(server.url, key_prefix="fn:", clock=clock, time_source=clock)
     store.configure([window, leased], ())
     try:
         for remaining in (4, 3):
@@ -433,7 +437,8 @@ async def test_a_redis_that_refuses_functions_gets_the_script(
         "--rename-command", "FUNCTION", "", "--rename-command", "FCALL", ""
     )
     limit = compiled("ns", FixedWindow(5, 60.0))
-    store = RedisStore(server.url, key_prefix="nofn:", clock=FakeClock(T0_US))
+    clock = FakeClock(T0_US)  # Redis TIME's minute could end between the decisions
+    store = RedisStore(server.url, key_prefix="nofn:", clock=clock, time_source=clock)
     store.configure([limit], ())
     caplog.set_level(logging.WARNING, "gateway.store")
     try:
@@ -521,9 +526,19 @@ async def test_stopped_redis_falls_back_to_local_limits_then_comes_back(
     redis_factory: RedisFactory,
 ) -> None:
     server = redis_factory.start()
-    # Three replicas share 9 per window; alone, each enforces a third.
+    # Three replicas share 9 per window; alone, each enforces a third. Redis and the fallback
+    # decide on a fake clock: on the real ones an hour could end between the request Redis
+    # admitted and the fallback's, which would then start from an empty window.
     limit = compiled("shared", FixedWindow(9, 3600.0))
-    store = RedisStore(server.url, replicas=3, timeout_s=0.05, breaker=fast_breaker())
+    clock = FakeClock(T0_US)
+    store = RedisStore(
+        server.url,
+        replicas=3,
+        timeout_s=0.05,
+        clock=clock,
+        time_source=clock,
+        breaker=fast_breaker(),
+    )
     store.configure([limit], ())
     loop = asyncio.get_running_loop()
     try:
@@ -575,7 +590,15 @@ async def test_frozen_redis_costs_one_timeout_then_the_circuit_opens(
     (not redis-py's default 5 s), the circuit opens, the rest do not wait at all."""
     server = redis_factory.start()
     limit = compiled("frozen", FixedWindow(100, 3600.0))
-    store = RedisStore(server.url, timeout_s=0.05, client=client, breaker=fast_breaker())  # type: ignore[arg-type]
+    # The scripts decide on a fake clock: on Redis TIME an hour could end during the outage,
+    # and the last decision find a new window (99 left).
+    store = RedisStore(
+        server.url,
+        timeout_s=0.05,
+        client=client,  # type: ignore[arg-type]
+        time_source=FakeClock(T0_US),
+        breaker=fast_breaker(),
+    )
     store.configure([limit], ())
     loop = asyncio.get_running_loop()
     try:
@@ -661,8 +684,16 @@ async def test_a_cancelled_probe_does_not_leave_the_circuit_half_open(
     breaker = CircuitBreaker(
         "test", failure_threshold=1, reset_timeout_s=0.1, max_reset_timeout_s=0.1, clock=clock
     )
-    # The timeout is long enough that the probe is still waiting when it is cancelled.
-    store = RedisStore(server.url, timeout_s=1.0, client=client, breaker=breaker)  # type: ignore[arg-type]
+    # The timeout is long enough that the probe is still waiting when it is cancelled. The
+    # scripts decide on a fake clock too: on Redis TIME an hour could end during the outage,
+    # and the last decision find a new window (99 left).
+    store = RedisStore(
+        server.url,
+        timeout_s=1.0,
+        client=client,  # type: ignore[arg-type]
+        time_source=FakeClock(T0_US),
+        breaker=breaker,
+    )
     store.configure([limit], ())
     check = Check(limit, "k")
     loop = asyncio.get_running_loop()

@@ -13,9 +13,11 @@ import aiohttp
 import pytest
 import redis
 
+from gateway.clock import FakeClock
 from gateway.stores.redis import RedisStore
 from gateway.stores.redis.circuit import CircuitBreaker
 from tests.support import redis_harness
+from tests.support.conformance import T0_US
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for
 from tests.support.redis_harness import RedisFactory, free_port
@@ -82,8 +84,18 @@ async def test_rediss_verified_against_the_configured_ca(
     plain_port, tls_port = _tls_redis(redis_factory, tls_files)
     url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tls_files / 'ca.pem'}"
     # A TLS handshake can take longer than the 50 ms default deadline on a loaded machine.
-    store = RedisStore(url, client=client, key_prefix="tls:", timeout_s=2.0)  # type: ignore[arg-type]
-    gw = await start_gateway(policy_for(upstream.url, LIMITS), store=store)
+    # The scripts decide on a fake clock, not on Redis TIME: a minute's end could fall
+    # between the four requests, and the fourth be admitted in a new window.
+    clock = FakeClock(T0_US)
+    store = RedisStore(
+        url,
+        client=client,  # type: ignore[arg-type]
+        key_prefix="tls:",
+        timeout_s=2.0,
+        clock=clock,
+        time_source=clock,
+    )
+    gw = await start_gateway(policy_for(upstream.url, LIMITS), clock=clock, store=store)
     async with aiohttp.ClientSession() as session:
         statuses = []
         for _ in range(4):

@@ -241,11 +241,24 @@ async def test_a_changed_rate_rescales_state_in_redis(
 ) -> None:
     """With the Redis store a reload that changes a limit's rate or burst carries its state over
     rescaled, as in process: the key stays, and the script rescales the state written under the
-    old parameters the next time it meets it (replicas may reload at different moments)."""
-    store = f"store:\n  url: {redis_server.url}\n  key_prefix: 'rescale-e2e:'\n  timeout: 2s\n"
+    old parameters the next time it meets it (replicas may reload at different moments).
+
+    The scripts decide on a fake clock: on Redis ``TIME`` the bucket drains while the reloads
+    are noticed (a few seconds on a slow machine), and the counts asserted move."""
+    prefix = f"rescale-e2e{time.monotonic_ns()}:"
+    store = f"store:\n  url: {redis_server.url}\n  key_prefix: '{prefix}'\n  timeout: 2s\n"
     path = tmp_path / "policy.yaml"
     path.write_text(policy_for(upstream.url) + LIMIT.format(rate="6r/m", burst=3) + store)
-    gw = await start_gateway(load_and_build(path), policy_path=str(path))
+    clock = FakeClock()
+    gw = await start_gateway(
+        load_and_build(path),
+        policy_path=str(path),
+        clock=clock,
+        # The store the policy names, on the fake clock.
+        store=RedisStore(
+            redis_server.url, key_prefix=prefix, timeout_s=2.0, clock=clock, time_source=clock
+        ),
+    )
     reloader = gw.gateway.reloader
     redis_store = gw.gateway.store
     assert reloader is not None and isinstance(redis_store, RedisStore)

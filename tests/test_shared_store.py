@@ -613,7 +613,9 @@ def _fill_a_full_disk(path: str, on_failure: str, results: Any) -> None:
     from tests.support.filesystems import fill_to
 
     async def run() -> dict[str, Any]:
-        store = SharedStore(Path(path) / "limits", on_failure=on_failure)
+        # A fake clock: the thousands of decisions take seconds, and on the real clock an
+        # hour's end between the known key's first request and its last four starts it afresh.
+        store = SharedStore(Path(path) / "limits", FakeClock(T0_US), on_failure=on_failure)
         limit = bounded(compiled("per_ip", FixedWindow(3, 3600.0)), 100_000)
         store.configure([limit], ())
         filler = fill_to(Path(path), 256 << 10)

@@ -3,7 +3,7 @@
 Real gateway processes (the CLI's supervisor and its forked workers) in front of a real
 upstream, real HTTP clients over loopback, each client its own loopback address; every
 connection is new (SO_REUSEPORT spreads them over the workers). The limits do not refill
-within a test (rates per minute, windows of a day), so the number admitted on a trace is the
+within a test (rates per minute, windows of 30 days), so the number admitted on a trace is the
 same whatever the timing: the single-process gateway's, exactly.
 """
 
@@ -36,7 +36,9 @@ TIMEOUT = aiohttp.ClientTimeout(total=15)
 
 # Stacked on every request: a leaky bucket with burst and delay (the 11th request of a client
 # would wait a minute, longer than max_delay: refused, charged nothing), a sliding window per
-# route, a global token bucket that never binds.
+# route (30 days: a day's ends at midnight UTC, and the count carried into the next day,
+# weighted a little under whole, rounds down to admit one more), a global token bucket that
+# never binds.
 STACK = """\
 limits:
   per_ip:
@@ -48,7 +50,7 @@ limits:
   per_route:
     algorithm: sliding_window
     limit: 100
-    window: 24h
+    window: 720h
     key: [route]
   global:
     algorithm: token_bucket
@@ -174,7 +176,9 @@ async def test_a_reload_under_load_rescales_once_across_workers(
     """Every worker adopts the new policy; the state is rescaled once: a client that used 6
     of 10 has used 12 of 20 after the reload, so 8 more (rescaled by each of 2 workers, it
     would have none)."""
-    window = "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: {}\n    window: 24h\n"
+    # 30 days: on the workers' real clock a day window ends at midnight UTC, which could fall
+    # between the requests before the reload and those after.
+    window = "limits:\n  per_ip:\n    algorithm: fixed_window\n    limit: {}\n    window: 720h\n"
     async with run_workers(upstream.url, tmp_path, window.format(10), 2) as (url, _, _pids):
         await wait_serving(tmp_path, 2)
         assert (await load(url, "127.0.0.2", connections=2, each=3))[200] == 6
@@ -252,12 +256,15 @@ def test_a_shared_dir_that_cannot_hold_state_is_one_line(tmp_path: Path, kind: s
     assert result.stderr == expected
 
 
+# A window of 30 days: the known key's first request and its last three are 8,000 requests
+# (tens of seconds on a slow machine) apart, and on the workers' real clock an hour window
+# could end between them (it ends on the wall clock's hour) and start the key afresh.
 LONG_KEYS = """\
 limits:
   per_key:
     algorithm: fixed_window
     limit: 3
-    window: 1h
+    window: 720h
     key: [header:X-Key]
 """
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.clock import FakeClock
 from gateway.engine.preflight import load_and_build
 from gateway.stores import build_store
 from tests.support import redis_harness
@@ -114,7 +115,8 @@ async def test_local_fallback_divides_by_replicas_times_workers(
         + "limits:\n  hourly:\n    algorithm: fixed_window\n    limit: 12\n    window: 1h\n"
         + "store:\n  url: redis://127.0.0.1:1\n  replicas: 2\n"
     )
-    gw = await start_gateway(load_and_build(path), workers=3)
+    # The fallback on a fake clock: on the real one the hour could end between the requests.
+    gw = await start_gateway(load_and_build(path), workers=3, clock=FakeClock())
     assert gw.gateway.store.name == "redis"
     async with aiohttp.ClientSession() as session:
         answers = []

@@ -4,8 +4,9 @@ gateway starts on an address another still holds.
 Real gateway processes (the CLI's supervisor and its forked workers) in front of a real
 upstream, a real HTTP client over loopback; the supervisor is killed with SIGKILL, as the
 OOM killer or an operator's ``kill -9`` would. Admissions are counted per window from both
-generations' access logs (``t_us``: the limiter's clock, CLOCK_MONOTONIC, one for every
-process on the machine).
+generations' access logs (``t_us``: the limiter's clock, the monotonic clock set to the wall
+clock when each gateway starts, so both generations' windows are whole seconds of the wall
+clock).
 """
 
 from __future__ import annotations
@@ -163,8 +164,10 @@ async def test_workers_stop_with_a_killed_supervisor_and_no_second_gateway_start
         gone_after_s = loop.time() - killed_at
         # The new gateway starts with fresh state: in the window the old workers died in it
         # could admit a whole limit more, by design. It starts in the next window (the limit's
-        # windows are whole seconds of the monotonic clock), so every window shows one gateway.
-        await asyncio.sleep(1.0 - time.monotonic() % 1.0 + 0.01)
+        # windows are whole seconds of the wall clock, as the gateway's clock is set to it at
+        # start; not of the monotonic clock, whose seconds fall anywhere in them), so every
+        # window shows one gateway.
+        await asyncio.sleep(1.0 - time.time() % 1.0 + 0.01)
 
         await third.start()
         await third.serving()

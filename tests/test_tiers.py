@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import json
 import logging
 import time
@@ -28,9 +27,8 @@ from gateway.policy.overrides import UNLISTED_KEY, Overrides
 from gateway.redact import REDACTED
 from gateway.stores import MemoryStore, RedisStore
 from gateway.stores.redis.key_layout import tag_scheme
-from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
-from tests.support.conformance import compiled
+from tests.support.conformance import compiled, gateway_store_of
 from tests.support.gateways import GatewayFactory
 from tests.support.policies import policy_for, replace_file
 from tests.support.redis_harness import RedisServer
@@ -42,19 +40,14 @@ redis_server = redis_harness.redis_server
 STORES = ("memory", "redis")
 # The per-key parameters and costs of every store, the workers' shared one included.
 ALL_STORES = ("memory", "redis", "shared")
-_prefixes = itertools.count()
 
 
-def _store(request: pytest.FixtureRequest, store: str) -> str:
-    if store in ("memory", "shared"):
-        return ""
-    server: RedisServer = request.getfixturevalue("redis_server")
-    prefix = f"tiers{next(_prefixes)}-{time.monotonic_ns()}:"
-    return f"store:\n  url: {server.url}\n  key_prefix: '{prefix}'\n  timeout: 2s\n"
-
-
-def _shared(store: str, tmp_path: Path, clock: FakeClock) -> dict[str, Any]:
-    return {"store": SharedStore(tmp_path / "shared", clock)} if store == "shared" else {}
+def _store(
+    store: str, request: pytest.FixtureRequest, clock: FakeClock, tmp_path: Path
+) -> dict[str, Any]:
+    """The gateway's store, on the test's clock: Redis too decides on it, not on its own
+    ``TIME``, whose window boundaries (a minute, an hour) could fall between two requests."""
+    return gateway_store_of(store, request, clock, tmp_path, "tiers")
 
 
 async def _get(
@@ -71,7 +64,7 @@ async def _explain(session: aiohttp.ClientSession, admin_url: str, **params: str
         return await resp.json()
 
 
-# sliding_log: exact over any span, so real time passing (Redis TIME) changes no count.
+# sliding_log: exact over any span; an hour after its requests a key has its quota again.
 TIERED = """limits:
   per_key:
     algorithm: sliding_log
@@ -96,9 +89,7 @@ async def test_overrides_give_keys_their_own_quota_and_headers(
 ) -> None:
     clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, TIERED + _store(request, store)),
-        clock=clock,
-        **_shared(store, tmp_path, clock),
+        policy_for(upstream.url, TIERED), clock=clock, **_store(store, request, clock, tmp_path)
     )
     async with aiohttp.ClientSession() as session:
         admitted = {}
@@ -128,9 +119,8 @@ async def test_overrides_give_keys_their_own_quota_and_headers(
         assert entry["next_request"]["remaining"] == 0
         plain = (await _explain(session, gw.admin_url, header="X-Api-Key: new"))["limits"][0]
         assert "override" not in plain and plain["next_request"]["remaining"] == 1
-        if store != "redis":  # Redis decides on its own clock (TIME)
-            clock.advance(3600.0)
-            assert (await _get(session, gw.url + "/", {"X-Api-Key": "key-gold"}))[0] == 200
+        clock.advance(3600.0)
+        assert (await _get(session, gw.url + "/", {"X-Api-Key": "key-gold"}))[0] == 200
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -139,6 +129,7 @@ async def test_cidr_overrides_longest_prefix_wins(
     start_gateway: GatewayFactory,
     request: pytest.FixtureRequest,
     store: str,
+    tmp_path: Path,
 ) -> None:
     limits = """limits:
   per_ip:
@@ -152,8 +143,9 @@ async def test_cidr_overrides_longest_prefix_wins(
       127.0.0.0/8: office
       127.0.0.1/32: host
 """
+    clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, limits + _store(request, store)), clock=FakeClock()
+        policy_for(upstream.url, limits), clock=clock, **_store(store, request, clock, tmp_path)
     )
     async with aiohttp.ClientSession() as session:
         statuses = [(await _get(session, gw.url + "/"))[0] for _ in range(5)]
@@ -192,9 +184,7 @@ async def test_cost_is_charged_by_every_algorithm(
     )
     clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, limits + _store(request, store)),
-        clock=clock,
-        **_shared(store, tmp_path, clock),
+        policy_for(upstream.url, limits), clock=clock, **_store(store, request, clock, tmp_path)
     )
     async with aiohttp.ClientSession() as session:
         status, headers = await _get(session, gw.url + "/", method="POST")
@@ -217,6 +207,7 @@ async def test_a_queued_weighted_request_is_refunded_whole(
     start_gateway: GatewayFactory,
     request: pytest.FixtureRequest,
     store: str,
+    tmp_path: Path,
 ) -> None:
     limits = """limits:
   shaped:
@@ -232,8 +223,9 @@ async def test_a_queued_weighted_request_is_refunded_whole(
     window: 1h
     cost: 3
 """
+    clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, limits + _store(request, store)), clock=FakeClock()
+        policy_for(upstream.url, limits), clock=clock, **_store(store, request, clock, tmp_path)
     )
     engine = gw.gateway.handler.runtime.engine
     shaped = next(limit for limit in engine.limits if limit.name == "shaped")
@@ -262,6 +254,7 @@ async def test_exemptions_bypass_one_limit_only(
     request: pytest.FixtureRequest,
     store: str,
     caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
     secret = "internal-token-5f2c9a"
     limits = f"""limits:
@@ -281,9 +274,11 @@ async def test_exemptions_bypass_one_limit_only(
 """
     server = "  access_log: true\n"
     caplog.set_level(logging.INFO)
+    clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, limits + _store(request, store), server=server),
-        clock=FakeClock(),
+        policy_for(upstream.url, limits, server=server),
+        clock=clock,
+        **_store(store, request, clock, tmp_path),
     )
     async with aiohttp.ClientSession() as session:
         # 127.0.0.1 is exempt from 'tight' but not from 'wide'.
@@ -602,9 +597,9 @@ async def test_keys_a_client_invents_share_one_bucket(
     """``unlisted: shared``: a new key per request buys nothing, nor does sending none."""
     clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, UNLISTED % "shared" + _store(request, store)),
+        policy_for(upstream.url, UNLISTED % "shared"),
         clock=clock,
-        **_shared(store, tmp_path, clock),
+        **_store(store, request, clock, tmp_path),
     )
     async with aiohttp.ClientSession() as session:
         invented = [
@@ -639,6 +634,7 @@ async def test_keys_no_override_lists_are_refused_with_403(
     start_gateway: GatewayFactory,
     request: pytest.FixtureRequest,
     store: str,
+    tmp_path: Path,
 ) -> None:
     # A dry-run candidate first: it counts the keys it would refuse, and refuses none.
     candidate = (
@@ -647,8 +643,9 @@ async def test_keys_no_override_lists_are_refused_with_403(
         "    unlisted: reject\n    dry_run: true\n"
     )
     limits = UNLISTED.replace("limits:\n", "limits:\n" + candidate) % "reject"
+    clock = FakeClock()
     gw = await start_gateway(
-        policy_for(upstream.url, limits + _store(request, store)), clock=FakeClock()
+        policy_for(upstream.url, limits), clock=clock, **_store(store, request, clock, tmp_path)
     )
     async with aiohttp.ClientSession() as session:
         async with session.get(gw.url + "/", headers={"X-Api-Key": "made-up"}) as resp:

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from gateway.clock import FakeClock
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.metrics import scrape_until, value
 from tests.support.network import TIMEOUT
@@ -76,10 +77,15 @@ async def ws_upstream() -> AsyncIterator[WsUpstream]:
 
 
 async def _gateway(
-    start_gateway: GatewayFactory, upstream_url: str, server: str = "", limits: str = ""
+    start_gateway: GatewayFactory,
+    upstream_url: str,
+    server: str = "",
+    limits: str = "",
+    clock: FakeClock | None = None,
 ) -> RunningGateway:
     return await start_gateway(
-        policy_for(upstream_url, server=server) + (f"limits:\n{limits}" if limits else "")
+        policy_for(upstream_url, server=server) + (f"limits:\n{limits}" if limits else ""),
+        clock=clock,
     )
 
 
@@ -158,10 +164,12 @@ async def test_upstream_closes_first(
 async def test_rejected_handshake_gets_429_with_its_headers(
     ws_upstream: WsUpstream, start_gateway: GatewayFactory
 ) -> None:
+    # A fake clock: on the real one the minute could end between the two handshakes.
     gw = await _gateway(
         start_gateway,
         ws_upstream.url,
         limits="  per_ip:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n",
+        clock=FakeClock(),
     )
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         async with session.ws_connect(gw.url + "/ws") as ws:
