@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.backoff import NoBackoff
@@ -22,6 +23,7 @@ from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
+from gateway.stores.redis.block_watch import BlockWatch
 from gateway.stores.redis.circuit import CircuitBreaker, NodeCircuits, State
 from gateway.stores.redis.clients import (
     PipelineClient,
@@ -236,9 +238,34 @@ class RedisStore:
             self.leases.seed = self._seed_local
         # What the lease book calls back, bound once rather than on every request.
         self._lease_callbacks = (self._decide_exact, self._unavailable, self._nominal)
+        # The limits whose keys an operator blocked: their calls read their boxes too.
+        self.blocks = BlockWatch(self._marker_client, key_prefix)
         self._plans: dict[str, LimitPlan] = {}
         self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
         self._tag_part: str | None = None
+
+    def admin_client(self, timeout_s: float = 1.0) -> Redis | RedisCluster:
+        """A redis-py client for what is not a script call on the request path (which limits
+        have blocks; the keys' API), on connections of its own."""
+        url, cluster = parse_store_url(self.url)
+        options: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+        }
+        if cluster:
+            return RedisCluster.from_url(url, **options)
+        return Redis.from_url(url, **options)
+
+    def _marker_client(self, key: str) -> Redis:
+        """A plain client of the one server holding ``key`` (a cluster's node by the slot map
+        the calls keep): not a cluster client, which keeps a dead node's connections open."""
+        url, _ = parse_store_url(self.url)
+        node = self.client.node_of(key.encode()) if self.cluster else ""
+        if node:
+            parts = urlsplit(url)
+            auth, _, _ = parts.netloc.rpartition("@")
+            url = urlunsplit(parts._replace(netloc=f"{auth}@{node}" if auth else node))
+        return Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
 
     @property
     def round_trips(self) -> int:
@@ -575,6 +602,7 @@ class RedisStore:
         for as long as it stays busy. A failure here is logged and changes nothing else:
         calls repair what they meet, as they always do."""
         try:
+            self.blocks.start()  # read at once, then every second
             async with asyncio.timeout(_PREPARE_TIMEOUT_S):
                 await self.client.prepare()
                 if self.leases.plans:
@@ -591,6 +619,7 @@ class RedisStore:
         self._probe_timers.clear()
         for task in list(self._probes):
             task.cancel()
+        await self.blocks.close()
         self.slots.close()  # the slots still held expire with the replica's renewals
         await self.leases.close()  # graceful shutdown: unused leases go back
         await self.leases.client.close()
@@ -615,8 +644,11 @@ class RedisStore:
         keys = [
             plan.redis_key(check.key).encode() for check, plan in zip(checks, plans, strict=True)
         ]
-        # A decision or a look at limits with a penalty: their boxes in the same call.
-        boxes = mode in (b"d", b"p") and any([plan.penalty for plan in plans])
+        # A decision or a look at limits with a penalty, or with keys an operator blocked
+        # (block_watch.py): their boxes in the same call.
+        boxes = (mode == b"d" or mode == b"p") and (
+            any([plan.penalty for plan in plans]) or self._blocks_in(checks)
+        )
         if boxes:
             mode = mode.upper()
             keys += [
@@ -675,6 +707,11 @@ class RedisStore:
         result = _checked(reply, call_id, length)
         self.stats.observe(loop.time() - started)
         return result
+
+    def _blocks_in(self, checks: Sequence[Check]) -> bool:
+        """Whether an operator blocked keys of one of the checks' limits (block_watch.py)."""
+        names = self.blocks.names
+        return bool(names) and any([check.limit.name in names for check in checks])
 
     async def _charge_owed(self, check: Check, units: int) -> None:
         """Charge Redis with ``units`` the fallback admitted (``OwedToNodes.settle``, before
