@@ -33,6 +33,7 @@ from gateway.stores.redis.clients import (
 )
 from gateway.stores.redis.codecs import CalendarCodec, codec_for
 from gateway.stores.redis.fallback import OwedToNodes
+from gateway.stores.redis.fallback_penalties import FallbackPenalties
 from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, lease_lua_program
 from gateway.stores.redis.library import LuaProgram, lua_program
@@ -176,6 +177,8 @@ class RedisStore:
         # through Redis too, so it starts from this replica's recent admissions, not empty;
         # charged from ``pending`` (shadow.py), at most ``FOLD_INTERVAL_S`` late.
         self.local = MemoryStore(self.clock)
+        # ... and its penalty boxes, as the in-process store's (fallback_penalties.py).
+        self.local_penalties = FallbackPenalties(self.clock)
         self.pending = PendingCharges()
         self.fold_interval_s = FOLD_INTERVAL_S
         self._fold_timer: asyncio.TimerHandle | None = None
@@ -284,6 +287,7 @@ class RedisStore:
         self.leases.configure(limits)
         old_local = [self.plan(limit).local for limit in with_variants(previous)]
         self.local.configure([plan.local for plan in plans.values()], old_local)
+        self.local_penalties.configure(limits)
         self._tag_part = tag_part
         self._plans = plans
         self._stale_plans.clear()
@@ -380,6 +384,8 @@ class RedisStore:
             return await self._unavailable(checks, commit, _describe(exc))
         self._answered(breaker)
         verdict = _verdict(checks, plans, reply)
+        if not verdict.allowed and self.on_failure == "local":
+            self._keep_block(checks, verdict)
         if commit and verdict.allowed:
             self.slots.took(checks, plans)
         if commit and verdict.allowed and self.on_failure == "local":
@@ -804,9 +810,32 @@ class RedisStore:
     async def _local_decide(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
         self.counters.local_decisions += 1
         self._fold_pending()  # what Redis admitted first
-        return await self.local.decide(
-            [self._local_check(check) for check in checks], commit=commit
-        )
+        local = [self._local_check(check) for check in checks]
+        penalties = self.local_penalties
+        if not penalties.tables:
+            return await self.local.decide(local, commit=commit)
+        now_us = self.clock.now_us()
+        blocked = penalties.blocked(checks, now_us)
+        if blocked is not None:
+            # Refused by the box, the limits looked at and charged nothing (as Redis's 'D').
+            index, until_us = blocked
+            looked = await self.local.decide(local, commit=False)
+            states = list(looked.states)
+            states[index] = PenaltyRefusal(until_us)
+            retry_after_s = (until_us - now_us) / 1_000_000
+            return CombinedDecision(
+                False, 0.0, retry_after_s, (index,), None, looked.decisions, tuple(states), now_us
+            )
+        verdict = await self.local.decide(local, commit=commit)
+        if commit and not verdict.allowed:
+            penalties.strike(checks, verdict.rejected_by, now_us)
+        return verdict
+
+    def _keep_block(self, checks: Sequence[Check], verdict: CombinedDecision) -> None:
+        """A refusal by a box in Redis: the fallback keeps the block too, for an outage."""
+        index = verdict.rejected_by[0] if verdict.rejected_by else -1
+        if index >= 0 and isinstance(verdict.states[index], PenaltyRefusal):
+            self.local_penalties.met_block(checks[index], verdict.retry_after_s)
 
     def _seed_local(self, limit: CompiledLimit, key: str, units: int) -> None:
         """Charge the fallback's state with ``units`` a lease admitted, as many as it has
