@@ -114,6 +114,46 @@ async def test_dashboard_shows_rejections_live_and_agrees_with_metrics(
     await page.close()
 
 
+async def test_dashboard_shows_a_limits_penalty(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, browser: Browser
+) -> None:
+    """A limit with a penalty: the keys its boxes block now and the requests a block refused,
+    as /metrics counts them; a limit without one shows no such line."""
+    guarded = (
+        "  guarded:\n    algorithm: sliding_log\n    limit: 1\n    window: 1h\n"
+        "    penalty: {after: 2, within: 1m, block: 15m, status: 403}\n"
+    )
+    gw = await start_gateway(
+        limited_policy(upstream.url, guarded + SHADOW.replace("dry_run: true", "dry_run: false")),
+        clock=FakeClock(),
+    )
+    page = await browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    await page.goto(gw.admin_url + "/dashboard/")
+    await until_shown(lambda: page.locator("#limit-guarded").count(), "the limit's card")
+    assert await page.is_visible("#limit-guarded .penalty")
+    assert not await page.is_visible("#limit-shadow .penalty")
+    assert await dashboard_field(page, "guarded", "blocked-keys") == "0 keys"
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        statuses = [await get_status(session, gw.url + "/") for _ in range(5)]
+        assert statuses == [200, 429, 429, 403, 403]  # the 2nd rejection blocks the client
+
+        async def penalty_shown() -> bool:
+            return (
+                await dashboard_field(page, "guarded", "blocked-keys") == "1 key"
+                and await dashboard_field(page, "guarded", "penalized-total") == "2"
+            )
+
+        await until_shown(penalty_shown, "1 key blocked, 2 requests refused by it")
+        samples, _ = await scrape(session, gw.admin_url)
+    assert value(samples, "gateway_limit_blocked_keys", limit="guarded") == 1
+    assert value(samples, "gateway_limit_blocked_keys", limit="shadow") == 0
+    assert value(samples, "gateway_limit_decisions_total", limit="guarded", result="penalized") == 2
+    assert not errors
+    await page.close()
+
+
 async def test_event_stream_sends_history_first_and_ends_at_shutdown(
     upstream: RecordingUpstream, start_gateway: GatewayFactory
 ) -> None:

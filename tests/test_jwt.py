@@ -246,6 +246,25 @@ def test_a_token_seen_before_is_not_verified_again_until_it_expires(secret_file:
         verifier.claim(facts, "sub")
 
 
+def test_a_bearer_token_after_several_spaces_is_the_same_token(secret_file: Path) -> None:
+    """RFC 6750 allows one or more spaces after ``Bearer``: the token is the same, verified
+    once, and remembered by the header's value as sent (each spelling its own entry, found
+    before anything is sliced or stripped)."""
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    verifier = TokenVerifier(JwtSettings(secret_file=str(secret_file)), wall_clock=lambda: NOW_S)
+    token = _hs({"sub": "a", "exp": NOW_S + 100})
+
+    def facts(value: str) -> RequestFacts:
+        headers = CIMultiDictProxy(CIMultiDict({"Authorization": value}))
+        return RequestFacts.of("127.0.0.1", 64, "all", "GET", headers, dict)
+
+    read = verifier.part("sub")
+    for value in (f"Bearer  {token}", f"bearer {token}", f"Bearer {token}") * 2:
+        assert read(facts(value)) == "a"
+    assert verifier.verifications == 3  # one per spelling, then each found as sent
+
+
 # -- a JWKS served by a real server, its keys rotated mid-run --
 
 

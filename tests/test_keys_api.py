@@ -12,19 +12,25 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.algorithms.penalty_box import PenaltyRefusal
+from gateway.algorithms.sliding_log import SlidingLog
 from gateway.cli.main import main
 from gateway.clock import FakeClock
+from gateway.limits.compiled import Check
 from gateway.redact import hashed
 from gateway.stores import RedisStore
+from gateway.stores.redis.key_scan import RedisKeys
 from gateway.stores.shared.lmdb_store import SharedStore
 from tests.support import redis_harness
+from tests.support.conformance import compiled
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.policies import policy_for
 from tests.support.processes import run_workers, wait_serving
-from tests.support.redis_harness import RedisServer
+from tests.support.redis_harness import RedisClusterHarness, RedisServer
 from tests.support.upstreams import RecordingUpstream
 
 redis_server = redis_harness.redis_server
+redis_cluster = redis_harness.redis_cluster
 
 TOKEN = "a-test-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -276,11 +282,56 @@ async def test_list_read_and_reset_in_redis(
         )
         assert status == 200 and reset["reset"] is True and reset["state"]["remaining"] == 5
         assert await _use(session, gw, "key-r", 1) == [200]
-        status, _ = await _admin(
+        # A limit without a penalty: the block is put in a box its calls read from now on.
+        status, blocked = await _admin(
             session, gw, "/keys/per_key/block", {"key": "key-s", "for": "1m", "reason": "x"}
         )
-        # With Redis a block lives in the limit's penalty box: this limit has no penalty.
-        assert status == 501
+        assert status == 200 and 59 < blocked["state"]["blocked_for_s"] <= 60
+        assert await _use(session, gw, "key-s", 1) == [429]  # the limit's status
+        assert await _use(session, gw, "key-r", 1) == [200]  # another key
+        status, unblocked = await _admin(
+            session, gw, "/keys/per_key/unblock", {"key": "key-s", "reason": "x"}
+        )
+        assert status == 200 and unblocked["state"]["blocked_for_s"] is None
+        assert await _use(session, gw, "key-s", 1) == [200]
+
+
+async def test_a_block_of_a_limit_without_penalty_reaches_every_replica(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, redis_server: RedisServer
+) -> None:
+    """Only the limits with blocked keys read boxes (block_watch.py): the replica that blocks
+    at once, another once it has read which limits have blocks (every second; here by hand).
+    """
+    clock = FakeClock(start_us=3600 * S)
+    prefix = f"unboxed{time.monotonic_ns()}:"
+    policy = policy_for(
+        upstream.url,
+        LIMITS.replace("fixed_window", "sliding_log"),
+        server=f"  admin_token: {TOKEN}\n",
+    )
+    stores = [
+        RedisStore(redis_server.url, key_prefix=prefix, clock=clock, time_source=clock)
+        for _ in range(2)
+    ]
+    first, second = [await start_gateway(policy, clock=clock, store=store) for store in stores]
+    async with aiohttp.ClientSession() as session:
+        assert await _use(session, second, "key-b", 1) == [200]
+        status, _ = await _admin(
+            session, first, "/keys/per_key/block", {"key": "key-b", "for": "10m", "reason": "x"}
+        )
+        assert status == 200 and stores[0].blocks.names == {"per_key"}
+        assert await _use(session, first, "key-b", 1) == [429]
+        await stores[1].blocks.read()
+        assert stores[1].blocks.names == {"per_key"}
+        async with session.get(second.url + "/", headers={"X-Api-Key": "key-b"}) as response:
+            assert response.status == 429 and response.headers["Retry-After"] == "600"
+        assert await _use(session, second, "key-c", 1) == [200]
+        status, state = await _admin(session, second, "/keys/per_key/key", key="key-b")
+        assert state["blocked_for_s"] == 600 and state["remaining"] == 4
+        await _admin(
+            session, second, "/keys/per_key/unblock", {"key": "key-b", "reason": "resolved"}
+        )
+        assert await _use(session, first, "key-b", 1) == [200]
 
 
 async def test_a_block_in_redis_holds_on_every_replica(
@@ -338,3 +389,27 @@ async def test_a_block_in_redis_holds_on_every_replica(
         assert await _use(session, first, "key-b", 1) == [403]
         clock.advance(60)
         assert await _use(session, first, "key-b", 1) == [200]
+
+
+async def test_which_limits_have_blocks_is_read_from_its_node_on_a_cluster(
+    redis_cluster: RedisClusterHarness,
+) -> None:
+    """On a Cluster the hash naming the limits with blocks lives on one node: another
+    replica reads it there, and its calls then read the boxes of that limit's keys."""
+    limit = compiled("per_key", SlidingLog(5, 3600.0), ("header:X-Api-Key",))
+    prefix = f"cluster-blocks{time.monotonic_ns()}:"
+    first, second = [RedisStore(redis_cluster.url, key_prefix=prefix) for _ in range(2)]
+    try:
+        for store in (first, second):
+            store.configure([limit], ())
+            await store.prepare()
+        assert (await second.decide([Check(limit, "key-c")])).allowed
+        await RedisKeys(first).block(limit, "key-c", 600.0)
+        await second.blocks.read()
+        assert second.blocks.names == {"per_key"}
+        verdict = await second.decide([Check(limit, "key-c")])
+        assert not verdict.allowed and isinstance(verdict.states[0], PenaltyRefusal)
+        assert (await second.decide([Check(limit, "key-d")])).allowed
+    finally:
+        for store in (first, second):
+            await store.close()

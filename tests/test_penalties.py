@@ -203,6 +203,40 @@ async def test_replicas_on_one_redis_share_the_penalty_box(
         assert [await get(1), await get(0)] == [200, 429]
 
 
+async def test_the_local_fallback_keeps_penalties_while_redis_is_away(
+    redis_factory: RedisFactory, upstream: RecordingUpstream, start_gateway: GatewayFactory
+) -> None:
+    """``on_failure: local`` with Redis stopped: the fallback strikes and blocks as the
+    in-process store does, and a block met in Redis before the outage holds through it."""
+    server = redis_factory.start()
+    clock = FakeClock(start_us=3600 * S)
+    store = RedisStore(
+        server.url,
+        key_prefix=f"outage{next(_prefixes)}:",
+        clock=clock,
+        time_source=clock,
+        timeout_s=1.0,
+    )
+    gw = await start_gateway(policy_for(upstream.url, PENALIZED), clock=clock, store=store)
+    async with aiohttp.ClientSession() as session:
+
+        async def get(key: str) -> tuple[int, str | None]:
+            async with session.get(gw.url + "/", headers={"X-Api-Key": key}) as response:
+                await response.read()
+                return response.status, response.headers.get("Retry-After")
+
+        assert [(await get("early"))[0] for _ in range(4)] == [200, 429, 429, 403]
+        server.stop()
+        clock.advance(60)
+        assert await get("early") == (403, "840")  # the block Redis gave, to its end
+        assert [(await get("abuser"))[0] for _ in range(4)] == [200, 429, 429, 403]
+        assert await get("abuser") == (403, "900")
+        assert store.counters.local_decisions >= 6
+        assert (await get("someone-else"))[0] == 200  # only those keys
+        clock.advance(900)
+        assert (await get("abuser"))[0] == 429  # the block is over; the limit's window is not
+
+
 async def test_two_gateway_processes_on_one_redis_share_the_box(
     redis_server: RedisServer, upstream: RecordingUpstream, gateway_process: StartGateway
 ) -> None:

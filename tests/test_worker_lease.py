@@ -26,7 +26,7 @@ from gateway.algorithms.token_bucket import TokenBucket
 from gateway.clock import FakeClock
 from gateway.limits.compiled import Check
 from gateway.stores import SharedStore
-from gateway.stores.shared.worker_lease import bound_text, lease_kind
+from gateway.stores.shared.worker_lease import RESET_CHECK_US, bound_text, lease_kind
 from tests.support.conformance import compiled
 
 FORK = multiprocessing.get_context("fork")
@@ -197,3 +197,73 @@ def test_what_is_leased_and_the_bound_explain_states() -> None:
     assert "rate x 10 ms" in (bound_text(bucket, UNITS, 0.01, 8) or "")
     assert bound_text(compiled("d", LeakyBucket(100, 1, 10_000, 5)), UNITS, 0.01, 8) is None
     assert bound_text(compiled("s", FixedWindow(50, 1.0)), UNITS, 0.01, 8) is None
+
+
+def _store(path: str) -> SharedStore:
+    return SharedStore(
+        Path(path), FakeClock(), workers=2, lease_units=UNITS, lease_interval_s=INTERVAL_S
+    )
+
+
+RESET_LIMIT = 400
+
+
+def _leasing_worker(path: str, held: Any, reset: Any, results: Any) -> None:
+    """A worker that holds a batch of the hot key, then decides it on after the reset."""
+
+    async def run() -> tuple[int, int, int]:
+        store = _store(path)
+        limit = compiled("hot", FixedWindow(RESET_LIMIT, 3600.0), ("global",))
+        store.configure([limit], ())
+        check = Check(limit, "global")
+        assert store.leases is not None
+        units = 0
+        for _ in range(100):  # the key met again and again: batches, until one has units
+            assert (await store.decide([check])).allowed
+            lease = store.leases.at_hand(check, store.clock.now_us())
+            units = 0 if lease is None else lease.units
+            if units >= 4:
+                break
+        held.set()
+        assert reset.wait(30)
+        assert isinstance(store.clock, FakeClock)
+        store.clock.advance(RESET_CHECK_US / 1e6)
+        admitted = 0
+        for _ in range(600):
+            admitted += (await store.decide([check])).allowed
+        await store.close()
+        return units, admitted, store.leases.decided
+
+    results.put(asyncio.run(run()))
+
+
+def _resetting_worker(path: str, held: Any, reset: Any) -> None:
+    """Another worker, whose admin listener resets the key (the keys' API's ``forget``)."""
+    assert held.wait(30)
+    store = _store(path)
+    limit = compiled("hot", FixedWindow(RESET_LIMIT, 3600.0), ("global",))
+    store.configure([limit], ())
+    assert store.forget(limit, "global")
+    asyncio.run(store.close())
+    reset.set()
+
+
+def test_a_key_reset_by_one_worker_ends_the_batches_every_worker_holds(state_dir: Path) -> None:
+    """The keys' API resets a key through one worker while another holds a batch of it. The
+    reset reaches that batch within ``RESET_CHECK_US``: from then on the key is decided on
+    its fresh state, so the window admits exactly its limit again, not the limit and the
+    batch's units besides."""
+    held, reset, results = FORK.Event(), FORK.Event(), FORK.Queue()
+    worker = FORK.Process(target=_leasing_worker, args=(str(state_dir), held, reset, results))
+    admin = FORK.Process(target=_resetting_worker, args=(str(state_dir), held, reset))
+    worker.start()
+    admin.start()
+    try:
+        units, admitted, from_batches = results.get(timeout=60)
+    finally:
+        for process in (worker, admin):
+            process.join(30)
+    assert worker.exitcode == 0 and admin.exitcode == 0
+    assert units > 0  # the worker held a batch when the key was reset
+    assert admitted == RESET_LIMIT  # the fresh window's limit, exactly
+    assert from_batches > 300  # and still mostly from batches after the reset

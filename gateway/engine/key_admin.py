@@ -104,7 +104,7 @@ async def _blocked_keys(engine: LimitEngine, limit: CompiledLimit) -> list[str]:
     if penalties is not None:
         return [key for key, _ in penalties.blocked(engine.store.clock.now_us())]
     store = engine.store
-    if isinstance(store, RedisStore) and store.plan(limit).penalty:
+    if isinstance(store, RedisStore):
         return await _asked(RedisKeys(store).boxed(limit, SCAN_MAX))
     return []
 
@@ -192,16 +192,17 @@ def _penalties(engine: LimitEngine, limit: CompiledLimit) -> PenaltyBoxes:
 
 
 def _redis_boxes(engine: LimitEngine, limit: CompiledLimit) -> RedisKeys | None:
-    """The Redis store's penalty boxes of ``limit`` (None: the engine keeps them). Only a
-    limit with a penalty has boxes there: its requests' calls look them up."""
+    """The Redis store's penalty boxes of ``limit`` (None: the engine keeps them): the calls
+    of its requests look them up. A leased limit decides most requests in the replica, with
+    no call to look one up in."""
     store = engine.store
     if not isinstance(store, RedisStore):
         return None
-    if not store.plan(limit).penalty:
+    if limit.spec.lease is not None:
         raise KeyAdminError(
             501,
-            f"with Redis a key is blocked through its limit's penalty box, and limit "
-            f"{limit.name!r} has no penalty: give it one (penalty: {{after, within, block}})",
+            f"limit {limit.name!r} is leased: its replicas decide most requests without "
+            "asking Redis, so a block there would not hold (remove lease to block keys)",
         )
     return RedisKeys(store)
 

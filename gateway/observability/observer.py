@@ -286,6 +286,8 @@ def dashboard_state(snapshot: GatewaySnapshot) -> dict[str, Any]:
                 "slots_in_use": limit.slots_in_use,
                 "tracked_keys": limit.tracked_keys,
                 "evictions": limit.evictions,
+                "penalty": limit.penalty,
+                "blocked_keys": limit.blocked_keys,
                 "lease": limit.lease.model_dump() if limit.lease is not None else None,
                 "top_keys": [h.model_dump() for h in snapshot.top_keys.get(name, ())],
                 "units": units_state(limit) if limit.cost_from else None,

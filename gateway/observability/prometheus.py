@@ -329,6 +329,12 @@ class GatewayCollector(Collector):
         tracked = GaugeMetricFamily(
             "gateway_limit_tracked_keys", "Keys a limit holds state for.", labels=["limit"]
         )
+        blocked = GaugeMetricFamily(
+            "gateway_limit_blocked_keys",
+            "Keys a limit's penalty boxes block now (its penalty's, or an operator's); not "
+            "with the Redis store, which keeps the boxes in Redis.",
+            labels=["limit"],
+        )
         evictions = CounterMetricFamily(
             "gateway_limit_evictions",
             "Keys dropped from a full limit table while their state still mattered.",
@@ -409,6 +415,8 @@ class GatewayCollector(Collector):
             wait.add_metric([name], _buckets(limit.wait, QUEUE_WAIT_BUCKETS), limit.wait.total)
             depth.add_metric([name], limit.waiting)
             tracked.add_metric([name], limit.tracked_keys)
+            if limit.blocked_keys is not None:
+                blocked.add_metric([name], limit.blocked_keys)
             evictions.add_metric([name], limit.evictions)
             dry_run.add_metric([name], 1 if limit.dry_run else 0)
             if limit.algorithm == "concurrency":
@@ -425,7 +433,7 @@ class GatewayCollector(Collector):
                 strict=True,
             ):
                 _add_by_model(family, name, units, total)
-        yield from (decisions, rejections, wait, depth, tracked, evictions, dry_run, slots)
+        yield from (decisions, rejections, wait, depth, tracked, blocked, evictions, dry_run, slots)
         yield from (limited_keys, top_key_hits, charged, charged_units, charge_failures)
         yield from (held_units, returned_units, in_flight_units)
         yield from lease_metrics((name, limit.lease) for name, limit in sorted(snap.limits.items()))

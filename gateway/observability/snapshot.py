@@ -118,6 +118,10 @@ class LimitData(_Model):
     evictions: int = 0
     waiting: int = 0  # gauge
     tracked_keys: int = 0  # gauge
+    penalty: bool = False  # the limit has a penalty (enforced)
+    # gauge: keys its boxes block now (the workers share theirs: the most any worker read);
+    # None where the store keeps the boxes (Redis)
+    blocked_keys: int | None = None
     slots_in_use: int = 0  # gauge: a concurrency limit's slots held by this process's requests
     # hold: in_flight (a limit charged after the response): the units its requests in flight
     # hold now (gauge)
@@ -495,6 +499,7 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
             old = durations.get(route)
             durations[route] = old.plus(histogram) if old is not None else histogram
         for name, limit in snap.limits.items():
+            gauges: dict[str, int | None]
             if id(snap) in live_ids:
                 gauges = {
                     "waiting": limit.waiting,
@@ -502,8 +507,14 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                     "slots_in_use": limit.slots_in_use,
                     "units_in_flight": limit.units_in_flight,
                 }
-            else:
-                gauges = {"waiting": 0, "tracked_keys": 0, "slots_in_use": 0, "units_in_flight": 0}
+            else:  # a worker gone: its gauges count no more
+                gauges = {
+                    "waiting": 0,
+                    "tracked_keys": 0,
+                    "slots_in_use": 0,
+                    "units_in_flight": 0,
+                    "blocked_keys": None,
+                }
             counted = limit.model_copy(update=gauges)
             old_limit = limits.get(name)
             if old_limit is None:
@@ -516,6 +527,8 @@ def merge(snapshots: list[WorkerSnapshot], now: float, fresh_s: float = 5.0) -> 
                         "tracked_keys": old_limit.tracked_keys + counted.tracked_keys,
                         "slots_in_use": old_limit.slots_in_use + counted.slots_in_use,
                         "units_in_flight": old_limit.units_in_flight + counted.units_in_flight,
+                        "blocked_keys": _most(old_limit.blocked_keys, counted.blocked_keys),
+                        "penalty": old_limit.penalty or counted.penalty,
                     }
                 )
         for name, top in snap.top_keys.items():
@@ -635,3 +648,10 @@ __all__ = [
     "WorkerSnapshot",
     "merge",
 ]
+
+
+def _most(one: int | None, other: int | None) -> int | None:
+    """The larger gauge of two workers sharing what they count; None when neither counts."""
+    if one is None:
+        return other
+    return one if other is None else max(one, other)

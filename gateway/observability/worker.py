@@ -85,6 +85,16 @@ def tier_of(check: Check) -> str:
 Counts = TypeVar("Counts", DecisionCounts, ChargeCounts)
 
 
+def _blocked_now(runtime: Runtime, name: str) -> int | None:
+    """The keys limit ``name``'s boxes block now (a penalty's or an operator's); None where
+    the store keeps the boxes itself (Redis: nothing here counts them)."""
+    engine = runtime.engine
+    table = engine.penalties.get(name)
+    if table is None:
+        return None if engine.store.decides_penalties else 0
+    return sum(1 for _ in table.blocked(engine.store.clock.now_us()))
+
+
 class _RunningTotals(Generic[Counts]):
     """Totals of a limit's counts that can start again from zero (a limit a reload
     re-created), kept growing by adding each source's increase since it was last read."""
@@ -302,6 +312,8 @@ class WorkerMetrics:
                 evictions=store.evictions(name),
                 waiting=counters.waiting,
                 tracked_keys=store.tracked_keys(name),
+                penalty=limit.spec.penalty is not None and not limit.spec.dry_run,
+                blocked_keys=_blocked_now(runtime, name),
                 slots_in_use=counters.slots_held,
                 holds_budget=limit.holds_budget,
                 units_in_flight=counters.units_in_flight,

@@ -349,6 +349,13 @@
     setField(node, "tracked-keys", fmtInt(info.tracked_keys) + (info.tracked_keys === 1 ? " key" : " keys"));
     setField(node, "evictions", fmtInt(info.evictions));
     node.querySelector(".slots").hidden = info.algorithm !== "concurrency";
+    // A limit with a penalty, or whose keys an operator blocked: what its boxes did. The keys
+    // blocked now are null where the store keeps the boxes (Redis).
+    const blocked = info.blocked_keys;
+    node.querySelector(".penalty").hidden = !(info.penalty || info.penalized > 0 || blocked > 0);
+    setField(node, "blocked-keys", blocked == null ? "—" : fmtInt(blocked) + (blocked === 1 ? " key" : " keys"));
+    setField(node, "penalized-total", fmtInt(info.penalized));
+    node.querySelector(".penalty").classList.toggle("bad", blocked > 0);
     setField(node, "slots-in-use", fmtInt(info.slots_in_use));
     const lease = info.lease;
     node.querySelector(".lease").hidden = !lease;

@@ -1,7 +1,7 @@
 """The keys' API in Redis: a limit's keys found with SCAN (every master of a cluster), one
 key's state dropped with DEL in its own hash slot, a key blocked or unblocked in the limit's
-penalty box. On a connection of its own, opened for the
-call: an operator's call never queues behind the request path's scripts."""
+penalty box (the limit noted among those with blocks: block_watch.py). On a connection of its
+own, opened for the call: an operator's call never queues behind the request path's scripts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from redis.exceptions import RedisError
 
 from gateway.limits.compiled import CompiledLimit
 from gateway.redact import redact_text
-from gateway.stores.redis.store import RedisStore, parse_store_url
+from gateway.stores.redis.block_watch import NOTE_SCRIPT, marker_key
+from gateway.stores.redis.store import RedisStore
 
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 # An operator's block, in the box's layout (decide.lua): no strikes, blocked until now + ARGV[2].
@@ -42,14 +43,7 @@ class RedisKeys:
         self.timeout_s = timeout_s
 
     def _client(self) -> Redis | RedisCluster:
-        url, cluster = parse_store_url(self.store.url)
-        options: dict[str, Any] = {
-            "socket_timeout": self.timeout_s,
-            "socket_connect_timeout": self.timeout_s,
-        }
-        if cluster:
-            return RedisCluster.from_url(url, **options)
-        return Redis.from_url(url, **options)
+        return self.store.admin_client(self.timeout_s)
 
     async def keys_held(self, limit: CompiledLimit, most: int) -> list[str]:
         plan = self.store.plan(limit)
@@ -91,8 +85,13 @@ class RedisKeys:
         time_source = self.store.time_source
         now = b"" if time_source is None else b"%d" % time_source.now_us()
         block_us = b"%d" % round(seconds * 1_000_000)
+        # The limit noted first (every replica's calls read its boxes within a second; this
+        # one's at once), then the key's box: a call that reads it finds the block.
+        ttl_ms = round(seconds * 1000) + 1
         client = self._client()
         try:
+            await client.eval(NOTE_SCRIPT, 1, marker_key(self.store.key_prefix), limit.name, ttl_ms)
+            self.store.blocks.note(limit.name)
             await client.eval(_BLOCK, 1, plan.penalty_key(key), now, block_us)
         except RedisError as exc:
             raise RedisKeyError(redact_text(str(exc))) from None

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.backoff import NoBackoff
@@ -22,6 +23,7 @@ from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.memory import MemoryStore
 from gateway.stores.protocol import StoreUnavailableError
+from gateway.stores.redis.block_watch import BlockWatch
 from gateway.stores.redis.circuit import CircuitBreaker, NodeCircuits, State
 from gateway.stores.redis.clients import (
     PipelineClient,
@@ -31,6 +33,7 @@ from gateway.stores.redis.clients import (
 )
 from gateway.stores.redis.codecs import CalendarCodec, codec_for
 from gateway.stores.redis.fallback import OwedToNodes
+from gateway.stores.redis.fallback_penalties import FallbackPenalties
 from gateway.stores.redis.key_layout import FIXED_TAG, WHOLE_KEY, LimitPlan, fingerprint, tag_scheme
 from gateway.stores.redis.lease import LeaseBook, LeaseCounters, lease_lua_program
 from gateway.stores.redis.library import LuaProgram, lua_program
@@ -174,6 +177,8 @@ class RedisStore:
         # through Redis too, so it starts from this replica's recent admissions, not empty;
         # charged from ``pending`` (shadow.py), at most ``FOLD_INTERVAL_S`` late.
         self.local = MemoryStore(self.clock)
+        # ... and its penalty boxes, as the in-process store's (fallback_penalties.py).
+        self.local_penalties = FallbackPenalties(self.clock)
         self.pending = PendingCharges()
         self.fold_interval_s = FOLD_INTERVAL_S
         self._fold_timer: asyncio.TimerHandle | None = None
@@ -236,9 +241,34 @@ class RedisStore:
             self.leases.seed = self._seed_local
         # What the lease book calls back, bound once rather than on every request.
         self._lease_callbacks = (self._decide_exact, self._unavailable, self._nominal)
+        # The limits whose keys an operator blocked: their calls read their boxes too.
+        self.blocks = BlockWatch(self._marker_client, key_prefix)
         self._plans: dict[str, LimitPlan] = {}
         self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
         self._tag_part: str | None = None
+
+    def admin_client(self, timeout_s: float = 1.0) -> Redis | RedisCluster:
+        """A redis-py client for what is not a script call on the request path (which limits
+        have blocks; the keys' API), on connections of its own."""
+        url, cluster = parse_store_url(self.url)
+        options: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+        }
+        if cluster:
+            return RedisCluster.from_url(url, **options)
+        return Redis.from_url(url, **options)
+
+    def _marker_client(self, key: str) -> Redis:
+        """A plain client of the one server holding ``key`` (a cluster's node by the slot map
+        the calls keep): not a cluster client, which keeps a dead node's connections open."""
+        url, _ = parse_store_url(self.url)
+        node = self.client.node_of(key.encode()) if self.cluster else ""
+        if node:
+            parts = urlsplit(url)
+            auth, _, _ = parts.netloc.rpartition("@")
+            url = urlunsplit(parts._replace(netloc=f"{auth}@{node}" if auth else node))
+        return Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
 
     @property
     def round_trips(self) -> int:
@@ -257,6 +287,7 @@ class RedisStore:
         self.leases.configure(limits)
         old_local = [self.plan(limit).local for limit in with_variants(previous)]
         self.local.configure([plan.local for plan in plans.values()], old_local)
+        self.local_penalties.configure(limits)
         self._tag_part = tag_part
         self._plans = plans
         self._stale_plans.clear()
@@ -353,6 +384,8 @@ class RedisStore:
             return await self._unavailable(checks, commit, _describe(exc))
         self._answered(breaker)
         verdict = _verdict(checks, plans, reply)
+        if not verdict.allowed and self.on_failure == "local":
+            self._keep_block(checks, verdict)
         if commit and verdict.allowed:
             self.slots.took(checks, plans)
         if commit and verdict.allowed and self.on_failure == "local":
@@ -575,6 +608,7 @@ class RedisStore:
         for as long as it stays busy. A failure here is logged and changes nothing else:
         calls repair what they meet, as they always do."""
         try:
+            self.blocks.start()  # read at once, then every second
             async with asyncio.timeout(_PREPARE_TIMEOUT_S):
                 await self.client.prepare()
                 if self.leases.plans:
@@ -591,6 +625,7 @@ class RedisStore:
         self._probe_timers.clear()
         for task in list(self._probes):
             task.cancel()
+        await self.blocks.close()
         self.slots.close()  # the slots still held expire with the replica's renewals
         await self.leases.close()  # graceful shutdown: unused leases go back
         await self.leases.client.close()
@@ -615,8 +650,11 @@ class RedisStore:
         keys = [
             plan.redis_key(check.key).encode() for check, plan in zip(checks, plans, strict=True)
         ]
-        # A decision or a look at limits with a penalty: their boxes in the same call.
-        boxes = mode in (b"d", b"p") and any([plan.penalty for plan in plans])
+        # A decision or a look at limits with a penalty, or with keys an operator blocked
+        # (block_watch.py): their boxes in the same call.
+        boxes = (mode == b"d" or mode == b"p") and (
+            any([plan.penalty for plan in plans]) or self._blocks_in(checks)
+        )
         if boxes:
             mode = mode.upper()
             keys += [
@@ -675,6 +713,11 @@ class RedisStore:
         result = _checked(reply, call_id, length)
         self.stats.observe(loop.time() - started)
         return result
+
+    def _blocks_in(self, checks: Sequence[Check]) -> bool:
+        """Whether an operator blocked keys of one of the checks' limits (block_watch.py)."""
+        names = self.blocks.names
+        return bool(names) and any([check.limit.name in names for check in checks])
 
     async def _charge_owed(self, check: Check, units: int) -> None:
         """Charge Redis with ``units`` the fallback admitted (``OwedToNodes.settle``, before
@@ -767,9 +810,32 @@ class RedisStore:
     async def _local_decide(self, checks: Sequence[Check], commit: bool) -> CombinedDecision:
         self.counters.local_decisions += 1
         self._fold_pending()  # what Redis admitted first
-        return await self.local.decide(
-            [self._local_check(check) for check in checks], commit=commit
-        )
+        local = [self._local_check(check) for check in checks]
+        penalties = self.local_penalties
+        if not penalties.tables:
+            return await self.local.decide(local, commit=commit)
+        now_us = self.clock.now_us()
+        blocked = penalties.blocked(checks, now_us)
+        if blocked is not None:
+            # Refused by the box, the limits looked at and charged nothing (as Redis's 'D').
+            index, until_us = blocked
+            looked = await self.local.decide(local, commit=False)
+            states = list(looked.states)
+            states[index] = PenaltyRefusal(until_us)
+            retry_after_s = (until_us - now_us) / 1_000_000
+            return CombinedDecision(
+                False, 0.0, retry_after_s, (index,), None, looked.decisions, tuple(states), now_us
+            )
+        verdict = await self.local.decide(local, commit=commit)
+        if commit and not verdict.allowed:
+            penalties.strike(checks, verdict.rejected_by, now_us)
+        return verdict
+
+    def _keep_block(self, checks: Sequence[Check], verdict: CombinedDecision) -> None:
+        """A refusal by a box in Redis: the fallback keeps the block too, for an outage."""
+        index = verdict.rejected_by[0] if verdict.rejected_by else -1
+        if index >= 0 and isinstance(verdict.states[index], PenaltyRefusal):
+            self.local_penalties.met_block(checks[index], verdict.retry_after_s)
 
     def _seed_local(self, limit: CompiledLimit, key: str, units: int) -> None:
         """Charge the fallback's state with ``units`` a lease admitted, as many as it has

@@ -86,6 +86,7 @@ from gateway.stores.shared.tables import (
     DROPPED,
     GENERATION,
     POLICY,
+    RESETS,
     Databases,
     Table,
     apply_policy,
@@ -96,7 +97,13 @@ from gateway.stores.shared.tables import (
     slot_keys,
     table_counts,
 )
-from gateway.stores.shared.worker_lease import Lease, LeaseTally, WorkerLeases, bound_text
+from gateway.stores.shared.worker_lease import (
+    RESET_CHECK_US,
+    Lease,
+    LeaseTally,
+    WorkerLeases,
+    bound_text,
+)
 from gateway.stores.store_stats import StoreStats
 
 # Bytes of map per tracked key: a state entry and an LRU entry with their B+tree overhead,
@@ -226,6 +233,10 @@ class SharedStore:
         # The last committed transaction at which ``_generation`` was read or known current
         # (-1: none): a transaction that starts from it needs no read of the generation.
         self._current_at = -1
+        # Keys reset through the keys' API (by any worker), as this worker last read the count,
+        # and when: a change drops its batches (``_check_resets``).
+        self._resets = 0
+        self._resets_read_us = 0
         self._tables: dict[str, Table] = {}
         # Table name -> (the limit last seen under it, its table or None, the table's key
         # prefix or None): the request path's look-up (see ``_table_of``).
@@ -343,6 +354,8 @@ class SharedStore:
                         generation = read_int(txn, self._dbs, GENERATION) + 1
                         txn.put(GENERATION, TICK.pack(generation), db=self._meta)
                     self._load_tables(txn)
+                    self._resets = read_int(txn, self._dbs, RESETS)
+                    self._resets_read_us = now_us
                     if not self._reclaimed:
                         self._reclaim(txn)
                 self._reclaimed = True
@@ -448,6 +461,8 @@ class SharedStore:
         batch (``worker_lease``), and the others take their unit from their batch if the
         request is admitted. A batch the state refuses is not asked again until the key's
         lease expires: the request is decided again with each check charged its cost."""
+        if now_us - self._resets_read_us >= RESET_CHECK_US:
+            self._check_resets(env, leases, now_us)
         taken = leases.take_all(checks, now_us)
         if taken is not None:
             return CombinedDecision(True, 0.0, 0.0, (), None, tuple(taken), (None,) * len(taken))
@@ -482,6 +497,17 @@ class SharedStore:
                 if asked[j] is not checks[index]:
                     leases.granted_batch(checks[index], batches[j], verdict.decisions[j], now_us)
         return _merged(verdict, sent, at_hand, leases)
+
+    def _check_resets(self, env: lmdb.Environment, leases: WorkerLeases, now_us: int) -> None:
+        """A key reset through the keys' API since this worker last looked (by any worker):
+        its batches are dropped (under-admitting, never over), and the keys decided on their
+        fresh state; one read transaction every ``RESET_CHECK_US``."""
+        self._resets_read_us = now_us
+        with self._begin(env, False) as txn:
+            resets = read_int(txn, self._dbs, RESETS)
+        if resets != self._resets:
+            self._resets = resets
+            leases.clear()
 
     def lease_counters(self, limit_name: str) -> LeaseTally | None:
         """What ``store.worker_lease`` did for a limit in this worker (the metrics' lease
@@ -1042,13 +1068,20 @@ class SharedStore:
             return txn.get(table.prefix + key_bytes(key), None, self._state) is not None
 
     def forget(self, limit: CompiledLimit, key: str) -> bool:
-        """Drop ``key``'s state for every worker (a worker's lease of it runs out on its own)."""
+        """Drop ``key``'s state for every worker. The workers' batches (``worker_lease``) go
+        too: the count of resets is raised, which each worker reads every ``RESET_CHECK_US``
+        of its requests (this one drops its own at once)."""
         env = self._env
         table = self._table_of(limit) if env is not None else None
         if env is None or table is None:
             return False
         state_key = table.prefix + key_bytes(key)
         with self._begin(env, True) as txn:
+            if self.leases is not None:
+                resets = read_int(txn, self._dbs, RESETS) + 1
+                txn.put(RESETS, TICK.pack(resets), db=self._meta)
+                self._resets = resets
+                self.leases.clear()
             raw = txn.get(state_key, None, self._state)
             if raw is None:
                 return False

@@ -19,6 +19,7 @@ COUNTS: Final = struct.Struct("<qqq")  # keys, evictions, expiries
 POLICY: Final = b"policy"
 GENERATION: Final = b"generation"
 NEXT_SLOT: Final = b"next_slot"
+RESETS: Final = b"resets"  # keys reset through the keys' API: the workers drop their batches
 DROPPED: Final = b"dropped:"  # table name -> evictions of its tables reloads dropped
 
 

@@ -31,6 +31,11 @@ requests are then decided exactly, one by one. A window that does not refill, wh
 keep receiving the key's requests, admits exactly its limit (the units held are spent by them
 before the window ends); a bucket's batch may expire first, lost.
 
+A key reset through the keys' API (any worker) raises a count of resets in the store; each
+worker reads it every ``RESET_CHECK_US`` of its requests and, when it moved, drops its batches
+(of every key: under-admitting, never over), as a reload does. Until then a worker may admit
+at most the units left in its batch of the reset key beyond the key's fresh state.
+
 Not leased (decided in the shared state on every request, exactly): other algorithms and
 modes, calendar windows, limits counted by their responses, concurrency, requests of a cost
 above one, dry runs (``explain``).
@@ -57,6 +62,10 @@ QUOTA_SHARE: Final = 4
 
 # Keys of one limit a worker keeps leases for at once: beyond, new keys are decided exactly.
 MAX_LEASES: Final = 65_536
+
+# How often a worker looks whether a key was reset (the keys' API, any worker) since it last
+# looked: its batches are then dropped, and the keys decided on their fresh state.
+RESET_CHECK_US: Final = 100_000
 
 WINDOW: Final = 1  # the batch ends with the window it was charged in
 BUCKET: Final = 2  # the batch ends ``interval`` after it was charged

@@ -34,7 +34,8 @@
 -- A concurrency limit ('N', in flight) keeps its key's slots in a hash, one field per replica
 -- (concurrency.lua): a decision counts every replica's live slots, a commit or a refund
 -- changes this replica's only; nothing of it is rescaled or charged after the response.
--- Modes 'D' and 'P' are 'd' and 'p' for a call with penalty boxes (a limit's ``penalty:``):
+-- Modes 'D' and 'P' are 'd' and 'p' with penalty boxes (a limit's ``penalty:``, and the
+-- blocks an operator puts on a key of any limit: every decision and look of the gateway's):
 -- KEYS[n+i] is then limit i's penalty box for the key (same hash tag), ARGV[5+2n] and the
 -- ARGV[5+2n+i] are all present ('' where unused), and ARGV[5+3n+i] is limit i's penalty,
 -- 'after within_us block_us' ('': none). A key in a box is refused before any limit decides,
@@ -199,23 +200,23 @@ local function strike(i)
     'PX', ttl_ms)
 end
 
+-- Every limit's box is looked at, a penalty's or not: an operator blocks a key of any limit
+-- (the keys' API), in the box its requests' calls read.
 local blocked_by, blocked_until = 0, 0
 if boxes then
   for i = 1, n do
-    if penalty_of(i) then
-      local until_us = select(3, box_state(i))
-      if until_us > now_us then
-        if mode == 'd' then
-          local reply = {now_us}
-          for j = 2, 5 * n + 1 do reply[j] = 0 end
-          reply[5 * n + 2] = i
-          reply[5 * n + 3] = until_us
-          reply[5 * n + 4] = call_id
-          return reply
-        end
-        blocked_by, blocked_until = i, until_us
-        break
+    local until_us = select(3, box_state(i))
+    if until_us > now_us then
+      if mode == 'd' then
+        local reply = {now_us}
+        for j = 2, 5 * n + 1 do reply[j] = 0 end
+        reply[5 * n + 2] = i
+        reply[5 * n + 3] = until_us
+        reply[5 * n + 4] = call_id
+        return reply
       end
+      blocked_by, blocked_until = i, until_us
+      break
     end
   end
 end
