@@ -367,14 +367,23 @@ class ProxyHandler:
 
 async def _wait_in_queue(runtime: Runtime, outcome: Outcome) -> None:
     """Wait out the limits' delay in the shaping queue; a request cancelled or shut down there
-    gives its charge back (it never reached the upstream)."""
+    gives its charge back (it never reached the upstream), then fails as it was stopped.
+
+    The charge is given back after the ``except`` clause, not awaited in it: compiled, the
+    exception being handled is kept in the thread's state, not the coroutine's; the awaiting
+    handler resets that state while this coroutine is suspended, and a bare ``raise`` after
+    the ``await`` raised nothing (the handler missed the cancellation, then crashed)."""
     engine = runtime.engine
+    stopped: BaseException | None = None
     try:
-        await engine.enter_queue(outcome)
-    except (asyncio.CancelledError, ShuttingDown):
-        await engine.give_back(outcome)
-        outcome.charge_after = ()  # it never reached the upstream
-        raise
+        try:
+            await engine.enter_queue(outcome)
+        except (asyncio.CancelledError, ShuttingDown) as stop:
+            stopped = stop
+        if stopped is not None:
+            await engine.give_back(outcome)
+            outcome.charge_after = ()  # it never reached the upstream
+            raise stopped
     finally:
         engine.leave_queue(outcome)
 
