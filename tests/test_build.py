@@ -92,6 +92,43 @@ def test_no_compiled_function_binds_one_name_in_except_clauses_of_different_type
     assert found == []
 
 
+def _reads_the_exception_after_an_await(handler: ast.ExceptHandler) -> bool:
+    """Whether a statement of ``handler`` after one that awaits re-raises (bare ``raise``) or
+    reads the exception's name."""
+    awaited = False
+    for statement in handler.body:
+        nodes = list(ast.walk(statement))
+        if awaited and any(
+            (isinstance(node, ast.Raise) and node.exc is None)
+            or (isinstance(node, ast.Name) and handler.name is not None and node.id == handler.name)
+            for node in nodes
+        ):
+            return True
+        awaited = awaited or any(
+            isinstance(node, ast.Await | ast.AsyncFor | ast.AsyncWith) for node in nodes
+        )
+    return False
+
+
+def test_no_compiled_coroutine_reraises_after_awaiting_in_an_except_clause() -> None:
+    """Compiled, the exception an ``except`` clause handles is kept in the thread's state, not
+    the coroutine's (mypyc 2.4): after an ``await`` in the clause, the caller may have reset it,
+    and a bare ``raise`` there raises nothing (the proxy's queue wait crashed the process so).
+    Await after the clause, and raise the exception kept in a variable."""
+    found = []
+    for name in COMPILED_MODULES:
+        path = REPO_ROOT / Path(*name.split(".")).with_suffix(".py")
+        for function in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(function, ast.AsyncFunctionDef):
+                continue
+            found += [
+                f"{name}:{node.lineno} ({function.name})"
+                for node in ast.walk(function)
+                if isinstance(node, ast.ExceptHandler) and _reads_the_exception_after_an_await(node)
+            ]
+    assert found == []
+
+
 def test_no_compiled_module_leaves_a_final_tuple_untyped() -> None:
     """Compiled, a module-level ``NAME: Final = (0.5, 1.0, ...)`` tuple of floats without its
     full type is never set (mypyc 2.4): the first read raises ``NameError``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import aiohttp
@@ -12,6 +13,7 @@ from gateway.clock import FakeClock
 from tests.support import redis_harness
 from tests.support.conformance import T0_US, gateway_store_of
 from tests.support.gateways import GatewayFactory
+from tests.support.metrics import scrape_until, value
 from tests.support.policies import policy_for
 from tests.support.upstreams import RecordingUpstream
 from tests.support.waiting import wait_until
@@ -107,4 +109,46 @@ async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
     # (0 had the queued one stayed counted) and the bucket 4 of its 5 burst.
     assert explained["window"]["remaining"] == 1
     assert explained["shaped"]["remaining"] == 4
+    assert [r.raw_path for r in upstream.requests] == ["/"]
+
+
+async def test_a_client_gone_from_the_queue_is_counted_499_and_its_delay_logged(
+    upstream: RecordingUpstream, start_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that hangs up while its request waits in the shaping queue is counted as nginx
+    counts it (499), and the delay's log line is written.
+
+    Compiled, a bare ``raise`` after an ``await`` in the queue wait's ``except`` clause raised
+    nothing: mypyc keeps the exception being handled in the thread's state, which the awaiting
+    handler reset while the wait was suspended. The handler then missed the cancellation (a
+    500 counted) and the delay's log line crashed the process (segmentation fault)."""
+    caplog.set_level(logging.INFO, logger="gateway.limits")
+    policy = policy_for(upstream.url) + (
+        "limits:\n"
+        "  shaped:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 5\n"
+        "    max_delay: 10m\n"
+    )
+    gw = await start_gateway(policy)
+    engine = gw.gateway.handler.runtime.engine
+    shaped = next(limit for limit in engine.limits if limit.name == "shaped")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/") as resp:
+            assert resp.status == 200
+        # The next one waits a minute in the queue: the client leaves long before.
+        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n")
+        await wait_until(lambda: shaped.counters.waiting == 1)
+        writer.close()
+        await wait_until(lambda: shaped.counters.waiting == 0)
+        gone = ("gateway_local_responses_total", frozenset({("route", "all"), ("code", "499")}))
+        samples = await scrape_until(session, gw.admin_url, lambda s: gone in s)
+    assert samples[gone] == 1
+    assert value(samples, "gateway_requests_total", route="all", method="GET", status="2xx") == 1
+    failed = (
+        "gateway_requests_total",
+        frozenset({("route", "all"), ("method", "GET"), ("status", "5xx")}),
+    )
+    assert samples.get(failed, 0) == 0  # not the 500 a missed cancellation leaves
+    delayed = [r.getMessage() for r in caplog.records if r.name == "gateway.limits"]
+    assert len(delayed) == 1 and delayed[0].startswith("limit shaped delayed a request by")
     assert [r.raw_path for r in upstream.requests] == ["/"]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
-from aiohttp import HttpVersion10, HttpVersion11, web
+from aiohttp import HttpVersion, HttpVersion10, HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
@@ -176,15 +176,7 @@ class ProxyHandler:
                     holding = outcome.charge_after
                     hold_in_flight(holding, 1)
                 if outcome is not None and outcome.delay_s > 0.0:
-                    engine = runtime.engine
-                    try:
-                        await engine.enter_queue(outcome)
-                    except (asyncio.CancelledError, ShuttingDown):
-                        await engine.give_back(outcome)
-                        outcome.charge_after = ()  # it never reached the upstream
-                        raise
-                    finally:
-                        engine.leave_queue(outcome)
+                    await _wait_in_queue(runtime, outcome)
                 if request_message(request).upgrade and wants_upgrade(
                     request, admitted.framing, runtime
                 ):
@@ -217,22 +209,7 @@ class ProxyHandler:
             if isinstance(admitted, _Admitted):
                 outcome = admitted.outcome
                 if outcome is not None:
-                    if outcome.held:
-                        # Its concurrency slots: the response is sent (the body handed to the
-                        # connection), the client went away, the upstream failed or a
-                        # WebSocket closed.
-                        runtime.engine.release(outcome)
-                    if outcome.charge_after:
-                        # The status the client got (499 if it left before the head), and
-                        # what the upstream said the request cost: never awaited by the
-                        # response.
-                        if admitted.meter is not None:
-                            admitted.reported = usage_reported(
-                                request, admitted.meter, admitted.reported, runtime.usage_log
-                            )
-                        runtime.engine.charge_after(
-                            outcome, admitted.sent_status or status, admitted.reported
-                        )
+                    _settle_limits(request, runtime, admitted, outcome, status)
             elif isinstance(admitted, _Refused):
                 outcome = admitted.outcome
             runtime.request_done()
@@ -277,103 +254,49 @@ class ProxyHandler:
         if route is None:
             return runtime.error_response(404, "no route matches this request")
         request[ROUTE_NAME] = route.name
-        upstream = runtime.upstreams[route.upstream]
-
-        # aiohttp's cached copy: the transport would make a syscall and a new tuple per call.
-        peername = request.protocol.peername
-        peer: str | None = peername[0] if peername else None
-        resolver = runtime.client_ip
-        trusted_peer = resolver.is_trusted(peer)
-        # The client IP keys every per-IP limit. resolve() also normalises the peer itself
-        # (IPv4-mapped IPv6, zone ids), so it runs for untrusted peers too, headers unread.
-        client_ip = resolver.resolve(
-            peer, request.headers.getall(resolver.header_name, ()) if trusted_peer else ()
-        )
-        request[CLIENT_IP] = client_ip
-
-        outcome: Outcome | None = None
-        engine = runtime.engine
-        read_ahead: RequestBody | None = None
-        if engine.active:
-            facts = RequestFacts.of(
-                client_ip,
-                engine.ipv6_prefix,
-                route.name,
-                method,
-                request.headers,
-                lambda: request.query,
-            )
-            if engine.reads_body and framing.has_body:
-                read_ahead, facts.body, too_large = await _body_for_keys(
-                    request, runtime, route, framing
-                )
-                if too_large and engine.body_key_rejects:
-                    refusal = runtime.error_response(
-                        413,
-                        "request body larger than the limits read keys from "
-                        "(server.body_key_max_size)",
-                        close=True,
-                    )
-                    return await _answer_and_close(request, refusal)
-            if engine.identity is not None and engine.keys_pending(facts):
-                await engine.await_keys(facts)  # a new kid: the key set fetched, bounded
-            if engine.decides_now:
-                outcome = engine.evaluate_now(facts, route, host, path, client_ip)
-            else:
-                outcome = await engine.evaluate(facts, route, host, path, client_ip)
-            if outcome.waits_on is not None:  # over a concurrency limit: in line for a slot
-                outcome = await engine.wait_for_slot(outcome)
-            if outcome.status:
-                # Marked to close: aiohttp still reads an unread body for up to its
-                # lingering time (so the client sees this answer), then closes.
-                if outcome.rejected_by is None:  # denied by address or token, store down
-                    retry = outcome.retry_after_s
-                    refusal = runtime.error_response(
-                        outcome.status,
-                        outcome.reason,
-                        close=framing.has_body,
-                        headers={"Retry-After": str(max(1, math.ceil(retry)))}
-                        if retry
-                        else _BEARER_CHALLENGE
-                        if outcome.status == 401
-                        else None,
-                    )
-                elif (custom := engine.custom_rejection(outcome)) is not None:
-                    status, content_type, body = custom  # the policy's rejection:
-                    refusal = custom_rejection_response(
-                        status, content_type, body, engine.headers(outcome), close=framing.has_body
-                    )
-                else:
-                    refusal = rate_limited_response(
-                        outcome.status,
-                        outcome.rejected_by,
-                        outcome.reason,
-                        outcome.retry_after_s,
-                        engine.headers(outcome),
-                        close=framing.has_body,
-                    )
-                return _Refused(refusal, outcome, framing)
-
         admitted = _Admitted(
             route,
-            upstream,
+            runtime.upstreams[route.upstream],
             target,
             framing,
-            ForwardedFor(
-                peer_ip=peer if peer is not None else client_ip,
-                client_ip=client_ip,
-                proto="https" if request.secure else "http",
-                host=host_header,
-                trust_incoming=trusted_peer,
-            ),
-            outcome,
+            _forwarded_for(request, runtime, host_header),
+            None,
         )
-        admitted.body = read_ahead
+        engine = runtime.engine
+        if not engine.active:
+            return admitted
+        client_ip = admitted.forwarded.client_ip
+        facts = RequestFacts.of(
+            client_ip,
+            engine.ipv6_prefix,
+            route.name,
+            method,
+            request.headers,
+            lambda: request.query,
+        )
+        if engine.reads_body and framing.has_body:
+            too_large = await _read_body_for_keys(request, runtime, admitted, facts)
+            if too_large is not None:
+                return too_large
+        if engine.identity is not None and engine.keys_pending(facts):
+            await engine.await_keys(facts)  # a new kid: the key set fetched, bounded
+        # Without a wait where the store decides at once: no coroutine per request.
+        if engine.decides_now:
+            outcome = engine.evaluate_now(facts, route, host, path, client_ip)
+        else:
+            outcome = await engine.evaluate(facts, route, host, path, client_ip)
+        if outcome.waits_on is not None:  # over a concurrency limit: in line for a slot
+            outcome = await engine.wait_for_slot(outcome)
+        if outcome.status:
+            return _Refused(_limits_refusal(runtime, outcome, framing), outcome, framing)
+        admitted.outcome = outcome
         return admitted
 
     async def _forward(
         self, request: BaseRequest, runtime: Runtime, admitted: _Admitted
     ) -> web.StreamResponse:
+        """Send the admitted request to its upstream (past its adaptive limit, if any) and the
+        upstream's answer back to the client."""
         framing = admitted.framing
         outcome = admitted.outcome
         limit_headers = (
@@ -382,23 +305,9 @@ class ProxyHandler:
             else b""
         )
         route = admitted.route
-        max_body = route.max_body_size
-        if max_body is None:
-            max_body = runtime.settings.max_body_size
-        if max_body and framing.content_length is not None and framing.content_length > max_body:
-            return await _refuse(
-                request, runtime.error_response(413, "request body too large", close=True), framing
-            )
-
-        protocol = request.protocol
-        if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
-            # A chunk size already refused the body: answer before the upstream hears of it.
-            status = protocol.body_refused
-            message = "request body too large" if status == 413 else "malformed request body"
-            return await _answer_and_close(
-                request, runtime.error_response(status, message, close=True)
-            )
-
+        max_body = _max_body_size(route, runtime)
+        if _body_refused(request, framing, max_body):
+            return await _refuse_body(request, runtime, framing, max_body)
         upstream = admitted.upstream
         # The upstream's adaptive limit (this worker's): a place before the request goes out,
         # given back once its response is in; beyond it, a wait or the answer at once.
@@ -415,154 +324,361 @@ class ProxyHandler:
         read_ahead = admitted.body
         if framing.expect_continue and request.transport is not None and read_ahead is None:
             request.transport.write(_CONTINUE)
-
         pool = upstream.pool
-        target = admitted.target
-        via = runtime.via
         method = request.method
-        raw_headers = request.raw_headers
-        forwarded = admitted.forwarded
-        underscores = runtime.settings.underscores_in_headers
-
-        def head_for(base_path: str) -> bytes:
-            return build_request_head(
-                method,
-                base_path + target if base_path else target,
-                raw_headers,
-                framing,
-                forwarded,
-                via,
-                underscores=underscores,
-            )
-
-        body_timeout = runtime.settings.body_timeout
-        chunked = framing.chunked
-        is_head = method == "HEAD"
         measured = False  # the response (or a timeout) tells the adaptive limit a latency
         try:
-            body: RequestBody | bytes | None = None
-            if read_ahead is not None:
-                body = read_ahead
-            elif framing.has_body:
-                body = RequestBody(request, max_body, body_timeout)
+            body: RequestBody | bytes | None = read_ahead
+            if body is None and framing.has_body:
+                body = RequestBody(request, max_body, runtime.settings.body_timeout)
                 if should_buffer(pool, method, framing.content_length):
                     body = await read_whole(body)
             response, server = await send(
                 pool,
                 method,
-                head_for,
+                _head_builder(request, runtime, admitted),
                 body,
-                body_chunked=chunked,
-                expect_no_body=is_head,
+                body_chunked=framing.chunked,
+                expect_no_body=method == "HEAD",
                 key=hash_key(
-                    request, pool, route.name, forwarded.client_ip, runtime.engine.ipv6_prefix
+                    request,
+                    pool,
+                    route.name,
+                    admitted.forwarded.client_ip,
+                    runtime.engine.ipv6_prefix,
                 ),
                 connect_timeout_s=route.connect_timeout or 0.0,
                 read_timeout_s=route.read_timeout or 0.0,
             )
             measured = True
-        except BodyTooLarge:
-            refusal = runtime.error_response(413, "request body too large", close=True)
-            request[LOCAL_ANSWER] = True
-            if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
-                # The rest of an oversized chunk is not worth a lingering read.
-                return await _answer_and_close(request, refusal)
-            return refusal
-        except BodyTimeout:
-            # The client stopped sending: nothing to linger for.
-            return await _answer_and_close(
-                request, runtime.error_response(408, "request body timed out", close=True)
-            )
-        except BodyBroken:
-            # The upstream connection was cut mid-body, so the upstream never sees it end;
-            # the rest of what this client sends is not worth reading.
-            return await _answer_and_close(
-                request, runtime.error_response(400, "malformed request body", close=True)
-            )
-        # One name per handler: compiled, a name bound by several ``except`` clauses takes the
-        # first clause's type (tests/test_build.py checks every compiled module for it).
-        except UpstreamConnectError as connect_error:  # the pool logged each server's failure
-            request[UPSTREAM_ERROR] = upstream_error_reason(connect_error)
-            return runtime.error_response(502, f"upstream {upstream.name!r}: connection failed")
-        except UpstreamTimeout as timeout:
-            measured = True
-            request[UPSTREAM_ERROR] = upstream_error_reason(timeout)
-            return runtime.error_response(504, f"upstream {upstream.name!r}: timed out")
-        except UpstreamError as upstream_error:
-            request[UPSTREAM_ERROR] = upstream_error_reason(upstream_error)
-            return runtime.error_response(502, f"upstream {upstream.name!r}: error")
+        # One name per handler: compiled, a name several clauses bind takes the first's type.
+        except (BodyTooLarge, BodyTimeout, BodyBroken) as body_failure:
+            return await _body_failed(request, runtime, body_failure)
+        except UpstreamError as upstream_error:  # the pool logged each server's failure
+            measured = isinstance(upstream_error, UpstreamTimeout)
+            return _upstream_failed(request, runtime, upstream.name, upstream_error)
         finally:
             if gate is not None:  # whatever ended it, the client gone too
                 gate.release(started_us, measured=measured)
 
-        engine = runtime.engine
-        hidden = runtime.hidden_headers
-        if engine.cost_headers and outcome is not None and outcome.charge_after:
-            reported = admitted.reported = _reported_costs(response.headers, engine.cost_headers)
-            if reported is not None:
-                request[REPORTED_COSTS] = {
-                    name.decode("latin-1"): value.decode("latin-1")
-                    for name, value in reported.items()
-                }
-        meter: UsageMeter | None = None
-        if engine.body_costs and outcome is not None and outcome.charge_after:
-            meter = admitted.meter = usage_meter(engine.body_costs, response.headers)
+        meter = _read_costs(request, runtime, admitted, response)
         try:
-            status = response.status
-            if (
-                response.body_complete
-                and not is_head
-                and status not in _NO_BODY_STATUS
-                and request.version == HttpVersion11
-            ):
-                # The common case, a small answer already received whole: one write.
-                whole = response.body_bytes()
-                response.release()
-                if meter is not None:
-                    meter.feed(whole)
-                    meter.finish()
-                keep_alive = request.keep_alive
-                head = response_head(
-                    status,
-                    response.reason,
-                    response.headers,
-                    via,
-                    runtime.server_line + limit_headers,
-                    len(whole),
-                    keep_alive,
-                    _DATE.now(),
-                    hidden,
-                )
-                return cast(web.StreamResponse, PreparedResponse(status, head + whole, keep_alive))
-            headers = CIMultiDict(response_headers(response.headers, via, hidden))
-            if runtime.server_line:  # the upstream's is hidden: the gateway's in its place
-                headers["Server"] = SERVER
-            if limit_headers and outcome is not None:
-                headers.extend(runtime.engine.headers(outcome))
-            reason = response.reason.decode("latin-1")  # "" stays "": aiohttp keeps it
-            if response.body_complete and not is_head:
-                whole = response.body_bytes()
-                response.release()
-                if meter is not None:
-                    meter.feed(whole)
-                    meter.finish()
-                if status in _NO_BODY_STATUS:
-                    return RelayedResponse(status=status, reason=reason, headers=headers)
-                return RelayedResponse(status=status, reason=reason, headers=headers, body=whole)
-            stream = RelayedStream(status=status, reason=reason, headers=headers)
-            if response.content_length is not None and status not in _NO_BODY_STATUS:
-                stream.content_length = response.content_length
-            await stream.prepare(request)
-            admitted.sent_status = status
-            if is_head or status in _NO_BODY_STATUS:
-                response.release()
-                return stream
-            if await _relay(request, response, stream, pool, server, meter):
-                response.release()
-            return stream
+            if _whole_at_once(response, method, request.version):
+                return _whole_answer(request, runtime, response, meter, limit_headers)
+            return await _relayed_answer(
+                request, runtime, admitted, response, server, meter, limit_headers
+            )
         finally:
             response.close()
             pool.finished(server)
+
+
+async def _wait_in_queue(runtime: Runtime, outcome: Outcome) -> None:
+    """Wait out the limits' delay in the shaping queue; a request cancelled or shut down there
+    gives its charge back (it never reached the upstream), then fails as it was stopped.
+
+    The charge is given back after the ``except`` clause, not awaited in it: compiled, the
+    exception being handled is kept in the thread's state, not the coroutine's; the awaiting
+    handler resets that state while this coroutine is suspended, and a bare ``raise`` after
+    the ``await`` raised nothing (the handler missed the cancellation, then crashed)."""
+    engine = runtime.engine
+    stopped: BaseException | None = None
+    try:
+        try:
+            await engine.enter_queue(outcome)
+        except (asyncio.CancelledError, ShuttingDown) as stop:
+            stopped = stop
+        if stopped is not None:
+            await engine.give_back(outcome)
+            outcome.charge_after = ()  # it never reached the upstream
+            raise stopped
+    finally:
+        engine.leave_queue(outcome)
+
+
+def _settle_limits(
+    request: BaseRequest, runtime: Runtime, admitted: _Admitted, outcome: Outcome, status: int
+) -> None:
+    """What a finished request owes its limits: its concurrency slots back (the response
+    sent, the client gone, the upstream failed or a WebSocket closed), and the charges made
+    after the response: the status the client got (499 if it left before the head) and what
+    the upstream said the request cost. Never awaited by the response."""
+    if outcome.held:
+        runtime.engine.release(outcome)
+    if outcome.charge_after:
+        if admitted.meter is not None:
+            admitted.reported = usage_reported(
+                request, admitted.meter, admitted.reported, runtime.usage_log
+            )
+        runtime.engine.charge_after(outcome, admitted.sent_status or status, admitted.reported)
+
+
+def _forwarded_for(request: BaseRequest, runtime: Runtime, host_header: str | None) -> ForwardedFor:
+    """Who the client is (recorded on the request) and the forwarding facts sent upstream."""
+    # aiohttp's cached copy: the transport would make a syscall and a new tuple per call.
+    peername = request.protocol.peername
+    peer: str | None = peername[0] if peername else None
+    resolver = runtime.client_ip
+    trusted_peer = resolver.is_trusted(peer)
+    # The client IP keys every per-IP limit. resolve() also normalises the peer itself
+    # (IPv4-mapped IPv6, zone ids), so it runs for untrusted peers too, headers unread.
+    client_ip = resolver.resolve(
+        peer, request.headers.getall(resolver.header_name, ()) if trusted_peer else ()
+    )
+    request[CLIENT_IP] = client_ip
+    return ForwardedFor(
+        peer_ip=peer if peer is not None else client_ip,
+        client_ip=client_ip,
+        proto="https" if request.secure else "http",
+        host=host_header,
+        trust_incoming=trusted_peer,
+    )
+
+
+async def _read_body_for_keys(
+    request: BaseRequest, runtime: Runtime, admitted: _Admitted, facts: RequestFacts
+) -> web.Response | None:
+    """Read the body for the limits' ``body:FIELD`` key parts (kept on ``admitted``, to forward
+    from); the 413 sent, when it is over ``server.body_key_max_size`` and that refuses it."""
+    admitted.body, facts.body, too_large = await _body_for_keys(
+        request, runtime, admitted.route, admitted.framing
+    )
+    if too_large and runtime.engine.body_key_rejects:
+        refusal = runtime.error_response(
+            413,
+            "request body larger than the limits read keys from (server.body_key_max_size)",
+            close=True,
+        )
+        return await _answer_and_close(request, refusal)
+    return None
+
+
+def _limits_refusal(runtime: Runtime, outcome: Outcome, framing: RequestFraming) -> web.Response:
+    """The answer to a request the limits refused. Marked to close when it has a body: aiohttp
+    still reads an unread body for up to its lingering time (so the client sees this answer),
+    then closes."""
+    engine = runtime.engine
+    if outcome.rejected_by is None:  # denied by address or token, store down
+        retry = outcome.retry_after_s
+        return runtime.error_response(
+            outcome.status,
+            outcome.reason,
+            close=framing.has_body,
+            headers={"Retry-After": str(max(1, math.ceil(retry)))}
+            if retry
+            else _BEARER_CHALLENGE
+            if outcome.status == 401
+            else None,
+        )
+    custom = engine.custom_rejection(outcome)
+    if custom is not None:
+        status, content_type, body = custom  # the policy's rejection
+        return custom_rejection_response(
+            status, content_type, body, engine.headers(outcome), close=framing.has_body
+        )
+    return rate_limited_response(
+        outcome.status,
+        outcome.rejected_by,
+        outcome.reason,
+        outcome.retry_after_s,
+        engine.headers(outcome),
+        close=framing.has_body,
+    )
+
+
+def _max_body_size(route: Route, runtime: Runtime) -> int:
+    """The largest request body the route takes (0: no limit)."""
+    max_body = route.max_body_size
+    if max_body is None:
+        max_body = runtime.settings.max_body_size
+    return max_body
+
+
+def _body_refused(request: BaseRequest, framing: RequestFraming, max_body: int) -> bool:
+    """Whether the body is refused before the upstream hears of the request: its length over
+    ``max_body``, or a chunk size the connection already refused."""
+    if max_body and framing.content_length is not None and framing.content_length > max_body:
+        return True
+    protocol = request.protocol
+    return isinstance(protocol, GatewayProtocol) and protocol.body_refused != 0
+
+
+async def _refuse_body(
+    request: BaseRequest, runtime: Runtime, framing: RequestFraming, max_body: int
+) -> web.Response:
+    """The answer to a body ``_body_refused`` refuses."""
+    if max_body and framing.content_length is not None and framing.content_length > max_body:
+        return await _refuse(
+            request, runtime.error_response(413, "request body too large", close=True), framing
+        )
+    # A chunk size already refused the body: answer before the upstream hears of it.
+    protocol = request.protocol
+    status = protocol.body_refused if isinstance(protocol, GatewayProtocol) else 400
+    message = "request body too large" if status == 413 else "malformed request body"
+    return await _answer_and_close(request, runtime.error_response(status, message, close=True))
+
+
+def _head_builder(
+    request: BaseRequest, runtime: Runtime, admitted: _Admitted
+) -> Callable[[str], bytes]:
+    """The request head for the upstream, given the upstream server's base path."""
+    method = request.method
+    target = admitted.target
+    raw_headers = request.raw_headers
+    framing = admitted.framing
+    forwarded = admitted.forwarded
+    via = runtime.via
+    underscores = runtime.settings.underscores_in_headers
+
+    def head_for(base_path: str) -> bytes:
+        return build_request_head(
+            method,
+            base_path + target if base_path else target,
+            raw_headers,
+            framing,
+            forwarded,
+            via,
+            underscores=underscores,
+        )
+
+    return head_for
+
+
+async def _body_failed(request: BaseRequest, runtime: Runtime, failure: Exception) -> web.Response:
+    """The answer when the client's body failed on its way upstream: too large, too slow, or
+    broken."""
+    if isinstance(failure, BodyTooLarge):
+        refusal = runtime.error_response(413, "request body too large", close=True)
+        request[LOCAL_ANSWER] = True
+        protocol = request.protocol
+        if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
+            # The rest of an oversized chunk is not worth a lingering read.
+            return await _answer_and_close(request, refusal)
+        return refusal
+    if isinstance(failure, BodyTimeout):
+        # The client stopped sending: nothing to linger for.
+        return await _answer_and_close(
+            request, runtime.error_response(408, "request body timed out", close=True)
+        )
+    # The upstream connection was cut mid-body, so the upstream never sees it end; the rest
+    # of what this client sends is not worth reading.
+    return await _answer_and_close(
+        request, runtime.error_response(400, "malformed request body", close=True)
+    )
+
+
+def _upstream_failed(
+    request: BaseRequest, runtime: Runtime, name: str, error: UpstreamError
+) -> web.Response:
+    """The answer when no server of the upstream answered (the pool logged each failure)."""
+    request[UPSTREAM_ERROR] = upstream_error_reason(error)
+    if isinstance(error, UpstreamConnectError):
+        return runtime.error_response(502, f"upstream {name!r}: connection failed")
+    if isinstance(error, UpstreamTimeout):
+        return runtime.error_response(504, f"upstream {name!r}: timed out")
+    return runtime.error_response(502, f"upstream {name!r}: error")
+
+
+def _read_costs(
+    request: BaseRequest, runtime: Runtime, admitted: _Admitted, response: UpstreamResponse
+) -> UsageMeter | None:
+    """Note what the response's headers say the request cost (for limits charged after the
+    response); the meter that reads its body for it (``cost_from``), if any."""
+    engine = runtime.engine
+    outcome = admitted.outcome
+    if outcome is None or not outcome.charge_after:
+        return None
+    if engine.cost_headers:
+        reported = admitted.reported = _reported_costs(response.headers, engine.cost_headers)
+        if reported is not None:
+            request[REPORTED_COSTS] = {
+                name.decode("latin-1"): value.decode("latin-1") for name, value in reported.items()
+            }
+    if engine.body_costs:
+        admitted.meter = usage_meter(engine.body_costs, response.headers)
+    return admitted.meter
+
+
+def _whole_at_once(response: UpstreamResponse, method: str, version: HttpVersion) -> bool:
+    """The common case, a small answer already received whole, with a body, to an HTTP/1.1
+    request: sent in one write (``_whole_answer``)."""
+    return (
+        response.body_complete
+        and method != "HEAD"
+        and response.status not in _NO_BODY_STATUS
+        and version == HttpVersion11
+    )
+
+
+def _whole_answer(
+    request: BaseRequest,
+    runtime: Runtime,
+    response: UpstreamResponse,
+    meter: UsageMeter | None,
+    limit_headers: bytes,
+) -> web.StreamResponse:
+    """The common case, a small HTTP/1.1 answer already received whole: one write."""
+    status = response.status
+    whole = response.body_bytes()
+    response.release()
+    if meter is not None:
+        meter.feed(whole)
+        meter.finish()
+    keep_alive = request.keep_alive
+    head = response_head(
+        status,
+        response.reason,
+        response.headers,
+        runtime.via,
+        runtime.server_line + limit_headers,
+        len(whole),
+        keep_alive,
+        _DATE.now(),
+        runtime.hidden_headers,
+    )
+    return cast(web.StreamResponse, PreparedResponse(status, head + whole, keep_alive))
+
+
+async def _relayed_answer(
+    request: BaseRequest,
+    runtime: Runtime,
+    admitted: _Admitted,
+    response: UpstreamResponse,
+    server: PoolMember,
+    meter: UsageMeter | None,
+    limit_headers: bytes,
+) -> web.StreamResponse:
+    """The upstream's answer through aiohttp's response objects: whole (HTTP/1.0, no body),
+    or streamed as it arrives."""
+    status = response.status
+    is_head = request.method == "HEAD"
+    headers = CIMultiDict(response_headers(response.headers, runtime.via, runtime.hidden_headers))
+    if runtime.server_line:  # the upstream's is hidden: the gateway's in its place
+        headers["Server"] = SERVER
+    outcome = admitted.outcome
+    if limit_headers and outcome is not None:
+        headers.extend(runtime.engine.headers(outcome))
+    reason = response.reason.decode("latin-1")  # "" stays "": aiohttp keeps it
+    if response.body_complete and not is_head:
+        whole = response.body_bytes()
+        response.release()
+        if meter is not None:
+            meter.feed(whole)
+            meter.finish()
+        if status in _NO_BODY_STATUS:
+            return RelayedResponse(status=status, reason=reason, headers=headers)
+        return RelayedResponse(status=status, reason=reason, headers=headers, body=whole)
+    stream = RelayedStream(status=status, reason=reason, headers=headers)
+    if response.content_length is not None and status not in _NO_BODY_STATUS:
+        stream.content_length = response.content_length
+    await stream.prepare(request)
+    admitted.sent_status = status
+    if is_head or status in _NO_BODY_STATUS:
+        response.release()
+        return stream
+    if await _relay(request, response, stream, admitted.upstream.pool, server, meter):
+        response.release()
+    return stream
 
 
 async def _relay(
@@ -624,9 +740,7 @@ async def _body_for_keys(
     length = framing.content_length
     if length is not None and length > most:
         return None, None, True  # too large, known without reading it
-    max_body = route.max_body_size
-    if max_body is None:
-        max_body = runtime.settings.max_body_size
+    max_body = _max_body_size(route, runtime)
     if max_body and length is not None and length > max_body:
         return None, None, False  # 413 when it is forwarded
     if framing.expect_continue and request.transport is not None:

@@ -266,22 +266,12 @@ class WorkerMetrics:
         for sketch in self.top_keys.values():
             sketch.rotate(now)
 
-    def snapshot(self, now: float) -> WorkerSnapshot:
-        state = self.state
-        runtime = state.current.runtime
-        store = state.store
+    def _limit_data(
+        self, runtime: Runtime, store: StoreFigures
+    ) -> tuple[dict[str, LimitData], dict[str, tuple[HitterData, ...]]]:
+        """Each limit's figures, and its heaviest keys where they are tracked."""
         limits: dict[str, LimitData] = {}
         top_keys: dict[str, tuple[HitterData, ...]] = {}
-        # Every (route, reason) pair from the start, so a dashboard query finds the series.
-        upstream_errors = dict.fromkeys(
-            (
-                (route.name, reason)
-                for route in runtime.loaded.policy.routes
-                for reason in UPSTREAM_ERROR_REASONS
-            ),
-            0,
-        )
-        upstream_errors.update(self.requests.upstream_errors)
         for limit in runtime.engine.limits:
             name = limit.name
             counters = limit.counters
@@ -329,6 +319,23 @@ class WorkerMetrics:
                     for h in sketch.top(TOP_KEYS_SHOWN)
                     for key, _, tier in (h.key.partition(TIER_SEP),)
                 )
+        return limits, top_keys
+
+    def snapshot(self, now: float) -> WorkerSnapshot:
+        state = self.state
+        runtime = state.current.runtime
+        store = state.store
+        # Every (route, reason) pair from the start, so a dashboard query finds the series.
+        upstream_errors = dict.fromkeys(
+            (
+                (route.name, reason)
+                for route in runtime.loaded.policy.routes
+                for reason in UPSTREAM_ERROR_REASONS
+            ),
+            0,
+        )
+        upstream_errors.update(self.requests.upstream_errors)
+        limits, top_keys = self._limit_data(runtime, store)
         stats = store.stats
         store_data = StoreData(
             name=store.name,
@@ -378,24 +385,7 @@ class WorkerMetrics:
                 idle_timeouts=upgrades.idle_timeouts,
             ),
             process=read_process(),
-            upstreams={
-                name: UpstreamData(
-                    url=target.config.url
-                    or ", ".join(server.url for server in target.config.server_list()),
-                    failures=dict(target.pool.failures.by_cause),
-                    recent=tuple(
-                        FailureData(
-                            at=f.at,
-                            server=f.server,
-                            address=f.address,
-                            cause=f.cause,
-                            detail=f.detail,
-                        )
-                        for f in reversed(target.pool.failures.recent)
-                    ),
-                )
-                for name, target in runtime.upstreams.items()
-            },
+            upstreams=_upstream_data(runtime),
             servers=server_data(runtime),
             retries=retry_counts(runtime),
             tls_not_after=tls.not_after if tls is not None else None,
@@ -454,6 +444,28 @@ def server_data(runtime: Runtime) -> tuple[ServerData, ...]:
             )
         )
     return tuple(out)
+
+
+def _upstream_data(runtime: Runtime) -> dict[str, UpstreamData]:
+    """Each upstream's failures, by cause and the latest."""
+    return {
+        name: UpstreamData(
+            url=target.config.url
+            or ", ".join(server.url for server in target.config.server_list()),
+            failures=dict(target.pool.failures.by_cause),
+            recent=tuple(
+                FailureData(
+                    at=f.at,
+                    server=f.server,
+                    address=f.address,
+                    cause=f.cause,
+                    detail=f.detail,
+                )
+                for f in reversed(target.pool.failures.recent)
+            ),
+        )
+        for name, target in runtime.upstreams.items()
+    }
 
 
 class ObservedHandler:

@@ -20,6 +20,7 @@ from typing import Any, Final
 from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy, MultiMapping
 from yarl import URL
 
+from gateway.algorithms.combine import CombinedDecision
 from gateway.algorithms.registry import build_algorithm
 from gateway.clock import FakeClock
 from gateway.edge.client_ip import ClientIPResolver
@@ -230,16 +231,7 @@ class Simulation:
                 outcomes[DENIED] += 1
                 return DENIED
             per_second[2] += 1
-            tally.rejected_by[outcome.rejected_by] += 1
-            verdict = outcome.verdict
-            if verdict is not None:
-                checks = outcome.checks
-                indices = verdict.rejected_by or tuple(
-                    i for i, c in enumerate(checks) if c.limit.name == outcome.rejected_by
-                )
-                for index in indices:
-                    check = checks[index]
-                    tally.limits[check.limit.name].rejected_keys[check.key] += 1
+            self._count_rejection(outcome, outcome.rejected_by)
             outcomes[REJECTED] += 1
             return REJECTED
         if outcome.charge_after:
@@ -251,23 +243,41 @@ class Simulation:
             return UNLIMITED
         if outcome.delay_s > 0.0:
             per_second[1] += 1
-            tally.delays_ms.append(outcome.delay_s * 1000.0)
-            if verdict.delayed_by is not None:
-                tally.delayed_by[outcome.checks[verdict.delayed_by].limit.name] += 1
-            engine.take_places(outcome)
-            for check, decision in zip(outcome.checks, verdict.decisions, strict=True):
-                if decision.delay_s > 0.0:
-                    limit_tally = tally.limits[check.limit.name]
-                    limit_tally.delays_ms.append(decision.delay_s * 1000.0)
-                    limit_tally.peak_queue = max(
-                        limit_tally.peak_queue, check.limit.counters.waiting
-                    )
+            self._count_delay(outcome, verdict)
             self._seq += 1
             heapq.heappush(waiting, (now_us + round(outcome.delay_s * US), self._seq, outcome))
             outcomes[DELAYED] += 1
             return DELAYED
         outcomes[ALLOWED] += 1
         return ALLOWED
+
+    def _count_rejection(self, outcome: Outcome, rejected_by: str) -> None:
+        """Tally a request a limit rejected: by the limit, and by each rejecting key."""
+        tally = self.tally
+        tally.rejected_by[rejected_by] += 1
+        verdict = outcome.verdict
+        if verdict is not None:
+            checks = outcome.checks
+            indices = verdict.rejected_by or tuple(
+                i for i, c in enumerate(checks) if c.limit.name == rejected_by
+            )
+            for index in indices:
+                check = checks[index]
+                tally.limits[check.limit.name].rejected_keys[check.key] += 1
+
+    def _count_delay(self, outcome: Outcome, verdict: CombinedDecision) -> None:
+        """Tally a delayed request (its wait, by limit, the queues' peaks) and take its places
+        in the limits' queues."""
+        tally = self.tally
+        tally.delays_ms.append(outcome.delay_s * 1000.0)
+        if verdict.delayed_by is not None:
+            tally.delayed_by[outcome.checks[verdict.delayed_by].limit.name] += 1
+        self.engine.take_places(outcome)
+        for check, decision in zip(outcome.checks, verdict.decisions, strict=True):
+            if decision.delay_s > 0.0:
+                limit_tally = tally.limits[check.limit.name]
+                limit_tally.delays_ms.append(decision.delay_s * 1000.0)
+                limit_tally.peak_queue = max(limit_tally.peak_queue, check.limit.counters.waiting)
 
     def _hold_slots(self, outcome: Outcome, now_us: int, duration_us: int) -> None:
         """An admitted request holds its concurrency slots from its start, through its delay,

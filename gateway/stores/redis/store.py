@@ -107,6 +107,60 @@ def parse_store_url(url: str) -> tuple[str, bool]:
 ClientKind = Literal["thin", "redis-py"]
 
 
+def _check_settings(
+    on_failure: str,
+    replicas: int,
+    timeout_s: float,
+    max_in_flight: int,
+    slot_ttl_s: float,
+    key_prefix: str,
+) -> None:
+    """Refuse a store configured out of range (``ValueError``, saying what is accepted)."""
+    if on_failure not in FAILURE_MODES:
+        raise ValueError(f"on_failure must be local, allow or deny, got {on_failure!r}")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout must be positive, got {timeout_s!r}")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight!r}")
+    if not slot_ttl_s > 0:
+        raise ValueError(f"slot_ttl must be positive, got {slot_ttl_s!r}")
+    if "{" in key_prefix or "}" in key_prefix:
+        raise ValueError(f"key_prefix must not contain braces (hash tags), got {key_prefix!r}")
+
+
+def _script_client(
+    kind: ClientKind,
+    redis_url: str,
+    cluster: bool,
+    program: LuaProgram,
+    max_in_flight: int,
+    timeout_s: float,
+) -> ScriptClient:
+    """A client of ``kind`` that calls ``program`` (our own thin one, or redis-py's)."""
+    if kind == "thin":
+        return ThinClient(
+            redis_url,
+            program.script,
+            program.sha,
+            max_in_flight,
+            timeout_s,
+            cluster=cluster,
+            library=program.library,
+            function=program.function,
+        )
+    if kind == "redis-py":
+        return PipelineClient(
+            _redis_py(redis_url, cluster, max_in_flight, timeout_s),
+            program.script,
+            program.sha,
+            max_in_flight,
+            timeout_s,
+        )
+    raise ValueError(f"client must be 'thin' or 'redis-py', got {kind!r}")
+
+
 class RedisStore:
     """The ``LimitStore`` for several replicas: state in Redis or a Redis Cluster."""
 
@@ -133,18 +187,7 @@ class RedisStore:
         """``clock`` drives the local fallback and the breakers; ``time_source`` (tests only)
         replaces Redis ``TIME`` as the scripts' clock. ``breaker`` is the single server's
         circuit breaker, and the model of each cluster node's."""
-        if on_failure not in FAILURE_MODES:
-            raise ValueError(f"on_failure must be local, allow or deny, got {on_failure!r}")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout must be positive, got {timeout_s!r}")
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight!r}")
-        if not slot_ttl_s > 0:
-            raise ValueError(f"slot_ttl must be positive, got {slot_ttl_s!r}")
-        if "{" in key_prefix or "}" in key_prefix:
-            raise ValueError(f"key_prefix must not contain braces (hash tags), got {key_prefix!r}")
+        _check_settings(on_failure, replicas, timeout_s, max_in_flight, slot_ttl_s, key_prefix)
         redis_url, cluster = parse_store_url(url)
         self.url = url
         self.cluster = cluster
@@ -186,51 +229,14 @@ class RedisStore:
         program = decision_program()
         self.script = program.script
         self.sha = program.sha
-        self.client: ScriptClient
-        if client == "thin":
-            self.client = ThinClient(
-                redis_url,
-                self.script,
-                self.sha,
-                max_in_flight,
-                timeout_s,
-                cluster=cluster,
-                library=program.library,
-                function=program.function,
-            )
-        elif client == "redis-py":
-            self.client = PipelineClient(
-                _redis_py(redis_url, cluster, max_in_flight, timeout_s),
-                self.script,
-                self.sha,
-                max_in_flight,
-                timeout_s,
-            )
-        else:
-            raise ValueError(f"client must be 'thin' or 'redis-py', got {client!r}")
+        self.client: ScriptClient = _script_client(
+            client, redis_url, cluster, program, max_in_flight, timeout_s
+        )
         self.owed = OwedToNodes(self._charge_owed, self._node_of_check, self._topology)
         # Leased limits (``lease:``): their own script, on a client of their own (one call in
         # flight: asks are rare), of the kind configured.
-        lease_program = lease_lua_program()
-        lease_script, lease_sha = lease_program.script, lease_program.sha
-        lease_client: ScriptClient
-        if client == "thin":
-            lease_client = ThinClient(
-                redis_url,
-                lease_script,
-                lease_sha,
-                1,
-                timeout_s,
-                cluster=cluster,
-                library=lease_program.library,
-                function=lease_program.function,
-            )
-        else:
-            lease_client = PipelineClient(
-                _redis_py(redis_url, cluster, 1, timeout_s), lease_script, lease_sha, 1, timeout_s
-            )
         self.leases = LeaseBook(
-            lease_client,
+            _script_client(client, redis_url, cluster, lease_lua_program(), 1, timeout_s),
             key_prefix=key_prefix,
             clock=self.clock,
             circuits=self.circuits,
