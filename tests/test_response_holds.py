@@ -10,12 +10,15 @@ With ``hold: none`` (the old behaviour) all 200 reached the upstream."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from gateway.cli.main import main
 from gateway.clock import FakeClock
 from gateway.stores import RedisStore
 from tests.support import redis_harness
@@ -278,3 +281,127 @@ async def test_a_client_gone_while_redis_decides_leaves_no_hold_behind(
 
         await wait_until(given_back, "the hold back")
     assert held_upstream.arrived == 0
+
+
+def _dry_run_beside(upstream: HeldUpstream, enforced: str) -> str:
+    """The login limit in dry run (its holds taken as if enforced), beside an enforced one."""
+    return (
+        _policy(upstream).replace(
+            "    count: {statuses: [401]}\n", "    count: {statuses: [401]}\n    dry_run: true\n"
+        )
+        + enforced
+    )
+
+
+async def _refused_by_the_other_limit(gw: RunningGateway, session: aiohttp.ClientSession) -> None:
+    statuses = []
+    for _ in range(4):
+        async with session.post(gw.url + "/fast") as resp:
+            statuses.append(resp.status)
+    assert statuses == [200, 429, 429, 429]
+
+
+async def _gone_from_the_queue(gw: RunningGateway, session: aiohttp.ClientSession) -> None:
+    async with session.post(gw.url + "/fast") as resp:
+        assert resp.status == 200
+    engine = gw.gateway.handler.runtime.engine
+    shaped = next(limit for limit in engine.limits if limit.name == "gate")
+    for _ in range(3):
+        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"POST /fast HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n")
+        await wait_until(lambda: shaped.counters.waiting == 1, "the request queued")
+        writer.close()
+        await wait_until(lambda: shaped.counters.waiting == 0, "the request gone")
+
+
+async def _waited_in_line_for_a_slot(gw: RunningGateway, session: aiohttp.ClientSession) -> None:
+    upstream = _UPSTREAM[0]
+    first = asyncio.create_task(session.post(gw.url + "/hold/slot?status=200"))
+    await wait_until(lambda: upstream.in_flight.get("slot") == 1, "the slot taken")
+    for _ in range(3):  # each waits its 0.2 s in line, then a 429
+        async with session.post(gw.url + "/fast") as resp:
+            assert resp.status == 429
+    upstream.release("slot")
+    async with await first as resp:
+        assert resp.status == 200
+
+
+DRY_RUN_ENDINGS = {
+    "refused by an enforced limit": (
+        _refused_by_the_other_limit,
+        "  gate:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n",
+    ),
+    "gone from the queue": (
+        _gone_from_the_queue,
+        "  gate:\n    algorithm: leaky_bucket\n    rate: 1r/m\n    burst: 5\n    max_delay: 1h\n",
+    ),
+    "waited in line for a slot": (
+        _waited_in_line_for_a_slot,
+        "  gate:\n    algorithm: concurrency\n    limit: 1\n    max_delay: 200ms\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("ending", sorted(DRY_RUN_ENDINGS))
+@pytest.mark.parametrize("kind", ["memory", "shared", "redis"])
+async def test_a_dry_run_hold_comes_back_when_the_request_never_reaches_the_upstream(
+    held_upstream: HeldUpstream,
+    start_gateway: GatewayFactory,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    kind: str,
+    ending: str,
+) -> None:
+    """A dry-run limit holds as an enforced one would; a request another limit refuses, or
+    whose client leaves the shaping queue, never reaches the upstream: its hold comes back
+    (an enforced limit would have charged nothing), and the dry-run limit keeps its budget."""
+    send, enforced = DRY_RUN_ENDINGS[ending]
+    _UPSTREAM[:] = [held_upstream]
+    clock = FakeClock(T0_US)
+    gw = await start_gateway(
+        _dry_run_beside(held_upstream, enforced),
+        clock=clock,
+        **gateway_store_of(kind, request, clock, tmp_path, "dryholds"),
+    )
+    engine = gw.gateway.handler.runtime.engine
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        await send(gw, session)
+
+        async def left() -> int:
+            await engine.charges_done()
+            async with session.get(gw.admin_url + "/explain", params={"path": "/x"}) as resp:
+                explained = await resp.json()
+            entry = next(e for e in explained["limits"] if e["name"] == "failed_logins")
+            decision = entry["next_request"]
+            return int(decision["remaining"]) + (1 if decision["allowed"] else 0)
+
+        await wait_until(lambda: gw.gateway.handler.runtime.inflight == 0, "the requests to end")
+        await engine.charges_done()
+        assert await left() == LIMIT
+
+
+def test_a_replay_gives_dry_run_holds_back_for_the_requests_it_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gateway replay`` decides as the gateway does: ten requests in a minute, the gate
+    admits one; the nine it refuses give back what the dry-run login limit held for them, so
+    that limit never would have refused one (before: holds of five, then four 'would
+    reject')."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        _dry_run_beside(
+            HeldUpstream(port=9),
+            "  gate:\n    algorithm: fixed_window\n    limit: 1\n    window: 1m\n",
+        )
+    )
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    stamps = [(start + timedelta(seconds=s)).strftime("%d/%b/%Y:%H:%M:%S +0000") for s in range(10)]
+    log = tmp_path / "access.log"
+    log.write_text(
+        "".join(f'203.0.113.1 - - [{at}] "GET / HTTP/1.1" 200 12 "-" "curl/8.5"\n' for at in stamps)
+    )
+    assert main(["replay", "--json", "--config", str(policy), str(log)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    limits = {lim["name"]: lim for lim in doc["policies"][0]["limits"]}
+    assert (limits["gate"]["allowed"], limits["gate"]["rejected"]) == (1, 9)
+    assert limits["failed_logins"]["dry_run_rejected"] == 0

@@ -212,6 +212,7 @@ class ProxyHandler:
                     _settle_limits(request, runtime, admitted, outcome, status)
             elif isinstance(admitted, _Refused):
                 outcome = admitted.outcome
+                runtime.engine.give_back_holds(outcome)
             runtime.request_done()
             if isinstance(protocol, GatewayProtocol):
                 protocol.request_finished()
@@ -390,7 +391,7 @@ async def _wait_in_queue(runtime: Runtime, outcome: Outcome) -> None:
             stopped = stop
         if stopped is not None:
             await engine.give_back(outcome)
-            outcome.charge_after = ()  # it never reached the upstream
+            engine.give_back_holds(outcome)  # it never reached the upstream
             raise stopped
     finally:
         engine.leave_queue(outcome)

@@ -816,8 +816,10 @@ class LimitEngine:
         if outcome.holds_places:  # the places held while deciding: now one in the line
             outcome.holds_places = False
             _release(enforced)
-        # Slots its dry-run limits took go back now: the outcome it ends with is a new one.
+        # Slots and holds its dry-run limits took go back now: the outcome it ends with is a
+        # new one.
         self.release(outcome)
+        self.give_back_holds(outcome)
         ticket = lines.join(check.limit.table, check.key)
         verdict = outcome.verdict
         joined_at = loop.time()
@@ -882,6 +884,7 @@ class LimitEngine:
         if outcome.holds_places:
             outcome.holds_places = False
             _release(outcome.checks)
+        self.give_back_holds(outcome)
         return self._waited_too_long(check, list(outcome.checks), outcome.verdict)
 
     def release(self, outcome: Outcome) -> None:
@@ -1017,6 +1020,44 @@ class LimitEngine:
                 _count_charges(checks, store.charge_now(checks, units), kept, labels)
             return
         task = asyncio.ensure_future(self._charge(checks, units, kept, labels, refunds))
+        self._charging.add(task)
+        task.add_done_callback(self._charging.discard)
+
+    def give_back_holds(self, outcome: Outcome) -> None:
+        """A request that never reaches the upstream (refused by another limit, or gone from
+        the shaping queue) gives back whole what its dry-run limits held for it: an enforced
+        limit would have taken nothing (a refusal charges none, ``give_back`` refunds a
+        queued request's enforced checks). Its charges after the response are dropped."""
+        after = outcome.charge_after
+        if not after:
+            return
+        outcome.charge_after = ()
+        instants = outcome.charged_at
+        enforced = outcome.checks
+        refunds: list[tuple[Check, int]] = []
+        for index, check in enumerate(after):
+            limit = check.limit
+            at_us = instants[index] if index < len(instants) else None
+            if not limit.holds_budget or not check.cost or at_us is None:
+                continue
+            if any(check is taken for taken in enforced):
+                continue
+            refunds.append((check, at_us))
+            counters = limit.counters
+            counters.held_units += check.cost
+            counters.returned_units += check.cost
+            if limit.response_charge is not None and limit.response_charge.cost_from is not None:
+                label = counters.model_label("", self._max_models)
+                _add(counters.held_by_model, label, check.cost)
+                _add(counters.returned_by_model, label, check.cost)
+        if not refunds:
+            return
+        store = self._immediate
+        if store is not None:
+            for group, at_us in _by_instant(refunds):
+                store.refund_now(group, at_us)
+            return
+        task = asyncio.ensure_future(self._charge([], [], [], [], refunds))
         self._charging.add(task)
         task.add_done_callback(self._charging.discard)
 

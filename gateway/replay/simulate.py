@@ -227,6 +227,7 @@ class Simulation:
         if outcome.held:
             self._hold_slots(outcome, now_us, request.duration_us)
         if outcome.status:
+            engine.give_back_holds(outcome)  # it never reached the upstream
             if outcome.rejected_by is None:
                 outcomes[DENIED] += 1
                 return DENIED
