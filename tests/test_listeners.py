@@ -393,9 +393,9 @@ async def test_every_worker_serves_every_listener_and_drains_them_on_sigterm(
             f"{tls_files.server_cert}, valid until " in line
         )
         assert f"127.0.0.1:{redirect} (redirects to https port {secure})" in line
-    assert (
-        gw.log().count("GATEWAY_LISTEN (127.0.0.1:1) is not used: the policy's server.listen") == 2
-    )
+    # Each worker says it just after its "serving on" line: the second may not be written yet.
+    unused = "GATEWAY_LISTEN (127.0.0.1:1) is not used: the policy's server.listen"
+    await wait_until(lambda: gw.log().count(unused) == 2, "both workers' GATEWAY_LISTEN line")
     connector = aiohttp.TCPConnector(ssl=trusting(tls_files.ca))
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
 

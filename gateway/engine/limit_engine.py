@@ -270,12 +270,7 @@ class LimitEngine:
         self.penalties, self._penalty_status = _penalty_tables(policy, store, previous)
         self._has_penalties = bool(self.penalties)
         # ``rejection:``: the limits whose rejections are answered the operator's way.
-        default = RejectionTemplate(policy.rejection) if policy.rejection is not None else None
-        self._rejections: dict[str, RejectionTemplate] = {}
-        for name, spec in policy.limits.items():
-            own = RejectionTemplate(spec.rejection) if spec.rejection is not None else default
-            if own is not None:
-                self._rejections[name] = own
+        self._rejections: dict[str, RejectionTemplate] = _rejection_templates(policy)
         # Limits charged after the response: whether any (the request path asks once), the
         # response headers their upstreams report costs in, and those removed before the
         # client sees them (unless ``keep_cost_header``).
@@ -1411,6 +1406,18 @@ def _slot_refused(
         checks=enforced,
         verdict=verdict,
     )
+
+
+def _rejection_templates(policy: Policy) -> dict[str, RejectionTemplate]:
+    """``rejection:``: the template each limit answers its rejections with, by limit name (a
+    limit's own, else the policy's); a limit absent answers with the default problem+json."""
+    default = RejectionTemplate(policy.rejection) if policy.rejection is not None else None
+    templates: dict[str, RejectionTemplate] = {}
+    for name, spec in policy.limits.items():
+        own = RejectionTemplate(spec.rejection) if spec.rejection is not None else default
+        if own is not None:
+            templates[name] = own
+    return templates
 
 
 def _with_charge_after(

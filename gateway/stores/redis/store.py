@@ -233,16 +233,7 @@ class RedisStore:
             client, redis_url, cluster, program, max_in_flight, timeout_s
         )
         self.owed = OwedToNodes(self._charge_owed, self._node_of_check, self._topology)
-        # Leased limits (``lease:``): their own script, on a client of their own (one call in
-        # flight: asks are rare), of the kind configured.
-        self.leases = LeaseBook(
-            _script_client(client, redis_url, cluster, lease_lua_program(), 1, timeout_s),
-            key_prefix=key_prefix,
-            clock=self.clock,
-            circuits=self.circuits,
-            stats=self.stats,
-            time_source=time_source,
-        )
+        self.leases = self._lease_book(client, redis_url, cluster)
         if on_failure == "local":
             self.leases.seed = self._seed_local
         # What the lease book calls back, bound once rather than on every request.
@@ -252,6 +243,18 @@ class RedisStore:
         self._plans: dict[str, LimitPlan] = {}
         self._stale_plans: dict[tuple[str, Algorithm[Any]], LimitPlan] = {}
         self._tag_part: str | None = None
+
+    def _lease_book(self, client: ClientKind, redis_url: str, cluster: bool) -> LeaseBook:
+        """Leased limits (``lease:``): their own script, on a client of their own (one call in
+        flight: asks are rare), of the kind configured."""
+        return LeaseBook(
+            _script_client(client, redis_url, cluster, lease_lua_program(), 1, self.timeout_s),
+            key_prefix=self.key_prefix,
+            clock=self.clock,
+            circuits=self.circuits,
+            stats=self.stats,
+            time_source=self.time_source,
+        )
 
     def admin_client(self, timeout_s: float = 1.0) -> Redis | RedisCluster:
         """A redis-py client for what is not a script call on the request path (which limits
