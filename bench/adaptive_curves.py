@@ -249,7 +249,8 @@ def draw(curves: Curves, out: Path) -> None:
     limits.step(t, curves.capacity, where="pre", color="gray", label="capacity C")
     limits.step(t, curves.limit, where="pre", color="C0", label="adaptive limit (mean)")
     limits.set_ylabel("requests in flight")
-    limits.set_ylim(bottom=0)
+    # The cold start's descent from max_limit (1000) goes off the top: the band is what counts.
+    limits.set_ylim(0, 2 * max(curves.capacity))
     limits.legend(loc="upper right", fontsize=8)
 
     latency.step(t, curves.p50_ms, where="pre", label="admitted p50")

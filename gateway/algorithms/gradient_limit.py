@@ -12,7 +12,13 @@ capacity from one signal, its latency, and follows it:
    cold upstream offered more than it serves queues the rest meanwhile). With none of them
    back in 2 s (the traffic came all at once), the limit is pinned to ``min_limit`` for a
    probe as below. The gradient then takes the limit down from there, a quarter a sample at
-   most; the next probe measures the minimum again at the floor.
+   most. Those back within one sample interval are the fastest few (one or two, at an
+   upstream of 90 ms), a minimum up to a tenth low with a spread of service times: its
+   tolerance can be no higher than the upstream's own mean latency, where the limit stops
+   wherever it is (8 of a capacity of 35) until the next probe. So a minimum from fewer than
+   ``probe_requests`` latencies is measured again in full at the first sample that the
+   demand filled (the interval's peak in flight reached the limit) and that the latency did
+   not cut: the cold start's queue is gone by then.
 1. **Probe.** The limit is pinned to ``min_limit``; the latency of ``probe_requests`` requests
    started while no more than ``min_limit`` were in flight (their mean, ``trimmed_mean``) is the
    upstream's **minimum latency**: what a request costs it when nothing queues. A probe lasts
@@ -31,9 +37,10 @@ capacity from one signal, its latency, and follows it:
    latency is ``(1 + buffer)`` times the minimum: every request is served at once, plus a short
    queue so that capacity is never left idle.
 3. **Probe again** every ``probe_interval``, plus up to ``jitter`` of it at random (so gateways
-   and their workers do not all probe at once), and at once after five samples in a row that
+   and their workers do not all probe at once), at once after five samples in a row that
    left the limit at ``min_limit`` while requests wanted more (the upstream's base latency
-   has risen, or the minimum was measured at a lucky moment; a probe costs nothing then).
+   has risen, or the minimum was measured at a lucky moment; a probe costs nothing then),
+   and once after a cold start whose minimum came from too few latencies (step 0).
 
 Differences from Envoy's gradient, each for a reason: no ``sqrt(limit)`` headroom added per step
 (it lifts the limit of a small upstream far beyond its capacity: about ``1.7 C`` at ``C = 8``);
@@ -135,6 +142,7 @@ class GradientLimit:
         "_probe_started_us",
         "_random",
         "_resume_estimate",
+        "_rough_minimum",
         "_samples",
         "_seen",
         "_slow_start",
@@ -179,6 +187,9 @@ class GradientLimit:
         self._peak = 0
         self._at_floor = 0
         self._slow_start = False
+        # The cold start's minimum, from fewer than ``probe_requests`` latencies: measured again
+        # in full once the limit binds and stops falling (``_update``).
+        self._rough_minimum = False
         self._next_probe_us = now_us
         self._start_probe(now_us)
         if self.cold:
@@ -289,7 +300,12 @@ class GradientLimit:
         # nothing then (a probe holds the limit there too), and a minimum measured at a lucky
         # moment, or an upstream whose base latency rose, would keep it there.
         self._at_floor = self._at_floor + 1 if busy and self.limit == params.min_limit else 0
-        if now_us >= self._next_probe_us or self._at_floor >= FLOOR_SAMPLES_BEFORE_PROBE:
+        # A rough minimum from the cold start, and the limit, demanded in full, no longer cut:
+        # the cold start's queue is gone; measure the minimum in full. A rough one can be a
+        # tenth low, a tolerance no higher than the upstream's own mean latency, which holds
+        # the limit wherever it is.
+        settled = self._rough_minimum and busy and sample_us <= tolerated
+        if now_us >= self._next_probe_us or self._at_floor >= FLOOR_SAMPLES_BEFORE_PROBE or settled:
             self._start_probe(now_us)
 
     def _set_estimate(self, estimate: float) -> None:
@@ -330,6 +346,7 @@ class GradientLimit:
         params = self.params
         # At least 1 us: a zero minimum would read any latency as infinitely far above it.
         self.min_latency_us = max(trimmed_mean(self._probe_samples), 1)
+        self._rough_minimum = self.cold and len(self._probe_samples) < params.probe_requests
         self.probing = False
         if self.cold:
             self.cold = False
