@@ -29,15 +29,33 @@ def test_round_robin_gives_each_server_exactly_its_weight_per_cycle(
 
 @given(weights_st, st.integers(0, 200))
 def test_round_robin_is_smooth_at_every_prefix(weights: list[int], length: int) -> None:
-    """After any number of picks, each server is within one pick of its exact share."""
+    """After any number of picks, each server is within about one pick of its exact share:
+    under 1.5 (nginx's smooth order itself strays past one pick: the test below)."""
+    assert _most_astray(weights, length) < 1.5
+
+
+def _most_astray(weights: list[int], length: int) -> float:
+    """How far any server strays from its exact share over the first ``length`` picks."""
     balancer = RoundRobin(weights)
     everyone = list(range(len(weights)))
     picks: Counter[int] = Counter()
     total = sum(weights)
+    most = 0.0
     for n in range(1, length + 1):
         picks[balancer.pick(everyone, (), "")] += 1
         for i, weight in enumerate(weights):
-            assert abs(picks[i] - n * weight / total) < 1.0 + 1e-9
+            most = max(most, abs(picks[i] - n * weight / total))
+    return most
+
+
+def test_round_robin_strays_past_one_pick_where_nginx_does() -> None:
+    """Weights 1, 1, 1, 5, 5, 5: after 11 picks nginx's smooth order has given the last server
+    2 of its 3.06 (worked by hand from nginx's rule); the bound above is not "within one pick",
+    which a CI run's random weights found false of nginx's algorithm."""
+    balancer = RoundRobin([1, 1, 1, 5, 5, 5])
+    order = [balancer.pick(list(range(6)), (), "") for _ in range(18)]
+    assert order == [3, 4, 5, 0, 3, 4, 5, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5]
+    assert 1.05 < _most_astray([1, 1, 1, 5, 5, 5], 18) < 1.06
 
 
 def test_round_robin_interleaves_a_heavy_server() -> None:
