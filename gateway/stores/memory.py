@@ -68,7 +68,6 @@ class MemoryStore:
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
-        instants: list[int] = []
         # Declared: compiled, a name takes the type of its first assignment (a slot count).
         state: Any
         for check in checks:
@@ -96,7 +95,6 @@ class MemoryStore:
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
-            instants.append(at_us)
         # Stamped with the instant decided at: a delayed request's refund needs it, and the
         # access log records it so ``gateway replay`` can decide the same request at the same
         # instant.
@@ -114,7 +112,9 @@ class MemoryStore:
                     self.slot_tables[check.limit.table].put(check.key, new_states[index])
                 # A limit charged after the response with ``hold: none`` takes nothing now.
                 elif not check.limit.admits_free:
-                    table.put(check.key, new_states[index], instants[index])
+                    # The instant it was decided at: calendar time for a calendar window.
+                    at_us = unix_us if check.limit.calendar else now_us
+                    table.put(check.key, new_states[index], at_us)
         return verdict
 
     def _decide_one(self, check: Check, now_us: int, commit: bool) -> CombinedDecision:
