@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decides, Decision, build
 from gateway.algorithms.fixed_window import check_limit, window_us_from_s
 
 _INF: Final = float("inf")
 
 
-class SlidingWindow:
+class SlidingWindow(Decides):
     """About ``limit`` units per sliding window of ``window_s``, from two window counters."""
 
     __slots__ = ("_count_bits", "_count_mask", "_index_shift", "limit", "window_us")

@@ -89,7 +89,7 @@ class MemoryStore:
                 # alone.
                 state = table.get(check.key) if commit else table.peek(check.key)
                 tables.append(table)
-            decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
+            decision, new_state = limit.decides.decide(state, at_us, check.cost)
             if decision.delay_s > 0.0:
                 delayed = True
             states.append(state)
@@ -134,7 +134,7 @@ class MemoryStore:
                 table = self._table(limit)
             # A look (commit=False, for /explain) leaves the key's place in the LRU order alone.
             state = table.get(check.key) if commit else table.peek(check.key)
-        decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
+        decision, new_state = limit.decides.decide(state, at_us, check.cost)
         verdict = combine(
             (decision,),
             (new_state,),
