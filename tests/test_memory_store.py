@@ -127,3 +127,34 @@ async def test_an_algorithm_not_derived_from_the_native_base_decides_alike() -> 
         verdicts = [await store.decide([Check(limit, "k")]) for limit in (outside, native)]
         assert verdicts[0].decisions == verdicts[1].decisions, step
         assert verdicts[0].allowed == (step < 3)
+
+
+def test_the_store_reads_its_clock_through_the_native_base() -> None:
+    """The gateway's clocks derive from ``Reads`` (compiled, a C call per decision); a clock
+    that only implements the protocol (a test's) is read through it, to the same instants."""
+    from gateway.algorithms.fixed_window import FixedWindow
+    from gateway.clock import FakeClock, MonotonicClock, ReadByProtocol, Reads
+    from gateway.limits.compiled import Check
+    from tests.support.conformance import compiled
+
+    class Stepping:
+        """A clock of the protocol only: each read a microsecond on."""
+
+        def __init__(self) -> None:
+            self.at_us = 3_000_000
+
+        def now_us(self) -> int:
+            self.at_us += 1
+            return self.at_us
+
+        def unix_us(self) -> int:
+            return self.now_us()
+
+    assert isinstance(MonotonicClock(), Reads)
+    native = MemoryStore(FakeClock(3_000_001))
+    assert native._reads is native.clock
+    outside = MemoryStore(Stepping())
+    assert isinstance(outside._reads, ReadByProtocol)
+    limit = compiled("l", FixedWindow(5, 1.0))
+    assert outside.decide_now([Check(limit, "k")]).now_us == 3_000_001
+    assert native.decide_now([Check(limit, "k")]).now_us == 3_000_001
