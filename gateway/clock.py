@@ -49,7 +49,41 @@ def _wall_offset_us() -> int:
 WALL_OFFSET_US: Final = _wall_offset_us()
 
 
-class MonotonicClock:
+class Reads:
+    """The class this module's clocks derive from. Compiled, a read through the ``Clock``
+    protocol is a Python method call; one through this class is a C call through its method
+    table: the in-process store reads its clock through ``reads`` on every decision."""
+
+    __slots__ = ()
+
+    def now_us(self) -> int:
+        raise NotImplementedError
+
+    def unix_us(self) -> int:
+        raise NotImplementedError
+
+
+class ReadByProtocol(Reads):
+    """A ``Clock`` that does not derive from ``Reads`` (a test's), read through the protocol."""
+
+    __slots__ = ("clock",)
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def now_us(self) -> int:
+        return self.clock.now_us()
+
+    def unix_us(self) -> int:
+        return self.clock.unix_us()
+
+
+def reads(clock: Clock) -> Reads:
+    """``clock`` as a ``Reads``: itself, or read through the protocol."""
+    return clock if isinstance(clock, Reads) else ReadByProtocol(clock)
+
+
+class MonotonicClock(Reads):
     __slots__ = ()
 
     def now_us(self) -> int:
@@ -59,7 +93,7 @@ class MonotonicClock:
         return time.time_ns() // 1000
 
 
-class FakeClock:
+class FakeClock(Reads):
     """A clock that moves only when told to; for tests. Its time stands for the gateway's
     monotonic clock, which reads the wall clock's instant at start (a test of wall-clock
     windows starts it at one); its calendar time is its time plus ``unix_offset_us`` (a wall

@@ -8,7 +8,7 @@ request (nginx's multi-zone rule), and the Redis Lua scripts can mirror the same
 
 from __future__ import annotations
 
-from typing import Final, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar
 
 S = TypeVar("S")
 
@@ -102,3 +102,29 @@ class Algorithm(Protocol, Generic[S]):
         (a bucket 40% full stays 40% full); ``None`` means start the key afresh.
         """
         ...
+
+
+class Decides:
+    """The class every algorithm of this package derives from, for its ``decide`` alone.
+
+    Compiled, a call through the ``Algorithm`` protocol is a Python method call (the instant
+    boxed, the arguments parsed, the pair returned as a new tuple); one through this class is
+    a C call through its method table. The stores' request path calls ``CompiledLimit.decides``
+    (this, or ``ByProtocol`` around an algorithm from elsewhere)."""
+
+    __slots__ = ()
+
+    def decide(self, state: Any, now_us: int, cost: int = 1) -> tuple[Decision, Any]:
+        raise NotImplementedError
+
+
+class ByProtocol(Decides):
+    """An ``Algorithm`` that does not derive from ``Decides``, decided through the protocol."""
+
+    __slots__ = ("algorithm",)
+
+    def __init__(self, algorithm: Algorithm[Any]) -> None:
+        self.algorithm = algorithm
+
+    def decide(self, state: Any, now_us: int, cost: int = 1) -> tuple[Decision, Any]:
+        return self.algorithm.decide(state, now_us, cost)

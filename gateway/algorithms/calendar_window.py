@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import date
 from typing import Any, Final
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decides, Decision, build
 from gateway.algorithms.calendar_period import (
     Period,
     next_first_day,
@@ -31,7 +31,7 @@ from gateway.policy.units import CALENDAR_PERIODS, time_zone
 _INF: Final = float("inf")
 
 
-class CalendarWindow:
+class CalendarWindow(Decides):
     """At most ``limit`` units per calendar ``period`` (``1d``, ``1w``, ``1mo``, ``1y``) in the
     time zone ``timezone`` (an IANA name)."""
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decides, Decision, build
 from gateway.algorithms.fixed_window import check_limit
 
 _INF: Final = float("inf")
 
 
-class Concurrency:
+class Concurrency(Decides):
     """At most ``limit`` slots held at once; a rejection advises a retry after
     ``retry_after_s`` (when a slot frees is not known)."""
 

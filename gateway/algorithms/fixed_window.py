@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision, build, require_int, require_number
+from gateway.algorithms.base import Algorithm, Decides, Decision, build, require_int, require_number
 
 _INF: Final = float("inf")
 
@@ -59,7 +59,7 @@ def check_limit(limit: int) -> int:
     return limit
 
 
-class FixedWindow:
+class FixedWindow(Decides):
     """At most ``limit`` units per aligned window of ``window_s`` seconds."""
 
     __slots__ = ("_count_bits", "_count_mask", "limit", "window_us")

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision, build, require_int
+from gateway.algorithms.base import Algorithm, Decides, Decision, build, require_int
 from gateway.policy.units import parse_rate
 
 _LAST_BITS: Final = 44
@@ -60,7 +60,7 @@ def unpack_state(state: int) -> tuple[int, int]:
     return state >> _LAST_BITS, state & _LAST_MASK
 
 
-class LeakyBucket:
+class LeakyBucket(Decides):
     """nginx ``limit_req`` for one zone and one ``limit_req`` directive; state per key is an int."""
 
     __slots__ = (

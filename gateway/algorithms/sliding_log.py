@@ -21,7 +21,7 @@ import struct
 from bisect import bisect_right
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision
+from gateway.algorithms.base import Algorithm, Decides, Decision
 from gateway.algorithms.fixed_window import check_limit, window_us_from_s
 
 _INF: Final = float("inf")
@@ -40,7 +40,7 @@ def unpack_log(state: bytes) -> list[int]:
     return memoryview(state).cast("q").tolist()
 
 
-class SlidingLog:
+class SlidingLog(Decides):
     """Never more than ``limit`` units in any span of ``window_s`` seconds."""
 
     __slots__ = ("limit", "window_us")

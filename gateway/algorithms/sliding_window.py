@@ -25,16 +25,16 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decides, Decision, build
 from gateway.algorithms.fixed_window import check_limit, window_us_from_s
 
 _INF: Final = float("inf")
 
 
-class SlidingWindow:
+class SlidingWindow(Decides):
     """About ``limit`` units per sliding window of ``window_s``, from two window counters."""
 
-    __slots__ = ("_count_bits", "_count_mask", "_index_shift", "limit", "window_us")
+    __slots__ = ("_count_bits", "_count_mask", "_counts_mask", "_index_shift", "limit", "window_us")
 
     def __init__(self, limit: int, window_s: float) -> None:
         self.limit = check_limit(limit)
@@ -42,6 +42,8 @@ class SlidingWindow:
         self._count_bits = limit.bit_length()
         self._count_mask = (1 << self._count_bits) - 1
         self._index_shift = 2 * self._count_bits
+        # Both counts, below the window number.
+        self._counts_mask = (1 << self._index_shift) - 1
 
     @property
     def name(self) -> str:
@@ -109,8 +111,11 @@ class SlidingWindow:
             state_index = state >> self._index_shift
             if state_index >= index:  # this window, or a newer one the clock stepped back from
                 index = state_index
-                previous = (state >> self._count_bits) & self._count_mask
-                current = state & self._count_mask
+                # The state is wider than a machine word (the window number above the two
+                # counts): one operation on it takes both counts, split as a small int.
+                counts = state & self._counts_mask
+                previous = counts >> self._count_bits
+                current = counts & self._count_mask
             elif state_index == index - 1:
                 previous = state & self._count_mask
                 current = 0
@@ -140,7 +145,7 @@ class SlidingWindow:
                     (start_us + 2 * window_us - now_us) / 1e6,
                 ),
             ),
-            (index << self._index_shift) | (previous << self._count_bits) | current,
+            (index << self._index_shift) | ((previous << self._count_bits) | current),
         )
 
     def _rejection(

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Any, Final, Literal
 
-from gateway.algorithms.base import Algorithm, Decision, build, require_int, require_number
+from gateway.algorithms.base import Algorithm, Decides, Decision, build, require_int, require_number
 
 Mode = Literal["reject", "queue"]
 COLD_FACTOR: Final = 3.0
@@ -95,7 +95,7 @@ def _check_mode(mode: str) -> Mode:
     return mode  # type: ignore[return-value]
 
 
-class _Bucket:
+class _Bucket(Decides):
     """What both token buckets share: their name, their rate, and equality by parameters
     (the policy engine keeps a limit's state across a reload when its algorithm is equal)."""
 

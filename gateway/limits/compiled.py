@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
-from gateway.algorithms.base import Algorithm
+from gateway.algorithms.base import Algorithm, ByProtocol, Decides
 from gateway.algorithms.calendar_window import CalendarWindow
 from gateway.algorithms.concurrency import Concurrency
 from gateway.limits.keys import KeyBuilder
@@ -163,10 +163,15 @@ class CompiledLimit:
     max_delay: float = field(init=False)
     max_queue: int = field(init=False)
     status: int = field(init=False)
+    # ``algorithm`` as the stores' request path calls it: compiled, a C call through the
+    # class's method table, not a Python method call through the protocol.
+    decides: Decides = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.table:
             self.table = self.name
+        algorithm = self.algorithm
+        self.decides = algorithm if isinstance(algorithm, Decides) else ByProtocol(algorithm)
         self.holds_slots = isinstance(self.algorithm, Concurrency)
         spec = self.spec
         self.dry_run = spec.dry_run

@@ -143,7 +143,7 @@ class KeyBuilder:
     ``plan_of``: the part ``plan:LIMIT`` reads, given LIMIT (the engine knows the limits);
     ``jwt_of``: the part ``jwt:CLAIM`` reads, given CLAIM (the engine holds the verifier)."""
 
-    __slots__ = ("_fallback_to_ip", "_parts", "_single_client_ip", "spec")
+    __slots__ = ("_fallback_to_ip", "_only", "_parts", "spec")
 
     def __init__(
         self,
@@ -155,20 +155,49 @@ class KeyBuilder:
         self.spec = spec
         self._parts = tuple(_part(p, plan_of, jwt_of) for p in spec)
         self._fallback_to_ip = on_missing_key == "client_ip"
-        self._single_client_ip = spec == ("client_ip",)
+        # A key of one part the request always has (``[client_ip]``, ``[route]``,
+        # ``[global]``, ``[method]``): read as a field, not through its part's function.
+        self._only = _ONLY.get(spec[0], _ANY) if len(spec) == 1 else _ANY
 
     def build(self, facts: RequestFacts) -> str | None:
-        if self._single_client_ip:
-            return facts.client_key
+        only = self._only
+        if only != _ANY:
+            if only == _CLIENT_IP:
+                return facts.client_key
+            if only == _ROUTE:
+                return facts.route
+            if only == _GLOBAL:
+                return ""
+            return facts.method
+        parts = self._parts
+        if len(parts) == 1:
+            value = parts[0](facts)
+            if value is None and self._fallback_to_ip:
+                return TAG + "ip" + facts.client_key
+            return value
         values = []
-        for part in self._parts:
+        for part in parts:
             value = part(facts)
             if value is None:
                 if not self._fallback_to_ip:
                     return None
                 value = TAG + "ip" + facts.client_key
             values.append(value)
-        return values[0] if len(values) == 1 else SEP.join(values)
+        return SEP.join(values)
+
+
+# What a key of one fixed part reads (``KeyBuilder._only``); ``_ANY``: its parts' functions.
+_ANY: Final = 0
+_CLIENT_IP: Final = 1
+_ROUTE: Final = 2
+_GLOBAL: Final = 3
+_METHOD: Final = 4
+_ONLY: Final[dict[str, int]] = {
+    "client_ip": _CLIENT_IP,
+    "route": _ROUTE,
+    "global": _GLOBAL,
+    "method": _METHOD,
+}
 
 
 def key_in_words(key: str) -> str:

@@ -11,7 +11,7 @@ from gateway.algorithms.base import Decision
 from gateway.algorithms.charging import charge_what_fits
 from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.concurrency import Concurrency
-from gateway.clock import Clock, MonotonicClock
+from gateway.clock import Clock, MonotonicClock, Reads, reads
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
 from gateway.stores.keyed_state import KeyedState
 from gateway.stores.slot_table import SlotTable
@@ -29,6 +29,8 @@ class MemoryStore:
 
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or MonotonicClock()
+        # The same clock, read on every decision through the native base (``Reads``).
+        self._reads: Reads = reads(self.clock)
         self.tables: dict[str, KeyedState[Any]] = {}
         # Concurrency limits' tables, by table name (apart: nothing in them is evicted).
         self.slot_tables: dict[str, SlotTable] = {}
@@ -56,7 +58,7 @@ class MemoryStore:
     def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
         """``decide`` without the coroutine: nothing here waits, so the engine calls this
         directly on the request path and saves a coroutine object per request."""
-        clock = self.clock
+        clock = self._reads
         now_us = clock.now_us()
         self.stats.calls += 1
         if len(checks) == 1:
@@ -68,7 +70,6 @@ class MemoryStore:
         states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
-        instants: list[int] = []
         # Declared: compiled, a name takes the type of its first assignment (a slot count).
         state: Any
         for check in checks:
@@ -90,13 +91,12 @@ class MemoryStore:
                 # alone.
                 state = table.get(check.key) if commit else table.peek(check.key)
                 tables.append(table)
-            decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
+            decision, new_state = limit.decides.decide(state, at_us, check.cost)
             if decision.delay_s > 0.0:
                 delayed = True
             states.append(state)
             decisions.append(decision)
             new_states.append(new_state)
-            instants.append(at_us)
         # Stamped with the instant decided at: a delayed request's refund needs it, and the
         # access log records it so ``gateway replay`` can decide the same request at the same
         # instant.
@@ -114,14 +114,16 @@ class MemoryStore:
                     self.slot_tables[check.limit.table].put(check.key, new_states[index])
                 # A limit charged after the response with ``hold: none`` takes nothing now.
                 elif not check.limit.admits_free:
-                    table.put(check.key, new_states[index], instants[index])
+                    # The instant it was decided at: calendar time for a calendar window.
+                    at_us = unix_us if check.limit.calendar else now_us
+                    table.put(check.key, new_states[index], at_us)
         return verdict
 
     def _decide_one(self, check: Check, now_us: int, commit: bool) -> CombinedDecision:
         """``decide_now`` for a request under one limit (the common case): the same steps and
         the same ``combine``, without the per-request lists."""
         limit = check.limit
-        at_us = self.clock.unix_us() if limit.calendar else now_us
+        at_us = self._reads.unix_us() if limit.calendar else now_us
         # Declared: compiled, a name takes the type of its first assignment (a slot count).
         state: Any
         table: KeyedState[Any] | None = None
@@ -134,7 +136,7 @@ class MemoryStore:
                 table = self._table(limit)
             # A look (commit=False, for /explain) leaves the key's place in the LRU order alone.
             state = table.get(check.key) if commit else table.peek(check.key)
-        decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
+        decision, new_state = limit.decides.decide(state, at_us, check.cost)
         verdict = combine(
             (decision,),
             (new_state,),
@@ -153,7 +155,7 @@ class MemoryStore:
     def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
         """Charge each check ``units`` after its response, as much as its key has room for;
         what each took."""
-        clock = self.clock
+        clock = self._reads
         taken: list[int] = []
         for check, cost in zip(checks, units, strict=True):
             limit = check.limit
@@ -193,7 +195,7 @@ class MemoryStore:
 
     def refund_now(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
         """``refund``, done rather than awaited."""
-        clock = self.clock
+        clock = self._reads
         now_us = clock.now_us()
         unix_us = clock.unix_us()
         for check in checks:

@@ -681,13 +681,13 @@ class SharedStore:
                 at_us = unix_us
             if prefix is None:
                 state = None
-                decision, new_state = limit.algorithm.decide(None, at_us, check.cost)
+                decision, new_state = limit.decides.decide(None, at_us, check.cost)
             elif limit.admits_free:
                 # Charged after the response (``charge``): decided, nothing written now.
                 key = prefix + key_bytes(check.key)
                 raw = get(key)
                 state = None if raw is None else decode_state(raw)[1]
-                decision, _ = limit.algorithm.decide(state, at_us, check.cost)
+                decision, _ = limit.decides.decide(state, at_us, check.cost)
                 new_state = state
                 if put is None:
                     found.append((key, raw, None))
@@ -710,7 +710,7 @@ class SharedStore:
                         tick = TAGGED
                     if tick >= TAGGED:
                         tick, state = decode_state(raw)
-                decision, new_state = limit.algorithm.decide(state, at_us, check.cost)
+                decision, new_state = limit.decides.decide(state, at_us, check.cost)
                 if limit.holds_slots:
                     if taken is None:
                         taken = [(key, check.cost)]
