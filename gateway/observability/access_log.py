@@ -196,8 +196,10 @@ class LineFormat:
         a credential (``api_key``, ``access_token``, ``sig``...), or that a limit reads, with
         its value hashed (the decoded value, as the limit keys on it), unless ``raw`` names it.
         """
-        path, mark, query = raw_path.partition("?")
-        if not mark or not query:
+        if "?" not in raw_path:
+            return raw_path
+        path, _, query = raw_path.partition("?")
+        if not query:
             return raw_path
         pieces = query.split("&")
         changed = False
