@@ -1005,8 +1005,19 @@ class LimitEngine:
                 counters.charged_units += cost
                 if label is not None:
                     _add(counters.charged_by_model, label, cost)
-        if not checks and not refunds:
-            return
+        if checks or refunds:
+            self._send_charges(checks, units, kept, labels, refunds)
+
+    def _send_charges(
+        self,
+        checks: list[Check],
+        units: list[int],
+        kept: list[int],
+        labels: list[str | None],
+        refunds: list[tuple[Check, int]],
+    ) -> None:
+        """Refunds, then charges, to the store: in process at once; otherwise in the
+        background (the response never waits for them)."""
         store = self._immediate
         if store is not None:
             for group, at_us in _by_instant(refunds):
@@ -1045,16 +1056,8 @@ class LimitEngine:
                 label = counters.model_label("", self._max_models)
                 _add(counters.held_by_model, label, check.cost)
                 _add(counters.returned_by_model, label, check.cost)
-        if not refunds:
-            return
-        store = self._immediate
-        if store is not None:
-            for group, at_us in _by_instant(refunds):
-                store.refund_now(group, at_us)
-            return
-        task = asyncio.ensure_future(self._charge([], [], [], [], refunds))
-        self._charging.add(task)
-        task.add_done_callback(self._charging.discard)
+        if refunds:
+            self._send_charges([], [], [], [], refunds)
 
     async def _charge(
         self,
