@@ -12,11 +12,10 @@ import pytest
 from gateway.clock import FakeClock
 from tests.support import redis_harness
 from tests.support.conformance import T0_US, gateway_store_of
-from tests.support.gateways import GatewayFactory
+from tests.support.gateways import GatewayFactory, hang_up_while_queued
 from tests.support.metrics import scrape_until, value
 from tests.support.policies import policy_for
 from tests.support.upstreams import RecordingUpstream
-from tests.support.waiting import wait_until
 
 redis_server = redis_harness.redis_server
 
@@ -93,16 +92,10 @@ async def test_leaving_the_queue_gives_a_stacked_window_its_charge_back(
     gw = await start_gateway(
         policy, clock=clock, **gateway_store_of(store, request, clock, tmp_path, "queue")
     )
-    engine = gw.gateway.handler.runtime.engine
-    shaped = next(limit for limit in engine.limits if limit.name == "shaped")
     async with aiohttp.ClientSession() as session:
         async with session.get(gw.url + "/") as resp:
             assert resp.status == 200
-        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
-        writer.write(b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n")
-        await wait_until(lambda: shaped.counters.waiting == 1)
-        writer.close()
-        await wait_until(lambda: shaped.counters.waiting == 0)
+        await hang_up_while_queued(gw, "shaped")
         async with session.get(gw.admin_url + "/explain", params={"path": "/"}) as resp:
             explained = {e["name"]: e["next_request"] for e in (await resp.json())["limits"]}
     # One request served and one refunded: the next request would leave the window 1 of 3
@@ -129,17 +122,11 @@ async def test_a_client_gone_from_the_queue_is_counted_499_and_its_delay_logged(
         "    max_delay: 10m\n"
     )
     gw = await start_gateway(policy)
-    engine = gw.gateway.handler.runtime.engine
-    shaped = next(limit for limit in engine.limits if limit.name == "shaped")
     async with aiohttp.ClientSession() as session:
         async with session.get(gw.url + "/") as resp:
             assert resp.status == 200
         # The next one waits a minute in the queue: the client leaves long before.
-        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
-        writer.write(b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n")
-        await wait_until(lambda: shaped.counters.waiting == 1)
-        writer.close()
-        await wait_until(lambda: shaped.counters.waiting == 0)
+        await hang_up_while_queued(gw, "shaped")
         gone = ("gateway_local_responses_total", frozenset({("route", "all"), ("code", "499")}))
         samples = await scrape_until(session, gw.admin_url, lambda s: gone in s)
     assert samples[gone] == 1

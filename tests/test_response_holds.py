@@ -23,7 +23,7 @@ from gateway.clock import FakeClock
 from gateway.stores import RedisStore
 from tests.support import redis_harness
 from tests.support.conformance import T0_US, gateway_store_of
-from tests.support.gateways import GatewayFactory, RunningGateway
+from tests.support.gateways import GatewayFactory, RunningGateway, hang_up_while_queued
 from tests.support.held_upstream import HeldUpstream
 from tests.support.waiting import wait_until
 
@@ -304,14 +304,9 @@ async def _refused_by_the_other_limit(gw: RunningGateway, session: aiohttp.Clien
 async def _gone_from_the_queue(gw: RunningGateway, session: aiohttp.ClientSession) -> None:
     async with session.post(gw.url + "/fast") as resp:
         assert resp.status == 200
-    engine = gw.gateway.handler.runtime.engine
-    shaped = next(limit for limit in engine.limits if limit.name == "gate")
     for _ in range(3):
-        _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
-        writer.write(b"POST /fast HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n")
-        await wait_until(lambda: shaped.counters.waiting == 1, "the request queued")
-        writer.close()
-        await wait_until(lambda: shaped.counters.waiting == 0, "the request gone")
+        queued = b"POST /fast HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n"
+        await hang_up_while_queued(gw, "gate", queued)
 
 
 async def _waited_in_line_for_a_slot(gw: RunningGateway, session: aiohttp.ClientSession) -> None:

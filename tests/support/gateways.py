@@ -3,6 +3,7 @@ starts one on free loopback ports; every one started is stopped at the end."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from gateway.engine.preflight import parse_and_build
 from gateway.policy.loader import LoadedPolicy
 from gateway.serving.lifecycle import Gateway
+from tests.support.waiting import wait_until
 
 
 @dataclass
@@ -32,6 +34,20 @@ class RunningGateway:
 
 
 GatewayFactory = Callable[..., Awaitable[RunningGateway]]
+
+
+async def hang_up_while_queued(
+    gw: RunningGateway, limit_name: str, request: bytes = b"GET /queued HTTP/1.1\r\nHost: h\r\n\r\n"
+) -> None:
+    """Send ``request`` on a connection of its own, wait until it waits in ``limit_name``'s
+    shaping queue, hang up, and wait until it has left the queue."""
+    engine = gw.gateway.handler.runtime.engine
+    limit = next(limit for limit in engine.limits if limit.name == limit_name)
+    _, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(request)
+    await wait_until(lambda: limit.counters.waiting == 1, "the request queued")
+    writer.close()
+    await wait_until(lambda: limit.counters.waiting == 0, "the request gone from the queue")
 
 
 @pytest.fixture
