@@ -1365,7 +1365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         result = run.wrk
                         lag = run.lag
                         log(
-                            f"bench: round {round_no} {target.name:<11} c={connections:<4} "
+                            f"bench: round {round_no} {target.name:<13} c={connections:<4} "
                             f"{result.requests_per_s:>9,.0f} req/s  p50 {result.p50_ms:.2f} ms"
                             f"  p99 {result.p99_ms:.2f} ms  CPU {run.cpu_us_per_request:.1f} µs/req"
                             + (
