@@ -1,4 +1,4 @@
-"""Side-by-side proxy benchmark on loopback: direct upstream, nginx, naive aiohttp, gateway.
+"""Side-by-side proxy benchmark on loopback: upstream, nginx, Traefik, HAProxy, naive, gateway.
 
 One command starts a fast upstream and every proxy in front of it, loads each with
 ``wrk`` in interleaved rounds (so the noise of a shared machine hits all targets
