@@ -579,7 +579,13 @@ class PeerBinaries:
             traefik = str(beside) if os.access(beside, os.X_OK) else shutil.which(TRAEFIK)
         if haproxy is None:
             haproxy = HAPROXY if os.access(HAPROXY, os.X_OK) else shutil.which("haproxy")
-        return cls(traefik=traefik, haproxy=haproxy)
+        # Absolute: each peer starts in a temporary directory of its own, and the interpreter's
+        # path (or PATH's entry) may be relative to where the harness was started.
+        return cls(traefik=_absolute(traefik), haproxy=_absolute(haproxy))
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
 
 
 def required_binary(path: str | None, what: str, install: str) -> str:
