@@ -116,7 +116,7 @@ class MemoryStore:
                 elif not check.limit.admits_free:
                     # The instant it was decided at: calendar time for a calendar window.
                     at_us = unix_us if check.limit.calendar else now_us
-                    table.put(check.key, new_states[index], at_us)
+                    table.put_at(check.key, new_states[index], at_us)
         return verdict
 
     def _decide_one(self, check: Check, now_us: int, commit: bool) -> CombinedDecision:
@@ -149,7 +149,7 @@ class MemoryStore:
                 self.slot_tables[limit.table].put(check.key, new_state)
             # A limit charged after the response with ``hold: none`` takes nothing now.
             elif not limit.admits_free:
-                table.put(check.key, new_state, at_us)
+                table.put_at(check.key, new_state, at_us)
         return verdict
 
     def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
@@ -167,7 +167,7 @@ class MemoryStore:
             # The table's algorithm: a reload since the admission may have rescaled the states.
             charged, new_state = charge_what_fits(table.algorithm, state, now_us, cost)
             if charged:
-                table.put(check.key, new_state, now_us)
+                table.put_at(check.key, new_state, now_us)
             taken.append(charged)
         return taken
 
@@ -217,7 +217,7 @@ class MemoryStore:
                     charged_at_us = charged_us + unix_us - now_us
             # The table's algorithm: rescaled by a reload that changed its parameters.
             state = table.algorithm.refund(state, at_us, check.cost, charged_us=charged_at_us)
-            table.put(check.key, state, at_us)
+            table.put_at(check.key, state, at_us)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         now_us = self.clock.now_us()
