@@ -49,8 +49,8 @@ from gateway.policy.overrides import UnlistedKey, compile_tiering
 from gateway.policy.rejections import RejectionTemplate
 from gateway.redact import hashed
 from gateway.stores import LimitStore, StoreUnavailableError
+from gateway.stores.immediate import DecidesNow
 from gateway.stores.penalty_table import PenaltyBoxes, PenaltyTable
-from gateway.stores.protocol import DecidesNow
 from gateway.stores.shared.lmdb_store import SharedStore
 from gateway.stores.shared.penalties import SharedPenaltyTable
 

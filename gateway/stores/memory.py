@@ -13,12 +13,13 @@ from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.concurrency import Concurrency
 from gateway.clock import Clock, MonotonicClock, Reads, reads
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
+from gateway.stores.immediate import DecidesNow
 from gateway.stores.keyed_state import KeyedState
 from gateway.stores.slot_table import SlotTable
 from gateway.stores.store_stats import StoreStats
 
 
-class MemoryStore:
+class MemoryStore(DecidesNow):
     """State in this process: one bounded LRU table of per-key states per limit."""
 
     name = "memory"
