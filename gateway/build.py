@@ -42,6 +42,7 @@ COMPILED_MODULES: Final = (
     "gateway.limits.routing",
     "gateway.policy.overrides",
     "gateway.stores.store_stats",
+    "gateway.stores.immediate",
     "gateway.stores.keyed_state",
     "gateway.stores.slot_table",
     "gateway.stores.memory",

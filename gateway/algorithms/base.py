@@ -8,14 +8,14 @@ request (nginx's multi-zone rule), and the Redis Lua scripts can mirror the same
 
 from __future__ import annotations
 
-from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 S = TypeVar("S")
 
 US_PER_S = 1_000_000
 
 
-class Decision(NamedTuple):
+class Decision:
     """What one limit says about one request; feeds response headers, metrics and the dashboard.
 
     ``allowed`` false means reject. When allowed, ``delay_s`` > 0 means the request must wait that
@@ -24,16 +24,55 @@ class Decision(NamedTuple):
     requests (cost units) for the current window or bucket; ``reset_s`` is how long until the
     limit's state has fully recovered (quota back to ``limit``).
 
-    A NamedTuple because one is built per limit per request, and it is built in a fraction of
-    a frozen dataclass's time (bench/README.md, "Figures behind design choices").
+    A plain typed class, not a NamedTuple: one is built per limit per request, and compiled it
+    is a native record (its fields unboxed in the object, built by a direct C call), where a
+    NamedTuple was built through ``tuple.__new__`` (bench/README.md, "Fourth round"). Never
+    changed once built; compared field by field.
     """
 
-    allowed: bool
-    delay_s: float
-    retry_after_s: float
-    limit: int
-    remaining: int
-    reset_s: float
+    __slots__ = ("allowed", "delay_s", "limit", "remaining", "reset_s", "retry_after_s")
+
+    def __init__(
+        self,
+        allowed: bool,
+        delay_s: float,
+        retry_after_s: float,
+        limit: int,
+        remaining: int,
+        reset_s: float,
+    ) -> None:
+        self.allowed = allowed
+        self.delay_s = delay_s
+        self.retry_after_s = retry_after_s
+        self.limit = limit
+        self.remaining = remaining
+        self.reset_s = reset_s
+
+    def fields(self) -> tuple[bool, float, float, int, int, float]:
+        """The six fields in order (what the NamedTuple's items were)."""
+        return (
+            self.allowed,
+            self.delay_s,
+            self.retry_after_s,
+            self.limit,
+            self.remaining,
+            self.reset_s,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Decision):
+            return NotImplemented
+        return self.fields() == other.fields()
+
+    def __hash__(self) -> int:
+        return hash(self.fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"Decision(allowed={self.allowed!r}, delay_s={self.delay_s!r}, "
+            f"retry_after_s={self.retry_after_s!r}, limit={self.limit!r}, "
+            f"remaining={self.remaining!r}, reset_s={self.reset_s!r})"
+        )
 
 
 def require_int(what: str, value: object) -> None:
@@ -48,15 +87,6 @@ def require_number(what: str, value: object) -> None:
     """``TypeError`` unless ``value`` is an int or a float."""
     if not isinstance(value, int | float):
         raise TypeError(f"{what} must be a number, got {value!r}")
-
-
-# ``Decision(...)`` runs the NamedTuple's generated Python ``__new__``, from compiled code as
-# from any other (mypyc calls the class); the admission paths build the same tuple in C
-# instead: ``build(Decision, (allowed, delay_s, ..., reset_s))``, every field given, in order
-# (a store decides several limits per request). Reading fields needs no such trick: compiled,
-# ``decision.allowed`` is a tuple item read. ``Final``: compiled, a C static, not a lookup in the
-# module's dictionary per decision.
-build: Final = tuple.__new__
 
 
 class Algorithm(Protocol, Generic[S]):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import date
 from typing import Any, Final
 
-from gateway.algorithms.base import Algorithm, Decides, Decision, build
+from gateway.algorithms.base import Algorithm, Decides, Decision
 from gateway.algorithms.calendar_period import (
     Period,
     next_first_day,
@@ -135,7 +135,7 @@ class CalendarWindow(Decides):
             remaining = limit - count + cost
             return Decision(False, 0.0, retry_after_s, limit, remaining, reset_s), state
         return (
-            build(Decision, (True, 0.0, 0.0, limit, limit - count, reset_s)),
+            Decision(True, 0.0, 0.0, limit, limit - count, reset_s),
             (period.ordinal << self._count_bits) | count,
         )
 

@@ -28,31 +28,106 @@ Each item must hold a distinct state (nginx refuses the same zone twice in one l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from gateway.algorithms.base import Algorithm, Decision, build
+from gateway.algorithms.base import Algorithm, Decision
 
 
-class CombinedDecision(NamedTuple):
+class CombinedDecision:
     """The verdict of all limits on one request and the states to commit for it.
 
     ``states[i]`` is what to store for limit ``i``: the new state when the request is allowed,
     the input state unchanged when any limit rejected it. ``delay_s`` is the longest delay and
     ``delayed_by`` the limit imposing it (``None`` when no delay); ``rejected_by`` lists every
     limit that rejects, in order (nginx names only the first); ``retry_after_s`` is the longest
-    retry-after among them, 0 when allowed.
+    retry-after among them, 0 when allowed. ``now_us`` is the instant of the decision, when a
+    store sets it for a delayed request: a refund (the client left the queue) then gives
+    windows back exactly what this decision charged.
+
+    A plain typed class, not a NamedTuple, as ``Decision`` is (one per request; compiled, a
+    native record built by a direct C call). Never changed once built; compared field by field.
     """
 
-    allowed: bool
-    delay_s: float
-    retry_after_s: float
-    rejected_by: tuple[int, ...]
-    delayed_by: int | None
-    decisions: tuple[Decision, ...]
-    states: tuple[Any, ...]
-    # The instant of the decision, when a store sets it for a delayed request: a refund (the
-    # client left the queue) then gives windows back exactly what this decision charged.
-    now_us: int | None = None
+    __slots__ = (
+        "allowed",
+        "decisions",
+        "delay_s",
+        "delayed_by",
+        "now_us",
+        "rejected_by",
+        "retry_after_s",
+        "states",
+    )
+
+    def __init__(
+        self,
+        allowed: bool,
+        delay_s: float,
+        retry_after_s: float,
+        rejected_by: tuple[int, ...],
+        delayed_by: int | None,
+        decisions: tuple[Decision, ...],
+        states: tuple[Any, ...],
+        now_us: int | None = None,
+    ) -> None:
+        self.allowed = allowed
+        self.delay_s = delay_s
+        self.retry_after_s = retry_after_s
+        self.rejected_by = rejected_by
+        self.delayed_by = delayed_by
+        self.decisions = decisions
+        self.states = states
+        self.now_us = now_us
+
+    def fields(
+        self,
+    ) -> tuple[
+        bool,
+        float,
+        float,
+        tuple[int, ...],
+        int | None,
+        tuple[Decision, ...],
+        tuple[Any, ...],
+        int | None,
+    ]:
+        """The eight fields in order (what the NamedTuple's items were)."""
+        return (
+            self.allowed,
+            self.delay_s,
+            self.retry_after_s,
+            self.rejected_by,
+            self.delayed_by,
+            self.decisions,
+            self.states,
+            self.now_us,
+        )
+
+    def replace(
+        self, *, states: tuple[Any, ...] | None = None, now_us: int | None = None
+    ) -> CombinedDecision:
+        """This verdict with other ``states`` (when given) and ``now_us``."""
+        return CombinedDecision(
+            self.allowed,
+            self.delay_s,
+            self.retry_after_s,
+            self.rejected_by,
+            self.delayed_by,
+            self.decisions,
+            self.states if states is None else states,
+            now_us,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CombinedDecision):
+            return NotImplemented
+        return self.fields() == other.fields()
+
+    def __hash__(self) -> int:
+        return hash(self.fields())
+
+    def __repr__(self) -> str:
+        return "CombinedDecision" + repr(self.fields())
 
 
 def combine(
@@ -79,11 +154,8 @@ def combine(
         if delay > 0.0 and delay >= delay_s:
             delay_s = delay
             delayed_by = index
-    # ``build`` (``tuple.__new__``), not ``CombinedDecision(...)``: compiled code too calls a
-    # NamedTuple's ``__new__``, written in Python, about three times the cost (bench/README.md).
-    verdict: CombinedDecision = build(
-        CombinedDecision,
-        (True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us),
+    verdict = CombinedDecision(
+        True, delay_s, 0.0, (), delayed_by, tuple(decisions), tuple(new_states), now_us
     )
     if delayed_by is not None and max_delays_s is not None:
         return refuse_long_delays(verdict, input_states, max_delays_s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decides, Decision, build
+from gateway.algorithms.base import Algorithm, Decides, Decision
 from gateway.algorithms.fixed_window import check_limit
 
 _INF: Final = float("inf")
@@ -72,7 +72,7 @@ class Concurrency(Decides):
             retry_after_s = self.retry_after_s if cost <= limit else _INF
             return Decision(False, 0.0, retry_after_s, limit, limit - held, 0.0), state
         held += cost
-        return build(Decision, (True, 0.0, 0.0, limit, limit - held, 0.0)), held
+        return Decision(True, 0.0, 0.0, limit, limit - held, 0.0), held
 
     def is_idle(self, state: int, now_us: int) -> bool:
         return state <= 0

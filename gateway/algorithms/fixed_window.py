@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decides, Decision, build, require_int, require_number
+from gateway.algorithms.base import Algorithm, Decides, Decision, require_int, require_number
 
 _INF: Final = float("inf")
 
@@ -122,7 +122,7 @@ class FixedWindow(Decides):
             remaining = limit - count + cost
             return Decision(False, 0.0, retry_after_s, limit, remaining, reset_s), state
         return (
-            build(Decision, (True, 0.0, 0.0, limit, limit - count, reset_s)),
+            Decision(True, 0.0, 0.0, limit, limit - count, reset_s),
             (index << self._count_bits) | count,
         )
 

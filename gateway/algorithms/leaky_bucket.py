@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decides, Decision, build, require_int
+from gateway.algorithms.base import Algorithm, Decides, Decision, require_int
 from gateway.policy.units import parse_rate
 
 _LAST_BITS: Final = 44
@@ -185,16 +185,13 @@ class LeakyBucket(Decides):
         recovered_ms = last_ms + -(-(excess + 1000) * 1000 // rate_milli)
         reset_us = recovered_ms * 1000 - now_us
         return (
-            build(
-                Decision,
-                (
-                    True,
-                    delay_s,
-                    0.0,
-                    self._limit,
-                    (burst_milli - excess) // 1000,
-                    reset_us / 1e6 if reset_us > 0 else 0.0,
-                ),
+            Decision(
+                True,
+                delay_s,
+                0.0,
+                self._limit,
+                (burst_milli - excess) // 1000,
+                reset_us / 1e6 if reset_us > 0 else 0.0,
             ),
             (excess << _LAST_BITS) | last_ms,
         )

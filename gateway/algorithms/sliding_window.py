@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.algorithms.base import Algorithm, Decides, Decision, build
+from gateway.algorithms.base import Algorithm, Decides, Decision
 from gateway.algorithms.fixed_window import check_limit, window_us_from_s
 
 _INF: Final = float("inf")
@@ -134,16 +134,13 @@ class SlidingWindow(Decides):
         current += cost
         # Fully recovered once the current count has slid out: two windows after this one began.
         return (
-            build(
-                Decision,
-                (
-                    True,
-                    0.0,
-                    0.0,
-                    self.limit,
-                    self.limit - used,
-                    (start_us + 2 * window_us - now_us) / 1e6,
-                ),
+            Decision(
+                True,
+                0.0,
+                0.0,
+                self.limit,
+                self.limit - used,
+                (start_us + 2 * window_us - now_us) / 1e6,
             ),
             (index << self._index_shift) | ((previous << self._count_bits) | current),
         )

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Any, Final, Literal
 
-from gateway.algorithms.base import Algorithm, Decides, Decision, build, require_int, require_number
+from gateway.algorithms.base import Algorithm, Decides, Decision, require_int, require_number
 
 Mode = Literal["reject", "queue"]
 COLD_FACTOR: Final = 3.0
@@ -264,16 +264,13 @@ class TokenBucket(_Bucket):
                 return self._rejection(now, tat, retry), state
             delay_s = 0.0
         return (
-            build(
-                Decision,
-                (
-                    True,
-                    delay_s,
-                    0.0,
-                    self.capacity,
-                    (now - tat_new) // interval if tat_new < now else 0,
-                    (tat_new + max_credit - now) / rate.ticks_per_s,
-                ),
+            Decision(
+                True,
+                delay_s,
+                0.0,
+                self.capacity,
+                (now - tat_new) // interval if tat_new < now else 0,
+                (tat_new + max_credit - now) / rate.ticks_per_s,
             ),
             tat_new,
         )
@@ -495,16 +492,13 @@ class WarmingUpTokenBucket(_Bucket):
         next_free += wait_ticks
         credit -= spend
         return (
-            build(
-                Decision,
-                (
-                    True,
-                    wait / rate.ticks_per_s if wait > 0 else 0.0,
-                    0.0,
-                    1,
-                    1 if next_free <= now else 0,
-                    (next_free + self._warmup_ticks - credit - now) / rate.ticks_per_s,
-                ),
+            Decision(
+                True,
+                wait / rate.ticks_per_s if wait > 0 else 0.0,
+                0.0,
+                1,
+                1 if next_free <= now else 0,
+                (next_free + self._warmup_ticks - credit - now) / rate.ticks_per_s,
             ),
             next_free << self._credit_bits | credit,
         )

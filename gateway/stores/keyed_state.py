@@ -41,6 +41,8 @@ S = TypeVar("S")
 
 # Idle keys looked at, oldest first, each time a new key is added (nginx expires up to 2).
 EXPIRE_ON_INSERT: Final = 2
+# ``put_at`` without an instant: no idle key is expired (no clock reads this far back).
+_NO_INSTANT: Final = -(1 << 60)
 
 
 class KeyedState(Generic[S]):
@@ -126,6 +128,11 @@ class KeyedState(Generic[S]):
         A new key first lets idle keys expire (when ``now_us`` is given), then evicts if the
         table is full.
         """
+        self.put_at(key, state, _NO_INSTANT if now_us is None else now_us)
+
+    def put_at(self, key: str, state: S | None, now_us: int) -> None:
+        """``put`` with the instant as a plain int (``_NO_INSTANT``: none), the stores'
+        request path: compiled, an ``int | None`` argument is a Python int made per call."""
         if state is None:
             self.discard(key)
             return
@@ -137,7 +144,7 @@ class KeyedState(Generic[S]):
             self._mid.pop(key, None) is None
             and self._old.pop(key, None) is None
             and (not self._aside or self._aside.pop(key, None) is None)
-            and now_us is not None
+            and now_us != _NO_INSTANT
         ):
             self.sweep(now_us, EXPIRE_ON_INSERT)
         young[key] = state

@@ -13,12 +13,13 @@ from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.concurrency import Concurrency
 from gateway.clock import Clock, MonotonicClock, Reads, reads
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
+from gateway.stores.immediate import DecidesNow
 from gateway.stores.keyed_state import KeyedState
 from gateway.stores.slot_table import SlotTable
 from gateway.stores.store_stats import StoreStats
 
 
-class MemoryStore:
+class MemoryStore(DecidesNow):
     """State in this process: one bounded LRU table of per-key states per limit."""
 
     name = "memory"
@@ -116,7 +117,7 @@ class MemoryStore:
                 elif not check.limit.admits_free:
                     # The instant it was decided at: calendar time for a calendar window.
                     at_us = unix_us if check.limit.calendar else now_us
-                    table.put(check.key, new_states[index], at_us)
+                    table.put_at(check.key, new_states[index], at_us)
         return verdict
 
     def _decide_one(self, check: Check, now_us: int, commit: bool) -> CombinedDecision:
@@ -149,7 +150,7 @@ class MemoryStore:
                 self.slot_tables[limit.table].put(check.key, new_state)
             # A limit charged after the response with ``hold: none`` takes nothing now.
             elif not limit.admits_free:
-                table.put(check.key, new_state, at_us)
+                table.put_at(check.key, new_state, at_us)
         return verdict
 
     def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
@@ -167,7 +168,7 @@ class MemoryStore:
             # The table's algorithm: a reload since the admission may have rescaled the states.
             charged, new_state = charge_what_fits(table.algorithm, state, now_us, cost)
             if charged:
-                table.put(check.key, new_state, now_us)
+                table.put_at(check.key, new_state, now_us)
             taken.append(charged)
         return taken
 
@@ -217,7 +218,7 @@ class MemoryStore:
                     charged_at_us = charged_us + unix_us - now_us
             # The table's algorithm: rescaled by a reload that changed its parameters.
             state = table.algorithm.refund(state, at_us, check.cost, charged_us=charged_at_us)
-            table.put(check.key, state, at_us)
+            table.put_at(check.key, state, at_us)
 
     def configure(self, limits: Sequence[CompiledLimit], previous: Sequence[CompiledLimit]) -> None:
         now_us = self.clock.now_us()

@@ -97,24 +97,6 @@ class LimitStore(Protocol):
     async def close(self) -> None: ...
 
 
-@runtime_checkable
-class DecidesNow(LimitStore, Protocol):
-    """A store that decides every request without waiting (in process, the shared store): the
-    engine calls ``decide_now`` directly, with no coroutine per request."""
-
-    def decide_now(self, checks: Sequence[Check], *, commit: bool = True) -> CombinedDecision:
-        """``decide``, returned rather than awaited."""
-        ...
-
-    def charge_now(self, checks: Sequence[Check], units: Sequence[int]) -> list[int]:
-        """``charge``, returned rather than awaited."""
-        ...
-
-    def refund_now(self, checks: Sequence[Check], charged_us: int | None = None) -> None:
-        """``refund``, done rather than awaited."""
-        ...
-
-
 class LeaseFigures(Protocol):
     """What one limit's leases did on this replica (``stores.redis.lease.LeaseCounters``)."""
 

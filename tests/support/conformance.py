@@ -125,7 +125,7 @@ def redis_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
 def verdict_of(verdict: CombinedDecision) -> CombinedDecision:
     """A verdict without the states (the Redis store keeps those in Redis) or the instant a
     store may note for a later refund."""
-    return verdict._replace(states=(), now_us=None)
+    return verdict.replace(states=(), now_us=None)
 
 
 # --- the same decisions as the Python algorithms ---------------------------------------------

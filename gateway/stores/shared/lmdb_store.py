@@ -61,6 +61,7 @@ from gateway.algorithms.combine import CombinedDecision, combine
 from gateway.algorithms.concurrency import Concurrency
 from gateway.clock import Clock, MonotonicClock
 from gateway.limits.compiled import Check, CompiledLimit, with_variants
+from gateway.stores.immediate import DecidesNow
 from gateway.stores.protocol import StoreUnavailableError
 from gateway.stores.shared.records import (
     HELD,
@@ -175,7 +176,7 @@ class _MapNearlyFull(Exception):
 # Interpreted subclasses allowed: a test makes another worker's commit happen between a
 # snapshot and its write by overriding ``_read_and_decide``.
 @mypyc_attr(allow_interpreted_subclasses=True)
-class SharedStore:
+class SharedStore(DecidesNow):
     """State shared by a gateway's workers in one LMDB environment (see the module)."""
 
     name = "shared"
