@@ -8,8 +8,10 @@ machine where req/s and even CPU time wander by 10% from one run to the next.
 For each policy of ``limit_policies`` (no limits, one never-binding limit, three stacked, in
 process) it starts ``bench/upstream.py`` and one gateway worker under callgrind, sends some
 requests to warm it, zeroes the counters, sends ``--requests`` keep-alive requests one at a
-time, and dumps the count. Printed: instructions per request, and the difference to the
-gateway with no limits. ``--baseline-root`` counts another checkout's gateway the same way.
+time, and dumps the count, with the worker's once-a-second observability tick held off (its
+share of a request grows with how slowly valgrind runs; ``--with-tick`` leaves it on).
+Printed: instructions per request, and the difference to the gateway with no limits.
+``--baseline-root`` counts another checkout's gateway the same way.
 
 What it does not show: instructions are not time (a cache miss costs hundreds of cycles and
 counts as one), and one request at a time has no concurrency (no batches of ready
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import shutil
 import socket
 import subprocess
@@ -88,9 +91,11 @@ def send(port: int, requests: int) -> None:
 
 
 @contextmanager
-def running(argv: list[str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    argv: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         yield proc
     finally:
@@ -108,6 +113,26 @@ def running(argv: list[str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[
 # inclusive cost (the request's own work) is the figure load does not move; compiled, both are
 # named functions.
 HANDLER = "CPyDef_proxy_____call___3_ProxyHandler_gen_____mypyc_generator_helper__ "
+
+# The once-a-second tick (rotating the metrics, the snapshot, publishing it from a thread) runs
+# once per second of valgrind's slow time, so its share of a request moves with the machine's
+# load: the totals of one build moved by 20,000 instructions a request between two runs
+# (bench/README.md, "aiohttp's per-request machinery"). Held off unless ``--with-tick``: a
+# ``sitecustomize`` on the gateway's path moves the tick's period out of the measurement.
+HOLD_OFF_TICK = """\
+import os
+import sys
+
+try:
+    sys.path.insert(0, os.getcwd())
+    import gateway.observability.observer as _observer
+
+    _observer.TICK_S = 1e7
+except Exception:
+    pass
+finally:
+    del sys.path[0]
+"""
 SNAPSHOT = "CPyDef_worker___WorkerMetrics___snapshot "
 
 
@@ -129,7 +154,7 @@ def named_shares(dump: Path, requests: int) -> tuple[float | None, float | None]
 
 
 def count(
-    root: Path, kind: str, upstream: str, requests: int, work: Path
+    root: Path, kind: str, upstream: str, requests: int, work: Path, tick: bool
 ) -> tuple[float, float | None, float | None]:
     """Instructions per request of one gateway worker (``root``'s code) on ``kind``'s policy,
     and of them the handler's and the metrics snapshot's (compiled build only)."""
@@ -142,7 +167,13 @@ def count(
     argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
     argv += [sys.executable, "-m", "gateway", "run", "--config", str(policy), "--workers", "1"]
     argv += ["--listen", f"{HOST}:{port}", "--admin-listen", f"{HOST}:{admin_port}"]
-    with running(argv, root, work / f"gateway-{root.name}-{kind}.log") as proc:
+    env = None
+    if not tick:
+        site = work / "hold-off-tick"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(HOLD_OFF_TICK)
+        env = {**os.environ, "PYTHONPATH": str(site)}
+    with running(argv, root, work / f"gateway-{root.name}-{kind}.log", env) as proc:
         wait_serving(port, proc, START_TIMEOUT_S)
         send(port, WARM_REQUESTS)
         # valgrind runs the program in its own process: the pid is the gateway's.
@@ -170,6 +201,11 @@ def main() -> int:
         type=Path,
         help="a directory to keep callgrind's output in, for callgrind_annotate (by function)",
     )
+    parser.add_argument(
+        "--with-tick",
+        action="store_true",
+        help="leave the once-a-second observability tick on (its share moves with the load)",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("needs valgrind (apt-get install valgrind)", file=sys.stderr)
@@ -195,7 +231,9 @@ def main() -> int:
                 counts = {}
                 named = {}
                 for kind in kinds:
-                    total, handler, snapshot = count(root, kind, upstream_url, args.requests, work)
+                    total, handler, snapshot = count(
+                        root, kind, upstream_url, args.requests, work, args.with_tick
+                    )
                     counts[kind], named[kind] = total, (handler, snapshot)
                     print(f"bench: {root} {kind}: {total:,.0f} instructions/request")
                 rows.append((root, counts, named))

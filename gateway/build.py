@@ -71,6 +71,7 @@ COMPILED_MODULES: Final = (
     "gateway.edge.pool.outliers",
     "gateway.edge.pool.server_pool",
     "gateway.edge.next_upstream",
+    "gateway.edge.request_loop",
     "gateway.edge.server",
     "gateway.edge.proxy",
     "gateway.observability.stats",

@@ -13,20 +13,58 @@ import asyncio
 from typing import Any, Final
 
 from aiohttp import hdrs, web
-from aiohttp.web_protocol import _ErrInfo
+from aiohttp.web_protocol import _PAYLOAD_ACCESS_ERROR, ERROR, _ErrInfo
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
 # A parse error aiohttp queues in ``RequestHandler._messages`` in place of a request.
 ErrInfo: Final = _ErrInfo
 
-# ``RequestHandler`` slots ``GatewayProtocol`` reads or replaces.
-HANDLER_ATTRIBUTES: Final = ("_messages", "_keepalive_handle", "_loop")
+# The error a request's body is failed with once its handler is done.
+PAYLOAD_ACCESS_ERROR: Final = _PAYLOAD_ACCESS_ERROR
+
+# ``RequestHandler`` slots and methods ``GatewayProtocol`` and its request loop
+# (``gateway/edge/request_loop.py``, aiohttp's ``RequestHandler.start``) read or replace.
+HANDLER_ATTRIBUTES: Final = (
+    "_messages",
+    "_keepalive_handle",
+    "_loop",
+    "_manager",
+    "_parser",
+    "_buffer_paused",
+    "_msg_queue_resume_size",
+    "_logging_enabled",
+    "_request_factory",
+    "_request_handler",
+    "_task_handler",
+    "_force_close",
+    "_close",
+    "_keepalive",
+    "_keepalive_timeout",
+    "_next_keepalive_close_time",
+    "_lingering_time",
+    "_waiter",
+    "_request_in_progress",
+    "_handler_waiter",
+    "_current_request",
+    "_upgraded",
+    "finish_response",
+    "log_access",
+    "_make_error_handler",
+    "_resume_reading_if_drained",
+    "_process_keepalive",
+)
 # ``StreamResponse`` internals the relayed responses wrap.
 RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers", "_eof_sent")
 # ``BaseRequest``'s parsed request line and headers (a C ``RawRequestMessage`` under aiohttp's
 # C parser, a NamedTuple under its Python one: read untyped, see ``request_message``).
 REQUEST_ATTRIBUTES: Final = ("_message",)
+
+
+def error_request() -> Any:
+    """The message aiohttp's request loop builds the request from for a request it could not
+    parse, untyped (a ``RawRequestMessage``: see ``request_message``)."""
+    return ERROR
 
 
 def request_message(request: BaseRequest) -> Any:

@@ -176,6 +176,7 @@ class ProxyHandler:
                     holding = outcome.charge_after
                     hold_in_flight(holding, 1)
                 if outcome is not None and outcome.delay_s > 0.0:
+                    _request_waits(request)
                     await _wait_in_queue(runtime, outcome)
                 if request_message(request).upgrade and wants_upgrade(
                     request, admitted.framing, runtime
@@ -287,6 +288,7 @@ class ProxyHandler:
         else:
             outcome = await engine.evaluate(facts, route, host, path, client_ip)
         if outcome.waits_on is not None:  # over a concurrency limit: in line for a slot
+            _request_waits(request)
             outcome = await engine.wait_for_slot(outcome)
         if outcome.status:
             return _Refused(_limits_refusal(runtime, outcome, framing), outcome, framing)
@@ -372,6 +374,13 @@ class ProxyHandler:
         finally:
             response.close()
             pool.finished(server)
+
+
+def _request_waits(request: BaseRequest) -> None:
+    """The request is about to wait for the limits: its connection drops its idle timer."""
+    protocol = request.protocol
+    if isinstance(protocol, GatewayProtocol):
+        protocol.request_waits()
 
 
 async def _wait_in_queue(runtime: Runtime, outcome: Outcome) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import deque
+from collections.abc import Coroutine
 from typing import Any
 
 # The modules defining the base classes of the non-native classes below: the compiled module
@@ -22,6 +23,7 @@ from aiohttp.web_request import BaseRequest
 from mypy_extensions import mypyc_attr
 
 from gateway.edge.aiohttp_private import ErrInfo, MessageQueue
+from gateway.edge.request_loop import serve_connection
 from gateway.edge.responses import error_bytes, error_response
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.policy.models import ServerSettings
@@ -133,6 +135,11 @@ class GatewayProtocol(RequestHandler):
             return
         self._arm_header_deadline()
 
+    def start(self) -> Coroutine[Any, Any, None]:
+        """The connection's request loop: aiohttp's, with each request's handler awaited in
+        this connection's task, not a task of its own (``request_loop``)."""
+        return serve_connection(self)
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self._gw_server.open_connections -= 1
         self._cancel_header_deadline()
@@ -175,8 +182,14 @@ class GatewayProtocol(RequestHandler):
         self._body = body
         self._awaiting_request = False
         self._cancel_header_deadline()
-        # aiohttp's idle timer has nothing to do while a request is served (it re-arms it after
-        # the response); dropping it keeps each queued request to one timer-free connection.
+
+    def request_waits(self) -> None:
+        """Called by the proxy handler when its request waits for the limits (the shaping
+        queue, a concurrency slot): aiohttp's idle timer has nothing to do until the response
+        (after which it is armed again); dropping it keeps each waiting request to one
+        timer-free connection. Left armed for a request served at once: its next firing finds
+        the connection busy and lapses, or finds it idle again and re-arms itself, where
+        cancelling it cost each request a new timer after its response."""
         if self._keepalive_handle is not None:
             self._keepalive_handle.cancel()
             self._keepalive_handle = None
