@@ -10,6 +10,8 @@
 local floor = math.floor
 local INF = math.huge
 local unpack_state = struct.unpack
+-- unpack(NO_VALUES, 1, k): k nils, to make a table of k slots in one constructor.
+local NO_VALUES = {}
 local pack_state = struct.pack
 
 -- Python's -(-a // b): a / b rounded up.
