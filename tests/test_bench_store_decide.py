@@ -1,12 +1,15 @@
-"""bench/bench_store_decide.py runs where CI runs (a smoke test, not a measurement): one kind at
-one and several callers, with Redis's whole CPU and the round trips per decision beside the
-script's own time."""
+"""bench/bench_store_decide.py and bench/bench_redis_instructions.py run where CI runs (smoke
+tests, not measurements): one kind at one and several callers, with Redis's whole CPU and the
+round trips per decision beside the script's own time; Redis's instructions per decision."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support import redis_harness
 from tests.support.redis_harness import RedisFactory
@@ -57,3 +60,20 @@ def test_an_unknown_kind_is_refused_with_the_known_ones() -> None:
     assert result.returncode == 2
     assert "unknown kinds mongo: pick of memory, redis," in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (callgrind)")
+def test_redis_instructions_are_counted_in_all_and_in_the_script() -> None:
+    """bench_redis_instructions.py, the same decisions counted under callgrind."""
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "bench_redis_instructions.py"),
+         "--decides", "64", "--callers", "1,4"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for callers in (1, 4):
+        rows = [line for line in result.stdout.splitlines() if line.startswith("| this |")]
+        cells = [cell.strip() for cell in rows[0 if callers == 1 else 1].strip("|").split("|")]
+        assert cells[1] == str(callers)
+        total, script = (int(cell.replace(",", "")) for cell in cells[2:4])
+        assert 0 < script < total
