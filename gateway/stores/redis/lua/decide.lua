@@ -228,11 +228,11 @@ if boxes then
   end
 end
 
--- The reply's slots made at once: a table grown a slot at a time is copied at 2, 3, 5, 9, 17.
-local reply = {now_us, unpack(NO_VALUES, 1, 5 * n + 1)}
-local states = {unpack(NO_VALUES, 1, n)}
+local reply = sized_table(5 * n + 2)
+reply[1] = now_us
+local states = sized_table(n)
 local over = {}
-local idle = {unpack(NO_VALUES, 1, n)}
+local idle = sized_table(n)
 local rescaled = {}
 local own_slots = {}
 local allowed = true

@@ -10,8 +10,14 @@
 local floor = math.floor
 local INF = math.huge
 local unpack_state = struct.unpack
--- unpack(NO_VALUES, 1, k): k nils, to make a table of k slots in one constructor.
+-- A table of k slots made at once, where one filled a slot at a time is copied as it grows
+-- (at 2, 3, 5, 9, 17 slots...). The k nils are unpack's results, which must fit Lua's C stack
+-- (8000): a larger table grows as it is filled.
 local NO_VALUES = {}
+local function sized_table(k)
+  if k > 4000 then return {} end
+  return {unpack(NO_VALUES, 1, k)}
+end
 local pack_state = struct.pack
 
 -- Python's -(-a // b): a / b rounded up.
