@@ -11,6 +11,12 @@ side (``INFO commandstats``): script calls per decision and Redis's µs per scri
 decision, which depend little on the gateway's machine. A ``redis-server``
 of its own on a free port (``--redis URL`` for another). The in-process store's figure is the
 floor: the difference is what a Redis call, or a lease, costs the gateway per request.
+
+commandstats counts only the time inside the script: Redis also reads, parses and answers each
+pipeline, work that grows with the round trips. So the second table also gives Redis's whole
+CPU per decision (``INFO``'s ``used_cpu_user`` + ``used_cpu_sys`` over the decisions, a Redis
+of its own: other clients' work counts too) and the round trips per decision; ``--callers 1,64``
+measures each kind with one caller (a round trip per decision) and with 64.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -88,35 +96,49 @@ def example_limits(leased: bool, all_leased: bool = False) -> list[CompiledLimit
 
 
 SCRIPT_COMMANDS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall")
+CPU_FIELDS = ("used_cpu_user", "used_cpu_sys")
 
 
-def script_stats(url: str) -> tuple[int, float]:
+def script_stats(url: str) -> tuple[int, float, float]:
     """Script calls Redis has run and the microseconds it spent in them (``INFO
-    commandstats``: EVALSHA, EVAL, FCALL): Redis's own CPU, apart from the gateway's."""
+    commandstats``: EVALSHA, EVAL, FCALL): Redis's own CPU, apart from the gateway's; and the
+    whole process's CPU in µs (``INFO cpu``), network work included."""
     host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=2.0) as sock:
-        sock.sendall(b"INFO commandstats\r\n")
+        sock.sendall(b"INFO everything\r\n")
         data = b""
         while not data.endswith(b"\r\n\r\n") and len(data) < 1 << 20:
             chunk = sock.recv(65536)
             if not chunk:
                 break
             data += chunk
-    calls, usec = 0, 0.0
+    calls, usec, cpu_us = 0, 0.0, 0.0
     for line in data.decode(errors="replace").splitlines():
         name, _, fields = line.partition(":")
         if name in SCRIPT_COMMANDS:
             values = dict(field.split("=", 1) for field in fields.split(","))
             calls += int(values["calls"])
             usec += float(values["usec"])
-    return calls, usec
+        elif name in CPU_FIELDS:
+            cpu_us += float(fields) * 1e6
+    return calls, usec, cpu_us
 
 
-# Per kind and round: Redis's script calls per decision and its µs per script call.
-REDIS_FIGURES: dict[str, list[tuple[float, float]]] = {}
+@dataclass(frozen=True, slots=True)
+class RedisSide:
+    """One round's Redis figures, per decision unless said."""
+
+    calls: float  # script calls
+    usec_per_call: float  # commandstats: inside the script
+    cpu_us: float  # the whole redis-server process (network included)
+    round_trips: float  # pipelines the store sent
 
 
-async def cpu_per_decide(kind: str, url: str, decides: int) -> float:
+# Per kind and round: what Redis did.
+REDIS_FIGURES: dict[str, list[RedisSide]] = {}
+
+
+async def cpu_per_decide(kind: str, url: str, decides: int, callers: int = CALLERS) -> float:
     limits = example_limits(kind == "redis-leased", kind == "redis-leased-all")
     store: LimitStore
     if kind == "memory":
@@ -140,28 +162,38 @@ async def cpu_per_decide(kind: str, url: str, decides: int) -> float:
                 raise RuntimeError("a decision was a rejection: the limits are set never to bind")
 
     try:
-        await asyncio.gather(*(caller(200) for _ in range(CALLERS)))  # connect, first leases
-        each = decides // CALLERS
-        calls_before, usec_before = script_stats(url) if kind != "memory" else (0, 0.0)
+        await asyncio.gather(*(caller(200) for _ in range(callers)))  # connect, first leases
+        each = decides // callers
+        made = each * callers
+        before = script_stats(url) if kind != "memory" else (0, 0.0, 0.0)
+        trips_before = store.round_trips if isinstance(store, RedisStore) else 0
         started = time.thread_time()
-        await asyncio.gather(*(caller(each) for _ in range(CALLERS)))
-        cpu_us = (time.thread_time() - started) / (each * CALLERS) * 1e6
-        if kind != "memory":
-            calls_after, usec_after = script_stats(url)
-            calls = calls_after - calls_before
-            REDIS_FIGURES.setdefault(kind, []).append(
-                (calls / (each * CALLERS), (usec_after - usec_before) / max(calls, 1))
+        await asyncio.gather(*(caller(each) for _ in range(callers)))
+        cpu_us = (time.thread_time() - started) / made * 1e6
+        if isinstance(store, RedisStore):
+            after = script_stats(url)
+            calls = after[0] - before[0]
+            side = RedisSide(
+                calls / made,
+                (after[1] - before[1]) / max(calls, 1),
+                (after[2] - before[2]) / made,
+                (store.round_trips - trips_before) / made,
             )
+            REDIS_FIGURES.setdefault(f"{kind}, {callers} callers", []).append(side)
         return cpu_us
     finally:
         await store.close()
 
 
-async def measure(url: str, decides: int, rounds: int) -> dict[str, list[float]]:
-    figures: dict[str, list[float]] = {kind: [] for kind in KINDS}
+async def measure(
+    url: str, decides: int, rounds: int, kinds: Sequence[str], callers: Sequence[int]
+) -> dict[str, list[float]]:
+    figures: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for kind in KINDS:
-            figures[kind].append(await cpu_per_decide(kind, url, decides))
+        for kind in kinds:
+            for count in callers:
+                name = kind if count == CALLERS else f"{kind}, {count} callers"
+                figures.setdefault(name, []).append(await cpu_per_decide(kind, url, decides, count))
     return figures
 
 
@@ -176,7 +208,18 @@ def main() -> int:
     parser.add_argument("--decides", type=int, default=30000, help="decisions per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--redis", help="a Redis URL (default: start redis-server)")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}"
+    )
+    parser.add_argument(
+        "--callers", default=str(CALLERS), help="comma-separated callers in flight (e.g. 1,64)"
+    )
     args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown kinds {', '.join(sorted(unknown))}: pick of {', '.join(KINDS)}")
+    callers = [int(count) for count in args.callers.split(",")]
     server: subprocess.Popen[bytes] | None = None
     url = args.redis
     with tempfile.TemporaryDirectory(prefix="bench-decide-") as tmp:
@@ -203,12 +246,12 @@ def main() -> int:
                         raise
                     time.sleep(0.05)
         try:
-            figures = uvloop.run(measure(url, args.decides, args.rounds))
+            figures = uvloop.run(measure(url, args.decides, args.rounds, kinds, callers))
         finally:
             if server is not None:
                 server.terminate()
                 server.wait(10)
-    floor = statistics.median(figures["memory"])
+    floor = statistics.median(figures["memory"]) if "memory" in figures else 0.0
     print("| store | CPU µs / decide (median) | rounds | over memory |")
     print("|---|---:|---|---:|")
     for kind, values in figures.items():
@@ -216,13 +259,21 @@ def main() -> int:
         rounded = ", ".join(f"{value:.1f}" for value in values)
         print(f"| {kind} | {median:.2f} | {rounded} | {median - floor:+.2f} |")
     print()
-    print("| store | script calls / decide | Redis µs / script call | Redis µs / decide |")
-    print("|---|---:|---:|---:|")
-    for kind, rounds in REDIS_FIGURES.items():
-        per_decide = statistics.median(calls for calls, _ in rounds)
-        per_call = statistics.median(usec for _, usec in rounds)
-        redis_us = statistics.median(calls * usec for calls, usec in rounds)
-        print(f"| {kind} | {per_decide:.3f} | {per_call:.2f} | {redis_us:.2f} |")
+    print(
+        "| store | script calls / decide | Redis µs / script call | Redis µs / decide "
+        "| Redis CPU µs / decide (whole process) | round trips / decide |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind, sides in REDIS_FIGURES.items():
+        per_decide = statistics.median(side.calls for side in sides)
+        per_call = statistics.median(side.usec_per_call for side in sides)
+        redis_us = statistics.median(side.calls * side.usec_per_call for side in sides)
+        cpu_us = statistics.median(side.cpu_us for side in sides)
+        trips = statistics.median(side.round_trips for side in sides)
+        print(
+            f"| {kind} | {per_decide:.3f} | {per_call:.2f} | {redis_us:.2f} | {cpu_us:.2f} "
+            f"| {trips:.3f} |"
+        )
     return 0
 
 

@@ -38,7 +38,7 @@ from gateway.clock import FakeClock
 from gateway.limits.compiled import Check, CompiledLimit, LimitCounters
 from gateway.limits.keys import KeyBuilder
 from gateway.policy.models import Policy
-from gateway.stores import RedisStore, StoreUnavailableError
+from gateway.stores import MemoryStore, RedisStore, StoreUnavailableError
 from gateway.stores.redis.circuit import CircuitBreaker
 from gateway.stores.redis.store import load_script, parse_store_url
 from tests.support import redis_harness
@@ -58,6 +58,7 @@ from tests.support.conformance import (
     run_against_python,
     run_rescale_against_python,
     stacks,
+    verdict_of,
 )
 from tests.support.gateways import GatewayFactory
 from tests.support.metrics import scrape
@@ -149,6 +150,26 @@ async def test_a_request_rejected_by_one_limit_is_charged_to_none(backend: Backe
         assert alone.decisions[0].remaining == 3
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("count", [10, 1700])
+async def test_a_request_of_many_limits_is_decided_as_in_process(
+    redis_backend: Backend, count: int
+) -> None:
+    """Ten limits on one request: a key count of two digits (the thin client once wrote every
+    key count as one byte long). 1,700: the script's reply (8,502 integers) is past the values
+    Lua's unpack makes at once (8,000), where the script makes its tables at their size."""
+    limits = [compiled(f"l{i}", FixedWindow(3, 60.0)) for i in range(count)]
+    checks = [Check(limit, "a") for limit in limits]
+    verdicts = []
+    for store in (MemoryStore(FakeClock(T0_US)), redis_backend.make(FakeClock(T0_US))):
+        store.configure(limits, ())
+        try:
+            verdicts.append([verdict_of(await store.decide(checks)) for _ in range(4)])
+        finally:
+            await store.close()
+    assert verdicts[0] == verdicts[1]
+    assert [verdict.allowed for verdict in verdicts[1]] == [True, True, True, False]
 
 
 async def test_explain_peeks_without_charging(backend: Backend) -> None:

@@ -570,7 +570,10 @@ class ThinClient:
         self, keys: Sequence[bytes], argv: Sequence[bytes], asking: str = ""
     ) -> asyncio.Future[Any]:
         encoded = self._encoded
-        parts = [self._head % (len(keys) + len(argv) + 3), b"$1\r\n%d\r\n" % len(keys)]
+        # The key count's length is its own: ten keys or more (ten limits, five with penalty
+        # boxes) take two digits.
+        count = b"%d" % len(keys)
+        parts = [self._head % (len(keys) + len(argv) + 3), b"$%d\r\n%s\r\n" % (len(count), count)]
         parts += [b"$%d\r\n%s\r\n" % (len(key), key) for key in keys]
         for arg in argv:
             bulk = encoded.get(arg)

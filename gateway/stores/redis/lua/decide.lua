@@ -44,9 +44,14 @@
 -- integers before the call's number: the limit (1-based) whose box refuses the request (0:
 -- none), and until when.
 -- prelude.lua has read ARGV[1] and ARGV[2] into mode, call_id and now_us.
-local costs = {}
-for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
-local function cost_of(i) return costs[i] or costs[1] end
+-- One cost (nearly every call) without the pattern matching and table that a list takes.
+local one_cost = tonumber(ARGV[3])
+local costs
+if not one_cost then
+  costs = {}
+  for c in string.gmatch(ARGV[3], '%d+') do costs[#costs + 1] = tonumber(c) end
+end
+local function cost_of(i) return one_cost or costs[i] or costs[1] end
 local min_ttl_ms = tonumber(ARGV[4])
 local n = #KEYS
 local boxes = mode == 'D' or mode == 'P'
@@ -81,7 +86,9 @@ local function store(key, p, state, idle_in_us)
   if idle_in_us <= 0 and min_ttl_ms == 0 then
     redis.call('DEL', key)
   else
-    redis.call('SET', key, p .. state, 'PX', ttl_ms)
+    -- As a string: Redis 7.0 writes a number argument with printf's %.17g, several times
+    -- the work of an integer's %d.
+    redis.call('SET', key, p .. state, 'PX', string.format('%d', ttl_ms))
   end
 end
 
@@ -221,10 +228,11 @@ if boxes then
   end
 end
 
-local reply = {now_us}
-local states = {}
+local reply = sized_table(5 * n + 2)
+reply[1] = now_us
+local states = sized_table(n)
 local over = {}
-local idle = {}
+local idle = sized_table(n)
 local rescaled = {}
 local own_slots = {}
 local allowed = true

@@ -12,6 +12,15 @@ local INF = math.huge
 local unpack_state = struct.unpack
 local pack_state = struct.pack
 
+-- A table of k slots made at once, where one filled a slot at a time is copied as it grows
+-- (at 2, 3, 5, 9, 17 slots...). The k nils are unpack's results, which must fit Lua's C stack
+-- (8000): a larger table grows as it is filled.
+local NO_VALUES = {}
+local function sized_table(k)
+  if k > 4000 then return {} end
+  return {unpack(NO_VALUES, 1, k)}
+end
+
 -- Python's -(-a // b): a / b rounded up.
 local function ceil_div(a, b)
   return -floor(-a / b)
