@@ -420,9 +420,13 @@ class LimitEngine:
             elif dry:
                 # Both at once: with the Redis store their script calls go out in one
                 # pipeline, so a dry-run limit adds no round trip to the request's wait.
-                verdicts, outcome = await asyncio.gather(
+                # Untyped: ``gather`` returns a list where its stubs say a tuple, which a
+                # compiled unpacking of the typed value refuses.
+                both: Any = await asyncio.gather(
                     self.store.decide_each(dry), self._enforce(enforced)
                 )
+                verdicts = both[0]
+                outcome = both[1]
                 outcome = self._with_dry_run(outcome, dry, verdicts)
                 if self.counts_responses:
                     outcome = _with_charge_after(outcome, enforced, dry, verdicts)
