@@ -18,9 +18,9 @@ import asyncio
 import ipaddress
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from gateway.algorithms.base import Algorithm, Decision
 from gateway.algorithms.combine import CombinedDecision
@@ -420,13 +420,15 @@ class LimitEngine:
             elif dry:
                 # Both at once: with the Redis store their script calls go out in one
                 # pipeline, so a dry-run limit adds no round trip to the request's wait.
-                # Untyped: ``gather`` returns a list where its stubs say a tuple, which a
-                # compiled unpacking of the typed value refuses.
-                both: Any = await asyncio.gather(
-                    self.store.decide_each(dry), self._enforce(enforced)
-                )
-                verdicts = both[0]
-                outcome = both[1]
+                # Gathered from a list: ``gather`` returns a list where its stubs say a tuple
+                # of two, which the compiled build checks and refuses.
+                calls: list[Awaitable[object]] = [
+                    self.store.decide_each(dry),
+                    self._enforce(enforced),
+                ]
+                both = await asyncio.gather(*calls)
+                verdicts = cast(list[CombinedDecision], both[0])
+                outcome = cast(Outcome, both[1])
                 outcome = self._with_dry_run(outcome, dry, verdicts)
                 if self.counts_responses:
                     outcome = _with_charge_after(outcome, enforced, dry, verdicts)
