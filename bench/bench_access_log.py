@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from aiohttp.test_utils import make_mocked_request  # noqa: E402
 
+from gateway.edge.request_record import RequestRecord  # noqa: E402
 from gateway.engine.preflight import parse_and_build  # noqa: E402
 from gateway.log_setup import GatewayFormatter  # noqa: E402
 from gateway.observability.access_log import AccessLog  # noqa: E402
@@ -55,10 +56,12 @@ def one_round(server: str, lines: int) -> float:
     ).policy
     access_log = AccessLog()
     access_log.configure(policy)
-    request = make_mocked_request(
-        "GET",
-        "/api/items?page=2",
-        headers={"Host": "example.test", "X-Api-Key": "k-0123456789", "User-Agent": "curl/8.5"},
+    request = RequestRecord(
+        make_mocked_request(
+            "GET",
+            "/api/items?page=2",
+            headers={"Host": "example.test", "X-Api-Key": "k-0123456789", "User-Agent": "curl/8.5"},
+        )
     )
     started = time.thread_time()
     for _ in range(lines):

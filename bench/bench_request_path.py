@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aiohttp.test_utils import make_mocked_request  # noqa: E402
 from limit_policies import NO_LIMITS, ONE_LIMIT, THREE_LIMITS, policy_text  # noqa: E402
 
-from gateway.edge.annotations import CLIENT_IP, ROUTE_NAME  # noqa: E402
 from gateway.edge.forwarding import response_head  # noqa: E402
+from gateway.edge.request_record import RequestRecord  # noqa: E402
 from gateway.edge.runtime import Runtime, build_runtime  # noqa: E402
 from gateway.engine.preflight import load_and_build  # noqa: E402
 from gateway.limits.keys import RequestFacts  # noqa: E402
@@ -74,7 +74,9 @@ async def one_round(runtime: Runtime, observer: ObservedHandler, requests: int) 
     """µs per request of each step, over ``requests`` requests from 1,000 client addresses."""
     engine = runtime.engine
     peers = [f"10.0.{i // 256}.{i % 256}" for i in range(1000)]
-    request = make_mocked_request("GET", "/api/items", headers={"Host": "example.test"})
+    request = RequestRecord(
+        make_mocked_request("GET", "/api/items", headers={"Host": "example.test"})
+    )
     host = normalise_host(request.headers.get("Host"))
     path = routing_path(request.raw_path)
     route = runtime.routes.match(host, path, "GET")
@@ -86,8 +88,8 @@ async def one_round(runtime: Runtime, observer: ObservedHandler, requests: int) 
     for i in range(requests):
         client_ip = peers[i % 1000]
         t0 = clock()
-        request[ROUTE_NAME] = route.name
-        request[CLIENT_IP] = client_ip
+        request.route_name = route.name
+        request.client_ip = client_ip
         outcome = None
         if engine.active:
             facts = RequestFacts.of(
@@ -96,7 +98,7 @@ async def one_round(runtime: Runtime, observer: ObservedHandler, requests: int) 
                 route.name,
                 "GET",
                 request.headers,
-                lambda: request.query,
+                request.query,
             )
             if engine.decides_now:
                 outcome = engine.evaluate_now(facts, route, host, path, client_ip)

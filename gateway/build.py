@@ -73,6 +73,7 @@ COMPILED_MODULES: Final = (
     "gateway.edge.next_upstream",
     "gateway.edge.request_loop",
     "gateway.edge.server",
+    "gateway.edge.request_record",
     "gateway.edge.proxy",
     "gateway.observability.stats",
     "gateway.observability.worker",

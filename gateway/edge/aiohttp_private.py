@@ -57,8 +57,16 @@ HANDLER_ATTRIBUTES: Final = (
 # ``StreamResponse`` internals the relayed responses wrap.
 RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers", "_eof_sent")
 # ``BaseRequest``'s parsed request line and headers (a C ``RawRequestMessage`` under aiohttp's
-# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``).
-REQUEST_ATTRIBUTES: Final = ("_message",)
+# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``), and what
+# ``request_record.RequestRecord`` reads of it: the body, the connection and what aiohttp read
+# of it once per connection (its peer, its TLS context).
+REQUEST_ATTRIBUTES: Final = (
+    "_message",
+    "_payload",
+    "_protocol",
+    "_transport_peername",
+    "_transport_sslcontext",
+)
 
 
 def error_request() -> Any:

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Final
 
-from aiohttp.web_request import BaseRequest
-
 from gateway.edge.annotations import upstream_error_reason
 from gateway.edge.pool.server_pool import PoolMember, ServerPool
+from gateway.edge.request_record import RequestRecord
 from gateway.edge.upstream_client import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
@@ -32,7 +31,7 @@ IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT",
 
 
 def hash_key(
-    request: BaseRequest, pool: ServerPool, route: str, client_ip: str, ipv6_prefix: int
+    request: RequestRecord, pool: ServerPool, route: str, client_ip: str, ipv6_prefix: int
 ) -> str:
     """The request's key for ``balance: hash`` (empty for the other balancers)."""
     builder = pool.key_builder
@@ -43,7 +42,7 @@ def hash_key(
         route,
         request.method,
         request.headers,
-        lambda: request.query,
+        request.query,
     )
     return builder.build(facts) or ""
 

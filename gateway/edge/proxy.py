@@ -15,15 +15,8 @@ from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
 from gateway.edge.adaptive_gate import AdaptiveGate
-from gateway.edge.aiohttp_private import RelayedResponse, RelayedStream, request_message
-from gateway.edge.annotations import (
-    CLIENT_IP,
-    LOCAL_ANSWER,
-    REPORTED_COSTS,
-    ROUTE_NAME,
-    UPSTREAM_ERROR,
-    upstream_error_reason,
-)
+from gateway.edge.aiohttp_private import RelayedResponse, RelayedStream
+from gateway.edge.annotations import upstream_error_reason
 from gateway.edge.forwarding import (
     BadFraming,
     BadRequest,
@@ -36,6 +29,7 @@ from gateway.edge.forwarding import (
 )
 from gateway.edge.next_upstream import hash_key, read_whole, send, should_buffer
 from gateway.edge.rejection_response import custom_rejection_response
+from gateway.edge.request_record import RequestRecord
 from gateway.edge.response_usage import usage_meter, usage_reported
 from gateway.edge.responses import (
     SERVER,
@@ -44,7 +38,7 @@ from gateway.edge.responses import (
     rate_limited_response,
     version_not_supported,
 )
-from gateway.edge.server import ChunkTooLarge, GatewayProtocol
+from gateway.edge.server import ChunkTooLarge
 from gateway.edge.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
@@ -143,17 +137,18 @@ class ProxyHandler:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        # Told about every finished request (status, seconds, the limits' outcome if they
-        # decided it): the metrics and access log. The outcome is handed over here rather
-        # than left in the request's mapping: compiled, that mapping's methods are aiohttp's
-        # interpreted ones (bench/README.md, third round).
-        self.observer: Callable[[BaseRequest, int, float, Outcome | None], None] | None = None
+        # Told about every finished request (its record, status, seconds, the limits' outcome
+        # if they decided it): the metrics and access log. The outcome is handed over here
+        # rather than kept on the record: not every request has one.
+        self.observer: Callable[[RequestRecord, int, float, Outcome | None], None] | None = None
 
     async def __call__(self, request: BaseRequest) -> web.StreamResponse:
         started = perf_counter()
-        protocol = request.protocol
-        if isinstance(protocol, GatewayProtocol):
-            protocol.request_started(request.content)
+        # What the proxy and the observer read of the request, read once (request_record).
+        record = RequestRecord(request)
+        listener = record.listener
+        if listener is not None:
+            listener.request_started(record.content)
         runtime = self.runtime
         runtime.inflight += 1
         status = 500
@@ -165,9 +160,9 @@ class ProxyHandler:
             # Admit, wait, forward: a request in the shaping queue holds this one coroutine of
             # ours and what ``_admit`` kept for forwarding, not the frames that decided it
             # (each some 300-500 bytes, and 10,000 may wait at once).
-            admitted = await self._admit(request, runtime)
+            admitted = await self._admit(record, runtime)
             if isinstance(admitted, _Refused):
-                response = await _refuse(request, admitted.response, admitted.framing)
+                response = await _refuse(record, admitted.response, admitted.framing)
             elif not isinstance(admitted, _Admitted):
                 response = admitted
             else:
@@ -176,13 +171,11 @@ class ProxyHandler:
                     holding = outcome.charge_after
                     hold_in_flight(holding, 1)
                 if outcome is not None and outcome.delay_s > 0.0:
-                    _request_waits(request)
+                    _request_waits(record)
                     await _wait_in_queue(runtime, outcome)
-                if request_message(request).upgrade and wants_upgrade(
-                    request, admitted.framing, runtime
-                ):
+                if record.upgrade and wants_upgrade(record, admitted.framing, runtime):
                     response = await forward_upgrade(
-                        request,
+                        record,
                         runtime,
                         admitted.upstream,
                         admitted.target,
@@ -191,12 +184,12 @@ class ProxyHandler:
                         outcome,
                     )
                 else:
-                    response = await self._forward(request, runtime, admitted)
+                    response = await self._forward(record, runtime, admitted)
             status = response.status
             return response
         except ShuttingDown:
             status = 503
-            request[LOCAL_ANSWER] = True
+            record.local_answer = True
             return runtime.error_response(
                 503, "the gateway is shutting down", close=True, headers={"Retry-After": "1"}
             )
@@ -210,19 +203,19 @@ class ProxyHandler:
             if isinstance(admitted, _Admitted):
                 outcome = admitted.outcome
                 if outcome is not None:
-                    _settle_limits(request, runtime, admitted, outcome, status)
+                    _settle_limits(record, runtime, admitted, outcome, status)
             elif isinstance(admitted, _Refused):
                 outcome = admitted.outcome
                 runtime.engine.give_back_holds(outcome)
             runtime.request_done()
-            if isinstance(protocol, GatewayProtocol):
-                protocol.request_finished()
+            if listener is not None:
+                listener.request_finished()
             observer = self.observer
             if observer is not None:
-                observer(request, status, perf_counter() - started, outcome)
+                observer(record, status, perf_counter() - started, outcome)
 
     async def _admit(
-        self, request: BaseRequest, runtime: Runtime
+        self, request: RequestRecord, runtime: Runtime
     ) -> web.StreamResponse | _Admitted | _Refused:
         """Check the request, route it, resolve the client and ask the limits: a response that
         ends the request here, the limits' refusal, or what forwarding it needs (after its
@@ -255,7 +248,7 @@ class ProxyHandler:
         route = runtime.routes.match(host, path, method)
         if route is None:
             return runtime.error_response(404, "no route matches this request")
-        request[ROUTE_NAME] = route.name
+        request.route_name = route.name
         admitted = _Admitted(
             route,
             runtime.upstreams[route.upstream],
@@ -274,7 +267,7 @@ class ProxyHandler:
             route.name,
             method,
             request.headers,
-            lambda: request.query,
+            request.query,
         )
         if engine.reads_body and framing.has_body:
             too_large = await _read_body_for_keys(request, runtime, admitted, facts)
@@ -296,7 +289,7 @@ class ProxyHandler:
         return admitted
 
     async def _forward(
-        self, request: BaseRequest, runtime: Runtime, admitted: _Admitted
+        self, request: RequestRecord, runtime: Runtime, admitted: _Admitted
     ) -> web.StreamResponse:
         """Send the admitted request to its upstream (past its adaptive limit, if any) and the
         upstream's answer back to the client."""
@@ -318,7 +311,7 @@ class ProxyHandler:
         started_us = 0
         if gate is not None:
             if not gate.try_enter() and not await gate.enter():
-                request[LOCAL_ANSWER] = True
+                request.local_answer = True
                 return await _refuse(
                     request, _shed_response(gate, upstream.name, framing, runtime), framing
                 )
@@ -376,11 +369,11 @@ class ProxyHandler:
             pool.finished(server)
 
 
-def _request_waits(request: BaseRequest) -> None:
+def _request_waits(request: RequestRecord) -> None:
     """The request is about to wait for the limits: its connection drops its idle timer."""
-    protocol = request.protocol
-    if isinstance(protocol, GatewayProtocol):
-        protocol.request_waits()
+    listener = request.listener
+    if listener is not None:
+        listener.request_waits()
 
 
 async def _wait_in_queue(runtime: Runtime, outcome: Outcome) -> None:
@@ -407,7 +400,7 @@ async def _wait_in_queue(runtime: Runtime, outcome: Outcome) -> None:
 
 
 def _settle_limits(
-    request: BaseRequest, runtime: Runtime, admitted: _Admitted, outcome: Outcome, status: int
+    request: RequestRecord, runtime: Runtime, admitted: _Admitted, outcome: Outcome, status: int
 ) -> None:
     """What a finished request owes its limits: its concurrency slots back (the response
     sent, the client gone, the upstream failed or a WebSocket closed), and the charges made
@@ -423,11 +416,11 @@ def _settle_limits(
         runtime.engine.charge_after(outcome, admitted.sent_status or status, admitted.reported)
 
 
-def _forwarded_for(request: BaseRequest, runtime: Runtime, host_header: str | None) -> ForwardedFor:
+def _forwarded_for(
+    request: RequestRecord, runtime: Runtime, host_header: str | None
+) -> ForwardedFor:
     """Who the client is (recorded on the request) and the forwarding facts sent upstream."""
-    # aiohttp's cached copy: the transport would make a syscall and a new tuple per call.
-    peername = request.protocol.peername
-    peer: str | None = peername[0] if peername else None
+    peer = request.peer
     resolver = runtime.client_ip
     trusted_peer = resolver.is_trusted(peer)
     # The client IP keys every per-IP limit. resolve() also normalises the peer itself
@@ -435,7 +428,7 @@ def _forwarded_for(request: BaseRequest, runtime: Runtime, host_header: str | No
     client_ip = resolver.resolve(
         peer, request.headers.getall(resolver.header_name, ()) if trusted_peer else ()
     )
-    request[CLIENT_IP] = client_ip
+    request.client_ip = client_ip
     return ForwardedFor(
         peer_ip=peer if peer is not None else client_ip,
         client_ip=client_ip,
@@ -446,7 +439,7 @@ def _forwarded_for(request: BaseRequest, runtime: Runtime, host_header: str | No
 
 
 async def _read_body_for_keys(
-    request: BaseRequest, runtime: Runtime, admitted: _Admitted, facts: RequestFacts
+    request: RequestRecord, runtime: Runtime, admitted: _Admitted, facts: RequestFacts
 ) -> web.Response | None:
     """Read the body for the limits' ``body:FIELD`` key parts (kept on ``admitted``, to forward
     from); the 413 sent, when it is over ``server.body_key_max_size`` and that refuses it."""
@@ -504,17 +497,17 @@ def _max_body_size(route: Route, runtime: Runtime) -> int:
     return max_body
 
 
-def _body_refused(request: BaseRequest, framing: RequestFraming, max_body: int) -> bool:
+def _body_refused(request: RequestRecord, framing: RequestFraming, max_body: int) -> bool:
     """Whether the body is refused before the upstream hears of the request: its length over
     ``max_body``, or a chunk size the connection already refused."""
     if max_body and framing.content_length is not None and framing.content_length > max_body:
         return True
-    protocol = request.protocol
-    return isinstance(protocol, GatewayProtocol) and protocol.body_refused != 0
+    listener = request.listener
+    return listener is not None and listener.body_refused != 0
 
 
 async def _refuse_body(
-    request: BaseRequest, runtime: Runtime, framing: RequestFraming, max_body: int
+    request: RequestRecord, runtime: Runtime, framing: RequestFraming, max_body: int
 ) -> web.Response:
     """The answer to a body ``_body_refused`` refuses."""
     if max_body and framing.content_length is not None and framing.content_length > max_body:
@@ -522,14 +515,14 @@ async def _refuse_body(
             request, runtime.error_response(413, "request body too large", close=True), framing
         )
     # A chunk size already refused the body: answer before the upstream hears of it.
-    protocol = request.protocol
-    status = protocol.body_refused if isinstance(protocol, GatewayProtocol) else 400
+    listener = request.listener
+    status = listener.body_refused if listener is not None else 400
     message = "request body too large" if status == 413 else "malformed request body"
     return await _answer_and_close(request, runtime.error_response(status, message, close=True))
 
 
 def _head_builder(
-    request: BaseRequest, runtime: Runtime, admitted: _Admitted
+    request: RequestRecord, runtime: Runtime, admitted: _Admitted
 ) -> Callable[[str], bytes]:
     """The request head for the upstream, given the upstream server's base path."""
     method = request.method
@@ -554,14 +547,16 @@ def _head_builder(
     return head_for
 
 
-async def _body_failed(request: BaseRequest, runtime: Runtime, failure: Exception) -> web.Response:
+async def _body_failed(
+    request: RequestRecord, runtime: Runtime, failure: Exception
+) -> web.Response:
     """The answer when the client's body failed on its way upstream: too large, too slow, or
     broken."""
     if isinstance(failure, BodyTooLarge):
         refusal = runtime.error_response(413, "request body too large", close=True)
-        request[LOCAL_ANSWER] = True
-        protocol = request.protocol
-        if isinstance(protocol, GatewayProtocol) and protocol.body_refused:
+        request.local_answer = True
+        listener = request.listener
+        if listener is not None and listener.body_refused:
             # The rest of an oversized chunk is not worth a lingering read.
             return await _answer_and_close(request, refusal)
         return refusal
@@ -578,10 +573,10 @@ async def _body_failed(request: BaseRequest, runtime: Runtime, failure: Exceptio
 
 
 def _upstream_failed(
-    request: BaseRequest, runtime: Runtime, name: str, error: UpstreamError
+    request: RequestRecord, runtime: Runtime, name: str, error: UpstreamError
 ) -> web.Response:
     """The answer when no server of the upstream answered (the pool logged each failure)."""
-    request[UPSTREAM_ERROR] = upstream_error_reason(error)
+    request.upstream_error = upstream_error_reason(error)
     if isinstance(error, UpstreamConnectError):
         return runtime.error_response(502, f"upstream {name!r}: connection failed")
     if isinstance(error, UpstreamTimeout):
@@ -590,7 +585,7 @@ def _upstream_failed(
 
 
 def _read_costs(
-    request: BaseRequest, runtime: Runtime, admitted: _Admitted, response: UpstreamResponse
+    request: RequestRecord, runtime: Runtime, admitted: _Admitted, response: UpstreamResponse
 ) -> UsageMeter | None:
     """Note what the response's headers say the request cost (for limits charged after the
     response); the meter that reads its body for it (``cost_from``), if any."""
@@ -601,7 +596,7 @@ def _read_costs(
     if engine.cost_headers:
         reported = admitted.reported = _reported_costs(response.headers, engine.cost_headers)
         if reported is not None:
-            request[REPORTED_COSTS] = {
+            request.reported_costs = {
                 name.decode("latin-1"): value.decode("latin-1") for name, value in reported.items()
             }
     if engine.body_costs:
@@ -621,7 +616,7 @@ def _whole_at_once(response: UpstreamResponse, method: str, version: HttpVersion
 
 
 def _whole_answer(
-    request: BaseRequest,
+    request: RequestRecord,
     runtime: Runtime,
     response: UpstreamResponse,
     meter: UsageMeter | None,
@@ -650,7 +645,7 @@ def _whole_answer(
 
 
 async def _relayed_answer(
-    request: BaseRequest,
+    request: RequestRecord,
     runtime: Runtime,
     admitted: _Admitted,
     response: UpstreamResponse,
@@ -681,7 +676,7 @@ async def _relayed_answer(
     stream = RelayedStream(status=status, reason=reason, headers=headers)
     if response.content_length is not None and status not in _NO_BODY_STATUS:
         stream.content_length = response.content_length
-    await stream.prepare(request)
+    await stream.prepare(request.request)
     admitted.sent_status = status
     if is_head or status in _NO_BODY_STATUS:
         response.release()
@@ -692,7 +687,7 @@ async def _relayed_answer(
 
 
 async def _relay(
-    request: BaseRequest,
+    request: RequestRecord,
     response: UpstreamResponse,
     stream: RelayedStream,
     pool: ServerPool,
@@ -726,7 +721,7 @@ async def _relay(
         await stream.write_eof()
         return True
     except UpstreamError as exc:
-        request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+        request.upstream_error = upstream_error_reason(exc)
         pool.failures.record(server.config.url, server.label, exc)
     except ConnectionError:
         pass  # the client went away: nothing left to tell it
@@ -735,7 +730,7 @@ async def _relay(
 
 
 async def _body_for_keys(
-    request: BaseRequest, runtime: Runtime, route: Route, framing: RequestFraming
+    request: RequestRecord, runtime: Runtime, route: Route, framing: RequestFraming
 ) -> tuple[RequestBody | None, object, bool]:
     """A JSON request body read before the limits decide, for their ``body:FIELD`` key parts:
     (the body, to forward from; its document, or None; whether it is over
@@ -795,27 +790,27 @@ def _reported_costs(
 
 
 async def _refuse(
-    request: BaseRequest, response: web.Response, framing: RequestFraming
+    request: RequestRecord, response: web.Response, framing: RequestFraming
 ) -> web.Response:
     """Answer before the body is read. A client waiting for ``100 Continue`` will send no body,
     so the connection is closed right after the answer instead of lingering for one."""
-    request[LOCAL_ANSWER] = True
+    request.local_answer = True
     if framing.expect_continue:
         return await _answer_and_close(request, response)
     return response
 
 
-async def _answer_and_close(request: BaseRequest, response: web.Response) -> web.Response:
+async def _answer_and_close(request: RequestRecord, response: web.Response) -> web.Response:
     """Send ``response`` and close at once, skipping aiohttp's lingering read of the body."""
-    request[LOCAL_ANSWER] = True
+    request.local_answer = True
     if request.transport is not None:
-        await response.prepare(request)
+        await response.prepare(request.request)
         await response.write_eof()
         request.transport.close()
     return response
 
 
-def _answer_raw_and_close(request: BaseRequest, data: bytes) -> web.StreamResponse:
+def _answer_raw_and_close(request: RequestRecord, data: bytes) -> web.StreamResponse:
     """Write a whole response the gateway serialised (in HTTP/1.1 whatever the request's
     version) and close the connection."""
     transport = request.transport
@@ -833,7 +828,7 @@ class RequestBody:
 
     __slots__ = ("_content", "_error", "_max_body", "_read", "_received", "_timeout")
 
-    def __init__(self, request: BaseRequest, max_body: int, body_timeout: float) -> None:
+    def __init__(self, request: RequestRecord, max_body: int, body_timeout: float) -> None:
         self._content = request.content
         self._max_body = max_body
         self._timeout = body_timeout or None

@@ -7,9 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from aiohttp.web_request import BaseRequest
-
-from gateway.edge.annotations import REPORTED_COSTS, ROUTE_NAME
+from gateway.edge.request_record import RequestRecord
 from gateway.limits.usage import CUT, MODEL, UsageMeter, UsageSource, is_event_stream
 from gateway.log_throttle import LogThrottle
 
@@ -29,7 +27,7 @@ def usage_meter(
 
 
 def usage_reported(
-    request: BaseRequest,
+    request: RequestRecord,
     meter: UsageMeter,
     headers: dict[bytes, bytes] | None,
     throttle: LogThrottle,
@@ -52,17 +50,17 @@ def usage_reported(
     if meter.model is not None:
         reported[MODEL] = meter.model.encode("ascii")
     if reported:
-        logged = dict(request.get(REPORTED_COSTS) or {})
+        logged = dict(request.reported_costs or {})
         for name, value in reported.items():
             logged[name.decode("latin-1")] = value.decode("latin-1")
-        request[REPORTED_COSTS] = logged
+        request.reported_costs = logged
     return reported
 
 
 def _missing(
-    request: BaseRequest, source: UsageSource, problem: str, throttle: LogThrottle
+    request: RequestRecord, source: UsageSource, problem: str, throttle: LogThrottle
 ) -> None:
-    route = request.get(ROUTE_NAME, "")
+    route = request.route_name or ""
     cause = (source.text, route, problem)
     if throttle.due(cause):
         throttle.log(

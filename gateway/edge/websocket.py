@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 from aiohttp import HttpVersion11, web
-from aiohttp.web_request import BaseRequest
 
-from gateway.edge.annotations import ROUTE_NAME, UPSTREAM_ERROR, upstream_error_reason
+from gateway.edge.annotations import upstream_error_reason
 from gateway.edge.forwarding import (
     ForwardedFor,
     RequestFraming,
@@ -32,6 +31,7 @@ from gateway.edge.forwarding import (
     response_headers,
 )
 from gateway.edge.next_upstream import hash_key
+from gateway.edge.request_record import RequestRecord
 from gateway.edge.responses import HttpDate, PreparedResponse
 from gateway.edge.server import GatewayProtocol
 from gateway.edge.upgrade_stats import UpgradeStats
@@ -56,7 +56,7 @@ _MAX_HEAD_BYTES = 64 * 1024
 _DATE = HttpDate()
 
 
-def wants_upgrade(request: BaseRequest, framing: RequestFraming, runtime: Runtime) -> bool:
+def wants_upgrade(request: RequestRecord, framing: RequestFraming, runtime: Runtime) -> bool:
     """An upgrade the gateway honours: an HTTP/1.1 ``GET`` without a body, one ``Upgrade``
     header naming a protocol of ``server.upgrade_protocols`` (``websocket``). Any other (``h2c``
     above all: a proxy that passed it on would let a client talk HTTP/2 to the upstream past
@@ -67,13 +67,13 @@ def wants_upgrade(request: BaseRequest, framing: RequestFraming, runtime: Runtim
     return (
         len(upgrade) == 1
         and upgrade[0].strip().lower() in runtime.settings.upgrade_protocols
-        and isinstance(request.protocol, GatewayProtocol)
+        and request.listener is not None
         and request.transport is not None
     )
 
 
 async def forward_upgrade(
-    request: BaseRequest,
+    request: RequestRecord,
     runtime: Runtime,
     upstream: UpstreamTarget,
     target: str,
@@ -86,7 +86,7 @@ async def forward_upgrade(
     token = request.headers["Upgrade"].strip().lower().encode("latin-1")
     upgrade_headers = b"Connection: Upgrade\r\nUpgrade: " + token + b"\r\n\r\n"
     pool = upstream.pool
-    route = request.get(ROUTE_NAME, "")
+    route = request.route_name or ""
     server = pool.pick(
         (), hash_key(request, pool, route, forwarded.client_ip, runtime.engine.ipv6_prefix)
     )
@@ -167,9 +167,9 @@ async def forward_upgrade(
         pool.failures.record(server.config.url, server.label, wrong)
         return _upstream_failed(request, runtime, upstream, wrong)
 
-    protocol = request.protocol
+    protocol = request.listener
     transport = request.transport
-    assert isinstance(protocol, GatewayProtocol) and transport is not None
+    assert protocol is not None and transport is not None
     lines = [b"HTTP/1.1 101 " + (up_side.reason or b"Switching Protocols") + b"\r\n"]
     for name, value in response_headers(up_side.headers, via, runtime.hidden_headers):
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))
@@ -205,10 +205,10 @@ async def forward_upgrade(
 
 
 def _upstream_failed(
-    request: BaseRequest, runtime: Runtime, upstream: UpstreamTarget, exc: UpstreamError
+    request: RequestRecord, runtime: Runtime, upstream: UpstreamTarget, exc: UpstreamError
 ) -> web.StreamResponse:
     """The answer to a handshake no server took (the pool logged why)."""
-    request[UPSTREAM_ERROR] = upstream_error_reason(exc)
+    request.upstream_error = upstream_error_reason(exc)
     name = upstream.name
     if isinstance(exc, UpstreamTimeout):
         return runtime.error_response(504, f"upstream {name!r}: timed out")

@@ -20,9 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import unquote_plus
 
-from aiohttp.web_request import BaseRequest
-
-from gateway.edge.annotations import CLIENT_IP, REPORTED_COSTS
+from gateway.edge.request_record import RequestRecord
 from gateway.log_setup import JSON_LINE, json_line
 from gateway.observability.log_file import LogFile
 from gateway.policy.log_template import HEADER_PREFIX, header_of, parse_template
@@ -85,7 +83,7 @@ class Entry:
 
     def __init__(
         self,
-        request: BaseRequest,
+        request: RequestRecord,
         status: int,
         duration_s: float,
         route: str,
@@ -175,7 +173,7 @@ class LineFormat:
         self._second = -1
         self._times = ("", "")
 
-    def header(self, request: BaseRequest, name: str) -> str | None:
+    def header(self, request: RequestRecord, name: str) -> str | None:
         """A request header's value as the log writes it: hashed when it is to be."""
         value = request.headers.get(name)
         if value is None or name not in self._hashed:
@@ -260,7 +258,7 @@ class LineFormat:
         if variable == "status":
             return str(entry.status)
         if variable == "remote_addr":
-            return escaped(request.get(CLIENT_IP, request.remote or "-"))
+            return escaped(request.client())
         if variable == "request":
             target = self.target(request.raw_path)
             return escaped(f"{request.method} {target} {_protocol(request)}")
@@ -286,7 +284,7 @@ class LineFormat:
             host = request.headers.get("Host")
             return "-" if host is None else escaped(host)
         if variable == "realip_remote_addr":
-            return request.remote or "-"
+            return request.remote() or "-"
         if variable == "remote_user":
             return "-"
         if variable == "route":
@@ -318,7 +316,7 @@ def _is_header(variable: str) -> bool:
     return variable.startswith(HEADER_PREFIX)
 
 
-def _protocol(request: BaseRequest) -> str:
+def _protocol(request: RequestRecord) -> str:
     version: Any = request.version
     return f"HTTP/{version[0]}.{version[1]}"
 
@@ -335,7 +333,7 @@ def _json_fields(entry: Entry, target: str) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "ts": round(entry.ended - duration_s, 6),
         "t_us": entry.t_us,
-        "client": request.get(CLIENT_IP, request.remote or "-"),
+        "client": request.client(),
         "method": request.method,
         "host": request.headers.get("Host"),
         "path": target,
@@ -347,7 +345,7 @@ def _json_fields(entry: Entry, target: str) -> dict[str, Any]:
         "delay_ms": round(outcome.delay_s * 1000, 3) if outcome is not None else 0.0,
         "upstream_error": entry.upstream_error,
     }
-    costs = request.get(REPORTED_COSTS)
+    costs = request.reported_costs
     if costs is not None:  # what the upstream said the request cost: a replay charges it
         fields["costs"] = costs
     return fields
@@ -422,7 +420,7 @@ class AccessLog:
 
     def write(
         self,
-        request: BaseRequest,
+        request: RequestRecord,
         status: int,
         duration_s: float,
         route: str,

@@ -15,9 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
-from aiohttp.web_request import BaseRequest
-
-from gateway.edge.annotations import CLIENT_IP
+from gateway.edge.request_record import RequestRecord
 from gateway.limits.keys import key_in_words, shown_key
 from gateway.log_throttle import LOG_INTERVAL_S, LogThrottle
 
@@ -58,7 +56,7 @@ class LimitLog:
         return self._levels.get(limit, 0)
 
     def rejected(
-        self, runtime: Runtime, outcome: Outcome, request: BaseRequest, route: str
+        self, runtime: Runtime, outcome: Outcome, request: RequestRecord, route: str
     ) -> None:
         """A line for each limit that rejected the request (when due, at its level)."""
         verdict = outcome.verdict
@@ -76,7 +74,7 @@ class LimitLog:
         outcome: Outcome,
         name: str,
         check: Check | None,
-        request: BaseRequest,
+        request: RequestRecord,
         route: str,
     ) -> None:
         level = self._level(runtime, name)
@@ -95,7 +93,9 @@ class LimitLog:
             f"{_key(check)}{_request(request, route)}",
         )
 
-    def delayed(self, runtime: Runtime, outcome: Outcome, request: BaseRequest, route: str) -> None:
+    def delayed(
+        self, runtime: Runtime, outcome: Outcome, request: RequestRecord, route: str
+    ) -> None:
         verdict = outcome.verdict
         if verdict is None or verdict.delayed_by is None:
             return
@@ -112,7 +112,7 @@ class LimitLog:
         )
 
     def would_reject(
-        self, runtime: Runtime, check: Check, request: BaseRequest, route: str
+        self, runtime: Runtime, check: Check, request: RequestRecord, route: str
     ) -> None:
         name = check.limit.name
         level = self._level(runtime, name)
@@ -126,10 +126,10 @@ class LimitLog:
         )
 
 
-def _request(request: BaseRequest, route: str) -> str:
+def _request(request: RequestRecord, route: str) -> str:
     """The client and the request: its method and route (not its path, whose query may carry
     a token)."""
-    client = request.get(CLIENT_IP) or request.remote or "-"
+    client = request.client_ip or request.remote() or "-"
     return f"client {client}, {request.method} on route {route}"
 
 

@@ -15,16 +15,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
-from aiohttp.web_request import BaseRequest
-
 from gateway.clock import Clock
-from gateway.edge.annotations import (
-    LOCAL_ANSWER,
-    ROUTE_NAME,
-    UPSTREAM_ERROR,
-    UPSTREAM_ERROR_REASONS,
-)
+from gateway.edge.annotations import UPSTREAM_ERROR_REASONS
 from gateway.edge.pool.server_pool import FAILURE_REASONS
+from gateway.edge.request_record import RequestRecord
 from gateway.edge.upgrade_stats import UpgradeStats
 from gateway.limits.compiled import ChargeCounts, Check, DecisionCounts
 from gateway.limits.keys import shown_key
@@ -154,7 +148,7 @@ class CurrentRuntime(Protocol):
 class ObservedProxy(CurrentRuntime, Protocol):
     """The proxy handler as the observer sees it: told about every finished request."""
 
-    observer: Callable[[BaseRequest, int, float, Outcome | None], None] | None
+    observer: Callable[[RequestRecord, int, float, Outcome | None], None] | None
 
 
 class StoreFigures(Protocol):
@@ -491,11 +485,12 @@ class ObservedHandler:
         self._access_log = access_log or AccessLog()
 
     def finished(
-        self, request: BaseRequest, status: int, duration_s: float, outcome: Outcome | None
+        self, request: RequestRecord, status: int, duration_s: float, outcome: Outcome | None
     ) -> None:
         metrics = self._metrics
         runtime = self._proxy.runtime
-        route = request.get(ROUTE_NAME, UNMATCHED_ROUTE)
+        route_name = request.route_name
+        route = route_name if route_name is not None else UNMATCHED_ROUTE
         metrics.requests.record(route, request.method, status, duration_s)
         if outcome is not None:
             limit_log = self._limit_log
@@ -513,7 +508,7 @@ class ObservedHandler:
                 limit_log.delayed(runtime, outcome, request, route)
             if outcome.line_limit:  # in a concurrency limit's line for a slot
                 metrics.queue_waits.observe(outcome.line_limit, outcome.line_wait_s)
-        upstream_error = request.get(UPSTREAM_ERROR) if status >= 500 else None
+        upstream_error = request.upstream_error if status >= 500 else None
         if upstream_error is not None:
             metrics.requests.upstream_error(route, upstream_error)
         if status >= 400 and (
@@ -521,7 +516,7 @@ class ObservedHandler:
             or route == UNMATCHED_ROUTE
             or (outcome is not None and outcome.status)
             or status == 499
-            or LOCAL_ANSWER in request
+            or request.local_answer
         ):
             metrics.requests.local_answer(route, status)
         access_log = self._access_log
