@@ -532,3 +532,18 @@ async def test_each_ratelimit_header_says_its_own_requests_numbers() -> None:
         f'RateLimit: "per_ip";r={r};t={t}, "wide";r={wr};t={wt}\r\n'
         for (r, t), (wr, wt) in zip(per_ip, wide, strict=True)
     ]
+    # Drained between requests, the same numbers again and again; then, at once, fewer.
+    blocks = []
+    for _ in range(3):
+        several.clock.advance(3600.0)
+        blocks.append(several.engine.header_block(await several.evaluate()).decode())
+    blocks.append(several.engine.header_block(await several.evaluate()).decode())
+    several.clock.advance(3600.0)
+    blocks.append(several.engine.header_block(await several.evaluate()).decode())
+    # Another client at once: its per_ip item as the one before, the global one's fewer.
+    blocks.append(several.engine.header_block(await several.evaluate(client="10.0.0.3")).decode())
+    full = 'RateLimit: "per_ip";r=3;t=63, "wide";r=9;t=63\r\n'
+    less = 'RateLimit: "per_ip";r=2;t=125, "wide";r=8;t=125\r\n'
+    other = 'RateLimit: "per_ip";r=3;t=63, "wide";r=8;t=125\r\n'
+    policy = 'RateLimit-Policy: "per_ip";q=4;w=240, "wide";q=10;w=600\r\n'
+    assert blocks == [policy + line for line in (full, full, full, less, full, other)]

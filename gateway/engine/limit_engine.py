@@ -253,6 +253,11 @@ class LimitEngine:
         # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
         self._advertised: dict[str, _Advertised] = {}
         self._advertised_by_quota: dict[tuple[str, int], _Advertised] = {}
+        # The last several limits' block, for the two lines it was made of (the same objects
+        # while each limit's items repeat: ``_Advertised.policy_after``, ``state_after``).
+        self._block_policy: bytes | None = None
+        self._block_state: bytes | None = None
+        self._block = b""
         access: Access = policy.access
         self.allow = Networks(access.allow)
         self.deny = Networks(access.deny)
@@ -1215,7 +1220,7 @@ class LimitEngine:
     def _several_limits_lines(
         self,
         checks: Sequence[Check],
-        decisions: Sequence[Decision],
+        decisions: tuple[Decision, ...],
         rejecting: tuple[int, ...],
         retry_after: bytes,
         ietf: bool,
@@ -1243,8 +1248,8 @@ class LimitEngine:
                 policy_line = parts.policy_item
                 state_line = item
             else:
-                policy_line = b"%s, %s" % (policy_line, parts.policy_item)
-                state_line = b"%s, %s" % (state_line, item)
+                policy_line = parts.policy_after(policy_line)
+                state_line = parts.state_after(state_line, item)
             if tightest is None or remaining < tightest.remaining:
                 tightest = decision
                 tightest_reset = reset
@@ -1255,6 +1260,15 @@ class LimitEngine:
             x_lines = _x_ratelimit_lines(tightest.limit, max(0, tightest.remaining), tightest_reset)
         if not ietf:
             return retry_after + x_lines
+        if not retry_after and not x_lines:
+            if policy_line is not self._block_policy or state_line is not self._block_state:
+                self._block = b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (
+                    policy_line,
+                    state_line,
+                )
+                self._block_policy = policy_line
+                self._block_state = state_line
+            return self._block
         return b"%sRateLimit-Policy: %s\r\nRateLimit: %s\r\n%s" % (
             retry_after,
             policy_line,
@@ -1286,8 +1300,13 @@ class _Advertised:
     __slots__ = (
         "_item",
         "_lines",
+        "_policy_after",
+        "_policy_joined",
         "_remaining",
         "_reset",
+        "_state_after",
+        "_state_item",
+        "_state_joined",
         "policy_item",
         "policy_line",
         "quota",
@@ -1315,6 +1334,14 @@ class _Advertised:
         self._reset = -1
         self._item = b""
         self._lines = b""
+        # The several limits' lines joined up to this limit's item, for the line before it
+        # (and this limit's item): each the same object while the numbers repeat, so a
+        # request under several limits that do not bind joins nothing anew.
+        self._policy_after: bytes | None = None
+        self._policy_joined = b""
+        self._state_after: bytes | None = None
+        self._state_item = b""
+        self._state_joined = b""
 
     def state_item(self, remaining: int, reset: int) -> bytes:
         """This limit's ``RateLimit`` item, ``"name";r=REMAINING;t=RESET``."""
@@ -1324,6 +1351,21 @@ class _Advertised:
             self._remaining = remaining
             self._reset = reset
         return self._item
+
+    def policy_after(self, line: bytes) -> bytes:
+        """``line`` (the items of the limits before this one) and this limit's policy item."""
+        if line is not self._policy_after:
+            self._policy_joined = b"%s, %s" % (line, self.policy_item)
+            self._policy_after = line
+        return self._policy_joined
+
+    def state_after(self, line: bytes, item: bytes) -> bytes:
+        """``line`` (the ``RateLimit`` items before this one) and ``item``, this limit's."""
+        if line is not self._state_after or item is not self._state_item:
+            self._state_joined = b"%s, %s" % (line, item)
+            self._state_after = line
+            self._state_item = item
+        return self._state_joined
 
     def lines(self, remaining: int, reset: int) -> bytes:
         """The ``RateLimit-Policy`` and ``RateLimit`` lines of a request under this limit alone."""
