@@ -253,8 +253,7 @@ class LimitEngine:
         # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
         self._advertised: dict[str, _Advertised] = {}
         self._advertised_by_quota: dict[tuple[str, int], _Advertised] = {}
-        # The last several limits' block, for the two lines it was made of (the same objects
-        # while each limit's items repeat: ``_Advertised.policy_after``, ``state_after``).
+        # The last several limits' block, for the two line objects it was made of.
         self._block_policy: bytes | None = None
         self._block_state: bytes | None = None
         self._block = b""
@@ -450,8 +449,8 @@ class LimitEngine:
     ) -> Outcome:
         """``evaluate`` where the store decides without waiting (``decides_now``: in process,
         or the shared store): no coroutine per request, and nothing between the checks' places
-        and the verdict. Compiled, 7,367 instructions a request under one limit, 17,260 under
-        three (bench/README.md, "Fourth round")."""
+        and the verdict. Compiled, 5,457 instructions a request under one limit, 13,879 under
+        three (bench/README.md, "Fifth round")."""
         store = self._immediate
         assert store is not None
         checks = self._checks_or_answer(facts, route, host, path, client_ip, True)
@@ -1177,9 +1176,10 @@ class LimitEngine:
         rejecting = verdict.rejected_by if outcome.status else ()
         if len(checks) == 1:
             # The common case, one limit: its two lines by one bytes format, from the parts
-            # encoded once. Measured on the compiled build (bench_instructions.py --requests
-            # 2000, callgrind, header_block inclusive per request): 1,686 instructions, where
-            # the several limits' path below takes 2,350 for one limit.
+            # encoded once (kept while its numbers repeat). Measured on the compiled build
+            # (bench_instructions.py --requests 2000, callgrind, header_block inclusive per
+            # request): 1,686 instructions, where the several limits' path below took 2,350
+            # for one limit; 636 with the lines kept (bench/README.md, "Fifth round").
             limit = checks[0].limit
             if limit.holds_slots:  # a concurrency limit advertises no quota
                 return retry_after
