@@ -507,3 +507,43 @@ def test_lines_grant_slots_in_arrival_order_and_nothing_is_left_behind(
         assert engine.slot_lines.waiting == 0
 
     run_on_virtual_clock(main)
+
+
+async def test_each_ratelimit_header_says_its_own_requests_numbers() -> None:
+    """A limit's ``RateLimit`` item is kept for the numbers it last said (the header bytes
+    are not made again while they repeat): a request with other numbers, another key's or
+    a later one's, gets its own, under one limit and under several."""
+    clients = ("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.1", "10.0.0.2", "10.0.0.1")
+    # Per client: 3, 2, 1, 0 left, full again 63 s after each request (1r/m: 62.5 s each).
+    per_ip = [(3, 63), (2, 125), (3, 63), (1, 188), (2, 125), (0, 240)]
+    one = Bench(_nodelay("per_ip", 3))
+    blocks = [one.engine.header_block(await one.evaluate(client=c)).decode() for c in clients]
+    assert blocks == [
+        f'RateLimit-Policy: "per_ip";q=4;w=240\r\nRateLimit: "per_ip";r={r};t={t}\r\n'
+        for r, t in per_ip
+    ]
+    several = Bench(_nodelay("per_ip", 3) + _nodelay("wide", 9, "    key: [global]\n"))
+    blocks = [
+        several.engine.header_block(await several.evaluate(client=c)).decode() for c in clients
+    ]
+    wide = [(9, 63), (8, 125), (7, 188), (6, 250), (5, 313), (4, 375)]
+    assert blocks == [
+        'RateLimit-Policy: "per_ip";q=4;w=240, "wide";q=10;w=600\r\n'
+        f'RateLimit: "per_ip";r={r};t={t}, "wide";r={wr};t={wt}\r\n'
+        for (r, t), (wr, wt) in zip(per_ip, wide, strict=True)
+    ]
+    # Drained between requests, the same numbers again and again; then, at once, fewer.
+    blocks = []
+    for _ in range(3):
+        several.clock.advance(3600.0)
+        blocks.append(several.engine.header_block(await several.evaluate()).decode())
+    blocks.append(several.engine.header_block(await several.evaluate()).decode())
+    several.clock.advance(3600.0)
+    blocks.append(several.engine.header_block(await several.evaluate()).decode())
+    # Another client at once: its per_ip item as the one before, the global one's fewer.
+    blocks.append(several.engine.header_block(await several.evaluate(client="10.0.0.3")).decode())
+    full = 'RateLimit: "per_ip";r=3;t=63, "wide";r=9;t=63\r\n'
+    less = 'RateLimit: "per_ip";r=2;t=125, "wide";r=8;t=125\r\n'
+    other = 'RateLimit: "per_ip";r=3;t=63, "wide";r=8;t=125\r\n'
+    policy = 'RateLimit-Policy: "per_ip";q=4;w=240, "wide";q=10;w=600\r\n'
+    assert blocks == [policy + line for line in (full, full, full, less, full, other)]

@@ -253,6 +253,10 @@ class LimitEngine:
         # name at the quota last advertised, and by (name, quota) for quotas that vary per key.
         self._advertised: dict[str, _Advertised] = {}
         self._advertised_by_quota: dict[tuple[str, int], _Advertised] = {}
+        # The last several limits' block, for the two line objects it was made of.
+        self._block_policy: bytes | None = None
+        self._block_state: bytes | None = None
+        self._block = b""
         access: Access = policy.access
         self.allow = Networks(access.allow)
         self.deny = Networks(access.deny)
@@ -451,8 +455,8 @@ class LimitEngine:
     ) -> Outcome:
         """``evaluate`` where the store decides without waiting (``decides_now``: in process,
         or the shared store): no coroutine per request, and nothing between the checks' places
-        and the verdict. Compiled, 7,367 instructions a request under one limit, 17,260 under
-        three (bench/README.md, "Fourth round")."""
+        and the verdict. Compiled, 5,457 instructions a request under one limit, 13,879 under
+        three (bench/README.md, "Fifth round")."""
         store = self._immediate
         assert store is not None
         checks = self._checks_or_answer(facts, route, host, path, client_ip, True)
@@ -1178,9 +1182,10 @@ class LimitEngine:
         rejecting = verdict.rejected_by if outcome.status else ()
         if len(checks) == 1:
             # The common case, one limit: its two lines by one bytes format, from the parts
-            # encoded once. Measured on the compiled build (bench_instructions.py --requests
-            # 2000, callgrind, header_block inclusive per request): 1,686 instructions, where
-            # the several limits' path below takes 2,350 for one limit.
+            # encoded once (kept while its numbers repeat). Measured on the compiled build
+            # (bench_instructions.py --requests 2000, callgrind, header_block inclusive per
+            # request): 1,686 instructions, where the several limits' path below took 2,350
+            # for one limit; 636 with the lines kept (bench/README.md, "Fifth round").
             limit = checks[0].limit
             if limit.holds_slots:  # a concurrency limit advertises no quota
                 return retry_after
@@ -1194,6 +1199,8 @@ class LimitEngine:
             if remaining < 0:
                 remaining = 0
             if not x_ratelimit:
+                if not retry_after:  # admitted: the two lines, the same as the last request's
+                    return parts.lines(remaining, reset)  # when its numbers are
                 return b"%s%s%s%s;t=%s\r\n" % (
                     retry_after,
                     parts.policy_line,
@@ -1219,7 +1226,7 @@ class LimitEngine:
     def _several_limits_lines(
         self,
         checks: Sequence[Check],
-        decisions: Sequence[Decision],
+        decisions: tuple[Decision, ...],
         rejecting: tuple[int, ...],
         retry_after: bytes,
         ietf: bool,
@@ -1242,21 +1249,13 @@ class LimitEngine:
             else:
                 reset = min(math.ceil(decision.reset_s), parts.window)
             remaining = decision.remaining
+            item = parts.state_item(remaining if remaining > 0 else 0, reset)
             if tightest is None:
                 policy_line = parts.policy_item
-                state_line = b"%s%s;t=%s" % (
-                    parts.state_start,
-                    _ascii(remaining if remaining > 0 else 0),
-                    _ascii(reset),
-                )
+                state_line = item
             else:
-                policy_line = b"%s, %s" % (policy_line, parts.policy_item)
-                state_line = b"%s, %s%s;t=%s" % (
-                    state_line,
-                    parts.state_start,
-                    _ascii(remaining if remaining > 0 else 0),
-                    _ascii(reset),
-                )
+                policy_line = parts.policy_after(policy_line)
+                state_line = parts.state_after(state_line, item)
             if tightest is None or remaining < tightest.remaining:
                 tightest = decision
                 tightest_reset = reset
@@ -1267,6 +1266,15 @@ class LimitEngine:
             x_lines = _x_ratelimit_lines(tightest.limit, max(0, tightest.remaining), tightest_reset)
         if not ietf:
             return retry_after + x_lines
+        if not retry_after and not x_lines:
+            if policy_line is not self._block_policy or state_line is not self._block_state:
+                self._block = b"RateLimit-Policy: %s\r\nRateLimit: %s\r\n" % (
+                    policy_line,
+                    state_line,
+                )
+                self._block_policy = policy_line
+                self._block_state = state_line
+            return self._block
         return b"%sRateLimit-Policy: %s\r\nRateLimit: %s\r\n%s" % (
             retry_after,
             policy_line,
@@ -1296,6 +1304,15 @@ class _Advertised:
     seconds."""
 
     __slots__ = (
+        "_item",
+        "_lines",
+        "_policy_after",
+        "_policy_joined",
+        "_remaining",
+        "_reset",
+        "_state_after",
+        "_state_item",
+        "_state_joined",
         "policy_item",
         "policy_line",
         "quota",
@@ -1315,6 +1332,54 @@ class _Advertised:
         # ``t`` counts to a calendar period's real end (a 31-day month, a 25-hour day), past
         # the nominal window it advertises.
         self.window = _UNCAPPED if limit.calendar else window
+        # The last ``RateLimit`` item made (and the two lines of a request under this limit
+        # alone), for the numbers it says: a key far from its limit, or many keys of a limit
+        # that never binds, say the same numbers request after request (bench/README.md,
+        # "Fifth round").
+        self._remaining = -1
+        self._reset = -1
+        self._item = b""
+        self._lines = b""
+        # The several limits' lines joined up to this limit's item, for the line before it
+        # (and this limit's item): each the same object while the numbers repeat, so a
+        # request under several limits that do not bind joins nothing anew.
+        self._policy_after: bytes | None = None
+        self._policy_joined = b""
+        self._state_after: bytes | None = None
+        self._state_item = b""
+        self._state_joined = b""
+
+    def state_item(self, remaining: int, reset: int) -> bytes:
+        """This limit's ``RateLimit`` item, ``"name";r=REMAINING;t=RESET``."""
+        if remaining != self._remaining or reset != self._reset:
+            self._item = b"%s%s;t=%s" % (self.state_start, _ascii(remaining), _ascii(reset))
+            self._lines = b""
+            self._remaining = remaining
+            self._reset = reset
+        return self._item
+
+    def policy_after(self, line: bytes) -> bytes:
+        """``line`` (the items of the limits before this one) and this limit's policy item."""
+        if line is not self._policy_after:
+            self._policy_joined = b"%s, %s" % (line, self.policy_item)
+            self._policy_after = line
+        return self._policy_joined
+
+    def state_after(self, line: bytes, item: bytes) -> bytes:
+        """``line`` (the ``RateLimit`` items before this one) and ``item``, this limit's."""
+        if line is not self._state_after or item is not self._state_item:
+            self._state_joined = b"%s, %s" % (line, item)
+            self._state_after = line
+            self._state_item = item
+        return self._state_joined
+
+    def lines(self, remaining: int, reset: int) -> bytes:
+        """The ``RateLimit-Policy`` and ``RateLimit`` lines of a request under this limit alone."""
+        item = self.state_item(remaining, reset)
+        lines = self._lines
+        if not lines:
+            lines = self._lines = b"%sRateLimit: %s\r\n" % (self.policy_line, item)
+        return lines
 
 
 # The numbers a header says most often (remaining requests, seconds to reset), encoded once.
@@ -1716,7 +1781,11 @@ def _hold_or_release(outcome: Outcome, enforced: list[Check]) -> Outcome:
     in the queue (the proxy calls it next, with no await in between); any other gives them
     back now."""
     if outcome.waits_on is None and (outcome.status or outcome.delay_s <= 0.0):
-        _release(enforced)
+        # A list's loop, not ``_release``'s over a ``Sequence``: compiled, that one is Python's
+        # iterator protocol (some 400 instructions a request).
+        for check in enforced:
+            if check.reserved:
+                check.limit.counters.deciding -= 1
     else:
         outcome.holds_places = True
     return outcome

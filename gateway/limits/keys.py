@@ -7,7 +7,7 @@ from typing import Final
 
 from multidict import CIMultiDictProxy, MultiMapping
 
-from gateway.limits.addresses import client_key
+from gateway.limits.addresses import request_client_key
 from gateway.policy.cost_from import json_at
 from gateway.policy.overrides import UNLISTED_KEY
 from gateway.redact import hashed
@@ -53,7 +53,9 @@ class RequestFacts:
         """A request's facts, as the proxy, ``/explain`` and ``gateway replay`` all make them:
         ``query`` is called only if a key reads the query string."""
         # Not ``cls(...)``: compiled, naming the class calls its native constructor directly.
-        return RequestFacts(client_key(client_ip, ipv6_prefix), route, method, headers, query)
+        return RequestFacts(
+            request_client_key(client_ip, ipv6_prefix), route, method, headers, query
+        )
 
 
 Part = Callable[[RequestFacts], str | None]
