@@ -64,10 +64,14 @@ class MemoryStore(DecidesNow):
         self.stats.calls += 1
         if len(checks) == 1:
             return self._decide_one(checks[0], now_us, commit)
-        return self._decide_several(checks, now_us, commit)
+        # Compiled, a list's items are read by index, a ``Sequence``'s through Python's
+        # iterator protocol: the engine passes a list.
+        return self._decide_several(
+            checks if isinstance(checks, list) else list(checks), now_us, commit
+        )
 
     def _decide_several(
-        self, checks: Sequence[Check], now_us: int, commit: bool
+        self, checks: list[Check], now_us: int, commit: bool
     ) -> CombinedDecision:
         """``decide_now`` for a request under several limits. An admission without a delay
         (the common case) is the verdict ``combine`` gives, built here without the input
@@ -134,7 +138,7 @@ class MemoryStore(DecidesNow):
         return verdict
 
     def _states_decided_on(
-        self, checks: Sequence[Check], tables: list[KeyedState[Any] | None]
+        self, checks: list[Check], tables: list[KeyedState[Any] | None]
     ) -> list[Any]:
         """The states ``_decide_several`` decided ``checks`` on, read again without marking
         or counting anything: ``peek`` finds what ``get`` returned."""
