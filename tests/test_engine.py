@@ -547,3 +547,22 @@ async def test_each_ratelimit_header_says_its_own_requests_numbers() -> None:
     other = 'RateLimit: "per_ip";r=3;t=63, "wide";r=8;t=125\r\n'
     policy = 'RateLimit-Policy: "per_ip";q=4;w=240, "wide";q=10;w=600\r\n'
     assert blocks == [policy + line for line in (full, full, full, less, full, other)]
+
+
+async def test_a_repeated_key_reuses_its_check_and_holds_its_place_each_time() -> None:
+    """A limit keeps the check its last reserving request made: a request with the same key
+    and cost gets that one (a ``Check`` is never changed), another key gets its own, and
+    each request still takes and gives back its own place in the queue."""
+    bench = Bench(_nodelay("per_ip", 9) + _nodelay("wide", 9, "    key: [global]\n"))
+    first = await bench.evaluate()
+    again = await bench.evaluate()
+    other = await bench.evaluate(client="10.0.0.2")
+    assert [(c.limit.name, c.key, c.reserved) for c in first.checks] == [
+        ("per_ip", "10.0.0.1", True),
+        ("wide", "", True),
+    ]
+    assert all(a is b for a, b in zip(first.checks, again.checks, strict=True))
+    assert other.checks[0] is not first.checks[0] and other.checks[0].key == "10.0.0.2"
+    assert other.checks[1] is first.checks[1]  # the global key repeats
+    assert [limit.counters.deciding for limit in bench.engine.limits] == [0, 0]
+    assert bench.counts() == {"per_ip": (3, 0, 0, 0, 0, 0), "wide": (3, 0, 0, 0, 0, 0)}

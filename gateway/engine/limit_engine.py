@@ -353,7 +353,7 @@ class LimitEngine:
                     enforced.append(Check(limit, key, limit.max_delay, cost=cost))
                 else:
                     limit.counters.deciding += 1
-                    enforced.append(Check(limit, key, limit.max_delay, True, cost))
+                    enforced.append(limit.reserved_check(key, cost))
         return enforced, dry
 
     def _checks_or_answer(

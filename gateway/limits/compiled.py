@@ -166,6 +166,9 @@ class CompiledLimit:
     # ``algorithm`` as the stores' request path calls it: compiled, a C call through the
     # class's method table, not a Python method call through the protocol.
     decides: Decides = field(init=False)
+    # The check this limit's last reserving request made (``reserved_check``): a key that
+    # repeats reuses it rather than building and freeing a record per request.
+    last_check: Check | None = field(init=False, default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.table:
@@ -191,6 +194,21 @@ class CompiledLimit:
         if self.routes is not None and route.name not in self.routes:
             return False
         return self.match is None or self.match.matches(host, path, method)
+
+    def reserved_check(self, key: str, cost: int) -> Check:
+        """The check of a request that holds a place in this limit's queue: the last one
+        when its key and cost repeat (a ``Check`` is never changed once built)."""
+        last = self.last_check
+        if (
+            last is not None
+            and last.key == key
+            and last.cost == cost
+            and last.max_delay_s == self.max_delay
+        ):
+            return last
+        check = Check(self, key, self.max_delay, True, cost)
+        self.last_check = check
+        return check
 
     def queue_full(self) -> bool:
         """No room for one more delayed request (those being decided hold a place too)."""

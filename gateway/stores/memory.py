@@ -64,11 +64,24 @@ class MemoryStore(DecidesNow):
         self.stats.calls += 1
         if len(checks) == 1:
             return self._decide_one(checks[0], now_us, commit)
+        # Compiled, a list's items are read by index, a ``Sequence``'s through Python's
+        # iterator protocol: the engine passes a list.
+        return self._decide_several(
+            checks if isinstance(checks, list) else list(checks), now_us, commit
+        )
+
+    def _decide_several(
+        self, checks: list[Check], now_us: int, commit: bool
+    ) -> CombinedDecision:
+        """``decide_now`` for a request under several limits. An admission without a delay
+        (the common case) is the verdict ``combine`` gives, built here without the input
+        states' list and ``combine``'s loop; otherwise the input states are read again
+        (nothing is written before the commit, so the read finds the states decided on)."""
+        clock = self._reads
         unix_us = 0  # calendar time, read when a calendar window needs it
         known = self.tables
-        delayed = False  # whether some check delays: only then do the checks' bounds matter
+        settled = True  # every check admits without a delay
         tables: list[KeyedState[Any] | None] = []
-        states: list[Any] = []
         decisions: list[Decision] = []
         new_states: list[Any] = []
         # Declared: compiled, a name takes the type of its first assignment (a slot count).
@@ -93,21 +106,25 @@ class MemoryStore(DecidesNow):
                 state = table.get(check.key) if commit else table.peek(check.key)
                 tables.append(table)
             decision, new_state = limit.decides.decide(state, at_us, check.cost)
-            if decision.delay_s > 0.0:
-                delayed = True
-            states.append(state)
+            if not decision.allowed or decision.delay_s > 0.0:
+                settled = False
             decisions.append(decision)
             new_states.append(new_state)
         # Stamped with the instant decided at: a delayed request's refund needs it, and the
         # access log records it so ``gateway replay`` can decide the same request at the same
         # instant.
-        verdict = combine(
-            decisions,
-            new_states,
-            states,
-            now_us,
-            [check.max_delay_s for check in checks] if delayed else None,
-        )
+        if settled:
+            verdict = CombinedDecision(
+                True, 0.0, 0.0, (), None, tuple(decisions), tuple(new_states), now_us
+            )
+        else:
+            verdict = combine(
+                decisions,
+                new_states,
+                self._states_decided_on(checks, tables),
+                now_us,
+                [check.max_delay_s for check in checks],
+            )
         if commit and verdict.allowed:
             for index, check in enumerate(checks):
                 table = tables[index]
@@ -119,6 +136,20 @@ class MemoryStore(DecidesNow):
                     at_us = unix_us if check.limit.calendar else now_us
                     table.put_at(check.key, new_states[index], at_us)
         return verdict
+
+    def _states_decided_on(
+        self, checks: list[Check], tables: list[KeyedState[Any] | None]
+    ) -> list[Any]:
+        """The states ``_decide_several`` decided ``checks`` on, read again without marking
+        or counting anything: ``peek`` finds what ``get`` returned."""
+        states: list[Any] = []
+        for index, check in enumerate(checks):
+            table = tables[index]
+            if table is None:
+                states.append(self.slot_tables[check.limit.table].peek(check.key))
+            else:
+                states.append(table.peek(check.key))
+        return states
 
     def _decide_one(self, check: Check, now_us: int, commit: bool) -> CombinedDecision:
         """``decide_now`` for a request under one limit (the common case): the same steps and
