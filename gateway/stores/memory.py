@@ -70,9 +70,7 @@ class MemoryStore(DecidesNow):
             checks if isinstance(checks, list) else list(checks), now_us, commit
         )
 
-    def _decide_several(
-        self, checks: list[Check], now_us: int, commit: bool
-    ) -> CombinedDecision:
+    def _decide_several(self, checks: list[Check], now_us: int, commit: bool) -> CombinedDecision:
         """``decide_now`` for a request under several limits. An admission without a delay
         (the common case) is the verdict ``combine`` gives, built here without the input
         states' list and ``combine``'s loop; otherwise the input states are read again
