@@ -11,6 +11,7 @@ from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.edge.aiohttp_private import (
+    CONNECTION_PROPERTIES,
     HANDLER_ATTRIBUTES,
     REQUEST_ATTRIBUTES,
     RESPONSE_ATTRIBUTES,
@@ -28,6 +29,7 @@ def _attributes(cls: type) -> set[str]:
 
 def test_request_handler_has_the_slots_the_protocol_uses() -> None:
     assert set(HANDLER_ATTRIBUTES) <= _attributes(RequestHandler)
+    assert set(CONNECTION_PROPERTIES) <= _attributes(RequestHandler)
 
 
 def test_responses_have_the_internals_the_relayed_responses_wrap() -> None:

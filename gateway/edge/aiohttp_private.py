@@ -57,16 +57,13 @@ HANDLER_ATTRIBUTES: Final = (
 # ``StreamResponse`` internals the relayed responses wrap.
 RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers", "_eof_sent")
 # ``BaseRequest``'s parsed request line and headers (a C ``RawRequestMessage`` under aiohttp's
-# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``), and what
-# ``request_record.RequestRecord`` reads of it: the body, the connection and what aiohttp read
-# of it once per connection (its peer, its TLS context).
-REQUEST_ATTRIBUTES: Final = (
-    "_message",
-    "_payload",
-    "_protocol",
-    "_transport_peername",
-    "_transport_sslcontext",
-)
+# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``), its body
+# and its connection, which ``request_record.RequestRecord.of_request`` reads; what the request
+# loop calls on a request it made (``_finish``, ``_task``); what aiohttp calls on the request
+# its connection serves (``_cancel``), which the record stands in for.
+REQUEST_ATTRIBUTES: Final = ("_message", "_payload", "_protocol", "_task", "_finish", "_cancel")
+# The connection's peer and TLS context, read once a connection (the record reads them).
+CONNECTION_PROPERTIES: Final = ("peername", "ssl_context")
 
 
 def error_request() -> Any:

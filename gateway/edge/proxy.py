@@ -38,7 +38,7 @@ from gateway.edge.responses import (
     rate_limited_response,
     version_not_supported,
 )
-from gateway.edge.server import ChunkTooLarge
+from gateway.edge.server import ChunkTooLarge, GatewayProtocol
 from gateway.edge.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
@@ -143,9 +143,16 @@ class ProxyHandler:
         self.observer: Callable[[RequestRecord, int, float, Outcome | None], None] | None = None
 
     async def __call__(self, request: BaseRequest) -> web.StreamResponse:
+        """aiohttp's handler entry, for a request aiohttp made; the gateway's listener calls
+        ``serve_record`` with the record its request loop made instead (``request_loop``)."""
+        protocol = request.protocol
+        listener = protocol if isinstance(protocol, GatewayProtocol) else None
+        return await self.serve_record(RequestRecord.of_request(request, listener))
+
+    async def serve_record(self, record: RequestRecord) -> web.StreamResponse:
+        """Answer one request: what the proxy and the observer read of it was read once, into
+        ``record`` (request_record)."""
         started = perf_counter()
-        # What the proxy and the observer read of the request, read once (request_record).
-        record = RequestRecord(request)
         listener = record.listener
         if listener is not None:
             listener.request_started(record.content)
@@ -676,7 +683,7 @@ async def _relayed_answer(
     stream = RelayedStream(status=status, reason=reason, headers=headers)
     if response.content_length is not None and status not in _NO_BODY_STATUS:
         stream.content_length = response.content_length
-    await stream.prepare(request.request)
+    await stream.prepare(request.aiohttp_request())
     admitted.sent_status = status
     if is_head or status in _NO_BODY_STATUS:
         response.release()
@@ -804,7 +811,7 @@ async def _answer_and_close(request: RequestRecord, response: web.Response) -> w
     """Send ``response`` and close at once, skipping aiohttp's lingering read of the body."""
     request.local_answer = True
     if request.transport is not None:
-        await response.prepare(request.request)
+        await response.prepare(request.aiohttp_request())
         await response.write_eof()
         request.transport.close()
     return response
