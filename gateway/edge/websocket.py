@@ -99,7 +99,7 @@ async def forward_upgrade(
         framing,
         forwarded,
         runtime.via,
-        underscores=runtime.settings.underscores_in_headers,
+        underscores=runtime.underscores_in_headers,
     )
     # build_request_head drops Connection and Upgrade (hop-by-hop): this hop asks for them anew.
     head = head[:-2] + upgrade_headers
