@@ -15,7 +15,7 @@ from typing import Any, Final
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import _PAYLOAD_ACCESS_ERROR, ERROR, _ErrInfo
 from aiohttp.web_request import BaseRequest
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 # A parse error aiohttp queues in ``RequestHandler._messages`` in place of a request.
 ErrInfo: Final = _ErrInfo
@@ -66,10 +66,17 @@ REQUEST_ATTRIBUTES: Final = ("_message", "_payload", "_protocol", "_task", "_fin
 CONNECTION_PROPERTIES: Final = ("peername", "ssl_context")
 
 
+# aiohttp's placeholder message for a request it could not parse holds its headers as two
+# dicts; a parsed message's are a ``CIMultiDictProxy`` and a tuple, which the gateway's record
+# (compiled: its fields' types are checked) takes.
+_ERROR_MESSAGE: Final = ERROR._replace(headers=CIMultiDictProxy(CIMultiDict()), raw_headers=())
+
+
 def error_request() -> Any:
-    """The message aiohttp's request loop builds the request from for a request it could not
-    parse, untyped (a ``RawRequestMessage``: see ``request_message``)."""
-    return ERROR
+    """The message the request loop builds the request from for a request aiohttp could not
+    parse: aiohttp's, its headers typed as a parsed message's; untyped (a ``RawRequestMessage``:
+    see ``request_message``)."""
+    return _ERROR_MESSAGE
 
 
 def request_message(request: BaseRequest) -> Any:
