@@ -739,3 +739,13 @@ def test_valid_hosts_are_remembered_within_a_bound() -> None:
     for invalid in (b"a b", b"h1.example:80, h2", b"h1.example:x", b"[::1"):
         with pytest.raises(BadRequest):
             check_request(((b"Host", invalid),), version)
+
+
+def test_header_names_are_lowered_from_a_bounded_memory() -> None:
+    """``lower_name`` remembers the names it lowered: many different names (a client making
+    them up) keep the memory bounded, and each answer is the name in lower case."""
+    for number in range(3 * forwarding._LOWER_NAMES_MAX):
+        name = b"X-Made-Up-%d" % number
+        assert forwarding.lower_name(name) == name.lower()
+        assert len(forwarding._LOWER_NAMES) <= forwarding._LOWER_NAMES_MAX
+    assert forwarding.lower_name(b"Content-LENGTH") == b"content-length"
