@@ -111,8 +111,11 @@ def running(
 # some 50 times as long, so the snapshot (and the rest of the timed work) lands on far more
 # requests than in a real run, and on more still when the machine is loaded. The handler's
 # inclusive cost (the request's own work) is the figure load does not move; compiled, both are
-# named functions.
-HANDLER = "CPyDef_proxy_____call___3_ProxyHandler_gen_____mypyc_generator_helper__ "
+# named functions: the proxy's ``serve_record`` (``__call__`` in builds before it).
+HANDLERS = (
+    "CPyDef_proxy___serve_record_ProxyHandler_gen_____mypyc_generator_helper__ ",
+    "CPyDef_proxy_____call___3_ProxyHandler_gen_____mypyc_generator_helper__ ",
+)
 
 # The once-a-second tick (rotating the metrics, the snapshot, publishing it from a thread) runs
 # once per second of valgrind's slow time, so its share of a request moves with the machine's
@@ -147,10 +150,11 @@ def named_shares(dump: Path, requests: int) -> tuple[float | None, float | None]
     ).stdout
     found: dict[str, float] = {}
     for line in annotated.splitlines():
-        for name in (HANDLER, SNAPSHOT):
+        for name in (*HANDLERS, SNAPSHOT):
             if ":" + name in line and "__native_" in line and name not in found:
                 found[name] = int(line.split()[0].replace(",", "")) / requests
-    return found.get(HANDLER), found.get(SNAPSHOT)
+    handler = next((found[name] for name in HANDLERS if name in found), None)
+    return handler, found.get(SNAPSHOT)
 
 
 def count(

@@ -9,12 +9,15 @@ from aiohttp import web
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
+from multidict import CIMultiDictProxy
 
 from gateway.edge.aiohttp_private import (
+    CONNECTION_PROPERTIES,
     HANDLER_ATTRIBUTES,
     REQUEST_ATTRIBUTES,
     RESPONSE_ATTRIBUTES,
     ErrInfo,
+    error_request,
     request_message,
 )
 
@@ -28,6 +31,7 @@ def _attributes(cls: type) -> set[str]:
 
 def test_request_handler_has_the_slots_the_protocol_uses() -> None:
     assert set(HANDLER_ATTRIBUTES) <= _attributes(RequestHandler)
+    assert set(CONNECTION_PROPERTIES) <= _attributes(RequestHandler)
 
 
 def test_responses_have_the_internals_the_relayed_responses_wrap() -> None:
@@ -48,3 +52,12 @@ def test_a_request_keeps_its_parsed_message() -> None:
     # Under aiohttp's C parser (production) the message is its own class, not the NamedTuple
     # the stubs declare: why compiled code reads it untyped.
     assert {"method", "path", "upgrade", "chunked"} <= set(dir(RawRequestMessage))
+
+
+def test_the_placeholder_for_an_unparsed_request_has_a_parsed_messages_types() -> None:
+    """The request loop makes the gateway's record of it (compiled, the record's fields are
+    type-checked: aiohttp's own placeholder holds two dicts, and its connection hung)."""
+    message = error_request()
+    assert isinstance(message.raw_headers, tuple)
+    assert isinstance(message.headers, CIMultiDictProxy)
+    assert (message.path, message.should_close) == ("/", True)

@@ -43,6 +43,8 @@ from aiohttp import web
 from aiohttp.test_utils import RawTestServer
 
 from gateway.clock import FakeClock
+from gateway.edge import forwarding
+from gateway.edge.forwarding import BadRequest, check_request
 from tests.support.gateways import GatewayFactory, RunningGateway
 from tests.support.policies import policy_for
 from tests.support.waiting import wait_until
@@ -723,3 +725,27 @@ async def test_the_corpus_on_both_listeners_logs_one_line_per_cause_and_no_trace
     assert all(prefix.match(line) and "\n" not in line for line in lines), lines
     assert len(lines) == len(set(lines))  # each cause once
     assert {line.split()[5] for line in lines} == {"proxy", "admin"}
+
+
+def test_valid_hosts_are_remembered_within_a_bound() -> None:
+    """``check_request`` remembers the Host values it found valid (a repeated Host costs a set
+    lookup, not the pattern's match): many different hosts keep the memory bounded, and an
+    invalid Host is refused whatever was remembered before it."""
+    version = aiohttp.HttpVersion11
+    for number in range(3 * forwarding._VALID_HOSTS_MAX):
+        check_request(((b"Host", b"h%d.example:80" % number),), version)
+        assert len(forwarding._VALID_HOSTS) <= forwarding._VALID_HOSTS_MAX
+    check_request(((b"Host", b"h1.example:80"),), version)
+    for invalid in (b"a b", b"h1.example:80, h2", b"h1.example:x", b"[::1"):
+        with pytest.raises(BadRequest):
+            check_request(((b"Host", invalid),), version)
+
+
+def test_header_names_are_lowered_from_a_bounded_memory() -> None:
+    """``lower_name`` remembers the names it lowered: many different names (a client making
+    them up) keep the memory bounded, and each answer is the name in lower case."""
+    for number in range(3 * forwarding._LOWER_NAMES_MAX):
+        name = b"X-Made-Up-%d" % number
+        assert forwarding.lower_name(name) == name.lower()
+        assert len(forwarding._LOWER_NAMES) <= forwarding._LOWER_NAMES_MAX
+    assert forwarding.lower_name(b"Content-LENGTH") == b"content-length"

@@ -49,28 +49,60 @@ def _differences(record: RequestRecord, request: web.BaseRequest) -> list[str]:
     ]
 
 
-@pytest.fixture
-async def listener() -> AsyncIterator[Callable[[ssl.SSLContext | None], Any]]:
-    """Starts a ``GatewayServer`` whose handler records each request's differences."""
+class _RecordHandler:
+    """A handler with the proxy's entry: the request loop hands it the record it made from the
+    parsed message; aiohttp's request is made only when asked for, here to compare with."""
+
+    def __init__(self, found: list[list[str]], secure: list[bool]) -> None:
+        self.found = found
+        self.secure = secure
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        raise AssertionError("the loop hands this handler records")
+
+    async def serve_record(self, record: RequestRecord) -> web.StreamResponse:
+        assert record.made_request() is None  # none made for it so far
+        assert isinstance(record.listener, GatewayProtocol)
+        request = record.aiohttp_request()
+        assert record.aiohttp_request() is request  # made once
+        return await _compare(record, request, self.found, self.secure)
+
+
+async def _compare(
+    record: RequestRecord, request: web.BaseRequest, found: list[list[str]], secure: list[bool]
+) -> web.StreamResponse:
+    if record.client() != request.remote:
+        found.append([f"client: {record.client()!r}"])
+    record.client_ip = "192.0.2.7"
+    assert record.client() == "192.0.2.7"
+    await request.read()
+    found.append(_differences(record, request))
+    secure.append(record.secure)
+    return web.Response(text="ok")
+
+
+@pytest.fixture(params=["aiohttp-request", "loop-record"])
+async def listener(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[Callable[[ssl.SSLContext | None], Any]]:
+    """Starts a ``GatewayServer`` whose handler records each request's differences: made from
+    aiohttp's request (a plain handler), or by the request loop (the proxy's entry)."""
     started: list[tuple[GatewayServer, asyncio.Server]] = []
+    by_loop = request.param == "loop-record"
 
     async def start(context: ssl.SSLContext | None) -> tuple[int, list[list[str]], list[bool]]:
         found: list[list[str]] = []
         secure: list[bool] = []
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            record = RequestRecord(request)
-            assert isinstance(record.listener, GatewayProtocol)
-            if record.client() != request.remote:
-                found.append([f"client: {record.client()!r}"])
-            record.client_ip = "192.0.2.7"
-            assert record.client() == "192.0.2.7"
-            await request.read()
-            found.append(_differences(record, request))
-            secure.append(record.secure)
-            return web.Response(text="ok")
+            protocol = request.protocol
+            assert isinstance(protocol, GatewayProtocol)
+            record = RequestRecord.of_request(request, protocol)
+            assert record.made_request() is request
+            return await _compare(record, request, found, secure)
 
-        server = GatewayServer(handler, header_timeout=30.0, max_connections=100)
+        entry: Any = _RecordHandler(found, secure) if by_loop else handler
+        server = GatewayServer(entry, header_timeout=30.0, max_connections=100)
         loop = asyncio.get_running_loop()
         socket_server = await loop.create_server(server, "127.0.0.1", 0, ssl=context)
         started.append((server, socket_server))

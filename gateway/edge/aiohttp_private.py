@@ -15,7 +15,7 @@ from typing import Any, Final
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import _PAYLOAD_ACCESS_ERROR, ERROR, _ErrInfo
 from aiohttp.web_request import BaseRequest
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 # A parse error aiohttp queues in ``RequestHandler._messages`` in place of a request.
 ErrInfo: Final = _ErrInfo
@@ -57,22 +57,26 @@ HANDLER_ATTRIBUTES: Final = (
 # ``StreamResponse`` internals the relayed responses wrap.
 RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers", "_eof_sent")
 # ``BaseRequest``'s parsed request line and headers (a C ``RawRequestMessage`` under aiohttp's
-# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``), and what
-# ``request_record.RequestRecord`` reads of it: the body, the connection and what aiohttp read
-# of it once per connection (its peer, its TLS context).
-REQUEST_ATTRIBUTES: Final = (
-    "_message",
-    "_payload",
-    "_protocol",
-    "_transport_peername",
-    "_transport_sslcontext",
-)
+# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``), its body
+# and its connection, which ``request_record.RequestRecord.of_request`` reads; what the request
+# loop calls on a request it made (``_finish``, ``_task``); what aiohttp calls on the request
+# its connection serves (``_cancel``), which the record stands in for.
+REQUEST_ATTRIBUTES: Final = ("_message", "_payload", "_protocol", "_task", "_finish", "_cancel")
+# The connection's peer and TLS context, read once a connection (the record reads them).
+CONNECTION_PROPERTIES: Final = ("peername", "ssl_context")
+
+
+# aiohttp's placeholder message for a request it could not parse holds its headers as two
+# dicts; a parsed message's are a ``CIMultiDictProxy`` and a tuple, which the gateway's record
+# (compiled: its fields' types are checked) takes.
+_ERROR_MESSAGE: Final = ERROR._replace(headers=CIMultiDictProxy(CIMultiDict()), raw_headers=())
 
 
 def error_request() -> Any:
-    """The message aiohttp's request loop builds the request from for a request it could not
-    parse, untyped (a ``RawRequestMessage``: see ``request_message``)."""
-    return ERROR
+    """The message the request loop builds the request from for a request aiohttp could not
+    parse: aiohttp's, its headers typed as a parsed message's; untyped (a ``RawRequestMessage``:
+    see ``request_message``)."""
+    return _ERROR_MESSAGE
 
 
 def request_message(request: BaseRequest) -> Any:

@@ -54,13 +54,13 @@ def may_send_again(went_out: bool, idempotent: bool, body_in_memory: bool) -> bo
 
 def should_buffer(pool: ServerPool, method: str, content_length: int | None) -> bool:
     """Read this request's body whole before sending it, so another server can be sent it too."""
-    limit = pool.config.retry.buffer_body
+    limit = pool.retry.buffer_body
     return (
         content_length is not None
         and 0 < content_length <= limit
         and method in IDEMPOTENT_METHODS
         and pool.tries > 1
-        and bool(pool.config.retry.when)
+        and bool(pool.retry.when)
     )
 
 
@@ -87,7 +87,7 @@ async def send(
 
     ``head_for(base_path)`` is the request head for a server whose URL carries ``base_path``.
     """
-    retry = pool.config.retry
+    retry = pool.retry
     retry_on = retry.when
     tries = pool.tries
     idempotent = method in IDEMPOTENT_METHODS

@@ -38,7 +38,7 @@ from gateway.edge.responses import (
     rate_limited_response,
     version_not_supported,
 )
-from gateway.edge.server import ChunkTooLarge
+from gateway.edge.server import ChunkTooLarge, GatewayProtocol
 from gateway.edge.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
@@ -49,14 +49,19 @@ from gateway.edge.websocket import forward_upgrade, wants_upgrade
 from gateway.engine.delay_queue import ShuttingDown
 from gateway.limits.compiled import Check, hold_in_flight
 from gateway.limits.keys import RequestFacts
-from gateway.limits.routing import RefusedTarget, normalise_host, origin_form, routing_path
+from gateway.limits.routing import (
+    RefusedTarget,
+    RouteEntry,
+    normalise_host,
+    origin_form,
+    routing_path,
+)
 from gateway.limits.usage import BATCH_BYTES, UsageMeter
 
 if TYPE_CHECKING:
     from gateway.edge.pool.server_pool import PoolMember, ServerPool
     from gateway.edge.runtime import Runtime, UpstreamTarget
     from gateway.engine.limit_engine import Outcome
-    from gateway.policy.models import Route
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _DATE = HttpDate()
@@ -95,7 +100,7 @@ class _Admitted:
 
     def __init__(
         self,
-        route: Route,
+        route: RouteEntry,
         upstream: UpstreamTarget,
         target: str,
         framing: RequestFraming,
@@ -143,9 +148,16 @@ class ProxyHandler:
         self.observer: Callable[[RequestRecord, int, float, Outcome | None], None] | None = None
 
     async def __call__(self, request: BaseRequest) -> web.StreamResponse:
+        """aiohttp's handler entry, for a request aiohttp made; the gateway's listener calls
+        ``serve_record`` with the record its request loop made instead (``request_loop``)."""
+        protocol = request.protocol
+        listener = protocol if isinstance(protocol, GatewayProtocol) else None
+        return await self.serve_record(RequestRecord.of_request(request, listener))
+
+    async def serve_record(self, record: RequestRecord) -> web.StreamResponse:
+        """Answer one request: what the proxy and the observer read of it was read once, into
+        ``record`` (request_record)."""
         started = perf_counter()
-        # What the proxy and the observer read of the request, read once (request_record).
-        record = RequestRecord(request)
         listener = record.listener
         if listener is not None:
             listener.request_started(record.content)
@@ -245,7 +257,7 @@ class ProxyHandler:
 
         host = normalise_host(host_header)
         path = routing_path(target)
-        route = runtime.routes.match(host, path, method)
+        route = runtime.routes.entry(host, path, method)
         if route is None:
             return runtime.error_response(404, "no route matches this request")
         request.route_name = route.name
@@ -277,9 +289,9 @@ class ProxyHandler:
             await engine.await_keys(facts)  # a new kid: the key set fetched, bounded
         # Without a wait where the store decides at once: no coroutine per request.
         if engine.decides_now:
-            outcome = engine.evaluate_now(facts, route, host, path, client_ip)
+            outcome = engine.evaluate_now(facts, route.config, host, path, client_ip)
         else:
-            outcome = await engine.evaluate(facts, route, host, path, client_ip)
+            outcome = await engine.evaluate(facts, route.config, host, path, client_ip)
         if outcome.waits_on is not None:  # over a concurrency limit: in line for a slot
             _request_waits(request)
             outcome = await engine.wait_for_slot(outcome)
@@ -301,7 +313,7 @@ class ProxyHandler:
             else b""
         )
         route = admitted.route
-        max_body = _max_body_size(route, runtime)
+        max_body = route.max_body_size
         if _body_refused(request, framing, max_body):
             return await _refuse_body(request, runtime, framing, max_body)
         upstream = admitted.upstream
@@ -326,7 +338,7 @@ class ProxyHandler:
         try:
             body: RequestBody | bytes | None = read_ahead
             if body is None and framing.has_body:
-                body = RequestBody(request, max_body, runtime.settings.body_timeout)
+                body = RequestBody(request, max_body, runtime.body_timeout)
                 if should_buffer(pool, method, framing.content_length):
                     body = await read_whole(body)
             response, server = await send(
@@ -343,8 +355,8 @@ class ProxyHandler:
                     admitted.forwarded.client_ip,
                     runtime.engine.ipv6_prefix,
                 ),
-                connect_timeout_s=route.connect_timeout or 0.0,
-                read_timeout_s=route.read_timeout or 0.0,
+                connect_timeout_s=route.connect_timeout,
+                read_timeout_s=route.read_timeout,
             )
             measured = True
         # One name per handler: compiled, a name several clauses bind takes the first's type.
@@ -489,14 +501,6 @@ def _limits_refusal(runtime: Runtime, outcome: Outcome, framing: RequestFraming)
     )
 
 
-def _max_body_size(route: Route, runtime: Runtime) -> int:
-    """The largest request body the route takes (0: no limit)."""
-    max_body = route.max_body_size
-    if max_body is None:
-        max_body = runtime.settings.max_body_size
-    return max_body
-
-
 def _body_refused(request: RequestRecord, framing: RequestFraming, max_body: int) -> bool:
     """Whether the body is refused before the upstream hears of the request: its length over
     ``max_body``, or a chunk size the connection already refused."""
@@ -531,7 +535,7 @@ def _head_builder(
     framing = admitted.framing
     forwarded = admitted.forwarded
     via = runtime.via
-    underscores = runtime.settings.underscores_in_headers
+    underscores = runtime.underscores_in_headers
 
     def head_for(base_path: str) -> bytes:
         return build_request_head(
@@ -676,7 +680,7 @@ async def _relayed_answer(
     stream = RelayedStream(status=status, reason=reason, headers=headers)
     if response.content_length is not None and status not in _NO_BODY_STATUS:
         stream.content_length = response.content_length
-    await stream.prepare(request.request)
+    await stream.prepare(request.aiohttp_request())
     admitted.sent_status = status
     if is_head or status in _NO_BODY_STATUS:
         response.release()
@@ -730,7 +734,7 @@ async def _relay(
 
 
 async def _body_for_keys(
-    request: RequestRecord, runtime: Runtime, route: Route, framing: RequestFraming
+    request: RequestRecord, runtime: Runtime, route: RouteEntry, framing: RequestFraming
 ) -> tuple[RequestBody | None, object, bool]:
     """A JSON request body read before the limits decide, for their ``body:FIELD`` key parts:
     (the body, to forward from; its document, or None; whether it is over
@@ -745,12 +749,12 @@ async def _body_for_keys(
     length = framing.content_length
     if length is not None and length > most:
         return None, None, True  # too large, known without reading it
-    max_body = _max_body_size(route, runtime)
+    max_body = route.max_body_size
     if max_body and length is not None and length > max_body:
         return None, None, False  # 413 when it is forwarded
     if framing.expect_continue and request.transport is not None:
         request.transport.write(_CONTINUE)  # the client sends nothing before it
-    body = RequestBody(request, max_body, runtime.settings.body_timeout)
+    body = RequestBody(request, max_body, runtime.body_timeout)
     data = await body.read_ahead(most)
     if data is None:
         return body, None, not body.failed
@@ -804,7 +808,7 @@ async def _answer_and_close(request: RequestRecord, response: web.Response) -> w
     """Send ``response`` and close at once, skipping aiohttp's lingering read of the body."""
     request.local_answer = True
     if request.transport is not None:
-        await response.prepare(request.request)
+        await response.prepare(request.aiohttp_request())
         await response.write_eof()
         request.transport.close()
     return response

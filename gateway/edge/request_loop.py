@@ -22,12 +22,13 @@ import asyncio
 from typing import Any
 
 from aiohttp.helpers import ceil_timeout
-from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
 from aiohttp.web_exceptions import HTTPException
 from aiohttp.web_protocol import RequestHandler
 
 from gateway.edge.aiohttp_private import PAYLOAD_ACCESS_ERROR, ErrInfo, error_request
+from gateway.edge.request_record import RequestRecord
+from gateway.edge.responses import PreparedResponse
 
 
 async def serve_connection(protocol: RequestHandler) -> None:
@@ -75,19 +76,21 @@ async def _serve_request(
     protocol: RequestHandler, loop: Any, message: Any, payload: StreamReader, start: Any
 ) -> bool:
     """One request, its handler awaited here; False when the connection is done with."""
-    writer = StreamWriter(protocol, loop)
+    serve_record: Any = None
     if isinstance(message, ErrInfo):
         # make request_factory work
         handler: Any = protocol._make_error_handler(message)
         message = error_request()
     else:
         handler = protocol._request_handler
-    factory: Any = protocol._request_factory
-    task = protocol._task_handler or asyncio.current_task(loop)
-    request: Any = factory(message, payload, protocol, writer, task)
+        gateway: Any = protocol
+        serve_record = gateway.serve_record
+    # The loop runs only ``server.GatewayProtocol`` connections: the record's listener.
+    listener: Any = protocol
+    record = RequestRecord(message, payload, protocol, listener)
     try:
         try:
-            response, reset = await _handle_request(protocol, request, start, handler)
+            response, reset = await _handle_request(protocol, record, start, handler, serve_record)
         except ConnectionError:
             protocol.log_debug("Ignored premature client disconnection")
             return False
@@ -110,19 +113,21 @@ async def _serve_request(
         protocol.force_close()
         raise
     finally:
-        request._task = None  # break the reference cycle in case of an exception
+        made: Any = record.made_request()
+        if made is not None:
+            made._task = None  # break the reference cycle in case of an exception
     return True
 
 
 async def _handle_request(
-    protocol: RequestHandler, request: Any, start: Any, handler: Any
+    protocol: RequestHandler, record: RequestRecord, start: Any, handler: Any, serve_record: Any
 ) -> tuple[Any, bool]:
     """aiohttp's ``_handle_request``: the handler's response, or the error response for its
     failure, prepared and sent; True with it when the client went away meanwhile."""
     protocol._request_in_progress = True
     try:
-        response = await _response_of(protocol, request, handler)
-        return await _finish_response(protocol, request, response, start)
+        response = await _response_of(protocol, record, handler, serve_record)
+        return await _finish_response(protocol, record, response, start)
     finally:
         protocol._request_in_progress = False
         waiter = protocol._handler_waiter
@@ -130,41 +135,60 @@ async def _handle_request(
             waiter.set_result(None)
 
 
-async def _response_of(protocol: RequestHandler, request: Any, handler: Any) -> Any:
+async def _response_of(
+    protocol: RequestHandler, record: RequestRecord, handler: Any, serve_record: Any
+) -> Any:
     """What the handler answers, or the answer to its failure, made in the ``except`` clause
     (so the error is logged with it) and sent after it: compiled, a coroutine does not await
-    in an ``except`` clause (tests/test_build.py)."""
+    in an ``except`` clause (tests/test_build.py). A handler that reads the gateway's record
+    (the proxy's ``serve_record``) gets it; any other gets aiohttp's request."""
+    # Untyped: aiohttp's stubs say a ``BaseRequest``; the record stands in for it (``_cancel``).
+    connection: Any = protocol
     try:
         try:
-            protocol._current_request = request
-            return await handler(request)
+            connection._current_request = record
+            if serve_record is not None:
+                return await serve_record(record)
+            return await handler(record.aiohttp_request())
         finally:
-            protocol._current_request = None
+            connection._current_request = None
     except HTTPException as http_exception:
         return http_exception
     except TimeoutError as timeout:
         protocol.log_debug("Request handler timed out.", exc_info=timeout)
-        return protocol.handle_error(request, 504)
+        return protocol.handle_error(record.aiohttp_request(), 504)
     except Exception as failure:
-        return protocol.handle_error(request, 500, failure)
+        return protocol.handle_error(record.aiohttp_request(), 500, failure)
 
 
 async def _finish_response(
-    protocol: RequestHandler, request: Any, response: Any, start: Any
+    protocol: RequestHandler, record: RequestRecord, response: Any, start: Any
 ) -> tuple[Any, bool]:
     """aiohttp's ``finish_response`` for a response to send; an upgrade declined (whose
-    buffered tail is parsed there) or a handler that returned no response goes to aiohttp's."""
+    buffered tail is parsed there) or a handler that returned no response goes to aiohttp's.
+    The gateway's own bytes (``PreparedResponse``) are written without aiohttp's request."""
     if protocol._upgraded or not hasattr(response, "prepare"):
-        return await protocol.finish_response(request, response, start)
-    request._finish()
+        return await protocol.finish_response(record.aiohttp_request(), response, start)
+    made = record.made_request()
+    if made is not None:
+        made._finish()
     try:
-        await response.prepare(request)
-        await response.write_eof()
+        if isinstance(response, PreparedResponse):
+            response.send(record.transport)
+        else:
+            await response.prepare(record.aiohttp_request())
+            await response.write_eof()
     except ConnectionError:
-        protocol.log_access(request, response, start)
+        _log_access(protocol, record, response, start)
         return response, True
-    protocol.log_access(request, response, start)
+    _log_access(protocol, record, response, start)
     return response, False
+
+
+def _log_access(protocol: RequestHandler, record: RequestRecord, response: Any, start: Any) -> None:
+    """aiohttp's access log line, where one is configured (the gateway writes its own)."""
+    if protocol._logging_enabled:
+        protocol.log_access(record.aiohttp_request(), response, start)
 
 
 async def _linger(protocol: RequestHandler, loop: Any, payload: StreamReader) -> None:

@@ -5,8 +5,10 @@ aiohttp's ``BaseRequest`` hands each of these out through a property (most of th
 an interpreted call the first time each is read, a lookup in its cache after), and its mapping
 (``request[KEY]``) through interpreted ``MutableMapping`` methods; compiled, reading the record
 is a load from a native object (bench/README.md, "The gateway's own request record"). The
-``BaseRequest`` stays beside it for what aiohttp's own code still takes (preparing an aiohttp
-response, the WebSocket handshake, the query string's parse).
+request loop (``request_loop``) makes the record from the parsed message; aiohttp's
+``BaseRequest`` is made only where aiohttp's own code takes one (preparing an aiohttp response,
+an error answer): most proxied requests are answered in the gateway's own bytes and never make
+one.
 
 What the proxy learns on the way (the route, the client, an upstream's failure, the costs the
 upstream reported, an answer of the gateway's own) is written here too, for the observer and
@@ -16,21 +18,43 @@ the access log to read when the request is done.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import HttpVersion
+from aiohttp.helpers import set_exception
+from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDictProxy, MultiMapping
+from yarl import URL
 
-from gateway.edge.server import GatewayProtocol
+from gateway.edge.aiohttp_private import request_message
+from gateway.edge.upgrade_stats import UpgradeStats
+
+
+class Listener(Protocol):
+    """What the proxy asks of the client connection it serves (``server.GatewayProtocol``)."""
+
+    # 413 or 400 once a chunk size refused the body being received.
+    body_refused: int
+
+    @property
+    def upgrades(self) -> UpgradeStats: ...
+
+    def request_started(self, body: StreamReader | None = None) -> None: ...
+
+    def request_waits(self) -> None: ...
+
+    def request_finished(self) -> None: ...
 
 
 class RequestRecord:
     """One request as the gateway reads it, and what the proxy noted about it."""
 
     __slots__ = (
+        "_message",
+        "_request",
         "client_ip",
         "content",
         "headers",
@@ -44,7 +68,6 @@ class RequestRecord:
         "raw_headers",
         "raw_path",
         "reported_costs",
-        "request",
         "route_name",
         "secure",
         "transport",
@@ -53,14 +76,20 @@ class RequestRecord:
         "version",
     )
 
-    def __init__(self, request: BaseRequest) -> None:
-        # Untyped: under aiohttp's C parser the message is a C class, not the NamedTuple its
-        # stubs say (compiled code that typed it would refuse it). The attributes read here
-        # are those ``BaseRequest.__init__`` set from the message and the protocol.
-        source: Any = request
-        message: Any = source._message
-        protocol: RequestHandler = source._protocol
-        self.request = request
+    def __init__(
+        self,
+        message: Any,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        listener: Listener | None,
+        request: BaseRequest | None = None,
+    ) -> None:
+        # ``message`` untyped: under aiohttp's C parser it is a C class, not the NamedTuple its
+        # stubs say (compiled code that typed it would refuse it). What is read here is what
+        # ``BaseRequest.__init__`` reads of the message and the protocol.
+        self._message: Any = message
+        # aiohttp's request for this one, made only when aiohttp's own code needs one.
+        self._request = request
         self.method: str = message.method
         self.raw_path: str = message.path  # as received: the target, query included
         self.version: HttpVersion = message.version
@@ -68,23 +97,51 @@ class RequestRecord:
         self.upgrade: bool = message.upgrade
         self.raw_headers: tuple[tuple[bytes, bytes], ...] = message.raw_headers
         self.headers: CIMultiDictProxy[str] = message.headers  # built by aiohttp's parser
-        self.content: StreamReader = source._payload
+        self.content = payload
         self.protocol = protocol
-        self.listener: GatewayProtocol | None = (
-            protocol if isinstance(protocol, GatewayProtocol) else None
-        )
+        self.listener = listener
         self.transport: asyncio.Transport | None = protocol.transport
-        # The connection's, as aiohttp read it once for the connection (``peername``).
-        peername: Any = source._transport_peername
+        # The connection's, as aiohttp reads it once for the connection.
+        connection: Any = protocol
+        peername: Any = connection.peername
         self.peername: Any = peername
         self.peer: str | None = peername[0] if peername else None
-        self.secure: bool = bool(source._transport_sslcontext)
+        self.secure: bool = bool(connection.ssl_context)
         # Noted by the proxy as it goes, read when the request is done.
         self.route_name: str | None = None
         self.client_ip: str | None = None
         self.upstream_error: str | None = None
         self.reported_costs: dict[str, str] | None = None
         self.local_answer = False
+
+    @classmethod
+    def of_request(cls, request: BaseRequest, listener: Listener | None) -> RequestRecord:
+        """The record of a request aiohttp made (a listener whose loop is aiohttp's own)."""
+        source: Any = request
+        return cls(request_message(request), source._payload, source._protocol, listener, request)
+
+    def aiohttp_request(self) -> BaseRequest:
+        """aiohttp's ``BaseRequest`` for this request, for aiohttp's own code (preparing one of
+        its responses, its error answers): made the first time it is asked for, as aiohttp's
+        request loop would have made it (some 11,000 instructions with its writer, which a
+        request answered in the gateway's own bytes never spends)."""
+        request = self._request
+        if request is None:
+            protocol: Any = self.protocol
+            writer = StreamWriter(protocol, protocol._loop)
+            task = protocol._task_handler or asyncio.current_task()
+            factory: Any = protocol._request_factory
+            request = self._request = factory(self._message, self.content, protocol, writer, task)
+        return request
+
+    def made_request(self) -> BaseRequest | None:
+        """aiohttp's request for this one if it was made (``aiohttp_request``), else None."""
+        return self._request
+
+    def _cancel(self, exc: BaseException) -> None:
+        """As ``BaseRequest._cancel``: aiohttp's connection calls it on the request it serves
+        when the client goes or the server shuts down, failing a read of the body."""
+        set_exception(self.content, exc)
 
     def remote(self) -> str | None:
         """The connection's peer as aiohttp's ``BaseRequest.remote`` gives it."""
@@ -103,5 +160,7 @@ class RequestRecord:
         return self.remote() or "-"
 
     def query(self) -> MultiMapping[str]:
-        """The query string's parameters, parsed by aiohttp (yarl) when first asked for."""
-        return self.request.query
+        """The query string's parameters, as ``BaseRequest.query``: the URL aiohttp's parser
+        built, its query parsed (by yarl) when first asked for."""
+        url: URL = self._message.url
+        return url.query

@@ -3,6 +3,7 @@ no stack traces, ever."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from email.utils import formatdate
@@ -141,8 +142,12 @@ class PreparedResponse:
         self._data: bytes | None = data
 
     async def prepare(self, request: web.BaseRequest) -> None:
+        self.send(request.transport)
+
+    def send(self, transport: asyncio.Transport | None) -> None:
+        """Write the bytes, once, unless the connection is gone (the request loop's way, with
+        no aiohttp request to prepare with)."""
         data = self._data
-        transport = request.transport
         if data is not None and transport is not None and not transport.is_closing():
             self._data = None
             transport.write(data)

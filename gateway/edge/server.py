@@ -102,6 +102,7 @@ class GatewayProtocol(RequestHandler):
         "_gw_server",
         "_header_deadline",
         "body_refused",
+        "serve_record",
     )
 
     def __init__(self, manager: GatewayServer, **kwargs: Any) -> None:
@@ -115,6 +116,9 @@ class GatewayProtocol(RequestHandler):
         self._chunk_sizes: ChunkSizes | None = None
         # 413 or 400 once a chunk size refuses the body being received.
         self.body_refused = 0
+        # The handler's entry taking the gateway's request record (the proxy's), if it has
+        # one: the request loop then makes no aiohttp request for it (``request_record``).
+        self.serve_record: Any = getattr(manager.request_handler, "serve_record", None)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         server = self._gw_server

@@ -99,7 +99,7 @@ async def forward_upgrade(
         framing,
         forwarded,
         runtime.via,
-        underscores=runtime.settings.underscores_in_headers,
+        underscores=runtime.underscores_in_headers,
     )
     # build_request_head drops Connection and Upgrade (hop-by-hop): this hop asks for them anew.
     head = head[:-2] + upgrade_headers
@@ -169,7 +169,7 @@ async def forward_upgrade(
 
     protocol = request.listener
     transport = request.transport
-    assert protocol is not None and transport is not None
+    assert isinstance(protocol, GatewayProtocol) and transport is not None
     lines = [b"HTTP/1.1 101 " + (up_side.reason or b"Switching Protocols") + b"\r\n"]
     for name, value in response_headers(up_side.headers, via, runtime.hidden_headers):
         lines.append(f"{name}: {value}\r\n".encode("latin-1"))

@@ -120,16 +120,40 @@ def normalise_host(host_header: str | None) -> str:
     return host[:colon] if colon != -1 else host
 
 
+class RouteEntry:
+    """A route as the request path reads it, its fields copied once when the table is built:
+    reading a pydantic model's attribute costs some 400 instructions (``BaseModel`` defines
+    ``__getattr__``, which sends every read through Python's slower lookup), a native field's
+    a load. ``config`` is the policy's model, for what else reads it (the limits)."""
+
+    __slots__ = ("config", "connect_timeout", "max_body_size", "name", "read_timeout", "upstream")
+
+    def __init__(self, route: Route, default_max_body_size: int) -> None:
+        self.config = route
+        self.name: str = route.name
+        self.upstream: str = route.upstream
+        self.connect_timeout: float = route.connect_timeout or 0.0  # 0: the upstream's
+        self.read_timeout: float = route.read_timeout or 0.0
+        max_body = route.max_body_size
+        # The largest body the route takes: its own, else ``server.max_body_size`` (0: any).
+        self.max_body_size: int = max_body if max_body is not None else default_max_body_size
+
+
 class RouteTable:
     """Routes tried in order; ``match`` returns the first that takes the request, or None."""
 
     __slots__ = ("_routes",)
 
-    def __init__(self, routes: Sequence[Route]) -> None:
-        self._routes = tuple((compile_match(r.match), r) for r in routes)
+    def __init__(self, routes: Sequence[Route], max_body_size: int = 0) -> None:
+        self._routes = tuple((compile_match(r.match), RouteEntry(r, max_body_size)) for r in routes)
+
+    def entry(self, host: str, path: str, method: str) -> RouteEntry | None:
+        """The first route that takes the request, as the request path reads it."""
+        for compiled, entry in self._routes:
+            if compiled.matches(host, path, method):
+                return entry
+        return None
 
     def match(self, host: str, path: str, method: str) -> Route | None:
-        for compiled, route in self._routes:
-            if compiled.matches(host, path, method):
-                return route
-        return None
+        entry = self.entry(host, path, method)
+        return entry.config if entry is not None else None
