@@ -972,6 +972,62 @@ def test_combined_log_read_in_pieces_is_read_as_line_by_line(
         logs._PIECE_BYTES = old_size
 
 
+# Fields of a combined line, and what may stand in for one: the characters the pattern
+# treats apart (space, quote, brackets, '-', digits) and a few others.
+_FIELD = st.text(alphabet=' "[]-0129aZ/:.', max_size=6)
+_STANDARD = (
+    '203.0.113.1 - - [14/Nov/2023:22:13:20 +0000] "GET /api/items HTTP/1.1" 200 512 "-" '
+    '"Mozilla/5.0 (bench)"'
+)
+
+
+@given(
+    fields=st.lists(_FIELD, min_size=11, max_size=11),
+    use=st.lists(st.booleans(), min_size=11, max_size=11),
+    tail=st.sampled_from(["", ' "-" "curl/8.5"', ' "a" "b" 0.250', " 1700000002.500", ' "x"']),
+)
+def test_a_combined_line_read_by_hand_has_the_patterns_fields(
+    fields: list[str], use: list[bool], tail: str
+) -> None:
+    """``_fields`` reads a line of a plain piece by hand: whenever it takes a line, the
+    pattern matches it with the same groups (it leaves to the pattern what it does not
+    take), over lines made of the standard one's fields, each field maybe replaced by a run
+    of the characters the pattern treats apart."""
+    import gateway.replay.log_formats as logs
+
+    standard = [
+        "203.0.113.1", " ", "-", " ", '"u"', " [", "14/Nov/2023:22:13:20 +0000", '] "',
+        "GET / HTTP/1.1", '" ', "200 512",
+    ]  # fmt: skip
+    line = "".join(f if u else s for f, u, s in zip(fields, use, standard, strict=True)) + tail
+    found = logs._COMBINED.fullmatch(line)
+    text = "\n" + line + "\n"  # inside a piece, between two line ends
+    by_hand = logs._fields(text, 1, len(text) - 1)
+    if by_hand is not None:
+        assert found is not None and by_hand == found.groups()
+    if not any(use) and tail != ' "x"':
+        assert by_hand is not None  # the common lines are taken
+
+
+def test_a_plain_piece_is_read_by_hand_as_the_pattern_reads_it() -> None:
+    """A piece of ASCII lines goes through ``_fields`` and gives what the pattern gives each
+    line (its groups, or the line when it does not match); a tab, a carriage return, another
+    ASCII space or a character that is not ASCII sends the piece to the pattern."""
+    import gateway.replay.log_formats as logs
+
+    lines = [_STANDARD, _STANDARD.replace(' "-" "Mozilla/5.0 (bench)"', ""), "not a line", ""]
+    piece = "\n".join(lines) + "\n"
+    assert logs._plain(piece)
+    expected: list[object] = []
+    for line in lines:
+        found = logs._COMBINED.fullmatch(line)
+        expected.append(line if found is None else found.groups())
+    assert logs._plain_rows(piece) == expected
+    assert logs._fields(piece, 0, len(_STANDARD)) == expected[0]
+    for other in ("\t", "\r", "\x1f", "\xe9"):
+        assert not logs._plain(piece + other)
+
+
 def test_each_format_is_one_entry_of_the_readers_table() -> None:
     """A first line of each format is told as that format and no other earlier in the table,
     and the CLI offers exactly the table's formats."""

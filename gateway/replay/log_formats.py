@@ -19,7 +19,6 @@ import json
 import re
 import sys
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -314,6 +313,8 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
     group: list[Request] = []  # one second's requests, not yet spread
     # Each status text's number: ``int()`` of one costs more than a lookup.
     statuses: dict[str, int] = {}
+    last_status_text = ""  # the last status read (not '-'), and its number
+    last_status = 0
     number = 0
     try:
         for first, rows in _combined_pieces(opened):
@@ -326,12 +327,16 @@ def read_combined(opened: Opened, stats: ReadStats) -> Iterator[Request]:
                     continue
                 address, time_text, request_line, status_text, rest = row
                 status: int | None = None
-                if status_text != "-":
+                if status_text == last_status_text:
+                    status = last_status  # most lines have the status of the line before
+                elif status_text != "-":
                     status = statuses.get(status_text)
                     if status is None:
                         if len(statuses) >= _STATUSES_KEPT:
                             statuses.clear()
                         status = statuses[status_text] = int(status_text)
+                    last_status_text = status_text
+                    last_status = status
                     stats.has_status = True
                 try:
                     request = split_lines[request_line]
@@ -451,12 +456,14 @@ _Row = tuple[str, str, str, str, str]
 
 def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
     """The lines of a combined log in pieces, each with the number of its first line: per
-    line the pattern's four groups, or the line itself (without its end) when they do not
+    line the pattern's five groups, or the line itself (without its end) when they do not
     match.
 
     Where the log's bytes can be read as they come (``read1``), a piece of whole lines is
-    matched at once (``findall``): when every line of it matched, each match is its line's
-    (a match cannot span lines and leave the count whole), else the piece goes line by line.
+    read at once: in ASCII text with no whitespace but spaces and line ends (``_plain``), line
+    by line by hand (``_fields``, the pattern for a line it does not take); otherwise matched
+    as a whole (``findall``): when every line of it matched, each match is its line's (a
+    match cannot span lines and leave the count whole), else the piece goes line by line.
     The pieces are decoded as ``open_log``'s text reader decodes, and a read that fails loses
     only the line it cut, as reading line by line does."""
     buffer = getattr(opened.text, "buffer", None)
@@ -479,8 +486,13 @@ def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
         carry = text[end:]
         piece = text[:end]
         if piece:
-            lines = piece.count("\n") + (not piece.endswith("\n"))  # the last may have no end
             rows: list[_Row | str] | None = None
+            if _plain(piece):
+                rows = _plain_rows(piece)
+                yield first, rows
+                first += len(rows)
+                continue
+            lines = piece.count("\n") + (not piece.endswith("\n"))  # the last may have no end
             if "\r" not in piece:
                 rows = findall(piece)
                 if len(rows) != lines:
@@ -497,6 +509,130 @@ def _combined_pieces(opened: Opened) -> Iterator[tuple[int, list[_Row | str]]]:
             first += lines
         if not data:
             return
+
+
+# ASCII whitespace but the space and the line end (``str.isspace``, which the pattern's
+# ``\S`` excludes): in a piece without these, ``\S`` within a line is any character but a space.
+_OTHER_SPACES: Final = ("\t", "\x0b", "\x0c", "\r", "\x1c", "\x1d", "\x1e", "\x1f")
+
+
+def _plain(piece: str) -> bool:
+    """Whether ``_fields`` may read the piece's lines: ASCII (the pattern's ``\\d`` is then
+    0-9) with no whitespace but spaces and line ends."""
+    return piece.isascii() and all(space not in piece for space in _OTHER_SPACES)
+
+
+def _plain_rows(piece: str) -> list[_Row | str]:
+    """Each line of a ``_plain`` piece as ``_combined_pieces`` gives it: its fields by hand, or
+    by the pattern where ``_fields`` does not take the line."""
+    rows: list[_Row | str] = []
+    size = len(piece)
+    start = 0
+    while start < size:
+        end = piece.find("\n", start)
+        if end < 0:
+            end = size  # the log's last line, without its end
+        row = _fields(piece, start, end)
+        if row is None:
+            line = piece[start:end]
+            found = _COMBINED.fullmatch(line)
+            rows.append(line if found is None else cast(_Row, found.groups()))
+        else:
+            rows.append(row)
+        start = end + 1
+    return rows
+
+
+def _fields(text: str, start: int, end: int) -> _Row | None:
+    """The groups ``_COMBINED`` finds in the line ``text[start:end]`` of a ``_plain`` piece,
+    found by hand, in its order (the user field quoted first, the referer and agent if both
+    are there); None when this way does not find them (the pattern then decides the line).
+
+    Where the pattern's first way through a line matches, this finds the same groups: each
+    repeat of the pattern is possessive, so a field ends at the first character it cannot
+    take (``find``; ``_space_from`` for the fields of a few characters), and ``\\S`` is any
+    character but a space in such a piece. The only alternatives the pattern could go back
+    to (the user field unquoted, a status of '-') are never needed when the first way gets
+    to the line's end."""
+    address_end = text.find(" ", start, end)
+    if address_end <= start:
+        return None
+    ident_end = _space_from(text, address_end + 1, end)
+    if ident_end <= address_end + 1:
+        return None
+    user = ident_end + 1
+    if user >= end:
+        return None
+    if text[user] == '"':
+        user_end = text.find('"', user + 1, end) + 1
+        if user_end <= 0:
+            return None
+    else:
+        user_end = _space_from(text, user, end)
+        if user_end <= user:
+            return None
+    if user_end + 1 >= end or text[user_end] != " " or text[user_end + 1] != "[":
+        return None
+    time_start = user_end + 2
+    time_end = text.find("]", time_start, end)
+    if time_end <= time_start:
+        return None
+    if time_end + 2 >= end or text[time_end + 1] != " " or text[time_end + 2] != '"':
+        return None
+    line_start = time_end + 3
+    line_end = text.find('"', line_start, end)
+    status_start = line_end + 2
+    if line_end < 0 or status_start >= end or text[line_end + 1] != " ":
+        return None
+    status_end = status_start + 1 if text[status_start] == "-" else status_start + 3
+    if status_end >= end or text[status_end] != " ":
+        return None
+    status = text[status_start:status_end]
+    if status != "-" and not status.isdigit():
+        return None
+    size_start = status_end + 1
+    if size_start >= end or text[size_start] == " ":
+        return None
+    rest = _space_from(text, size_start, end)
+    if rest < 0:
+        rest = end
+    elif rest + 1 < end and text[rest + 1] == '"':
+        referer_end = _quote_from(text, rest + 2, end)
+        if (
+            referer_end >= 0
+            and referer_end + 2 < end
+            and text[referer_end + 1] == " "
+            and text[referer_end + 2] == '"'
+        ):
+            agent_end = text.find('"', referer_end + 3, end)
+            if agent_end >= 0:
+                rest = agent_end + 1
+    return (
+        text[start:address_end],
+        text[time_start:time_end],
+        text[line_start:line_end],
+        status,
+        text[rest:end],
+    )
+
+
+def _space_from(text: str, at: int, end: int) -> int:
+    """``text.find(" ", at, end)`` for a field of a few characters: compiled, a loop over
+    them is cheaper than the call (about 150 instructions a field)."""
+    while at < end:
+        if text[at] == " ":
+            return at
+        at += 1
+    return -1
+
+
+def _quote_from(text: str, at: int, end: int) -> int:
+    """``text.find('"', at, end)``, likewise."""
+    while at < end:
+        if text[at] == '"':
+            return at
+        at += 1
+    return -1
 
 
 def _spread(group: list[Request], second: int, stats: ReadStats) -> None:
@@ -799,10 +935,11 @@ def in_time_order(
 
     While records come in order (most logs, most of the time) they wait in a FIFO, which is
     already in (instant, arrival) order; the first one out of order turns what waits into a
-    heap, used until it drains. The order out is the heap's either way."""
-    queue: deque[Request] = deque()
-    append = queue.append
-    popleft = queue.popleft
+    heap, used until it drains. The order out is the heap's either way. The FIFO is a list
+    read from ``head`` (compiled, a list's items are read by index, a deque's through a
+    call), its read part dropped once it is most of the list."""
+    queue: list[Request] = []
+    head = 0
     heap: list[tuple[int, int, Request]] = []
     push = heapq.heappush
     pop = heapq.heappop
@@ -822,13 +959,14 @@ def in_time_order(
             if heap:
                 push(heap, (t_us, seq, record))
             elif t_us >= last_in:
-                append(record)
+                queue.append(record)
                 last_in = t_us
             else:
-                # The queue holds the last len(queue) records, in order: a sorted list is a heap.
-                first = seq - len(queue)
-                heap = [(r.t_us, first + i, r) for i, r in enumerate(queue)]
+                # The queue holds the last records, in order: a sorted list is a heap.
+                first = seq - (len(queue) - head)
+                heap = [(r.t_us, first + i, r) for i, r in enumerate(queue[head:])]
                 queue.clear()
+                head = 0
                 push(heap, (t_us, seq, record))
             if t_us > newest:
                 newest = t_us
@@ -841,13 +979,21 @@ def in_time_order(
                     if not heap:
                         last_in = emitted
                 else:
-                    while queue and queue[0].t_us <= horizon:
-                        record = popleft()
+                    while head < len(queue) and queue[head].t_us <= horizon:
+                        record = queue[head]
+                        head += 1
                         emitted = record.t_us
                         yield record
+                    if head > _QUEUE_READ_KEPT and head * 2 > len(queue):
+                        del queue[:head]
+                        head = 0
         while heap:
             yield pop(heap)[2]
-        yield from queue
+        yield from queue[head:]
     finally:
         stats.requests += seq
         stats.late += late
+
+
+# Records ``in_time_order`` has read off its FIFO before it drops them from the list.
+_QUEUE_READ_KEPT: Final = 4096

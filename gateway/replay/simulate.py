@@ -55,6 +55,10 @@ _PEERS_KEPT = 1 << 16
 _ROUTED_KEPT = 1 << 16
 # Likewise what the engine is handed for each (client, request line, host) seen.
 _FACTS_KEPT = 1 << 16
+# ``Simulation._second_at`` before the first request, and ``_last_us`` likewise: no request's
+# instant is this far back.
+_NO_SECOND: Final = -(1 << 60)
+_NO_INSTANT: Final = -(1 << 61)
 # A request's route, host, routing path and facts; no route and no facts when none matches.
 _Found = tuple[Route | None, str, str, RequestFacts | None]
 
@@ -139,8 +143,10 @@ class Simulation:
         self._peers: dict[str, str] = {}
         # What ``_route`` found for each (method, target, host) seen, likewise.
         self._routed: dict[tuple[str, str, str | None], tuple[str, str, str, Route | None]] = {}
-        # What ``_facts_of`` found for each (client, method, target, host) seen, likewise.
-        self._facts: dict[tuple[str, str, str, str | None], _Found] = {}
+        # What ``_facts_of`` found for each client and target seen, with the method and host
+        # it was found for, likewise; ``_facts_kept`` counts them.
+        self._facts: dict[str, dict[str, tuple[str, str | None, _Found]]] = {}
+        self._facts_kept = 0
         # The engine's outcome for the request decided last (None: no limit was asked).
         self.last: Outcome | None = None
         self._waiting: list[tuple[int, int, Outcome]] = []
@@ -149,14 +155,56 @@ class Simulation:
         self.has_slots = self.engine.has_slots
         self._seq = 0
         self._second: int | None = None
+        # The same second as a plain number (``_NO_SECOND`` when none): compared on every
+        # request, where ``_second`` would box the request's second to compare it.
+        self._second_at = _NO_SECOND
         self._per_second: list[int] = [0, 0, 0]  # (requests, delayed, rejected) this second
+        # Requests of this second not yet added to ``_per_second[0]``, and what came of each
+        # request not yet added to the tally's ``outcomes``: counted as plain numbers per
+        # request, where a ``Counter`` (or a list) of boxed numbers is a lookup, an addition
+        # and a store. ``tally`` adds them in before anyone reads it.
+        self._second_requests = 0
+        self._allowed = 0
+        self._delayed = 0
+        self._rejected = 0
+        self._denied = 0
+        self._unlimited = 0
+        self._unrouted = 0
+        self._last_us = _NO_INSTANT
         self._counted: dict[str, tuple[int, int, int, int, int]] = {}
-        self.tally = Tally()
+        self._tally = Tally()
         for limit in self.engine.limits:
-            self.tally.limits[limit.name] = LimitTally(
+            self._tally.limits[limit.name] = LimitTally(
                 limit.name, limit.spec.algorithm, limit.spec.dry_run
             )
             self._counted[limit.name] = (0, 0, 0, 0, 0)
+
+    @property
+    def tally(self) -> Tally:
+        """The counts so far, the requests counted since last asked added in."""
+        self._add_counts()
+        return self._tally
+
+    def _add_counts(self) -> None:
+        """Add the requests counted as plain numbers into the tally (its outcomes hold
+        what came of each request so far; a ``Counter`` keeps only what happened)."""
+        tally = self._tally
+        outcomes = tally.outcomes
+        for what, count in (
+            (ALLOWED, self._allowed),
+            (DELAYED, self._delayed),
+            (REJECTED, self._rejected),
+            (DENIED, self._denied),
+            (UNLIMITED, self._unlimited),
+            (UNROUTED, self._unrouted),
+        ):
+            if count:
+                outcomes[what] = count
+        if self._last_us != _NO_INSTANT:
+            tally.last_us = self._last_us
+        if self._second_requests:
+            self._per_second[0] += self._second_requests
+            self._second_requests = 0
 
     def client_ip(self, request: Request) -> str:
         """The logged address as the gateway resolves a peer; with ``forwarded_for``, the
@@ -185,76 +233,93 @@ class Simulation:
         holding = self._holding
         while holding and holding[0][0] <= now_us:
             engine.release(heapq.heappop(holding)[2])
-        if now_us // US != self._second:
+        if now_us // US != self._second_at:
             self._start_second(now_us)
         self.clock.set(now_us)
-        tally = self.tally
-        tally.last_us = now_us
-        per_second = self._per_second
-        per_second[0] += 1
-        outcomes = tally.outcomes
+        self._last_us = now_us
+        self._second_requests += 1
 
         self.last = None
         method = request.method
         if method == "CONNECT":
-            outcomes[DENIED] += 1
+            self._denied += 1
             return DENIED
-        found: _Found | None
-        if request.headers:
-            found = self._facts_of(request, client_ip)
-        else:
-            # Without headers, what the engine is handed is a pure function of these.
-            where = (client_ip, method, request.target, request.host)
-            found = self._facts.get(where)
-            if found is None:
-                if len(self._facts) >= _FACTS_KEPT:
-                    self._facts.clear()
-                found = self._facts[where] = self._facts_of(request, client_ip)
-        route, host, path, facts = found
+        route, host, path, facts = self._found(request, client_ip)
         if route is None or facts is None:
             if not path:  # a target refused (400) before routing, as the proxy refuses it
-                outcomes[DENIED] += 1
+                self._denied += 1
                 return DENIED
-            outcomes[UNROUTED] += 1
+            self._unrouted += 1
             return UNROUTED
         if not engine.active:
-            outcomes[UNLIMITED] += 1
+            self._unlimited += 1
             return UNLIMITED
         outcome = self.last = engine.evaluate_now(facts, route, host, path, client_ip)
         if outcome.waits_on is not None:
-            tally.slot_waits += 1
+            self._tally.slot_waits += 1
             outcome = self.last = engine.without_waiting(outcome)
         if outcome.held:
             self._hold_slots(outcome, now_us, request.duration_us)
         if outcome.status:
             engine.give_back_holds(outcome)  # it never reached the upstream
             if outcome.rejected_by is None:
-                outcomes[DENIED] += 1
+                self._denied += 1
                 return DENIED
-            per_second[2] += 1
+            self._per_second[2] += 1
             self._count_rejection(outcome, outcome.rejected_by)
-            outcomes[REJECTED] += 1
+            self._rejected += 1
             return REJECTED
         if outcome.charge_after:
             # Charged what the logged response says, at once (the log has no response instant).
             engine.charge_after(outcome, request.status or 200, _reported(request.costs))
         verdict = outcome.verdict
         if verdict is None:
-            outcomes[UNLIMITED] += 1
+            self._unlimited += 1
             return UNLIMITED
         if outcome.delay_s > 0.0:
-            per_second[1] += 1
+            self._per_second[1] += 1
             self._count_delay(outcome, verdict)
             self._seq += 1
             heapq.heappush(waiting, (now_us + round(outcome.delay_s * US), self._seq, outcome))
-            outcomes[DELAYED] += 1
+            self._delayed += 1
             return DELAYED
-        outcomes[ALLOWED] += 1
+        self._allowed += 1
         return ALLOWED
+
+    def _found(self, request: Request, client_ip: str) -> _Found:
+        """What ``_facts_of`` finds for the request, found again for a client's request line
+        and host seen before when the request has no headers: what the engine is handed is
+        then a pure function of these. Kept by client, then by target: two lookups of
+        strings whose hashes are kept, where one key of the four is a tuple made, hashed and
+        freed per request."""
+        if request.headers:
+            return self._facts_of(request, client_ip)
+        method = request.method
+        target = request.target
+        request_host = request.host
+        by_target = self._facts.get(client_ip)
+        if by_target is None:
+            by_target = self._facts[client_ip] = {}
+        kept = by_target.get(target)
+        if (
+            kept is not None
+            and kept[0] == method
+            and (kept[1] is request_host or kept[1] == request_host)
+        ):
+            return kept[2]
+        found = self._facts_of(request, client_ip)
+        if kept is None:
+            if self._facts_kept >= _FACTS_KEPT:
+                self._facts.clear()
+                self._facts_kept = 0
+                by_target = self._facts[client_ip] = {}
+            self._facts_kept += 1
+        by_target[target] = (method, request_host, found)
+        return found
 
     def _count_rejection(self, outcome: Outcome, rejected_by: str) -> None:
         """Tally a request a limit rejected: by the limit, and by each rejecting key."""
-        tally = self.tally
+        tally = self._tally
         tally.rejected_by[rejected_by] += 1
         verdict = outcome.verdict
         if verdict is not None:
@@ -269,7 +334,7 @@ class Simulation:
     def _count_delay(self, outcome: Outcome, verdict: CombinedDecision) -> None:
         """Tally a delayed request (its wait, by limit, the queues' peaks) and take its places
         in the limits' queues."""
-        tally = self.tally
+        tally = self._tally
         tally.delays_ms.append(outcome.delay_s * 1000.0)
         if verdict.delayed_by is not None:
             tally.delayed_by[outcome.checks[verdict.delayed_by].limit.name] += 1
@@ -284,7 +349,7 @@ class Simulation:
         """An admitted request holds its concurrency slots from its start, through its delay,
         for as long as the log says it took; without a duration, for no time at all."""
         if duration_us < 0:
-            self.tally.slots_without_duration += 1
+            self._tally.slots_without_duration += 1
             self.engine.release(outcome)
             return
         self._seq += 1
@@ -294,8 +359,11 @@ class Simulation:
     def _start_second(self, now_us: int) -> None:
         """Close the second just ended; count from here in the one ``now_us`` falls in."""
         self._close_second()
-        second = self._second = now_us // US
-        tally = self.tally
+        if self._second_requests:
+            self._per_second[0] += self._second_requests
+            self._second_requests = 0
+        second = self._second = self._second_at = now_us // US
+        tally = self._tally
         if tally.first_us is None:
             tally.first_us = now_us
         per_second = tally.series.get(second)
@@ -352,7 +420,7 @@ class Simulation:
             now = (c.allowed, c.delayed, c.rejected, c.dry_run_delayed, c.dry_run_rejected)
             before = self._counted[limit.name]
             if now != before:
-                self.tally.limits[limit.name].series[self._second] = (
+                self._tally.limits[limit.name].series[self._second] = (
                     now[0] - before[0],
                     now[1] - before[1],
                     now[2] - before[2],
@@ -364,7 +432,9 @@ class Simulation:
     def finish(self) -> None:
         """Close the last second; requests still queued leave at the end of their delay."""
         self._close_second()
+        self._add_counts()
         self._second = None
+        self._second_at = _NO_SECOND
         while self._waiting:
             self.engine.free_places(heapq.heappop(self._waiting)[2])
 
