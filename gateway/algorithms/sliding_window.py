@@ -109,12 +109,14 @@ class SlidingWindow(Decides):
         now_index = index
         now_start_us = now_us - now_us % window_us
         # ``_counts_at``, inlined (the request path).
+        in_state_window = False  # counting on in the window the state holds
         if state is None:
             previous = current = 0
         else:
             state_index = state >> self._index_shift
             if state_index >= index:  # this window, or a newer one the clock stepped back from
                 index = state_index
+                in_state_window = True
                 # The state is wider than a machine word (the window number above the two
                 # counts): one operation on it takes both counts, split as a small int.
                 counts = state & self._counts_mask
@@ -135,7 +137,15 @@ class SlidingWindow(Decides):
         used = weighted + current + cost
         if used > self.limit:
             return self._rejection(now_us, start_us, weighted, previous, current, cost), state
-        current += cost
+        if in_state_window and state is not None:
+            # The same window: ``cost`` added to the current count, the lowest field (it stays
+            # within its bits: current + cost <= limit). Compiled, the state is wider than a
+            # machine word, and one addition costs less than the shifts and ors below.
+            new_state = state + cost
+        else:
+            new_state = (index << self._index_shift) | (
+                (previous << self._count_bits) | current + cost
+            )
         # Fully recovered once the current count has slid out: two windows after this one began.
         return (
             Decision(
@@ -146,7 +156,7 @@ class SlidingWindow(Decides):
                 self.limit - used,
                 (start_us + 2 * window_us - now_us) / 1e6,
             ),
-            (index << self._index_shift) | ((previous << self._count_bits) | current),
+            new_state,
         )
 
     def _rejection(

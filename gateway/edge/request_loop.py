@@ -22,7 +22,7 @@ import asyncio
 from typing import Any
 
 from aiohttp.helpers import ceil_timeout
-from aiohttp.streams import StreamReader
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_exceptions import HTTPException
 from aiohttp.web_protocol import RequestHandler
 
@@ -99,9 +99,12 @@ async def _serve_request(
             return False
         # notify server about keep-alive
         protocol._keepalive = bool(response.keep_alive)
-        if not payload.is_eof():
-            await _linger(protocol, loop, payload)
-        payload.set_exception(PAYLOAD_ACCESS_ERROR)
+        # aiohttp's shared empty body (a request without one) is always at its end and takes
+        # no exception: two interpreted calls a request spared.
+        if payload is not EMPTY_PAYLOAD:
+            if not payload.is_eof():
+                await _linger(protocol, loop, payload)
+            payload.set_exception(PAYLOAD_ACCESS_ERROR)
     except asyncio.CancelledError:
         protocol.log_debug("Ignored premature client disconnection")
         protocol.force_close()

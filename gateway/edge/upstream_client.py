@@ -23,6 +23,7 @@ from typing import TypeVar, cast
 import httptools
 from mypy_extensions import mypyc_attr
 
+from gateway.edge.forwarding import lower_name
 from gateway.exceptions import caused_by
 
 __all__ = [
@@ -368,7 +369,7 @@ class _Connection(asyncio.Protocol):
             return  # a trailer field: counted against the limit, never forwarded
         resp.headers.append((name, value))
         size = len(name)
-        if size == 14 and name.lower() == b"content-length":
+        if size == 14 and lower_name(name) == b"content-length":
             # llhttp already refuses a second Content-Length and anything but digits.
             if resp.content_length is not None:
                 raise UpstreamProtocolError("duplicate Content-Length")
@@ -376,7 +377,7 @@ class _Connection(asyncio.Protocol):
                 resp.content_length = int(value)
             except ValueError:
                 raise UpstreamProtocolError("invalid Content-Length") from None
-        elif size == 17 and name.lower() == b"transfer-encoding":
+        elif size == 17 and lower_name(name) == b"transfer-encoding":
             # The gateway drops Transfer-Encoding, so any coding but plain chunked would reach
             # the client still encoded; llhttp would also read "gzip" alone until close.
             if resp.chunked or value.strip().lower() != b"chunked":
