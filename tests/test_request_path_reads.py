@@ -5,7 +5,8 @@ copied once into native records (``routing.RouteEntry``, ``server_pool.RetryRule
 runtime's fields).
 
 A gateway in the test's loop in front of a real upstream; reads of any model's attribute are
-recorded while a few requests pass, under no limits and under three never-binding ones."""
+recorded while a few requests pass, under no limits, three never-binding ones, and one on
+named routes."""
 
 from __future__ import annotations
 
@@ -26,18 +27,23 @@ THREE_LIMITS = (
     "    key: [route]\n"
     "  everyone:\n    algorithm: token_bucket\n    rate: 100000r/s\n    burst: 100000\n"
 )
+# A limit on named routes: whether it applies is read from the request's route name.
+ROUTED_LIMIT = (
+    "  on_all:\n    algorithm: fixed_window\n    limit: 1000000\n    window: 1m\n"
+    "    match: {routes: [all]}\n"
+)
+POLICIES = {"none": "", "three": THREE_LIMITS, "routed": ROUTED_LIMIT}
 
 
-@pytest.mark.parametrize("limits", ["none", "three"])
+@pytest.mark.parametrize("limits", sorted(POLICIES))
 async def test_a_proxied_request_reads_no_policy_model_attribute(
     upstream: RecordingUpstream,
     start_gateway: GatewayFactory,
     monkeypatch: pytest.MonkeyPatch,
     limits: str,
 ) -> None:
-    policy = (
-        policy_for(upstream.url) if limits == "none" else limited_policy(upstream.url, THREE_LIMITS)
-    )
+    text = POLICIES[limits]
+    policy = limited_policy(upstream.url, text) if text else policy_for(upstream.url)
     gw = await start_gateway(policy)
     reads: list[tuple[str, str]] = []
     recording = False

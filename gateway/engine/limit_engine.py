@@ -308,12 +308,14 @@ class LimitEngine:
         self, facts: RequestFacts, route: Route, host: str, path: str, *, reserve: bool = True
     ) -> tuple[list[Check], list[Check]]:
         """The (enforced, dry-run) checks that apply to a request; with ``reserve``, each enforced
-        check with room in its queue holds a place there until ``_release``."""
+        check with room in its queue holds a place there until ``_release``. ``route`` is the
+        route ``facts.route`` names; the limits read the name from the facts."""
         enforced: list[Check] = []
         dry: list[Check] = []
         method = facts.method
+        route_name = facts.route  # ``route``'s name
         for limit in self.limits:
-            if not limit.applies(route, host, path, method):
+            if not limit.applies(route_name, host, path, method):
                 continue
             try:
                 key = limit.keys.build(facts)
@@ -589,7 +591,7 @@ class LimitEngine:
             access = "allow"
         looks = []
         for limit in self.limits:
-            if not limit.applies(route, host, path, facts.method):
+            if not limit.applies(facts.route, host, path, facts.method):
                 looks.append(LimitLook(limit, applies=False))
                 continue
             try:
