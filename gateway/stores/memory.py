@@ -151,7 +151,7 @@ class MemoryStore(DecidesNow):
 
     def _decide_one(self, check: Check, now_us: int, commit: bool) -> CombinedDecision:
         """``decide_now`` for a request under one limit (the common case): the same steps and
-        the same ``combine``, without the per-request lists."""
+        the same verdict as ``combine``, without the per-request lists."""
         limit = check.limit
         at_us = self._reads.unix_us() if limit.calendar else now_us
         # Declared: compiled, a name takes the type of its first assignment (a slot count).
@@ -167,13 +167,18 @@ class MemoryStore(DecidesNow):
             # A look (commit=False, for /explain) leaves the key's place in the LRU order alone.
             state = table.get(check.key) if commit else table.peek(check.key)
         decision, new_state = limit.decides.decide(state, at_us, check.cost)
-        verdict = combine(
-            (decision,),
-            (new_state,),
-            (state,),
-            now_us,
-            (check.max_delay_s,) if decision.delay_s > 0.0 else None,
-        )
+        if decision.allowed and decision.delay_s <= 0.0:
+            # The verdict ``combine`` gives an admission without a delay (the common case),
+            # built without its loop and its copies (``_decide_several`` does the same).
+            verdict = CombinedDecision(True, 0.0, 0.0, (), None, (decision,), (new_state,), now_us)
+        else:
+            verdict = combine(
+                (decision,),
+                (new_state,),
+                (state,),
+                now_us,
+                (check.max_delay_s,) if decision.delay_s > 0.0 else None,
+            )
         if commit and verdict.allowed:
             if table is None:
                 self.slot_tables[limit.table].put(check.key, new_state)
