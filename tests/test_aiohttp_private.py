@@ -14,11 +14,11 @@ from multidict import CIMultiDictProxy
 from gateway.edge.aiohttp_private import (
     CONNECTION_PROPERTIES,
     HANDLER_ATTRIBUTES,
+    MESSAGE_ATTRIBUTES,
     REQUEST_ATTRIBUTES,
     RESPONSE_ATTRIBUTES,
     ErrInfo,
     error_request,
-    request_message,
 )
 
 
@@ -44,14 +44,16 @@ def test_a_parse_error_entry_carries_its_message() -> None:
     assert "message" in inspect.signature(ErrInfo).parameters
 
 
-def test_a_request_keeps_its_parsed_message() -> None:
+def test_a_request_and_its_message_have_what_the_loop_and_the_record_use() -> None:
     request = make_mocked_request("GET", "/x", headers={"Host": "h"})
     assert all(hasattr(request, name) for name in REQUEST_ATTRIBUTES)
-    message = request_message(request)
+    message = request._message
     assert message.path == "/x" and message.upgrade is False and message.chunked is False
     # Under aiohttp's C parser (production) the message is its own class, not the NamedTuple
     # the stubs declare: why compiled code reads it untyped.
     assert {"method", "path", "upgrade", "chunked"} <= set(dir(RawRequestMessage))
+    assert set(MESSAGE_ATTRIBUTES) <= set(dir(RawRequestMessage))
+    assert set(MESSAGE_ATTRIBUTES) <= set(dir(error_request()))
 
 
 def test_the_placeholder_for_an_unparsed_request_has_a_parsed_messages_types() -> None:

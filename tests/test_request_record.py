@@ -2,8 +2,9 @@
 ``BaseRequest`` properties give, for requests parsed by aiohttp's parser on a real listener:
 HTTP/1.1 and 1.0, keep-alive as aiohttp decides it, a body, an upgrade, plain and TLS.
 
-A ``GatewayServer`` on the test's loop, real connections over loopback; the handler makes the
-record as the proxy's handler does and compares it with the request's properties."""
+A ``GatewayServer`` on the test's loop, real connections over loopback; the request loop makes
+the record from the parsed message and hands it to a handler with the proxy's entry, which
+compares it with aiohttp's request made from the same message."""
 
 from __future__ import annotations
 
@@ -81,27 +82,16 @@ async def _compare(
     return web.Response(text="ok")
 
 
-@pytest.fixture(params=["aiohttp-request", "loop-record"])
-async def listener(
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[Callable[[ssl.SSLContext | None], Any]]:
-    """Starts a ``GatewayServer`` whose handler records each request's differences: made from
-    aiohttp's request (a plain handler), or by the request loop (the proxy's entry)."""
+@pytest.fixture
+async def listener() -> AsyncIterator[Callable[[ssl.SSLContext | None], Any]]:
+    """Starts a ``GatewayServer`` whose handler (with the proxy's entry: the request loop makes
+    the record) records each request's differences from aiohttp's request."""
     started: list[tuple[GatewayServer, asyncio.Server]] = []
-    by_loop = request.param == "loop-record"
 
     async def start(context: ssl.SSLContext | None) -> tuple[int, list[list[str]], list[bool]]:
         found: list[list[str]] = []
         secure: list[bool] = []
-
-        async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            protocol = request.protocol
-            assert isinstance(protocol, GatewayProtocol)
-            record = RequestRecord.of_request(request, protocol)
-            assert record.made_request() is request
-            return await _compare(record, request, found, secure)
-
-        entry: Any = _RecordHandler(found, secure) if by_loop else handler
+        entry = _RecordHandler(found, secure)
         server = GatewayServer(entry, header_timeout=30.0, max_connections=100)
         loop = asyncio.get_running_loop()
         socket_server = await loop.create_server(server, "127.0.0.1", 0, ssl=context)

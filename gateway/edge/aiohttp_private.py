@@ -4,7 +4,7 @@ reach into them.
 aiohttp's low-level server has no public hook for these. An aiohttp upgrade that renames one
 fails ``tests/test_aiohttp_private.py``, not production. This module stays interpreted (its
 classes derive from aiohttp's and from ``list``, which mypyc does not compile); nothing here
-runs per request but ``MessageQueue``'s two list operations and ``request_message``.
+runs per request but ``MessageQueue``'s two list operations.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any, Final
 
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import _PAYLOAD_ACCESS_ERROR, ERROR, _ErrInfo
-from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 # A parse error aiohttp queues in ``RequestHandler._messages`` in place of a request.
@@ -56,12 +55,23 @@ HANDLER_ATTRIBUTES: Final = (
 )
 # ``StreamResponse`` internals the relayed responses wrap.
 RESPONSE_ATTRIBUTES: Final = ("_prepare_headers", "_headers", "_eof_sent")
-# ``BaseRequest``'s parsed request line and headers (a C ``RawRequestMessage`` under aiohttp's
-# C parser, a NamedTuple under its Python one: read untyped, see ``request_message``), its body
-# and its connection, which ``request_record.RequestRecord.of_request`` reads; what the request
-# loop calls on a request it made (``_finish``, ``_task``); what aiohttp calls on the request
-# its connection serves (``_cancel``), which the record stands in for.
-REQUEST_ATTRIBUTES: Final = ("_message", "_payload", "_protocol", "_task", "_finish", "_cancel")
+# What the request loop calls on a ``BaseRequest`` it made (``_finish``, ``_task``), and what
+# aiohttp calls on the request its connection serves (``_cancel``), which the gateway's record
+# stands in for.
+REQUEST_ATTRIBUTES: Final = ("_task", "_finish", "_cancel")
+# What the gateway's record reads of a parsed message (a C ``RawRequestMessage`` under aiohttp's
+# C parser, not the NamedTuple its stubs declare: read untyped).
+MESSAGE_ATTRIBUTES: Final = (
+    "method",
+    "path",
+    "version",
+    "should_close",
+    "upgrade",
+    "raw_headers",
+    "headers",
+    "url",
+    "chunked",
+)
 # The connection's peer and TLS context, read once a connection (the record reads them).
 CONNECTION_PROPERTIES: Final = ("peername", "ssl_context")
 
@@ -74,15 +84,9 @@ _ERROR_MESSAGE: Final = ERROR._replace(headers=CIMultiDictProxy(CIMultiDict()), 
 
 def error_request() -> Any:
     """The message the request loop builds the request from for a request aiohttp could not
-    parse: aiohttp's, its headers typed as a parsed message's; untyped (a ``RawRequestMessage``:
-    see ``request_message``)."""
+    parse: aiohttp's, its headers typed as a parsed message's; untyped, as a parsed one is
+    (``MESSAGE_ATTRIBUTES``)."""
     return _ERROR_MESSAGE
-
-
-def request_message(request: BaseRequest) -> Any:
-    """The request's parsed message, untyped: compiled code that typed it as aiohttp's stubs do
-    (a NamedTuple) would check for a tuple and refuse the C parser's ``RawRequestMessage``."""
-    return request._message
 
 
 class MessageQueue(list[Any]):

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, cast
 
 from aiohttp import HttpVersion, HttpVersion10, HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
-from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
 from gateway.edge.adaptive_gate import AdaptiveGate
@@ -38,7 +37,7 @@ from gateway.edge.responses import (
     rate_limited_response,
     version_not_supported,
 )
-from gateway.edge.server import ChunkTooLarge, GatewayProtocol
+from gateway.edge.server import ChunkTooLarge
 from gateway.edge.upstream_client import (
     UpstreamConnectError,
     UpstreamError,
@@ -147,16 +146,9 @@ class ProxyHandler:
         # rather than kept on the record: not every request has one.
         self.observer: Callable[[RequestRecord, int, float, Outcome | None], None] | None = None
 
-    async def __call__(self, request: BaseRequest) -> web.StreamResponse:
-        """aiohttp's handler entry, for a request aiohttp made; the gateway's listener calls
-        ``serve_record`` with the record its request loop made instead (``request_loop``)."""
-        protocol = request.protocol
-        listener = protocol if isinstance(protocol, GatewayProtocol) else None
-        return await self.serve_record(RequestRecord.of_request(request, listener))
-
     async def serve_record(self, record: RequestRecord) -> web.StreamResponse:
         """Answer one request: what the proxy and the observer read of it was read once, into
-        ``record`` (request_record)."""
+        ``record``, which the listener's request loop makes (``request_loop``)."""
         started = perf_counter()
         listener = record.listener
         if listener is not None:

@@ -29,7 +29,6 @@ from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDictProxy, MultiMapping
 from yarl import URL
 
-from gateway.edge.aiohttp_private import request_message
 from gateway.edge.upgrade_stats import UpgradeStats
 
 
@@ -82,14 +81,13 @@ class RequestRecord:
         payload: StreamReader,
         protocol: RequestHandler,
         listener: Listener | None,
-        request: BaseRequest | None = None,
     ) -> None:
         # ``message`` untyped: under aiohttp's C parser it is a C class, not the NamedTuple its
         # stubs say (compiled code that typed it would refuse it). What is read here is what
         # ``BaseRequest.__init__`` reads of the message and the protocol.
         self._message: Any = message
         # aiohttp's request for this one, made only when aiohttp's own code needs one.
-        self._request = request
+        self._request: BaseRequest | None = None
         self.method: str = message.method
         self.raw_path: str = message.path  # as received: the target, query included
         self.version: HttpVersion = message.version
@@ -113,12 +111,6 @@ class RequestRecord:
         self.upstream_error: str | None = None
         self.reported_costs: dict[str, str] | None = None
         self.local_answer = False
-
-    @classmethod
-    def of_request(cls, request: BaseRequest, listener: Listener | None) -> RequestRecord:
-        """The record of a request aiohttp made (a listener whose loop is aiohttp's own)."""
-        source: Any = request
-        return cls(request_message(request), source._payload, source._protocol, listener, request)
 
     def aiohttp_request(self) -> BaseRequest:
         """aiohttp's ``BaseRequest`` for this request, for aiohttp's own code (preparing one of
